@@ -1,0 +1,101 @@
+"""Every error resumekit raises, under one base class.
+
+Each subclass also derives from the built-in exception a caller would naturally catch
+(``CheckpointNotFoundError`` is a ``FileNotFoundError``), carries the data of the failure
+as attributes (path, step, file, key) and pickles, because errors cross process
+boundaries: background save threads, worker processes and test harnesses re-raise them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AsyncSaveError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "DistributedSetupError",
+    "IncompatibleCheckpointError",
+    "IncompleteCheckpointError",
+    "ManifestError",
+    "ResumekitError",
+    "StepCollisionError",
+    "StorageError",
+    "UnsafeCheckpointError",
+    "UnsupportedSchemaError",
+]
+
+
+def _rebuild(cls: type[ResumekitError], message: str, fields: dict[str, Any]) -> ResumekitError:
+    error = cls.__new__(cls)
+    ResumekitError.__init__(error, message, **fields)
+    return error
+
+
+class ResumekitError(Exception):
+    """Base class of every resumekit error.
+
+    Args:
+        message: One line that names the file, step or key at fault.
+        **fields: Data of the failure, exposed as attributes (``error.path``, ``error.step``).
+    """
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = dict(fields)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.fields))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class CheckpointNotFoundError(ResumekitError, FileNotFoundError):
+    """No checkpoint where one was asked for (``path``, optionally ``step``)."""
+
+
+class StepCollisionError(ResumekitError, FileExistsError):
+    """A save asked for a step that is not newer than the newest committed one.
+
+    Attributes ``step`` (asked for) and ``newest`` (newest committed step).
+    """
+
+
+class IncompleteCheckpointError(ResumekitError, FileNotFoundError):
+    """A file the manifest lists is missing or shorter than recorded (``path``, ``file``)."""
+
+
+class CorruptCheckpointError(ResumekitError, ValueError):
+    """A file's bytes do not match its recorded checksum (``path``, ``file``)."""
+
+
+class ManifestError(CorruptCheckpointError):
+    """``manifest.json`` is missing, unreadable or invalid (``path``)."""
+
+
+class UnsupportedSchemaError(ManifestError):
+    """A manifest written by a newer resumekit (``path``, ``schema_version``)."""
+
+
+class UnsafeCheckpointError(ResumekitError, ValueError):
+    """Checkpoint content that would escape its directory or execute code (``path``)."""
+
+
+class StorageError(ResumekitError, OSError):
+    """The storage backend refused an operation (``path``, ``operation``)."""
+
+
+class IncompatibleCheckpointError(ResumekitError, ValueError):
+    """The checkpoint does not fit the run restoring it (``path``, ``differences``)."""
+
+
+class AsyncSaveError(ResumekitError, RuntimeError):
+    """A background save failed; raised on the next call into the manager (``step``)."""
+
+
+class DistributedSetupError(ResumekitError, RuntimeError):
+    """The launch environment is missing or inconsistent (``variable``)."""

@@ -1,0 +1,29 @@
+"""Shared pytest setup.
+
+With ``CI=true`` every suite must run: a test that would skip (SLURM cannot start, no
+small filesystem for the disk-full test, ...) fails instead, naming what was missing.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+def unavailable(reason: str) -> None:
+    """Skip outside CI; fail in CI (a suite that cannot run is a failure there)."""
+    if IN_CI:
+        pytest.fail(f"CI=true but this suite cannot run: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    outcome = yield
+    report = outcome.get_result()
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"CI=true forbids skipping: {report.longrepr}"
