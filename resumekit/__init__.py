@@ -1,5 +1,6 @@
 """resumekit: preemption-proof checkpoints for PyTorch distributed training."""
 
+from resumekit._version import __version__
 from resumekit.errors import (
     AsyncSaveError,
     CheckpointNotFoundError,
@@ -14,8 +15,6 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncSaveError",

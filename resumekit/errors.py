@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "AsyncSaveError",
     "CheckpointNotFoundError",
+    "ConfigurationError",
     "CorruptCheckpointError",
     "DistributedSetupError",
     "IncompatibleCheckpointError",
@@ -99,3 +100,10 @@ class AsyncSaveError(ResumekitError, RuntimeError):
 
 class DistributedSetupError(ResumekitError, RuntimeError):
     """The launch environment is missing or inconsistent (``variable``)."""
+
+
+class ConfigurationError(ResumekitError, ValueError):
+    """An argument or setting that cannot work: out of range, or contradicting another.
+
+    Attributes ``name`` (the argument or setting) and ``value`` (what was given).
+    """

@@ -1,0 +1,123 @@
+"""Names of step directories: building, parsing and the hidden names of work in progress.
+
+A checkpoint root holds one directory per committed step, named by a :class:`NameFormat`
+(default ``step_{step:09d}``; LingBot-VA's tooling expects ``checkpoint_step_{step}``).
+Work in progress uses hidden names that never parse as a step:
+
+* ``.<name>.tmp-<token>``: a staging directory being written (POSIX protocol);
+* ``.<name>.old-<token>``: a committed directory being replaced or deleted.
+
+Listing sorts numerically, never lexicographically; names that do not parse are ignored.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["DEFAULT_NAME_FORMAT", "LEGACY_NAME_FORMAT", "HiddenName", "NameFormat"]
+
+DEFAULT_NAME_FORMAT = "step_{step:09d}"
+LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
+
+_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[A-Za-z0-9_]+)$")
+
+
+@dataclass(frozen=True)
+class HiddenName:
+    """A parsed work-in-progress name.
+
+    Attributes:
+        name: The step directory name it belongs to.
+        kind: ``"tmp"`` for a staging directory, ``"old"`` for one being retired.
+        token: The unique token of the writer that made it.
+    """
+
+    name: str
+    kind: Literal["tmp", "old"]
+    token: str
+
+
+@dataclass(frozen=True)
+class NameFormat:
+    """How step numbers become directory names and back.
+
+    Args:
+        template: A ``str.format`` template with exactly one ``{step}`` field, which may
+            carry an integer format spec (``{step:09d}``).
+
+    Example:
+        >>> fmt = NameFormat("checkpoint_step_{step}")
+        >>> fmt.build(200)
+        'checkpoint_step_200'
+        >>> fmt.parse("checkpoint_step_200"), fmt.parse("checkpoint_step_x")
+        (200, None)
+    """
+
+    template: str = DEFAULT_NAME_FORMAT
+    _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = [
+            (literal, name, spec)
+            for literal, name, spec, _ in string.Formatter().parse(self.template)
+        ]
+        names = [name for _, name, _ in fields if name is not None]
+        if names != ["step"]:
+            raise ValueError(
+                f"name format {self.template!r} must contain exactly one {{step}} field"
+            )
+        if "/" in self.template or self.template.startswith("."):
+            raise ValueError(
+                f"name format {self.template!r} must be a plain, visible directory name"
+            )
+        regex = ""
+        for literal, name, spec in fields:
+            regex += re.escape(literal)
+            if name is not None:
+                if spec and not re.fullmatch(r"0?\d*d?", spec):
+                    raise ValueError(
+                        f"name format {self.template!r}: {{step:{spec}}} is not an integer format"
+                    )
+                regex += r"(?P<step>\d+)"
+        object.__setattr__(self, "_pattern", re.compile(f"^{regex}$"))
+        self.build(0)
+
+    def build(self, step: int) -> str:
+        """Return the directory name of ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return self.template.format(step=step)
+
+    def parse(self, name: str) -> int | None:
+        """Return the step a directory name stands for, or None if it is not one of ours.
+
+        Only canonical names parse (``build(parse(name)) == name``), so ``step_1`` is not a
+        step under ``step_{step:09d}``.
+        """
+        match = self._pattern.match(name)
+        if match is None:
+            return None
+        step = int(match.group("step"))
+        return step if self.build(step) == name else None
+
+    def staging_name(self, step: int, token: str) -> str:
+        """Return the hidden staging directory name of ``step`` for writer ``token``."""
+        return f".{self.build(step)}.tmp-{token}"
+
+    def retired_name(self, step: int, token: str) -> str:
+        """Return the hidden name a committed directory takes while it is replaced/deleted."""
+        return f".{self.build(step)}.old-{token}"
+
+    def parse_hidden(self, name: str) -> tuple[int, HiddenName] | None:
+        """Parse a hidden work-in-progress name into ``(step, HiddenName)``, else None."""
+        match = _HIDDEN.match(name)
+        if match is None:
+            return None
+        step = self.parse(match.group("name"))
+        if step is None:
+            return None
+        kind: Literal["tmp", "old"] = "tmp" if match.group("kind") == "tmp" else "old"
+        return step, HiddenName(match.group("name"), kind, match.group("token"))

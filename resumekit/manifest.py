@@ -1,0 +1,251 @@
+"""The manifest: what a checkpoint holds, and the marker that it exists at all.
+
+``manifest.json`` is written last, after every data file is durable. A directory without
+a valid manifest is not a checkpoint. The models are pydantic v2; the file is plain JSON,
+safe to read from an untrusted checkpoint (no pickle).
+
+Checksums are XXH3-128 (the ``xxhash`` package): a non-cryptographic hash that runs at
+memory speed (tens of GB/s per core), so verifying a checkpoint costs about as much as
+reading it. It detects torn writes, truncation and bit rot; it is not a defence against a
+deliberate forger (nothing stored next to the data could be).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import platform
+import socket
+import sys
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+
+from resumekit._version import __version__
+from resumekit.errors import ManifestError, UnsafeCheckpointError, UnsupportedSchemaError
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "FileEntry",
+    "Lineage",
+    "Manifest",
+    "SaveReason",
+    "checksum_chunks",
+    "parse_manifest",
+    "safe_relative_path",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "xxh3_128"
+
+
+class SaveReason(str, enum.Enum):
+    """Why a checkpoint was written."""
+
+    INTERVAL = "interval"
+    PREEMPTION = "preemption"
+    FINAL = "final"
+    MANUAL = "manual"
+
+
+def safe_relative_path(path: str) -> str:
+    """Return ``path`` if it stays inside its checkpoint directory, else raise.
+
+    Raises:
+        UnsafeCheckpointError: For absolute paths, ``..`` components, backslashes or
+            drive letters.
+    """
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or (len(path) > 1 and path[1] == ":")
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        raise UnsafeCheckpointError(
+            f"manifest lists an unsafe path {path!r} (absolute or outside its directory)",
+            path=path,
+        )
+    return path
+
+
+class FileEntry(BaseModel):
+    """One data file of a checkpoint.
+
+    Attributes:
+        path: Path relative to the checkpoint's data directory, ``/``-separated.
+        size: Size in bytes.
+        checksum: ``"<algorithm>:<hex digest>"`` of the whole file.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    path: str
+    size: int = Field(ge=0)
+    checksum: str
+
+    @field_validator("path")
+    @classmethod
+    def _path_stays_inside(cls, value: str) -> str:
+        return safe_relative_path(value)
+
+
+class Lineage(BaseModel):
+    """Which process, job and restart wrote a checkpoint, and where its run came from.
+
+    Attributes:
+        hostname: Host of the rank that published the checkpoint.
+        pid: Its process id.
+        slurm_job_id: ``SLURM_JOB_ID`` when running under SLURM.
+        slurm_restart_count: ``SLURM_RESTART_COUNT`` (0 on the first run of a job).
+        resumed_from_step: Step this run restored from; None for a fresh start.
+        launcher: ``torchrun``, ``slurm`` or ``single``, when known.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    hostname: str
+    pid: int
+    slurm_job_id: str | None = None
+    slurm_restart_count: int | None = None
+    resumed_from_step: int | None = None
+    launcher: str | None = None
+
+    @classmethod
+    def current(cls, *, resumed_from_step: int | None = None, launcher: str | None = None
+                ) -> Lineage:
+        """Describe this process from its environment."""
+        job = os.environ.get("SLURM_JOB_ID")
+        restarts = os.environ.get("SLURM_RESTART_COUNT")
+        return cls(
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            slurm_job_id=job,
+            slurm_restart_count=int(restarts) if restarts and restarts.isdigit()
+            else (0 if job else None),
+            resumed_from_step=resumed_from_step,
+            launcher=launcher,
+        )
+
+
+def _versions() -> dict[str, str]:
+    versions = {"resumekit": __version__, "python": platform.python_version()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["torch"] = str(torch.__version__)
+    return versions
+
+
+class Manifest(BaseModel):
+    """The JSON document that commits a checkpoint.
+
+    Attributes:
+        schema_version: Format version; a newer one than this library knows is refused.
+        step: The training step the checkpoint was taken after.
+        created_at: UTC time of publication.
+        world_size: Number of ranks that wrote it.
+        reason: Why it was written.
+        files: Every data file with size and checksum.
+        data_dir: Directory of the data files relative to the step directory (``"."``
+            except on object stores, where each attempt writes under its own prefix).
+        lineage: Which job and restart wrote it.
+        extras: JSON user data (e.g. a wandb run id).
+        state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
+        fingerprint: Configuration fingerprint compared on restore.
+        versions: Library, torch and python versions of the writer.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    schema_version: int = SCHEMA_VERSION
+    step: int = Field(ge=0)
+    created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    world_size: int = Field(default=1, ge=1)
+    reason: SaveReason = SaveReason.MANUAL
+    files: list[FileEntry] = Field(default_factory=list)
+    data_dir: str = "."
+    lineage: Lineage = Field(default_factory=Lineage.current)
+    extras: dict[str, JsonValue] = Field(default_factory=dict)
+    state: dict[str, JsonValue] = Field(default_factory=dict)
+    fingerprint: dict[str, JsonValue] = Field(default_factory=dict)
+    versions: dict[str, str] = Field(default_factory=_versions)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir_stays_inside(cls, value: str) -> str:
+        return value if value == "." else safe_relative_path(value)
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the sizes of all data files."""
+        return sum(entry.size for entry in self.files)
+
+    def to_json(self) -> bytes:
+        """Serialise to the on-disk JSON form."""
+        return self.model_dump_json(indent=2).encode("utf-8") + b"\n"
+
+    def data_path(self, relative: str) -> str:
+        """Return the path of a data file relative to the step directory."""
+        return relative if self.data_dir == "." else f"{self.data_dir}/{relative}"
+
+
+def parse_manifest(raw: bytes, *, source: str) -> Manifest:
+    """Parse and validate manifest bytes read from ``source`` (named in every error).
+
+    Raises:
+        UnsupportedSchemaError: Written by a newer resumekit.
+        UnsafeCheckpointError: A listed path escapes the checkpoint directory.
+        ManifestError: Not JSON, or not a valid manifest.
+    """
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ManifestError(f"{source}: not valid JSON ({error})", path=source) from error
+    if not isinstance(document, dict):
+        raise ManifestError(f"{source}: expected a JSON object", path=source)
+    version = document.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ManifestError(f"{source}: missing or non-integer schema_version", path=source)
+    if version > SCHEMA_VERSION:
+        raise UnsupportedSchemaError(
+            f"{source}: schema_version {version} is newer than this resumekit understands "
+            f"({SCHEMA_VERSION}); upgrade resumekit to read it",
+            path=source, schema_version=version,
+        )
+    for entry in document.get("files") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            try:
+                safe_relative_path(entry["path"])
+            except UnsafeCheckpointError as error:
+                raise UnsafeCheckpointError(
+                    f"{source}: {error}", path=source, file=entry["path"]
+                ) from None
+    try:
+        return Manifest.model_validate(document)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ManifestError(
+            f"{source}: invalid field {where!r}: {first['msg']}", path=source, key=where
+        ) from None
+
+
+def checksum_chunks(chunks: Iterable[bytes]) -> str:
+    """Return the ``"xxh3_128:<hex>"`` checksum of a stream of byte chunks."""
+    hasher = xxhash.xxh3_128()
+    for chunk in chunks:
+        hasher.update(chunk)
+    return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
+
+
+def describe(manifest: Manifest) -> dict[str, Any]:
+    """Return the manifest as plain JSON-able data (for ``--json`` output)."""
+    return dict(json.loads(manifest.model_dump_json()))

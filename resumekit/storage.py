@@ -1,0 +1,375 @@
+"""The one place that touches files: a thin, typed layer over fsspec.
+
+A :class:`Storage` is a filesystem plus a root. Local paths, ``file://``, ``memory://`` and
+``s3://`` (with ``s3fs`` installed) all go through the same methods, so the commit protocol
+is written once. Local storage adds what fsspec does not give: ``fsync`` of files and
+directories and an atomic directory rename (POSIX ``rename``, Linux ``RENAME_EXCHANGE``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import posixpath
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import IO, Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from resumekit.errors import StorageError
+
+__all__ = ["FileInfo", "Storage"]
+
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One entry of a directory listing.
+
+    Attributes:
+        name: Base name of the entry.
+        path: Full path of the entry as the filesystem spells it.
+        is_dir: True for a directory (or an object-store prefix).
+        size: Size in bytes (0 for directories).
+        mtime: Modification time (seconds since the epoch) when the backend reports one.
+    """
+
+    name: str
+    path: str
+    is_dir: bool
+    size: int
+    mtime: float | None
+
+
+def _mtime_of(info: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = info.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return float(value)
+        timestamp = getattr(value, "timestamp", None)
+        if callable(timestamp):
+            return float(timestamp())
+    return None
+
+
+class Storage:
+    """A filesystem and a root path, addressed by relative, ``/``-separated names.
+
+    Args:
+        url: A local path, or an fsspec URL (``file://``, ``memory://``, ``s3://bucket/p``).
+        storage_options: Options for the fsspec filesystem (e.g. ``endpoint_url`` for S3).
+
+    Example:
+        >>> import tempfile
+        >>> store = Storage(tempfile.mkdtemp())
+        >>> store.write_bytes("a/b.txt", b"hi")
+        >>> store.read_bytes("a/b.txt")
+        b'hi'
+    """
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+        url = os.fspath(url)
+        self.storage_options: dict[str, Any] = dict(storage_options or {})
+        fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+        self.fs: Any = fs
+        self.is_local = isinstance(fs, LocalFileSystem)
+        self.root: str = os.path.abspath(path) if self.is_local else path.rstrip("/")
+        self.url = url
+
+    # -- naming -----------------------------------------------------------------------
+    def path(self, relative: str = "") -> str:
+        """Return the backend path of ``relative`` (a ``/``-separated name under the root)."""
+        if not relative:
+            return self.root
+        if self.is_local:
+            return os.path.join(self.root, *relative.split("/"))
+        return posixpath.join(self.root, relative)
+
+    def url_of(self, relative: str = "") -> str:
+        """Return a URL for ``relative`` that another fsspec user (e.g. DCP) can open."""
+        if self.is_local:
+            return self.path(relative)
+        protocol = self.fs.protocol
+        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+        return f"{protocol}://{self.path(relative).lstrip('/')}"
+
+    @property
+    def atomic_rename(self) -> bool:
+        """True when a directory can be published with one atomic rename (POSIX)."""
+        return self.is_local
+
+    # -- queries ----------------------------------------------------------------------
+    def exists(self, relative: str = "") -> bool:
+        """Return whether ``relative`` exists (file or directory)."""
+        return bool(self._call("exists", relative, self.fs.exists, self.path(relative)))
+
+    def is_dir(self, relative: str = "") -> bool:
+        """Return whether ``relative`` is a directory (or a non-empty object prefix)."""
+        return bool(self._call("isdir", relative, self.fs.isdir, self.path(relative)))
+
+    def is_file(self, relative: str) -> bool:
+        """Return whether ``relative`` is a regular file."""
+        return bool(self._call("isfile", relative, self.fs.isfile, self.path(relative)))
+
+    def list_dir(self, relative: str = "") -> list[FileInfo]:
+        """List the direct children of ``relative``; an absent directory lists as empty."""
+        target = self.path(relative)
+        try:
+            if self.is_local and not os.path.isdir(target):
+                return []
+            entries = self.fs.ls(target, detail=True, refresh=True) if not self.is_local \
+                else self.fs.ls(target, detail=True)
+        except FileNotFoundError:
+            return []
+        except OSError as error:
+            raise StorageError(
+                f"cannot list {target}: {error}", path=target, operation="list"
+            ) from error
+        infos = []
+        for entry in entries:
+            name = posixpath.basename(str(entry["name"]).rstrip("/"))
+            if not name or str(entry["name"]).rstrip("/") == target.rstrip("/"):
+                continue
+            infos.append(
+                FileInfo(
+                    name=name,
+                    path=str(entry["name"]),
+                    is_dir=entry.get("type") == "directory",
+                    size=int(entry.get("size") or 0),
+                    mtime=_mtime_of(entry),
+                )
+            )
+        return sorted(infos, key=lambda info: info.name)
+
+    def walk_files(self, relative: str = "") -> list[tuple[str, int]]:
+        """Return ``(path relative to relative, size)`` of every file below ``relative``."""
+        base = self.path(relative).rstrip("/")
+        try:
+            found = self.fs.find(base, detail=True, withdirs=False)
+        except FileNotFoundError:
+            return []
+        files = []
+        for full, info in found.items():
+            if info.get("type") == "directory":
+                continue
+            name = str(full)
+            rel = os.path.relpath(name, base) if self.is_local else name[len(base):].lstrip("/")
+            files.append((rel.replace(os.sep, "/"), int(info.get("size") or 0)))
+        return sorted(files)
+
+    def size(self, relative: str) -> int:
+        """Return the size in bytes of the file ``relative``."""
+        return int(self._call("size", relative, self.fs.size, self.path(relative)))
+
+    def mtime(self, relative: str) -> float | None:
+        """Return the modification time of ``relative`` when the backend reports one."""
+        info = self._call("info", relative, self.fs.info, self.path(relative))
+        return _mtime_of(info)
+
+    # -- reading and writing ----------------------------------------------------------
+    @contextmanager
+    def open(self, relative: str, mode: str = "rb") -> Iterator[IO[bytes]]:
+        """Open ``relative`` (binary modes only); parent directories are created on write."""
+        target = self.path(relative)
+        if "w" in mode and self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+        try:
+            handle = self.fs.open(target, mode)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            raise StorageError(
+                f"cannot open {target}: {error}", path=target, operation="open"
+            ) from error
+        with handle:
+            yield handle
+
+    def read_bytes(self, relative: str) -> bytes:
+        """Return the whole content of ``relative``."""
+        with self.open(relative, "rb") as handle:
+            return handle.read()
+
+    def iter_chunks(self, relative: str, chunk_size: int = _READ_CHUNK) -> Iterator[bytes]:
+        """Yield the content of ``relative`` in chunks (bounded memory)."""
+        with self.open(relative, "rb") as handle:
+            while chunk := handle.read(chunk_size):
+                yield chunk
+
+    def write_bytes(self, relative: str, data: bytes, *, durable: bool = False) -> None:
+        """Write ``data`` to ``relative``; with ``durable`` it is fsynced before returning."""
+        target = self.path(relative)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                with open(target, "wb") as handle:
+                    handle.write(data)
+                    if durable:
+                        handle.flush()
+                        os.fsync(handle.fileno())
+            except OSError as error:
+                raise StorageError(
+                    f"cannot write {target}: {error}", path=target, operation="write"
+                ) from error
+            return
+        with self.open(relative, "wb") as handle:
+            handle.write(data)
+
+    def make_dirs(self, relative: str = "") -> None:
+        """Create the directory ``relative`` and its parents (a no-op on object stores)."""
+        target = self.path(relative)
+        if not self.is_local:
+            return
+        try:
+            os.makedirs(target, exist_ok=True)
+        except OSError as error:
+            raise StorageError(
+                f"cannot create directory {target}: {error}", path=target, operation="mkdir"
+            ) from error
+
+    def make_dir_exclusive(self, relative: str) -> None:
+        """Create the directory ``relative``; fail if it exists (local only)."""
+        target = self.path(relative)
+        if not self.is_local:
+            return
+        try:
+            os.mkdir(target)
+        except OSError as error:
+            raise StorageError(
+                f"cannot create directory {target}: {error}", path=target, operation="mkdir"
+            ) from error
+
+    def remove_tree(self, relative: str) -> None:
+        """Delete ``relative`` and everything below it; an absent path is not an error."""
+        target = self.path(relative)
+        try:
+            if self.is_local:
+                if os.path.isdir(target):
+                    shutil.rmtree(target)
+                elif os.path.lexists(target):
+                    os.unlink(target)
+                return
+            if self.fs.exists(target):
+                self.fs.rm(target, recursive=True)
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise StorageError(
+                f"cannot delete {target}: {error}", path=target, operation="delete"
+            ) from error
+
+    def remove_file(self, relative: str) -> None:
+        """Delete the file ``relative``; an absent file is not an error."""
+        target = self.path(relative)
+        try:
+            self.fs.rm_file(target)
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise StorageError(
+                f"cannot delete {target}: {error}", path=target, operation="delete"
+            ) from error
+
+    # -- durability (local filesystems) -----------------------------------------------
+    def fsync_file(self, relative: str) -> None:
+        """Flush the file ``relative`` to stable storage (a no-op on object stores)."""
+        if not self.is_local:
+            return
+        target = self.path(relative)
+        try:
+            fd = os.open(target, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise StorageError(
+                f"cannot fsync {target}: {error}", path=target, operation="fsync"
+            ) from error
+
+    def fsync_dir(self, relative: str = "") -> None:
+        """Flush the directory entry list of ``relative`` (so renames and creates persist)."""
+        self.fsync_file(relative)
+
+    def rename_dir(self, source: str, target: str) -> None:
+        """Atomically rename directory ``source`` to ``target``, which must not exist."""
+        self._require_local("rename")
+        src, dst = self.path(source), self.path(target)
+        if os.path.lexists(dst):
+            raise StorageError(
+                f"cannot publish {src}: {dst} already exists", path=dst, operation="rename"
+            )
+        try:
+            os.rename(src, dst)
+        except OSError as error:
+            raise StorageError(
+                f"cannot rename {src} to {dst}: {error}", path=src, operation="rename"
+            ) from error
+
+    def exchange_dirs(self, first: str, second: str) -> None:
+        """Atomically swap two existing directories (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+        Raises:
+            StorageError: When the filesystem cannot exchange atomically.
+        """
+        self._require_local("exchange")
+        a, b = os.fsencode(self.path(first)), os.fsencode(self.path(second))
+        renameat2 = _renameat2()
+        if renameat2 is None:
+            raise StorageError(
+                f"atomic exchange is unavailable here for {self.path(first)}",
+                path=self.path(first), operation="exchange",
+            )
+        at_fdcwd = -100
+        rename_exchange = 2
+        if renameat2(at_fdcwd, a, at_fdcwd, b, rename_exchange) != 0:
+            code = ctypes.get_errno()
+            raise StorageError(
+                f"cannot exchange {self.path(first)} and {self.path(second)}: "
+                f"{os.strerror(code)}",
+                path=self.path(first), operation="exchange", errno=code,
+            )
+
+    def _require_local(self, operation: str) -> None:
+        if not self.is_local:
+            raise StorageError(
+                f"{operation} needs a local filesystem, not {self.url}",
+                path=self.url, operation=operation,
+            )
+
+    def _call(self, operation: str, relative: str, function: Any, *args: Any) -> Any:
+        try:
+            return function(*args)
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            target = self.path(relative)
+            raise StorageError(
+                f"cannot {operation} {target}: {error}", path=target, operation=operation
+            ) from error
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+
+_RENAMEAT2: Any = None
+
+
+def _renameat2() -> Any:
+    global _RENAMEAT2  # noqa: PLW0603 - resolved once per process
+    if _RENAMEAT2 is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _RENAMEAT2 = getattr(libc, "renameat2", False)
+        if _RENAMEAT2:
+            _RENAMEAT2.argtypes = [
+                ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint,
+            ]
+            _RENAMEAT2.restype = ctypes.c_int
+    return _RENAMEAT2 or None
