@@ -1,0 +1,639 @@
+"""``CheckpointManager``: the one object a trainer holds.
+
+It orchestrates; every mechanism lives in its own module (commit protocol, catalog,
+retention, sharded I/O, RNG, preemption). A trainer integrates in five lines::
+
+    ckpt = resumekit.CheckpointManager(root, model=model, optimizer=opt, scheduler=sched,
+                                       data=sampler, save_every=100, async_save=True)
+    start = ckpt.restore()                  # newest committed checkpoint, or 0
+    for step in range(start, num_steps):
+        ...train one optimizer step...
+        if ckpt.step_end(step + 1):         # saves when due; True after a preemption save
+            break
+    ckpt.close()
+
+Save path (data flows one way): capture (``TrainState``) -> stage to CPU (async only) ->
+``CommitProtocol.begin`` -> DCP write + small per-rank files -> ``publish`` -> retention.
+Restore path: find (catalog) -> verify (checksums, spread over ranks) -> check
+compatibility -> read -> apply -> every rank meets on the checkpoint group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from resumekit import distributed, legacy, sharded
+from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
+from resumekit.commit import CommitProtocol, PendingCheckpoint
+from resumekit.coordination import Coordinator, ProcessGroupCoordinator, SingleProcess
+from resumekit.errors import (
+    AsyncSaveError,
+    CheckpointNotFoundError,
+    IncompatibleCheckpointError,
+    ResumekitError,
+    StepCollisionError,
+)
+from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
+from resumekit.manifest import Lineage, Manifest, SaveReason
+from resumekit.retention import RetentionPolicy, keep_last, prune
+from resumekit.state import (
+    TENSORS_DIR,
+    TRAIN_STATE_FILE,
+    Stateful,
+    TrainState,
+    dump_plain,
+    load_plain,
+    rank_state_file,
+)
+from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "MismatchPolicy"]
+
+logger = logging.getLogger("resumekit")
+
+MismatchPolicy = Literal["error", "warn", "ignore"]
+
+
+@dataclass(frozen=True)
+class _SaveJob:
+    """One save, captured on the calling thread, written on any thread."""
+
+    step: int
+    replace: bool
+    tensors: dict[str, Any]
+    train: bytes
+    ranks: bytes
+    manifest: Manifest
+    started: float
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint, as the manager sees it.
+
+    Attributes:
+        step: Its step.
+        path: Its directory (or URL).
+        manifest: Its manifest.
+    """
+
+    step: int
+    path: str
+    manifest: Manifest
+
+
+class _BackgroundSave:
+    """The one owner of background save work: one thread, one job at a time.
+
+    The job's exception (including DCP's ``CheckpointException``, a ``BaseException``)
+    is stored and re-raised, wrapped in :class:`AsyncSaveError`, by the next ``wait``.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._step: int | None = None
+
+    def submit(self, step: int, job: Callable[[], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as error:  # noqa: BLE001 - handed to the owner in wait()
+                self._error = error
+
+        self._step = step
+        self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
+        self._thread.start()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise a finished job's error without blocking on a running one."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise AsyncSaveError(
+                f"background save of step {self._step} failed: {type(error).__name__}: "
+                f"{error}",
+                step=self._step,
+            ) from error
+
+
+class CheckpointManager:
+    """Save and restore a run's complete state under one root, atomically.
+
+    Args:
+        root: Checkpoint root: a local path or an fsspec URL (``s3://bucket/run``).
+        model: The model (plain, DDP or FSDP2 ``fully_shard``-ed).
+        optimizer: Its optimizer.
+        scheduler: LR scheduler (or any object with state_dict/load_state_dict).
+        data: Data position: a ``ResumableDistributedSampler`` or any stateful object.
+        generators: Named ``torch.Generator`` objects to resume (noise, augmentation).
+        extras: JSON-able user data saved in the manifest and restored (``manager.extras``),
+            e.g. a wandb run id.
+        save_every: Save every this many steps in :meth:`step_end` (None: only explicit
+            saves and preemption saves).
+        retention: Which committed checkpoints to keep after each save (None keeps all).
+        name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
+        async_save: Stage state to CPU memory and write in the background.
+        config: Configuration that must match on resume (recorded as a fingerprint).
+        on_mismatch: What a configuration or world-size mismatch does on restore:
+            ``"error"`` (default), ``"warn"`` or ``"ignore"``. Parameter names and shapes
+            must always match: a checkpoint never loads partially.
+        fallback: If the newest checkpoint fails verification or loading, restore the
+            previous one (logged). False raises instead.
+        verify_on_restore: Re-hash files against the manifest before loading (spread
+            over ranks).
+        preemption: A :class:`~resumekit.preemption.PreemptionHandler`; when all ranks
+            agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
+            and returns True.
+        process_group: Group for checkpoint coordination (default: the checkpoint group
+            of :func:`~resumekit.init_distributed`, else a new gloo group).
+        storage_options: fsspec options (e.g. ``endpoint_url``).
+        import_legacy: When no committed checkpoint exists, start from the newest
+            weights-only ``checkpoint_step_N`` directory (weights only, with a warning).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Stateful | Any | None = None,
+        data: Stateful | Any | None = None,
+        generators: Mapping[str, torch.Generator] | None = None,
+        extras: Mapping[str, Any] | None = None,
+        save_every: int | None = None,
+        retention: RetentionPolicy | None = None,
+        name_format: str = DEFAULT_NAME_FORMAT,
+        async_save: bool = False,
+        config: Mapping[str, Any] | None = None,
+        on_mismatch: MismatchPolicy = "error",
+        fallback: bool = True,
+        verify_on_restore: bool = True,
+        preemption: Any | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        storage_options: dict[str, Any] | None = None,
+        import_legacy: bool = True,
+    ) -> None:
+        if save_every is not None and save_every < 1:
+            raise ValueError(f"save_every must be >= 1 or None, got {save_every}")
+        if on_mismatch not in ("error", "warn", "ignore"):
+            raise ValueError(f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}")
+        self.storage = Storage(root, storage_options)
+        self.name_format = NameFormat(name_format)
+        self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
+                                data=data, generators=dict(generators or {}))
+        self.extras: dict[str, Any] = _plain_json(extras or {}, what="extras")
+        self.save_every = save_every
+        self.retention = retention if retention is not None else keep_last(3)
+        self.async_save = async_save
+        self.config: dict[str, Any] = _plain_json(config or {}, what="config")
+        self.on_mismatch = on_mismatch
+        self.fallback = fallback
+        self.verify_on_restore = verify_on_restore
+        self.preemption = preemption
+        self.import_legacy = import_legacy
+        self.resumed_from: int | None = None
+        self.last_saved_step: int | None = None
+        self._last_commit_time: float | None = None
+        self._last_save_seconds = 0.0
+        self._newest_step: int | None = None
+        self._closed = False
+        self._background = _BackgroundSave()
+        self._stager: Any = None
+        self._active_tokens: set[str] = set()
+        self._group, self._coordinator = self._coordination(process_group)
+        # Background saves run collectives from another thread: they get a group of their
+        # own so they never interleave with the coordination of the main thread.
+        self._save_group, self._save_coordinator = (
+            self._coordination(self._new_group()) if async_save and self._distributed
+            else (self._group, self._coordinator)
+        )
+        self.protocol = CommitProtocol(self.storage, self.name_format, self._coordinator)
+
+    # -- process groups -----------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 without a process group)."""
+        return dist.get_rank() if self._distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (1 without a process group)."""
+        return dist.get_world_size() if self._distributed else 1
+
+    def _new_group(self) -> dist.ProcessGroup:
+        context = distributed.current_context()
+        timeout = context.checkpoint_timeout if context is not None else timedelta(hours=2)
+        group: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
+        return group
+
+    def _coordination(self, group: dist.ProcessGroup | None
+                      ) -> tuple[dist.ProcessGroup | None, Coordinator]:
+        if not self._distributed:
+            return None, SingleProcess()
+        group = group or distributed.checkpoint_group() or self._new_group()
+        return group, ProcessGroupCoordinator(group)
+
+    # -- finding ------------------------------------------------------------------------
+    def checkpoints(self) -> list[CheckpointEntry]:
+        """List the root's entries (committed, partial, corrupt, legacy), oldest first."""
+        return list_checkpoints(self.storage, self.name_format)
+
+    def latest(self) -> CheckpointInfo | None:
+        """Return the newest committed checkpoint, or None."""
+        committed = [e for e in self.checkpoints() if e.status == "committed"]
+        if not committed:
+            return None
+        entry = committed[-1]
+        assert entry.manifest is not None
+        return CheckpointInfo(entry.step, entry.path, entry.manifest)
+
+    # -- restoring ----------------------------------------------------------------------
+    def restore(self, step: int | None = None) -> int:
+        """Restore the newest committed checkpoint (or ``step``); return the step to resume.
+
+        Returns 0 on a fresh start. Ends with every rank meeting on the checkpoint group,
+        so ranks that finished loading early wait there (long timeout), never in a
+        training collective.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` was asked for and is not committed.
+            IncompatibleCheckpointError: The checkpoint does not fit this run.
+            ResumekitError: Every candidate failed and ``fallback`` could not help.
+        """
+        self._check_open()
+        entries: list[CheckpointEntry] = self._coordinator.broadcast(
+            self.checkpoints() if self._coordinator.rank == 0 else []
+        )
+        committed = [e for e in entries if e.status == "committed"]
+        if step is not None:
+            committed = [e for e in committed if e.step == step]
+            if not committed:
+                raise CheckpointNotFoundError(
+                    f"no committed checkpoint of step {step} under {self.storage.path()}",
+                    path=self.storage.path(), step=step,
+                )
+        if committed:
+            self._newest_step = max(e.step for e in entries if e.status == "committed")
+        failures: list[str] = []
+        for entry in reversed(committed):
+            try:
+                self._restore_entry(entry)
+            except (IncompatibleCheckpointError, CheckpointNotFoundError):
+                raise
+            except ResumekitError as error:
+                failures.append(f"step {entry.step}: {error}")
+                if not self.fallback or step is not None:
+                    raise
+                logger.warning("resumekit: cannot restore step %d (%s); falling back to "
+                               "the previous checkpoint", entry.step, error)
+                warnings.warn(f"checkpoint step {entry.step} is unusable ({error}); "
+                              "falling back to the previous one", ResumekitWarning,
+                              stacklevel=2)
+                continue
+            self._finish_restore(f"end of restore from step {entry.step}")
+            return self.state.step
+        if failures:
+            raise ResumekitError(
+                f"no checkpoint under {self.storage.path()} could be restored: "
+                + "; ".join(failures), path=self.storage.path(),
+            )
+        legacy = [e for e in entries if e.status == "legacy"]
+        if self.import_legacy and legacy and self.state.model is not None:
+            self._import_legacy(legacy[-1])
+            self._finish_restore(f"end of legacy import from {legacy[-1].name}")
+            return self.state.step
+        self._finish_restore("fresh start")
+        return 0
+
+    def _finish_restore(self, reason: str) -> None:
+        if self._distributed:
+            distributed.meet(self._group, reason=reason)
+
+    def _agree(self, action: Callable[[], Any]) -> Any:
+        """Run ``action`` on every rank; if it fails anywhere, raise on every rank."""
+        outcome: tuple[str, Any] = ("ok", None)
+        try:
+            outcome = ("ok", action())
+        except ResumekitError as error:
+            outcome = ("error", error)
+        outcomes = self._coordinator.all_gather(outcome)
+        for status, value in outcomes:
+            if status == "error":
+                raise value
+        return outcome[1]
+
+    def _restore_entry(self, entry: CheckpointEntry) -> None:
+        manifest = entry.manifest
+        assert manifest is not None
+        name = entry.name
+        if self.verify_on_restore:
+            mine = manifest.model_copy(update={
+                "files": manifest.files[self._coordinator.rank::self._coordinator.world_size]
+            })
+            self._agree(lambda: verify_checkpoint(self.storage, name, manifest=mine))
+        self._check_compatibility(manifest, entry.path)
+
+        def read() -> None:
+            base = f"{name}/{manifest.data_path('')}".rstrip("/")
+            tensors = self.state.tensor_state()
+            if tensors:
+                sharded.load(tensors, self.storage.url_of(f"{base}/{TENSORS_DIR}"),
+                             process_group=self._group,
+                             storage_options=self.storage.storage_options or None)
+                self.state.apply_tensor_state(tensors)
+            source = self.storage.path(f"{base}/{TRAIN_STATE_FILE}")
+            train = load_plain(self.storage.read_bytes(f"{base}/{TRAIN_STATE_FILE}"),
+                               source=source)
+            self.state.apply_train_state(train, source=source)
+            saved_world = int(train.get("world_size", manifest.world_size))
+            wanted = {0, self.rank} & set(range(saved_world))
+            saved = {
+                r: load_plain(self.storage.read_bytes(f"{base}/{rank_state_file(r)}"),
+                              source=self.storage.path(f"{base}/{rank_state_file(r)}"))
+                for r in sorted(wanted)
+            }
+            self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
+                                        world_size=self.world_size)
+
+        self._agree(read)
+        self.extras = dict(manifest.extras)
+        self.resumed_from = manifest.step
+        self.last_saved_step = manifest.step
+        self._last_commit_time = manifest.created_at.timestamp()
+        logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {"config": self.config, "params": self.state.fingerprint_params()}
+
+    def _check_compatibility(self, manifest: Manifest, where: str) -> None:
+        saved: dict[str, Any] = dict(manifest.fingerprint or {})
+        now = self._fingerprint()
+        saved_params: dict[str, Any] = saved.get("params") or {}
+        if saved_params and now["params"]:
+            problems = []
+            for key in sorted(set(saved_params) | set(now["params"])):
+                if key not in now["params"]:
+                    problems.append(f"{key}: in the checkpoint, not in the model")
+                elif key not in saved_params:
+                    problems.append(f"{key}: in the model, not in the checkpoint")
+                elif list(saved_params[key]) != now["params"][key]:
+                    problems.append(f"{key}: checkpoint {saved_params[key]}, "
+                                    f"model {now['params'][key]}")
+            if problems:
+                raise IncompatibleCheckpointError(
+                    f"{where} does not fit the model (nothing was loaded):\n  "
+                    + "\n  ".join(problems), path=where, differences=problems,
+                )
+        differences = _dict_diff(saved.get("config") or {}, now["config"], "config")
+        if manifest.world_size != self.world_size:
+            differences.append(f"world_size: checkpoint {manifest.world_size}, "
+                               f"now {self.world_size} (state is resharded)")
+        if not differences or self.on_mismatch == "ignore":
+            return
+        message = f"{where} was written by a different configuration:\n  " + \
+            "\n  ".join(differences)
+        if self.on_mismatch == "error" and any(
+            not d.startswith("world_size") for d in differences
+        ):
+            raise IncompatibleCheckpointError(
+                message + "\n(pass on_mismatch='warn' to resume anyway)",
+                path=where, differences=differences,
+            )
+        warnings.warn(message, ResumekitWarning, stacklevel=3)
+
+    def _import_legacy(self, entry: CheckpointEntry) -> None:
+        assert self.state.model is not None
+        legacy.load_weights_only(self.storage, entry.name, self.state.model)
+        self.state.step = entry.step
+        self.resumed_from = entry.step
+        self._newest_step = None
+        message = (
+            f"imported weights only from legacy {entry.path} (step {entry.step}): optimizer,"
+            " scheduler, RNG and data position start fresh - this is NOT an exact resume"
+        )
+        logger.warning("resumekit: %s", message)
+        warnings.warn(message, ResumekitWarning, stacklevel=3)
+
+    # -- saving -------------------------------------------------------------------------
+    def step_end(self, step: int, *, micro_step: int = 0) -> bool:
+        """Call once per optimizer step, after it; saves when due.
+
+        Args:
+            step: Optimizer steps completed (the step a resume would start from).
+            micro_step: Position inside gradient accumulation, if not at a boundary.
+
+        Returns:
+            True when the run must stop now: every rank agreed on a preemption signal and
+            a ``preemption`` checkpoint of ``step`` is committed (or was skipped because
+            the grace period would not allow it).
+        """
+        self._check_open()
+        if self.preemption is not None and self.preemption.agreed(step):
+            self._save_for_preemption(step, micro_step)
+            return True
+        if self.save_every is not None and step % self.save_every == 0 \
+                and step != self.last_saved_step:
+            self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step)
+        return False
+
+    def _save_for_preemption(self, step: int, micro_step: int) -> None:
+        self.wait()
+        if step == self.last_saved_step:
+            return
+        since = None if self._last_commit_time is None else time.time() - \
+            self._last_commit_time
+        skip = getattr(self.preemption, "should_skip_emergency_save", None)
+        if skip is not None and skip(since, self._expected_save_seconds()):
+            return
+        self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True)
+
+    def _expected_save_seconds(self) -> float:
+        return self._last_save_seconds
+
+    def save(
+        self,
+        step: int,
+        *,
+        reason: SaveReason | str = SaveReason.MANUAL,
+        replace: bool = False,
+        micro_step: int = 0,
+        blocking: bool | None = None,
+    ) -> None:
+        """Save the full state as checkpoint ``step``.
+
+        Args:
+            step: The step to save (must be newer than every committed step).
+            reason: Why (recorded in the manifest).
+            replace: Atomically replace an existing committed checkpoint of this step.
+            micro_step: Position inside gradient accumulation.
+            blocking: Override ``async_save`` for this save.
+
+        Raises:
+            StepCollisionError: ``step`` is not newer than the newest committed step.
+            AsyncSaveError: The previous background save failed.
+        """
+        self._check_open()
+        self._background.wait()
+        if self._newest_step is not None and step <= self._newest_step and not replace:
+            raise StepCollisionError(
+                f"cannot save step {step} under {self.storage.path()}: step "
+                f"{self._newest_step} is already committed (steps only ever increase)",
+                step=step, newest=self._newest_step, path=self.storage.path(),
+            )
+        started = time.monotonic()
+        reason = SaveReason(reason)
+        self.state.step, self.state.micro_step = step, micro_step
+        tensors = self.state.tensor_state()
+        train = dump_plain(self.state.train_state(self.world_size),
+                           what=f"training state of step {step}")
+        ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
+        manifest = Manifest(
+            step=step, world_size=self.world_size, reason=reason,
+            lineage=Lineage.current(resumed_from_step=self.resumed_from,
+                                    launcher=_launcher()),
+            extras=_plain_json(self.extras, what="extras"), state=self.state.contents(),
+            fingerprint=self._fingerprint(),
+        )
+        run_async = self.async_save if blocking is None else not blocking
+        if run_async:
+            if self._stager is None:
+                self._stager = sharded.CpuStager()
+            job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
+                           manifest, started)
+            self._newest_step = step
+            self._background.submit(
+                step, lambda: self._write(job, self._save_coordinator, self._save_group)
+            )
+            return
+        self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
+                    self._coordinator, self._group)
+        self._newest_step = step
+
+    def _write(self, job: _SaveJob, coordinator: Coordinator,
+               group: dist.ProcessGroup | None) -> None:
+        protocol = CommitProtocol(self.storage, self.name_format, coordinator)
+        pending = protocol.begin(job.step, replace=job.replace)
+        self._active_tokens.add(pending.token)
+        try:
+            self._write_files(pending, job, coordinator, group)
+            protocol.publish(pending, job.manifest)
+        except BaseException:
+            protocol.abort(pending)
+            raise
+        finally:
+            self._active_tokens.discard(pending.token)
+        self.last_saved_step = job.step
+        self._last_commit_time = time.time()
+        self._last_save_seconds = time.monotonic() - job.started
+        if coordinator.rank == 0 and self.retention is not None:
+            protect = () if self.resumed_from is None else (self.resumed_from,)
+            prune(self.storage, self.retention, name_format=self.name_format,
+                  protect=protect, active_tokens=set(self._active_tokens))
+        logger.info("resumekit: committed step %d in %.2fs", job.step,
+                    self._last_save_seconds)
+
+    def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
+                     coordinator: Coordinator, group: dist.ProcessGroup | None) -> None:
+        rank = coordinator.rank
+        outcome: tuple[str, Any] = ("ok", None)
+        try:
+            if job.tensors:
+                sharded.save(job.tensors,
+                             self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
+                             process_group=group,
+                             storage_options=self.storage.storage_options or None)
+            if rank == 0:
+                self.storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", job.train)
+            self.storage.write_bytes(f"{pending.staging}/{rank_state_file(rank)}", job.ranks)
+        except Exception as error:  # noqa: BLE001 - every rank must learn of it
+            outcome = ("error", error)
+        for status, value in coordinator.all_gather(outcome):
+            if status == "error":
+                raise value
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until the background save (if any) is committed; re-raise its error.
+
+        Idempotent.
+        """
+        self._background.wait()
+
+    def close(self) -> None:
+        """Wait for the background save and release resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._background.wait()
+        if self._save_group is not None and self._save_group is not self._group:
+            dist.barrier(group=self._save_group)
+            dist.destroy_process_group(self._save_group)
+            self._save_group = None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
+        self._background.raise_if_failed()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
+    """Return ``value`` as it will read back from JSON (tuples become lists)."""
+    try:
+        plain: dict[str, Any] = json.loads(json.dumps(dict(value)))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
+    return plain
+
+
+def _launcher() -> str | None:
+    context = distributed.current_context()
+    return None if context is None else str(context.launcher)
+
+
+def _dict_diff(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str) -> list[str]:
+    differences = []
+    for key in sorted(set(saved) | set(now)):
+        where = f"{prefix}.{key}"
+        if key not in now:
+            differences.append(f"{where}: {saved[key]!r} in the checkpoint, absent now")
+        elif key not in saved:
+            differences.append(f"{where}: absent in the checkpoint, {now[key]!r} now")
+        elif isinstance(saved[key], Mapping) and isinstance(now[key], Mapping):
+            differences.extend(_dict_diff(saved[key], now[key], where))
+        elif saved[key] != now[key]:
+            differences.append(f"{where}: checkpoint {saved[key]!r}, now {now[key]!r}")
+    return differences

@@ -1,0 +1,230 @@
+"""What a checkpoint holds, and how it is split into files.
+
+A :class:`TrainState` gathers everything a run needs to continue exactly where it
+stopped. Inside a committed step directory it is laid out as::
+
+    manifest.json              the commit marker: files, checksums, lineage, extras
+    tensors/                   model + optimizer, sharded (DCP: .metadata + one file per rank)
+    train_state.pt             rank 0: step, micro_step, scheduler, world size
+    rank_state/rank_00000.pt   per rank: RNG streams, data position
+
+``*.pt`` files hold only tensors and plain containers and are read with
+``torch.load(weights_only=True)``: loading a checkpoint never runs code from it.
+
+Per-rank state on a world-size change (resharding):
+
+* tensors reshard through DCP;
+* data position: the resumable sampler keeps *global* samples consumed, so every rank
+  restores rank 0's data state and the rest of the epoch is re-partitioned over the new
+  ranks (no sample repeated or skipped). A user loader whose state is truly per-rank is
+  restored only when the world size is unchanged; otherwise rank 0's state is used and a
+  warning says so;
+* RNG: rank r restores its own streams when the writer had rank r; streams of new ranks
+  are derived deterministically (see :func:`resumekit.rng.select_rank_rng`).
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from resumekit import rng, sharded
+from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.warnings import ResumekitWarning
+
+__all__ = [
+    "RANK_STATE_DIR",
+    "TENSORS_DIR",
+    "TRAIN_STATE_FILE",
+    "Stateful",
+    "TrainState",
+    "dump_plain",
+    "load_plain",
+    "rank_state_file",
+]
+
+TENSORS_DIR = "tensors"
+TRAIN_STATE_FILE = "train_state.pt"
+RANK_STATE_DIR = "rank_state"
+
+
+def rank_state_file(rank: int) -> str:
+    """Return the per-rank state file name of ``rank``."""
+    return f"{RANK_STATE_DIR}/rank_{rank:05d}.pt"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()`` (schedulers, samplers...)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the object's state."""
+        ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the object's state."""
+        ...
+
+
+def dump_plain(value: Any, *, what: str) -> bytes:
+    """Serialise plain data (tensors, numbers, strings, containers) with ``torch.save``."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    data = buffer.getvalue()
+    try:  # refuse, at save time, what could not be read back safely
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:
+        raise TypeError(
+            f"{what} holds objects that cannot be restored safely (only tensors, numbers, "
+            f"strings and containers are allowed): {error}"
+        ) from error
+    return data
+
+
+def load_plain(data: bytes, *, source: str) -> Any:
+    """Read data written by :func:`dump_plain` without executing code from it."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:
+        raise CorruptCheckpointError(
+            f"{source} cannot be read safely: {error}", path=source, file=source
+        ) from error
+
+
+@dataclass
+class TrainState:
+    """Everything one rank contributes to, and restores from, a checkpoint.
+
+    Attributes:
+        model: The model (plain, DDP or FSDP2-sharded).
+        optimizer: Its optimizer; its state is saved sharded like the parameters.
+        scheduler: A learning-rate scheduler (anything with state_dict/load_state_dict).
+        data: The data position: a :class:`~resumekit.sampler.ResumableDistributedSampler`
+            or any object with state_dict/load_state_dict.
+        generators: Named ``torch.Generator`` objects whose streams must resume too.
+        step: Optimizer steps taken.
+        micro_step: Position inside gradient accumulation (0 at a step boundary).
+    """
+
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Stateful | None = None
+    data: Stateful | None = None
+    generators: dict[str, torch.Generator] = field(default_factory=dict)
+    step: int = 0
+    micro_step: int = 0
+
+    # -- capture ------------------------------------------------------------------------
+    def tensor_state(self) -> dict[str, Any]:
+        """Return the sharded tensor state (model, optimizer) to write through DCP."""
+        if self.model is None:
+            return {}
+        return sharded.model_and_optimizer_state(self.model, self.optimizer)
+
+    def train_state(self, world_size: int) -> dict[str, Any]:
+        """Return the global, rank-0 part: step, accumulation position, scheduler."""
+        return {
+            "step": self.step,
+            "micro_step": self.micro_step,
+            "world_size": world_size,
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def rank_state(self) -> dict[str, Any]:
+        """Return this rank's part: RNG streams and data position."""
+        return {
+            "rng": rng.capture_rng(self.generators),
+            "data": None if self.data is None else self.data.state_dict(),
+        }
+
+    def contents(self) -> dict[str, Any]:
+        """Describe what this state holds (recorded in the manifest)."""
+        return {
+            "model": self.model is not None,
+            "optimizer": self.optimizer is not None,
+            "scheduler": self.scheduler is not None,
+            "data": self.data is not None,
+            "generators": sorted(self.generators),
+            "micro_step": self.micro_step,
+        }
+
+    def fingerprint_params(self) -> dict[str, list[Any]]:
+        """Return ``{parameter name: [global shape, dtype]}`` of the model."""
+        if self.model is None:
+            return {}
+        return {
+            name: [list(param.shape), str(param.dtype).removeprefix("torch.")]
+            for name, param in self.model.state_dict().items()
+            if isinstance(param, torch.Tensor)
+        }
+
+    # -- apply --------------------------------------------------------------------------
+    def apply_tensor_state(self, state: dict[str, Any]) -> None:
+        """Load sharded model/optimizer state (already read through DCP) into the objects."""
+        if self.model is not None:
+            sharded.apply_model_and_optimizer_state(self.model, self.optimizer, state)
+
+    def apply_train_state(self, state: Mapping[str, Any], *, source: str) -> None:
+        """Restore step, accumulation position and scheduler from the rank-0 part."""
+        try:
+            self.step = int(state["step"])
+            self.micro_step = int(state.get("micro_step", 0))
+            if self.scheduler is not None:
+                if state.get("scheduler") is None:
+                    raise IncompatibleCheckpointError(
+                        f"{source} holds no scheduler state but a scheduler was given",
+                        path=source, key="scheduler",
+                    )
+                self.scheduler.load_state_dict(state["scheduler"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptCheckpointError(
+                f"{source}: unreadable training state ({error!r})", path=source, file=source
+            ) from error
+
+    def apply_rank_state(
+        self,
+        saved: Mapping[int, Mapping[str, Any]],
+        rank: int,
+        *,
+        saved_world_size: int,
+        world_size: int,
+    ) -> None:
+        """Restore RNG streams and data position, applying the resharding policy.
+
+        Args:
+            saved: Per-rank states read from the checkpoint, by writer rank (at least
+                rank 0's and, when it exists, ``rank``'s own).
+            rank: This process's rank.
+            saved_world_size: World size of the writer.
+            world_size: World size now.
+        """
+        rng.restore_rng(rng.select_rank_rng({r: s["rng"] for r, s in saved.items()}, rank),
+                        self.generators)
+        if self.data is None:
+            return
+        same_world = saved_world_size == world_size and rank in saved
+        source = saved[rank] if same_world else saved[0]
+        if source.get("data") is None:
+            raise IncompatibleCheckpointError(
+                "the checkpoint holds no data position but a data object was given",
+                key="data",
+            )
+        if not same_world and not _keeps_global_position(self.data):
+            warnings.warn(
+                f"world size changed {saved_world_size} -> {world_size}: the data object "
+                f"{type(self.data).__name__} restores rank 0's position on every rank; "
+                "use ResumableDistributedSampler for an exact re-partition",
+                ResumekitWarning,
+                stacklevel=3,
+            )
+        self.data.load_state_dict(dict(source["data"]))
+
+
+def _keeps_global_position(data: Any) -> bool:
+    return bool(getattr(data, "keeps_global_position", False))
