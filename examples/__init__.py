@@ -1,0 +1,1 @@
+"""Runnable examples of resumekit (``python -m examples.<name>.<script>``)."""
