@@ -236,8 +236,9 @@ def restore_rng(
 
     Raises:
         IncompatibleCheckpointError: ``state`` is malformed, or lacks a generator named in
-            ``generators`` (the error's ``key`` is ``generators.<name>``), or holds it for
-            another device type. Nothing has been restored when this is raised.
+            ``generators`` (the error's ``key`` is ``generators.<name>``), holds it for
+            another device type, or holds a state a generator rejects (wrong size). The
+            python, numpy and torch CPU streams are left as they were when this is raised.
     """
     _check(state)
     named = state["generators"]
@@ -261,24 +262,36 @@ def restore_rng(
             f"generator was registered under these names; they are not restored"
         )
 
-    python = state["python"]
-    internal = tuple(int(word) for word in python["internal"].tolist())
-    random.setstate((python["version"], internal, python.get("gauss_next")))
-    numpy_state = state["numpy"]
-    np.random.set_state(
-        (
-            numpy_state["bit_generator"],
-            numpy_state["key"].numpy().astype(np.uint32),
-            numpy_state["pos"],
-            numpy_state["has_gauss"],
-            float(numpy_state["cached_gaussian"]),
+    previous = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    key = "python"
+    try:
+        python = state["python"]
+        internal = tuple(int(word) for word in python["internal"].tolist())
+        random.setstate((python["version"], internal, python.get("gauss_next")))
+        key = "numpy"
+        numpy_state = state["numpy"]
+        np.random.set_state(
+            (
+                numpy_state["bit_generator"],
+                numpy_state["key"].numpy().astype(np.uint32),
+                numpy_state["pos"],
+                numpy_state["has_gauss"],
+                float(numpy_state["cached_gaussian"]),
+            )
         )
-    )
-    torch.set_rng_state(state["torch"].detach().to(device="cpu", dtype=torch.uint8))
-    _restore_cuda(state["cuda"])
-    for name, gen in wanted.items():
-        entry = named[name]
-        _apply(gen, entry["state"] if "state" in entry else entry["seed"])
+        key = "torch"
+        torch.set_rng_state(state["torch"].detach().to(device="cpu", dtype=torch.uint8))
+        key = "cuda"
+        _restore_cuda(state["cuda"])
+        for name, gen in wanted.items():
+            key = f"generators.{name}"
+            entry = named[name]
+            _apply(gen, entry["state"] if "state" in entry else entry["seed"])
+    except (ValueError, TypeError, RuntimeError, OverflowError) as error:
+        random.setstate(previous[0])
+        np.random.set_state(previous[1])
+        torch.set_rng_state(previous[2])
+        raise _fail(key, f"cannot be restored: {error}") from error
 
 
 # ----------------------------------------------------------------------------- resharding

@@ -235,12 +235,15 @@ class ResumableDistributedSampler(Sampler[int]):
             A permutation of ``range(dataset_len)``: ``torch.randperm`` with a CPU
             generator seeded ``seed + epoch`` when shuffling, else the identity.
         """
+        order: list[int] = self._order_tensor().tolist()
+        return order
+
+    def _order_tensor(self) -> torch.Tensor:
         if not self._shuffle:
-            return list(range(self._dataset_len))
+            return torch.arange(self._dataset_len)
         generator = torch.Generator()
         generator.manual_seed(self._seed + self._epoch)
-        order: list[int] = torch.randperm(self._dataset_len, generator=generator).tolist()
-        return order
+        return torch.randperm(self._dataset_len, generator=generator)
 
     # ------------------------------------------------------------------ Sampler protocol
 
@@ -264,11 +267,14 @@ class ResumableDistributedSampler(Sampler[int]):
         total = per_rank * self._num_replicas
         if total == 0:
             return iter(())
-        order = self.epoch_order()
-        tail = order[self._consumed : self._consumed + total]
-        while len(tail) < total:  # pad from the start of the epoch, cycling if tiny
-            tail.extend(order[: total - len(tail)])
-        return iter(tail[self._rank :: self._num_replicas])
+        order = self._order_tensor()
+        parts = [order[self._consumed : self._consumed + total]]
+        missing = total - parts[0].numel()
+        while missing > 0:  # pad from the start of the epoch, cycling if tiny
+            parts.append(order[:missing])
+            missing -= parts[-1].numel()
+        share: list[int] = torch.cat(parts)[self._rank :: self._num_replicas].tolist()
+        return iter(share)
 
     # ------------------------------------------------------------------ progress
 

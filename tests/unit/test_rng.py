@@ -271,3 +271,18 @@ def test_rng_errors_pickle_with_their_key() -> None:
         restore_rng({"version": 1})
     clone = pickle.loads(pickle.dumps(caught.value))
     assert clone.key == caught.value.key == "python"
+
+
+def test_a_state_a_generator_rejects_names_its_key_and_leaves_cpu_streams_as_they_were() -> None:
+    state = capture_rng()
+    state["torch"] = state["torch"][:100]  # truncated: torch refuses it
+    random.random()
+    before = (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state())
+
+    with pytest.raises(IncompatibleCheckpointError) as caught:
+        restore_rng(state)
+
+    assert caught.value.key == "torch"
+    after = (random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state())
+    assert after[:2] == before[:2]
+    assert torch.equal(after[2], before[2])
