@@ -138,12 +138,13 @@ class Storage:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
             if not name or str(entry["name"]).rstrip("/") == target.rstrip("/"):
                 continue
+            is_dir = entry.get("type") == "directory"
             infos.append(
                 FileInfo(
                     name=name,
                     path=str(entry["name"]),
-                    is_dir=entry.get("type") == "directory",
-                    size=int(entry.get("size") or 0),
+                    is_dir=is_dir,
+                    size=0 if is_dir else int(entry.get("size") or 0),
                     mtime=_mtime_of(entry),
                 )
             )
