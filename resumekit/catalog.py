@@ -23,6 +23,7 @@ from resumekit.errors import (
     IncompleteCheckpointError,
     ManifestError,
     StorageError,
+    UnsafeCheckpointError,
 )
 from resumekit.layout import LEGACY_NAME_FORMAT, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, checksum_chunks, parse_manifest
@@ -147,12 +148,16 @@ def list_checkpoints(
             continue
         if not storage.exists(f"{info.name}/{MANIFEST_NAME}"):
             status, problem = _classify_without_manifest(storage, info.name)
+            if status == "legacy" and legacy_format.parse(info.name) is None:
+                # Our own step name without a manifest is a save that never committed
+                # (or lost its manifest), not a weights-only export to import.
+                status, problem = "partial", "data without manifest.json (not committed)"
             entries.append(CheckpointEntry(step, info.name, storage.path(info.name), status,
                                            problem=problem))
             continue
         try:
             manifest = read_manifest(storage, info.name)
-        except (ManifestError, CorruptCheckpointError) as error:
+        except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
             entries.append(CheckpointEntry(step, info.name, storage.path(info.name),
                                            "corrupt", problem=str(error)))
             continue
