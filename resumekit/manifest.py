@@ -220,13 +220,17 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
             f"({SCHEMA_VERSION}); upgrade resumekit to read it",
             path=source, schema_version=version,
         )
-    for entry in document.get("files") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+    files = document.get("files")
+    listed = [entry.get("path") for entry in files if isinstance(entry, dict)] \
+        if isinstance(files, list) else []
+    data_dir = document.get("data_dir", ".")
+    for path in [*listed, None if data_dir == "." else data_dir]:
+        if isinstance(path, str):
             try:
-                safe_relative_path(entry["path"])
+                safe_relative_path(path)
             except UnsafeCheckpointError as error:
                 raise UnsafeCheckpointError(
-                    f"{source}: {error}", path=source, file=entry["path"]
+                    f"{source}: {error}", path=source, file=path
                 ) from None
     try:
         return Manifest.model_validate(document)
