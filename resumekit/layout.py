@@ -17,6 +17,8 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
+from resumekit.errors import ConfigurationError
+
 __all__ = ["DEFAULT_NAME_FORMAT", "LEGACY_NAME_FORMAT", "HiddenName", "NameFormat"]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
@@ -46,7 +48,12 @@ class NameFormat:
 
     Args:
         template: A ``str.format`` template with exactly one ``{step}`` field, which may
-            carry an integer format spec (``{step:09d}``).
+            carry a zero-padded integer format spec (``{step:09d}``).
+
+    Raises:
+        ConfigurationError: A template without exactly one ``{step}`` field, with a
+            non-integer or space-padded spec, a ``/`` or a leading dot, or whose names
+            do not parse back to their step.
 
     Example:
         >>> fmt = NameFormat("checkpoint_step_{step}")
@@ -60,35 +67,42 @@ class NameFormat:
     _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        fields = [
-            (literal, name, spec)
-            for literal, name, spec, _ in string.Formatter().parse(self.template)
-        ]
+        template = self.template
+        try:
+            fields = [
+                (literal, name, spec)
+                for literal, name, spec, _ in string.Formatter().parse(template)
+            ]
+        except ValueError as error:
+            raise _bad_template(template, f"is not a valid format string ({error})") from None
         names = [name for _, name, _ in fields if name is not None]
         if names != ["step"]:
-            raise ValueError(
-                f"name format {self.template!r} must contain exactly one {{step}} field"
-            )
-        if "/" in self.template or self.template.startswith("."):
-            raise ValueError(
-                f"name format {self.template!r} must be a plain, visible directory name"
-            )
+            raise _bad_template(template, "must contain exactly one {step} field")
+        if "/" in template or "\\" in template or template.startswith("."):
+            raise _bad_template(template, "must be a plain, visible directory name")
         regex = ""
         for literal, name, spec in fields:
             regex += re.escape(literal)
             if name is not None:
-                if spec and not re.fullmatch(r"0?\d*d?", spec):
-                    raise ValueError(
-                        f"name format {self.template!r}: {{step:{spec}}} is not an integer format"
+                # Zero padding only: space padding ({step:9}) builds names that never
+                # parse back, so their checkpoints would be written and never found.
+                if spec and not re.fullmatch(r"(0\d+)?d?", spec):
+                    raise _bad_template(
+                        template, f"{{step:{spec}}} is not a zero-padded integer format"
                     )
                 regex += r"(?P<step>\d+)"
         object.__setattr__(self, "_pattern", re.compile(f"^{regex}$"))
-        self.build(0)
+        for step in (0, 7, 1000, 10**12):
+            if self.parse(self.build(step)) != step:
+                raise _bad_template(template, f"builds names that do not parse back ({step})")
 
     def build(self, step: int) -> str:
         """Return the directory name of ``step``."""
         if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+            raise ConfigurationError(
+                f"step must be >= 0, got {step} (name format {self.template!r})",
+                name="step", value=step,
+            )
         return self.template.format(step=step)
 
     def parse(self, name: str) -> int | None:
@@ -121,3 +135,9 @@ class NameFormat:
             return None
         kind: Literal["tmp", "old"] = "tmp" if match.group("kind") == "tmp" else "old"
         return step, HiddenName(match.group("name"), kind, match.group("token"))
+
+
+def _bad_template(template: str, problem: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"name format {template!r} {problem}", name="name_format", value=template
+    )
