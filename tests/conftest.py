@@ -27,3 +27,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"CI=true forbids skipping: {report.longrepr}"
+
+
+# Storage backend fixtures (local, file://, memory://, loopback S3) for every suite.
+from tests.storage_backends import (  # noqa: E402
+    backend,
+    s3_endpoint,
+    storage,
+    storage_factory,
+)
+
+__all__ = ["IN_CI", "backend", "s3_endpoint", "storage", "storage_factory", "unavailable"]
