@@ -36,6 +36,7 @@ from torch import nn
 
 from resumekit import rng, sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.sampler import ResumableDistributedSampler
 from resumekit.warnings import ResumekitWarning
 
 __all__ = [
@@ -227,4 +228,4 @@ class TrainState:
 
 
 def _keeps_global_position(data: Any) -> bool:
-    return bool(getattr(data, "keeps_global_position", False))
+    return isinstance(data, ResumableDistributedSampler)
