@@ -1,0 +1,217 @@
+"""The commit protocol: begin / publish / abort in one process and on two gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from resumekit.catalog import latest_committed, list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.commit import WRITER_FILE, CommitProtocol, recover_interrupted
+from resumekit.coordination import ProcessGroupCoordinator
+from resumekit.errors import StepCollisionError, StorageError
+from resumekit.layout import NameFormat
+from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
+from resumekit.storage import Storage
+from tests.distributed_harness import run_ranks
+from tests.storage_backends import save_checkpoint
+
+NAME_1 = "step_000000001"
+
+
+def _entries(root: Path) -> list[str]:
+    return sorted(os.listdir(root))
+
+
+# -- one process ------------------------------------------------------------------------
+
+
+def test_a_save_runs_the_phases_in_order_and_commits_only_at_publish(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    seen: list[tuple[str, bool]] = []
+
+    def on_phase(phase: str) -> None:
+        seen.append((phase, latest_committed(store) is not None))
+
+    protocol = CommitProtocol(store, on_phase=on_phase)
+    pending = protocol.begin(1)
+    store.write_bytes(f"{pending.staging}/model.bin", b"weights")
+    protocol.publish(pending, Manifest(step=1))
+    assert seen == [("stage", False), ("hash", False), ("manifest", False),
+                    ("publish", False), ("cleanup", True)]
+    assert _entries(tmp_path) == [NAME_1]
+
+
+def test_publish_describes_exactly_the_staged_files(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    protocol = CommitProtocol(store)
+    pending = protocol.begin(7)
+    assert store.exists(f"{pending.staging}/{WRITER_FILE}")
+    store.write_bytes(f"{pending.staging}/a/b/deep.bin", b"12345")
+    store.write_bytes(f"{pending.staging}/top.bin", b"")
+    committed = protocol.publish(
+        pending, Manifest(step=0, reason=SaveReason.FINAL, extras={"run": "r1"})
+    )
+    assert committed.step == 7
+    assert committed.reason == SaveReason.FINAL
+    assert committed.extras == {"run": "r1"}
+    assert [(f.path, f.size) for f in committed.files] == [("a/b/deep.bin", 5), ("top.bin", 0)]
+    assert read_manifest(store, "step_000000007") == committed
+    assert sorted(p for p, _ in store.walk_files("step_000000007")) == [
+        "a/b/deep.bin", MANIFEST_NAME, "top.bin",
+    ]
+
+
+def test_a_collision_with_the_newest_step_suggests_replace(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    with pytest.raises(StepCollisionError, match="replace=True") as caught:
+        CommitProtocol(store).begin(1)
+    assert (caught.value.step, caught.value.newest) == (1, 1)
+    assert caught.value.path == str(tmp_path)
+    assert _entries(tmp_path) == [NAME_1]
+
+
+def test_a_collision_with_an_older_step_says_steps_only_increase(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 5)
+    with pytest.raises(StepCollisionError, match="only ever increase"):
+        CommitProtocol(store).begin(4)
+    assert _entries(tmp_path) == ["step_000000005"]
+
+
+def test_a_negative_step_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="-1"):
+        CommitProtocol(Storage(tmp_path)).begin(-1)
+    assert _entries(tmp_path) == []
+
+
+def test_a_replacement_leaves_the_old_checkpoint_intact_until_publish(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    old = save_checkpoint(store, 1, {"model.bin": b"old weights"})
+    checked: list[str] = []
+
+    def on_phase(phase: str) -> None:
+        if phase in ("stage", "hash", "manifest", "publish"):
+            assert verify_checkpoint(store, NAME_1) == old
+            assert store.read_bytes(f"{NAME_1}/model.bin") == b"old weights"
+            checked.append(phase)
+
+    protocol = CommitProtocol(store, on_phase=on_phase)
+    pending = protocol.begin(1, replace=True)
+    store.write_bytes(f"{pending.staging}/model.bin", b"new weights")
+    new = protocol.publish(pending, Manifest(step=1))
+    assert checked == ["stage", "hash", "manifest", "publish"]
+    assert verify_checkpoint(store, NAME_1) == new
+    assert store.read_bytes(f"{NAME_1}/model.bin") == b"new weights"
+    assert _entries(tmp_path) == [NAME_1]
+
+
+def test_a_replacement_without_atomic_exchange_falls_back_to_two_renames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1, {"model.bin": b"old"})
+
+    def no_exchange(first: str, second: str) -> None:
+        raise StorageError(f"no RENAME_EXCHANGE for {first}", path=first, operation="exchange")
+
+    monkeypatch.setattr(store, "exchange_dirs", no_exchange)
+    save_checkpoint(store, 1, {"model.bin": b"new"}, replace=True)
+    assert verify_checkpoint(store, NAME_1).files[0].size == 3
+    assert store.read_bytes(f"{NAME_1}/model.bin") == b"new"
+    assert _entries(tmp_path) == [NAME_1]
+
+
+def test_an_aborted_replacement_keeps_the_old_and_removes_the_staging(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    old = save_checkpoint(store, 1)
+    protocol = CommitProtocol(store)
+    pending = protocol.begin(1, replace=True)
+    store.write_bytes(f"{pending.staging}/model.bin", b"abandoned")
+    assert len(_entries(tmp_path)) == 2
+    protocol.abort(pending)
+    assert _entries(tmp_path) == [NAME_1]
+    assert verify_checkpoint(store, NAME_1) == old
+
+
+def test_a_crash_between_the_two_renames_of_a_replacement_is_undone(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    old = save_checkpoint(store, 1)
+    fmt = NameFormat()
+    # The fallback path retires the old directory first; a crash right after that
+    # leaves no step_000000001 at all, only the retired copy with its manifest.
+    os.rename(tmp_path / NAME_1, tmp_path / fmt.retired_name(1, "deadbeef"))
+    assert latest_committed(store) is None
+    assert recover_interrupted(store, fmt) == [NAME_1]
+    assert _entries(tmp_path) == [NAME_1]
+    assert verify_checkpoint(store, NAME_1) == old
+
+
+def test_a_retired_directory_is_not_restored_over_a_live_one(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    retired = NameFormat().retired_name(1, "cafe01")
+    (tmp_path / retired).mkdir()
+    (tmp_path / retired / MANIFEST_NAME).write_bytes((tmp_path / NAME_1 / MANIFEST_NAME)
+                                                      .read_bytes())
+    assert recover_interrupted(store, NameFormat()) == []
+    assert _entries(tmp_path) == sorted([NAME_1, retired])
+
+
+# -- two gloo ranks ---------------------------------------------------------------------
+
+
+def _two_rank_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    store = Storage(root)
+    protocol = CommitProtocol(store, coordinator=ProcessGroupCoordinator())
+    pending = protocol.begin(10)
+    store.write_bytes(f"{pending.staging}/shards/rank{rank}.bin",
+                      f"shard of rank {rank} ".encode() * (rank + 1))
+    committed = protocol.publish(pending, Manifest(step=10, world_size=world_size))
+    outcome: dict[str, Any] = {"staging": pending.staging,
+                               "manifest": committed.model_dump_json()}
+    for step in (10, 9):
+        try:
+            protocol.begin(step)
+        except StepCollisionError as error:
+            outcome[f"collision_{step}"] = (type(error).__name__, error.step, error.newest)
+        else:
+            outcome[f"collision_{step}"] = None
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def two_rank_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("two-ranks")
+    results = run_ranks(_two_rank_save, world_size=2, args=(str(root),), group_timeout_s=60)
+    return root, results
+
+
+def test_two_ranks_write_their_own_files_and_see_the_same_manifest(
+    two_rank_save: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, (rank0, rank1) = two_rank_save
+    assert rank0["staging"] == rank1["staging"]
+    assert rank0["manifest"] == rank1["manifest"]
+    store = Storage(root)
+    manifest = verify_checkpoint(store, "step_000000010")
+    assert manifest.model_dump_json() == rank0["manifest"]
+    assert manifest.world_size == 2
+    assert [(f.path, f.size) for f in manifest.files] == [
+        ("shards/rank0.bin", len("shard of rank 0 ")),
+        ("shards/rank1.bin", 2 * len("shard of rank 1 ")),
+    ]
+    assert _entries(root) == ["step_000000010"]
+
+
+def test_a_collision_raises_on_both_ranks_instead_of_hanging(
+    two_rank_save: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    root, results = two_rank_save
+    for outcome in results:
+        assert outcome["collision_10"] == ("StepCollisionError", 10, 10)
+        assert outcome["collision_9"] == ("StepCollisionError", 9, 10)
+    assert [entry.status for entry in list_checkpoints(Storage(root))] == ["committed"]
