@@ -90,6 +90,15 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
             f"{source} is missing: {storage.path(name)} is not a committed checkpoint",
             path=source,
         ) from None
+    except StorageError:
+        if storage.is_dir(f"{name}/{MANIFEST_NAME}"):
+            # A directory in the manifest's place is bad content, not a storage failure:
+            # it must not make the whole root unlistable.
+            raise ManifestError(
+                f"{source} is a directory, not a manifest: {storage.path(name)} is not a "
+                "committed checkpoint", path=source,
+            ) from None
+        raise
     return parse_manifest(raw, source=source)
 
 
