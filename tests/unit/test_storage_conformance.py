@@ -437,3 +437,16 @@ def test_the_backends_publish_with_the_protocol_mode_they_support(
         assert not storage.atomic_rename
         assert pending.staging == f"{NAME_1}/attempt-{pending.token}"
         assert pending.data_dir == f"attempt-{pending.token}"
+
+
+def test_a_directory_in_place_of_the_manifest_is_corrupt_and_hides_nothing(
+    storage: Storage,
+) -> None:
+    save_checkpoint(storage, 1)
+    save_checkpoint(storage, 2)
+    storage.remove_file(f"{NAME_2}/{MANIFEST_NAME}")
+    storage.write_bytes(f"{NAME_2}/{MANIFEST_NAME}/inner.json", b"{}")
+    assert _statuses(storage) == {NAME_1: "committed", NAME_2: "corrupt"}
+    with pytest.raises(ManifestError, match=MANIFEST_NAME):
+        read_manifest(storage, NAME_2)
+    verify_checkpoint(storage, NAME_1)
