@@ -1,0 +1,844 @@
+"""Sharded tensor I/O: the only module that imports ``torch.distributed.checkpoint`` (DCP).
+
+It knows tensors of models and optimizers, nothing about steps, manifests or commits: the
+commit store hands it an empty staging directory, :func:`save` fills it, :func:`load` reads
+one back. Every rank writes only its own shards, and a checkpoint written by N ranks loads
+on M ranks (DCP reshards on load).
+
+Typical use::
+
+    state = model_and_optimizer_state(model, optimizer)      # sharded views, no copy
+    save(state, staging_dir, process_group=checkpoint_group)
+    ...
+    state = model_and_optimizer_state(model, optimizer)      # destination tensors
+    load(state, step_dir, process_group=checkpoint_group)    # validated, then in place
+    apply_model_and_optimizer_state(model, optimizer, state)
+
+Safety: DCP reads ``.metadata`` with plain :mod:`pickle` and non-tensor values with
+``torch.load(weights_only=False)``; both would run code from a tampered checkpoint. This
+module reads metadata with :mod:`resumekit.safe_pickle` and non-tensor values with
+``torch.load(weights_only=True)``.
+
+Process groups: with ``process_group=None`` the save/load is single-process when
+``torch.distributed`` is not initialised and uses the default (WORLD) group when it is.
+When a group is passed, every DCP collective runs on that group only.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import threading
+import warnings
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from fsspec.core import split_protocol
+from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
+
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+    ResumekitError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from resumekit.safe_pickle import load_dcp_metadata
+
+__all__ = [
+    "DEFAULT_SYNC_FILES",
+    "DEFAULT_THREAD_COUNT",
+    "METADATA_FILE",
+    "CpuStager",
+    "TensorInfo",
+    "apply_full_model_state",
+    "apply_model_and_optimizer_state",
+    "iter_full_tensors",
+    "load",
+    "model_and_optimizer_state",
+    "read_tensor_index",
+    "save",
+]
+
+METADATA_FILE = ".metadata"
+"""The file DCP writes last, describing every tensor and where its chunks live."""
+
+DEFAULT_THREAD_COUNT = 2
+"""Writer threads per rank (each writes its own ``.distcp`` file). Measured on a 2-core
+ext4 machine, 200 MiB in 50 tensors, fsync on: 1 thread (DCP's default) 565-605 MiB/s,
+2 threads 850-910 MiB/s, 4 threads ~990 MiB/s with a noisy tail; 2 keeps most of the gain
+with one extra file per rank."""
+
+DEFAULT_SYNC_FILES = True
+"""Whether each rank fsyncs the files it wrote, for local paths. Kept on: on a shared
+filesystem only the writing node can flush its own dirty pages, so a later fsync by the
+commit store on rank 0 cannot make another node's shards durable. It costs nothing extra
+overall: measured (2 threads, 200 MiB) save+fsync inside DCP 218-237 ms, save without
+fsync then fsync afterwards 225 ms, and the commit store's second fsync of already
+synced files is nearly free. Other fsspec URLs never fsync (object stores are durable on
+close, and DCP's fallback for streams without a descriptor is a machine-wide sync)."""
+
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+_MAX_LISTED = 10
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def model_and_optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """Return the model's (and optimizer's) state as DCP can save and load it.
+
+    Keys are fully qualified parameter names, the same for a plain module, DDP and FSDP2,
+    so a checkpoint moves between them. With FSDP2 the values stay sharded ``DTensor``s
+    (each rank holds its shards, no gather, no copy). Tensors keep their dtype.
+
+    Args:
+        model: The module (plain, DDP-wrapped or ``fully_shard``-ed).
+        optimizer: Its optimizer, or ``None`` to capture the model alone. An optimizer
+            that has not stepped yet gets its state initialised (DCP needs destination
+            tensors to load into) by a zero-learning-rate step on zero gradients.
+        options: DCP ``StateDictOptions``; the default keeps tensors sharded and in place.
+
+    Returns:
+        ``{"model": ...}`` plus ``"optimizer"`` when an optimizer is given.
+    """
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=options)}
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def apply_model_and_optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Mapping[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """Load ``state`` (as built by :func:`model_and_optimizer_state`) into the objects.
+
+    The whole state is checked against the model and optimizer first; nothing is copied
+    unless every key is present on both sides with the same shape and dtype.
+
+    Args:
+        model: The module to load into.
+        optimizer: Its optimizer, or ``None`` to load the model alone.
+        state: ``{"model": ..., "optimizer": ...}``.
+        options: The ``StateDictOptions`` the state was captured with.
+
+    Raises:
+        IncompatibleCheckpointError: A key is missing or unexpected, or a tensor's shape
+            or dtype differs; ``differences`` lists every problem, by key.
+    """
+    expected = model_and_optimizer_state(model, optimizer, options=options)
+    for part in expected:
+        if part not in state:
+            raise IncompatibleCheckpointError(
+                f"state to apply has no {part!r} entry (it has {sorted(state)})",
+                path=None,
+                differences=[f"missing: {part}"],
+            )
+    differences = _compare_flat(
+        _flatten({part: state[part] for part in expected}), _flatten(expected)
+    )
+    if differences:
+        raise _incompatible("the state to apply", differences)
+    strict = options if options is not None else StateDictOptions(strict=True)
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optimizer", {}),
+        options=strict,
+    )
+
+
+def apply_full_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Load full (unsharded) weights, as every rank holds them, into a model.
+
+    For importing weights-only checkpoints (safetensors exports, legacy directories):
+    each tensor is cast to the dtype of the model's own tensor of that name (exports are
+    often bf16 while training keeps fp32 masters) and, for FSDP2, sharded like it.
+    Everything is checked before anything is copied.
+
+    Args:
+        model: The module (plain, DDP or FSDP2) to load into.
+        state: ``{fully qualified name: full tensor}``, the same on every rank.
+
+    Raises:
+        IncompatibleCheckpointError: A name is missing or unexpected, a value is not a
+            tensor, or a shape differs; ``differences`` lists every problem, by name.
+    """
+    expected: dict[str, Any] = dict(get_model_state_dict(model))
+    differences = [f"missing: {key}" for key in expected if key not in state]
+    differences += [f"unexpected: {key}" for key in state if key not in expected]
+    cast_state: dict[str, Any] = {}
+    for key, want in expected.items():
+        if key not in state:
+            continue
+        have: Any = state[key]
+        if not isinstance(want, torch.Tensor):  # a module's non-tensor extra state
+            cast_state[key] = have
+        elif isinstance(have, torch.Tensor) and tuple(have.shape) == tuple(want.shape):
+            cast_state[key] = have.detach().to(dtype=want.dtype)
+        else:
+            differences.append(
+                f"{key}: model has {_describe(want)}, weights have {_describe(have)}"
+            )
+    if differences:
+        raise _incompatible("the weights to load", differences)
+    set_model_state_dict(
+        model, cast_state, options=StateDictOptions(full_state_dict=True, strict=True)
+    )
+
+
+# --------------------------------------------------------------------------- save / load
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    thread_count: int = DEFAULT_THREAD_COUNT,
+    sync_files: bool = DEFAULT_SYNC_FILES,
+) -> None:
+    """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
+
+    Every rank of the group must call this with the same keys. ``directory`` should be
+    empty (the commit store's staging directory); an existing checkpoint there is an error,
+    never overwritten.
+
+    Args:
+        state_dict: Nested dicts of tensors, ``DTensor``s, primitives and ``Stateful``s.
+        directory: A local path, a ``file://`` URL or any fsspec URL (``s3://b/x``,
+            ``memory://x``).
+        process_group: The group whose ranks save together (for example a dedicated gloo
+            checkpoint group). ``None``: the default group if initialised, else one process.
+        storage_options: fsspec options for URLs (credentials, endpoint); ignored locally.
+        thread_count: Writer threads per rank (local paths).
+        sync_files: fsync every written file before returning (local paths only).
+
+    Raises:
+        StorageError: The write failed on some rank (the message names rank and cause).
+    """
+    group, no_dist = _resolve_group(process_group)
+    target = _directory_str(directory)
+    writer = _make_writer(target, storage_options, thread_count, sync_files)
+    try:
+        with _quiet_no_dist(no_dist):
+            dcp_save(
+                dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
+            )
+    except CheckpointException as error:
+        raise _from_failures(error, "save", target, None) from None
+    except ResumekitError:
+        raise
+    except Exception as error:
+        raise StorageError(
+            f"writing checkpoint {target} failed: {type(error).__name__}: {error}",
+            path=target,
+            operation="save",
+        ) from error
+
+
+def load(
+    state_dict: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Read the checkpoint in ``directory`` into ``state_dict``, in place.
+
+    Destination tensors (``DTensor`` shards included) must already exist with their final
+    shape and placement; each rank reads only what its shards need, so a checkpoint saved
+    by N ranks loads on M. Before any tensor is read, the keys, shapes and dtypes of
+    ``state_dict`` are checked against the checkpoint: every key asked for must exist, and
+    under each top-level key asked for (``"model"``, ``"optimizer"``) the checkpoint must
+    hold nothing more. Non-tensor leaves are replaced by the checkpoint's values.
+
+    Args:
+        state_dict: Destination; typically :func:`model_and_optimizer_state` output,
+            possibly with more top-level entries.
+        directory: A local path, ``file://`` URL or fsspec URL.
+        process_group: As for :func:`save`.
+        storage_options: fsspec options for URLs.
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` holds no DCP metadata.
+        IncompatibleCheckpointError: Keys, shapes or dtypes differ (nothing was loaded).
+        UnsafeCheckpointError: The metadata or a stored value would execute code.
+        IncompleteCheckpointError: A shard file is missing.
+        CorruptCheckpointError: The checkpoint could not be read.
+    """
+    group, no_dist = _resolve_group(process_group)
+    target = _directory_str(directory)
+    reader = _make_reader(target, storage_options)
+    planner = _CheckedLoadPlanner(target, reject_unexpected=True)
+    _run_load(
+        state_dict=state_dict, reader=reader, planner=planner, target=target,
+        group=group, no_dist=no_dist,
+    )
+
+
+def _run_load(
+    *,
+    state_dict: dict[str, Any],
+    reader: _SafeReaderMixin,
+    planner: _CheckedLoadPlanner,
+    target: str,
+    group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    try:
+        with _quiet_no_dist(no_dist):
+            dcp_load(
+                state_dict,
+                storage_reader=cast(FileSystemReader, reader),
+                planner=planner,
+                process_group=group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as error:
+        raise _from_failures(error, "load", target, reader) from None
+    except ResumekitError:
+        raise
+    except Exception as error:
+        raise _load_error(error, target, reader, rank=None) from error
+
+
+# --------------------------------------------------------------------------- index / export
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a checkpoint, as its metadata describes it.
+
+    Attributes:
+        fqn: Fully qualified name as flattened by DCP (``"model.layers.0.weight"``,
+            ``"optimizer.state.layers.0.weight.exp_avg"``).
+        shape: Global (unsharded) shape.
+        dtype: Element type.
+        nbytes: Size of the full tensor in bytes.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+def read_tensor_index(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, TensorInfo]:
+    """List the tensors of a checkpoint from its metadata, reading no tensor data.
+
+    The metadata pickle is read with an allow-list unpickler: nothing in it can run code.
+
+    Args:
+        directory: A local path, ``file://`` URL or fsspec URL.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        ``{fqn: TensorInfo}`` for every tensor, in the checkpoint's order. Non-tensor
+        values (learning rates, step counters stored as Python objects) are not listed.
+
+    Raises:
+        CheckpointNotFoundError: No metadata file.
+        UnsafeCheckpointError: The metadata references a disallowed global.
+        CorruptCheckpointError: The metadata is unreadable.
+    """
+    target = _directory_str(directory)
+    metadata = _make_reader(target, storage_options).read_metadata()
+    return _tensor_index(metadata)
+
+
+def iter_full_tensors(
+    directory: str | os.PathLike[str],
+    names: Iterable[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each tensor of a checkpoint whole (all shards assembled), one at a time.
+
+    Needs no process group and uses none. Only one full tensor is allocated at a time
+    (plus the shard being copied into it), so peak memory is bounded by the largest
+    tensor, not the checkpoint; the caller should drop each tensor before the next.
+
+    Args:
+        directory: A local path, ``file://`` URL or fsspec URL.
+        names: Fully qualified names to yield, in this order; ``None`` for every tensor
+            in the checkpoint's order.
+        storage_options: fsspec options for URLs.
+
+    Yields:
+        ``(fqn, tensor)`` with a CPU tensor of the stored global shape and dtype.
+
+    Raises:
+        IncompatibleCheckpointError: A requested name is not a tensor of the checkpoint
+            (raised before anything is yielded).
+    """
+    target = _directory_str(directory)
+    reader = _make_reader(target, storage_options)
+    index = _tensor_index(reader.read_metadata())
+    wanted = list(index) if names is None else list(names)
+    unknown = [name for name in wanted if name not in index]
+    if unknown:
+        raise _incompatible(
+            target, [f"not a tensor of the checkpoint: {name}" for name in unknown]
+        )
+    for name in wanted:
+        info = index[name]
+        holder: dict[str, Any] = {name: torch.empty(info.shape, dtype=info.dtype)}
+        planner = _CheckedLoadPlanner(target, reject_unexpected=False)
+        _run_load(
+            state_dict=holder, reader=reader, planner=planner, target=target,
+            group=None, no_dist=True,
+        )
+        tensor = holder.pop(name)
+        yield name, tensor
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class CpuStager:
+    """Copies a state dict into CPU buffers that are allocated once and reused.
+
+    An asynchronous save stages the state (a fast device-to-host copy), lets training
+    mutate the originals, and writes the staged copy in the background. Buffers are keyed
+    by their position in the state dict and reused while shape and dtype stay the same;
+    they are pinned when CUDA is available so device copies run asynchronously.
+    ``DTensor``s stay ``DTensor``s with the same mesh and placements over a CPU local
+    shard. Non-tensor leaves are deep-copied; ``Stateful`` leaves are replaced by a staged
+    copy of their ``state_dict()`` (what DCP would save of them).
+
+    The staged dict aliases the buffers: wait for the save of one staged dict to finish
+    before staging again.
+
+    Args:
+        pin_memory: Pin the buffers; ``None`` pins exactly when CUDA is available.
+    """
+
+    def __init__(self, *, pin_memory: bool | None = None) -> None:
+        self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._wrappers: dict[tuple[str, ...], DTensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
+    def close(self) -> None:
+        """Release every buffer (the next :meth:`stage` allocates afresh)."""
+        self._buffers.clear()
+        self._wrappers.clear()
+
+    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """Return a copy of ``state_dict`` whose tensors live in this stager's CPU buffers.
+
+        Args:
+            state_dict: Nested dicts/lists/tuples of tensors, ``DTensor``s, ``Stateful``s
+                and other (deep-copyable) values.
+
+        Returns:
+            The same structure, detached from the originals.
+        """
+        seen: dict[int, tuple[Any, Any]] = {}
+        staged = {
+            key: self._stage(value, (str(key),), seen) for key, value in state_dict.items()
+        }
+        if any(
+            isinstance(source, torch.Tensor) and source.device.type == "cuda"
+            for source, _ in seen.values()
+        ):
+            torch.cuda.synchronize()
+        return staged
+
+    def _stage(self, value: Any, path: tuple[str, ...], seen: dict[int, tuple[Any, Any]]) -> Any:
+        if isinstance(value, torch.Tensor):
+            hit = seen.get(id(value))
+            if hit is not None and hit[0] is value:  # tied weights stay tied
+                return hit[1]
+            staged = (
+                self._stage_dtensor(value, path)
+                if isinstance(value, DTensor)
+                else self._copy_into(value.detach(), path)
+            )
+            seen[id(value)] = (value, staged)
+            return staged
+        if isinstance(value, Mapping):
+            return {k: self._stage(v, (*path, str(k)), seen) for k, v in value.items()}
+        if type(value) in (list, tuple):
+            items = [self._stage(v, (*path, str(i)), seen) for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, Stateful) and not isinstance(value, type):
+            return self._stage(value.state_dict(), path, seen)
+        return copy.deepcopy(value)
+
+    def _copy_into(self, source: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
+            buffer = torch.empty(
+                source.shape, dtype=source.dtype, device="cpu", pin_memory=self._pin
+            )
+            self._buffers[path] = buffer
+            self._wrappers.pop(path, None)
+        buffer.copy_(source, non_blocking=self._pin and source.device.type == "cuda")
+        return buffer
+
+    def _stage_dtensor(self, value: DTensor, path: tuple[str, ...]) -> DTensor:
+        local = self._copy_into(value.to_local().detach(), path)
+        wrapper = self._wrappers.get(path)
+        if wrapper is None or wrapper.to_local() is not local or wrapper._spec != value._spec:
+            # Built directly (not via ``from_local``) so the local shard stays on CPU even
+            # when the mesh is a CUDA mesh: DCP saves each rank's local shard as it is.
+            wrapper = DTensor(local, value._spec, requires_grad=False)
+            self._wrappers[path] = wrapper
+        return wrapper
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _resolve_group(
+    process_group: dist.ProcessGroup | None,
+) -> tuple[dist.ProcessGroup | None, bool]:
+    if process_group is not None:
+        return process_group, False
+    if dist.is_available() and dist.is_initialized():
+        return cast(dist.ProcessGroup, dist.group.WORLD), False
+    return None, True
+
+
+@contextmanager
+def _quiet_no_dist(no_dist: bool) -> Generator[None, None, None]:
+    """Silence DCP's "assuming single process" warning when single-process is the intent.
+
+    Only on the main thread: ``catch_warnings`` swaps the process-wide filter list, and a
+    background save restoring it could drop filters the main thread set meanwhile.
+    """
+    if not no_dist or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        yield
+
+
+def _directory_str(directory: str | os.PathLike[str]) -> str:
+    return os.fspath(directory)
+
+
+def _local_path(directory: str) -> str | None:
+    """The local filesystem path of ``directory``, or ``None`` for a non-local URL."""
+    protocol, path = split_protocol(directory)
+    if protocol is None:
+        return directory
+    if protocol in ("file", "local"):
+        return str(path)
+    return None
+
+
+def _make_writer(
+    directory: str,
+    storage_options: Mapping[str, Any] | None,
+    thread_count: int,
+    sync_files: bool,
+) -> FileSystemWriter:
+    if thread_count < 1:
+        raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+    local = _local_path(directory)
+    if local is not None:
+        return FileSystemWriter(
+            local,
+            single_file_per_rank=True,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            overwrite=False,
+        )
+    # fsspec streams have no file descriptor: DCP's fallback for sync_files would be a
+    # machine-wide os.sync(). Object stores are durable on close anyway.
+    return cast(
+        FileSystemWriter,
+        FsspecWriter(
+            directory,
+            single_file_per_rank=True,
+            sync_files=False,
+            thread_count=thread_count,
+            overwrite=False,
+            **dict(storage_options or {}),
+        ),
+    )
+
+
+class _SafeReaderMixin:
+    """Reads ``.metadata`` with the allow-list unpickler, once, and remembers failures."""
+
+    fs: Any
+    path: Any
+    load_id: str
+    _metadata: Metadata | None = None
+    metadata_error: ResumekitError | None = None
+
+    if TYPE_CHECKING:  # provided by the DCP reader class this is mixed into
+
+        def _get_metadata_path(self, rank: int | None = None) -> os.PathLike[str]: ...
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Return the checkpoint metadata, read safely on first use."""
+        rank = kwargs.get("rank")
+        if self._metadata is not None and rank is None:
+            return self._metadata
+        source = os.fspath(self._get_metadata_path(rank))
+        try:
+            with self.fs.create_stream(source, "rb") as stream:
+                data = stream.read()
+        except FileNotFoundError as error:
+            found = CheckpointNotFoundError(
+                f"no checkpoint metadata at {source}", path=os.fspath(self.path), file=source
+            )
+            if rank is None:
+                self.metadata_error = found
+            raise found from error
+        try:
+            metadata = cast(Metadata, load_dcp_metadata(data, source=source))
+        except ResumekitError as error:
+            self.metadata_error = error
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeReaderMixin, FileSystemReader):
+    pass
+
+
+class _SafeFsspecReader(_SafeReaderMixin, FsspecReader):
+    pass
+
+
+def _make_reader(directory: str, storage_options: Mapping[str, Any] | None) -> _SafeReaderMixin:
+    local = _local_path(directory)
+    if local is not None:
+        return _SafeFileSystemReader(local)
+    return _SafeFsspecReader(directory, **dict(storage_options or {}))
+
+
+class _CheckedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus a strict fit check and safe non-tensor loading."""
+
+    def __init__(self, directory: str, *, reject_unexpected: bool) -> None:
+        super().__init__(flatten_state_dict=True, allow_partial_load=False)
+        self._directory = directory
+        self._reject_unexpected = reject_unexpected
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Flatten ``state_dict`` as DCP does, then check it against ``metadata``."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        differences = _check_against_metadata(
+            self.state_dict,
+            metadata,
+            scope=set(self.original_state_dict) if self._reject_unexpected else None,
+        )
+        if differences:
+            raise _incompatible(self._directory, differences)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Load a non-tensor value with ``weights_only=True`` (no arbitrary code)."""
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise UnsafeCheckpointError(
+                f"{self._directory}: value {fqn!r} is not a plain Python value and would "
+                f"need unrestricted unpickling ({error})",
+                path=self._directory,
+                key=fqn,
+            ) from error
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+def _tensor_index(metadata: Metadata) -> dict[str, TensorInfo]:
+    index: dict[str, TensorInfo] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        shape = tuple(int(size) for size in entry.size)
+        dtype = entry.properties.dtype
+        numel = 1
+        for size in shape:
+            numel *= size
+        index[fqn] = TensorInfo(fqn, shape, dtype, numel * dtype.itemsize)
+    return index
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {tuple(value.shape)} {value.dtype}"
+    return f"non-tensor {type(value).__name__}"
+
+
+def _check_against_metadata(
+    flat: Mapping[str, Any], metadata: Metadata, *, scope: set[str] | None
+) -> list[str]:
+    stored = metadata.state_dict_metadata
+    differences = [f"missing from checkpoint: {key}" for key in flat if key not in stored]
+    if scope is not None:
+        paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        for key in stored:
+            path = paths.get(key)
+            top = str(path[0]) if isinstance(path, tuple) and path else key.split(".", 1)[0]
+            if key not in flat and top in scope:
+                differences.append(f"unexpected in checkpoint: {key}")
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if entry is None:
+            continue
+        if isinstance(entry, TensorStorageMetadata):
+            want = f"tensor {tuple(entry.size)} {entry.properties.dtype}"
+            if not isinstance(value, torch.Tensor) or (
+                tuple(value.shape) != tuple(entry.size) or value.dtype != entry.properties.dtype
+            ):
+                differences.append(f"{key}: checkpoint has {want}, state has {_describe(value)}")
+        elif isinstance(value, torch.Tensor):
+            differences.append(f"{key}: checkpoint has a non-tensor, state has {_describe(value)}")
+    return differences
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten nested dicts (and lists holding tensors or dicts) to dotted keys."""
+    if isinstance(tree, Mapping):
+        items: Iterable[tuple[Any, Any]] = tree.items()
+    elif isinstance(tree, (list, tuple)) and any(
+        isinstance(item, (torch.Tensor, Mapping)) for item in tree
+    ):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in items:
+        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return flat
+
+
+def _compare_flat(given: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
+    differences = [f"missing: {key}" for key in expected if key not in given]
+    differences += [f"unexpected: {key}" for key in given if key not in expected]
+    for key, want in expected.items():
+        if key not in given:
+            continue
+        have = given[key]
+        if isinstance(want, torch.Tensor) != isinstance(have, torch.Tensor) or (
+            isinstance(want, torch.Tensor)
+            and isinstance(have, torch.Tensor)
+            and (want.shape != have.shape or want.dtype != have.dtype)
+        ):
+            differences.append(f"{key}: expected {_describe(want)}, got {_describe(have)}")
+    return differences
+
+
+def _incompatible(where: str, differences: Sequence[str]) -> IncompatibleCheckpointError:
+    shown = "; ".join(differences[:_MAX_LISTED])
+    more = len(differences) - _MAX_LISTED
+    suffix = f"; and {more} more" if more > 0 else ""
+    return IncompatibleCheckpointError(
+        f"{where} does not fit the state being restored "
+        f"({len(differences)} differences, nothing loaded): {shown}{suffix}",
+        path=where,
+        differences=list(differences),
+    )
+
+
+def _load_error(
+    error: BaseException, target: str, reader: _SafeReaderMixin | None, rank: int | None
+) -> ResumekitError:
+    if isinstance(error, ResumekitError):
+        return error
+    if reader is not None and reader.metadata_error is not None:
+        return reader.metadata_error
+    where = "" if rank is None else f" on rank {rank}"
+    if isinstance(error, FileNotFoundError):
+        missing = error.filename or str(error)
+        return IncompleteCheckpointError(
+            f"checkpoint {target} is missing file {missing}{where}",
+            path=target,
+            file=missing,
+        )
+    return CorruptCheckpointError(
+        f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",
+        path=target,
+        file=None,
+    )
+
+
+def _from_failures(
+    error: CheckpointException, operation: str, target: str, reader: _SafeReaderMixin | None
+) -> ResumekitError:
+    failures = sorted(error.failures.items())
+    for _rank, (cause, _trace) in failures:
+        if isinstance(cause, ResumekitError):
+            return cause
+    if reader is not None and reader.metadata_error is not None:
+        return reader.metadata_error
+    rank, (cause, _trace) = failures[0]
+    if operation == "load":
+        return _load_error(cause, target, None, rank)
+    ranks = ", ".join(str(r) for r, _ in failures)
+    return StorageError(
+        f"writing checkpoint {target} failed on rank(s) {ranks}: "
+        f"{type(cause).__name__}: {cause}",
+        path=target,
+        operation=operation,
+    )
