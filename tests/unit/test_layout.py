@@ -59,7 +59,7 @@ def test_every_built_name_parses_back_to_its_step(template: str, step: int) -> N
         "",
         ".step_000000001",
         "step_000000001.tmp-abc",
-        "step_" + "".join(chr(0xFF10 + d) for d in range(1, 10)),  # fullwidth \\d digits
+        "step_" + "".join(chr(0xFF10 + d) for d in range(1, 10)),  # fullwidth, yet regex \d
     ],
 )
 def test_names_that_are_not_canonical_steps_do_not_parse(name: str) -> None:
