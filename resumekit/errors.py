@@ -14,11 +14,13 @@ __all__ = [
     "AsyncSaveError",
     "CheckpointNotFoundError",
     "ConfigurationError",
+    "CoordinationError",
     "CorruptCheckpointError",
     "DistributedSetupError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "ManifestError",
+    "PreemptionError",
     "ResumekitError",
     "StepCollisionError",
     "StorageError",
@@ -106,4 +108,17 @@ class ConfigurationError(ResumekitError, ValueError):
     """An argument or setting that cannot work: out of range, or contradicting another.
 
     Attributes ``name`` (the argument or setting) and ``value`` (what was given).
+    """
+
+
+class CoordinationError(ResumekitError, RuntimeError):
+    """Ranks failed to meet or agree at a coordination point (``reason``, ``rank``)."""
+
+
+class PreemptionError(ResumekitError, RuntimeError):
+    """Preemption handling could not be set up or carried out.
+
+    A handler installed off the main thread or twice, ranks voting at different steps, or
+    a failed ``scontrol requeue`` (attributes such as ``thread``, ``step``, ``command``,
+    ``returncode``).
     """
