@@ -1,0 +1,567 @@
+"""Notice preemption, and stop every rank at the same step to save.
+
+The only module of resumekit that touches :mod:`signal`. A scheduler that preempts a job
+first sends a signal (SLURM: ``SIGTERM``, or the ``--signal`` of your choice some seconds
+ahead; Kubernetes: ``SIGTERM``), waits a grace period, then kills. In the incident this
+library comes from the job was preempted five times a week and never knew.
+
+:class:`PreemptionHandler` turns the signal into a flag - the handler does nothing else: no
+I/O, no collectives, no exception - and :meth:`PreemptionHandler.agreed` turns one rank's
+flag into a decision every rank takes *at the same step*: each ``poll_every`` steps the
+ranks all-reduce (MAX) their flags on a gloo group, so a signal that reached a single rank
+(a node being drained, a ``kill`` on one PID) stops them all at one step boundary, where an
+emergency checkpoint can be saved.
+
+Typical loop::
+
+    with PreemptionHandler(grace_period=30) as preemption:
+        for step in range(start, total):
+            train_step()
+            if preemption.agreed(step):
+                if not preemption.should_skip_emergency_save(since_commit, save_seconds):
+                    manager.save(step)
+                    manager.wait()
+                requeue_slurm_job()   # only where SLURM will not requeue by itself
+                sys.exit(EXIT_CODE_PREEMPTED)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+
+from resumekit import distributed
+from resumekit.errors import ConfigurationError, CoordinationError, PreemptionError
+
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "EXIT_CODE_PREEMPTED",
+    "SAVE_TIME_MARGIN",
+    "EmergencySaveSkippedWarning",
+    "PreemptionHandler",
+    "SignalRecord",
+    "requeue_slurm_job",
+]
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODE_PREEMPTED: Final = 75
+"""Exit status of a process that stopped because it was preempted (after its emergency save).
+
+75 is ``EX_TEMPFAIL`` of ``sysexits.h``: "a temporary failure; try again later" - which is
+exactly the state of a preempted run. Why not 0 and why not 143:
+
+* **Not 0.** A zero exit tells every layer the training *finished*: torchrun's agent
+  reports success, SLURM marks the job ``COMPLETED`` so ``--dependency=afterok`` chains
+  start their evaluation job on an unfinished model, and a Kubernetes Job counts a
+  completion.
+* **Non-zero on purpose.** torchrun's agent restarts workers that exit non-zero (up to
+  ``--max-restarts``); when only the workers were signalled (the node stays) that restart
+  resumes from the emergency checkpoint just written - the right outcome. When the agent
+  itself was signalled it is shutting down and restarts nothing. SLURM requeues a
+  preempted job (``PreemptMode=REQUEUE``) whatever its exit status, and a cluster can
+  requeue on this code by itself with ``RequeueExit=75`` in ``slurm.conf``.
+* **Not 143 (128 + SIGTERM).** 143 means "killed by SIGTERM": it cannot be told apart from
+  a process that died without saving. A distinct code lets a Kubernetes ``podFailurePolicy``
+  rule (``onExitCodes: {operator: In, values: [75]}``, action ``Ignore``) keep preemptions
+  from using up the Job's ``backoffLimit``, and lets a wrapper script tell "preempted, saved"
+  from "crashed".
+"""
+
+DEFAULT_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
+"""SIGTERM (what SLURM, Kubernetes and torchrun's agent send) and SIGUSR1 (a common
+``sbatch --signal=B:USR1@<seconds>`` choice for the time-limit warning)."""
+
+SAVE_TIME_MARGIN: Final = 1.5
+"""An emergency save is attempted only if ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
+in the time left of the grace period."""
+
+_VOTE_FIELDS = 4  # flag, step, -step, age of the oldest signal (ms)
+
+
+class EmergencySaveSkippedWarning(UserWarning):
+    """An emergency save was skipped (no time left, or the last commit is recent enough)."""
+
+
+@dataclass(frozen=True)
+class SignalRecord:
+    """One signal the handler received.
+
+    Attributes:
+        signum: The signal number.
+        received_at: ``time.monotonic()`` when it arrived.
+    """
+
+    signum: int
+    received_at: float
+
+    @property
+    def name(self) -> str:
+        """The signal's name, e.g. ``"SIGTERM"``."""
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"
+
+
+def _as_signal(value: signal.Signals | int | str) -> signal.Signals:
+    if isinstance(value, str):
+        name = value.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        try:
+            return signal.Signals[name]
+        except KeyError:
+            raise ConfigurationError(
+                f"signals: {value!r} is not a signal name (e.g. 'SIGTERM', 'USR1')",
+                name="signals",
+                value=value,
+            ) from None
+    try:
+        return signal.Signals(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"signals: {value!r} is not a signal number", name="signals", value=value
+        ) from None
+
+
+class PreemptionHandler:
+    """Record preemption signals, and let all ranks agree to stop at one step.
+
+    Args:
+        signals: The signals that mean "you are being preempted" (``signal.Signals``,
+            numbers, or names such as ``"SIGUSR2"`` / ``"USR2"``). ``SIGKILL`` and
+            ``SIGSTOP`` cannot be caught.
+        group: The process group of the vote; default the preemption group of
+            :func:`resumekit.distributed.init_distributed` (gloo, long timeout). Without
+            that context but with a default process group, the default group is used.
+        poll_every: Vote every this many steps (``step % poll_every == 0``); the stop step
+            is therefore a multiple of it. 1 (the default) costs one tiny all-reduce per
+            step; see ``docs/preemption.md`` for measurements.
+        grace_period: Seconds between the first signal and the kill, when known (SLURM's
+            ``GraceTime``/``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
+            torchrun's ``--shutdown-timeout``). Enables
+            :meth:`should_skip_emergency_save`'s deadline rule.
+        overlap: Start each vote without waiting and collect it at the next poll: hides
+            the all-reduce's latency behind a step but stops one poll later. Off by default
+            (see ``docs/preemption.md``).
+
+    Raises:
+        ConfigurationError: A signal is unknown or uncatchable, ``poll_every < 1``, or
+            ``grace_period <= 0``.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[signal.Signals | int | str] = DEFAULT_SIGNALS,
+        *,
+        group: dist.ProcessGroup | None = None,
+        poll_every: int = 1,
+        grace_period: float | None = None,
+        overlap: bool = False,
+    ) -> None:
+        self.signals: tuple[signal.Signals, ...] = tuple(
+            dict.fromkeys(_as_signal(item) for item in signals)
+        )
+        if not self.signals:
+            raise ConfigurationError(
+                "PreemptionHandler needs at least one signal", name="signals", value=()
+            )
+        for sig in self.signals:
+            if sig in (signal.SIGKILL, signal.SIGSTOP):
+                raise ConfigurationError(
+                    f"signals: {sig.name} cannot be caught", name="signals", value=sig.name
+                )
+        if isinstance(poll_every, bool) or not isinstance(poll_every, int) or poll_every < 1:
+            raise ConfigurationError(
+                f"poll_every={poll_every!r} must be an integer >= 1",
+                name="poll_every",
+                value=poll_every,
+            )
+        if grace_period is not None and not grace_period > 0:
+            raise ConfigurationError(
+                f"grace_period={grace_period!r} must be a positive number of seconds or None",
+                name="grace_period",
+                value=grace_period,
+            )
+        self.poll_every = poll_every
+        self.grace_period = None if grace_period is None else float(grace_period)
+        self.overlap = overlap
+        self._group = group
+        self._received: list[SignalRecord] = []
+        self._requested_by_code = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._installed = False
+        self._agreed_step: int | None = None
+        self._agreed_at: float | None = None
+        self._signal_age_at_agreement = 0.0
+        self._pending: tuple[Any, torch.Tensor, int] | None = None
+
+    # -- installation ---------------------------------------------------------------------
+
+    def install(self) -> PreemptionHandler:
+        """Install the handler for every configured signal, remembering the previous ones.
+
+        Returns:
+            ``self``, so ``handler = PreemptionHandler().install()`` reads naturally.
+
+        Raises:
+            PreemptionError: Called from a thread other than the main thread (Python only
+                delivers signals there), or the handler is already installed.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            raise PreemptionError(
+                "PreemptionHandler.install() must run on the main thread "
+                f"(called from {threading.current_thread().name!r})",
+                thread=threading.current_thread().name,
+            )
+        if self._installed:
+            raise PreemptionError(
+                "PreemptionHandler is already installed",
+                signals=[sig.name for sig in self.signals],
+            )
+        for sig in self.signals:
+            self._previous[sig] = signal.getsignal(sig)
+        for sig in self.signals:
+            signal.signal(sig, self._on_signal)
+        self._installed = True
+        logger.debug("preemption handler installed for %s", [s.name for s in self.signals])
+        return self
+
+    def uninstall(self) -> None:
+        """Put the previous handlers back and collect a vote still in flight.
+
+        A previous handler that was not installed from Python (``signal.getsignal``
+        returned None) is replaced by the default action. A signal whose handler someone
+        else replaced after :meth:`install` is left alone. Safe to call twice.
+        """
+        self._drain()
+        if not self._installed:
+            return
+        for sig, previous in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()
+        self._installed = False
+
+    def __enter__(self) -> PreemptionHandler:
+        return self.install()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.uninstall()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Runs between two bytecodes of the main thread, possibly in the middle of a save:
+        # record and return. No I/O, no locks, no collectives, no exception.
+        self._received.append(SignalRecord(signum, time.monotonic()))
+
+    # -- local state ----------------------------------------------------------------------
+
+    @property
+    def installed(self) -> bool:
+        """Whether the handler is currently installed."""
+        return self._installed
+
+    @property
+    def requested(self) -> bool:
+        """Whether *this* rank received a preemption signal (or :meth:`request` was called)."""
+        return self._requested_by_code or bool(self._received)
+
+    @property
+    def received(self) -> tuple[SignalRecord, ...]:
+        """Every signal this rank received, oldest first (a second signal is just recorded)."""
+        return tuple(self._received)
+
+    @property
+    def agreed_step(self) -> int | None:
+        """The step at which the ranks agreed to stop, or None."""
+        return self._agreed_step
+
+    def request(self) -> None:
+        """Ask for a stop from code (a stop file, a health check); it votes like a signal."""
+        self._requested_by_code = True
+
+    def _signal_age(self) -> float:
+        if not self._received:
+            return 0.0
+        return max(0.0, time.monotonic() - self._received[0].received_at)
+
+    def seconds_left(self) -> float | None:
+        """Seconds left of the grace period, counted from the oldest signal on any rank.
+
+        Known once the ranks agreed (the vote carries the age of the oldest signal) or, on
+        the rank that was signalled, as soon as the signal arrived.
+
+        Returns:
+            The estimate (may be negative), or None without ``grace_period`` or a signal.
+        """
+        if self.grace_period is None:
+            return None
+        if self._agreed_at is not None:
+            elapsed = self._signal_age_at_agreement + (time.monotonic() - self._agreed_at)
+        elif self._received:
+            elapsed = self._signal_age()
+        else:
+            return None
+        return self.grace_period - elapsed
+
+    # -- agreement ------------------------------------------------------------------------
+
+    def _vote_group(self) -> dist.ProcessGroup | None:
+        if self._group is not None:
+            return self._group
+        group = distributed.preemption_group()
+        if group is not None:
+            return group
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.group.WORLD
+        return None
+
+    def _ballot(self, step: int) -> torch.Tensor:
+        age_ms = round(self._signal_age() * 1000)
+        return torch.tensor([int(self.requested), step, -step, age_ms], dtype=torch.int64)
+
+    def _count(self, ballot: torch.Tensor, step: int) -> bool:
+        flag, high, negated_low, age_ms = (int(value) for value in ballot.tolist())
+        if high != -negated_low:
+            raise PreemptionError(
+                f"ranks voted on preemption at different steps ({-negated_low}..{high}, this "
+                f"rank at {step}): every rank must call agreed() with the same steps",
+                step=step,
+            )
+        if flag:
+            self._agreed_step = step
+            self._agreed_at = time.monotonic()
+            self._signal_age_at_agreement = age_ms / 1000
+            logger.warning(
+                "preemption agreed at step %d (signals on this rank: %s)",
+                step, [record.name for record in self._received] or "none",
+            )
+        return bool(flag)
+
+    def agreed(self, step: int) -> bool:
+        """Whether all ranks have agreed to stop; call at every step boundary on every rank.
+
+        Every ``poll_every`` steps the ranks all-reduce (MAX) their flags, so they all see
+        the same answer at the same step. Once True it stays True, without further
+        collectives. With one process there is no collective and the local flag is checked
+        at every call.
+
+        Args:
+            step: The step just finished; the same sequence on every rank.
+
+        Returns:
+            True from the step at which any rank's request was counted onwards.
+
+        Raises:
+            PreemptionError: Ranks called it with different steps.
+            CoordinationError: The vote's all-reduce failed (a rank died or timed out).
+        """
+        if self._agreed_step is not None:
+            return True
+        group = self._vote_group()
+        if group is None:
+            if self.requested:
+                self._agreed_step = step
+                self._agreed_at = time.monotonic()
+                self._signal_age_at_agreement = self._signal_age()
+                return True
+            return False
+        if step % self.poll_every != 0:
+            return False
+        try:
+            return self._vote(step, group)
+        except PreemptionError:
+            raise
+        except RuntimeError as error:
+            raise CoordinationError(
+                f"preemption vote at step {step} failed: {error}",
+                reason="preemption vote",
+                rank=dist.get_rank(),
+                step=step,
+            ) from error
+
+    def _vote(self, step: int, group: dist.ProcessGroup) -> bool:
+        if not self.overlap:
+            ballot = self._ballot(step)
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group)
+            return self._count(ballot, step)
+        # Overlapped: count the vote started at the previous poll, then start the next one.
+        # Every rank counts the same (completed) vote at the same step.
+        if self._pending is not None:
+            work, ballot, _ = self._pending
+            self._pending = None
+            work.wait()
+            if self._count(ballot, step):
+                return True
+        ballot = self._ballot(step)
+        work = dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        self._pending = (work, ballot, step)
+        return False
+
+    def _drain(self) -> None:
+        if self._pending is None:
+            return
+        work, _, step = self._pending
+        self._pending = None
+        try:
+            work.wait()
+        except RuntimeError as error:
+            raise CoordinationError(
+                f"the preemption vote started at step {step} failed: {error}",
+                reason="preemption vote",
+                rank=dist.get_rank(),
+                step=step,
+            ) from error
+
+    # -- deadline -------------------------------------------------------------------------
+
+    def should_skip_emergency_save(
+        self, seconds_since_last_commit: float | None, expected_save_seconds: float
+    ) -> bool:
+        """Whether to skip the emergency save; call on every rank, after :meth:`agreed`.
+
+        Skip (with an :class:`EmergencySaveSkippedWarning`) when either holds on any rank:
+
+        * **recent enough:** ``seconds_since_last_commit <= expected_save_seconds`` -
+          redoing the work since the last commit costs no more than saving it now;
+        * **no time:** ``grace_period`` is known and
+          ``expected_save_seconds * SAVE_TIME_MARGIN`` exceeds :meth:`seconds_left` - the
+          save would likely be killed half-way (harmless, the commit protocol keeps the
+          previous checkpoint, but the grace period is better spent exiting cleanly).
+
+        Ranks measure time differently, so with a process group the decision is
+        all-reduced (MAX): if one rank says skip, all skip, and no rank waits in a save the
+        others never start.
+
+        Args:
+            seconds_since_last_commit: Age of the newest committed checkpoint, or None if
+                there is none (never "recent enough").
+            expected_save_seconds: How long a save takes (e.g. the last one's duration).
+
+        Returns:
+            True to skip the save.
+
+        Raises:
+            CoordinationError: The all-reduce of the decision failed.
+        """
+        reasons: list[str] = []
+        if (
+            seconds_since_last_commit is not None
+            and seconds_since_last_commit <= expected_save_seconds
+        ):
+            reasons.append(
+                f"the last commit is {seconds_since_last_commit:.1f} s old, no older than a "
+                f"save takes ({expected_save_seconds:.1f} s)"
+            )
+        left = self.seconds_left()
+        if left is not None and expected_save_seconds * SAVE_TIME_MARGIN > left:
+            reasons.append(
+                f"{max(left, 0.0):.1f} s of the {self.grace_period:.0f} s grace period are left, "
+                f"a save needs about {expected_save_seconds:.1f} s x {SAVE_TIME_MARGIN}"
+            )
+        skip = bool(reasons)
+        group = self._vote_group()
+        if group is not None:
+            decision = torch.tensor([int(skip)], dtype=torch.int64)
+            try:
+                dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=group)
+            except RuntimeError as error:
+                raise CoordinationError(
+                    f"agreeing whether to skip the emergency save failed: {error}",
+                    reason="emergency save decision",
+                    rank=dist.get_rank(),
+                ) from error
+            if decision.item() and not skip:
+                reasons.append("another rank has no time left to save")
+            skip = bool(decision.item())
+        if skip:
+            step = "" if self._agreed_step is None else f" at step {self._agreed_step}"
+            warnings.warn(
+                f"skipping the emergency save{step}: {'; '.join(reasons)}",
+                EmergencySaveSkippedWarning,
+                stacklevel=2,
+            )
+        return skip
+
+
+def requeue_slurm_job(
+    *, job_id: str | None = None, scontrol: str = "scontrol", timeout: float = 60.0
+) -> bool:
+    """Ask SLURM to requeue this job (``scontrol requeue <job id>``), from rank 0 only.
+
+    Needed only where SLURM will not requeue by itself - above all the time-limit warning
+    ``sbatch --signal=B:USR1@<seconds>``; a preemption under ``PreemptMode=REQUEUE`` is
+    requeued by SLURM. Call it *after* the emergency save has committed: requeueing a
+    running job ends it at once. The job must be requeue-able (``sbatch --requeue`` or
+    ``JobRequeue=1``).
+
+    Args:
+        job_id: The job to requeue; default ``SLURM_JOB_ID``.
+        scontrol: The ``scontrol`` executable.
+        timeout: Seconds to wait for ``scontrol``.
+
+    Returns:
+        True if ``scontrol requeue`` ran and succeeded; False on ranks other than 0 and
+        outside SLURM (no job id).
+
+    Raises:
+        PreemptionError: ``scontrol`` is missing, timed out, or refused (its exit status
+            and message are in the error).
+    """
+    context = distributed.current_context()
+    if context is not None:
+        rank = context.rank
+    elif dist.is_initialized():
+        rank = dist.get_rank()
+    else:
+        rank = 0
+    if rank != 0:
+        return False
+    job = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID")
+    if not job:
+        logger.info("not requeueing: SLURM_JOB_ID is not set (not a SLURM job)")
+        return False
+    command = [scontrol, "requeue", job]
+    try:
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except FileNotFoundError:
+        raise PreemptionError(
+            f"cannot requeue SLURM job {job}: {scontrol!r} was not found on PATH",
+            command=command,
+            returncode=None,
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise PreemptionError(
+            f"cannot requeue SLURM job {job}: {' '.join(command)!r} did not finish in {timeout} s",
+            command=command,
+            returncode=None,
+        ) from None
+    if completed.returncode != 0:
+        message = (completed.stderr or completed.stdout).strip()
+        raise PreemptionError(
+            f"{' '.join(command)!r} failed with exit status {completed.returncode}: {message}",
+            command=command,
+            returncode=completed.returncode,
+            stderr=completed.stderr,
+        )
+    logger.warning("requeued SLURM job %s", job)
+    return True
