@@ -1,0 +1,573 @@
+"""The preemption drill behind ``make demo``: interrupt a run every way, prove nothing changed.
+
+``python -m examples.lingbot.drill [--out demo-output]`` trains the ``tiny`` config on two
+CPU ranks (torchrun, gloo) three times, always with the same command::
+
+    torchrun --nproc_per_node=2 -m examples.lingbot.train --config tiny --save-root DIR
+
+* **A - uninterrupted**: one launch, all steps.
+* **B - preempted and crashed**: SIGTERM to the torchrun agent once step ``--term-at`` is
+  in ``metrics.jsonl`` (the agent forwards it; the ranks agree on a step, save a
+  ``preemption`` checkpoint and exit with status 75); relaunch; SIGKILL to the whole
+  process tree (agent and both workers) once step ``--kill-at`` is logged - a crash with
+  no save; relaunch until done. The steps since the last checkpoint are replayed.
+* **C - resumed on one rank**: a copy of B's run directory right after the SIGTERM,
+  resumed with ``--nproc_per_node=1`` (the accumulation doubles so the effective batch
+  stays 8); the sampler re-deals the rest of the epoch and the state is resharded.
+
+Every wait is on a real event - a step appearing in ``metrics.jsonl``, a process exiting -
+never on a sleep. Then the drill prints a table comparing B and C with A (per-step
+metrics, steps replayed, final loss, the largest difference of any final weight), the
+checkpoint chain of B, and writes ``loss.png`` with the three loss curves. It exits with
+status 1 when B differs from A in any bit (metrics of any step, any tensor of the final
+checkpoint) or when C's history before the world-size change differs from A's.
+
+Outputs under ``--out``: ``A/``, ``B/``, ``C/`` run directories (checkpoints, metrics,
+one log per launch), ``loss.png``, ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from examples.lingbot.train import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_NAME_FORMAT,
+    METRIC_KEYS,
+    METRICS_FILE,
+    read_metrics,
+)
+from resumekit import sharded
+from resumekit.catalog import list_checkpoints
+from resumekit.errors import ResumekitError
+from resumekit.layout import NameFormat
+from resumekit.preemption import EXIT_CODE_PREEMPTED
+from resumekit.state import TENSORS_DIR
+from resumekit.storage import Storage
+
+__all__ = [
+    "DrillError",
+    "Launch",
+    "RunComparison",
+    "Segment",
+    "checkpoint_chain",
+    "compare_runs",
+    "kill_tree",
+    "main",
+    "process_tree",
+    "run_segment",
+    "wait_for_step",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+POLL_SECONDS = 0.05
+"""How often a waiter re-reads the metrics file (it reacts to the line, not to a delay)."""
+
+
+class DrillError(ResumekitError, RuntimeError):
+    """The drill could not run (a launch failed, an event never came): ``segment``."""
+
+
+# --------------------------------------------------------------------------- launching
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start the trainer: the same command every time, except ``nproc``.
+
+    Attributes:
+        save_root: ``--save-root``.
+        nproc: ``--nproc_per_node`` of torchrun.
+        train_args: Extra trainer flags, identical for every launch of a run.
+        shutdown_timeout: Seconds torchrun's agent waits for workers after forwarding a
+            signal, before it kills them (the grace period).
+    """
+
+    save_root: Path
+    nproc: int = 2
+    train_args: tuple[str, ...] = ()
+    shutdown_timeout: int = 120
+
+    def command(self) -> list[str]:
+        """The command line."""
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={self.nproc}", f"--shutdown-timeout={self.shutdown_timeout}",
+                "-m", "examples.lingbot.train", "--config", "tiny",
+                "--save-root", str(self.save_root), *self.train_args]
+
+
+@dataclass
+class Segment:
+    """One launch of a run and how it ended.
+
+    Attributes:
+        run: The run's name (A, B, C).
+        index: Launch number within the run (1-based).
+        nproc: Ranks.
+        interruption: ``"sigterm"``, ``"sigkill"`` or ``None`` (ran to its end).
+        signal_at: The logged step that triggered the signal.
+        resumed_from: Step the launch started from (newest committed checkpoint).
+        last_step: Newest step in the metrics when the launch ended.
+        newest_checkpoint: Newest committed checkpoint after the launch.
+        newest_reason: Why that checkpoint was written.
+        returncode: Exit status of torchrun (negative: killed by that signal).
+        seconds: Wall time of the launch.
+        log: The launch's output file.
+    """
+
+    run: str
+    index: int
+    nproc: int
+    interruption: str | None
+    signal_at: int | None
+    resumed_from: int
+    last_step: int = 0
+    newest_checkpoint: int | None = None
+    newest_reason: str | None = None
+    returncode: int | None = None
+    seconds: float = 0.0
+    log: str = ""
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from ``/proc``), parents before children."""
+    tree = [pid]
+    for parent in tree:
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:
+                continue
+            tree.extend(int(child) for child in children if int(child) not in tree)
+    return tree
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every descendant - a crash that leaves no one to save.
+
+    torchrun starts each worker in a session of its own, so killing the agent's process
+    group would orphan the workers; the tree is collected first, then killed.
+
+    Returns:
+        The pids signalled.
+    """
+    tree = process_tree(pid)
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)
+    return tree
+
+
+def _newest_step(metrics: Path) -> int:
+    records = read_metrics(metrics)
+    return max((record["step"] for record in records), default=0)
+
+
+def wait_for_step(metrics: Path, step: int, process: subprocess.Popen[bytes],
+                  timeout: float) -> int:
+    """Block until ``metrics`` holds a record of ``step`` (or later); return the newest.
+
+    Raises:
+        DrillError: The process ended first, or ``timeout`` seconds passed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        newest = _newest_step(metrics)
+        if newest >= step:
+            return newest
+        if process.poll() is not None:
+            raise DrillError(f"the trainer exited with status {process.returncode} before "
+                             f"step {step} appeared in {metrics}", segment=str(metrics))
+        if time.monotonic() > deadline:
+            raise DrillError(f"step {step} did not appear in {metrics} within {timeout} s "
+                             f"(newest: {newest})", segment=str(metrics))
+        time.sleep(POLL_SECONDS)
+
+
+def _committed(save_root: Path) -> list[Any]:
+    root = save_root / CHECKPOINT_DIR
+    if not root.exists():
+        return []
+    entries = list_checkpoints(Storage(root), NameFormat(CHECKPOINT_NAME_FORMAT))
+    return [entry for entry in entries if entry.status == "committed"]
+
+
+def run_segment(run: str, index: int, launch: Launch, *, interruption: str | None = None,
+                signal_at: int | None = None, log_dir: Path, timeout: float = 600.0
+                ) -> Segment:
+    """Launch the trainer once; optionally signal it once ``signal_at`` is logged.
+
+    Args:
+        run: Run name.
+        index: Launch number.
+        launch: The command.
+        interruption: ``"sigterm"`` (to the torchrun agent, which forwards it to the
+            workers), ``"sigkill"`` (the whole process tree), or None.
+        signal_at: The step to wait for before signalling.
+        log_dir: Where the launch's output goes.
+        timeout: Seconds any wait may take.
+
+    Raises:
+        DrillError: The launch failed or an awaited event did not happen.
+    """
+    committed = _committed(launch.save_root)
+    segment = Segment(run, index, launch.nproc, interruption, signal_at,
+                      resumed_from=committed[-1].step if committed else 0)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"launch-{index}-{interruption or 'complete'}.log"
+    segment.log = str(log_path)
+    metrics = launch.save_root / METRICS_FILE
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(launch.command(), cwd=REPO_ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            if interruption is not None:
+                if signal_at is None:
+                    raise DrillError(f"{run} launch {index}: {interruption} needs a step",
+                                     segment=f"{run}{index}")
+                wait_for_step(metrics, signal_at, process, timeout)
+                if interruption == "sigterm":
+                    os.kill(process.pid, signal.SIGTERM)
+                else:
+                    kill_tree(process.pid)
+            process.wait(timeout=timeout)
+        except BaseException:
+            kill_tree(process.pid)
+            process.wait()
+            raise
+    segment.seconds = time.monotonic() - started
+    segment.returncode = process.returncode
+    segment.last_step = _newest_step(metrics)
+    committed = _committed(launch.save_root)
+    if committed:
+        segment.newest_checkpoint = committed[-1].step
+        segment.newest_reason = str(committed[-1].manifest.reason.value)
+    if interruption is None and process.returncode != 0:
+        raise DrillError(f"{run} launch {index} failed with status {process.returncode}; "
+                         f"see {log_path}", segment=f"{run}{index}")
+    return segment
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+@dataclass
+class RunComparison:
+    """A run compared with the uninterrupted reference.
+
+    Attributes:
+        steps: Steps in the run's metrics (one record each).
+        first_metric_difference: First step whose metrics differ in any bit, or None.
+        max_loss_difference: Largest ``|loss - loss_ref|`` over the steps.
+        final_loss: Loss of the last step.
+        tensors_compared: Tensors of the final checkpoints compared (model and optimizer).
+        tensors_different: How many differ in any bit.
+        max_weight_difference: Largest absolute difference of any final model weight.
+    """
+
+    steps: int
+    first_metric_difference: int | None
+    max_loss_difference: float
+    final_loss: float
+    tensors_compared: int
+    tensors_different: int
+    max_weight_difference: float
+    different_tensors: list[str] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        """Whether metrics and final checkpoint match bit for bit."""
+        return self.first_metric_difference is None and self.tensors_different == 0
+
+
+def _final_tensors_dir(save_root: Path) -> Path:
+    committed = _committed(save_root)
+    if not committed:
+        raise DrillError(f"no committed checkpoint under {save_root / CHECKPOINT_DIR}",
+                         segment=str(save_root))
+    return Path(committed[-1].path) / TENSORS_DIR
+
+
+def compare_runs(reference: Path, other: Path, *, steps: range | None = None
+                 ) -> RunComparison:
+    """Compare ``other``'s metrics and newest checkpoint with ``reference``'s, bitwise.
+
+    Args:
+        reference: Run directory of the uninterrupted run.
+        other: Run directory of the interrupted run.
+        steps: Only these steps' metrics count for ``first_metric_difference`` (all by
+            default); the loss difference is measured over all common steps.
+
+    Returns:
+        The comparison.
+    """
+    ref_records = {r["step"]: r for r in read_metrics(reference / METRICS_FILE)}
+    records = {r["step"]: r for r in read_metrics(other / METRICS_FILE)}
+    first: int | None = None
+    if sorted(records) != sorted(ref_records):
+        missing = sorted(set(ref_records) ^ set(records))
+        first = missing[0]
+    for step in sorted(set(ref_records) & set(records)):
+        if steps is not None and step not in steps:
+            continue
+        if any(records[step][key] != ref_records[step][key] for key in METRIC_KEYS):
+            first = step if first is None else min(first, step)
+            break
+    loss_diff = max((abs(records[s]["loss"] - ref_records[s]["loss"])
+                     for s in set(ref_records) & set(records)), default=math.inf)
+    final_loss = records[max(records)]["loss"] if records else math.nan
+
+    ref_dir, other_dir = _final_tensors_dir(reference), _final_tensors_dir(other)
+    ref_index = sharded.read_tensor_index(ref_dir)
+    other_index = sharded.read_tensor_index(other_dir)
+    different = sorted(set(ref_index) ^ set(other_index))
+    max_weight = 0.0
+    common = [name for name in ref_index if name in other_index]
+    for (name, want), (_, have) in zip(sharded.iter_full_tensors(ref_dir, common),
+                                       sharded.iter_full_tensors(other_dir, common),
+                                       strict=True):
+        if want.shape != have.shape or want.dtype != have.dtype or not torch.equal(want, have):
+            different.append(name)
+        if name.startswith("model.") and want.shape == have.shape:
+            delta = (want.double() - have.double()).abs().max().item() if want.numel() else 0.0
+            max_weight = max(max_weight, delta)
+    return RunComparison(
+        steps=len(records), first_metric_difference=first, max_loss_difference=loss_diff,
+        final_loss=final_loss, tensors_compared=len(common), tensors_different=len(different),
+        max_weight_difference=max_weight, different_tensors=different[:10],
+    )
+
+
+def checkpoint_chain(save_root: Path) -> Table:
+    """The checkpoint chain of a run as a table (step, status, reason, writer, parent)."""
+    table = Table(title=f"checkpoint chain of {save_root / CHECKPOINT_DIR}")
+    for column in ("checkpoint", "status", "reason", "world size", "resumed from",
+                   "writer pid", "size"):
+        table.add_column(column)
+    root = save_root / CHECKPOINT_DIR
+    for entry in list_checkpoints(Storage(root), NameFormat(CHECKPOINT_NAME_FORMAT)):
+        manifest = entry.manifest
+        if manifest is None:
+            table.add_row(entry.name, entry.status, entry.problem or "", "", "", "", "")
+            continue
+        parent = manifest.lineage.resumed_from_step
+        table.add_row(entry.name, entry.status, manifest.reason.value,
+                      str(manifest.world_size), "-" if parent is None else str(parent),
+                      str(manifest.lineage.pid), f"{manifest.total_bytes / 1e6:.2f} MB")
+    return table
+
+
+def _inspect_cli(save_root: Path) -> str | None:
+    """Output of ``python -m resumekit inspect`` if that CLI exists, else None."""
+    if importlib.util.find_spec("resumekit.__main__") is None:
+        return None
+    completed = subprocess.run(
+        [sys.executable, "-m", "resumekit", "inspect", str(save_root / CHECKPOINT_DIR)],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=120,
+    )
+    return completed.stdout + completed.stderr
+
+
+# --------------------------------------------------------------------------- plotting
+
+
+def plot_losses(runs: dict[str, Path], out: Path, *, marks: dict[str, list[int]]) -> Path:
+    """Write the loss curves of the runs to ``out`` (PNG, matplotlib's Agg backend)."""
+    import matplotlib  # noqa: PLC0415 - only the drill needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    styles: dict[str, dict[str, Any]] = {"A": {"lw": 3.0, "alpha": 0.35, "color": "tab:blue"},
+              "B": {"lw": 0.0, "marker": "o", "ms": 4, "color": "tab:orange"},
+              "C": {"lw": 1.2, "ls": "--", "color": "tab:green"}}
+    labels = {"A": "A uninterrupted (2 ranks)", "B": "B SIGTERM + SIGKILL (2 ranks)",
+              "C": "C resumed on 1 rank after the SIGTERM"}
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    for name, root in runs.items():
+        records = read_metrics(root / METRICS_FILE)
+        axis.plot([r["step"] for r in records], [r["loss"] for r in records],
+                  label=labels.get(name, name), **styles.get(name, {}))
+    for name, steps in marks.items():
+        for step in steps:
+            axis.axvline(step, color="grey", lw=0.8, ls=":")
+            axis.text(step, axis.get_ylim()[1], f" {name}", va="top", fontsize=8,
+                      color="grey")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("loss (flow matching, latents + actions)")
+    axis.set_title("LingBot-VA tiny: uninterrupted vs preempted runs")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+# --------------------------------------------------------------------------- the drill
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m examples.lingbot.drill",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, default=Path("demo-output"),
+                        help="output directory (replaced)")
+    parser.add_argument("--term-at", type=int, default=7,
+                        help="SIGTERM once this step is logged (run B)")
+    parser.add_argument("--kill-at", type=int, default=13,
+                        help="SIGKILL once this step is logged (run B)")
+    parser.add_argument("--no-world-size-change", action="store_true",
+                        help="skip run C (resume on one rank)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds any single wait may take")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the drill; return 0 when the interrupted run is bit-identical, else 1."""
+    args = _parser().parse_args(argv)
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide enough for the tables
+        console = Console(width=150)
+    out: Path = args.out.resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    train_args = ("--keep-last", "0", "--no-progress")
+    started = time.monotonic()
+    roots = {name: out / name for name in ("A", "B", "C")}
+    segments: list[Segment] = []
+
+    def launch(name: str, nproc: int = 2) -> Launch:
+        return Launch(roots[name], nproc=nproc, train_args=train_args)
+
+    def step(segment: Segment) -> Segment:
+        segments.append(segment)
+        console.print(
+            f"[bold]{segment.run}{segment.index}[/] nproc={segment.nproc} "
+            f"from step {segment.resumed_from}: "
+            f"{segment.interruption or 'ran to the end'}"
+            f"{'' if segment.signal_at is None else f' at step {segment.signal_at}'} -> "
+            f"exit {segment.returncode}, newest step {segment.last_step}, newest checkpoint "
+            f"{segment.newest_checkpoint} ({segment.newest_reason}) in {segment.seconds:.1f}s")
+        return segment
+
+    console.rule("A: uninterrupted")
+    step(run_segment("A", 1, launch("A"), log_dir=roots["A"] / "logs", timeout=args.timeout))
+    console.rule("B: SIGTERM, SIGKILL, same command each time")
+    term = step(run_segment("B", 1, launch("B"), interruption="sigterm",
+                            signal_at=args.term_at, log_dir=roots["B"] / "logs",
+                            timeout=args.timeout))
+    problems: list[str] = []
+    if term.newest_reason != "preemption" or term.newest_checkpoint != term.last_step:
+        problems.append(f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
+                        f"({term.newest_reason}), expected a preemption checkpoint of the "
+                        f"last logged step {term.last_step}")
+    if not args.no_world_size_change:
+        shutil.copytree(roots["B"], roots["C"], ignore=shutil.ignore_patterns("logs"))
+    step(run_segment("B", 2, launch("B"), interruption="sigkill", signal_at=args.kill_at,
+                     log_dir=roots["B"] / "logs", timeout=args.timeout))
+    step(run_segment("B", 3, launch("B"), log_dir=roots["B"] / "logs", timeout=args.timeout))
+    if not args.no_world_size_change:
+        console.rule("C: resume B's preemption checkpoint on 1 rank")
+        step(run_segment("C", 2, launch("C", nproc=1), log_dir=roots["C"] / "logs",
+                         timeout=args.timeout))
+
+    comparisons = {"B": compare_runs(roots["A"], roots["B"])}
+    switch = term.last_step
+    if not args.no_world_size_change:
+        comparisons["C"] = compare_runs(roots["A"], roots["C"], steps=range(0, switch + 1))
+    replayed: dict[str, int] = {}
+    replayed["B"] = sum(max(0, earlier.last_step - later.resumed_from) for earlier, later in
+                        zip([s for s in segments if s.run == "B"],
+                            [s for s in segments if s.run == "B"][1:], strict=False))
+    if "C" in comparisons:
+        c_launch = next(s for s in segments if s.run == "C")
+        replayed["C"] = max(0, term.last_step - c_launch.resumed_from)
+    reference = read_metrics(roots["A"] / METRICS_FILE)
+
+    table = Table(title="LingBot-VA tiny: uninterrupted (A) vs interrupted runs")
+    for column in ("run", "launches", "ranks", "steps", "replayed", "final loss",
+                   "max |loss-A|", "tensors = A", "max |weight-A|", "verdict"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    table.add_row("A uninterrupted", "1", "2", str(len(reference)), "0",
+                  f"{reference[-1]['loss']:.10f}", "-", "-", "-", "reference")
+    for name, comparison in comparisons.items():
+        launches = sum(1 for s in segments if s.run == name) + (1 if name == "C" else 0)
+        worlds = "2" if name == "B" else f"2 -> 1 (after step {switch})"
+        if name == "B":
+            ok = comparison.identical
+            verdict = "bit-identical" if ok else \
+                f"DIFFERS (step {comparison.first_metric_difference}, " \
+                f"{comparison.different_tensors[:3]})"
+        else:
+            ok = comparison.first_metric_difference is None and \
+                math.isfinite(comparison.final_loss)
+            verdict = f"identical to step {switch}, then close" if ok else \
+                f"DIFFERS before the switch (step {comparison.first_metric_difference})"
+        if not ok:
+            problems.append(f"run {name}: {verdict}")
+        table.add_row(
+            f"{name} " + ("SIGTERM+SIGKILL" if name == "B" else "1-rank resume"),
+            str(launches), worlds, str(comparison.steps), str(replayed[name]),
+            f"{comparison.final_loss:.10f}", f"{comparison.max_loss_difference:.3g}",
+            f"{comparison.tensors_compared - comparison.tensors_different}/"
+            f"{comparison.tensors_compared}",
+            f"{comparison.max_weight_difference:.3g}", verdict,
+        )
+    console.print(table)
+    console.rule("checkpoint chain of run B")
+    cli = _inspect_cli(roots["B"])
+    if cli is not None:
+        console.print(cli)
+    else:
+        console.print("(`python -m resumekit inspect` is not available yet; listing with "
+                      "resumekit.catalog.list_checkpoints)")
+        console.print(checkpoint_chain(roots["B"]))
+    marks = {"SIGTERM": [term.last_step]}
+    kill = next(s for s in segments if s.run == "B" and s.interruption == "sigkill")
+    marks["SIGKILL"] = [kill.last_step]
+    plot = plot_losses({name: roots[name] for name in ("A", *comparisons)}, out / "loss.png",
+                       marks=marks)
+    elapsed = time.monotonic() - started
+    summary = {
+        "seconds": elapsed,
+        "segments": [asdict(s) for s in segments],
+        "comparisons": {name: asdict(c) for name, c in comparisons.items()},
+        "replayed": replayed,
+        "problems": problems,
+        "exit_code_preempted": EXIT_CODE_PREEMPTED,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    console.print(f"loss curves: {plot}; summary: {out / 'summary.json'}; "
+                  f"drill took {elapsed:.0f}s")
+    if problems:
+        for problem in problems:
+            console.print(f"[bold red]FAIL[/] {problem}")
+        return 1
+    console.print("[bold green]OK[/] the preempted and crashed run is bit-identical to the "
+                  "uninterrupted one")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,547 @@
+"""Train LingBot-VA on resumekit: the same command starts, resumes and survives preemption.
+
+From the repository root::
+
+    torchrun --nproc_per_node=2 -m examples.lingbot.train --config tiny --save-root runs/a
+    python -m examples.lingbot.train --config tiny --save-root runs/a      # one process
+
+Rerunning the same command resumes from the newest committed checkpoint under
+``SAVE_ROOT/checkpoints/`` (``checkpoint_step_{N}``): weights, AdamW moments, the
+warm-up scheduler, the step, every rank's RNG streams (including the flow-matching noise
+generator) and the sampler's position. Nobody passes a resume path by hand.
+
+What each piece of the incident became (``docs/lingbot-walkthrough.md`` tells the story):
+
+* weights-only resume and overwritten ``checkpoint_step_200`` -> ``CheckpointManager``
+  saves the full training state and refuses to overwrite a committed step;
+* one 60-minute timeout for everything -> ``init_distributed(timeout=...)`` keeps the
+  training group's timeout short and gives checkpoint coordination its own long one;
+* silent preemption -> a ``PreemptionHandler`` turns SIGTERM/SIGUSR1 into a step every
+  rank agrees on, a ``preemption`` checkpoint of that step, and exit status
+  ``EXIT_CODE_PREEMPTED`` (75).
+
+Outputs under ``--save-root``:
+
+* ``checkpoints/checkpoint_step_{N}/`` - resumekit checkpoints;
+* ``metrics.jsonl`` - one JSON object per optimizer step (``step``, ``loss``,
+  ``latent_loss``, ``action_loss``, ``lr``, ``grad_norm``, ``epoch``, ``world_size``) at
+  full float precision. On a resume from step S rank 0 first rewrites the file, keeping
+  only records with ``step <= S``, so it always tells one consistent history.
+
+``--export OUT`` writes the upstream inference layout after training:
+``OUT/transformer/diffusion_pytorch_model.safetensors`` (bf16) and
+``OUT/transformer/config.json`` (the model config, taken from the checkpoint's recorded
+recipe), through :func:`resumekit.export.export_checkpoint`. ``CheckpointManager`` imports
+that layout as a legacy weights-only ``checkpoint_step_N`` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from examples.lingbot.config import LingBotConfig, get_config
+from examples.lingbot.data import (
+    EpisodeDirectoryDataset,
+    SampleSpec,
+    SyntheticEpisodeDataset,
+    collate,
+)
+from examples.lingbot.errors import ConfigError
+from examples.lingbot.model import LingBotVA, shard_model
+from examples.lingbot.recipe import build_optimizer, build_scheduler, flow_matching_step
+from resumekit.distributed import DistributedContext, init_distributed, shutdown
+from resumekit.export import export_checkpoint
+from resumekit.manager import CheckpointManager
+from resumekit.manifest import SaveReason
+from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_slurm_job
+from resumekit.retention import RetentionPolicy, keep_all, keep_every, keep_last
+from resumekit.sampler import ResumableDistributedSampler
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CHECKPOINT_NAME_FORMAT",
+    "EXPORT_CONFIG_FILE",
+    "EXPORT_WEIGHTS_FILE",
+    "METRICS_FILE",
+    "METRIC_KEYS",
+    "MetricsLog",
+    "MicroBatches",
+    "build_parser",
+    "main",
+    "read_metrics",
+    "recipe_fingerprint",
+    "resolve_config",
+    "train",
+]
+
+logger = logging.getLogger("lingbot.train")
+
+CHECKPOINT_DIR = "checkpoints"
+"""Sub-directory of ``--save-root`` that holds the checkpoints."""
+
+CHECKPOINT_NAME_FORMAT = "checkpoint_step_{step}"
+"""Step directory names, as the upstream trainer named them (its weights-only directories
+are imported by the same manager when no resumekit checkpoint exists)."""
+
+METRICS_FILE = "metrics.jsonl"
+"""Per-step metrics file under ``--save-root``."""
+
+METRIC_KEYS = ("step", "loss", "latent_loss", "action_loss", "lr", "grad_norm")
+"""Keys every metrics record has (plus ``epoch`` and ``world_size``)."""
+
+EXPORT_WEIGHTS_FILE = "transformer/diffusion_pytorch_model.safetensors"
+"""Weights of an export, relative to ``--export``."""
+
+EXPORT_CONFIG_FILE = "transformer/config.json"
+"""Model config of an export, relative to ``--export``."""
+
+# Fields that describe the launch or the run length, not the recipe: a resume may change
+# them (another world size re-derives the accumulation; a longer run extends the budget).
+_LAUNCH_FIELDS = ("world_size", "grad_accum_steps", "num_steps", "save_interval")
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of the trainer (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.lingbot.train",
+        description="Train LingBot-VA with resumable checkpoints. Rerun the same command "
+                    "to resume.",
+    )
+    parser.add_argument("--config", default="tiny", help="config name (tiny, "
+                        "furniture_all_e128)")
+    parser.add_argument("--save-root", required=True, type=Path,
+                        help="run directory: checkpoints/ and metrics.jsonl go here")
+    parser.add_argument("--num-steps", type=int, default=None,
+                        help="total optimizer steps of the run (default: the config's)")
+    parser.add_argument("--save-interval", type=int, default=None,
+                        help="optimizer steps between checkpoints (default: the config's)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="model-init and data-order seed (default: the config's)")
+    parser.add_argument("--data-dir", type=Path, default=None,
+                        help="directory of pre-extracted episode files (default: the "
+                             "config's synthetic data)")
+    parser.add_argument("--keep-last", type=int, default=3,
+                        help="keep the newest K checkpoints (0: keep all)")
+    parser.add_argument("--keep-every", type=int, default=None,
+                        help="also keep every checkpoint whose step is a multiple of M")
+    parser.add_argument("--async-save", action="store_true",
+                        help="write interval checkpoints in the background")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds: timeout of training collectives (keep it short)")
+    parser.add_argument("--checkpoint-timeout", type=float, default=7200.0,
+                        help="seconds: timeout of checkpoint coordination (load skew)")
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="seconds between the preemption signal and the kill, if known")
+    parser.add_argument("--requeue-on-signal", action="store_true",
+                        help="after a preemption save, `scontrol requeue` the SLURM job "
+                             "(for --signal time-limit warnings SLURM does not requeue)")
+    parser.add_argument("--export", type=Path, default=None,
+                        help="after training, write the upstream bf16 inference layout here")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads per rank (CPU runs)")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log to Weights & Biases when wandb is installed; the run id is "
+                             "kept in the checkpoint so a resume continues the same run")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+# --------------------------------------------------------------------------- config
+
+
+def resolve_config(name: str, *, world_size: int, num_steps: int | None = None,
+                   save_interval: int | None = None, seed: int | None = None
+                   ) -> LingBotConfig:
+    """The named config, adapted to this launch.
+
+    The effective batch is the recipe and stays fixed: on another world size the
+    gradient accumulation is re-derived (``effective / (world_size * micro_batch)``).
+
+    Args:
+        name: Config name.
+        world_size: Ranks of this launch.
+        num_steps: Override of the run length.
+        save_interval: Override of the checkpoint cadence.
+        seed: Override of the model-init and data-order seed.
+
+    Raises:
+        ConfigError: The effective batch is not a multiple of ``world_size`` times the
+            micro-batch size, or an override is invalid.
+    """
+    config = get_config(name)
+    train_cfg = config.train
+    per_step = world_size * train_cfg.micro_batch_size
+    if train_cfg.effective_batch_size % per_step:
+        raise ConfigError(
+            f"config {name!r}: effective_batch_size={train_cfg.effective_batch_size} is not a "
+            f"multiple of world_size*micro_batch_size = {world_size}*"
+            f"{train_cfg.micro_batch_size}; launch on a world size that divides it",
+            field="TrainConfig.effective_batch_size", value=train_cfg.effective_batch_size,
+        )
+    train_cfg = dataclasses.replace(
+        train_cfg,
+        world_size=world_size,
+        grad_accum_steps=train_cfg.effective_batch_size // per_step,
+        num_steps=train_cfg.num_steps if num_steps is None else num_steps,
+        save_interval=train_cfg.save_interval if save_interval is None else save_interval,
+        seed=train_cfg.seed if seed is None else seed,
+    )
+    return dataclasses.replace(config, train=train_cfg)
+
+
+def recipe_fingerprint(config: LingBotConfig) -> dict[str, Any]:
+    """What must not change across a resume: the config without launch-only fields.
+
+    World size, accumulation, run length and save cadence are left out: a resume on
+    another world size (re-derived accumulation) or with a longer budget is legitimate.
+    """
+    recipe = config.to_dict()
+    for key in _LAUNCH_FIELDS:
+        recipe["train"].pop(key)
+    return recipe
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read a metrics file, skipping a torn last line (a process killed mid-write).
+
+    Args:
+        path: A ``metrics.jsonl`` file; a missing file reads as no records.
+
+    Returns:
+        The records, in file order.
+    """
+    target = Path(path)
+    if not target.exists():
+        return []
+    records = []
+    for line in target.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+class MetricsLog:
+    """The per-step metrics file of a run, written by rank 0 only.
+
+    Args:
+        path: The ``metrics.jsonl`` file.
+        enabled: False on ranks other than 0 (every method is then a no-op).
+    """
+
+    def __init__(self, path: Path, *, enabled: bool) -> None:
+        self.path = path
+        self.enabled = enabled
+        self._handle: Any = None
+
+    def truncate_after(self, step: int) -> int:
+        """Keep only the records with ``step <= step``; atomic (write, fsync, rename).
+
+        Call once after restoring, before training: records after the resumed step were
+        written by a run whose later state was lost (a crash) and will be recomputed.
+
+        Returns:
+            The number of records dropped.
+        """
+        if not self.enabled:
+            return 0
+        records = read_metrics(self.path)
+        kept = [record for record in records if record["step"] <= step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with staging.open("w") as handle:
+            for record in kept:
+                handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, self.path)
+        directory = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return len(records) - len(kept)
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Append one record as a JSON line and flush it (watchers see it at once)."""
+        if not self.enabled:
+            return
+        if self._handle is None:
+            self._handle = self.path.open("a")
+        self._handle.write(json.dumps(dict(record)) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file. Idempotent."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+# --------------------------------------------------------------------------- data
+
+
+class MicroBatches(Iterator[dict[str, Tensor]]):
+    """Endless micro-batches of this rank's share, epoch after epoch.
+
+    The sampler is the single source of the data position: each micro-batch is read from
+    a sampler iteration started at the current position, and the trainer calls
+    ``sampler.advance(n)`` once the micro-batch is in the gradients. A new epoch starts
+    when the sampler has nothing left for this rank.
+
+    Args:
+        dataset: Map-style dataset of samples.
+        sampler: The resumable sampler (its state is checkpointed).
+        micro_batch_size: Samples per micro-batch (the last of an epoch may be smaller).
+        device: Where the batch tensors go.
+    """
+
+    def __init__(self, dataset: Dataset[dict[str, Tensor]],
+                 sampler: ResumableDistributedSampler, micro_batch_size: int,
+                 device: torch.device) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.micro_batch_size = micro_batch_size
+        self.device = device
+        self._indices: Iterator[int] | None = None
+        self._position: tuple[int, int] | None = None
+
+    def __next__(self) -> dict[str, Tensor]:
+        if len(self.sampler) == 0:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        position = (self.sampler.epoch, self.sampler.consumed)
+        if self._indices is None or position != self._position:
+            # The position moved by other means than our own advance (a restore): restart
+            # the iteration where the sampler now stands.
+            self._indices = iter(self.sampler)
+        indices = [index for _, index in zip(range(self.micro_batch_size), self._indices,
+                                             strict=False)]
+        self._position = (self.sampler.epoch,
+                          min(self.sampler.dataset_len,
+                              self.sampler.consumed + len(indices) * self.sampler.num_replicas))
+        samples = [self.dataset[index] for index in indices]
+        return {key: value.to(self.device) for key, value in collate(samples).items()}
+
+
+def _dataset(config: LingBotConfig, data_dir: Path | None
+             ) -> SyntheticEpisodeDataset | EpisodeDirectoryDataset:
+    if data_dir is None:
+        return SyntheticEpisodeDataset.from_config(config)
+    return EpisodeDirectoryDataset(data_dir, SampleSpec.from_config(config))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def _retention(args: argparse.Namespace) -> RetentionPolicy:
+    if not args.keep_last:
+        return keep_all()
+    policy = keep_last(args.keep_last)
+    return policy | keep_every(args.keep_every) if args.keep_every else policy
+
+
+def _full(value: Tensor) -> Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _build_model(config: LingBotConfig, context: DistributedContext) -> LingBotVA:
+    mixed = config.train.mixed_precision and context.device.type == "cuda"
+    torch.manual_seed(config.train.seed)
+    if context.device.type == "cuda":
+        # Real sizes: never materialise the full model on any rank; initialise the shards.
+        with torch.device("meta"):
+            model = LingBotVA(config.model)
+        if context.is_distributed:
+            shard_model(model, mixed_precision=mixed)
+        model.to_empty(device=context.device)
+        model.init_weights()
+        return model
+    model = LingBotVA(config.model)
+    if context.is_distributed:
+        shard_model(model, mixed_precision=mixed)
+    return model
+
+
+def _wandb_run(enabled: bool, ckpt: CheckpointManager, config: LingBotConfig,
+               leader: bool) -> Any:
+    """Start (or continue, by the id kept in the checkpoint) a wandb run on rank 0."""
+    if not (enabled and leader):
+        return None
+    if importlib.util.find_spec("wandb") is None:
+        logger.warning("--wandb given but wandb is not installed; not logging to wandb")
+        return None
+    wandb: Any = importlib.import_module("wandb")
+    run_id = ckpt.extras.get("wandb_run_id") or wandb.util.generate_id()
+    ckpt.extras["wandb_run_id"] = run_id
+    return wandb.init(id=run_id, resume="allow", config=config.to_dict(),
+                      name=f"lingbot-{config.name}")
+
+
+def train(args: argparse.Namespace) -> int:
+    """Run (or resume) one training job; return the process exit status.
+
+    Returns:
+        0 when the run reached ``num_steps``; ``EXIT_CODE_PREEMPTED`` (75) after a
+        preemption checkpoint.
+    """
+    context = init_distributed(timeout=args.timeout, checkpoint_timeout=args.checkpoint_timeout)
+    leader = context.is_leader
+    if context.device.type == "cpu":
+        # Bit-identical resumes on CPU: one thread per rank, deterministic kernels.
+        torch.set_num_threads(args.threads)
+        torch.use_deterministic_algorithms(True)
+    config = resolve_config(args.config, world_size=context.world_size,
+                            num_steps=args.num_steps, save_interval=args.save_interval,
+                            seed=args.seed)
+    tcfg = config.train
+    save_root: Path = args.save_root
+    if leader:
+        save_root.mkdir(parents=True, exist_ok=True)
+
+    model = _build_model(config, context)
+    optimizer = build_optimizer(model, config.optim)
+    scheduler = build_scheduler(optimizer, config.optim)
+    dataset = _dataset(config, args.data_dir)
+    sampler = ResumableDistributedSampler(dataset, seed=tcfg.seed)
+    noise = torch.Generator(device=context.device).manual_seed(tcfg.noise_seed + context.rank)
+    preemption = PreemptionHandler(grace_period=args.grace_period).install()
+    ckpt = CheckpointManager(
+        save_root / CHECKPOINT_DIR, model=model, optimizer=optimizer, scheduler=scheduler,
+        data=sampler, generators={"noise": noise},
+        extras={"config_name": config.name},
+        save_every=tcfg.save_interval, retention=_retention(args),
+        name_format=CHECKPOINT_NAME_FORMAT, async_save=args.async_save,
+        config=recipe_fingerprint(config), preemption=preemption,
+    )
+    metrics = MetricsLog(save_root / METRICS_FILE, enabled=leader)
+    progress: Any = None
+    try:
+        start = ckpt.restore()
+        dropped = metrics.truncate_after(start)
+        if leader:
+            if ckpt.resumed_from is None:
+                logger.info("fresh start: step 0 of %d on %d rank(s)", tcfg.num_steps,
+                            context.world_size)
+            else:
+                logger.info(
+                    "resumed at step %d: weights, AdamW state, lr schedule (lr %.3g), RNG "
+                    "streams and data position (epoch %d, %d samples consumed); %d metric "
+                    "record(s) after step %d dropped",
+                    start, scheduler.get_last_lr()[0], sampler.epoch, sampler.consumed,
+                    dropped, start)
+        run = _wandb_run(args.wandb, ckpt, config, leader)
+        batches = MicroBatches(dataset, sampler, tcfg.micro_batch_size, context.device)
+        progress = tqdm(total=tcfg.num_steps, initial=start, file=sys.stderr,
+                        disable=not leader or args.no_progress, desc=f"lingbot {config.name}",
+                        unit="step", dynamic_ncols=True, mininterval=0.5)
+        frame_patch = config.model.patch_size[0]
+        max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
+        for step in range(start, tcfg.num_steps):
+            model.train()
+            sums = torch.zeros(3, dtype=torch.float64)
+            for micro in range(tcfg.grad_accum_steps):
+                last = micro == tcfg.grad_accum_steps - 1
+                if isinstance(model, FSDPModule):
+                    model.set_requires_gradient_sync(last)
+                batch = next(batches)
+                terms = flow_matching_step(model, batch, noise, frame_patch=frame_patch,
+                                           action_loss_weight=tcfg.action_loss_weight)
+                (terms.loss / tcfg.grad_accum_steps).backward()
+                sampler.advance(int(batch["latents"].shape[0]))
+                sums += torch.stack([t.detach().double().cpu() for t in terms])
+            grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            sums /= tcfg.grad_accum_steps
+            if context.is_distributed:
+                dist.all_reduce(sums)
+                sums /= context.world_size
+            loss, latent_loss, action_loss = sums.tolist()
+            done = step + 1
+            record = {"step": done, "loss": loss, "latent_loss": latent_loss,
+                      "action_loss": action_loss, "lr": lr, "grad_norm": float(grad_norm),
+                      "epoch": sampler.epoch, "world_size": context.world_size}
+            metrics.append(record)
+            if run is not None:
+                run.log({k: v for k, v in record.items() if k != "step"}, step=done)
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
+            if done == tcfg.num_steps:
+                if ckpt.last_saved_step != done:
+                    ckpt.save(done, reason=SaveReason.FINAL, blocking=True)
+                break
+            if ckpt.step_end(done):
+                signals = ", ".join(r.name for r in preemption.received) or "another rank's"
+                if leader:
+                    logger.warning("preempted (%s signal): saved checkpoint_step_%d, exiting "
+                                   "with status %d; rerun the same command to resume",
+                                   signals, done, EXIT_CODE_PREEMPTED)
+                progress.close()
+                metrics.close()
+                ckpt.close()
+                preemption.uninstall()
+                shutdown()
+                if args.requeue_on_signal:
+                    requeue_slurm_job()
+                return EXIT_CODE_PREEMPTED
+        ckpt.wait()
+        if args.export is not None and leader:
+            exported = export_checkpoint(
+                save_root / CHECKPOINT_DIR, out=args.export, dtype="bf16", layout="diffusers",
+                name_format=CHECKPOINT_NAME_FORMAT, overwrite=True)
+            logger.info("exported step %d (%d tensors, bf16) to %s", exported.step,
+                        exported.tensors, Path(exported.out) / exported.files[0])
+        if run is not None:
+            run.finish()
+    finally:
+        if progress is not None:
+            progress.close()
+        metrics.close()
+    ckpt.close()
+    preemption.uninstall()
+    shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: parse ``argv``, train, return the exit status."""
+    args = build_parser().parse_args(argv)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
