@@ -109,14 +109,17 @@ class Storage:
     # -- queries ----------------------------------------------------------------------
     def exists(self, relative: str = "") -> bool:
         """Return whether ``relative`` exists (file or directory)."""
+        self._forget(relative)
         return bool(self._call("exists", relative, self.fs.exists, self.path(relative)))
 
     def is_dir(self, relative: str = "") -> bool:
         """Return whether ``relative`` is a directory (or a non-empty object prefix)."""
+        self._forget(relative)
         return bool(self._call("isdir", relative, self.fs.isdir, self.path(relative)))
 
     def is_file(self, relative: str) -> bool:
         """Return whether ``relative`` is a regular file."""
+        self._forget(relative)
         return bool(self._call("isfile", relative, self.fs.isfile, self.path(relative)))
 
     def list_dir(self, relative: str = "") -> list[FileInfo]:
@@ -153,6 +156,7 @@ class Storage:
     def walk_files(self, relative: str = "") -> list[tuple[str, int]]:
         """Return ``(path relative to relative, size)`` of every file below ``relative``."""
         base = self.path(relative).rstrip("/")
+        self._forget(relative)
         try:
             found = self.fs.find(base, detail=True, withdirs=False)
         except FileNotFoundError:
@@ -168,10 +172,12 @@ class Storage:
 
     def size(self, relative: str) -> int:
         """Return the size in bytes of the file ``relative``."""
+        self._forget(relative)
         return int(self._call("size", relative, self.fs.size, self.path(relative)))
 
     def mtime(self, relative: str) -> float | None:
         """Return the modification time of ``relative`` when the backend reports one."""
+        self._forget(relative)
         info = self._call("info", relative, self.fs.info, self.path(relative))
         return _mtime_of(info)
 
@@ -182,6 +188,7 @@ class Storage:
         target = self.path(relative)
         if "w" in mode and self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
+        self._forget(relative)
         try:
             handle = self.fs.open(target, mode)
         except FileNotFoundError:
@@ -257,6 +264,7 @@ class Storage:
                 elif os.path.lexists(target):
                     os.unlink(target)
                 return
+            self._forget(relative)
             if self.fs.exists(target):
                 self.fs.rm(target, recursive=True)
         except FileNotFoundError:
@@ -337,6 +345,17 @@ class Storage:
                 f"{os.strerror(code)}",
                 path=self.path(first), operation="exchange", errno=code,
             )
+
+    def _forget(self, relative: str) -> None:
+        """Drop cached listings of ``relative`` and its parents (object stores).
+
+        s3fs answers ``exists``/``info``/``open`` from listings it cached earlier, so a
+        file another process (rank, job, CLI) wrote, replaced or deleted since would be
+        missed or read with a stale size. Checkpoint operations are rare and must see the
+        store as it is now; one extra request is the price.
+        """
+        if not self.is_local:
+            self.fs.invalidate_cache(self.path(relative))
 
     def _require_local(self, operation: str) -> None:
         if not self.is_local:
