@@ -450,3 +450,47 @@ def test_a_directory_in_place_of_the_manifest_is_corrupt_and_hides_nothing(
     with pytest.raises(ManifestError, match=MANIFEST_NAME):
         read_manifest(storage, NAME_2)
     verify_checkpoint(storage, NAME_1)
+
+
+def _second_client(store: Storage) -> Storage:
+    """The same root through a separate filesystem object (its own listing cache)."""
+    return Storage(store.url, {**store.storage_options, "skip_instance_cache": True})
+
+
+def test_changes_by_another_client_are_seen_at_once(storage: Storage) -> None:
+    other = _second_client(storage)
+    storage.write_bytes("d/a.bin", b"a")
+    storage.write_bytes("d/gone.bin", b"g")
+    assert [info.name for info in storage.list_dir("d")] == ["a.bin", "gone.bin"]
+    assert storage.size("d/a.bin") == 1
+    assert storage.exists("d/gone.bin")
+    other.write_bytes("d/new.bin", b"nn")
+    other.write_bytes("d/a.bin", b"aaaa")
+    other.remove_file("d/gone.bin")
+    assert storage.exists("d/new.bin")
+    assert storage.is_file("d/new.bin")
+    assert storage.size("d/new.bin") == 2
+    assert storage.size("d/a.bin") == 4
+    assert storage.read_bytes("d/a.bin") == b"aaaa"
+    assert not storage.exists("d/gone.bin")
+    assert storage.walk_files("d") == [("a.bin", 4), ("new.bin", 2)]
+
+
+def test_checkpoints_saved_and_pruned_by_another_client_are_seen_at_once(
+    storage: Storage,
+) -> None:
+    other = _second_client(storage)
+    save_checkpoint(storage, 1)
+    assert _committed_steps(storage) == [1]
+    verify_checkpoint(storage, NAME_1)
+    save_checkpoint(other, 2)
+    latest = latest_committed(storage)
+    assert latest is not None
+    assert latest.step == 2
+    verify_checkpoint(storage, NAME_2)
+    prune(other, keep_last(1))
+    assert _committed_steps(storage) == [2]
+    with pytest.raises(CheckpointNotFoundError):
+        read_manifest(storage, NAME_1)
+    with pytest.raises(StepCollisionError):
+        CommitProtocol(storage).begin(2)
