@@ -1,0 +1,526 @@
+"""``resumekit inspect``: what a checkpoint root, or one checkpoint, holds.
+
+On a root: one row per checkpoint (committed, partial, corrupt, legacy) with size, world
+size, time, reason and lineage; the checkpoint the next run resumes from; and the requeue
+chain (which job and restart wrote which steps). On one checkpoint: its manifest, the
+state it holds, its files and, with ``--tensors``, every tensor from the metadata alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import torch
+from rich.table import Table
+from rich.text import Text
+
+from resumekit import legacy, sharded
+from resumekit.catalog import CheckpointEntry, list_checkpoints
+from resumekit.cli._common import (
+    JSON_SCHEMA_PREFIX,
+    UsageError,
+    add_common_options,
+    console,
+    emit_json,
+    format_bytes,
+    format_seconds,
+    format_time,
+    or_dash,
+    plain,
+    status_text,
+    storage_options,
+    table,
+)
+from resumekit.errors import CorruptCheckpointError, ResumekitError
+from resumekit.export import CheckpointTarget, open_target, tensors_url
+from resumekit.manifest import Lineage, Manifest, describe
+from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, load_plain
+from resumekit.storage import Storage
+
+__all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
+
+SCHEMA = f"{JSON_SCHEMA_PREFIX}.inspect/1"
+_RANK_FILE = re.compile(r"rank_(\d+)\.pt$")
+_MAX_RANKS_SHOWN = 16
+_SAFETENSORS_HEADER_LIMIT = 100 << 20
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``inspect``."""
+    parser = subparsers.add_parser(
+        "inspect",
+        help="list the checkpoints of a root, or describe one checkpoint",
+        description="On a root: every checkpoint with status, size, world size, time, "
+        "reason and lineage, the one the next run resumes from (*), and the requeue "
+        "chain. On one checkpoint directory: its manifest and state; --tensors adds "
+        "every tensor (from metadata, no tensor data read). Exit 1 when a root holds a "
+        "corrupt checkpoint or the directory is not a committed checkpoint.",
+    )
+    parser.add_argument("path", help="checkpoint root or one checkpoint directory "
+                        "(path or fsspec URL)")
+    parser.add_argument("--tensors", action="store_true",
+                        help="list every tensor (one checkpoint directory only)")
+    add_common_options(parser, json_help="print one JSON document (schema "
+                       f"{SCHEMA}, see docs/cli.md)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``inspect``; return the exit code."""
+    options = storage_options(args.storage_option)
+    target = open_target(args.path, storage_options=options, name_format=args.name_format)
+    if target.is_root:
+        if args.tensors:
+            raise UsageError(
+                    f"--tensors needs one checkpoint directory, not the root "
+                f"{target.storage.path()} (add /<step directory>)",
+                name="--tensors", value=target.storage.path(),
+            )
+        return _inspect_root(target, args)
+    return _inspect_one(target, args, options)
+
+
+# --------------------------------------------------------------------------- root
+
+
+def _lineage_json(lineage: Lineage | None) -> dict[str, Any] | None:
+    return None if lineage is None else lineage.model_dump(mode="json")
+
+
+def entry_json(
+    storage: Storage, entry: CheckpointEntry, *, resume: CheckpointEntry | None,
+    since_previous: float | None = None,
+) -> dict[str, Any]:
+    """The JSON object of one checkpoint entry (the ``checkpoints`` items)."""
+    manifest = entry.manifest
+    walked = None if manifest is not None else sum(
+        size for _, size in storage.walk_files(entry.name)
+    )
+    return {
+        "step": entry.step,
+        "name": entry.name,
+        "status": entry.status,
+        "path": entry.path,
+        "bytes": manifest.total_bytes if manifest is not None else walked,
+        "files": len(manifest.files) if manifest is not None else None,
+        "world_size": None if manifest is None else manifest.world_size,
+        "created_at": None if manifest is None else manifest.created_at.isoformat(),
+        "reason": None if manifest is None else manifest.reason.value,
+        "lineage": _lineage_json(None if manifest is None else manifest.lineage),
+        "problem": entry.problem,
+        "resume_from": resume is not None and entry.name == resume.name,
+        "seconds_since_previous": since_previous,
+    }
+
+
+@dataclass
+class _Run:
+    """Consecutive committed checkpoints written by one job restart (or one process)."""
+
+    lineage: Lineage
+    manifests: list[Manifest] = field(default_factory=list)
+    gap_before: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        created = [m.created_at for m in self.manifests]
+        gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(created)]
+        return {
+            "slurm_job_id": self.lineage.slurm_job_id,
+            "slurm_restart_count": self.lineage.slurm_restart_count,
+            "hostname": self.lineage.hostname,
+            "pid": self.lineage.pid,
+            "launcher": self.lineage.launcher,
+            "resumed_from_step": self.lineage.resumed_from_step,
+            "steps": [m.step for m in self.manifests],
+            "first_step": self.manifests[0].step,
+            "last_step": self.manifests[-1].step,
+            "saves": len(self.manifests),
+            "first_created_at": created[0].isoformat(),
+            "last_created_at": created[-1].isoformat(),
+            "mean_seconds_between_saves": sum(gaps) / len(gaps) if gaps else None,
+            "seconds_since_previous_run": self.gap_before,
+        }
+
+
+def _run_key(lineage: Lineage) -> tuple[object, ...]:
+    if lineage.slurm_job_id is not None:
+        return ("slurm", lineage.slurm_job_id, lineage.slurm_restart_count)
+    return ("process", lineage.hostname, lineage.pid)
+
+
+def chain_of(manifests: list[Manifest]) -> list[dict[str, Any]]:
+    """Group committed checkpoints (in step order) into runs: one per job restart.
+
+    A run is a maximal sequence of consecutive checkpoints with the same SLURM job id and
+    restart count (or, outside SLURM, the same host and process id).
+
+    Returns:
+        One JSON object per run (the ``chain`` items of ``inspect --json``).
+    """
+    runs: list[_Run] = []
+    for manifest in manifests:
+        if runs and _run_key(runs[-1].lineage) == _run_key(manifest.lineage):
+            runs[-1].manifests.append(manifest)
+            continue
+        gap = None
+        if runs:
+            gap = (manifest.created_at - runs[-1].manifests[-1].created_at).total_seconds()
+        runs.append(_Run(manifest.lineage, [manifest], gap))
+    return [item.to_json() for item in runs]
+
+
+def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
+    storage = target.storage
+    entries = target.entries()
+    committed = [entry for entry in entries if entry.status == "committed"]
+    resume = committed[-1] if committed else None
+    previous: datetime | None = None
+    rows = []
+    for entry in entries:
+        since = None
+        if entry.manifest is not None and entry.status == "committed":
+            created = entry.manifest.created_at
+            since = None if previous is None else (created - previous).total_seconds()
+            previous = created
+        rows.append(entry_json(storage, entry, resume=resume, since_previous=since))
+    chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
+    corrupt = [entry for entry in entries if entry.status == "corrupt"]
+    if args.json:
+        emit_json({
+            "schema": SCHEMA,
+            "kind": "root",
+            "root": storage.path(),
+            "name_format": target.name_format.template,
+            "resume_from": None if resume is None else resume.step,
+            "checkpoints": rows,
+            "chain": chain,
+        })
+    else:
+        _print_root(storage, target, rows, chain, resume)
+    if corrupt:
+        first = corrupt[0]
+        raise CorruptCheckpointError(
+            f"{len(corrupt)} corrupt checkpoint(s) under {storage.path()}; first: "
+            f"{first.name}: {first.problem}", path=first.path, step=first.step,
+        )
+    return 0
+
+
+def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str, Any]],
+                chain: list[dict[str, Any]], resume: CheckpointEntry | None) -> None:
+    out = console()
+    out.print(f"Checkpoint root {storage.path()} (names: {target.name_format.template})")
+    if not rows:
+        out.print("No checkpoints: the next run starts fresh.")
+        return
+    grid = table("", "step", "status", "size", "world", "created (UTC)", "reason",
+                 "slurm job", "restart", "resumed from", "since prev", "note")
+    for row in rows:
+        lineage = row["lineage"] or {}
+        created = row["created_at"]
+        grid.add_row(
+            "*" if row["resume_from"] else "",
+            str(row["step"]),
+            status_text(row["status"]),
+            format_bytes(row["bytes"]),
+            or_dash(row["world_size"]),
+            "-" if created is None else format_time(datetime.fromisoformat(created)),
+            or_dash(row["reason"]),
+            or_dash(lineage.get("slurm_job_id")),
+            or_dash(lineage.get("slurm_restart_count")),
+            or_dash(lineage.get("resumed_from_step")),
+            format_seconds(row["seconds_since_previous"]),
+            row["problem"] or "",
+        )
+    out.print(grid)
+    if resume is None:
+        out.print("No committed checkpoint: the next run starts fresh"
+                  + (" (or imports the newest legacy weights)." if any(
+                      row["status"] == "legacy" for row in rows) else "."))
+    else:
+        out.print(f"* the next run resumes from step {resume.step} ({resume.path})")
+    if not chain:
+        return
+    runs = table("run", "slurm job", "restart", "host", "resumed from", "steps", "saves",
+                 "first save (UTC)", "last save (UTC)", "mean between saves",
+                 "gap before", title="Requeue chain")
+    for number, item in enumerate(chain, start=1):
+        runs.add_row(
+            str(number),
+            or_dash(item["slurm_job_id"]),
+            or_dash(item["slurm_restart_count"]),
+            f"{item['hostname']}:{item['pid']}",
+            or_dash(item["resumed_from_step"]),
+            f"{item['first_step']}-{item['last_step']}" if item["saves"] > 1
+            else str(item["first_step"]),
+            str(item["saves"]),
+            format_time(datetime.fromisoformat(item["first_created_at"])),
+            format_time(datetime.fromisoformat(item["last_created_at"])),
+            format_seconds(item["mean_seconds_between_saves"]),
+            format_seconds(item["seconds_since_previous_run"]),
+        )
+    out.print()
+    out.print(runs)
+
+
+# --------------------------------------------------------------------------- one checkpoint
+
+
+def _rank_of(path: str) -> int | None:
+    match = _RANK_FILE.search(path)
+    return None if match is None else int(match.group(1))
+
+
+def _rng_streams(rng: Any) -> list[str]:
+    if not isinstance(rng, dict):
+        return []
+    streams = [key for key in ("python", "numpy", "torch") if rng.get(key) is not None]
+    cuda = rng.get("cuda")
+    if isinstance(cuda, list) and cuda:
+        streams.append(f"cuda x{len(cuda)}")
+    generators = rng.get("generators")
+    if isinstance(generators, dict):
+        streams.extend(f"generator:{name}" for name in generators)
+    return streams
+
+
+def _model_summary(manifest: Manifest) -> dict[str, Any]:
+    params = manifest.fingerprint.get("params")
+    if not isinstance(params, dict):
+        return {"tensors": None, "bytes": None, "elements": None}
+    total_bytes = 0
+    elements = 0
+    for spec in params.values():
+        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], list)):
+            continue
+        count = 1
+        for size in spec[0]:
+            count *= int(size) if isinstance(size, int) else 0
+        dtype = getattr(torch, str(spec[1]), None)
+        elements += count
+        if isinstance(dtype, torch.dtype):
+            total_bytes += count * dtype.itemsize
+    return {"tensors": len(params), "bytes": total_bytes, "elements": elements}
+
+
+def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
+    manifest = entry.manifest
+    assert manifest is not None
+    contents = dict(manifest.state)
+    listed = {item.path for item in manifest.files}
+    train: dict[str, Any] | None = None
+    if TRAIN_STATE_FILE in listed:
+        relative = f"{entry.name}/{manifest.data_path(TRAIN_STATE_FILE)}"
+        loaded = load_plain(storage.read_bytes(relative), source=storage.path(relative))
+        if isinstance(loaded, dict):
+            scheduler = loaded.get("scheduler")
+            train = {
+                "step": plain(loaded.get("step")),
+                "micro_step": plain(loaded.get("micro_step")),
+                "world_size": plain(loaded.get("world_size")),
+                "scheduler": None if scheduler is None else plain(scheduler),
+            }
+    rank_files = sorted(
+        (rank, path) for path in listed if path.startswith(f"{RANK_STATE_DIR}/")
+        for rank in [_rank_of(path)] if rank is not None
+    )
+    ranks = []
+    for rank, path in rank_files[:_MAX_RANKS_SHOWN]:
+        relative = f"{entry.name}/{manifest.data_path(path)}"
+        loaded = load_plain(storage.read_bytes(relative), source=storage.path(relative))
+        state = loaded if isinstance(loaded, dict) else {}
+        ranks.append({"rank": rank, "file": path, "rng": _rng_streams(state.get("rng")),
+                      "data": plain(state.get("data"))})
+    return {
+        "holds": plain(contents),
+        "model": _model_summary(manifest),
+        "train_state": train,
+        "rank_files": len(rank_files),
+        "ranks": ranks,
+        "ranks_shown": len(ranks),
+        "extras": manifest.extras,
+        "config": manifest.fingerprint.get("config"),
+    }
+
+
+def _tensors_json(storage: Storage, entry: CheckpointEntry,
+                  options: dict[str, Any]) -> list[dict[str, Any]]:
+    if entry.status == "legacy":
+        return _legacy_tensors(storage, entry)
+    index = sharded.read_tensor_index(tensors_url(storage, entry),
+                                      storage_options=options or None)
+    return [
+        {"name": info.fqn, "shape": list(info.shape),
+         "dtype": str(info.dtype).removeprefix("torch."), "bytes": info.nbytes}
+        for info in index.values()
+    ]
+
+
+def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, Any]]:
+    """Read only the JSON headers of a legacy directory's safetensors files."""
+    tensors = []
+    for relative in legacy.find_weight_files(storage, entry.name):
+        with storage.open(relative, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            if size <= 0 or size > _SAFETENSORS_HEADER_LIMIT:
+                raise CorruptCheckpointError(
+                    f"{storage.path(relative)}: not a safetensors file (header size {size})",
+                    path=entry.path, file=relative,
+                )
+            try:
+                header = json.loads(handle.read(size))
+            except ValueError as error:
+                raise CorruptCheckpointError(
+                    f"{storage.path(relative)}: unreadable safetensors header ({error})",
+                    path=entry.path, file=relative,
+                ) from error
+        for name, spec in header.items():
+            if name == "__metadata__" or not isinstance(spec, dict):
+                continue
+            begin, end = spec.get("data_offsets", [0, 0])
+            tensors.append({"name": name, "shape": spec.get("shape"),
+                            "dtype": spec.get("dtype"), "bytes": int(end) - int(begin),
+                            "file": relative.split("/", 1)[1]})
+    return tensors
+
+
+def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
+                 options: dict[str, Any]) -> int:
+    storage = target.storage
+    entry = target.entry
+    assert entry is not None
+    try:
+        newest = [e for e in list_checkpoints(storage, target.name_format)
+                  if e.status == "committed"]
+    except ResumekitError:
+        newest = []
+    resume = newest[-1] if newest else None
+    manifest = entry.manifest
+    document: dict[str, Any] = {
+        "schema": SCHEMA,
+        "kind": "checkpoint",
+        "root": storage.path(),
+        "name_format": target.name_format.template,
+        "resume_from": None if resume is None else resume.step,
+        "checkpoints": [entry_json(storage, entry, resume=resume)],
+        "manifest": None if manifest is None else describe(manifest),
+        "state": None,
+        "files": [
+            {"path": item.path, "bytes": item.size, "checksum": item.checksum}
+            for item in manifest.files
+        ] if manifest is not None else [
+            {"path": path, "bytes": size, "checksum": None}
+            for path, size in storage.walk_files(entry.name)
+        ],
+    }
+    if entry.status == "committed":
+        document["state"] = _state_json(storage, entry)
+    if args.tensors and entry.status in ("committed", "legacy"):
+        document["tensors"] = _tensors_json(storage, entry, options)
+    if args.json:
+        emit_json(document)
+    else:
+        _print_one(entry, document)
+    if entry.status not in ("committed", "legacy"):
+        raise CorruptCheckpointError(
+            f"{entry.path} is not a committed checkpoint ({entry.status}: {entry.problem})",
+            path=entry.path, step=entry.step,
+        )
+    return 0
+
+
+def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
+    out = console()
+    row = document["checkpoints"][0]
+    head = Text(f"Checkpoint {entry.path}\n  step {entry.step}  ")
+    head.append_text(status_text(entry.status))
+    head.append(f"  {format_bytes(row['bytes'])} in {len(document['files'])} files")
+    if entry.problem:
+        head.append(f"\n  problem: {entry.problem}")
+    out.print(head)
+    manifest = entry.manifest
+    resume = document["resume_from"]
+    if manifest is not None:
+        lineage = manifest.lineage
+        facts = Table.grid(padding=(0, 2))
+        facts.add_column(style="bold")
+        facts.add_column()
+        facts.add_row("created (UTC)", format_time(manifest.created_at))
+        facts.add_row("reason", manifest.reason.value)
+        facts.add_row("world size", str(manifest.world_size))
+        facts.add_row("lineage", f"host {lineage.hostname}, pid {lineage.pid}, slurm job "
+                      f"{or_dash(lineage.slurm_job_id)}, restart "
+                      f"{or_dash(lineage.slurm_restart_count)}, resumed from step "
+                      f"{or_dash(lineage.resumed_from_step)}, launcher "
+                      f"{or_dash(lineage.launcher)}")
+        facts.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+        facts.add_row("schema", str(manifest.schema_version))
+        if manifest.data_dir != ".":
+            facts.add_row("data dir", manifest.data_dir)
+        facts.add_row("next resume", "-" if resume is None else
+                      f"step {resume}" + (" (this one)" if resume == entry.step else ""))
+        out.print(facts)
+    state = document["state"]
+    if state is not None:
+        _print_state(state)
+    files = table("file", "size", "checksum", title="Files")
+    for item in document["files"]:
+        files.add_row(item["path"], format_bytes(item["bytes"]), item["checksum"] or "-")
+    out.print()
+    out.print(files)
+    if "tensors" in document:
+        tensors = table("tensor", "shape", "dtype", "size", title="Tensors (from metadata)")
+        for item in document["tensors"]:
+            tensors.add_row(item["name"], "x".join(str(s) for s in item["shape"] or [])
+                            or "scalar", str(item["dtype"]), format_bytes(item["bytes"]))
+        total = sum(int(item["bytes"]) for item in document["tensors"])
+        out.print()
+        out.print(tensors)
+        out.print(f"{len(document['tensors'])} tensors, {format_bytes(total)}")
+
+
+def _print_state(state: dict[str, Any]) -> None:
+    out = console()
+    holds = state["holds"]
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    model = state["model"]
+    if holds.get("model"):
+        detail = "yes" if model["tensors"] is None else (
+            f"{model['tensors']} tensors, {model['elements']:,} elements, "
+            f"{format_bytes(model['bytes'])}")
+        grid.add_row("model", detail)
+    else:
+        grid.add_row("model", "no")
+    grid.add_row("optimizer", "yes" if holds.get("optimizer") else "no")
+    train = state["train_state"]
+    scheduler = "no"
+    if holds.get("scheduler") and train is not None and train["scheduler"] is not None:
+        keys = train["scheduler"]
+        scheduler = "yes" + (f" (last_lr {keys.get('_last_lr')}, epoch "
+                             f"{keys.get('last_epoch')})" if isinstance(keys, dict) else "")
+    grid.add_row("scheduler", scheduler)
+    if train is not None:
+        grid.add_row("train state", f"step {train['step']}, micro_step {train['micro_step']}, "
+                     f"world size {train['world_size']}")
+    grid.add_row("data position", "yes" if holds.get("data") else "no")
+    for rank in state["ranks"]:
+        data = rank["data"]
+        grid.add_row(f"  rank {rank['rank']}",
+                     f"rng: {', '.join(rank['rng']) or '-'}; data: "
+                     f"{'-' if data is None else json.dumps(data)}")
+    if state["rank_files"] > state["ranks_shown"]:
+        grid.add_row("", f"... and {state['rank_files'] - state['ranks_shown']} more ranks")
+    grid.add_row("extras", json.dumps(state["extras"]) if state["extras"] else "-")
+    config = state["config"]
+    grid.add_row("config", "-" if not config else json.dumps(config))
+    out.print()
+    out.print(Text("State", style="bold"))
+    out.print(grid)

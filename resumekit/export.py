@@ -1,0 +1,699 @@
+"""Consolidate a sharded checkpoint's model weights into safetensors files.
+
+A resumekit checkpoint keeps the model sharded the way the ranks held it (DCP: one file
+per rank plus ``.metadata``). Inference code wants whole tensors in safetensors files.
+:func:`export_checkpoint` produces them **without a process group** and with memory
+bounded by the largest tensor, not the model:
+
+1. the tensor index (names, global shapes, dtypes) is read from the checkpoint metadata
+   through the allow-list unpickler - no tensor data, no code from the checkpoint;
+2. the tensors are packed, in checkpoint order, into output files of at most
+   ``max_shard_bytes`` (a tensor larger than that gets a file of its own), so every
+   file's safetensors header (names, dtypes, shapes, byte offsets) is known up front;
+3. each file is written as header first, then each tensor's bytes streamed in order:
+   one tensor is assembled from its shards (:func:`resumekit.sharded.iter_full_tensors`),
+   cast if asked, written, and dropped before the next is read.
+
+Peak memory is therefore about one full tensor as stored plus its cast copy (at most
+twice the largest tensor), whatever the model's size. Output layouts:
+
+* ``plain``: ``OUT/model.safetensors``, or ``OUT/model-00001-of-0000N.safetensors`` and
+  ``OUT/model.safetensors.index.json`` when split (the Hugging Face convention);
+* ``diffusers``: ``OUT/transformer/diffusion_pytorch_model.safetensors`` (split the same
+  way, with ``diffusion_pytorch_model.safetensors.index.json``) and
+  ``OUT/transformer/config.json`` - LingBot-VA's upstream inference layout, which
+  :mod:`resumekit.legacy` also imports.
+
+Keys are the model's own parameter names (the checkpoint's ``model.`` prefix removed), so
+``model.load_state_dict(safetensors.torch.load_file(...))`` works on the unwrapped model.
+Floating-point tensors are cast to ``dtype`` when one is given; integer and boolean
+tensors (buffers such as counters) keep theirs. Byte order is the machine's (little-endian
+on every platform PyTorch supports), as safetensors requires.
+
+This module also finds checkpoints for the command line: :func:`open_target` tells a
+checkpoint root from one checkpoint directory and detects the step-name format, and
+:func:`select_committed` picks the committed checkpoint of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import secrets
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from resumekit import sharded
+from resumekit.catalog import CheckpointEntry, list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    ConfigurationError,
+    CorruptCheckpointError,
+    ManifestError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from resumekit.layout import DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT, NameFormat
+from resumekit.manifest import MANIFEST_NAME, Manifest
+from resumekit.state import TENSORS_DIR
+from resumekit.storage import Storage
+
+__all__ = [
+    "DEFAULT_MAX_SHARD_BYTES",
+    "DEFAULT_NAME_FORMATS",
+    "MODEL_PREFIX",
+    "SAFETENSORS_DTYPES",
+    "CheckpointTarget",
+    "ExportLayout",
+    "ExportResult",
+    "export_checkpoint",
+    "open_target",
+    "parse_dtype",
+    "plan_shards",
+    "select_committed",
+    "tensors_url",
+]
+
+ExportLayout = Literal["plain", "diffusers"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""Largest output file (5 GiB) before the export is split into several files."""
+
+DEFAULT_NAME_FORMATS = (DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT)
+"""Step-name formats tried, in order, when none is given."""
+
+MODEL_PREFIX = "model."
+"""Prefix of model tensors in a checkpoint's tensor index (removed on export)."""
+
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+"""The safetensors name of every dtype an export can write."""
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp64": torch.float64,
+    "float64": torch.float64,
+}
+
+_LAYOUT_FILES: dict[str, tuple[str, str]] = {
+    # layout -> (sub-directory, file stem)
+    "plain": ("", "model"),
+    "diffusers": ("transformer", "diffusion_pytorch_model"),
+}
+_CONFIG_NAME = "config.json"
+_CONFIG_SOURCES = ("extras.model_config", "fingerprint.config.model", "fingerprint.config")
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a path given by a user points at.
+
+    Attributes:
+        storage: The checkpoint root (the parent directory when ``entry`` is set).
+        name_format: The step-name format detected (or given).
+        entry: The one checkpoint directory pointed at, or None for a root.
+    """
+
+    storage: Storage
+    name_format: NameFormat
+    entry: CheckpointEntry | None = None
+
+    @property
+    def is_root(self) -> bool:
+        """True when the path is a checkpoint root rather than one checkpoint."""
+        return self.entry is None
+
+    def entries(self) -> list[CheckpointEntry]:
+        """List the root's entries (for a single checkpoint: that one)."""
+        if self.entry is not None:
+            return [self.entry]
+        return list_checkpoints(self.storage, self.name_format)
+
+
+def _formats(name_format: str | NameFormat | None) -> list[NameFormat]:
+    if isinstance(name_format, NameFormat):
+        return [name_format]
+    if name_format is not None:
+        return [NameFormat(name_format)]
+    return [NameFormat(template) for template in DEFAULT_NAME_FORMATS]
+
+
+def _parses(name_format: NameFormat, name: str) -> bool:
+    return name_format.parse(name) is not None or name_format.parse_hidden(name) is not None
+
+
+def _split_parent(url: str) -> tuple[str, str]:
+    trimmed = url.rstrip("/")
+    if "://" in trimmed:
+        protocol, rest = trimmed.split("://", 1)
+        parent, _, name = rest.rpartition("/")
+        return f"{protocol}://{parent}", name
+    absolute = os.path.abspath(trimmed)
+    return os.path.dirname(absolute), os.path.basename(absolute)
+
+
+def open_target(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    name_format: str | NameFormat | None = None,
+) -> CheckpointTarget:
+    """Decide whether ``path`` is a checkpoint root or one checkpoint directory.
+
+    A directory holding ``manifest.json``, or whose name parses as a step (work in
+    progress included), is one checkpoint; any other directory is a root. Without
+    ``name_format``, ``step_{step:09d}`` and ``checkpoint_step_{step}`` are tried: for a
+    root, the one that names more of its directories wins (ties go to the first).
+
+    Args:
+        path: A local path or fsspec URL (``s3://bucket/run``).
+        storage_options: fsspec options (e.g. ``endpoint_url``).
+        name_format: The step-name template, if known.
+
+    Returns:
+        The target; for one checkpoint, its entry as the catalog classifies it.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist, or is a directory with a
+            manifest-like name that is not a checkpoint.
+        StorageError: ``path`` is a file, or cannot be read.
+    """
+    url = os.fspath(path)
+    options = dict(storage_options or {})
+    storage = Storage(url, options)
+    if not storage.exists():
+        raise CheckpointNotFoundError(f"{storage.path()} does not exist", path=storage.path())
+    if not storage.is_dir():
+        raise StorageError(
+            f"{storage.path()} is a file, not a checkpoint directory or root",
+            path=storage.path(), operation="inspect",
+        )
+    candidates = _formats(name_format)
+    parent_url, name = _split_parent(url)
+    own = [fmt for fmt in candidates if _parses(fmt, name)]
+    if storage.exists(MANIFEST_NAME) or own:
+        parent = Storage(parent_url, options)
+        fmt = own[0] if own else candidates[0]
+        return CheckpointTarget(parent, fmt, _entry_of(parent, fmt, name))
+    names = [info.name for info in storage.list_dir() if info.is_dir]
+    scores = [sum(_parses(fmt, entry) for entry in names) for fmt in candidates]
+    best = candidates[scores.index(max(scores))]
+    return CheckpointTarget(storage, best)
+
+
+def _entry_of(parent: Storage, name_format: NameFormat, name: str) -> CheckpointEntry:
+    legacy = NameFormat(LEGACY_NAME_FORMAT)
+    for entry in list_checkpoints(parent, name_format, legacy_format=legacy):
+        if entry.name == name:
+            return entry
+    # Not a step name of this format: a directory with a manifest, under any name.
+    path = parent.path(name)
+    try:
+        manifest = read_manifest(parent, name)
+    except (ManifestError, UnsafeCheckpointError) as error:
+        return CheckpointEntry(-1, name, path, "corrupt", problem=str(error))
+    except CheckpointNotFoundError:
+        raise
+    if not parent.exists(f"{name}/{MANIFEST_NAME}"):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint", path=path)
+    return CheckpointEntry(manifest.step, name, path, "committed", manifest=manifest)
+
+
+def select_committed(target: CheckpointTarget, step: int | None = None) -> CheckpointEntry:
+    """Return the committed checkpoint of ``step`` (newest when None) of a target.
+
+    For a single-checkpoint target, ``step`` (if given) must be its step.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint of that step.
+        ManifestError: The checkpoint pointed at is not committed (its problem named).
+        UnsafeCheckpointError: Its manifest lists a path outside its directory.
+    """
+    where = target.storage.path()
+    if target.entry is not None:
+        entry = target.entry
+        if step is not None and entry.step != step:
+            raise CheckpointNotFoundError(
+                f"{entry.path} is step {entry.step}, not step {step}",
+                path=entry.path, step=step,
+            )
+        if entry.status != "committed":
+            _raise_not_committed(entry)
+        return entry
+    entries = target.entries()
+    if step is not None:
+        matching = [entry for entry in entries if entry.step == step]
+        committed = [entry for entry in matching if entry.status == "committed"]
+        if committed:
+            return committed[-1]
+        if matching:
+            _raise_not_committed(matching[-1])
+        raise CheckpointNotFoundError(
+            f"no checkpoint of step {step} under {where} (name format "
+            f"{target.name_format.template!r})", path=where, step=step,
+        )
+    committed = [entry for entry in entries if entry.status == "committed"]
+    if not committed:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {where} (name format "
+            f"{target.name_format.template!r})", path=where,
+        )
+    return committed[-1]
+
+
+def _raise_not_committed(entry: CheckpointEntry) -> None:
+    problem = entry.problem or "no valid manifest.json"
+    if "unsafe path" in problem:
+        raise UnsafeCheckpointError(problem, path=entry.path, step=entry.step)
+    raise ManifestError(
+        f"{entry.path} is not a committed checkpoint ({entry.status}: {problem})",
+        path=entry.path, step=entry.step,
+    )
+
+
+def tensors_url(storage: Storage, entry: CheckpointEntry) -> str:
+    """Return the URL of the DCP tensor directory of a committed checkpoint."""
+    if entry.manifest is None:
+        raise ManifestError(f"{entry.path} has no manifest", path=entry.path)
+    return storage.url_of(f"{entry.name}/{entry.manifest.data_path(TENSORS_DIR)}")
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """Return the torch dtype named by ``dtype`` (``bf16``, ``fp32``...); None keeps.
+
+    Raises:
+        ConfigurationError: An unknown name, or a dtype safetensors cannot store.
+    """
+    if dtype is None or dtype == "keep":
+        return None
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        found = _DTYPE_NAMES.get(dtype.lower())
+        if found is None:
+            raise ConfigurationError(
+                f"dtype {dtype!r} is not one of {sorted(_DTYPE_NAMES)} or 'keep'",
+                name="dtype", value=dtype,
+            )
+        resolved = found
+    if not resolved.is_floating_point or resolved not in SAFETENSORS_DTYPES:
+        raise ConfigurationError(
+            f"dtype {resolved} cannot be an export dtype (a floating-point safetensors "
+            "dtype is needed)", name="dtype", value=str(dtype),
+        )
+    return resolved
+
+
+@dataclass(frozen=True)
+class _PlannedTensor:
+    source: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+
+
+@dataclass
+class _PlannedFile:
+    tensors: list[_PlannedTensor] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in self.tensors)
+
+
+def _output_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    if wanted is not None and stored.is_floating_point:
+        return wanted
+    return stored
+
+
+def plan_shards(
+    index: Mapping[str, sharded.TensorInfo],
+    *,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[list[tuple[str, str, tuple[int, ...], torch.dtype, int]]]:
+    """Pack the model tensors of a tensor index into output files.
+
+    Tensors keep checkpoint order; a file is closed when the next tensor would take it
+    past ``max_shard_bytes`` (a tensor larger than the limit gets a file of its own).
+
+    Args:
+        index: :func:`resumekit.sharded.read_tensor_index` output.
+        dtype: Output dtype of floating-point tensors (None keeps the stored one).
+        max_shard_bytes: Largest file payload before splitting.
+
+    Returns:
+        One list per file of ``(checkpoint name, output name, shape, output dtype,
+        output bytes)``.
+
+    Raises:
+        ConfigurationError: ``max_shard_bytes`` is not positive, or a tensor's dtype has
+            no safetensors name.
+    """
+    return [
+        [(t.source, t.name, t.shape, t.dtype, t.nbytes) for t in planned.tensors]
+        for planned in _plan(index, dtype, max_shard_bytes)
+    ]
+
+
+def _plan(
+    index: Mapping[str, sharded.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int
+) -> list[_PlannedFile]:
+    if max_shard_bytes < 1:
+        raise ConfigurationError(
+            f"max_shard_bytes must be >= 1, got {max_shard_bytes}",
+            name="max_shard_bytes", value=max_shard_bytes,
+        )
+    files: list[_PlannedFile] = [_PlannedFile()]
+    for fqn, info in index.items():
+        if not fqn.startswith(MODEL_PREFIX):
+            continue
+        out_dtype = _output_dtype(info.dtype, dtype)
+        if out_dtype not in SAFETENSORS_DTYPES:
+            raise ConfigurationError(
+                f"tensor {fqn!r} has dtype {out_dtype}, which safetensors cannot store",
+                name="dtype", value=str(out_dtype),
+            )
+        numel = 1
+        for size in info.shape:
+            numel *= size
+        planned = _PlannedTensor(fqn, fqn[len(MODEL_PREFIX):], info.shape, out_dtype,
+                                 numel * out_dtype.itemsize)
+        current = files[-1]
+        if current.tensors and current.nbytes + planned.nbytes > max_shard_bytes:
+            current = _PlannedFile()
+            files.append(current)
+        current.tensors.append(planned)
+    return [planned for planned in files if planned.tensors]
+
+
+def _header(planned: _PlannedFile, metadata: Mapping[str, str]) -> bytes:
+    document: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for tensor in planned.tensors:
+        document[tensor.name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    encoded = json.dumps(document, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)  # keep the data 8-byte aligned
+    return len(encoded).to_bytes(8, "little") + encoded
+
+
+def _file_names(layout: str, count: int) -> list[str]:
+    _, stem = _LAYOUT_FILES[layout]
+    if count == 1:
+        return [f"{stem}.safetensors"]
+    return [f"{stem}-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+# --------------------------------------------------------------------------- export
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_checkpoint` wrote.
+
+    Attributes:
+        step: The checkpoint step exported.
+        source: The checkpoint directory read.
+        out: The directory holding the weight files (``OUT/transformer`` for diffusers).
+        files: Weight files written, relative to ``out``, in order.
+        index: The ``*.safetensors.index.json`` written (relative to ``out``), if split.
+        config: The ``config.json`` written (diffusers layout), relative to ``out``.
+        config_source: Where the config came from (``extras.model_config``,
+            ``fingerprint.config.model``, ``fingerprint.config``), or None when the
+            manifest held none and only resumekit's own keys were written.
+        tensors: Number of tensors written.
+        total_bytes: Tensor bytes written (headers excluded).
+        largest_tensor_bytes: The largest tensor as stored in the checkpoint: the unit
+            the export's memory use is bounded by.
+        weight_map: ``{tensor name: file}`` of every tensor written.
+    """
+
+    step: int
+    source: str
+    out: str
+    files: list[str]
+    index: str | None
+    config: str | None
+    config_source: str | None
+    tensors: int
+    total_bytes: int
+    largest_tensor_bytes: int
+    weight_map: dict[str, str]
+
+
+def _config_for(manifest: Manifest) -> tuple[dict[str, Any], str | None]:
+    roots: dict[str, Any] = {"extras": manifest.extras, "fingerprint": manifest.fingerprint}
+    for source in _CONFIG_SOURCES:
+        value: Any = roots
+        for part in source.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, dict) and value:
+            return dict(value), source
+    return {}, None
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data
+
+
+def export_checkpoint(
+    root_or_dir: str | os.PathLike[str],
+    step: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    layout: ExportLayout = "plain",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: Callable[[int, int], None] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    out_storage_options: Mapping[str, Any] | None = None,
+    name_format: str | NameFormat | None = None,
+    overwrite: bool = False,
+    verify: bool = False,
+) -> ExportResult:
+    """Write a checkpoint's model weights as consolidated safetensors files.
+
+    Needs no process group: any single process can export a checkpoint written by any
+    number of ranks. Memory is bounded by the largest tensor (see the module docstring).
+
+    Args:
+        root_or_dir: A checkpoint root or one checkpoint directory (path or fsspec URL).
+        step: The step to export; None exports the newest committed checkpoint of a root
+            (or the directory given).
+        out: Output directory (path or fsspec URL); created if needed.
+        dtype: Cast floating-point tensors to ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
+            torch dtype); None or ``"keep"`` writes them as stored.
+        layout: ``"plain"`` (``model.safetensors``) or ``"diffusers"``
+            (``transformer/diffusion_pytorch_model.safetensors`` + ``config.json``).
+        max_shard_bytes: Split into several files (plus an index) above this size.
+        progress: Called as ``progress(done, total)`` after each tensor: tensor bytes
+            written so far and in all.
+        storage_options: fsspec options for reading the checkpoint.
+        out_storage_options: fsspec options for ``out`` (default: ``storage_options``).
+        name_format: Step-name template of the root (detected when None).
+        overwrite: Replace existing exported weights in ``out``; otherwise they are an
+            error. Old files of the same layout are removed first.
+        verify: Re-hash the checkpoint's files against its manifest before exporting.
+
+    Returns:
+        What was written.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint of ``step``, or it holds no
+            model tensors.
+        UnsafeCheckpointError: The checkpoint's metadata would run code, or its manifest
+            lists a path outside its directory (nothing is written).
+        ConfigurationError: A bad ``dtype``, ``layout`` or ``max_shard_bytes``, or ``out``
+            already holds an export and ``overwrite`` is False.
+        CorruptCheckpointError: A shard is unreadable, or fails verification.
+    """
+    if out is None:
+        raise ConfigurationError("export needs an output directory (out)", name="out",
+                                 value=None)
+    if layout not in _LAYOUT_FILES:
+        raise ConfigurationError(
+            f"layout {layout!r} is not one of {sorted(_LAYOUT_FILES)}", name="layout",
+            value=layout,
+        )
+    wanted = parse_dtype(dtype)
+    target = open_target(root_or_dir, storage_options=storage_options,
+                         name_format=name_format)
+    entry = select_committed(target, step)
+    assert entry.manifest is not None  # committed entries carry their manifest
+    manifest = entry.manifest
+    if verify:
+        verify_checkpoint(target.storage, entry.name, manifest=manifest)
+    source = tensors_url(target.storage, entry)
+    index = sharded.read_tensor_index(source, storage_options=storage_options)
+    files = _plan(index, wanted, max_shard_bytes)
+    if not files:
+        raise CheckpointNotFoundError(
+            f"{entry.path} (step {entry.step}) holds no model tensors to export",
+            path=entry.path, step=entry.step,
+        )
+    subdir, stem = _LAYOUT_FILES[layout]
+    options = dict(storage_options or {}) if out_storage_options is None \
+        else dict(out_storage_options)
+    out_url = os.fspath(out)
+    base = Storage(out_url, options)
+    out_store = base if not subdir else Storage(_join(out_url, subdir), options)
+    _clear_previous(out_store, stem, overwrite)
+    names = _file_names(layout, len(files))
+    metadata = {"format": "pt", "resumekit_step": str(entry.step),
+                "resumekit_source": entry.path}
+    weight_map: dict[str, str] = {}
+    order = [tensor for planned in files for tensor in planned.tensors]
+    stream = sharded.iter_full_tensors(source, [t.source for t in order],
+                                       storage_options=storage_options)
+    largest = max(info.nbytes for fqn, info in index.items() if fqn.startswith(MODEL_PREFIX))
+    total = sum(planned.nbytes for planned in files)
+    written = 0
+
+    def advance(count: int) -> None:
+        nonlocal written
+        written += count
+        if progress is not None:
+            progress(written, total)
+
+    for planned, name in zip(files, names, strict=True):
+        _write_file(out_store, name, planned, metadata=metadata, stream=stream,
+                    progress=advance)
+        weight_map.update({tensor.name: name for tensor in planned.tensors})
+    index_name: str | None = None
+    if len(files) > 1:
+        index_name = f"{stem}.safetensors.index.json"
+        document = {"metadata": {"total_size": total, "resumekit_step": entry.step},
+                    "weight_map": weight_map}
+        out_store.write_bytes(index_name, _json_bytes(document))
+    config_name: str | None = None
+    config_source: str | None = None
+    if layout == "diffusers":
+        config, config_source = _config_for(manifest)
+        config["_resumekit"] = {"step": entry.step, "source": entry.path,
+                                "config_source": config_source}
+        config_name = _CONFIG_NAME
+        out_store.write_bytes(config_name, _json_bytes(config))
+    return ExportResult(
+        step=entry.step, source=entry.path, out=out_store.path(), files=names,
+        index=index_name, config=config_name, config_source=config_source,
+        tensors=len(order), total_bytes=total, largest_tensor_bytes=largest,
+        weight_map=weight_map,
+    )
+
+
+def _join(url: str, name: str) -> str:
+    if "://" in url:
+        return posixpath.join(url.rstrip("/"), name)
+    return os.path.join(url, name)
+
+
+def _json_bytes(document: Mapping[str, Any]) -> bytes:
+    return json.dumps(document, indent=2, sort_keys=False).encode("utf-8") + b"\n"
+
+
+def _clear_previous(out_store: Storage, stem: str, overwrite: bool) -> None:
+    """Refuse (or, with ``overwrite``, remove) weights a previous export left in ``out``."""
+    previous = [
+        info.name for info in out_store.list_dir()
+        if not info.is_dir and info.name.startswith(stem)
+        and (info.name.endswith(".safetensors") or info.name.endswith(".safetensors.index.json"))
+    ]
+    if previous and not overwrite:
+        raise ConfigurationError(
+            f"{out_store.path(previous[0])} already exists; pass overwrite=True "
+            f"(--overwrite) to replace the export in {out_store.path()}",
+            name="out", value=out_store.path(),
+        )
+    for name in previous:
+        out_store.remove_file(name)
+
+
+def _write_file(
+    out_store: Storage,
+    name: str,
+    planned: _PlannedFile,
+    *,
+    metadata: Mapping[str, str],
+    stream: Any,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Write one safetensors file: header, then each tensor's bytes in planned order.
+
+    Locally the file is written under a hidden temporary name and renamed into place, so
+    a crash never leaves a truncated file under the final name; an object store makes the
+    object visible only when its upload completes.
+    """
+    temporary = f".{name}.tmp-{secrets.token_hex(4)}" if out_store.is_local else name
+    try:
+        with out_store.open(temporary, "wb") as handle:
+            handle.write(_header(planned, metadata))
+            for tensor_plan in planned.tensors:
+                fqn, tensor = next(stream)
+                if fqn != tensor_plan.source:
+                    raise CorruptCheckpointError(
+                        f"expected tensor {tensor_plan.source!r} from the checkpoint, "
+                        f"read {fqn!r}", file=name, key=fqn,
+                    )
+                if tuple(tensor.shape) != tensor_plan.shape:
+                    raise CorruptCheckpointError(
+                        f"tensor {fqn!r} has shape {tuple(tensor.shape)}, its metadata says "
+                        f"{tensor_plan.shape}", file=name, key=fqn,
+                    )
+                converted = tensor if tensor.dtype == tensor_plan.dtype \
+                    else tensor.to(tensor_plan.dtype)
+                del tensor  # the stored copy is no longer needed once converted
+                payload = _tensor_bytes(converted)
+                if payload.nbytes != tensor_plan.nbytes:
+                    raise CorruptCheckpointError(
+                        f"tensor {fqn!r} has {payload.nbytes} bytes, {tensor_plan.nbytes} "
+                        "planned", file=name, key=fqn,
+                    )
+                handle.write(payload)
+                del payload, converted
+                if progress is not None:
+                    progress(tensor_plan.nbytes)
+        if temporary != name:
+            out_store.fs.mv(out_store.path(temporary), out_store.path(name))
+    except BaseException:
+        if temporary != name:
+            out_store.remove_file(temporary)
+        raise
+
