@@ -22,6 +22,7 @@ from tests.distributed_harness import run_ranks
 HANDSHAKE_LIMIT_S = 120.0
 SIGNALLED_RANK = 1
 SIGNAL_AFTER_STEP = 5
+GRACE_S = 600.0
 
 
 def _publish(path: Path, text: str) -> None:
@@ -44,7 +45,9 @@ def _train_until_agreed(
 ) -> dict[str, object]:
     init_distributed(timeout=60)
     folder = Path(shared)
-    with PreemptionHandler(poll_every=poll_every, overlap=overlap) as preemption:
+    with PreemptionHandler(
+        poll_every=poll_every, overlap=overlap, grace_period=GRACE_S
+    ) as preemption:
         _publish(folder / f"rank{rank}.pid", str(os.getpid()))
         deadline = time.monotonic() + HANDSHAKE_LIMIT_S
         step = 0
@@ -58,6 +61,11 @@ def _train_until_agreed(
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank}: no agreement by step {step}")
+        seconds_left = preemption.seconds_left()
+        # Only rank 1's last commit is "recent enough": the decision is still shared.
+        skip = preemption.should_skip_emergency_save(
+            1.0 if rank == SIGNALLED_RANK else 3600.0, expected_save_seconds=10.0
+        )
     requeued = requeue_slurm_job(job_id="111606", scontrol=scontrol)
     shutdown()
     return {
@@ -65,6 +73,8 @@ def _train_until_agreed(
         "agreed_step": preemption.agreed_step,
         "signals": [record.name for record in preemption.received],
         "requeued": requeued,
+        "knows_the_deadline": seconds_left is not None and seconds_left <= GRACE_S,
+        "skip": skip,
     }
 
 
@@ -104,6 +114,8 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(
     assert rank0["stop_step"] % poll_every == 0
     assert (rank0["signals"], rank1["signals"]) == ([], ["SIGUSR1"])
     assert (rank0["requeued"], rank1["requeued"]) == (True, False)
+    assert rank0["knows_the_deadline"] is rank1["knows_the_deadline"] is True
+    assert rank0["skip"] is rank1["skip"] is True
     assert calls.read_text().splitlines() == ["requeue 111606"]
 
 
