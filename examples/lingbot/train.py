@@ -503,9 +503,12 @@ def train(args: argparse.Namespace) -> int:
             if ckpt.step_end(done):
                 signals = ", ".join(r.name for r in preemption.received) or "another rank's"
                 if leader:
-                    logger.warning("preempted (%s signal): saved checkpoint_step_%d, exiting "
-                                   "with status %d; rerun the same command to resume",
-                                   signals, done, EXIT_CODE_PREEMPTED)
+                    saved = (f"saved checkpoint_step_{done}" if ckpt.last_saved_step == done
+                             else "emergency save skipped, newest checkpoint is step "
+                                  f"{ckpt.last_saved_step}")
+                    logger.warning("preempted at step %d (%s signal): %s; exiting with status "
+                                   "%d; rerun the same command to resume", done, signals,
+                                   saved, EXIT_CODE_PREEMPTED)
                 progress.close()
                 metrics.close()
                 ckpt.close()
