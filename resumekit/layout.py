@@ -19,9 +19,12 @@ from typing import Literal
 
 from resumekit.errors import ConfigurationError
 
-__all__ = ["DEFAULT_NAME_FORMAT", "LEGACY_NAME_FORMAT", "HiddenName", "NameFormat"]
+__all__ = [
+    "ATTEMPT_PREFIX","DEFAULT_NAME_FORMAT", "LEGACY_NAME_FORMAT", "HiddenName", "NameFormat"]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
+#: Object stores: each save attempt writes its data under ``<step dir>/attempt-<token>/``.
+ATTEMPT_PREFIX = "attempt-"
 LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
 
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[A-Za-z0-9_]+)$")

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from resumekit import distributed
 from resumekit.errors import ConfigurationError, CoordinationError, PreemptionError
+from resumekit.warnings import ResumekitWarning
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -91,7 +92,7 @@ in the time left of the grace period."""
 _VOTE_FIELDS = 4  # flag, step, -step, age of the oldest signal (ms)
 
 
-class EmergencySaveSkippedWarning(UserWarning):
+class EmergencySaveSkippedWarning(ResumekitWarning):
     """An emergency save was skipped (no time left, or the last commit is recent enough)."""
 
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from resumekit.catalog import list_checkpoints
+from resumekit.catalog import CheckpointEntry, list_checkpoints
 from resumekit.commit import WRITER_FILE, recover_interrupted
-from resumekit.layout import NameFormat
+from resumekit.layout import ATTEMPT_PREFIX, NameFormat
 from resumekit.manifest import MANIFEST_NAME
 from resumekit.storage import Storage
 
@@ -168,7 +168,34 @@ def prune(
             report.swept.append(entry.name)
             if not dry_run:
                 storage.remove_tree(entry.name)
+    if not storage.atomic_rename:
+        report.swept.extend(_sweep_attempts(storage, entries, now, sweep_after=sweep_after,
+                                            active_tokens=active_tokens, dry_run=dry_run))
     return report
+
+
+def _sweep_attempts(storage: Storage, entries: Iterable[CheckpointEntry], now: float, *,
+                    sweep_after: float, active_tokens: Iterable[str], dry_run: bool
+                    ) -> list[str]:
+    """Object stores: sweep ``step_X/attempt-<token>/`` prefixes no manifest points to."""
+    swept = []
+    for entry in entries:
+        if entry.name.startswith(".") or entry.status == "legacy":
+            continue
+        published = entry.manifest.data_dir if entry.manifest is not None else None
+        for info in storage.list_dir(entry.name):
+            if not info.is_dir or not info.name.startswith(ATTEMPT_PREFIX) \
+                    or info.name == published:
+                continue
+            name = f"{entry.name}/{info.name}"
+            if now - _started_at(storage, name, now) < sweep_after or _writer_is_alive(
+                storage, name, active_tokens
+            ):
+                continue
+            swept.append(name)
+            if not dry_run:
+                storage.remove_tree(name)
+    return swept
 
 
 def _started_at(storage: Storage, name: str, default: float) -> float:

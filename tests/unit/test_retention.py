@@ -219,11 +219,6 @@ def test_a_dry_run_reports_deletions_and_sweeps_but_deletes_nothing(
     assert store.walk_files() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="retention.prune sweeps only hidden '.<name>.tmp-' directories; object-store "
-    "attempts (step_X/attempt-<token>/) of dead writers are never swept (reported)",
-)
 def test_prune_sweeps_abandoned_attempts_on_an_object_store(dead_pid: int) -> None:
     store = Storage(f"memory://rk-sweep-{os.getpid()}-{time.monotonic_ns()}")
     try:
