@@ -412,8 +412,7 @@ class SlurmCluster:
                 ids = self._run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
                 if ids:
                     self._run(["scancel", *ids], check=False)
-        daemon_pids = {proc.pid for proc in self._daemons.values()}
-        self._kill_leftovers(spare=daemon_pids)
+        self._kill_job_processes()
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self._daemons.get(name)
             if proc is None or proc.poll() is not None:
@@ -426,6 +425,33 @@ class SlurmCluster:
                 proc.wait(timeout=15)
         self._kill_leftovers(spare=set())
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def _kill_job_processes(self) -> None:
+        """SIGKILL slurmstepd and job processes of this cluster, sparing its daemons."""
+        daemon_pids = {proc.pid for proc in self._daemons.values()}
+        self._kill_leftovers(spare=daemon_pids)
+
+    def cancel_all(self, timeout: float = 30.0) -> None:
+        """Cancel every job now and wait until none is pending, running or completing.
+
+        Job processes are SIGKILLed directly (``scancel`` alone would leave a job that
+        handles SIGTERM completing for ``KillWait`` seconds, blocking the node).
+
+        Raises:
+            SlurmTimeoutError: Jobs still listed after ``timeout`` seconds.
+        """
+        ids = [str(i) for i in self.job_ids()]
+        if not ids:
+            return
+        self._run(["scancel", *ids], check=False)
+        self._kill_job_processes()
+        deadline = time.monotonic() + timeout
+        while remaining := self._run(["squeue", "-h", "-o", "%i %T"]).stdout.strip():
+            if time.monotonic() > deadline:
+                raise SlurmTimeoutError(
+                    f"jobs still listed {timeout:.0f} s after cancelling them: {remaining}"
+                )
+            time.sleep(_POLL_S)
 
     def _kill_leftovers(self, spare: set[int]) -> None:
         """SIGKILL this cluster's processes except ``spare`` pids and their direct children."""
@@ -649,6 +675,16 @@ class SlurmCluster:
                 )
             time.sleep(_POLL_S)
 
+    def describe(self, job_id: int) -> str:
+        """One paragraph for an assertion message: state, output tail, slurmctld/slurmd logs."""
+        state = self.job_state(job_id)
+        keys = ("JobState", "Reason", "Restarts", "ExitCode", "RunTime", "Partition")
+        summary = " ".join(f"{k}={state.get(k)}" for k in keys)
+        return (
+            f"job {job_id}: {summary}; {self._job_context(job_id, state)}; "
+            f"slurmd: {self.daemon_log_tail('slurmd', 5)}"
+        )
+
     def _job_context(self, job_id: int | None, state: Mapping[str, str] | None = None) -> str:
         if job_id is None:
             return ""
@@ -657,7 +693,20 @@ class SlurmCluster:
         return f"output tail: {out}; slurmctld: {self.daemon_log_tail('slurmctld', 5)}"
 
     def release(self, job_id: int) -> None:
-        """Let a requeued job (held ~120 s by ``BeginTime``) start now."""
+        """Let a requeued job (held ~120 s by ``BeginTime``) start now.
+
+        slurmd refuses to launch a job whose credential was created in the same second as
+        (or before) the moment its previous run was killed: the new run fails at once with
+        "Killing non-startable batch JobId=N: Job credential revoked" (ExitCode 1:0). The
+        ~120 s hold is what normally prevents that. A requeue resets ``SubmitTime`` to the
+        requeue instant, which is at or after the kill, so the release waits until the
+        clock has passed that second (at most ~1 s) before ``StartTime=now``.
+        """
+        submitted = self.job_state(job_id).get("SubmitTime", "")
+        with contextlib.suppress(ValueError):
+            stamp = time.mktime(time.strptime(submitted, "%Y-%m-%dT%H:%M:%S"))
+            while (remaining := stamp + 1.0 - time.time()) > 0:
+                time.sleep(remaining)
         self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"])
 
     def cancel(self, job_id: int, signal_name: str | None = None) -> None:

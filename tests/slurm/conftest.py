@@ -8,13 +8,12 @@ programs are missing or a daemon does not come up, the tests using it skip, or f
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import unavailable
-from tests.slurm.cluster import SlurmCluster, SlurmClusterError, SlurmUnavailableError
+from tests.slurm.cluster import SlurmCluster, SlurmUnavailableError
 
 #: Seconds between SIGTERM and SIGKILL on preemption (slurm.conf ``KillWait``): the budget a
 #: preempted trainer has for its emergency checkpoint.
@@ -37,9 +36,6 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
 
 @pytest.fixture
 def slurm(slurm_cluster: SlurmCluster) -> Iterator[SlurmCluster]:
-    """The session cluster, with every job a test left behind cancelled after it."""
-    before = set(slurm_cluster.job_ids())
+    """The session cluster, emptied of jobs after each test (a failed test leaves some)."""
     yield slurm_cluster
-    for job_id in set(slurm_cluster.job_ids()) - before:
-        with contextlib.suppress(SlurmClusterError):  # it may finish meanwhile
-            slurm_cluster.cancel(job_id)
+    slurm_cluster.cancel_all()

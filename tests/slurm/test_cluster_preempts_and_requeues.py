@@ -105,8 +105,10 @@ def test_a_preempted_requeueable_job_gets_sigterm_and_completes_on_its_restart_u
         f"-> completed after release {restart_latency:.1f} s; held by {requeued['Reason']}"
     )
 
+    assert done["JobState"] == "COMPLETED", slurm.describe(job_id)
+    markers = {p.name for p in tmp_path.iterdir()}
+    assert {"started.0", "preempted.0", "finished"} <= markers, slurm.describe(job_id)
     output = (tmp_path / "job.out").read_text()
-    assert done["JobState"] == "COMPLETED", output
     first = json.loads((tmp_path / "preempted.0").read_text())
     second = json.loads((tmp_path / "finished").read_text())
     assert done["ExitCode"] == "0:0"
@@ -131,7 +133,7 @@ def test_a_job_preempted_twice_restarts_each_time_with_a_higher_restart_count(
         for run in range(2)
     ]
     done = slurm.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=60)
-    assert done["JobState"] == "COMPLETED", slurm.read_output(job_id)
+    assert done["JobState"] == "COMPLETED", slurm.describe(job_id)
     print("requeue latencies: " + ", ".join(f"{c.requeue_s:.1f} s" for c in cycles))
 
     assert [c.restarts for c in cycles] == [1, 2]
