@@ -88,32 +88,32 @@ class OutsideKill:
     delay: float
 
 
-class CrashRig:
-    """Drives the fork server, applies worker reports to the model, checks the root."""
+class WriterServer:
+    """The fork server process and the lines it (and its workers) print."""
 
-    def __init__(self, root: Path, log: Path) -> None:
-        self.root = root
-        self.storage = Storage(str(root))
-        self.name_format = NameFormat()
-        self.model = Model()
-        self.lagging_reads = 0
+    def __init__(self, log: Path) -> None:
         self._stderr = log.open("wb")
         self._log = log
-        self.server = subprocess.Popen(
-            [sys.executable, "-m", "tests.crash.writer", str(root)],
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.crash.writer"],
             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert self._next() == ["R"]
+        assert self.next() == ["R"]
 
     def _read(self) -> None:
-        assert self.server.stdout is not None
-        for raw in self.server.stdout:
+        assert self.process.stdout is not None
+        for raw in self.process.stdout:
             self._lines.put(raw.decode().rstrip("\n"))
         self._lines.put(None)
 
-    def _next(self) -> list[str]:
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{line}\n".encode())
+        self.process.stdin.flush()
+
+    def next(self) -> list[str]:
         try:
             line = self._lines.get(timeout=MESSAGE_TIMEOUT)
         except queue.Empty:
@@ -127,25 +127,35 @@ class CrashRig:
         return "its stderr:\n" + self._log.read_text()[-4000:]
 
     def close(self) -> None:
-        assert self.server.stdin is not None
-        self.server.stdin.close()
-        self.server.wait(timeout=MESSAGE_TIMEOUT)
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=MESSAGE_TIMEOUT)
         self._stderr.close()
+
+
+class CrashRig:
+    """Runs workers on one root, applies their reports to the model, checks the root."""
+
+    def __init__(self, server: WriterServer, root: Path) -> None:
+        self.server = server
+        self.root = root
+        self.storage = Storage(str(root))
+        self.name_format = NameFormat()
+        self.model = Model()
+        self.lagging_reads = 0
 
     # -- one worker ---------------------------------------------------------------------
     def run(self, plan: dict[str, Any], outside: OutsideKill | None = None) -> Outcome:
         """Run one worker to its end, killing it from here when ``outside`` says so."""
-        assert self.server.stdin is not None
-        self.server.stdin.write(f"run {json.dumps(plan)}\n".encode())
-        self.server.stdin.flush()
-        kind, pid = self._next()
+        self.server.send(f"run {json.dumps({**plan, 'root': str(self.root)})}")
+        kind, pid = self.server.next()
         assert kind == "W"
         category = None
         counts = None
         in_replace = False
         cycle = 0
         while True:
-            message = self._next()
+            message = self.server.next()
             kind = message[0]
             if kind == "Y":
                 cycle = int(message[1])
@@ -167,7 +177,7 @@ class CrashRig:
         if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
             return Outcome(True, category, counts, in_replace)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
-            f"worker {pid} failed (status {status}); {self.stderr()}"
+            f"worker {pid} failed (status {status}); {self.server.stderr()}"
         )
         return Outcome(False, None, counts, in_replace)
 
@@ -299,11 +309,17 @@ def memory_backed_dir(tmp_path: Path):  # type: ignore[no-untyped-def]
     shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One fork server for the module: it pays the store's import time once."""
+    server = WriterServer(tmp_path_factory.mktemp("crash") / "writer.log")
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def rig(memory_backed_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
-    rig = CrashRig(memory_backed_dir / "root", tmp_path / "writer.log")
-    yield rig
-    rig.close()
+def rig(server: WriterServer, memory_backed_dir: Path) -> CrashRig:
+    return CrashRig(server, memory_backed_dir / "root")
 
 
 def kill_many(rig: CrashRig, seed: int, planned_kills: int, outside_kills: int,
@@ -362,7 +378,7 @@ def kill_many(rig: CrashRig, seed: int, planned_kills: int, outside_kills: int,
             f"{sum(outside.values())} from outside, {replaces} during a replacement, "
             f"{rig.lagging_reads} left the newest hidden until recovery); "
             "by phase (planned/outside): " + ", ".join(
-                f"{c} {planned[c]}/{outside[c]}" for c in categories))
+                f"{c} {planned[c]}/{outside[c]}" for c in CATEGORIES))
 
 
 def test_a_writer_killed_at_any_instant_never_loses_a_committed_checkpoint(
@@ -374,15 +390,12 @@ def test_a_writer_killed_at_any_instant_never_loses_a_committed_checkpoint(
 
 
 def test_kills_inside_real_fsyncs_and_renames_on_disk_never_lose_a_checkpoint(
-    tmp_path: Path,
+    server: WriterServer, tmp_path: Path,
 ) -> None:
-    rig = CrashRig(tmp_path / "root", tmp_path / "writer.log")
-    try:
-        summary = kill_many(rig, SEED + 1, planned_kills=0, outside_kills=24,
-                            categories=("fsync", "manifest", "publish", "cleanup", "prune"),
-                            max_delay=0.012)
-    finally:
-        rig.close()
+    rig = CrashRig(server, tmp_path / "root")
+    summary = kill_many(rig, SEED + 1, planned_kills=0, outside_kills=24,
+                        categories=("fsync", "manifest", "publish", "cleanup", "prune"),
+                        max_delay=0.012)
     print(f"\ndisk: {summary}")
 
 

@@ -1,11 +1,11 @@
 """A checkpoint writer for the crash tests to SIGKILL at chosen or random instants.
 
-``python -m tests.crash.writer ROOT`` starts a small fork server. It imports the store
+``python -m tests.crash.writer`` starts a small fork server. It imports the store
 once (``resumekit.commit`` pulls in ``torch.distributed``, which takes seconds), then for
 every line ``run <json plan>`` on its stdin forks a *worker* that saves a sequence of
-checkpoints under ROOT through :class:`~resumekit.commit.CommitProtocol`, replaces some of
-them and prunes old ones, exactly as a trainer would. A worker is a real process that the
-test kills with SIGKILL, either
+checkpoints under ``plan["root"]`` through :class:`~resumekit.commit.CommitProtocol`,
+replaces some of them and prunes old ones, exactly as a trainer would. A worker is a
+real process that the test kills with SIGKILL, either
 
 * itself, at a planned instrumented point (``"kill": {"cycle", "category", "occurrence"}``):
   every storage call, every chunk of every data file, every protocol phase and the return
@@ -227,8 +227,9 @@ def save(protocol: CommitProtocol, switch: KillSwitch, rng: random.Random, step:
     emit("C", step, version)
 
 
-def work(root: str, plan: dict[str, Any]) -> None:
-    """Resume from the newest checkpoint under ``root`` and save ``plan["cycles"]`` more."""
+def work(plan: dict[str, Any]) -> None:
+    """Resume from the newest checkpoint under ``plan["root"]``, save ``plan["cycles"]`` more."""
+    root = plan["root"]
     rng = random.Random(plan["seed"])
     switch = KillSwitch(plan.get("kill"))
     storage = InstrumentedStorage(root, switch, exchange=plan["exchange"])
@@ -257,7 +258,7 @@ def work(root: str, plan: dict[str, Any]) -> None:
     emit("T", json.dumps(switch.counts, separators=(",", ":")))
 
 
-def serve(root: str) -> None:
+def serve() -> None:
     """Fork one worker per ``run <json>`` line on stdin; report each one's wait status."""
     emit("R")
     for line in sys.stdin:
@@ -272,7 +273,7 @@ def serve(root: str) -> None:
             try:
                 os.close(gate_write)
                 os.read(gate_read, 1)  # "W <pid>" comes before anything the worker says
-                work(root, plan)
+                work(plan)
             except BaseException:  # noqa: BLE001 - reported through the exit status
                 traceback.print_exc()
                 sys.stderr.flush()
@@ -287,4 +288,4 @@ def serve(root: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve()

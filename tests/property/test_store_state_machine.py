@@ -268,10 +268,11 @@ class StoreMachine(RuleBasedStateMachine):
             assert sorted(report.swept) == sorted(self.abandoned)
             self.abandoned = {}
         else:
-            # Object-store attempts of dead writers are not swept (see the report).
-            assert report.swept == []
+            # Whatever is swept was abandoned (today prune sweeps no object-store attempt
+            # at all: tests/unit/test_retention.py holds the strict xfail for that).
+            assert set(report.swept) <= set(self.abandoned)
             self.abandoned = {name: step for name, step in self.abandoned.items()
-                              if step in self.model or self.storage.exists(name)}
+                              if name not in report.swept and self.storage.exists(name)}
 
     # -- invariants ---------------------------------------------------------------------
     @invariant()
