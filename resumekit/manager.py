@@ -48,6 +48,7 @@ from resumekit.errors import (
 )
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
 from resumekit.manifest import Lineage, Manifest, SaveReason
+from resumekit.preemption import PreemptionHandler
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import (
     TENSORS_DIR,
@@ -166,7 +167,8 @@ class CheckpointManager:
             over ranks).
         preemption: A :class:`~resumekit.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
-            and returns True.
+            and returns True. Installed here (and removed by :meth:`close`) unless it
+            already is.
         process_group: Group for checkpoint coordination (default: the checkpoint group
             of :func:`~resumekit.init_distributed`, else a new gloo group).
         storage_options: fsspec options (e.g. ``endpoint_url``).
@@ -192,7 +194,7 @@ class CheckpointManager:
         on_mismatch: MismatchPolicy = "error",
         fallback: bool = True,
         verify_on_restore: bool = True,
-        preemption: Any | None = None,
+        preemption: PreemptionHandler | None = None,
         process_group: dist.ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
         import_legacy: bool = True,
@@ -214,6 +216,11 @@ class CheckpointManager:
         self.fallback = fallback
         self.verify_on_restore = verify_on_restore
         self.preemption = preemption
+        # The manager installs a handler it is given (and removes it on close) unless the
+        # caller already installed it.
+        self._installed_preemption = preemption is not None and not preemption.installed
+        if preemption is not None and self._installed_preemption:
+            preemption.install()
         self.import_legacy = import_legacy
         self.resumed_from: int | None = None
         self.last_saved_step: int | None = None
@@ -470,8 +477,9 @@ class CheckpointManager:
             return
         since = None if self._last_commit_time is None else time.time() - \
             self._last_commit_time
-        skip = getattr(self.preemption, "should_skip_emergency_save", None)
-        if skip is not None and skip(since, self._expected_save_seconds()):
+        if self.preemption is not None and self.preemption.should_skip_emergency_save(
+            since, self._expected_save_seconds()
+        ):
             return
         self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True)
 
@@ -592,6 +600,8 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if self.preemption is not None and self._installed_preemption:
+            self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
         if self._save_group is not None and self._save_group is not self._group:
             dist.barrier(group=self._save_group)

@@ -191,3 +191,26 @@ def test_the_manifest_records_reason_lineage_and_contents(tmp_path: Path, monkey
     assert manifest.state["optimizer"] is True and manifest.state["generators"] == ["noise"]
     assert any(f.path.startswith("tensors/") for f in manifest.files)
     assert {"train_state.pt", "rank_state/rank_00000.pt"} <= {f.path for f in manifest.files}
+
+
+def test_a_preemption_signal_makes_step_end_save_and_say_stop(tmp_path: Path) -> None:
+    import os
+    import signal
+
+    from resumekit.preemption import PreemptionHandler
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    model, opt, sched, gen = _build()
+    handler = PreemptionHandler(signals=("SIGUSR1",))
+    ckpt = _manager(tmp_path, model, opt, sched, gen, save_every=100, preemption=handler)
+    assert signal.getsignal(signal.SIGUSR1) != previous  # installed by the manager
+    _train_step(model, opt, sched, gen)
+    assert ckpt.step_end(1) is False
+    os.kill(os.getpid(), signal.SIGUSR1)
+    _train_step(model, opt, sched, gen)
+    assert ckpt.step_end(2) is True
+    latest = ckpt.latest()
+    assert latest is not None and latest.step == 2
+    assert latest.manifest.reason.value == "preemption"
+    ckpt.close()
+    assert signal.getsignal(signal.SIGUSR1) == previous  # and removed again
