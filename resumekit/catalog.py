@@ -141,6 +141,11 @@ def list_checkpoints(
             continue
         hidden = name_format.parse_hidden(info.name)
         if hidden is not None:
+            if hidden[1].kind == "bad":
+                entries.append(CheckpointEntry(
+                    hidden[0], info.name, storage.path(info.name), "corrupt",
+                    problem="set aside after failing verification on restore"))
+                continue
             kind = "being written" if hidden[1].kind == "tmp" else "being retired"
             entries.append(CheckpointEntry(hidden[0], info.name, storage.path(info.name),
                                            "partial", problem=f"hidden directory {kind}"))

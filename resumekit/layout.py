@@ -5,7 +5,9 @@ A checkpoint root holds one directory per committed step, named by a :class:`Nam
 Work in progress uses hidden names that never parse as a step:
 
 * ``.<name>.tmp-<token>``: a staging directory being written (POSIX protocol);
-* ``.<name>.old-<token>``: a committed directory being replaced or deleted.
+* ``.<name>.old-<token>``: a committed directory being replaced or deleted;
+* ``.<name>.bad-<token>``: a committed directory that failed verification on restore,
+  set aside (never swept) so later saves of that step are possible.
 
 Listing sorts numerically, never lexicographically; names that do not parse are ignored.
 """
@@ -27,7 +29,7 @@ DEFAULT_NAME_FORMAT = "step_{step:09d}"
 ATTEMPT_PREFIX = "attempt-"
 LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
 
-_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<token>[A-Za-z0-9_]+)$")
+_HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|bad)-(?P<token>[A-Za-z0-9_]+)$")
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,13 @@ class HiddenName:
 
     Attributes:
         name: The step directory name it belongs to.
-        kind: ``"tmp"`` for a staging directory, ``"old"`` for one being retired.
+        kind: ``"tmp"`` for a staging directory, ``"old"`` for one being retired,
+            ``"bad"`` for one set aside after failing verification.
         token: The unique token of the writer that made it.
     """
 
     name: str
-    kind: Literal["tmp", "old"]
+    kind: Literal["tmp", "old", "bad"]
     token: str
 
 
@@ -128,6 +131,10 @@ class NameFormat:
         """Return the hidden name a committed directory takes while it is replaced/deleted."""
         return f".{self.build(step)}.old-{token}"
 
+    def quarantine_name(self, step: int, token: str) -> str:
+        """Return the hidden name a checkpoint takes when set aside as corrupt."""
+        return f".{self.build(step)}.bad-{token}"
+
     def parse_hidden(self, name: str) -> tuple[int, HiddenName] | None:
         """Parse a hidden work-in-progress name into ``(step, HiddenName)``, else None."""
         match = _HIDDEN.match(name)
@@ -136,7 +143,7 @@ class NameFormat:
         step = self.parse(match.group("name"))
         if step is None:
             return None
-        kind: Literal["tmp", "old"] = "tmp" if match.group("kind") == "tmp" else "old"
+        kind: Literal["tmp", "old", "bad"] = match.group("kind")  # type: ignore[assignment]
         return step, HiddenName(match.group("name"), kind, match.group("token"))
 
 

@@ -38,16 +38,23 @@ from torch import nn
 from resumekit import distributed, legacy, sharded
 from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
 from resumekit.commit import CommitProtocol, PendingCheckpoint
-from resumekit.coordination import Coordinator, ProcessGroupCoordinator, SingleProcess
+from resumekit.coordination import (
+    Coordinator,
+    ProcessGroupCoordinator,
+    SingleProcess,
+    run_on_leader,
+)
 from resumekit.errors import (
     AsyncSaveError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     IncompatibleCheckpointError,
+    IncompleteCheckpointError,
     ResumekitError,
     StepCollisionError,
 )
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
-from resumekit.manifest import Lineage, Manifest, SaveReason
+from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
 from resumekit.preemption import PreemptionHandler
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import (
@@ -319,11 +326,15 @@ class CheckpointManager:
                 failures.append(f"step {entry.step}: {error}")
                 if not self.fallback or step is not None:
                     raise
-                logger.warning("resumekit: cannot restore step %d (%s); falling back to "
-                               "the previous checkpoint", entry.step, error)
-                warnings.warn(f"checkpoint step {entry.step} is unusable ({error}); "
+                aside = self._set_aside(entry, error)
+                where = f" (set aside as {aside})" if aside else ""
+                logger.warning("resumekit: cannot restore step %d (%s)%s; falling back to "
+                               "the previous checkpoint", entry.step, error, where)
+                warnings.warn(f"checkpoint step {entry.step} is unusable ({error}){where}; "
                               "falling back to the previous one", ResumekitWarning,
                               stacklevel=2)
+                self._newest_step = max((e.step for e in committed if e.step < entry.step),
+                                        default=None)
                 continue
             self._finish_restore(f"end of restore from step {entry.step}")
             return self.state.step
@@ -337,8 +348,48 @@ class CheckpointManager:
             self._import_legacy(legacy[-1])
             self._finish_restore(f"end of legacy import from {legacy[-1].name}")
             return self.state.step
+        if self._coordinator.rank == 0:
+            self._warn_about_other_names()
         self._finish_restore("fresh start")
         return 0
+
+    def _warn_about_other_names(self) -> None:
+        """A fresh start next to checkpoints of another name format is almost always a bug."""
+        others = [
+            info.name for info in self.storage.list_dir()
+            if info.is_dir and not info.name.startswith(".")
+            and self.name_format.parse(info.name) is None
+            and self.storage.exists(f"{info.name}/{MANIFEST_NAME}")
+        ]
+        if others:
+            warnings.warn(
+                f"starting fresh at step 0, but {self.storage.path()} holds checkpoints "
+                f"this manager's name_format {self.name_format.template!r} does not match "
+                f"(e.g. {sorted(others)[-1]!r}): pass the name_format they were written with",
+                ResumekitWarning, stacklevel=3,
+            )
+
+    def _set_aside(self, entry: CheckpointEntry, error: ResumekitError) -> str | None:
+        """Rename a committed checkpoint that failed to restore to a hidden ``.bad-`` name.
+
+        Nothing is deleted: the files stay for forensics, but the step no longer counts as
+        committed, so the resumed run can save that step again. Object stores (no rename)
+        keep the entry; their next saves of lower steps then collide, and the error says
+        which directory to move.
+        """
+        if not self.storage.atomic_rename or not isinstance(
+            error, (CorruptCheckpointError, IncompleteCheckpointError)
+        ):
+            return None  # a transient read error is no reason to set a checkpoint aside
+
+        def rename() -> str:
+            aside = self.name_format.quarantine_name(entry.step, os.urandom(6).hex())
+            self.storage.rename_dir(entry.name, aside)
+            self.storage.fsync_dir()
+            return aside
+
+        aside: str = run_on_leader(self._coordinator, rename)
+        return aside
 
     def _finish_restore(self, reason: str) -> None:
         if self._distributed:

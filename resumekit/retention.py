@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from resumekit.catalog import CheckpointEntry, list_checkpoints
 from resumekit.commit import WRITER_FILE, recover_interrupted
+from resumekit.errors import ConfigurationError
 from resumekit.layout import ATTEMPT_PREFIX, NameFormat
 from resumekit.manifest import MANIFEST_NAME
 from resumekit.storage import Storage
@@ -63,14 +64,16 @@ class RetentionPolicy:
 def keep_last(count: int) -> RetentionPolicy:
     """Keep the ``count`` newest checkpoints."""
     if count < 1:
-        raise ValueError(f"keep_last needs count >= 1, got {count}")
+        raise ConfigurationError(f"keep_last needs count >= 1, got {count}", name="count",
+                                 value=count)
     return RetentionPolicy(lambda steps: set(steps[-count:]), f"keep_last({count})")
 
 
 def keep_every(interval: int) -> RetentionPolicy:
     """Keep checkpoints whose step is a multiple of ``interval`` (e.g. milestones)."""
     if interval < 1:
-        raise ValueError(f"keep_every needs interval >= 1, got {interval}")
+        raise ConfigurationError(f"keep_every needs interval >= 1, got {interval}",
+                                 name="interval", value=interval)
     return RetentionPolicy(lambda steps: {s for s in steps if s % interval == 0},
                            f"keep_every({interval})")
 
@@ -161,6 +164,7 @@ def prune(
             if not dry_run:
                 _delete_committed(storage, name_format, entry.step, entry.name, token)
         elif entry.status == "partial" and entry.name.startswith("."):
+            # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
             if now - _started_at(storage, entry.name, now) < sweep_after:
                 continue
             if _writer_is_alive(storage, entry.name, active_tokens):

@@ -173,10 +173,10 @@ def test_restore_falls_back_to_the_previous_checkpoint_when_the_newest_is_corrup
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.warns(ResumekitWarning, match="step 2"):
-        assert _manager(tmp_path, *_build()).restore() == 1
     with pytest.raises(resumekit.CorruptCheckpointError, match="distcp"):
         _manager(tmp_path, *_build(), fallback=False).restore()
+    with pytest.warns(ResumekitWarning, match="step 2"):
+        assert _manager(tmp_path, *_build()).restore() == 1
 
 
 def test_the_manifest_records_reason_lineage_and_contents(tmp_path: Path, monkeypatch) -> None:
@@ -214,3 +214,31 @@ def test_a_preemption_signal_makes_step_end_save_and_say_stop(tmp_path: Path) ->
     assert latest.manifest.reason.value == "preemption"
     ckpt.close()
     assert signal.getsignal(signal.SIGUSR1) == previous  # and removed again
+
+
+def test_a_corrupt_newest_checkpoint_is_set_aside_so_the_resumed_run_can_save_its_step_again(
+    tmp_path: Path,
+) -> None:
+    model, opt, sched, gen = _build()
+    ckpt = _manager(tmp_path, model, opt, sched, gen)
+    ckpt.save(100)
+    ckpt.save(200)
+    victim = tmp_path / "step_000000200" / "train_state.pt"
+    victim.write_bytes(victim.read_bytes()[:-3])
+    resumed = _manager(tmp_path, *_build())
+    with pytest.warns(ResumekitWarning, match="set aside"):
+        assert resumed.restore() == 100
+    resumed.save(150)
+    resumed.save(200)  # no StepCollisionError: the bad 200 no longer counts as committed
+    entries = {e.name: e.status for e in list_checkpoints(resumed.storage)}
+    assert entries["step_000000200"] == "committed"
+    aside = [name for name in entries if name.startswith(".step_000000200.bad-")]
+    assert len(aside) == 1 and entries[aside[0]] == "corrupt"
+    assert (tmp_path / aside[0] / "tensors").is_dir()  # kept, not deleted
+
+
+def test_a_fresh_start_next_to_checkpoints_of_another_name_format_warns(tmp_path: Path) -> None:
+    model, opt, sched, gen = _build()
+    _manager(tmp_path, model, opt, sched, gen, name_format="checkpoint_step_{step}").save(5)
+    with pytest.warns(ResumekitWarning, match="checkpoint_step_5"):
+        assert _manager(tmp_path, *_build()).restore() == 0
