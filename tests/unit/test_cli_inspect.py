@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from resumekit.cli import main
+from resumekit.errors import CheckpointNotFoundError
 from resumekit.manager import CheckpointManager
 from tests.unit.test_cli_support import (
     Trainer,
@@ -79,7 +81,7 @@ def test_inspect_json_on_a_root_follows_the_documented_schema(
         (5, "legacy"), (10, "committed"), (20, "committed"), (30, "committed"),
         (40, "partial")]
     for entry in entries:
-        assert ENTRY_KEYS <= set(entry)
+        assert set(entry) >= ENTRY_KEYS
         assert isinstance(entry["step"], int) and isinstance(entry["bytes"], int)
     committed = {e["step"]: e for e in entries if e["status"] == "committed"}
     assert committed[30]["lineage"]["resumed_from_step"] == 20
@@ -233,9 +235,6 @@ def test_inspect_usage_errors_exit_2(
 
 
 def test_debug_shows_the_traceback_instead_of_one_line(tmp_path: Path) -> None:
-    from resumekit.cli import main
-    from resumekit.errors import CheckpointNotFoundError
-
     with pytest.raises(CheckpointNotFoundError):
         main(["inspect", str(tmp_path / "missing"), "--debug"])
 
