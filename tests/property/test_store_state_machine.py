@@ -34,7 +34,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.catalog import (
+    latest_committed,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
 from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.errors import StepCollisionError
 from resumekit.manifest import MANIFEST_NAME, Manifest
@@ -150,6 +155,9 @@ class StoreMachine(RuleBasedStateMachine):
         for path, data in files.items():
             self.storage.write_bytes(f"{pending.staging}/{path}", data)
 
+    def storage_name(self, step: int) -> str:
+        return self.protocol.name_format.build(step)
+
     def _step_of(self, choice: int | None) -> int:
         newest = self._newest()
         return (newest + 1 if newest is not None else 0) if choice is None else choice
@@ -212,6 +220,8 @@ class StoreMachine(RuleBasedStateMachine):
             with pytest.raises(StepCollisionError):
                 self.protocol.begin(step, replace=replace)
             return
+        previous = read_manifest(self.storage, self.storage_name(step)).data_dir \
+            if replace else None
         pending = self.protocol.begin(step, replace=replace)
         # The process that began this save is the one that dies: make its record say so.
         record = self.storage.read_bytes(f"{pending.staging}/{WRITER_FILE}")
@@ -240,6 +250,8 @@ class StoreMachine(RuleBasedStateMachine):
             self.model[step] = self.versions
             if replace and self.storage.atomic_rename:
                 self.abandoned[pending.staging] = step  # holds the replaced version
+            elif replace:
+                self.abandoned[f"{pending.name}/{previous}"] = step  # the replaced data
             return
         self._abandon(pending)
 
@@ -264,15 +276,12 @@ class StoreMachine(RuleBasedStateMachine):
         assert report.kept == [s for s in steps if s in keep], policy
         for step in report.deleted:
             del self.model[step]
-        if self.storage.atomic_rename:
-            assert sorted(report.swept) == sorted(self.abandoned)
-            self.abandoned = {}
-        else:
-            # Whatever is swept was abandoned (today prune sweeps no object-store attempt
-            # at all: tests/unit/test_retention.py holds the strict xfail for that).
-            assert set(report.swept) <= set(self.abandoned)
-            self.abandoned = {name: step for name, step in self.abandoned.items()
-                              if name not in report.swept and self.storage.exists(name)}
+        # Every staging area and replaced data directory a dead writer left is swept,
+        # except attempts inside a step directory the prune just deleted (gone with it).
+        expected = {name for name, step in self.abandoned.items()
+                    if self.storage.atomic_rename or step not in report.deleted}
+        assert sorted(report.swept) == sorted(expected)
+        self.abandoned = {}
 
     # -- invariants ---------------------------------------------------------------------
     @invariant()
