@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -69,6 +70,7 @@ from examples.lingbot.errors import ConfigError
 from examples.lingbot.model import LingBotVA, shard_model
 from examples.lingbot.recipe import build_optimizer, build_scheduler, flow_matching_step
 from resumekit.distributed import DistributedContext, init_distributed, shutdown
+from resumekit.errors import PreemptionError
 from resumekit.export import export_checkpoint
 from resumekit.manager import CheckpointManager
 from resumekit.manifest import SaveReason
@@ -155,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--grace-period", type=float, default=None,
                         help="seconds between the preemption signal and the kill, if known")
     parser.add_argument("--requeue-on-signal", action="store_true",
-                        help="after a preemption save, `scontrol requeue` the SLURM job "
-                             "(for --signal time-limit warnings SLURM does not requeue)")
+                        help="after a save forced by SIGUSR1 (sbatch --signal time-limit "
+                             "warning, which SLURM does not requeue), `scontrol requeue` "
+                             "the job from rank 0; a SIGTERM preemption is requeued by SLURM")
     parser.add_argument("--export", type=Path, default=None,
                         help="after training, write the upstream bf16 inference layout here")
     parser.add_argument("--threads", type=int, default=1,
@@ -405,6 +408,14 @@ def _wandb_run(enabled: bool, ckpt: CheckpointManager, config: LingBotConfig,
                       name=f"lingbot-{config.name}")
 
 
+def _requeue() -> None:
+    """Requeue the SLURM job; a failure is logged, the committed checkpoint stays valid."""
+    try:
+        requeue_slurm_job()
+    except PreemptionError as error:
+        logger.error("could not requeue the job (%s); resubmit it to resume", error)
+
+
 def train(args: argparse.Namespace) -> int:
     """Run (or resume) one training job; return the process exit status.
 
@@ -501,7 +512,8 @@ def train(args: argparse.Namespace) -> int:
                     ckpt.save(done, reason=SaveReason.FINAL, blocking=True)
                 break
             if ckpt.step_end(done):
-                signals = ", ".join(r.name for r in preemption.received) or "another rank's"
+                signals = "/".join(dict.fromkeys(r.name for r in preemption.received)) \
+                    or "another rank's"
                 if leader:
                     saved = (f"saved checkpoint_step_{done}" if ckpt.last_saved_step == done
                              else "emergency save skipped, newest checkpoint is step "
@@ -514,8 +526,10 @@ def train(args: argparse.Namespace) -> int:
                 ckpt.close()
                 preemption.uninstall()
                 shutdown()
-                if args.requeue_on_signal:
-                    requeue_slurm_job()
+                # Rank 0 only, and after shutdown(): requeueing ends the job at once.
+                if leader and args.requeue_on_signal and any(
+                        r.signum == signal.SIGUSR1 for r in preemption.received):
+                    _requeue()
                 return EXIT_CODE_PREEMPTED
         ckpt.wait()
         if args.export is not None and leader:
