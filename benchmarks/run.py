@@ -1,0 +1,417 @@
+"""``python -m benchmarks.run``: resumekit against its peers and the machine's limits.
+
+Writes ``benchmarks/results/latest.json`` (summary ratios, every sample, machine facts)
+and ``latest.png`` (throughput per method, with the raw-write and raw-read lines), and
+prints a markdown table. Every figure is a ratio of two methods measured side by side,
+interleaved round by round, median of ``--rounds`` rounds; see ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import peers, report
+from benchmarks.ranks import spawn_ranks, two_rank_work
+from benchmarks.timing import (
+    clock,
+    evict,
+    interleave,
+    machine_facts,
+    remove,
+    resident_fraction,
+    rss_bytes,
+)
+from benchmarks.workload import (
+    Shape,
+    build_model,
+    build_optimizer,
+    shape_for,
+    state_tensors,
+    tensor_bytes,
+    train_step,
+)
+from resumekit.manager import CheckpointManager
+from resumekit.retention import keep_all, keep_last
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MB = 1_000_000
+
+
+_STARTED = time.monotonic()
+
+
+def _log(message: str) -> None:
+    print(f"[bench {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+class Steps:
+    """Step numbers for managers (they only ever increase)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def next(self) -> int:
+        self.value += 1
+        return self.value
+
+
+# ------------------------------------------------------------------------------ saves
+
+
+def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
+                rounds: int, dcp_threads: Sequence[int]) -> dict[str, Any]:
+    """Every writer of the same state, interleaved; async block/total and memcpy too."""
+    steps = Steps()
+    notes: dict[str, str] = {}
+    counter = [0]
+
+    def fresh(name: str) -> Path:
+        counter[0] += 1
+        return work / f"{name}-{counter[0]}"
+
+    def timed_write(name: str, write: Callable[[Path], None]) -> Callable[[], float]:
+        def method() -> float:
+            target = fresh(name)
+            try:
+                return clock(lambda: write(target))
+            finally:
+                remove(target)
+        return method
+
+    def resumekit_sync() -> float:
+        root = fresh("resumekit")
+        manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                    retention=keep_all())
+        try:
+            return clock(lambda: manager.save(steps.next()))
+        finally:
+            manager.close()
+            remove(root)
+
+    def resumekit_without_zip_crc32() -> float:
+        # What the change proposed for sharded.save would give: DCP writes every tensor
+        # with torch.save, which computes a zip CRC-32 of every byte on the writing thread;
+        # the manifest's xxh3 already covers every byte.
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            return resumekit_sync()
+        finally:
+            torch.serialization.set_crc32_options(previous)
+
+    async_root = fresh("resumekit-async")
+    async_manager = CheckpointManager(async_root, model=model, optimizer=optimizer,
+                                      retention=keep_last(1), async_save=True)
+    async_manager.save(steps.next())  # allocates the staging buffers (not measured)
+    async_manager.wait()
+    blocked: list[float] = []
+
+    def resumekit_async() -> float:
+        begin = time.perf_counter()
+        async_manager.save(steps.next())
+        blocked.append(time.perf_counter() - begin)
+        async_manager.wait()
+        return time.perf_counter() - begin
+
+    sources = state_tensors(model, optimizer)
+    buffers = [torch.zeros_like(t) for t in sources]  # touched: no page faults in rounds
+
+    def memcpy() -> float:
+        def copy() -> None:
+            for target, source in zip(buffers, sources, strict=True):
+                target.copy_(source)
+        return clock(copy)
+
+    methods: dict[str, Callable[[], float]] = {
+        "raw_write": timed_write("raw", lambda t: _raw_file(model, optimizer, t)),
+        "resumekit": resumekit_sync,
+        "resumekit_zip_crc32_off": resumekit_without_zip_crc32,
+        "resumekit_async": resumekit_async,
+        "memcpy": memcpy,
+        "torch_save": timed_write("torch", lambda t: peers.torch_save(model, optimizer, t)),
+        "dcp_default": timed_write("dcp", lambda t: peers.dcp_save(model, optimizer, t)),
+    }
+    for threads in dcp_threads:
+        methods[f"dcp_threads_{threads}"] = timed_write(
+            f"dcp{threads}",
+            lambda t, n=threads: peers.dcp_save(model, optimizer, t, thread_count=n))
+    for name, module, saver in (("accelerate", "accelerate", peers.AccelerateSaver),
+                                ("lightning", "lightning", peers.LightningSaver)):
+        why = peers.missing(module)
+        if why is not None:
+            notes[name] = why
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            methods[name] = timed_write(name, saver(model, optimizer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        samples = interleave(methods, rounds, progress=_log)
+    async_manager.close()
+    remove(async_root)
+    samples["resumekit_async_blocked"] = blocked
+    return {"samples": samples, "notes": notes}
+
+
+def _raw_file(model: torch.nn.Module, optimizer: torch.optim.Optimizer, target: Path) -> None:
+    target.mkdir()
+    peers.raw_write(model, optimizer, target / "raw.bin")
+
+
+# ------------------------------------------------------------------------------ overlap
+
+
+def bench_overlap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
+                  rounds: int) -> dict[str, Any]:
+    """A training step alone against the same step while an async save is in flight."""
+    steps = Steps()
+    root = work / "overlap"
+    manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                retention=keep_last(1), async_save=True)
+    manager.save(steps.next())  # staging buffers
+    manager.wait()
+    train_step(model, optimizer)
+    save_left: list[float] = []
+
+    def alone() -> float:
+        return clock(lambda: train_step(model, optimizer))
+
+    def overlapped() -> float:
+        manager.save(steps.next())
+        seconds = clock(lambda: train_step(model, optimizer))
+        begin = time.perf_counter()
+        manager.wait()
+        save_left.append(time.perf_counter() - begin)
+        return seconds
+
+    samples = interleave({"step_alone": alone, "step_during_async_save": overlapped},
+                         rounds, progress=_log)
+    manager.close()
+    remove(root)
+    return {"samples": samples, "save_still_running_after_step_s": save_left}
+
+
+# ------------------------------------------------------------------------------ loads
+
+
+def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
+                rounds: int) -> dict[str, Any]:
+    """Restore against a single-stream raw read of the same bytes, cold and warm cache."""
+    raw = work / "load-raw"
+    _raw_file(model, optimizer, raw)
+    root = work / "load-resumekit"
+    CheckpointManager(root, model=model, optimizer=optimizer).save(1)
+    verified = CheckpointManager(root, model=model, optimizer=optimizer)
+    unverified = CheckpointManager(root, model=model, optimizer=optimizer,
+                                   verify_on_restore=False)
+    residency: dict[str, list[float | None]] = {"raw": [], "resumekit": []}
+
+    def cold(path: Path, key: str, action: Callable[[], Any]) -> Callable[[], float]:
+        def method() -> float:
+            evict(path)
+            residency[key].append(resident_fraction(path))
+            return clock(action)
+        return method
+
+    def warm(action: Callable[[], Any]) -> Callable[[], float]:
+        def method() -> float:
+            action()  # brings every byte into the page cache
+            return clock(action)
+        return method
+
+    read_raw = lambda: peers.raw_read(model, optimizer, raw / "raw.bin")  # noqa: E731
+    methods = {
+        "raw_read_cold": cold(raw, "raw", read_raw),
+        "restore_cold": cold(root, "resumekit", verified.restore),
+        "restore_cold_no_verify": cold(root, "resumekit", unverified.restore),
+        "raw_read_warm": warm(read_raw),
+        "restore_warm": warm(verified.restore),
+    }
+    samples = interleave(methods, rounds, progress=_log)
+    remove(raw)
+    remove(root)
+    return {"samples": samples, "resident_fraction_before_cold_reads": residency}
+
+
+# ------------------------------------------------------------------------------ ranks
+
+
+def bench_two_ranks(shape: Shape, work: Path, rounds: int, poll_steps: int,
+                    poll_step_ms: float) -> dict[str, Any]:
+    """Resharding loads (1->2, 2->1 against 2->2, 1->1) and the preemption vote's cost."""
+    root_w1, root_w2 = work / "reshard-w1", work / "reshard-w2"
+    model = build_model(shape)
+    optimizer = build_optimizer(model)
+    train_step(model, optimizer)
+    CheckpointManager(root_w1, model=model, optimizer=optimizer).save(1)
+    _log("two ranks: preemption vote, then FSDP2 save and loads")
+    ranks = spawn_ranks(two_rank_work, 2, ({
+        "shape": {"layers": shape.layers, "width": shape.width},
+        "root_w1": str(root_w1), "root_w2": str(root_w2), "rounds": rounds,
+        "poll_steps": poll_steps, "poll_step_ms": poll_step_ms,
+    },))
+    managers = {
+        "load_1_to_1": CheckpointManager(root_w1, model=model, optimizer=optimizer),
+        "load_2_to_1": CheckpointManager(root_w2, model=model, optimizer=optimizer),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size differs on purpose
+        for manager in managers.values():
+            manager.restore()  # warm cache for both
+        samples = interleave(
+            {name: (lambda m=m: clock(m.restore)) for name, m in managers.items()},
+            rounds, progress=_log)
+    remove(root_w1)
+    remove(root_w2)
+    rank0 = ranks[0]
+    samples.update(rank0["reshard"]["samples"])
+    return {
+        "samples": samples,
+        "state_bytes": tensor_bytes(model, optimizer),
+        "save_2_ranks_seconds": rank0["reshard"]["save_2_ranks_seconds"],
+        "poll": rank0["poll"],
+    }
+
+
+# ------------------------------------------------------------------------------ RSS
+
+
+def bench_rss(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
+              saves: int) -> dict[str, Any]:
+    """RSS across ``saves`` async saves after the first (which allocates staging)."""
+    root = work / "rss"
+    manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                retention=keep_last(1), async_save=True)
+    gc.collect()
+    before_first = rss_bytes()
+    manager.save(1)
+    manager.wait()
+    gc.collect()
+    after_first = rss_bytes()
+    trace = []
+    for step in range(2, saves + 2):
+        manager.save(step)
+        manager.wait()
+        trace.append(rss_bytes())
+    gc.collect()
+    after_all = rss_bytes()
+    manager.close()
+    remove(root)
+    return {"rss_before_first": before_first, "rss_after_first": after_first,
+            "rss_after_each": trace, "rss_after_all": after_all, "saves": saves}
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--state-mb", type=float, default=1500,
+                        help="model + AdamW state of the one-process runs (MB)")
+    parser.add_argument("--dist-state-mb", type=float, default=500,
+                        help="model + AdamW state of the two-rank FSDP2 runs (MB, total)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 5)")
+    parser.add_argument("--rss-saves", type=int, default=20)
+    parser.add_argument("--poll-steps", type=int, default=100,
+                        help="steps per round of the preemption-vote measurement")
+    parser.add_argument("--poll-step-ms", type=float, default=10.0)
+    parser.add_argument("--dcp-threads", type=int, nargs="*", default=[2, 4],
+                        help="DCP writer thread counts tried besides DCP's default (1)")
+    parser.add_argument("--bench-dir", default=os.environ.get("RESUMEKIT_BENCH_DIR"),
+                        help="where files are written (default: the temp directory)")
+    parser.add_argument("--out", default=str(RESULTS_DIR),
+                        help="directory for latest.json and latest.png")
+    parser.add_argument("--only", nargs="*", default=None,
+                        choices=["saves", "overlap", "loads", "rss", "ranks"],
+                        help="run only these parts (the summary lacks the others)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmarks; write the JSON and PNG; print the table; return the results."""
+    args = _parser().parse_args(argv)
+    # resumekit's background saves run DCP off the main thread, where it cannot silence
+    # DCP's "assuming single process" notice itself; here single process is the intent.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    parts = set(args.only or ["saves", "overlap", "loads", "rss", "ranks"])
+    # A SIGTERM (timeout, Ctrl-C from make) still cleans the bench directory up.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    base = args.bench_dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="resumekit-bench-", dir=base))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    results: dict[str, Any] = {
+        "schema": 1,
+        "created": started.isoformat(timespec="seconds"),
+        "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
+        "machine": machine_facts(work),
+        "config": {"rounds": args.rounds, "state_mb": args.state_mb,
+                   "dist_state_mb": args.dist_state_mb, "rss_saves": args.rss_saves,
+                   "poll_steps": args.poll_steps, "poll_step_ms": args.poll_step_ms,
+                   "dcp_threads": [1, *args.dcp_threads], "parts": sorted(parts)},
+        "details": {},
+    }
+    details = results["details"]
+    try:
+        shape = shape_for(int(args.state_mb * MB))
+        model = build_model(shape)
+        optimizer = build_optimizer(model)
+        train_step(model, optimizer)  # AdamW state exists from here on
+        state_bytes = tensor_bytes(model, optimizer)
+        results["config"]["shape"] = {"layers": shape.layers, "width": shape.width,
+                                      "params": shape.params, "state_bytes": state_bytes}
+        _log(f"state: {state_bytes / 1e9:.3f} GB ({shape.layers} x Linear({shape.width})"
+             f" + AdamW); work dir {work}")
+        if "saves" in parts:
+            _log("saves")
+            details["saves"] = bench_saves(model, optimizer, work, args.rounds,
+                                           args.dcp_threads)
+        if "overlap" in parts:
+            _log("overlap")
+            details["overlap"] = bench_overlap(model, optimizer, work, args.rounds)
+        if "loads" in parts:
+            _log("loads")
+            details["loads"] = bench_loads(model, optimizer, work, args.rounds)
+        if "rss" in parts:
+            _log("rss")
+            details["rss"] = bench_rss(model, optimizer, work, args.rss_saves)
+        del model, optimizer
+        gc.collect()
+        if "ranks" in parts:
+            dist_shape = shape_for(int(args.dist_state_mb * MB))
+            results["config"]["dist_shape"] = {"layers": dist_shape.layers,
+                                               "width": dist_shape.width}
+            details["ranks"] = bench_two_ranks(dist_shape, work, args.rounds,
+                                               args.poll_steps, args.poll_step_ms)
+    finally:
+        remove(work)
+    results["machine"]["load_average_at_end"] = list(os.getloadavg())
+    results["machine"]["bench_dir_removed"] = not work.exists()
+    results["summary"] = report.summarise(details, state_bytes)
+    results["targets"] = report.TARGETS
+    results["ratios"] = report.ratio_details(details, state_bytes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(results, indent=2, sort_keys=False) + "\n")
+    report.plot(results, out / "latest.png")
+    print(report.markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
