@@ -1,52 +1,143 @@
 """resumekit: preemption-proof checkpoints for PyTorch distributed training.
 
-The public API is re-exported here; modules behind it each do one job (see
-``docs/concepts.md`` and the architecture notes in ``docs/design.md``).
+The public API is re-exported here and imported lazily on first use, so light users
+(the CLI, the commit store) do not pay for ``torch.distributed`` at import time.
+Each module behind it does one job (see ``docs/design.md``).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from resumekit._version import __version__
-from resumekit.catalog import (
-    CheckpointEntry,
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-)
-from resumekit.commit import CommitProtocol
-from resumekit.distributed import DistributedContext, init_distributed, meet, shutdown
-from resumekit.errors import (
-    AsyncSaveError,
-    CheckpointNotFoundError,
-    ConfigurationError,
-    CoordinationError,
-    CorruptCheckpointError,
-    DistributedSetupError,
-    IncompatibleCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
-    PreemptionError,
-    ResumekitError,
-    StepCollisionError,
-    StorageError,
-    UnsafeCheckpointError,
-    UnsupportedSchemaError,
-)
-from resumekit.layout import NameFormat
-from resumekit.manager import CheckpointInfo, CheckpointManager
-from resumekit.manifest import Lineage, Manifest, SaveReason
-from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_slurm_job
-from resumekit.retention import (
-    RetentionPolicy,
-    keep_all,
-    keep_every,
-    keep_last,
-    keep_steps,
-    prune,
-)
-from resumekit.rng import capture_rng, restore_rng, select_rank_rng
-from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler, wrap_sampler
-from resumekit.storage import Storage
-from resumekit.warnings import ResumekitWarning
+
+if TYPE_CHECKING:
+    from resumekit.catalog import (
+        CheckpointEntry,
+        latest_committed,
+        list_checkpoints,
+        read_manifest,
+        verify_checkpoint,
+    )
+    from resumekit.commit import (
+        CommitProtocol,
+    )
+    from resumekit.distributed import (
+        DistributedContext,
+        init_distributed,
+        meet,
+        shutdown,
+    )
+    from resumekit.errors import (
+        AsyncSaveError,
+        CheckpointNotFoundError,
+        ConfigurationError,
+        CoordinationError,
+        CorruptCheckpointError,
+        DistributedSetupError,
+        IncompatibleCheckpointError,
+        IncompleteCheckpointError,
+        ManifestError,
+        PreemptionError,
+        ResumekitError,
+        StepCollisionError,
+        StorageError,
+        UnsafeCheckpointError,
+        UnsupportedSchemaError,
+    )
+    from resumekit.layout import (
+        NameFormat,
+    )
+    from resumekit.manager import (
+        CheckpointInfo,
+        CheckpointManager,
+    )
+    from resumekit.manifest import (
+        Lineage,
+        Manifest,
+        SaveReason,
+    )
+    from resumekit.preemption import (
+        EXIT_CODE_PREEMPTED,
+        PreemptionHandler,
+        requeue_slurm_job,
+    )
+    from resumekit.retention import (
+        RetentionPolicy,
+        keep_all,
+        keep_every,
+        keep_last,
+        keep_steps,
+        prune,
+    )
+    from resumekit.rng import (
+        capture_rng,
+        restore_rng,
+        select_rank_rng,
+    )
+    from resumekit.sampler import (
+        ResumableDistributedSampler,
+        SkipAheadSampler,
+        wrap_sampler,
+    )
+    from resumekit.storage import (
+        Storage,
+    )
+    from resumekit.warnings import (
+        ResumekitWarning,
+    )
+
+_EXPORTS: dict[str, str] = {
+    "AsyncSaveError": "resumekit.errors",
+    "CheckpointEntry": "resumekit.catalog",
+    "CheckpointInfo": "resumekit.manager",
+    "CheckpointManager": "resumekit.manager",
+    "CheckpointNotFoundError": "resumekit.errors",
+    "CommitProtocol": "resumekit.commit",
+    "ConfigurationError": "resumekit.errors",
+    "CoordinationError": "resumekit.errors",
+    "CorruptCheckpointError": "resumekit.errors",
+    "DistributedContext": "resumekit.distributed",
+    "DistributedSetupError": "resumekit.errors",
+    "EXIT_CODE_PREEMPTED": "resumekit.preemption",
+    "IncompatibleCheckpointError": "resumekit.errors",
+    "IncompleteCheckpointError": "resumekit.errors",
+    "Lineage": "resumekit.manifest",
+    "Manifest": "resumekit.manifest",
+    "ManifestError": "resumekit.errors",
+    "NameFormat": "resumekit.layout",
+    "PreemptionError": "resumekit.errors",
+    "PreemptionHandler": "resumekit.preemption",
+    "ResumableDistributedSampler": "resumekit.sampler",
+    "ResumekitError": "resumekit.errors",
+    "ResumekitWarning": "resumekit.warnings",
+    "RetentionPolicy": "resumekit.retention",
+    "SaveReason": "resumekit.manifest",
+    "SkipAheadSampler": "resumekit.sampler",
+    "StepCollisionError": "resumekit.errors",
+    "Storage": "resumekit.storage",
+    "StorageError": "resumekit.errors",
+    "UnsafeCheckpointError": "resumekit.errors",
+    "UnsupportedSchemaError": "resumekit.errors",
+    "capture_rng": "resumekit.rng",
+    "init_distributed": "resumekit.distributed",
+    "keep_all": "resumekit.retention",
+    "keep_every": "resumekit.retention",
+    "keep_last": "resumekit.retention",
+    "keep_steps": "resumekit.retention",
+    "latest_committed": "resumekit.catalog",
+    "list_checkpoints": "resumekit.catalog",
+    "meet": "resumekit.distributed",
+    "prune": "resumekit.retention",
+    "read_manifest": "resumekit.catalog",
+    "requeue_slurm_job": "resumekit.preemption",
+    "restore_rng": "resumekit.rng",
+    "select_rank_rng": "resumekit.rng",
+    "shutdown": "resumekit.distributed",
+    "verify_checkpoint": "resumekit.catalog",
+    "wrap_sampler": "resumekit.sampler",
+}
 
 __all__ = [
     "EXIT_CODE_PREEMPTED",
@@ -99,3 +190,17 @@ __all__ = [
     "verify_checkpoint",
     "wrap_sampler",
 ]
+
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resumekit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

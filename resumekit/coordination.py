@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-import torch.distributed as dist
-
 __all__ = ["Coordinator", "ProcessGroupCoordinator", "SingleProcess", "run_on_leader"]
 
 T = TypeVar("T")
@@ -68,6 +66,10 @@ class ProcessGroupCoordinator:
     """
 
     def __init__(self, group: Any = None) -> None:
+        # Imported here: the store (commit, catalog, CLI) must import without
+        # torch.distributed, which costs seconds (crash tests fork writers by the hundred).
+        import torch.distributed as dist  # noqa: PLC0415
+
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)

@@ -37,7 +37,7 @@ from torch import nn
 
 from resumekit import distributed, legacy, sharded
 from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
-from resumekit.commit import CommitProtocol, PendingCheckpoint
+from resumekit.commit import CommitProtocol, PendingCheckpoint, recover_interrupted
 from resumekit.coordination import (
     Coordinator,
     ProcessGroupCoordinator,
@@ -303,9 +303,7 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        entries: list[CheckpointEntry] = self._coordinator.broadcast(
-            self.checkpoints() if self._coordinator.rank == 0 else []
-        )
+        entries: list[CheckpointEntry] = run_on_leader(self._coordinator, self._recovered_listing)
         committed = [e for e in entries if e.status == "committed"]
         if step is not None:
             committed = [e for e in committed if e.step == step]
@@ -390,6 +388,12 @@ class CheckpointManager:
 
         aside: str = run_on_leader(self._coordinator, rename)
         return aside
+
+    def _recovered_listing(self) -> list[CheckpointEntry]:
+        """List the root after undoing a replacement a crash cut between its two renames."""
+        if self.storage.is_dir():
+            recover_interrupted(self.storage, self.name_format)
+        return self.checkpoints()
 
     def _finish_restore(self, reason: str) -> None:
         if self._distributed:
