@@ -513,11 +513,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for column in ("run", "launches", "ranks", "steps", "replayed", "final loss",
                    "max |loss-A|", "tensors = A", "max |weight-A|", "verdict"):
         table.add_column(column, justify="right" if column != "run" else "left")
-    table.add_row("A uninterrupted", "1", "2", str(len(reference)), "0",
+    table.add_row("A", "1", "2", str(len(reference)), "0",
                   f"{reference[-1]['loss']:.10f}", "-", "-", "-", "reference")
     for name, comparison in comparisons.items():
         launches = sum(1 for s in segments if s.run == name) + (1 if name == "C" else 0)
-        worlds = "2" if name == "B" else f"2 -> 1 (after step {switch})"
+        worlds = "2" if name == "B" else f"2, 1 from {switch}"
         if name == "B":
             ok = comparison.identical
             verdict = "bit-identical" if ok else \
@@ -526,12 +526,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             ok = comparison.first_metric_difference is None and \
                 math.isfinite(comparison.final_loss)
-            verdict = f"identical to step {switch}, then close" if ok else \
+            verdict = f"= A to step {switch}, then close" if ok else \
                 f"DIFFERS before the switch (step {comparison.first_metric_difference})"
         if not ok:
             problems.append(f"run {name}: {verdict}")
         table.add_row(
-            f"{name} " + ("SIGTERM+SIGKILL" if name == "B" else "1-rank resume"),
+            f"{name} " + ("TERM+KILL" if name == "B" else "1 rank"),
             str(launches), worlds, str(comparison.steps), str(replayed[name]),
             f"{comparison.final_loss:.10f}", f"{comparison.max_loss_difference:.3g}",
             f"{comparison.tensors_compared - comparison.tensors_different}/"
