@@ -133,7 +133,7 @@ def console(stream: IO[str] | None = None) -> Console:
     """A rich console on stdout: colour only on a TTY, no markup, wide when piped."""
     file = stream if stream is not None else sys.stdout
     tty = bool(getattr(file, "isatty", lambda: False)())
-    return Console(file=file, markup=False, highlight=False, soft_wrap=False,
+    return Console(file=file, markup=False, highlight=False, soft_wrap=True,
                    width=None if tty else _PIPE_WIDTH, emoji=False)
 
 
