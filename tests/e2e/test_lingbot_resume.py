@@ -72,7 +72,8 @@ def test_a_run_preempted_by_sigterm_then_killed_by_sigkill_is_bit_identical_to_a
     assert f"saved checkpoint_step_{term.last_step}; exiting with status 75" in \
         Path(term.log).read_text()
 
-    kill_at = term.last_step + SAVE_INTERVAL + 1
+    # Just after the next interval checkpoint: the kill lands between two checkpoints.
+    kill_at = (term.last_step // SAVE_INTERVAL + 1) * SAVE_INTERVAL + 1
     crash = run_segment("B", 2, launch, interruption="sigkill", signal_at=kill_at, log_dir=logs)
     assert crash.resumed_from == term.last_step
     assert crash.returncode == -9
@@ -82,7 +83,9 @@ def test_a_run_preempted_by_sigterm_then_killed_by_sigkill_is_bit_identical_to_a
     finish = run_segment("B", 3, launch, log_dir=logs)
     assert finish.resumed_from == crash.newest_checkpoint
     assert finish.returncode == 0
-    assert "dropped" in Path(finish.log).read_text()
+    lost = crash.last_step - crash.newest_checkpoint
+    assert f"{lost} metric record(s) after step {crash.newest_checkpoint} dropped" in \
+        Path(finish.log).read_text()
 
     steps = [record["step"] for record in read_metrics(root / METRICS_FILE)]
     assert steps == list(range(1, NUM_STEPS + 1))  # one consistent history, no duplicates
