@@ -176,5 +176,4 @@ def test_export_holds_one_tensor_at_a_time_so_memory_is_bounded_by_the_largest(
     # Python-side buffers (shard bytes read, headers) stay near one tensor, far below
     # the model: torch's own tensor storage is covered by the count above.
     assert result.largest_tensor_bytes == largest
-    print(f"python peak {peak} B, largest tensor {largest} B, model {model_bytes} B")
     assert peak < 2 * largest < model_bytes // 8
