@@ -431,8 +431,9 @@ def iter_full_tensors(
             state_dict=holder, reader=reader, planner=planner, target=target,
             group=None, no_dist=True,
         )
-        tensor = holder.pop(name)
-        yield name, tensor
+        # No local name for the tensor: once the caller drops it, it is freed before the
+        # next one is allocated (peak memory: one tensor).
+        yield name, holder.pop(name)
 
 
 # --------------------------------------------------------------------------- staging
