@@ -36,10 +36,10 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy resumekit
 
 docs-build: $(STAMP)
-	@if [ -f mkdocs.yml ]; then $(VENV)/bin/mkdocs build --strict -q -d site; fi
+	@if [ -f mkdocs.yml ]; then NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site; fi
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 demo: $(STAMP)
 	$(PY) -m examples.lingbot.drill
