@@ -539,7 +539,9 @@ def requeue_slurm_job(
     elif dist.is_initialized():
         rank = dist.get_rank()
     else:
-        rank = 0
+        # After shutdown() (or without init_distributed) the launcher's variables still
+        # say which process this is: never let every rank requeue the job.
+        rank = distributed.detect_launch().rank
     if rank != 0:
         return False
     job = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID")

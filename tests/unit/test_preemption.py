@@ -240,3 +240,20 @@ def test_a_hanging_scontrol_is_an_error_after_the_timeout(tmp_path: Path) -> Non
     scontrol = _fake_scontrol(tmp_path, "exec sleep 30")
     with pytest.raises(PreemptionError, match=r"did not finish in 0\.5 s"):
         requeue_slurm_job(job_id="1", scontrol=scontrol, timeout=0.5)
+
+
+def test_after_shutdown_only_the_launchers_rank_zero_requeues(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = tmp_path / "calls"
+    scontrol = _fake_scontrol(tmp_path, f'echo "$@" >> {calls}')
+    monkeypatch.setenv("SLURM_JOB_ID", "111882")
+    for variable, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(variable, value)
+    assert not requeue_slurm_job(scontrol=scontrol)  # no process group any more: rank 1
+    assert not calls.exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert requeue_slurm_job(scontrol=scontrol)
+    assert calls.read_text().split() == ["requeue", "111882"]
