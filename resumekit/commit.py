@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from resumekit.catalog import list_checkpoints, read_manifest
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import StepCollisionError, StorageError
-from resumekit.layout import NameFormat
+from resumekit.layout import ATTEMPT_PREFIX, NameFormat
 from resumekit.manifest import MANIFEST_NAME, FileEntry, Manifest, checksum_chunks
 from resumekit.storage import Storage
 
 __all__ = ["WRITER_FILE", "CommitProtocol", "PendingCheckpoint", "recover_interrupted"]
 
 WRITER_FILE = ".writer.json"
-_ATTEMPT_PREFIX = "attempt-"
 
 #: Test hook: called with the name of each protocol phase as it starts (crash tests).
 PhaseHook = Callable[[str], None]
@@ -140,12 +139,19 @@ class CommitProtocol:
                 step=step, newest=newest, path=self.storage.path(),
             )
         name = self.name_format.build(step)
+        if self.storage.atomic_rename and not replaces and self.storage.exists(name):
+            raise StepCollisionError(
+                f"cannot save step {step}: {self.storage.path(name)} already exists and is "
+                "not a committed checkpoint (a weights-only legacy or foreign directory); "
+                "move it out of the root first",
+                step=step, newest=newest, path=self.storage.path(name),
+            )
         if self.storage.atomic_rename:
             staging = self.name_format.staging_name(step, token)
             data_dir = "."
             self.storage.make_dir_exclusive(staging)
         else:
-            data_dir = f"{_ATTEMPT_PREFIX}{token}"
+            data_dir = f"{ATTEMPT_PREFIX}{token}"
             staging = f"{name}/{data_dir}"
         writer = {"host": socket.gethostname(), "pid": os.getpid(), "token": token,
                   "step": step, "started": time.time()}

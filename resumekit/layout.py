@@ -22,7 +22,12 @@ from typing import Literal
 from resumekit.errors import ConfigurationError
 
 __all__ = [
-    "ATTEMPT_PREFIX","DEFAULT_NAME_FORMAT", "LEGACY_NAME_FORMAT", "HiddenName", "NameFormat"]
+    "ATTEMPT_PREFIX",
+    "DEFAULT_NAME_FORMAT",
+    "LEGACY_NAME_FORMAT",
+    "HiddenName",
+    "NameFormat",
+]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
 #: Object stores: each save attempt writes its data under ``<step dir>/attempt-<token>/``.

@@ -174,3 +174,21 @@ def test_a_legacy_directory_of_another_model_shape_is_refused_naming_the_tensor(
     for name, value in model.state_dict().items():  # nothing was loaded
         assert torch.equal(value, before[name]), name
     manager.close()
+
+
+def test_saving_over_a_legacy_directory_of_the_same_name_is_a_collision_naming_it(
+    tmp_path: Path,
+) -> None:
+    from resumekit.commit import CommitProtocol
+    from resumekit.errors import StepCollisionError
+    from resumekit.layout import NameFormat
+    from resumekit.storage import Storage
+
+    legacy = tmp_path / "checkpoint_step_200" / "transformer"
+    legacy.mkdir(parents=True)
+    (legacy / "diffusion_pytorch_model.safetensors").write_bytes(b"weights")
+    protocol = CommitProtocol(Storage(tmp_path), NameFormat("checkpoint_step_{step}"))
+    with pytest.raises(StepCollisionError, match="checkpoint_step_200 already exists"):
+        protocol.begin(200)
+    assert (legacy / "diffusion_pytorch_model.safetensors").read_bytes() == b"weights"
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint_step_200"]  # no staging left
