@@ -21,7 +21,7 @@ import pytest
 
 from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
 from resumekit.commit import CommitProtocol
-from resumekit.errors import StorageError
+from resumekit.errors import StepCollisionError, StorageError
 from resumekit.manifest import MANIFEST_NAME, Manifest
 from resumekit.retention import keep_last, prune
 from resumekit.storage import Storage
@@ -183,19 +183,16 @@ def test_a_root_below_a_regular_file_fails_naming_the_path(tmp_path: Path) -> No
     assert blocker.read_text() == "a file"
 
 
-def test_a_step_name_taken_by_a_file_fails_at_publish_and_abort_cleans_up(
+def test_a_step_name_taken_by_a_file_is_a_collision_before_anything_is_written(
     tmp_path: Path,
 ) -> None:
     store = Storage(tmp_path)
     save_checkpoint(store, 1)
     (tmp_path / NAME_2).write_text("squatter")
     protocol = CommitProtocol(store)
-    pending = protocol.begin(2)
-    store.write_bytes(f"{pending.staging}/model.bin", b"weights")
-    with pytest.raises(StorageError, match=NAME_2) as caught:
-        protocol.publish(pending, Manifest(step=2))
+    with pytest.raises(StepCollisionError, match=NAME_2) as caught:
+        protocol.begin(2)
     assert caught.value.path == str(tmp_path / NAME_2)
-    protocol.abort(pending)
-    assert sorted(os.listdir(tmp_path)) == [NAME_1, NAME_2]
+    assert sorted(os.listdir(tmp_path)) == [NAME_1, NAME_2]  # no staging directory
     assert (tmp_path / NAME_2).read_text() == "squatter"
     verify_checkpoint(store, NAME_1)
