@@ -233,26 +233,16 @@ class Storage:
     def make_dirs(self, relative: str = "") -> None:
         """Create the directory ``relative`` and its parents (a no-op on object stores)."""
         target = self.path(relative)
-        if not self.is_local:
-            return
-        try:
-            os.makedirs(target, exist_ok=True)
-        except OSError as error:
-            raise StorageError(
-                f"cannot create directory {target}: {error}", path=target, operation="mkdir"
-            ) from error
+        if self.is_local:
+            with _storage_errors("create directory", target, "mkdir", missing_ok=False):
+                os.makedirs(target, exist_ok=True)
 
     def make_dir_exclusive(self, relative: str) -> None:
         """Create the directory ``relative``; fail if it exists (local only)."""
         target = self.path(relative)
-        if not self.is_local:
-            return
-        try:
-            os.mkdir(target)
-        except OSError as error:
-            raise StorageError(
-                f"cannot create directory {target}: {error}", path=target, operation="mkdir"
-            ) from error
+        if self.is_local:
+            with _storage_errors("create directory", target, "mkdir", missing_ok=False):
+                os.mkdir(target)
 
     def remove_tree(self, relative: str) -> None:
         """Delete ``relative`` and everything below it; an absent path is not an error."""
@@ -277,14 +267,8 @@ class Storage:
     def remove_file(self, relative: str) -> None:
         """Delete the file ``relative``; an absent file is not an error."""
         target = self.path(relative)
-        try:
+        with _storage_errors("delete", target, "delete", missing_ok=True):
             self.fs.rm_file(target)
-        except FileNotFoundError:
-            return
-        except OSError as error:
-            raise StorageError(
-                f"cannot delete {target}: {error}", path=target, operation="delete"
-            ) from error
 
     # -- durability (local filesystems) -----------------------------------------------
     def fsync_file(self, relative: str) -> None:
@@ -380,6 +364,26 @@ class Storage:
 
 
 _RENAMEAT2: Any = None
+
+
+@contextmanager
+def _storage_errors(verb: str, target: str, operation: str, *, missing_ok: bool
+                    ) -> Iterator[None]:
+    """Turn an ``OSError`` of the block into a :class:`StorageError` naming ``target``.
+
+    With ``missing_ok`` a ``FileNotFoundError`` ends the block quietly; without, it is
+    reported like any other failure.
+    """
+    try:
+        yield
+    except FileNotFoundError as error:
+        if missing_ok:
+            return
+        raise StorageError(f"cannot {verb} {target}: {error}", path=target,
+                           operation=operation) from error
+    except OSError as error:
+        raise StorageError(f"cannot {verb} {target}: {error}", path=target,
+                           operation=operation) from error
 
 
 def _renameat2() -> Any:
