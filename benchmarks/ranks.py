@@ -129,37 +129,49 @@ def _calibrated_step(target_ms: float) -> tuple[Callable[[], None], int]:
 def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
     """Cost of ``PreemptionHandler.agreed`` per step, against a ~``step_ms`` step.
 
-    Per round: ``steps`` steps of compute each followed by ``agreed(step)``; the vote's cost
-    at a step is the smallest time any rank spent in it (the rank that arrived last waited
-    for nobody, so its time is the vote itself, not the other rank's lateness). Also, as a
-    cross-check, blocks of steps without any vote and with a vote, interleaved.
+    Per round: ``steps`` steps of compute, each ended by a collective that lines the ranks
+    up (as a gradient all-reduce does), then ``agreed(step)``; its cost at a step is the
+    slower rank's time in it. Alongside, the same all-reduce bare (the floor of gloo on
+    this machine) and, as a cross-check, blocks of steps without and with a vote.
     """
     handler = PreemptionHandler(poll_every=1)
     step, reps = _calibrated_step(step_ms)
     counter = 0
     per_round: list[float] = []
     vote_us: list[float] = []
+    bare_us: list[float] = []
     step_ms_seen: list[float] = []
     block_ratios: list[float] = []
     for _ in range(rounds):
         compute = torch.zeros(steps, dtype=torch.float64)
         vote = torch.zeros(steps, dtype=torch.float64)
+        bare = torch.zeros(steps, dtype=torch.float64)
+        ballot = torch.zeros(4, dtype=torch.int64)
         dist.barrier()
         for index in range(steps):
             start = time.perf_counter()
             step()
-            middle = time.perf_counter()
+            compute[index] = time.perf_counter() - start
+            # A training step ends in a collective (gradient all-reduce, FSDP reduce-scatter)
+            # that lines the ranks up; the vote's cost is what it adds after that.
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
+            start = time.perf_counter()
             if handler.agreed(counter):
                 raise RuntimeError("no rank was signalled, yet the ranks agreed to stop")
             counter += 1
-            vote[index] = time.perf_counter() - middle
-            compute[index] = middle - start
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        dist.all_reduce(compute, op=dist.ReduceOp.MAX)
+            vote[index] = time.perf_counter() - start
+            # The floor: the same all-reduce of four int64, lined up the same way, bare.
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
+            start = time.perf_counter()
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
+            bare[index] = time.perf_counter() - start
+        for series in (vote, bare, compute):  # the slower rank's time, step by step
+            dist.all_reduce(series, op=dist.ReduceOp.MAX)
         cost = median(vote.tolist())
         step_seconds = median(compute.tolist())
         per_round.append(cost / step_seconds)
         vote_us.append(cost * 1e6)
+        bare_us.append(median(bare.tolist()) * 1e6)
         step_ms_seen.append(step_seconds * 1e3)
         # Cross-check: the same number of steps without and with the vote, back to back.
         dist.barrier()
@@ -178,6 +190,7 @@ def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
     return {
         "per_round": per_round,
         "vote_us_per_round": vote_us,
+        "bare_all_reduce_us_per_round": bare_us,
         "step_ms_per_round": step_ms_seen,
         "matmul_reps_per_step": reps,
         "steps_per_round": steps,

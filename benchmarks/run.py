@@ -114,18 +114,24 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
             torch.serialization.set_crc32_options(previous)
 
     async_root = fresh("resumekit-async")
+    # Retention keeps everything and the bench deletes each checkpoint outside the clock,
+    # as for the sync save: both pay for exactly one checkpoint's writing.
     async_manager = CheckpointManager(async_root, model=model, optimizer=optimizer,
-                                      retention=keep_last(1), async_save=True)
+                                      retention=keep_all(), async_save=True)
     async_manager.save(steps.next())  # allocates the staging buffers (not measured)
     async_manager.wait()
+    remove(async_root / async_manager.name_format.build(steps.value))
     blocked: list[float] = []
 
     def resumekit_async() -> float:
+        step = steps.next()
         begin = time.perf_counter()
-        async_manager.save(steps.next())
+        async_manager.save(step)
         blocked.append(time.perf_counter() - begin)
         async_manager.wait()
-        return time.perf_counter() - begin
+        total = time.perf_counter() - begin
+        remove(async_root / async_manager.name_format.build(step))
+        return total
 
     sources = state_tensors(model, optimizer)
     buffers = [torch.zeros_like(t) for t in sources]  # touched: no page faults in rounds
@@ -181,9 +187,10 @@ def bench_overlap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work
     steps = Steps()
     root = work / "overlap"
     manager = CheckpointManager(root, model=model, optimizer=optimizer,
-                                retention=keep_last(1), async_save=True)
+                                retention=keep_all(), async_save=True)
     manager.save(steps.next())  # staging buffers
     manager.wait()
+    remove(root / manager.name_format.build(steps.value))
     train_step(model, optimizer)
     save_left: list[float] = []
 
@@ -191,11 +198,13 @@ def bench_overlap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work
         return clock(lambda: train_step(model, optimizer))
 
     def overlapped() -> float:
-        manager.save(steps.next())
+        step = steps.next()
+        manager.save(step)
         seconds = clock(lambda: train_step(model, optimizer))
         begin = time.perf_counter()
         manager.wait()
         save_left.append(time.perf_counter() - begin)
+        remove(root / manager.name_format.build(step))
         return seconds
 
     samples = interleave({"step_alone": alone, "step_during_async_save": overlapped},
