@@ -75,6 +75,9 @@ logger = logging.getLogger("resumekit")
 
 MismatchPolicy = Literal["error", "warn", "ignore"]
 
+#: Retention when none is given: the three newest committed checkpoints.
+DEFAULT_RETENTION = keep_last(3)
+
 
 @dataclass(frozen=True)
 class _SaveJob:
@@ -161,7 +164,8 @@ class CheckpointManager:
             e.g. a wandb run id.
         save_every: Save every this many steps in :meth:`step_end` (None: only explicit
             saves and preemption saves).
-        retention: Which committed checkpoints to keep after each save (None keeps all).
+        retention: Which committed checkpoints to keep after each save (default
+            ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
         async_save: Stage state to CPU memory and write in the background.
         config: Configuration that must match on resume (recorded as a fingerprint).
@@ -194,7 +198,7 @@ class CheckpointManager:
         generators: Mapping[str, torch.Generator] | None = None,
         extras: Mapping[str, Any] | None = None,
         save_every: int | None = None,
-        retention: RetentionPolicy | None = None,
+        retention: RetentionPolicy | None = DEFAULT_RETENTION,
         name_format: str = DEFAULT_NAME_FORMAT,
         async_save: bool = False,
         config: Mapping[str, Any] | None = None,
@@ -216,7 +220,7 @@ class CheckpointManager:
                                 data=data, generators=dict(generators or {}))
         self.extras: dict[str, Any] = _plain_json(extras or {}, what="extras")
         self.save_every = save_every
-        self.retention = retention if retention is not None else keep_last(3)
+        self.retention = retention
         self.async_save = async_save
         self.config: dict[str, Any] = _plain_json(config or {}, what="config")
         self.on_mismatch = on_mismatch

@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.serialization import get_crc32_options, set_crc32_options
 
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -262,7 +263,7 @@ def save(
     target = _directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files)
     try:
-        with _quiet_no_dist(no_dist):
+        with _quiet_no_dist(no_dist), _without_zip_crc32():
             dcp_save(
                 dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
             )
@@ -537,6 +538,34 @@ class CpuStager:
 
 
 # --------------------------------------------------------------------------- internals
+
+
+_CRC32_LOCK = threading.Lock()
+_crc32_users = [0, True]  # saves in flight, the setting to restore when the last one ends
+
+
+@contextmanager
+def _without_zip_crc32() -> Generator[None, None, None]:
+    """Skip the zip CRC-32 ``torch.save`` computes over every byte DCP writes.
+
+    The commit store hashes every file (XXH3-128, in the manifest) anyway, and the CRC is a
+    single-core pass over all the data: measured on 1.5 GB of model + AdamW state, saves
+    ran 1.36x faster without it (``docs/performance.md``). Files written so still load
+    with ``torch.load``. The switch is process-wide, so overlapping saves share it under a
+    counter and the last one out restores the previous setting.
+    """
+    with _CRC32_LOCK:
+        if _crc32_users[0] == 0:
+            _crc32_users[1] = get_crc32_options()
+            set_crc32_options(False)
+        _crc32_users[0] += 1
+    try:
+        yield
+    finally:
+        with _CRC32_LOCK:
+            _crc32_users[0] -= 1
+            if _crc32_users[0] == 0:
+                set_crc32_options(bool(_crc32_users[1]))
 
 
 def _resolve_group(

@@ -402,3 +402,27 @@ def test_staged_state_saves_and_loads_back_equal(tmp_path: Path) -> None:
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     restore(fresh, fresh_optimizer, tmp_path / "ckpt")
     assert_same(snapshot(fresh, fresh_optimizer), expected)
+
+
+def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.serialization
+
+    from resumekit import sharded as module
+
+    seen: list[bool] = []
+    real_save = module.dcp_save
+
+    def spying_save(*args: object, **kwargs: object) -> object:
+        seen.append(torch.serialization.get_crc32_options())
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(module, "dcp_save", spying_save)
+    model = torch.nn.Linear(4, 3)
+    module.save({"model": model.state_dict()}, str(tmp_path / "ckpt"))
+    assert seen == [False]  # the manifest's XXH3 covers every byte already
+    assert torch.serialization.get_crc32_options() is True
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    module.load(loaded, str(tmp_path / "ckpt"))
+    assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
