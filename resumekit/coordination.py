@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Coordinator", "ProcessGroupCoordinator", "SingleProcess", "run_on_leader"]
+__all__ = [
+    "Coordinator",
+    "ProcessGroupCoordinator",
+    "SingleProcess",
+    "run_on_every_rank",
+    "run_on_leader",
+]
 
 T = TypeVar("T")
 
@@ -108,4 +114,21 @@ def run_on_leader(coordinator: Coordinator, action: Any) -> Any:
     outcome = coordinator.broadcast(outcome)
     if outcome[0] == "error":
         raise outcome[1]
+    return outcome[1]
+
+
+def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
+    """Run ``action()`` on every rank; if it failed on any rank, raise on every rank.
+
+    Each rank returns its own result. The error raised is the lowest failing rank's, so
+    all ranks take the same branch and none is left waiting in the next collective.
+    """
+    outcome: tuple[str, Any] = ("ok", None)
+    try:
+        outcome = ("ok", action())
+    except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+        outcome = ("error", error)
+    for status, value in coordinator.all_gather(outcome):
+        if status == "error":
+            raise value
     return outcome[1]

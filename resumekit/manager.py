@@ -42,6 +42,7 @@ from resumekit.coordination import (
     Coordinator,
     ProcessGroupCoordinator,
     SingleProcess,
+    run_on_every_rank,
     run_on_leader,
 )
 from resumekit.errors import (
@@ -403,19 +404,6 @@ class CheckpointManager:
         if self._distributed:
             distributed.meet(self._group, reason=reason)
 
-    def _agree(self, action: Callable[[], Any]) -> Any:
-        """Run ``action`` on every rank; if it fails anywhere, raise on every rank."""
-        outcome: tuple[str, Any] = ("ok", None)
-        try:
-            outcome = ("ok", action())
-        except ResumekitError as error:
-            outcome = ("error", error)
-        outcomes = self._coordinator.all_gather(outcome)
-        for status, value in outcomes:
-            if status == "error":
-                raise value
-        return outcome[1]
-
     def _restore_entry(self, entry: CheckpointEntry) -> None:
         manifest = entry.manifest
         assert manifest is not None
@@ -424,7 +412,8 @@ class CheckpointManager:
             mine = manifest.model_copy(update={
                 "files": manifest.files[self._coordinator.rank::self._coordinator.world_size]
             })
-            self._agree(lambda: verify_checkpoint(self.storage, name, manifest=mine))
+            run_on_every_rank(self._coordinator,
+                              lambda: verify_checkpoint(self.storage, name, manifest=mine))
         self._check_compatibility(manifest, entry.path)
 
         def read() -> None:
@@ -449,7 +438,7 @@ class CheckpointManager:
             self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
                                         world_size=self.world_size)
 
-        self._agree(read)
+        run_on_every_rank(self._coordinator, read)
         self.extras = dict(manifest.extras)
         self.resumed_from = manifest.step
         self.last_saved_step = manifest.step
@@ -630,8 +619,8 @@ class CheckpointManager:
     def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None) -> None:
         rank = coordinator.rank
-        outcome: tuple[str, Any] = ("ok", None)
-        try:
+
+        def write() -> None:
             if job.tensors:
                 sharded.save(job.tensors,
                              self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
@@ -640,11 +629,8 @@ class CheckpointManager:
             if rank == 0:
                 self.storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", job.train)
             self.storage.write_bytes(f"{pending.staging}/{rank_state_file(rank)}", job.ranks)
-        except Exception as error:  # noqa: BLE001 - every rank must learn of it
-            outcome = ("error", error)
-        for status, value in coordinator.all_gather(outcome):
-            if status == "error":
-                raise value
+
+        run_on_every_rank(coordinator, write)
 
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
