@@ -36,7 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from resumekit import distributed, legacy, sharded
-from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
+from resumekit.catalog import (
+    CheckpointEntry,
+    latest_committed,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from resumekit.commit import CommitProtocol, PendingCheckpoint, recover_interrupted
 from resumekit.coordination import (
     Coordinator,
@@ -48,6 +53,7 @@ from resumekit.coordination import (
 from resumekit.errors import (
     AsyncSaveError,
     CheckpointNotFoundError,
+    ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
@@ -78,6 +84,15 @@ MismatchPolicy = Literal["error", "warn", "ignore"]
 
 #: Retention when none is given: the three newest committed checkpoints.
 DEFAULT_RETENTION = keep_last(3)
+
+
+@dataclass(frozen=True)
+class _Channel:
+    """A process group, the coordinator over it, and the commit protocol that uses it."""
+
+    group: dist.ProcessGroup | None
+    coordinator: Coordinator
+    protocol: CommitProtocol
 
 
 @dataclass(frozen=True)
@@ -212,9 +227,12 @@ class CheckpointManager:
         import_legacy: bool = True,
     ) -> None:
         if save_every is not None and save_every < 1:
-            raise ValueError(f"save_every must be >= 1 or None, got {save_every}")
+            raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
+                                     name="save_every", value=save_every)
         if on_mismatch not in ("error", "warn", "ignore"):
-            raise ValueError(f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}")
+            raise ConfigurationError(
+                f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}",
+                name="on_mismatch", value=on_mismatch)
         self.storage = Storage(root, storage_options)
         self.name_format = NameFormat(name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -243,14 +261,11 @@ class CheckpointManager:
         self._background = _BackgroundSave()
         self._stager: Any = None
         self._active_tokens: set[str] = set()
-        self._group, self._coordinator = self._coordination(process_group)
+        self._main = self._channel(process_group)
         # Background saves run collectives from another thread: they get a group of their
         # own so they never interleave with the coordination of the main thread.
-        self._save_group, self._save_coordinator = (
-            self._coordination(self._new_group()) if async_save and self._distributed
-            else (self._group, self._coordinator)
-        )
-        self.protocol = CommitProtocol(self.storage, self.name_format, self._coordinator)
+        self._saver = (self._channel(self._new_group()) if async_save and self._distributed
+                       else self._main)
 
     # -- process groups -----------------------------------------------------------------
     @property
@@ -273,12 +288,15 @@ class CheckpointManager:
         group: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
         return group
 
-    def _coordination(self, group: dist.ProcessGroup | None
-                      ) -> tuple[dist.ProcessGroup | None, Coordinator]:
+    def _channel(self, group: dist.ProcessGroup | None) -> _Channel:
+        coordinator: Coordinator
         if not self._distributed:
-            return None, SingleProcess()
-        group = group or distributed.checkpoint_group() or self._new_group()
-        return group, ProcessGroupCoordinator(group)
+            group, coordinator = None, SingleProcess()
+        else:
+            group = group or distributed.checkpoint_group() or self._new_group()
+            coordinator = ProcessGroupCoordinator(group)
+        return _Channel(group, coordinator,
+                        CommitProtocol(self.storage, self.name_format, coordinator))
 
     # -- finding ------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointEntry]:
@@ -287,10 +305,9 @@ class CheckpointManager:
 
     def latest(self) -> CheckpointInfo | None:
         """Return the newest committed checkpoint, or None."""
-        committed = [e for e in self.checkpoints() if e.status == "committed"]
-        if not committed:
+        entry = latest_committed(self.storage, self.name_format)
+        if entry is None:
             return None
-        entry = committed[-1]
         assert entry.manifest is not None
         return CheckpointInfo(entry.step, entry.path, entry.manifest)
 
@@ -308,7 +325,8 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        entries: list[CheckpointEntry] = run_on_leader(self._coordinator, self._recovered_listing)
+        entries: list[CheckpointEntry] = run_on_leader(self._main.coordinator,
+                                                       self._recovered_listing)
         committed = [e for e in entries if e.status == "committed"]
         if step is not None:
             committed = [e for e in committed if e.step == step]
@@ -351,7 +369,7 @@ class CheckpointManager:
             self._import_legacy(legacy[-1])
             self._finish_restore(f"end of legacy import from {legacy[-1].name}")
             return self.state.step
-        if self._coordinator.rank == 0:
+        if self._main.coordinator.rank == 0:
             self._warn_about_other_names()
         self._finish_restore("fresh start")
         return 0
@@ -391,7 +409,7 @@ class CheckpointManager:
             self.storage.fsync_dir()
             return aside
 
-        aside: str = run_on_leader(self._coordinator, rename)
+        aside: str = run_on_leader(self._main.coordinator, rename)
         return aside
 
     def _recovered_listing(self) -> list[CheckpointEntry]:
@@ -402,17 +420,18 @@ class CheckpointManager:
 
     def _finish_restore(self, reason: str) -> None:
         if self._distributed:
-            distributed.meet(self._group, reason=reason)
+            distributed.meet(self._main.group, reason=reason)
 
     def _restore_entry(self, entry: CheckpointEntry) -> None:
         manifest = entry.manifest
         assert manifest is not None
         name = entry.name
         if self.verify_on_restore:
+            ranks = self._main.coordinator
             mine = manifest.model_copy(update={
-                "files": manifest.files[self._coordinator.rank::self._coordinator.world_size]
+                "files": manifest.files[ranks.rank::ranks.world_size]
             })
-            run_on_every_rank(self._coordinator,
+            run_on_every_rank(self._main.coordinator,
                               lambda: verify_checkpoint(self.storage, name, manifest=mine))
         self._check_compatibility(manifest, entry.path)
 
@@ -421,7 +440,7 @@ class CheckpointManager:
             tensors = self.state.tensor_state()
             if tensors:
                 sharded.load(tensors, self.storage.url_of(f"{base}/{TENSORS_DIR}"),
-                             process_group=self._group,
+                             process_group=self._main.group,
                              storage_options=self.storage.storage_options or None)
                 self.state.apply_tensor_state(tensors)
             source = self.storage.path(f"{base}/{TRAIN_STATE_FILE}")
@@ -438,7 +457,7 @@ class CheckpointManager:
             self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
                                         world_size=self.world_size)
 
-        run_on_every_rank(self._coordinator, read)
+        run_on_every_rank(self._main.coordinator, read)
         self.extras = dict(manifest.extras)
         self.resumed_from = manifest.step
         self.last_saved_step = manifest.step
@@ -585,21 +604,18 @@ class CheckpointManager:
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started)
             self._newest_step = step
-            self._background.submit(
-                step, lambda: self._write(job, self._save_coordinator, self._save_group)
-            )
+            self._background.submit(step, lambda: self._write(job, self._saver))
             return
         self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
-                    self._coordinator, self._group)
+                    self._main)
         self._newest_step = step
 
-    def _write(self, job: _SaveJob, coordinator: Coordinator,
-               group: dist.ProcessGroup | None) -> None:
-        protocol = CommitProtocol(self.storage, self.name_format, coordinator)
+    def _write(self, job: _SaveJob, channel: _Channel) -> None:
+        protocol, coordinator = channel.protocol, channel.coordinator
         pending = protocol.begin(job.step, replace=job.replace)
         self._active_tokens.add(pending.token)
         try:
-            self._write_files(pending, job, coordinator, group)
+            self._write_files(pending, job, coordinator, channel.group)
             protocol.publish(pending, job.manifest)
         except BaseException:
             protocol.abort(pending)
@@ -648,10 +664,10 @@ class CheckpointManager:
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
-        if self._save_group is not None and self._save_group is not self._group:
-            dist.barrier(group=self._save_group)
-            dist.destroy_process_group(self._save_group)
-            self._save_group = None
+        if self._saver is not self._main and self._saver.group is not None:
+            dist.barrier(group=self._saver.group)
+            dist.destroy_process_group(self._saver.group)
+            self._saver = self._main
 
     def _check_open(self) -> None:
         if self._closed:
