@@ -70,8 +70,8 @@ from resumekit.state import (
     Stateful,
     TrainState,
     dump_plain,
-    load_plain,
     rank_state_file,
+    read_plain,
 )
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
@@ -436,24 +436,20 @@ class CheckpointManager:
         self._check_compatibility(manifest, entry.path)
 
         def read() -> None:
-            base = f"{name}/{manifest.data_path('')}".rstrip("/")
             tensors = self.state.tensor_state()
             if tensors:
-                sharded.load(tensors, self.storage.url_of(f"{base}/{TENSORS_DIR}"),
+                sharded.load(tensors, self.storage.url_of(
+                                 f"{name}/{manifest.data_path(TENSORS_DIR)}"),
                              process_group=self._main.group,
                              storage_options=self.storage.storage_options or None)
                 self.state.apply_tensor_state(tensors)
-            source = self.storage.path(f"{base}/{TRAIN_STATE_FILE}")
-            train = load_plain(self.storage.read_bytes(f"{base}/{TRAIN_STATE_FILE}"),
-                               source=source)
-            self.state.apply_train_state(train, source=source)
+            train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
+            self.state.apply_train_state(train, source=self.storage.path(
+                f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"))
             saved_world = int(train.get("world_size", manifest.world_size))
             wanted = {0, self.rank} & set(range(saved_world))
-            saved = {
-                r: load_plain(self.storage.read_bytes(f"{base}/{rank_state_file(r)}"),
-                              source=self.storage.path(f"{base}/{rank_state_file(r)}"))
-                for r in sorted(wanted)
-            }
+            saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
+                     for r in sorted(wanted)}
             self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
                                         world_size=self.world_size)
 

@@ -36,7 +36,9 @@ from torch import nn
 
 from resumekit import rng, sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.manifest import Manifest
 from resumekit.sampler import ResumableDistributedSampler
+from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "dump_plain",
     "load_plain",
     "rank_state_file",
+    "read_plain",
 ]
 
 TENSORS_DIR = "tensors"
@@ -71,6 +74,16 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the object's state."""
         ...
+
+
+def read_plain(storage: Storage, name: str, manifest: Manifest, path: str) -> Any:
+    """Read the plain-data file ``path`` (e.g. ``train_state.pt``) of checkpoint ``name``.
+
+    The one way resumekit opens a checkpoint's ``.pt`` files: relative to the manifest's
+    data directory, with ``torch.load(weights_only=True)``, errors naming the file.
+    """
+    relative = f"{name}/{manifest.data_path(path)}"
+    return load_plain(storage.read_bytes(relative), source=storage.path(relative))
 
 
 def dump_plain(value: Any, *, what: str) -> bytes:

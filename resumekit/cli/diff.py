@@ -32,7 +32,7 @@ from resumekit.cli._common import (
     table,
 )
 from resumekit.export import CheckpointTarget, open_target, select_committed, tensors_url
-from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, load_plain
+from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, read_plain
 
 __all__ = ["SCHEMA", "add_parser", "compare_tensors", "run"]
 
@@ -180,9 +180,7 @@ def _short(value: Any) -> Any:
 
 def _load(target: CheckpointTarget, entry: CheckpointEntry, path: str) -> Any:
     assert entry.manifest is not None
-    relative = f"{entry.name}/{entry.manifest.data_path(path)}"
-    return load_plain(target.storage.read_bytes(relative),
-                      source=target.storage.path(relative))
+    return read_plain(target.storage, entry.name, entry.manifest, path)
 
 
 def _compare_tensor_state(result: _Comparison, sides: list[tuple[CheckpointTarget,

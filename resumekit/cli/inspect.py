@@ -40,7 +40,7 @@ from resumekit.cli._common import (
 from resumekit.errors import CorruptCheckpointError, ResumekitError
 from resumekit.export import CheckpointTarget, open_target, tensors_url
 from resumekit.manifest import Lineage, Manifest, describe
-from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, load_plain
+from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, read_plain
 from resumekit.storage import Storage
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
@@ -316,8 +316,7 @@ def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
     listed = {item.path for item in manifest.files}
     train: dict[str, Any] | None = None
     if TRAIN_STATE_FILE in listed:
-        relative = f"{entry.name}/{manifest.data_path(TRAIN_STATE_FILE)}"
-        loaded = load_plain(storage.read_bytes(relative), source=storage.path(relative))
+        loaded = read_plain(storage, entry.name, manifest, TRAIN_STATE_FILE)
         if isinstance(loaded, dict):
             scheduler = loaded.get("scheduler")
             train = {
@@ -332,8 +331,7 @@ def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
     )
     ranks = []
     for rank, path in rank_files[:_MAX_RANKS_SHOWN]:
-        relative = f"{entry.name}/{manifest.data_path(path)}"
-        loaded = load_plain(storage.read_bytes(relative), source=storage.path(relative))
+        loaded = read_plain(storage, entry.name, manifest, path)
         state = loaded if isinstance(loaded, dict) else {}
         ranks.append({"rank": rank, "file": path, "rng": _rng_streams(state.get("rng")),
                       "data": plain(state.get("data"))})
