@@ -398,12 +398,8 @@ class PreemptionHandler:
         except PreemptionError:
             raise
         except RuntimeError as error:
-            raise CoordinationError(
-                f"preemption vote at step {step} failed: {error}",
-                reason="preemption vote",
-                rank=dist.get_rank(),
-                step=step,
-            ) from error
+            raise _collective_failed(f"preemption vote at step {step}", "preemption vote",
+                                     error, step=step) from error
 
     def _vote(self, step: int, group: dist.ProcessGroup) -> bool:
         if not self.overlap:
@@ -431,12 +427,8 @@ class PreemptionHandler:
         try:
             work.wait()
         except RuntimeError as error:
-            raise CoordinationError(
-                f"the preemption vote started at step {step} failed: {error}",
-                reason="preemption vote",
-                rank=dist.get_rank(),
-                step=step,
-            ) from error
+            raise _collective_failed(f"the preemption vote started at step {step}",
+                                     "preemption vote", error, step=step) from error
 
     # -- deadline -------------------------------------------------------------------------
 
@@ -491,11 +483,8 @@ class PreemptionHandler:
             try:
                 dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=group)
             except RuntimeError as error:
-                raise CoordinationError(
-                    f"agreeing whether to skip the emergency save failed: {error}",
-                    reason="emergency save decision",
-                    rank=dist.get_rank(),
-                ) from error
+                raise _collective_failed("agreeing whether to skip the emergency save",
+                                         "emergency save decision", error) from error
             if decision.item() and not skip:
                 reasons.append("another rank has no time left to save")
             skip = bool(decision.item())
@@ -507,6 +496,13 @@ class PreemptionHandler:
                 stacklevel=2,
             )
         return skip
+
+
+def _collective_failed(what: str, reason: str, error: Exception, **fields: Any
+                       ) -> CoordinationError:
+    """The error every failed preemption collective raises: what, why, and this rank."""
+    return CoordinationError(f"{what} failed: {error}", reason=reason, rank=dist.get_rank(),
+                             **fields)
 
 
 def requeue_slurm_job(
