@@ -106,22 +106,32 @@ class PruneReport:
     dry_run: bool = False
 
 
-def _writer_is_alive(storage: Storage, name: str, active_tokens: Iterable[str]) -> bool:
+def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
+               active_tokens: Iterable[str]) -> bool:
+    """Whether the staging area ``name`` may be swept: old enough, and its writer gone.
+
+    The writer record (``.writer.json``: host, pid, token, start time) is read once. A
+    writer on another host cannot be checked, so there its age alone decides; a missing or
+    unreadable record counts as a dead writer, dated by the directory's mtime.
+    """
     try:
         writer = json.loads(storage.read_bytes(f"{name}/{WRITER_FILE}"))
-    except (FileNotFoundError, ValueError, OSError):
+        started = float(writer["started"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError, OSError):
+        writer, started = None, storage.mtime(name) or now
+    if now - started < sweep_after:
         return False
-    if writer.get("token") in set(active_tokens):
+    if writer is not None and writer.get("token") in set(active_tokens):
+        return False  # a save of this process, in flight
+    if writer is None or writer.get("host") != socket.gethostname():
         return True
-    if writer.get("host") != socket.gethostname():
-        return False  # liveness on another host is unknowable: its age decides
     try:
         os.kill(int(writer.get("pid", -1)), 0)
     except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError, OverflowError):
         return True
-    return True
+    except (PermissionError, ValueError, OverflowError):
+        return False
+    return False
 
 
 def prune(
@@ -165,9 +175,7 @@ def prune(
                 _delete_committed(storage, name_format, entry.step, entry.name, token)
         elif entry.status == "partial" and entry.name.startswith("."):
             # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
-            if now - _started_at(storage, entry.name, now) < sweep_after:
-                continue
-            if _writer_is_alive(storage, entry.name, active_tokens):
+            if not _abandoned(storage, entry.name, now, sweep_after, active_tokens):
                 continue
             report.swept.append(entry.name)
             if not dry_run:
@@ -192,21 +200,12 @@ def _sweep_attempts(storage: Storage, entries: Iterable[CheckpointEntry], now: f
                     or info.name == published:
                 continue
             name = f"{entry.name}/{info.name}"
-            if now - _started_at(storage, name, now) < sweep_after or _writer_is_alive(
-                storage, name, active_tokens
-            ):
+            if not _abandoned(storage, name, now, sweep_after, active_tokens):
                 continue
             swept.append(name)
             if not dry_run:
                 storage.remove_tree(name)
     return swept
-
-
-def _started_at(storage: Storage, name: str, default: float) -> float:
-    try:
-        return float(json.loads(storage.read_bytes(f"{name}/{WRITER_FILE}"))["started"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError, OSError):
-        return storage.mtime(name) or default
 
 
 def _delete_committed(storage: Storage, name_format: NameFormat, step: int, name: str,
