@@ -11,9 +11,10 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          object: <root>/step_000001000/attempt-<token>/
     write (every rank writes its shards into the staging area)
     publish
-      3. barrier: every writer has finished
-      4. every rank hashes and fsyncs its share of the files; rank 0 gathers the list,
-         writes manifest.json (durable) and fsyncs the staging directory
+      3. all-gather of the files each rank hashed and fsynced while writing them
+         (it doubles as the barrier: every writer has finished)
+      4. every rank hashes and fsyncs its share of the other files; rank 0 gathers
+         the list, writes manifest.json (durable) and fsyncs the staging directory
       5. POSIX : rename staging -> step_000001000, fsync the root (the commit point);
                  replacing an existing step swaps the two atomically (RENAME_EXCHANGE)
          object: write step_000001000/manifest.json last (the commit point)
@@ -30,7 +31,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from resumekit.catalog import list_checkpoints, read_manifest
@@ -163,29 +164,44 @@ class CommitProtocol:
         return self.storage.url_of(pending.staging)
 
     # -- 3-6: publish -----------------------------------------------------------------
-    def publish(self, pending: PendingCheckpoint, manifest: Manifest) -> Manifest:
+    def publish(self, pending: PendingCheckpoint, manifest: Manifest, *,
+                described: Sequence[FileEntry] = ()) -> Manifest:
         """Describe the staged files and commit them as checkpoint ``pending.step``.
 
         Every rank must call it once its writes are done. ``manifest`` supplies the
         metadata (reason, lineage, extras, ...); its file list, step and data directory
         are filled in here.
 
+        Args:
+            pending: What :meth:`begin` returned.
+            manifest: The metadata to commit.
+            described: Files this rank already hashed and fsynced while writing them
+                (paths relative to the staging directory). They are not read again
+                unless their size on disk differs; every other file is hashed here.
+
         Returns:
             The manifest as committed.
         """
-        self.coordinator.barrier()
+        known = {entry.path: entry for part in self.coordinator.all_gather(list(described))
+                 for entry in part}
         self._phase("hash")
         listing = run_on_leader(self.coordinator, lambda: [
             (path, size) for path, size in self.storage.walk_files(pending.staging)
             if path != WRITER_FILE
         ])
+        unknown = [path for path, size in listing
+                   if path not in known or known[path].size != size]
         mine = [
             self._describe_file(pending, path)
-            for index, (path, _) in enumerate(listing)
+            for index, path in enumerate(unknown)
             if index % self.coordinator.world_size == self.coordinator.rank
         ]
         gathered = self.coordinator.all_gather(mine)
-        files = sorted((entry for part in gathered for entry in part), key=lambda e: e.path)
+        listed = {path for path, _ in listing}
+        files = sorted([entry for part in gathered for entry in part]
+                       + [entry for path, entry in known.items()
+                          if path in listed and path not in unknown],
+                       key=lambda e: e.path)
         final = manifest.model_copy(update={
             "step": pending.step, "files": files, "data_dir": pending.data_dir,
             "world_size": max(manifest.world_size, 1),

@@ -61,7 +61,7 @@ from resumekit.errors import (
     StepCollisionError,
 )
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
+from resumekit.manifest import MANIFEST_NAME, FileEntry, Lineage, Manifest, SaveReason
 from resumekit.preemption import PreemptionHandler
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import (
@@ -106,6 +106,7 @@ class _SaveJob:
     ranks: bytes
     manifest: Manifest
     started: float
+    background: bool = False  # runs while training goes on: writer threads yield the CPU
 
 
 @dataclass(frozen=True)
@@ -418,6 +419,28 @@ class CheckpointManager:
             recover_interrupted(self.storage, self.name_format)
         return self.checkpoints()
 
+    def _verify_before_load(self, name: str, manifest: Manifest) -> None:
+        """Check this rank's share of the files against the manifest before loading.
+
+        Raw tensor files are checked byte by byte while they are read (the checksum of
+        every stored tensor is in DCP's ``.metadata``), so here they only need the right
+        size; the metadata those checksums come from is hashed first, on every rank. Every
+        other file is hashed by one rank.
+        """
+        ranks = self._main.coordinator
+        metadata_path = f"{TENSORS_DIR}/{sharded.METADATA_FILE}"
+        first = [entry for entry in manifest.files if entry.path == metadata_path]
+        rest = [entry for entry in manifest.files if entry.path != metadata_path]
+        sizes_only: set[str] = set()
+        if first:
+            verify_checkpoint(self.storage, name,
+                              manifest=manifest.model_copy(update={"files": first}))
+            sizes_only = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
+                self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}"),
+                storage_options=self.storage.storage_options or None)}
+        mine = manifest.model_copy(update={"files": rest[ranks.rank::ranks.world_size]})
+        verify_checkpoint(self.storage, name, manifest=mine, sizes_only=sizes_only)
+
     def _finish_restore(self, reason: str) -> None:
         if self._distributed:
             distributed.meet(self._main.group, reason=reason)
@@ -427,12 +450,8 @@ class CheckpointManager:
         assert manifest is not None
         name = entry.name
         if self.verify_on_restore:
-            ranks = self._main.coordinator
-            mine = manifest.model_copy(update={
-                "files": manifest.files[ranks.rank::ranks.world_size]
-            })
             run_on_every_rank(self._main.coordinator,
-                              lambda: verify_checkpoint(self.storage, name, manifest=mine))
+                              lambda: self._verify_before_load(name, manifest))
         self._check_compatibility(manifest, entry.path)
 
         def read() -> None:
@@ -440,7 +459,7 @@ class CheckpointManager:
             if tensors:
                 sharded.load(tensors, self.storage.url_of(
                                  f"{name}/{manifest.data_path(TENSORS_DIR)}"),
-                             process_group=self._main.group,
+                             process_group=self._main.group, verify=self.verify_on_restore,
                              storage_options=self.storage.storage_options or None)
                 self.state.apply_tensor_state(tensors)
             train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
@@ -598,7 +617,7 @@ class CheckpointManager:
             if self._stager is None:
                 self._stager = sharded.CpuStager()
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
-                           manifest, started)
+                           manifest, started, background=True)
             self._newest_step = step
             self._background.submit(step, lambda: self._write(job, self._saver))
             return
@@ -611,8 +630,8 @@ class CheckpointManager:
         pending = protocol.begin(job.step, replace=job.replace)
         self._active_tokens.add(pending.token)
         try:
-            self._write_files(pending, job, coordinator, channel.group)
-            protocol.publish(pending, job.manifest)
+            described = self._write_files(pending, job, coordinator, channel.group)
+            protocol.publish(pending, job.manifest, described=described)
         except BaseException:
             protocol.abort(pending)
             raise
@@ -629,20 +648,26 @@ class CheckpointManager:
                     self._last_save_seconds)
 
     def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
-                     coordinator: Coordinator, group: dist.ProcessGroup | None) -> None:
+                     coordinator: Coordinator, group: dist.ProcessGroup | None
+                     ) -> list[FileEntry]:
+        """Write this rank's files; return those already hashed and fsynced on the way."""
         rank = coordinator.rank
 
-        def write() -> None:
+        def write() -> list[FileEntry]:
+            written: list[sharded.WrittenFile] = []
             if job.tensors:
-                sharded.save(job.tensors,
-                             self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
-                             process_group=group,
-                             storage_options=self.storage.storage_options or None)
+                written = sharded.save(
+                    job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
+                    process_group=group, background=job.background,
+                    storage_options=self.storage.storage_options or None)
             if rank == 0:
                 self.storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", job.train)
             self.storage.write_bytes(f"{pending.staging}/{rank_state_file(rank)}", job.ranks)
+            return [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
+                              checksum=file.checksum) for file in written]
 
-        run_on_every_rank(coordinator, write)
+        described: list[FileEntry] = run_on_every_rank(coordinator, write)
+        return described
 
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "CHECKSUM_ALGORITHM",
     "MANIFEST_NAME",
     "SCHEMA_VERSION",
+    "Checksum",
     "FileEntry",
     "Lineage",
     "Manifest",
@@ -242,12 +243,38 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
         ) from None
 
 
+class Checksum:
+    """A running ``"xxh3_128:<hex>"`` checksum, fed chunk by chunk.
+
+    The hash releases the GIL, so writer and reader threads can hash while other threads
+    run Python.
+
+    Example:
+        >>> running = Checksum()
+        >>> running.update(b"step ")
+        >>> running.update(b"1000")
+        >>> running.value() == checksum_chunks([b"step 1000"])
+        True
+    """
+
+    def __init__(self) -> None:
+        self._hasher = xxhash.xxh3_128()
+
+    def update(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Add ``chunk`` (any buffer) to the checksum."""
+        self._hasher.update(chunk)
+
+    def value(self) -> str:
+        """Return the checksum of everything added so far, as ``"xxh3_128:<hex>"``."""
+        return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}"
+
+
 def checksum_chunks(chunks: Iterable[bytes]) -> str:
     """Return the ``"xxh3_128:<hex>"`` checksum of a stream of byte chunks."""
-    hasher = xxhash.xxh3_128()
+    running = Checksum()
     for chunk in chunks:
-        hasher.update(chunk)
-    return f"{CHECKSUM_ALGORITHM}:{hasher.hexdigest()}"
+        running.update(chunk)
+    return running.value()
 
 
 def describe(manifest: Manifest) -> dict[str, Any]:

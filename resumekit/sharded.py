@@ -1,4 +1,4 @@
-"""Sharded tensor I/O: the only module that imports ``torch.distributed.checkpoint`` (DCP).
+"""Sharded tensor I/O through ``torch.distributed.checkpoint`` (DCP): save, load, staging.
 
 It knows tensors of models and optimizers, nothing about steps, manifests or commits: the
 commit store hands it an empty staging directory, :func:`save` fills it, :func:`load` reads
@@ -74,6 +74,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from resumekit.raw_tensor_files import RawTensorReading, RawTensorWriter, WrittenFile, is_raw
 from resumekit.safe_pickle import load_dcp_metadata
 
 __all__ = [
@@ -82,8 +83,10 @@ __all__ = [
     "METADATA_FILE",
     "CpuStager",
     "TensorInfo",
+    "WrittenFile",
     "apply_full_model_state",
     "apply_model_and_optimizer_state",
+    "files_verified_on_read",
     "iter_full_tensors",
     "load",
     "model_and_optimizer_state",
@@ -240,12 +243,14 @@ def save(
     storage_options: Mapping[str, Any] | None = None,
     thread_count: int = DEFAULT_THREAD_COUNT,
     sync_files: bool = DEFAULT_SYNC_FILES,
-) -> None:
+    background: bool = False,
+) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
     Every rank of the group must call this with the same keys. ``directory`` should be
     empty (the commit store's staging directory); an existing checkpoint there is an error,
-    never overwritten.
+    never overwritten. Local directories get raw tensor files, checksummed while written
+    (:mod:`resumekit.raw_tensor_files`); fsspec URLs get DCP's own format.
 
     Args:
         state_dict: Nested dicts of tensors, ``DTensor``s, primitives and ``Stateful``s.
@@ -256,13 +261,18 @@ def save(
         storage_options: fsspec options for URLs (credentials, endpoint); ignored locally.
         thread_count: Writer threads per rank (local paths).
         sync_files: fsync every written file before returning (local paths only).
+        background: The save overlaps training: writer threads lower their CPU priority.
+
+    Returns:
+        The data files this rank wrote, each with its size and checksum (local
+        directories); an empty list for fsspec URLs. ``.metadata`` is not included.
 
     Raises:
         StorageError: The write failed on some rank (the message names rank and cause).
     """
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
-    writer = _make_writer(target, storage_options, thread_count, sync_files)
+    writer = _make_writer(target, storage_options, thread_count, sync_files, background)
     try:
         with _quiet_no_dist(no_dist), _without_zip_crc32():
             dcp_save(
@@ -278,6 +288,7 @@ def save(
             path=target,
             operation="save",
         ) from error
+    return list(writer.written) if isinstance(writer, RawTensorWriter) else []
 
 
 def load(
@@ -286,6 +297,7 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    verify: bool = True,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -302,6 +314,9 @@ def load(
         directory: A local path, ``file://`` URL or fsspec URL.
         process_group: As for :func:`save`.
         storage_options: fsspec options for URLs.
+        verify: Check every byte read from raw tensor files against the checksum recorded
+            when it was written. A mismatch may be found after other tensors were already
+            read into ``state_dict``.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -312,7 +327,7 @@ def load(
     """
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
-    reader = _make_reader(target, storage_options)
+    reader = _make_reader(target, storage_options, verify=verify)
     planner = _CheckedLoadPlanner(target, reject_unexpected=True)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
@@ -390,6 +405,30 @@ def read_tensor_index(
     target = _directory_str(directory)
     metadata = _make_reader(target, storage_options).read_metadata()
     return _tensor_index(metadata)
+
+
+def files_verified_on_read(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> set[str]:
+    """Name the data files whose every byte :func:`load` checks against a checksum.
+
+    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`); files in DCP's own
+    format (earlier versions, fsspec URLs) are not listed. Reads only the metadata.
+
+    Args:
+        directory: A local path, ``file://`` URL or fsspec URL.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        File names relative to ``directory``.
+    """
+    metadata = _make_reader(_directory_str(directory), storage_options).read_metadata()
+    verdict: dict[str, bool] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            verdict[name] = verdict.get(name, True) and is_raw(info)
+    return {name for name, raw in verdict.items() if raw}
 
 
 def iter_full_tensors(
@@ -613,18 +652,14 @@ def _make_writer(
     storage_options: Mapping[str, Any] | None,
     thread_count: int,
     sync_files: bool,
+    background: bool = False,
 ) -> FileSystemWriter:
     if thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {thread_count}")
     local = _local_path(directory)
     if local is not None:
-        return FileSystemWriter(
-            local,
-            single_file_per_rank=True,
-            sync_files=sync_files,
-            thread_count=thread_count,
-            overwrite=False,
-        )
+        return RawTensorWriter(local, thread_count=thread_count, sync_files=sync_files,
+                               background=background)
     # fsspec streams have no file descriptor: DCP's fallback for sync_files would be a
     # machine-wide os.sync(). Object stores are durable on close anyway.
     return cast(
@@ -682,19 +717,24 @@ class _SafeReaderMixin:
         return metadata
 
 
-class _SafeFileSystemReader(_SafeReaderMixin, FileSystemReader):
+class _SafeFileSystemReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
     pass
 
 
-class _SafeFsspecReader(_SafeReaderMixin, FsspecReader):
+class _SafeFsspecReader(_SafeReaderMixin, RawTensorReading, FsspecReader):
     pass
 
 
-def _make_reader(directory: str, storage_options: Mapping[str, Any] | None) -> _SafeReaderMixin:
+def _make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
+                 verify: bool = True) -> _SafeReaderMixin:
     local = _local_path(directory)
+    reader: _SafeFileSystemReader | _SafeFsspecReader
     if local is not None:
-        return _SafeFileSystemReader(local)
-    return _SafeFsspecReader(directory, **dict(storage_options or {}))
+        reader = _SafeFileSystemReader(local)
+    else:
+        reader = _SafeFsspecReader(directory, **dict(storage_options or {}))
+    reader.verify = verify
+    return reader
 
 
 class _CheckedLoadPlanner(DefaultLoadPlanner):
