@@ -9,8 +9,8 @@ place. This module replaces only that storage layer; planning, resharding and th
   memory, ``thread_count`` files per rank, each file from its own thread. Every chunk is
   hashed on its way to the file, so the commit store gets each file's checksum without
   reading the file back (:attr:`RawTensorWriter.written`). File writes and the hash both
-  release the GIL; for a background save the writer threads also lower their CPU priority,
-  so the training loop keeps its cores.
+  release the GIL; for a background save the writer threads also drop to idle CPU
+  priority, so the training loop keeps its cores.
 * :class:`RawTensorReading` (mixed into DCP's readers) reads a stored tensor straight into
   its destination when the layouts match (``readinto``, no intermediate tensor) and
   otherwise into one buffer that is narrowed and copied, the way DCP reshards. With
@@ -28,6 +28,7 @@ checkpoints with :func:`resumekit.sharded.load` or export them with ``resumekit 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -60,7 +61,6 @@ from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.manifest import Checksum
 
 __all__ = [
-    "BACKGROUND_NICENESS",
     "CHUNK_BYTES",
     "FORMAT_NAME",
     "RawTensorReading",
@@ -74,8 +74,6 @@ FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20
 """Bytes hashed and written per system call: small enough to stay in cache between the
 hash and the copy into the page cache, large enough to keep system calls rare."""
-BACKGROUND_NICENESS = 10
-"""How much a background save's writer threads lower their CPU priority (Linux ``nice``)."""
 DATA_SUFFIX = ".distcp"
 
 
@@ -141,8 +139,8 @@ class RawTensorWriter(FileSystemWriter):
         path: The (empty) directory to write into.
         thread_count: Files, and writer threads, per rank.
         sync_files: ``fsync`` each file before the write is reported done.
-        background: Lower the writer threads' CPU priority by :data:`BACKGROUND_NICENESS`
-            (for saves that overlap training).
+        background: The save overlaps training: writer threads run at idle CPU priority
+            (``SCHED_IDLE``, else nice 19) so the training threads keep their cores.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int,
@@ -179,7 +177,7 @@ class RawTensorWriter(FileSystemWriter):
         self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]
     ) -> tuple[list[WriteResult], WrittenFile]:
         if self.background:
-            _lower_thread_priority(BACKGROUND_NICENESS)
+            _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
         whole = Checksum()
         results: list[WriteResult] = []
@@ -250,14 +248,21 @@ def _write_all(handle: IO[bytes], chunk: memoryview) -> None:
         chunk = chunk[written or 0:]
 
 
-def _lower_thread_priority(niceness: int) -> None:
-    """Raise this thread's nice value (Linux schedules threads separately); best effort."""
+def _lower_thread_priority() -> None:
+    """Let this thread run only on CPU time the rest of the machine leaves; best effort.
+
+    Linux schedules threads separately: ``SCHED_IDLE`` where allowed, else nice 19. The
+    thread holds the GIL only for microseconds between system calls and hash updates, so
+    a training thread rarely waits on it.
+    """
+    native = threading.get_native_id()
     try:
-        native = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, native,
-                       min(os.getpriority(os.PRIO_PROCESS, native) + niceness, 19))
-    except (AttributeError, OSError):  # not Linux, or not allowed: run at normal priority
+        os.sched_setscheduler(native, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):  # not Linux, or refused: fall back to nice
         pass
+    with contextlib.suppress(AttributeError, OSError):  # else: normal priority
+        os.setpriority(os.PRIO_PROCESS, native, 19)
 
 
 # ------------------------------------------------------------------------------- reading
