@@ -130,14 +130,20 @@ def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
     """Cost of ``PreemptionHandler.agreed`` per step, against a ~``step_ms`` step.
 
     Per round: ``steps`` steps of compute, each ended by a collective that lines the ranks
-    up (as a gradient all-reduce does), then ``agreed(step)``; its cost at a step is the
-    slower rank's time in it. Alongside, the same all-reduce bare (the floor of gloo on
-    this machine) and, as a cross-check, blocks of steps without and with a vote.
+    up (as a gradient all-reduce does), then ``agreed(step)`` of the default handler
+    (``poll_every="auto"``) and of one that votes at every step; a call's cost is the
+    slower rank's time in it. The figure is the default handler's mean cost per step (it
+    votes only at some steps) over the median step. Alongside, the same all-reduce bare
+    (the floor of gloo on this machine) and, as a cross-check, blocks of steps without
+    and with the default handler.
     """
-    handler = PreemptionHandler(poll_every=1)
+    handler = PreemptionHandler()
+    every_step = PreemptionHandler(poll_every=1)
     step, reps = _calibrated_step(step_ms)
     counter = 0
     per_round: list[float] = []
+    intervals: list[int] = []
+    every_step_us: list[float] = []
     vote_us: list[float] = []
     bare_us: list[float] = []
     step_ms_seen: list[float] = []
@@ -145,6 +151,7 @@ def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
     for _ in range(rounds):
         compute = torch.zeros(steps, dtype=torch.float64)
         vote = torch.zeros(steps, dtype=torch.float64)
+        vote_every = torch.zeros(steps, dtype=torch.float64)
         bare = torch.zeros(steps, dtype=torch.float64)
         ballot = torch.zeros(4, dtype=torch.int64)
         dist.barrier()
@@ -160,17 +167,24 @@ def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
                 raise RuntimeError("no rank was signalled, yet the ranks agreed to stop")
             counter += 1
             vote[index] = time.perf_counter() - start
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
+            start = time.perf_counter()
+            if every_step.agreed(counter - 1):
+                raise RuntimeError("no rank was signalled, yet the ranks agreed to stop")
+            vote_every[index] = time.perf_counter() - start
             # The floor: the same all-reduce of four int64, lined up the same way, bare.
             dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
             start = time.perf_counter()
             dist.all_reduce(ballot, op=dist.ReduceOp.MAX)
             bare[index] = time.perf_counter() - start
-        for series in (vote, bare, compute):  # the slower rank's time, step by step
+        for series in (vote, vote_every, bare, compute):  # the slower rank's, step by step
             dist.all_reduce(series, op=dist.ReduceOp.MAX)
-        cost = median(vote.tolist())
+        cost = float(vote.mean())  # votes at some steps only: the mean is what a step pays
         step_seconds = median(compute.tolist())
         per_round.append(cost / step_seconds)
         vote_us.append(cost * 1e6)
+        every_step_us.append(median(vote_every.tolist()) * 1e6)
+        intervals.append(handler.poll_interval)
         bare_us.append(median(bare.tolist()) * 1e6)
         step_ms_seen.append(step_seconds * 1e3)
         # Cross-check: the same number of steps without and with the vote, back to back.
@@ -190,6 +204,8 @@ def poll_overhead(rounds: int, steps: int, step_ms: float) -> dict[str, Any]:
     return {
         "per_round": per_round,
         "vote_us_per_round": vote_us,
+        "auto_poll_interval_per_round": intervals,
+        "every_step_vote_us_per_round": every_step_us,
         "bare_all_reduce_us_per_round": bare_us,
         "step_ms_per_round": step_ms_seen,
         "matmul_reps_per_step": reps,

@@ -107,6 +107,8 @@ def ratio_details(details: Mapping[str, Any], state_bytes: int) -> dict[str, Any
         poll = details["ranks"]["poll"]
         out["poll_overhead_frac"] = poll["per_round"]
         out["poll_vote_us"] = poll["vote_us_per_round"]
+        if "every_step_vote_us_per_round" in poll:
+            out["poll_every_step_vote_us"] = poll["every_step_vote_us_per_round"]
         out["poll_bare_all_reduce_us"] = poll["bare_all_reduce_us_per_round"]
         out["poll_block_overhead"] = poll["block_overhead_per_round"]
     return out

@@ -28,6 +28,7 @@ Typical loop::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,20 @@ SAVE_TIME_MARGIN: Final = 1.5
 """An emergency save is attempted only if ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
 in the time left of the grace period."""
 
-_VOTE_FIELDS = 4  # flag, step, -step, age of the oldest signal (ms)
+AUTO_POLL_BUDGET: Final = 0.005
+"""With ``poll_every="auto"`` the votes may cost at most this fraction of training time."""
+
+AUTO_POLL_MAX_SECONDS: Final = 1.0
+"""With ``poll_every="auto"`` at most this much training time passes between two votes."""
+
+AUTO_POLL_MAX_STEPS: Final = 64
+"""With ``poll_every="auto"`` at most this many steps pass between two votes."""
+
+_SMOOTHING = 0.2  # weight of the newest sample in the running step and vote times
+
+
+def _smoothed(previous: float | None, sample: float) -> float:
+    return sample if previous is None else previous + _SMOOTHING * (sample - previous)
 
 
 class EmergencySaveSkippedWarning(ResumekitWarning):
@@ -147,9 +161,13 @@ class PreemptionHandler:
         group: The process group of the vote; default the preemption group of
             :func:`resumekit.distributed.init_distributed` (gloo, long timeout). Without
             that context but with a default process group, the default group is used.
-        poll_every: Vote every this many steps (``step % poll_every == 0``); the stop step
-            is therefore a multiple of it. 1 (the default) costs one tiny all-reduce per
-            step.
+        poll_every: ``"auto"`` (the default): vote at the first call, then as often as
+            keeps the votes under :data:`AUTO_POLL_BUDGET` of the step time, at least
+            every :data:`AUTO_POLL_MAX_SECONDS` and every :data:`AUTO_POLL_MAX_STEPS`
+            steps. Each rank proposes an interval from its own timings; the vote carries
+            the proposals and every rank adopts the largest, so all ranks keep voting at
+            the same steps. An integer: vote every this many steps
+            (``step % poll_every == 0``; 1 costs one tiny all-reduce per step).
         grace_period: Seconds between the first signal and the kill, when known (SLURM's
             ``GraceTime``/``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
             torchrun's ``--shutdown-timeout``). Enables
@@ -161,8 +179,8 @@ class PreemptionHandler:
             the signal. Pick ``False`` for long steps where one more step matters.
 
     Raises:
-        ConfigurationError: A signal is unknown or uncatchable, ``poll_every < 1``, or
-            ``grace_period <= 0``.
+        ConfigurationError: A signal is unknown or uncatchable, ``poll_every`` is neither
+            ``"auto"`` nor an integer >= 1, or ``grace_period <= 0``.
     """
 
     def __init__(
@@ -170,7 +188,7 @@ class PreemptionHandler:
         signals: Iterable[signal.Signals | int | str] = DEFAULT_SIGNALS,
         *,
         group: dist.ProcessGroup | None = None,
-        poll_every: int = 1,
+        poll_every: int | Literal["auto"] = "auto",
         grace_period: float | None = None,
         overlap: bool = True,
     ) -> None:
@@ -186,9 +204,10 @@ class PreemptionHandler:
                 raise ConfigurationError(
                     f"signals: {sig.name} cannot be caught", name="signals", value=sig.name
                 )
-        if isinstance(poll_every, bool) or not isinstance(poll_every, int) or poll_every < 1:
+        if poll_every != "auto" and (isinstance(poll_every, bool)
+                                     or not isinstance(poll_every, int) or poll_every < 1):
             raise ConfigurationError(
-                f"poll_every={poll_every!r} must be an integer >= 1",
+                f"poll_every={poll_every!r} must be 'auto' or an integer >= 1",
                 name="poll_every",
                 value=poll_every,
             )
@@ -210,6 +229,13 @@ class PreemptionHandler:
         self._agreed_at: float | None = None
         self._signal_age_at_agreement = 0.0
         self._pending: tuple[Any, torch.Tensor, int, float] | None = None
+        # poll_every="auto": the interval every rank adopted at the last counted vote,
+        # the step of the next vote, and this rank's running step and vote times.
+        self._interval = 1
+        self._next_poll: int | None = None
+        self._last_call: float | None = None
+        self._step_seconds: float | None = None
+        self._vote_seconds: float | None = None
 
     # -- installation ---------------------------------------------------------------------
 
@@ -338,16 +364,18 @@ class PreemptionHandler:
 
     def _ballot(self, step: int) -> torch.Tensor:
         age_ms = round(self._signal_age() * 1000)
-        return torch.tensor([int(self.requested), step, -step, age_ms], dtype=torch.int64)
+        return torch.tensor([int(self.requested), step, -step, age_ms,
+                             self._proposed_interval()], dtype=torch.int64)
 
     def _count(self, ballot: torch.Tensor, step: int, cast_at: float) -> bool:
-        flag, high, negated_low, age_ms = (int(value) for value in ballot.tolist())
+        flag, high, negated_low, age_ms, interval = (int(value) for value in ballot.tolist())
         if high != -negated_low:
             raise PreemptionError(
                 f"ranks voted on preemption at different steps ({-negated_low}..{high}, this "
                 f"rank at {step}): every rank must call agreed() with the same steps",
                 step=step,
             )
+        self._interval = max(1, interval)  # the largest proposal: the same on every rank
         if flag:
             self._agreed_step = step
             self._agreed_at = time.monotonic()
@@ -391,15 +419,40 @@ class PreemptionHandler:
                 self._signal_age_at_agreement = self._signal_age()
                 return True
             return False
-        if step % self.poll_every != 0:
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self._step_seconds = _smoothed(self._step_seconds, now - self._last_call)
+        self._last_call = now
+        if not self._polls_at(step):
             return False
         try:
-            return self._vote(step, group)
+            agreed = self._vote(step, group)
         except PreemptionError:
             raise
         except RuntimeError as error:
             raise _collective_failed(f"preemption vote at step {step}", "preemption vote",
                                      error, step=step) from error
+        self._vote_seconds = _smoothed(self._vote_seconds, time.perf_counter() - now)
+        self._next_poll = step + self._interval
+        return agreed
+
+    @property
+    def poll_interval(self) -> int:
+        """Steps between two votes: ``poll_every``, or the interval ``"auto"`` adopted."""
+        return self._interval if self.poll_every == "auto" else int(self.poll_every)
+
+    def _polls_at(self, step: int) -> bool:
+        if self.poll_every == "auto":
+            return self._next_poll is None or step >= self._next_poll
+        return step % self.poll_every == 0
+
+    def _proposed_interval(self) -> int:
+        """This rank's wish for ``poll_every="auto"``: votes within budget, latency capped."""
+        if self.poll_every != "auto" or not self._step_seconds or self._vote_seconds is None:
+            return 1
+        wanted = math.ceil(self._vote_seconds / (AUTO_POLL_BUDGET * self._step_seconds))
+        cap = min(AUTO_POLL_MAX_STEPS, int(AUTO_POLL_MAX_SECONDS / self._step_seconds))
+        return max(1, min(wanted, cap))
 
     def _vote(self, step: int, group: dist.ProcessGroup) -> bool:
         if not self.overlap:

@@ -125,7 +125,7 @@ def _time_votes(rank: int, world_size: int, steps: int, compute_s: float) -> dic
     for overlap in (False, True):
         samples: list[float] = []
         answers: set[bool] = set()
-        with PreemptionHandler(overlap=overlap) as preemption:
+        with PreemptionHandler(poll_every=1, overlap=overlap) as preemption:
             for step in range(1, steps + 1):
                 time.sleep(compute_s)  # the step's compute, in which an overlapped vote runs
                 dist.all_reduce(torch.ones(4))  # the step's gradient sync lines the ranks up
@@ -157,3 +157,39 @@ def test_the_per_step_cost_of_the_vote_is_measured_for_both_modes(
             )
             print(line)
             record_property(f"rank{rank}_{mode}_median_us", round(numbers["median_us"], 1))
+
+
+REQUEST_AT_STEP = 60
+
+
+def _auto_polling(rank: int, world_size: int, step_seconds: float) -> dict[str, object]:
+    init_distributed(timeout=60)
+    intervals: list[tuple[int, int]] = []
+    with PreemptionHandler() as preemption:  # poll_every="auto", the default
+        step = 0
+        while True:
+            step += 1
+            # Rank 1's steps are slower: the ranks' own proposals differ.
+            time.sleep(step_seconds * (3 if rank == 1 else 1))
+            dist.all_reduce(torch.ones(4))  # the step's gradient sync lines the ranks up
+            if rank == 1 and step == REQUEST_AT_STEP:
+                preemption.request()
+            if preemption.agreed(step):
+                break
+            intervals.append((step, preemption.poll_interval))
+            if step > 10 * REQUEST_AT_STEP:
+                raise TimeoutError(f"rank {rank}: no agreement by step {step}")
+    shutdown()
+    return {"stop_step": step, "intervals": intervals}
+
+
+def test_auto_polling_adopts_one_interval_on_every_rank_and_still_stops_them_together() -> None:
+    rank0, rank1 = run_ranks(_auto_polling, world_size=2, args=(0.001,), init_group=False)
+    # Every rank adopted the same interval at the same step: the votes stayed in lockstep.
+    assert rank0["intervals"] == rank1["intervals"]
+    adopted = [interval for _, interval in rank0["intervals"]]
+    assert max(adopted) > 1  # millisecond steps: voting at every step would cost too much
+    assert max(adopted) <= 64
+    assert rank0["stop_step"] == rank1["stop_step"]
+    # Counted at the first poll after the request, or the one after (overlapped votes).
+    assert REQUEST_AT_STEP < rank0["stop_step"] <= REQUEST_AT_STEP + 2 * max(adopted)

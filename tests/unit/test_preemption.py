@@ -126,6 +126,7 @@ def test_installing_twice_is_an_error(previous_handlers: Recorder) -> None:
         ({"signals": ("SIGNOPE",)}, "'SIGNOPE' is not a signal name"),
         ({"signals": ()}, "at least one signal"),
         ({"poll_every": 0}, "poll_every=0"),
+        ({"poll_every": "sometimes"}, "poll_every='sometimes' must be 'auto'"),
         ({"grace_period": 0}, "grace_period=0"),
     ],
 )
@@ -143,6 +144,12 @@ def test_one_process_agrees_at_the_first_step_after_the_signal_and_stays_agreed(
         signal.raise_signal(signal.SIGTERM)
         assert handler.agreed(4)  # no collective to wait for: poll_every does not delay
         assert handler.agreed(5) and handler.agreed_step == 4
+
+
+def test_the_default_poll_interval_is_automatic_and_starts_at_every_step() -> None:
+    handler = PreemptionHandler()
+    assert handler.poll_every == "auto" and handler.poll_interval == 1
+    assert PreemptionHandler(poll_every=7).poll_interval == 7
 
 
 def test_a_request_from_code_counts_like_a_signal() -> None:
