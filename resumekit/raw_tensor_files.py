@@ -11,19 +11,23 @@ place. This module replaces only that storage layer; planning, resharding and th
   reading the file back (:attr:`RawTensorWriter.written`). File writes and the hash both
   release the GIL; for a background save the writer threads also drop to idle CPU
   priority, so the training loop keeps its cores.
-* :class:`RawTensorReading` (mixed into DCP's readers) reads a stored tensor straight into
-  its destination when the layouts match (``readinto``, no intermediate tensor) and
-  otherwise into one buffer that is narrowed and copied, the way DCP reshards. With
-  ``verify`` every byte read is checked against the checksum recorded when it was
-  written; a mismatch is a :class:`~resumekit.errors.CorruptCheckpointError` naming the file
-  and the key. Items in DCP's own format (checkpoints of earlier versions, fsspec URLs) go
-  to DCP's reader unchanged.
+* :class:`RawTensorReading` (mixed into DCP's readers) reads only the bytes a rank needs.
+  When the piece of a stored tensor that a destination wants is one byte range (always for
+  an unchanged world size, and for FSDP's dim-0 shards when resharding), it is read
+  straight into the destination (``readinto``, no intermediate tensor); otherwise the
+  stored tensor is read into one buffer that is narrowed and copied, the way DCP does.
+  With ``verify`` every block a read touches is checked against the checksum recorded
+  when it was written; a mismatch is a :class:`~resumekit.errors.CorruptCheckpointError`
+  naming the file, the key and the offset. Items in DCP's own format (checkpoints of
+  earlier versions, fsspec URLs) go to DCP's reader unchanged.
 
 Format: each stored item's ``_StorageInfo.transform_descriptors`` is one string
-``"resumekit-raw/1;<dtype>;<shape>;<checksum>"`` (``bytes`` and an empty shape for
-non-tensor values). DCP's stock reader stops at such an item with
-``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it; read these
-checkpoints with :func:`resumekit.sharded.load` or export them with ``resumekit export``.
+``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``: one checksum
+per :data:`CHUNK_BYTES` block of the item, so a reader that needs a slice verifies it
+without reading the rest (``bytes`` and an empty shape for non-tensor values). DCP's stock
+reader stops at such an item with ``ValueError: Unknown extension name='resumekit-raw'``
+instead of misreading it; read these checkpoints with :func:`resumekit.sharded.load` or
+export them with ``resumekit export``.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
-from resumekit.manifest import Checksum
+from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum
 
 __all__ = [
     "CHUNK_BYTES",
@@ -72,8 +76,9 @@ __all__ = [
 FORMAT_NAME = "resumekit-raw"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20
-"""Bytes hashed and written per system call: small enough to stay in cache between the
-hash and the copy into the page cache, large enough to keep system calls rare."""
+"""Bytes per checksummed block, hashed and written per system call: small enough to stay in
+cache between the hash and the copy into the page cache, large enough to keep system calls
+rare, and the most a resharding reader reads beyond each end of the slice it needs."""
 DATA_SUFFIX = ".distcp"
 
 
@@ -95,17 +100,19 @@ class WrittenFile(NamedTuple):
 class _Descriptor:
     dtype: torch.dtype | None  # None: a non-tensor value (DCP's BYTE_IO)
     shape: tuple[int, ...]
-    checksum: str
+    block_bytes: int
+    blocks: tuple[str, ...]  # hex XXH3-128 of each block_bytes slice of the item
 
     def encode(self) -> str:
         dtype = "bytes" if self.dtype is None else str(self.dtype).removeprefix("torch.")
         shape = "x".join(str(size) for size in self.shape)
-        return f"{FORMAT_NAME}/{FORMAT_VERSION};{dtype};{shape};{self.checksum}"
+        return (f"{FORMAT_NAME}/{FORMAT_VERSION};{dtype};{shape};{self.block_bytes};"
+                f"{CHECKSUM_ALGORITHM}:{','.join(self.blocks)}")
 
     @classmethod
     def decode(cls, text: str, *, where: str) -> _Descriptor:
         try:
-            head, dtype_name, shape_text, checksum = text.split(";")
+            head, dtype_name, shape_text, block_text, checksums = text.split(";")
             if head != f"{FORMAT_NAME}/{FORMAT_VERSION}":
                 raise ValueError(f"unknown format {head!r}")
             if dtype_name == "bytes":
@@ -115,12 +122,19 @@ class _Descriptor:
                 if not isinstance(dtype, torch.dtype):
                     raise ValueError(f"unknown dtype {dtype_name!r}")
             shape = tuple(int(size) for size in shape_text.split("x")) if shape_text else ()
+            block_bytes = int(block_text)
+            if block_bytes < 1:
+                raise ValueError(f"block size {block_bytes}")
+            algorithm, _, digests = checksums.partition(":")
+            if algorithm != CHECKSUM_ALGORITHM:
+                raise ValueError(f"unknown checksum {algorithm!r}")
+            blocks = tuple(digests.split(",")) if digests else ()
         except (ValueError, AttributeError) as error:
             raise CorruptCheckpointError(
-                f"{where}: unreadable storage descriptor {text!r} ({error})", path=where,
-                file=where,
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
             ) from None
-        return cls(dtype, shape, checksum)
+        return cls(dtype, shape, block_bytes, blocks)
 
 
 def is_raw(info: _StorageInfo) -> bool:
@@ -185,13 +199,13 @@ class RawTensorWriter(FileSystemWriter):
         with open(path, "xb", buffering=0) as handle:
             for item, data in items:
                 view, dtype, shape = _bytes_of(data)
-                part = Checksum()
+                blocks: list[str] = []
                 for start in range(0, len(view), CHUNK_BYTES):
                     chunk = view[start:start + CHUNK_BYTES]
-                    part.update(chunk)
+                    blocks.append(_hex(chunk))
                     whole.update(chunk)
                     _write_all(handle, chunk)
-                descriptor = _Descriptor(dtype, shape, part.value()).encode()
+                descriptor = _Descriptor(dtype, shape, CHUNK_BYTES, tuple(blocks)).encode()
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
                     storage_data=_StorageInfo(name, offset, len(view),
@@ -240,6 +254,12 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
+
+
+def _hex(chunk: memoryview) -> str:
+    running = Checksum()
+    running.update(chunk)
+    return running.value().partition(":")[2]
 
 
 def _write_all(handle: IO[bytes], chunk: memoryview) -> None:
@@ -339,37 +359,79 @@ class RawTensorReading:
         key = request.storage_index.fqn
         if descriptor.dtype is None:
             buffer = bytearray(info.length)
-            self._fill(stream, memoryview(buffer), job, where)
+            self._read_range(stream, job, (0, info.length), memoryview(buffer))
             return io.BytesIO(bytes(buffer))
         target = job.target
         assert target is not None
-        expected = _numel(descriptor.shape) * _element_size(descriptor.dtype)
-        if expected != info.length:
+        item_size = _element_size(descriptor.dtype)
+        expected = _numel(descriptor.shape) * item_size
+        blocks = -(-info.length // descriptor.block_bytes)
+        if expected != info.length or len(descriptor.blocks) != blocks:
             raise CorruptCheckpointError(
-                f"{where}: {key} records {info.length} bytes for shape "
-                f"{list(descriptor.shape)} of {descriptor.dtype} ({expected} bytes)",
-                path=where, file=where, key=key,
+                f"{where}: {key} records {info.length} bytes in {len(descriptor.blocks)} "
+                f"blocks for shape {list(descriptor.shape)} of {descriptor.dtype} "
+                f"({expected} bytes)", path=where, file=where, key=key,
             )
-        whole_item = (all(o == 0 for o in request.storage_offsets)
-                      and tuple(request.lengths) == descriptor.shape)
-        if (whole_item and target.device.type == "cpu" and target.dtype == descriptor.dtype
-                and target.is_contiguous() and tuple(target.shape) == descriptor.shape):
-            self._fill(stream, _byte_view(target), job, where)
-            return target
-        stored = torch.empty(descriptor.shape, dtype=descriptor.dtype)
-        self._fill(stream, _byte_view(stored), job, where)
-        piece = narrow_tensor_by_index(stored, request.storage_offsets, request.lengths)
-        if target.size() != piece.size():
+        if tuple(target.shape) != tuple(request.lengths):
             raise CorruptCheckpointError(
-                f"{where}: {key} gives a piece of shape {list(piece.shape)} for a "
+                f"{where}: {key} gives a piece of shape {list(request.lengths)} for a "
                 f"destination of shape {list(target.shape)}", path=where, file=where, key=key,
             )
+        span = _contiguous_span(descriptor.shape, request.storage_offsets, request.lengths)
+        if span is None:  # a piece that is not one byte range: read the item, narrow it
+            stored = torch.empty(descriptor.shape, dtype=descriptor.dtype)
+            self._read_range(stream, job, (0, info.length), _byte_view(stored))
+            target.copy_(narrow_tensor_by_index(stored, request.storage_offsets,
+                                                request.lengths))
+            return target
+        first, count = span
+        start, stop = first * item_size, (first + count) * item_size
+        if (target.device.type == "cpu" and target.dtype == descriptor.dtype
+                and target.is_contiguous()):
+            self._read_range(stream, job, (start, stop), _byte_view(target))
+            return target
+        piece = torch.empty(tuple(request.lengths), dtype=descriptor.dtype)
+        self._read_range(stream, job, (start, stop), _byte_view(piece))
         target.copy_(piece)
         return target
 
-    def _fill(self, stream: IO[bytes], destination: memoryview, job: _Job, where: str) -> None:
-        """Read ``len(destination)`` bytes into it, hashing as they arrive when verifying."""
-        running = Checksum() if self.verify else None
+    def _read_range(self, stream: IO[bytes], job: _Job, span: tuple[int, int],
+                    destination: memoryview) -> None:
+        """Read bytes ``[start, stop)`` of an item into ``destination``.
+
+        With ``verify``, every block the range touches is read whole and checked against
+        its checksum: blocks inside the range land directly in ``destination``, the (at
+        most two) partial ones at its ends go through a scratch buffer.
+        """
+        info, (start, stop), where = job.info, span, self._where(job.info)
+        if not self.verify:
+            stream.seek(info.offset + start)
+            self._read_exactly(stream, destination, job, where)
+            return
+        block = job.descriptor.block_bytes
+        scratch: memoryview | None = None
+        for number in range(start // block, -(-stop // block)):
+            low, high = number * block, min((number + 1) * block, info.length)
+            begin, end = max(start, low), min(stop, high)
+            direct = (begin, end) == (low, high)
+            if direct:
+                view = destination[low - start:high - start]
+            else:
+                scratch = scratch if scratch is not None else memoryview(bytearray(block))
+                view = scratch[:high - low]
+            stream.seek(info.offset + low)
+            self._read_exactly(stream, view, job, where)
+            if _hex(view) != job.descriptor.blocks[number]:
+                raise CorruptCheckpointError(
+                    f"{where}: the bytes of {job.request.storage_index.fqn} at offset "
+                    f"{info.offset + low} ({high - low} bytes) do not match their checksum",
+                    path=where, file=where, key=job.request.storage_index.fqn,
+                )
+            if not direct:
+                destination[begin - start:end - start] = view[begin - low:end - low]
+
+    def _read_exactly(self, stream: IO[bytes], destination: memoryview, job: _Job,
+                      where: str) -> None:
         for chunk in _chunks(destination):
             got = 0
             while got < len(chunk):
@@ -381,14 +443,28 @@ class RawTensorReading:
                         path=where, file=where, key=job.request.storage_index.fqn,
                     )
                 got += count
-            if running is not None:
-                running.update(chunk)
-        if running is not None and running.value() != job.descriptor.checksum:
-            raise CorruptCheckpointError(
-                f"{where}: the bytes of {job.request.storage_index.fqn} (offset "
-                f"{job.info.offset}, {job.info.length} bytes) do not match their checksum",
-                path=where, file=where, key=job.request.storage_index.fqn,
-            )
+
+
+def _contiguous_span(shape: tuple[int, ...], offsets: Sequence[int],
+                     lengths: Sequence[int]) -> tuple[int, int] | None:
+    """Locate a piece of a row-major tensor as one range of elements.
+
+    Returns:
+        ``(first element, element count)`` of the piece ``offsets``/``lengths`` of
+        ``shape``, or ``None`` when the piece is not one contiguous range.
+    """
+    partial = [dim for dim in range(len(shape))
+               if offsets[dim] != 0 or lengths[dim] != shape[dim]]
+    count = _numel(tuple(lengths))
+    if partial:
+        outer = partial[-1]
+        if any(lengths[dim] != 1 for dim in range(outer)):
+            return None
+    first, stride = 0, 1
+    for dim in reversed(range(len(shape))):
+        first += offsets[dim] * stride
+        stride *= shape[dim]
+    return first, count
 
 
 @dataclasses.dataclass
