@@ -1,0 +1,520 @@
+"""resumekit.raw_tensor_files in one process: raw bytes on disk, checksums, verified reads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
+from resumekit.catalog import verify_checkpoint
+from resumekit.commit import CommitProtocol
+from resumekit.manager import CheckpointManager
+from resumekit.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.raw_tensor_files import CHUNK_BYTES, FORMAT_NAME, RawTensorWriter
+from resumekit.storage import Storage
+from tests.conftest import unavailable
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group() -> None:
+    assert not dist.is_initialized(), "these tests are single-process"
+
+
+def mixed_state() -> dict[str, Any]:
+    """One of each kind of value a state dict holds, with known contents."""
+    generator = torch.Generator().manual_seed(0)
+    buffer = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {
+        "f32": torch.randn(5, 3, generator=generator),
+        "bf16": torch.randn(6, generator=generator).to(torch.bfloat16),
+        "i64": torch.arange(-3, 4, dtype=torch.int64) * (1 << 40),
+        "flags": torch.tensor([True, False, True, True]),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 4),
+        "transposed": buffer.t(),  # a non-contiguous source
+        "extras": {"lr": 0.125, "name": "run-1", "milestones": [3, 7]},
+        "count": 7,
+    }
+
+
+def blank_like(state: dict[str, Any]) -> dict[str, Any]:
+    """A destination of the same layout holding other values."""
+    blank: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            blank[key] = torch.zeros(value.shape, dtype=value.dtype)
+        elif isinstance(value, dict):
+            blank[key] = {name: type(item)() for name, item in value.items()}
+        else:
+            blank[key] = type(value)()
+    return blank
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def storage_info(directory: Path) -> dict[str, Any]:
+    """``{fqn: _StorageInfo}`` from the checkpoint's DCP metadata."""
+    metadata = sharded._make_reader(str(directory), None).read_metadata()
+    return {index.fqn: info for index, info in metadata.storage_data.items()}
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(size)
+
+
+def _build(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 4)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+def test_every_kind_of_value_survives_a_round_trip_bit_identically_with_its_dtype(
+    tmp_path: Path,
+) -> None:
+    state = mixed_state()
+    sharded.save(state, tmp_path / "ckpt")
+    loaded = blank_like(state)
+    in_place = {key: value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
+    pointers = {key: value.data_ptr() for key, value in in_place.items()}
+
+    sharded.load(loaded, tmp_path / "ckpt")
+
+    for key, expected in state.items():
+        if isinstance(expected, torch.Tensor):
+            assert loaded[key].dtype == expected.dtype, key
+            assert loaded[key].shape == expected.shape, key
+            assert torch.equal(loaded[key], expected), key
+            assert tensor_bytes(loaded[key]) == tensor_bytes(expected), key
+            assert loaded[key] is in_place[key], f"{key} was replaced, not filled"
+            assert loaded[key].data_ptr() == pointers[key], key
+        else:
+            assert loaded[key] == expected, key
+
+
+def test_loading_into_a_non_contiguous_destination_fills_the_underlying_buffer(
+    tmp_path: Path,
+) -> None:
+    saved = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 1.5
+    sharded.save({"weight": saved, "other": torch.ones(2)}, tmp_path / "ckpt")
+    buffer = torch.zeros(4, 3)
+    destination = buffer.t()
+    assert not destination.is_contiguous()
+
+    sharded.load({"weight": destination, "other": torch.zeros(2)}, tmp_path / "ckpt")
+
+    assert torch.equal(destination, saved)
+    assert torch.equal(buffer, saved.t())
+
+
+# --------------------------------------------------------------------------- on-disk format
+
+
+def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
+    tmp_path: Path,
+) -> None:
+    state = mixed_state()
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory)
+    infos = storage_info(directory)
+
+    for key, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        info = infos[key]
+        data = (directory / info.relative_path).read_bytes()
+        assert info.length == tensor.numel() * tensor.element_size(), key
+        assert data[info.offset:info.offset + info.length] == tensor_bytes(tensor), key
+        (descriptor,) = info.transform_descriptors
+        assert descriptor.split(";")[:3] == [
+            f"{FORMAT_NAME}/1",
+            str(tensor.dtype).removeprefix("torch."),
+            "x".join(str(size) for size in tensor.shape),
+        ], key
+        if tensor.numel():  # a small item's checksum is recorded next to it
+            digest = checksum_chunks([tensor_bytes(tensor)]).partition(":")[2]
+            assert digest in descriptor, key
+    for key in ("extras.lr", "extras.name", "count"):
+        assert infos[key].transform_descriptors[0].split(";")[1] == "bytes", key
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torchs_stock_reader_refuses_a_raw_checkpoint_naming_the_format(tmp_path: Path) -> None:
+    state = mixed_state()
+    sharded.save(state, tmp_path / "ckpt")
+    with pytest.raises((CheckpointException, ValueError), match=FORMAT_NAME):
+        dcp.load(blank_like(state), storage_reader=FileSystemReader(str(tmp_path / "ckpt")),
+                 no_dist=True)
+
+
+def test_save_returns_every_data_file_with_the_size_and_checksum_of_its_bytes_on_disk(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "ckpt"
+    written = sharded.save(mixed_state(), directory)
+
+    on_disk = sorted(path.name for path in directory.iterdir() if path.name != ".metadata")
+    assert sorted(file.name for file in written) == on_disk
+    assert len(on_disk) > 1  # spread over several writer threads
+    for file in written:
+        data = (directory / file.name).read_bytes()
+        assert file.size == len(data), file.name
+        assert file.checksum == checksum_chunks([data]), file.name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_of_torchs_stock_writer_still_loads_and_is_not_verified_on_read(
+    tmp_path: Path,
+) -> None:
+    state = {"f32": torch.randn(4, 3), "i64": torch.arange(5), "count": 3}
+    stock = tmp_path / "stock"
+    dcp.save(state, storage_writer=FileSystemWriter(str(stock)), no_dist=True)
+    ours = tmp_path / "ours"
+    written = sharded.save(state, ours)
+
+    loaded = {"f32": torch.zeros(4, 3), "i64": torch.zeros(5, dtype=torch.int64), "count": 0}
+    sharded.load(loaded, stock)
+
+    assert torch.equal(loaded["f32"], state["f32"])
+    assert torch.equal(loaded["i64"], state["i64"])
+    assert loaded["count"] == 3
+    assert sharded.files_verified_on_read(stock) == set()
+    assert sharded.files_verified_on_read(ours) == {file.name for file in written}
+
+
+# --------------------------------------------------------------------------- damage
+
+
+def test_a_flipped_byte_in_a_tensor_is_corrupt_naming_the_file_and_key(tmp_path: Path) -> None:
+    state = mixed_state()
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory)
+    info = storage_info(directory)["f32"]
+    flip_byte(directory / info.relative_path, info.offset + 5)
+
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank_like(state), directory)
+    assert caught.value.key == "f32"
+    assert Path(caught.value.file).name == info.relative_path
+    assert info.relative_path in str(caught.value) and "f32" in str(caught.value)
+
+    unverified = blank_like(state)
+    sharded.load(unverified, directory, verify=False)
+    assert not torch.equal(unverified["f32"], state["f32"])  # the flip did land in f32
+    assert torch.equal(unverified["i64"], state["i64"])
+
+
+def test_a_flipped_byte_in_a_non_tensor_value_is_corrupt_too(tmp_path: Path) -> None:
+    state = mixed_state()
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory)
+    info = storage_info(directory)["count"]
+    flip_byte(directory / info.relative_path, info.offset + info.length // 2)
+
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank_like(state), directory)
+    assert caught.value.key == "count"
+    assert Path(caught.value.file).name == info.relative_path
+
+
+def test_a_tensor_larger_than_a_chunk_round_trips_and_a_flip_in_its_last_chunk_is_caught(
+    tmp_path: Path,
+) -> None:
+    big = torch.arange((CHUNK_BYTES + 4096) // 4, dtype=torch.float32)
+    directory = tmp_path / "ckpt"
+    sharded.save({"big": big}, directory)
+    loaded = {"big": torch.zeros_like(big)}
+    sharded.load(loaded, directory)
+    assert torch.equal(loaded["big"], big)
+
+    info = storage_info(directory)["big"]
+    flip_byte(directory / info.relative_path, info.offset + info.length - 3)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load({"big": torch.zeros_like(big)}, directory)
+    assert caught.value.key == "big"
+
+
+def test_a_truncated_data_file_is_incomplete_naming_the_file_and_key(tmp_path: Path) -> None:
+    state = mixed_state()
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory)
+    info = storage_info(directory)["f32"]
+    truncate(directory / info.relative_path, info.offset + info.length - 1)
+
+    for verify in (True, False):
+        with pytest.raises(IncompleteCheckpointError) as caught:
+            sharded.load(blank_like(state), directory, verify=verify)
+        assert Path(caught.value.file).name == info.relative_path
+        assert caught.value.key == "f32"
+        assert info.relative_path in str(caught.value)
+
+
+# --------------------------------------------------------------------------- manager
+
+
+def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    described: list[str] = []
+    original = CommitProtocol._describe_file
+
+    def recording(self: CommitProtocol, pending: Any, path: str) -> FileEntry:
+        described.append(path)
+        return original(self, pending, path)
+
+    monkeypatch.setattr(CommitProtocol, "_describe_file", recording)
+    model, optimizer = _build()
+    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)
+    manager.save(1)
+    manager.close()
+
+    assert "tensors/.metadata" in described
+    assert [path for path in described
+            if path.startswith("tensors/") and path != "tensors/.metadata"] == []
+    info = manager.latest()
+    assert info is not None
+    tensors = Path(info.path) / info.manifest.data_path("tensors")
+    listed = {entry.path: entry for entry in info.manifest.files}
+    data_files = sorted(path for path in tensors.iterdir() if path.name != ".metadata")
+    assert data_files
+    for path in data_files:
+        entry = listed[f"tensors/{path.name}"]
+        data = path.read_bytes()
+        assert (entry.size, entry.checksum) == (len(data), checksum_chunks([data])), path.name
+
+
+def _saved_manager(root: Path) -> tuple[CheckpointManager, Path]:
+    model, optimizer = _build()
+    manager = CheckpointManager(root, model=model, optimizer=optimizer)
+    manager.save(1)
+    manager.close()
+    info = manager.latest()
+    assert info is not None
+    return manager, Path(info.path) / info.manifest.data_path("tensors")
+
+
+def test_restore_refuses_a_flipped_byte_in_the_tensor_metadata_naming_it(tmp_path: Path) -> None:
+    _, tensors = _saved_manager(tmp_path)
+    metadata = tensors / ".metadata"
+    flip_byte(metadata, metadata.stat().st_size // 2)
+
+    model, optimizer = _build(seed=99)
+    before = _weights(model)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
+    assert caught.value.file == "tensors/.metadata"
+    assert ".metadata" in str(caught.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_restore_refuses_a_truncated_raw_file_by_its_size_before_loading_anything(
+    tmp_path: Path,
+) -> None:
+    _, tensors = _saved_manager(tmp_path)
+    victim = max((path for path in tensors.iterdir() if path.name != ".metadata"),
+                 key=lambda path: path.stat().st_size)
+    truncate(victim, victim.stat().st_size - 1)
+
+    model, optimizer = _build(seed=99)
+    before = _weights(model)
+    with pytest.raises(IncompleteCheckpointError) as caught:
+        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
+    assert caught.value.file == f"tensors/{victim.name}"
+    assert "bytes, the manifest" in str(caught.value)  # the size check, not the reader
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+def test_restore_leaves_a_flipped_byte_in_a_raw_file_to_the_reader_which_names_the_tensor(
+    tmp_path: Path,
+) -> None:
+    _, tensors = _saved_manager(tmp_path)
+    infos = storage_info(tensors)
+    key = next(key for key in infos if key.endswith("0.weight") and key.startswith("model"))
+    flip_byte(tensors / infos[key].relative_path, infos[key].offset + 1)
+
+    model, optimizer = _build(seed=99)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
+    assert caught.value.key == key  # found while reading it, not by hashing the file first
+    assert Path(caught.value.file) == tensors / infos[key].relative_path
+
+
+def test_restore_still_hashes_the_small_files_before_loading(tmp_path: Path) -> None:
+    _, tensors = _saved_manager(tmp_path)
+    train_state = tensors.parent / "train_state.pt"
+    flip_byte(train_state, train_state.stat().st_size // 2)
+
+    model, optimizer = _build(seed=99)
+    before = _weights(model)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
+    assert caught.value.file == "train_state.pt"
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+
+
+# --------------------------------------------------------------------------- catalog, commit
+
+
+def _committed(root: Path, files: dict[str, bytes]) -> tuple[Storage, str]:
+    store = Storage(root)
+    protocol = CommitProtocol(store)
+    pending = protocol.begin(1)
+    for path, data in files.items():
+        store.write_bytes(f"{pending.staging}/{path}", data)
+    protocol.publish(pending, Manifest(step=1))
+    return store, pending.name
+
+
+def test_verify_with_sizes_only_checks_the_size_of_a_listed_file_but_not_its_bytes(
+    tmp_path: Path,
+) -> None:
+    store, name = _committed(tmp_path, {"tensors/a.distcp": b"a" * 64, "other.pt": b"o" * 32})
+    flip_byte(tmp_path / name / "tensors/a.distcp", 10)
+
+    verify_checkpoint(store, name, sizes_only={"tensors/a.distcp"})
+    with pytest.raises(CorruptCheckpointError) as caught:
+        verify_checkpoint(store, name)
+    assert caught.value.file == "tensors/a.distcp"
+
+    truncate(tmp_path / name / "tensors/a.distcp", 63)
+    with pytest.raises(IncompleteCheckpointError) as short:
+        verify_checkpoint(store, name, sizes_only={"tensors/a.distcp"})
+    assert short.value.file == "tensors/a.distcp"
+
+
+def test_verify_with_sizes_only_still_hashes_the_files_it_does_not_list(tmp_path: Path) -> None:
+    store, name = _committed(tmp_path, {"tensors/a.distcp": b"a" * 64, "other.pt": b"o" * 32})
+    flip_byte(tmp_path / name / "other.pt", 3)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        verify_checkpoint(store, name, sizes_only={"tensors/a.distcp"})
+    assert caught.value.file == "other.pt"
+
+
+def test_publish_rehashes_a_described_file_whose_size_differs_on_disk(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    protocol = CommitProtocol(store)
+    pending = protocol.begin(1)
+    data = b"0123456789" * 10
+    store.write_bytes(f"{pending.staging}/tensors/a.distcp", data)
+    wrong = FileEntry(path="tensors/a.distcp", size=len(data) - 1,
+                      checksum=checksum_chunks([data[:-1]]))
+
+    committed = protocol.publish(pending, Manifest(step=1), described=[wrong])
+
+    (entry,) = committed.files
+    assert (entry.size, entry.checksum) == (len(data), checksum_chunks([data]))
+    verify_checkpoint(store, pending.name)
+
+
+def test_publish_trusts_a_described_file_whose_size_matches_without_reading_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    described: list[str] = []
+    original = CommitProtocol._describe_file
+
+    def recording(self: CommitProtocol, pending: Any, path: str) -> FileEntry:
+        described.append(path)
+        return original(self, pending, path)
+
+    monkeypatch.setattr(CommitProtocol, "_describe_file", recording)
+    store = Storage(tmp_path)
+    protocol = CommitProtocol(store)
+    pending = protocol.begin(1)
+    store.write_bytes(f"{pending.staging}/tensors/a.distcp", b"x" * 40)
+    store.write_bytes(f"{pending.staging}/other.pt", b"y" * 8)
+    known = FileEntry(path="tensors/a.distcp", size=40, checksum=checksum_chunks([b"x" * 40]))
+
+    committed = protocol.publish(pending, Manifest(step=1), described=[known])
+
+    assert described == ["other.pt"]
+    assert {entry.path: entry for entry in committed.files}["tensors/a.distcp"] == known
+
+
+# --------------------------------------------------------------------------- priority
+
+
+def _record_writer_policies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    seen: list[tuple[str, int]] = []
+    original = RawTensorWriter._write_file
+
+    def recording(self: RawTensorWriter, name: str, items: Any) -> Any:
+        result = original(self, name, items)
+        seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
+        return result
+
+    monkeypatch.setattr(RawTensorWriter, "_write_file", recording)
+    return seen
+
+
+def test_a_background_saves_writer_threads_run_at_idle_priority_and_a_foreground_one_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
+        unavailable("no SCHED_IDLE on this platform")
+    seen = _record_writer_policies(monkeypatch)
+    caller = os.sched_getscheduler(0)
+    assert caller == os.SCHED_OTHER
+
+    sharded.save(mixed_state(), tmp_path / "background", background=True)
+    background, seen[:] = list(seen), []
+    sharded.save(mixed_state(), tmp_path / "foreground")
+    foreground = list(seen)
+
+    assert len(background) > 1 and len(foreground) > 1
+    assert all(thread != threading.main_thread().name for thread, _ in background)
+    assert {policy for _, policy in background} == {os.SCHED_IDLE}
+    assert {policy for _, policy in foreground} == {os.SCHED_OTHER}
+    assert os.sched_getscheduler(0) == caller  # the calling thread keeps its priority
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_an_async_manager_save_writes_at_idle_priority_and_a_blocking_one_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
+        unavailable("no SCHED_IDLE on this platform")
+    seen = _record_writer_policies(monkeypatch)
+    model, optimizer = _build()
+    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True)
+    manager.save(1)
+    manager.wait()
+    in_background, seen[:] = list(seen), []
+    manager.save(2, blocking=True)
+    blocking = list(seen)
+    manager.close()
+
+    assert in_background and blocking
+    assert {policy for _, policy in in_background} == {os.SCHED_IDLE}
+    assert {policy for _, policy in blocking} == {os.SCHED_OTHER}
