@@ -23,11 +23,11 @@ place. This module replaces only that storage layer; planning, resharding and th
 
 Format: each stored item's ``_StorageInfo.transform_descriptors`` is one string
 ``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``: one checksum
-per :data:`CHUNK_BYTES` block of the item, so a reader that needs a slice verifies it
-without reading the rest (``bytes`` and an empty shape for non-tensor values). DCP's stock
-reader stops at such an item with ``ValueError: Unknown extension name='resumekit-raw'``
-instead of misreading it; read these checkpoints with :func:`resumekit.sharded.load` or
-export them with ``resumekit export``.
+per block of the item (:func:`block_bytes_for`: about a sixteenth of it, 64 KiB to 4 MiB),
+so a reader that needs a slice verifies it without reading much more (``bytes`` and an
+empty shape for non-tensor values). DCP's stock reader stops at such an item with
+``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it; read these
+checkpoints with :func:`resumekit.sharded.load` or export them with ``resumekit export``.
 """
 
 from __future__ import annotations
@@ -70,15 +70,18 @@ __all__ = [
     "RawTensorReading",
     "RawTensorWriter",
     "WrittenFile",
+    "block_bytes_for",
     "is_raw",
 ]
 
 FORMAT_NAME = "resumekit-raw"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 4 << 20
-"""Bytes per checksummed block, hashed and written per system call: small enough to stay in
-cache between the hash and the copy into the page cache, large enough to keep system calls
-rare, and the most a resharding reader reads beyond each end of the slice it needs."""
+"""The largest checksummed block, hashed and written per system call: small enough to stay
+in cache between the hash and the copy into the page cache, large enough to keep system
+calls rare."""
+MIN_BLOCK_BYTES = 64 << 10
+"""The smallest checksummed block (items below it are one block)."""
 DATA_SUFFIX = ".distcp"
 
 
@@ -199,13 +202,14 @@ class RawTensorWriter(FileSystemWriter):
         with open(path, "xb", buffering=0) as handle:
             for item, data in items:
                 view, dtype, shape = _bytes_of(data)
+                block = block_bytes_for(len(view))
                 blocks: list[str] = []
-                for start in range(0, len(view), CHUNK_BYTES):
-                    chunk = view[start:start + CHUNK_BYTES]
+                for start in range(0, len(view), block):
+                    chunk = view[start:start + block]
                     blocks.append(_hex(chunk))
                     whole.update(chunk)
                     _write_all(handle, chunk)
-                descriptor = _Descriptor(dtype, shape, CHUNK_BYTES, tuple(blocks)).encode()
+                descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
                     storage_data=_StorageInfo(name, offset, len(view),
@@ -254,6 +258,18 @@ def _byte_view(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
+
+
+def block_bytes_for(item_bytes: int) -> int:
+    """The checksum block size of an item: about a sixteenth of it, within bounds.
+
+    A resharding reader reads at most one block beyond each end of its slice, so blocks
+    scale with the item; the bounds keep tiny items whole and huge ones at
+    :data:`CHUNK_BYTES` per system call.
+    """
+    sixteenth = -(-item_bytes // 16)
+    aligned = -(-sixteenth // 4096) * 4096
+    return max(MIN_BLOCK_BYTES, min(CHUNK_BYTES, aligned))
 
 
 def _hex(chunk: memoryview) -> str:
