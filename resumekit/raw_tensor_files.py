@@ -203,10 +203,12 @@ class RawTensorWriter(FileSystemWriter):
             for item, data in items:
                 view, dtype, shape = _bytes_of(data)
                 block = block_bytes_for(len(view))
+                stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
                 blocks: list[str] = []
-                for start in range(0, len(view), block):
-                    chunk = view[start:start + block]
-                    blocks.append(_hex(chunk))
+                for start in range(0, len(view), stride):
+                    chunk = view[start:start + stride]
+                    blocks.extend(_hex(chunk[at:at + block])
+                                  for at in range(0, len(chunk), block))
                     whole.update(chunk)
                     _write_all(handle, chunk)
                 descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
@@ -416,8 +418,8 @@ class RawTensorReading:
         """Read bytes ``[start, stop)`` of an item into ``destination``.
 
         With ``verify``, every block the range touches is read whole and checked against
-        its checksum: blocks inside the range land directly in ``destination``, the (at
-        most two) partial ones at its ends go through a scratch buffer.
+        its checksum: the blocks inside the range are read straight into ``destination``
+        in one pass, the (at most two) partial ones at its ends through a scratch buffer.
         """
         info, (start, stop), where = job.info, span, self._where(job.info)
         if not self.verify:
@@ -425,26 +427,38 @@ class RawTensorReading:
             self._read_exactly(stream, destination, job, where)
             return
         block = job.descriptor.block_bytes
+        inner_low = -(-start // block) * block  # the whole blocks inside [start, stop)
+        inner_high = max(inner_low, min(stop, info.length) // block * block)
+        if stop == info.length:
+            inner_high = stop if inner_low < stop else inner_high
+        if inner_low < inner_high:
+            stream.seek(info.offset + inner_low)
+            inner = destination[inner_low - start:inner_high - start]
+            self._read_exactly(stream, inner, job, where)
+            for at in range(0, len(inner), block):
+                self._check_block(job, (inner_low + at) // block, inner[at:at + block])
         scratch: memoryview | None = None
-        for number in range(start // block, -(-stop // block)):
+        for number in {start // block, (stop - 1) // block} if stop > start else ():
             low, high = number * block, min((number + 1) * block, info.length)
-            begin, end = max(start, low), min(stop, high)
-            direct = (begin, end) == (low, high)
-            if direct:
-                view = destination[low - start:high - start]
-            else:
-                scratch = scratch if scratch is not None else memoryview(bytearray(block))
-                view = scratch[:high - low]
+            if inner_low <= low and high <= inner_high:
+                continue  # read above
+            scratch = scratch if scratch is not None else memoryview(bytearray(block))
+            view = scratch[:high - low]
             stream.seek(info.offset + low)
             self._read_exactly(stream, view, job, where)
-            if _hex(view) != job.descriptor.blocks[number]:
-                raise CorruptCheckpointError(
-                    f"{where}: the bytes of {job.request.storage_index.fqn} at offset "
-                    f"{info.offset + low} ({high - low} bytes) do not match their checksum",
-                    path=where, file=where, key=job.request.storage_index.fqn,
-                )
-            if not direct:
-                destination[begin - start:end - start] = view[begin - low:end - low]
+            self._check_block(job, number, view)
+            begin, end = max(start, low), min(stop, high)
+            destination[begin - start:end - start] = view[begin - low:end - low]
+
+    def _check_block(self, job: _Job, number: int, view: memoryview) -> None:
+        if _hex(view) != job.descriptor.blocks[number]:
+            where = self._where(job.info)
+            raise CorruptCheckpointError(
+                f"{where}: the bytes of {job.request.storage_index.fqn} at offset "
+                f"{job.info.offset + number * job.descriptor.block_bytes} ({len(view)} "
+                "bytes) do not match their checksum",
+                path=where, file=where, key=job.request.storage_index.fqn,
+            )
 
     def _read_exactly(self, stream: IO[bytes], destination: memoryview, job: _Job,
                       where: str) -> None:
