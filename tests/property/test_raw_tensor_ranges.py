@@ -91,7 +91,7 @@ def test_a_flipped_byte_is_caught_exactly_when_its_block_is_read(
         with open(os.path.join(directory, "item.distcp"), "wb") as handle:
             handle.write(b"\0" * HEADER + bytes(damaged))
         if touched:
-            with pytest.raises(CorruptCheckpointError, match="model.weight"):
+            with pytest.raises(CorruptCheckpointError, match=r"model\.weight"):
                 _read(directory, job, start, stop)
         else:
             assert _read(directory, job, start, stop) == data[start:stop]
