@@ -33,8 +33,12 @@ checkpoints with :func:`resumekit.sharded.load` or export them with ``resumekit 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import errno
+import fcntl
 import io
+import mmap
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -65,11 +69,13 @@ from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum
 
 __all__ = [
+    "ALIGNMENT",
     "CHUNK_BYTES",
     "FORMAT_NAME",
     "RawTensorReading",
     "RawTensorWriter",
     "WrittenFile",
+    "aligned_empty",
     "block_bytes_for",
     "is_raw",
 ]
@@ -80,6 +86,8 @@ CHUNK_BYTES = 4 << 20
 """The largest checksummed block, hashed and written per system call: small enough to stay
 in cache between the hash and the copy into the page cache, large enough to keep system
 calls rare."""
+ALIGNMENT = 4096
+"""Items start on this boundary in a data file, and direct I/O moves whole multiples of it."""
 MIN_BLOCK_BYTES = 64 << 10
 """The smallest checksummed block (items below it are one block)."""
 DATA_SUFFIX = ".distcp"
@@ -196,31 +204,149 @@ class RawTensorWriter(FileSystemWriter):
         if self.background:
             _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
-        whole = Checksum()
         results: list[WriteResult] = []
-        offset = 0
-        with open(path, "xb", buffering=0) as handle:
+        with _AlignedFile(path) as handle:
             for item, data in items:
-                view, dtype, shape = _bytes_of(data)
+                view, address, dtype, shape = _bytes_of(data)
                 block = block_bytes_for(len(view))
                 stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
                 blocks: list[str] = []
+                offset = handle.offset
                 for start in range(0, len(view), stride):
                     chunk = view[start:start + stride]
                     blocks.extend(_hex(chunk[at:at + block])
                                   for at in range(0, len(chunk), block))
-                    whole.update(chunk)
-                    _write_all(handle, chunk)
+                    handle.write(chunk, None if address is None else address + start)
+                handle.pad()  # the next item starts on an ALIGNMENT boundary
                 descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
                     storage_data=_StorageInfo(name, offset, len(view),
                                               transform_descriptors=[descriptor]),
                 ))
-                offset += len(view)
             if self.sync_files:
-                os.fsync(handle.fileno())
-        return results, WrittenFile(name, offset, whole.value())
+                os.fsync(handle.fd)
+            written = WrittenFile(name, handle.offset, handle.checksum.value())
+        return results, written
+
+
+class _AlignedFile:
+    """A new file written with ``O_DIRECT`` where the filesystem allows it.
+
+    Direct I/O skips the page cache: no kernel copy of every byte and no dirty pages for
+    writeback to flush while training runs. It needs ``ALIGNMENT``-aligned memory, file
+    offsets and lengths: aligned sources (the CPU staging buffers of async saves) are
+    written as they are, anything else is copied through an aligned bounce buffer (with
+    ``ctypes.memmove``, which releases the GIL), and each item is padded with zeros to
+    the next boundary. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and
+    FUSE filesystems) the same bytes are written through the page cache. The file's
+    running checksum covers the padding too.
+    """
+
+    def __init__(self, path: str) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        self.direct = False
+        if direct:
+            try:
+                self.fd = os.open(path, flags | direct, 0o644)
+                self.direct = True
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+        self.offset = 0
+        self.checksum = Checksum()
+        self._bounce: mmap.mmap | None = None
+
+    def __enter__(self) -> _AlignedFile:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        os.close(self.fd)
+        if self._bounce is not None:
+            self._bounce.close()
+
+    def write(self, chunk: memoryview, address: int | None) -> None:
+        """Append ``chunk`` (at ``address`` in memory when known); pads nothing."""
+        self.checksum.update(chunk)
+        aligned = (address is not None and address % ALIGNMENT == 0
+                   and len(chunk) % ALIGNMENT == 0 and self.offset % ALIGNMENT == 0)
+        if not self.direct or aligned:
+            self._write_all(chunk)
+            return
+        bounce = self._bounce_buffer()
+        for start in range(0, len(chunk), CHUNK_BYTES):
+            piece = chunk[start:start + CHUNK_BYTES]
+            if address is not None:
+                ctypes.memmove(_address_of(bounce), address + start, len(piece))
+            else:
+                memoryview(bounce)[:len(piece)] = piece
+            padded = -(-len(piece) // ALIGNMENT) * ALIGNMENT
+            memoryview(bounce)[len(piece):padded] = bytes(padded - len(piece))
+            # The zeros past the piece are overwritten by the next write or kept as the
+            # item's padding (pad() then only moves the offset).
+            self._write_all(memoryview(bounce)[:padded], logical=len(piece))
+
+    def pad(self) -> None:
+        """Zero-fill up to the next ``ALIGNMENT`` boundary."""
+        missing = (-self.offset) % ALIGNMENT
+        if not missing:
+            return
+        zeros = bytes(missing)
+        self.checksum.update(zeros)
+        if self.direct:  # the bounce write already put these zeros on disk
+            self.offset += missing
+            os.lseek(self.fd, self.offset, os.SEEK_SET)
+            return
+        self._write_all(memoryview(zeros))
+
+    def _write_all(self, data: memoryview, logical: int | None = None) -> None:
+        total = len(data)
+        while data:
+            try:
+                count = os.write(self.fd, data)
+            except OSError as error:
+                if not (self.direct and error.errno == errno.EINVAL):
+                    raise
+                # Refused at write time (some FUSE and network filesystems): continue
+                # through the page cache, same bytes, same offsets.
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                continue
+            data = data[count:]
+        self.offset += total if logical is None else logical
+        if logical is not None:
+            os.lseek(self.fd, self.offset, os.SEEK_SET)
+
+    def _bounce_buffer(self) -> mmap.mmap:
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, CHUNK_BYTES)  # anonymous: page-aligned
+        return self._bounce
+
+
+def _address_of(buffer: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def aligned_empty(shape: Sequence[int], dtype: torch.dtype, *,
+                  pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on an ``ALIGNMENT`` boundary.
+
+    The writer sends such tensors to disk with direct I/O without copying them (the CPU
+    staging buffers of async saves are allocated this way).
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    nbytes = count * _element_size(dtype)
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory)
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % ALIGNMENT
+    return raw[skip:skip + nbytes].view(dtype).view(tuple(shape))
 
 
 def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -243,15 +369,16 @@ def _item_bytes(item: WriteItem) -> int:
     return count * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
 
 
-def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, torch.dtype | None,
-                                                         tuple[int, ...]]:
+def _bytes_of(data: torch.Tensor | io.BytesIO
+              ) -> tuple[memoryview, int | None, torch.dtype | None, tuple[int, ...]]:
+    """The bytes to store, their address in memory (tensors only), dtype and shape."""
     if isinstance(data, io.BytesIO):
-        return data.getbuffer(), None, ()
+        return data.getbuffer(), None, None, ()
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    return _byte_view(tensor), tensor.dtype, tuple(tensor.shape)
+    return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -278,12 +405,6 @@ def _hex(chunk: memoryview) -> str:
     running = Checksum()
     running.update(chunk)
     return running.value().partition(":")[2]
-
-
-def _write_all(handle: IO[bytes], chunk: memoryview) -> None:
-    while chunk:
-        written = handle.write(chunk)
-        chunk = chunk[written or 0:]
 
 
 def _lower_thread_priority() -> None:

@@ -74,7 +74,13 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.raw_tensor_files import RawTensorReading, RawTensorWriter, WrittenFile, is_raw
+from resumekit.raw_tensor_files import (
+    RawTensorReading,
+    RawTensorWriter,
+    WrittenFile,
+    aligned_empty,
+    is_raw,
+)
 from resumekit.safe_pickle import load_dcp_metadata
 
 __all__ = [
@@ -558,9 +564,8 @@ class CpuStager:
     def _copy_into(self, source: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            buffer = torch.empty(
-                source.shape, dtype=source.dtype, device="cpu", pin_memory=self._pin
-            )
+            # Page-aligned: the writer sends it to disk with direct I/O, without a copy.
+            buffer = aligned_empty(source.shape, source.dtype, pin_memory=self._pin)
             self._buffers[path] = buffer
             self._wrappers.pop(path, None)
         buffer.copy_(source, non_blocking=self._pin and source.device.type == "cuda")
