@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import threading
 from pathlib import Path
@@ -20,7 +22,13 @@ from resumekit.catalog import verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.manager import CheckpointManager
 from resumekit.manifest import FileEntry, Manifest, checksum_chunks
-from resumekit.raw_tensor_files import CHUNK_BYTES, FORMAT_NAME, RawTensorWriter
+from resumekit.raw_tensor_files import (
+    ALIGNMENT,
+    CHUNK_BYTES,
+    FORMAT_NAME,
+    RawTensorWriter,
+    aligned_empty,
+)
 from resumekit.storage import Storage
 from tests.conftest import unavailable
 
@@ -518,3 +526,101 @@ def test_an_async_manager_save_writes_at_idle_priority_and_a_blocking_one_does_n
     assert in_background and blocking
     assert {policy for _, policy in in_background} == {os.SCHED_IDLE}
     assert {policy for _, policy in blocking} == {os.SCHED_OTHER}
+
+
+# --------------------------------------------------------------------------- direct I/O
+
+
+def _big_state() -> dict[str, Any]:
+    """Tensors whose sizes are not multiples of ALIGNMENT, one bigger than a write chunk."""
+    generator = torch.Generator().manual_seed(3)
+    return {
+        "big": torch.randn(CHUNK_BYTES // 4 + 777, generator=generator),
+        "odd": torch.randn(1001, generator=generator),
+        "tail": torch.arange(3, dtype=torch.int16),
+        "extras": {"step": 12},
+    }
+
+
+def _round_trips(state: dict[str, Any], directory: Path) -> None:
+    target = blank_like(state)
+    sharded.load(target, directory)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(target[key], value), key
+        else:
+            assert target[key] == value
+
+
+def test_every_item_starts_on_an_alignment_boundary_and_the_file_checksum_covers_the_padding(
+    tmp_path: Path,
+) -> None:
+    state = _big_state()
+    written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
+    infos = storage_info(tmp_path / "ckpt")
+    assert infos and all(info.offset % ALIGNMENT == 0 for info in infos.values())
+    (file,) = written
+    on_disk = (tmp_path / "ckpt" / file.name).read_bytes()
+    assert len(on_disk) % ALIGNMENT == 0 and file.size == len(on_disk)
+    assert file.checksum == checksum_chunks([on_disk])
+    _round_trips(state, tmp_path / "ckpt")
+
+
+def test_page_aligned_tensors_are_aligned_and_hold_their_shape_and_dtype() -> None:
+    for shape, dtype in [((3, 5), torch.float32), ((), torch.bfloat16), ((0, 2), torch.int64),
+                         ((7,), torch.bool)]:
+        tensor = aligned_empty(shape, dtype)
+        assert tuple(tensor.shape) == shape and tensor.dtype == dtype
+        assert tensor.is_contiguous()
+        if tensor.numel():
+            assert tensor.data_ptr() % ALIGNMENT == 0
+
+
+def test_async_staging_buffers_are_page_aligned_so_direct_io_needs_no_copy() -> None:
+    staged = sharded.CpuStager().stage(_big_state())
+    assert all(staged[key].data_ptr() % ALIGNMENT == 0 for key in ("big", "odd", "tail"))
+
+
+def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not getattr(os, "O_DIRECT", 0):
+        unavailable("this platform has no O_DIRECT")
+    direct = sharded.save(_big_state(), tmp_path / "direct", thread_count=1)
+    real_open = os.open
+
+    def refusing_open(path: str, flags: int, *args: Any) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "O_DIRECT not supported", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    buffered = sharded.save(_big_state(), tmp_path / "buffered", thread_count=1)
+    monkeypatch.undo()
+    assert [(f.size, f.checksum) for f in buffered] == [(f.size, f.checksum) for f in direct]
+    _round_trips(_big_state(), tmp_path / "buffered")
+
+
+def test_a_direct_write_refused_midway_continues_through_the_page_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not getattr(os, "O_DIRECT", 0):
+        unavailable("this platform has no O_DIRECT")
+    import resumekit.raw_tensor_files as module
+
+    real_write = os.write
+    refused: list[int] = []
+
+    def refusing_write(fd: int, data: Any) -> int:
+        if not refused and os.get_blocking(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(module.os, "write", refusing_write)
+    written = sharded.save(_big_state(), tmp_path / "ckpt", thread_count=1)
+    monkeypatch.undo()
+    assert refused, "the first direct write should have been refused"
+    (file,) = written
+    assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()])
+    _round_trips(_big_state(), tmp_path / "ckpt")
