@@ -72,11 +72,7 @@ def ratio_details(details: Mapping[str, Any], state_bytes: int) -> dict[str, Any
         out["resumekit_throughput_over"] = {
             name: paired_ratios(values, sync) for name, values in saves.items()
             if name not in ("resumekit", "memcpy", "resumekit_async",
-                            "resumekit_async_blocked", "resumekit_zip_crc32_off")}
-        if "resumekit_zip_crc32_off" in saves:
-            out["zip_crc32_off_speedup"] = paired_ratios(sync, saves["resumekit_zip_crc32_off"])
-            out["zip_crc32_off_vs_raw_write"] = paired_ratios(
-                saves["raw_write"], saves["resumekit_zip_crc32_off"])
+                            "resumekit_async_blocked")}
         best = dcp_best(saves)
         out["dcp"] = {"default_threads": 1, "best": best,
                       "save_vs_dcp_default": _ratio(saves["dcp_default"], sync),

@@ -102,17 +102,6 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
             manager.close()
             remove(root)
 
-    def resumekit_without_zip_crc32() -> float:
-        # What the change proposed for sharded.save would give: DCP writes every tensor
-        # with torch.save, which computes a zip CRC-32 of every byte on the writing thread;
-        # the manifest's xxh3 already covers every byte.
-        previous = torch.serialization.get_crc32_options()
-        torch.serialization.set_crc32_options(False)
-        try:
-            return resumekit_sync()
-        finally:
-            torch.serialization.set_crc32_options(previous)
-
     async_root = fresh("resumekit-async")
     # Retention keeps everything and the bench deletes each checkpoint outside the clock,
     # as for the sync save: both pay for exactly one checkpoint's writing.
@@ -145,7 +134,6 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     methods: dict[str, Callable[[], float]] = {
         "raw_write": timed_write("raw", lambda t: _raw_file(model, optimizer, t)),
         "resumekit": resumekit_sync,
-        "resumekit_zip_crc32_off": resumekit_without_zip_crc32,
         "resumekit_async": resumekit_async,
         "memcpy": memcpy,
         "torch_save": timed_write("torch", lambda t: peers.torch_save(model, optimizer, t)),
