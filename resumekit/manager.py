@@ -106,7 +106,7 @@ class _SaveJob:
     ranks: bytes
     manifest: Manifest
     started: float
-    background: bool = False  # runs while training goes on: writer threads yield the CPU
+    background: bool = False  # overlaps training: writer threads at idle CPU priority
 
 
 @dataclass(frozen=True)
@@ -185,14 +185,23 @@ class CheckpointManager:
             ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
         async_save: Stage state to CPU memory and write in the background.
+        background_priority: CPU priority of an async save's writer threads: ``"idle"``
+            (default; ``SCHED_IDLE`` on Linux, else nice 19) leaves the cores to training,
+            ``"normal"`` competes with it. Pick ``"normal"`` when other processes keep
+            every core busy (CPU-heavy data loading): an idle-priority thread then gets
+            little CPU, so the save takes longer, and a step that needs the GIL while such
+            a thread holds it waits until the thread runs again.
         config: Configuration that must match on resume (recorded as a fingerprint).
         on_mismatch: What a configuration or world-size mismatch does on restore:
             ``"error"`` (default), ``"warn"`` or ``"ignore"``. Parameter names and shapes
             must always match: a checkpoint never loads partially.
         fallback: If the newest checkpoint fails verification or loading, restore the
             previous one (logged). False raises instead.
-        verify_on_restore: Re-hash files against the manifest before loading (spread
-            over ranks).
+        verify_on_restore: Check every byte loaded against its checksum: the small files
+            and DCP's ``.metadata`` are hashed before loading (spread over ranks), raw
+            tensor files are size-checked first and verified block by block as they are
+            read. A mismatch found while loading leaves the model partly overwritten; with
+            ``fallback`` the previous checkpoint is then loaded over it.
         preemption: A :class:`~resumekit.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
@@ -218,6 +227,7 @@ class CheckpointManager:
         retention: RetentionPolicy | None = DEFAULT_RETENTION,
         name_format: str = DEFAULT_NAME_FORMAT,
         async_save: bool = False,
+        background_priority: Literal["idle", "normal"] = "idle",
         config: Mapping[str, Any] | None = None,
         on_mismatch: MismatchPolicy = "error",
         fallback: bool = True,
@@ -230,6 +240,10 @@ class CheckpointManager:
         if save_every is not None and save_every < 1:
             raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
                                      name="save_every", value=save_every)
+        if background_priority not in ("idle", "normal"):
+            raise ConfigurationError(
+                f"background_priority must be idle or normal, not {background_priority!r}",
+                name="background_priority", value=background_priority)
         if on_mismatch not in ("error", "warn", "ignore"):
             raise ConfigurationError(
                 f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}",
@@ -242,6 +256,7 @@ class CheckpointManager:
         self.save_every = save_every
         self.retention = retention
         self.async_save = async_save
+        self.background_priority = background_priority
         self.config: dict[str, Any] = _plain_json(config or {}, what="config")
         self.on_mismatch = on_mismatch
         self.fallback = fallback
@@ -617,7 +632,8 @@ class CheckpointManager:
             if self._stager is None:
                 self._stager = sharded.CpuStager()
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
-                           manifest, started, background=True)
+                           manifest, started,
+                           background=self.background_priority == "idle")
             self._newest_step = step
             self._background.submit(step, lambda: self._write(job, self._saver))
             return

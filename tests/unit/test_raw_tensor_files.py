@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
+from resumekit.errors import ConfigurationError
 from resumekit.catalog import verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.manager import CheckpointManager
@@ -526,6 +527,28 @@ def test_an_async_manager_save_writes_at_idle_priority_and_a_blocking_one_does_n
     assert in_background and blocking
     assert {policy for _, policy in in_background} == {os.SCHED_IDLE}
     assert {policy for _, policy in blocking} == {os.SCHED_OTHER}
+
+
+def test_an_async_save_asked_for_normal_priority_writes_at_normal_priority(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
+        unavailable("no SCHED_IDLE on this platform")
+    seen = _record_writer_policies(monkeypatch)
+    model, optimizer = _build()
+    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True,
+                                background_priority="normal")
+    manager.save(1)
+    manager.close()
+    assert seen and {policy for _, policy in seen} == {os.SCHED_OTHER}
+
+
+def test_an_unknown_background_priority_is_refused_naming_the_argument(tmp_path: Path) -> None:
+    model, optimizer = _build()
+    with pytest.raises(ConfigurationError, match="background_priority") as caught:
+        CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                          background_priority="low")  # type: ignore[arg-type]
+    assert caught.value.name == "background_priority"
 
 
 # --------------------------------------------------------------------------- direct I/O
