@@ -18,9 +18,9 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
-from resumekit.errors import ConfigurationError
 from resumekit.catalog import verify_checkpoint
 from resumekit.commit import CommitProtocol
+from resumekit.errors import ConfigurationError, ResumekitError
 from resumekit.manager import CheckpointManager
 from resumekit.manifest import FileEntry, Manifest, checksum_chunks
 from resumekit.raw_tensor_files import (
@@ -290,9 +290,8 @@ def test_a_truncated_data_file_is_incomplete_naming_the_file_and_key(tmp_path: P
 # --------------------------------------------------------------------------- manager
 
 
-def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading_them_back(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _record_described_files(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record every file the commit reads back to hash (``CommitProtocol._describe_file``)."""
     described: list[str] = []
     original = CommitProtocol._describe_file
 
@@ -301,6 +300,13 @@ def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading
         return original(self, pending, path)
 
     monkeypatch.setattr(CommitProtocol, "_describe_file", recording)
+    return described
+
+
+def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    described = _record_described_files(monkeypatch)
     model, optimizer = _build()
     manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)
     manager.save(1)
@@ -331,19 +337,25 @@ def _saved_manager(root: Path) -> tuple[CheckpointManager, Path]:
     return manager, Path(info.path) / info.manifest.data_path("tensors")
 
 
+def _failed_restore(root: Path, error: type[ResumekitError]) -> tuple[Any, bool]:
+    """Restore into a fresh model without fallback: the error, and whether nothing loaded."""
+    model, optimizer = _build(seed=99)
+    before = _weights(model)
+    with pytest.raises(error) as caught:
+        CheckpointManager(root, model=model, optimizer=optimizer, fallback=False).restore()
+    untouched = all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
+    return caught.value, untouched
+
+
 def test_restore_refuses_a_flipped_byte_in_the_tensor_metadata_naming_it(tmp_path: Path) -> None:
     _, tensors = _saved_manager(tmp_path)
     metadata = tensors / ".metadata"
     flip_byte(metadata, metadata.stat().st_size // 2)
 
-    model, optimizer = _build(seed=99)
-    before = _weights(model)
-    with pytest.raises(CorruptCheckpointError) as caught:
-        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
-    assert caught.value.file == "tensors/.metadata"
-    assert ".metadata" in str(caught.value)
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), key
+    caught, untouched = _failed_restore(tmp_path, CorruptCheckpointError)
+    assert caught.file == "tensors/.metadata"
+    assert ".metadata" in str(caught)
+    assert untouched  # nothing was loaded
 
 
 def test_restore_refuses_a_truncated_raw_file_by_its_size_before_loading_anything(
@@ -354,14 +366,10 @@ def test_restore_refuses_a_truncated_raw_file_by_its_size_before_loading_anythin
                  key=lambda path: path.stat().st_size)
     truncate(victim, victim.stat().st_size - 1)
 
-    model, optimizer = _build(seed=99)
-    before = _weights(model)
-    with pytest.raises(IncompleteCheckpointError) as caught:
-        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
-    assert caught.value.file == f"tensors/{victim.name}"
-    assert "bytes, the manifest" in str(caught.value)  # the size check, not the reader
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), key
+    caught, untouched = _failed_restore(tmp_path, IncompleteCheckpointError)
+    assert caught.file == f"tensors/{victim.name}"
+    assert "bytes, the manifest" in str(caught)  # the size check, not the reader
+    assert untouched  # nothing was loaded
 
 
 def test_restore_leaves_a_flipped_byte_in_a_raw_file_to_the_reader_which_names_the_tensor(
@@ -372,11 +380,9 @@ def test_restore_leaves_a_flipped_byte_in_a_raw_file_to_the_reader_which_names_t
     key = next(key for key in infos if key.endswith("0.weight") and key.startswith("model"))
     flip_byte(tensors / infos[key].relative_path, infos[key].offset + 1)
 
-    model, optimizer = _build(seed=99)
-    with pytest.raises(CorruptCheckpointError) as caught:
-        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
-    assert caught.value.key == key  # found while reading it, not by hashing the file first
-    assert Path(caught.value.file) == tensors / infos[key].relative_path
+    caught, _ = _failed_restore(tmp_path, CorruptCheckpointError)  # found mid-load
+    assert caught.key == key  # found while reading it, not by hashing the file first
+    assert Path(caught.file) == tensors / infos[key].relative_path
 
 
 def test_restore_still_hashes_the_small_files_before_loading(tmp_path: Path) -> None:
@@ -384,13 +390,9 @@ def test_restore_still_hashes_the_small_files_before_loading(tmp_path: Path) -> 
     train_state = tensors.parent / "train_state.pt"
     flip_byte(train_state, train_state.stat().st_size // 2)
 
-    model, optimizer = _build(seed=99)
-    before = _weights(model)
-    with pytest.raises(CorruptCheckpointError) as caught:
-        CheckpointManager(tmp_path, model=model, optimizer=optimizer, fallback=False).restore()
-    assert caught.value.file == "train_state.pt"
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), key
+    caught, untouched = _failed_restore(tmp_path, CorruptCheckpointError)
+    assert caught.file == "train_state.pt"
+    assert untouched  # nothing was loaded
 
 
 # --------------------------------------------------------------------------- catalog, commit
@@ -450,14 +452,7 @@ def test_publish_rehashes_a_described_file_whose_size_differs_on_disk(tmp_path: 
 def test_publish_trusts_a_described_file_whose_size_matches_without_reading_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    described: list[str] = []
-    original = CommitProtocol._describe_file
-
-    def recording(self: CommitProtocol, pending: Any, path: str) -> FileEntry:
-        described.append(path)
-        return original(self, pending, path)
-
-    monkeypatch.setattr(CommitProtocol, "_describe_file", recording)
+    described = _record_described_files(monkeypatch)
     store = Storage(tmp_path)
     protocol = CommitProtocol(store)
     pending = protocol.begin(1)
