@@ -504,14 +504,17 @@ def test_a_background_saves_writer_threads_run_at_idle_priority_and_a_foreground
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_an_async_manager_save_writes_at_idle_priority_and_a_blocking_one_does_not(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(("priority", "policy"), [("idle", "SCHED_IDLE"),
+                                                  ("normal", "SCHED_OTHER")])
+def test_an_async_manager_save_writes_at_the_asked_priority_and_a_blocking_one_at_normal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, priority: str, policy: str,
 ) -> None:
     if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
         unavailable("no SCHED_IDLE on this platform")
     seen = _record_writer_policies(monkeypatch)
     model, optimizer = _build()
-    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True)
+    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True,
+                                background_priority=priority)  # type: ignore[arg-type]
     manager.save(1)
     manager.wait()
     in_background, seen[:] = list(seen), []
@@ -520,22 +523,8 @@ def test_an_async_manager_save_writes_at_idle_priority_and_a_blocking_one_does_n
     manager.close()
 
     assert in_background and blocking
-    assert {policy for _, policy in in_background} == {os.SCHED_IDLE}
-    assert {policy for _, policy in blocking} == {os.SCHED_OTHER}
-
-
-def test_an_async_save_asked_for_normal_priority_writes_at_normal_priority(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    if not hasattr(os, "SCHED_IDLE") or not hasattr(os, "sched_getscheduler"):
-        unavailable("no SCHED_IDLE on this platform")
-    seen = _record_writer_policies(monkeypatch)
-    model, optimizer = _build()
-    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True,
-                                background_priority="normal")
-    manager.save(1)
-    manager.close()
-    assert seen and {policy for _, policy in seen} == {os.SCHED_OTHER}
+    assert {used for _, used in in_background} == {getattr(os, policy)}
+    assert {used for _, used in blocking} == {os.SCHED_OTHER}
 
 
 def test_an_unknown_background_priority_is_refused_naming_the_argument(tmp_path: Path) -> None:
