@@ -27,7 +27,8 @@ from benchmarks.workload import (
     train_step,
 )
 
-TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--rss-saves", "3",
+TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-rounds", "2",
+        "--rss-saves", "3",
         "--poll-steps", "8", "--poll-step-ms", "2", "--dcp-threads", "2"]
 
 
