@@ -630,7 +630,7 @@ class CheckpointManager:
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
-                self._stager = sharded.CpuStager()
+                self._stager = sharded.CpuStager(page_aligned=self.storage.is_local)
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started,
                            background=self.background_priority == "idle")

@@ -502,10 +502,14 @@ class CpuStager:
 
     Args:
         pin_memory: Pin the buffers; ``None`` pins exactly when CUDA is available.
+        page_aligned: Start every buffer on a page boundary, so the raw tensor writer
+            sends it to a local disk with direct I/O without copying it. Leave it off for
+            fsspec URLs: DCP's own writer copies a tensor whose storage is larger than it.
     """
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, page_aligned: bool = True) -> None:
         self._pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._aligned = page_aligned
         self._buffers: dict[tuple[str, ...], torch.Tensor] = {}
         self._wrappers: dict[tuple[str, ...], DTensor] = {}
 
@@ -564,8 +568,9 @@ class CpuStager:
     def _copy_into(self, source: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != source.shape or buffer.dtype != source.dtype:
-            # Page-aligned: the writer sends it to disk with direct I/O, without a copy.
-            buffer = aligned_empty(source.shape, source.dtype, pin_memory=self._pin)
+            buffer = (aligned_empty(source.shape, source.dtype, pin_memory=self._pin)
+                      if self._aligned else
+                      torch.empty(source.shape, dtype=source.dtype, pin_memory=self._pin))
             self._buffers[path] = buffer
             self._wrappers.pop(path, None)
         buffer.copy_(source, non_blocking=self._pin and source.device.type == "cuda")

@@ -631,3 +631,11 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
     (file,) = written
     assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()])
     _round_trips(_big_state(), tmp_path / "ckpt")
+
+
+def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_without_a_copy(
+) -> None:
+    staged = sharded.CpuStager(page_aligned=False).stage(_big_state())
+    for key in ("big", "odd", "tail"):
+        tensor = staged[key]
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
