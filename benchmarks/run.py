@@ -326,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--overlap-rounds", type=int, default=11,
                         help="rounds of the overlap figure (a round is one step, ~2 s): its "
                              "per-round ratios spread most, so it gets more")
+    parser.add_argument("--load-rounds", type=int, default=9,
+                        help="rounds of the load figures (~6 s each): cold reads on this "
+                             "disk take 0.8 s or 2-3 s at random, so the median needs more")
     parser.add_argument("--rss-saves", type=int, default=20)
     parser.add_argument("--poll-steps", type=int, default=100,
                         help="steps per round of the preemption-vote measurement")
@@ -361,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "command": ["python", "-m", "benchmarks.run", *(argv or sys.argv[1:])],
         "machine": machine_facts(work),
         "config": {"rounds": args.rounds, "overlap_rounds": max(args.rounds, args.overlap_rounds),
+                   "load_rounds": max(args.rounds, args.load_rounds),
                    "state_mb": args.state_mb,
                    "dist_state_mb": args.dist_state_mb, "rss_saves": args.rss_saves,
                    "poll_steps": args.poll_steps, "poll_step_ms": args.poll_step_ms,
@@ -388,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                max(args.rounds, args.overlap_rounds))
         if "loads" in parts:
             _log("loads")
-            details["loads"] = bench_loads(model, optimizer, work, args.rounds)
+            details["loads"] = bench_loads(model, optimizer, work,
+                                           max(args.rounds, args.load_rounds))
         if "rss" in parts:
             _log("rss")
             details["rss"] = bench_rss(model, optimizer, work, args.rss_saves)

@@ -28,7 +28,7 @@ from benchmarks.workload import (
 )
 
 TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-rounds", "2",
-        "--rss-saves", "3",
+        "--load-rounds", "2", "--rss-saves", "3",
         "--poll-steps", "8", "--poll-step-ms", "2", "--dcp-threads", "2"]
 
 
