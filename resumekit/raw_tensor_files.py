@@ -93,6 +93,19 @@ MIN_BLOCK_BYTES = 64 << 10
 DATA_SUFFIX = ".distcp"
 
 
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+READ_THREADS = max(1, min(4, _usable_cpus()))
+"""Files a rank reads at once: 4, or fewer on a machine with fewer usable CPUs (a page-cache
+read is a memory copy and the checksum a CPU pass, so threads beyond the cores only add
+switching)."""
+
+
 class WrittenFile(NamedTuple):
     """A file the writer produced, described while it was written.
 
@@ -432,11 +445,11 @@ class RawTensorReading:
 
     Mix it in before DCP's ``FileSystemReader`` or ``FsspecReader``. Attributes set by the
     caller: ``verify`` (check every byte read against its recorded checksum) and
-    ``read_threads`` (files read at once).
+    ``read_threads`` (files read at once; default :data:`READ_THREADS`).
     """
 
     verify: bool = True
-    read_threads: int = 4
+    read_threads: int = 0  # 0: READ_THREADS
     fs: Any
     path: Any
     storage_data: dict[Any, Any]
@@ -468,7 +481,7 @@ class RawTensorReading:
                 target = planner.resolve_tensor(request).detach()
             per_file.setdefault(info.relative_path, []).append(
                 _Job(request, info, descriptor, target))
-        threads = max(1, min(self.read_threads, len(per_file)))
+        threads = max(1, min(self.read_threads or READ_THREADS, len(per_file)))
         with ThreadPoolExecutor(max_workers=threads,
                                 thread_name_prefix="resumekit-reader") as pool:
             futures = [pool.submit(self._read_file, name, jobs)

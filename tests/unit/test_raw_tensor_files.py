@@ -639,3 +639,10 @@ def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_wi
     for key in ("big", "odd", "tail"):
         tensor = staged[key]
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_a_rank_reads_with_at_most_one_thread_per_usable_cpu_and_at_most_four() -> None:
+    import resumekit.raw_tensor_files as module
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert module.READ_THREADS == max(1, min(4, cpus or 1))
