@@ -197,10 +197,9 @@ class CommitProtocol:
             if index % self.coordinator.world_size == self.coordinator.rank
         ]
         gathered = self.coordinator.all_gather(mine)
-        listed = {path for path, _ in listing}
+        trusted = {path for path, _ in listing} - set(unknown)
         files = sorted([entry for part in gathered for entry in part]
-                       + [entry for path, entry in known.items()
-                          if path in listed and path not in unknown],
+                       + [entry for path, entry in known.items() if path in trusted],
                        key=lambda e: e.path)
         final = manifest.model_copy(update={
             "step": pending.step, "files": files, "data_dir": pending.data_dir,
