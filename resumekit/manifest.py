@@ -38,6 +38,7 @@ __all__ = [
     "Manifest",
     "SaveReason",
     "checksum_chunks",
+    "hex_digest",
     "parse_manifest",
     "safe_relative_path",
 ]
@@ -267,6 +268,11 @@ class Checksum:
     def value(self) -> str:
         """Return the checksum of everything added so far, as ``"xxh3_128:<hex>"``."""
         return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}"
+
+
+def hex_digest(chunk: bytes | bytearray | memoryview) -> str:
+    """Return the bare XXH3-128 hex digest of one buffer (no algorithm prefix)."""
+    return str(xxhash.xxh3_128_hexdigest(chunk))
 
 
 def checksum_chunks(chunks: Iterable[bytes]) -> str:

@@ -38,6 +38,7 @@ import dataclasses
 import errno
 import fcntl
 import io
+import math
 import mmap
 import os
 import threading
@@ -66,7 +67,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
-from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum
+from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, hex_digest
 
 __all__ = [
     "ALIGNMENT",
@@ -227,7 +228,7 @@ class RawTensorWriter(FileSystemWriter):
                 offset = handle.offset
                 for start in range(0, len(view), stride):
                     chunk = view[start:start + stride]
-                    blocks.extend(_hex(chunk[at:at + block])
+                    blocks.extend(hex_digest(chunk[at:at + block])
                                   for at in range(0, len(chunk), block))
                     handle.write(chunk, None if address is None else address + start)
                 handle.pad()  # the next item starts on an ALIGNMENT boundary
@@ -351,10 +352,7 @@ def aligned_empty(shape: Sequence[int], dtype: torch.dtype, *,
     The writer sends such tensors to disk with direct I/O without copying them (the CPU
     staging buffers of async saves are allocated this way).
     """
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * _element_size(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory)
     raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
@@ -376,10 +374,7 @@ def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
 def _item_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 0
-    count = 1
-    for size in item.tensor_data.size:
-        count *= size
-    return count * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
 def _bytes_of(data: torch.Tensor | io.BytesIO
@@ -410,14 +405,8 @@ def block_bytes_for(item_bytes: int) -> int:
     :data:`CHUNK_BYTES` per system call.
     """
     sixteenth = -(-item_bytes // 16)
-    aligned = -(-sixteenth // 4096) * 4096
+    aligned = -(-sixteenth // ALIGNMENT) * ALIGNMENT
     return max(MIN_BLOCK_BYTES, min(CHUNK_BYTES, aligned))
-
-
-def _hex(chunk: memoryview) -> str:
-    running = Checksum()
-    running.update(chunk)
-    return running.value().partition(":")[2]
 
 
 def _lower_thread_priority() -> None:
@@ -449,7 +438,7 @@ class RawTensorReading:
     """
 
     verify: bool = True
-    read_threads: int = 0  # 0: READ_THREADS
+    read_threads: int = READ_THREADS
     fs: Any
     path: Any
     storage_data: dict[Any, Any]
@@ -481,7 +470,7 @@ class RawTensorReading:
                 target = planner.resolve_tensor(request).detach()
             per_file.setdefault(info.relative_path, []).append(
                 _Job(request, info, descriptor, target))
-        threads = max(1, min(self.read_threads or READ_THREADS, len(per_file)))
+        threads = max(1, min(self.read_threads, len(per_file)))
         with ThreadPoolExecutor(max_workers=threads,
                                 thread_name_prefix="resumekit-reader") as pool:
             futures = [pool.submit(self._read_file, name, jobs)
@@ -515,8 +504,8 @@ class RawTensorReading:
             return io.BytesIO(bytes(buffer))
         target = job.target
         assert target is not None
-        item_size = _element_size(descriptor.dtype)
-        expected = _numel(descriptor.shape) * item_size
+        item_size = descriptor.dtype.itemsize
+        expected = math.prod(descriptor.shape) * item_size
         blocks = -(-info.length // descriptor.block_bytes)
         if expected != info.length or len(descriptor.blocks) != blocks:
             raise CorruptCheckpointError(
@@ -585,7 +574,7 @@ class RawTensorReading:
             destination[begin - start:end - start] = view[begin - low:end - low]
 
     def _check_block(self, job: _Job, number: int, view: memoryview) -> None:
-        if _hex(view) != job.descriptor.blocks[number]:
+        if hex_digest(view) != job.descriptor.blocks[number]:
             where = self._where(job.info)
             raise CorruptCheckpointError(
                 f"{where}: the bytes of {job.request.storage_index.fqn} at offset "
@@ -619,7 +608,7 @@ def _contiguous_span(shape: tuple[int, ...], offsets: Sequence[int],
     """
     partial = [dim for dim in range(len(shape))
                if offsets[dim] != 0 or lengths[dim] != shape[dim]]
-    count = _numel(tuple(lengths))
+    count = math.prod(lengths)
     if partial:
         outer = partial[-1]
         if any(lengths[dim] != 1 for dim in range(outer)):
@@ -642,14 +631,3 @@ class _Job:
 def _chunks(view: memoryview) -> Iterator[memoryview]:
     for start in range(0, len(view), CHUNK_BYTES):
         yield view[start:start + CHUNK_BYTES]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()

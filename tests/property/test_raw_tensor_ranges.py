@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
 from resumekit.errors import CorruptCheckpointError
+from resumekit.manifest import hex_digest
 from resumekit.raw_tensor_files import (
     MIN_BLOCK_BYTES,
     RawTensorReading,
     _Descriptor,
-    _hex,
     _Job,
 )
 
@@ -39,7 +39,7 @@ def _reader(directory: str) -> RawTensorReading:
 
 
 def _item(data: bytes) -> _Job:
-    blocks = tuple(_hex(memoryview(data)[at:at + BLOCK]) for at in range(0, len(data), BLOCK))
+    blocks = tuple(hex_digest(memoryview(data)[at:at + BLOCK]) for at in range(0, len(data), BLOCK))
     request: Any = SimpleNamespace(storage_index=SimpleNamespace(fqn="model.weight"))
     return _Job(request, _StorageInfo("item.distcp", HEADER, len(data)),
                 _Descriptor(torch.uint8, (len(data),), BLOCK, blocks), None)
