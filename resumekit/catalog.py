@@ -8,11 +8,17 @@ Statuses of an entry:
 * ``corrupt``: a step directory whose manifest exists but cannot be read or validated;
 * ``legacy``: a weights-only ``checkpoint_step_N/`` from a trainer without resumekit
   (e.g. ``transformer/diffusion_pytorch_model.safetensors``) — importable, never chosen
-  over a committed checkpoint.
+  over a committed checkpoint;
+* ``foreign``: another tool's checkpoint, recognised by that tool's own markers
+  (:func:`detect_foreign`): plain DCP or torchtitan (``.metadata``), Accelerate
+  (``optimizer.bin``, ``random_states_*.pkl``), HF Trainer (``trainer_state.json``),
+  Lightning (``*.ckpt``) — never loaded as ours; ``resumekit import`` converts it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Literal
@@ -27,19 +33,36 @@ from resumekit.errors import (
 )
 from resumekit.layout import LEGACY_NAME_FORMAT, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, checksum_chunks, parse_manifest
-from resumekit.storage import Storage
+from resumekit.storage import FileInfo, Storage
 
 __all__ = [
+    "FOREIGN_FORMATS",
     "CheckpointEntry",
+    "ForeignCheckpoint",
+    "ForeignFormat",
     "Status",
+    "detect_foreign",
     "latest_committed",
     "list_checkpoints",
     "read_manifest",
     "verify_checkpoint",
 ]
 
-Status = Literal["committed", "partial", "corrupt", "legacy"]
+Status = Literal["committed", "partial", "corrupt", "legacy", "foreign"]
+ForeignFormat = Literal["dcp", "torchtitan", "accelerate", "lightning", "hf-trainer"]
+#: Every foreign format :func:`detect_foreign` recognises (``resumekit import --format``).
+FOREIGN_FORMATS: tuple[ForeignFormat, ...] = (
+    "dcp", "torchtitan", "accelerate", "lightning", "hf-trainer")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+#: Step numbers in other tools' names: torchtitan ``step-N``, HF Trainer ``checkpoint-N``,
+#: Lightning ``...step=N...ckpt``.
+_FOREIGN_STEP = {
+    "torchtitan": re.compile(r"^step-(\d+)$"),
+    "hf-trainer": re.compile(r"^checkpoint-(\d+)$"),
+    "lightning": re.compile(r"(?:^|[-_])step=(\d+)"),
+}
+_DCP_METADATA = ".metadata"
+_HF_TRAINER_STATE = "trainer_state.json"
 
 
 @dataclass(frozen=True)
@@ -61,6 +84,100 @@ class CheckpointEntry:
     status: Status
     manifest: Manifest | None = None
     problem: str | None = None
+    format: ForeignFormat | None = None
+
+
+@dataclass(frozen=True)
+class ForeignCheckpoint:
+    """Another tool's checkpoint, recognised by that tool's own files.
+
+    Attributes:
+        name: Its name relative to the root that was searched (``""``: the root itself).
+        path: Its full path (or URL).
+        format: ``dcp``, ``torchtitan``, ``accelerate``, ``lightning`` or ``hf-trainer``.
+        step: The step it records in its name or state, if it records one (Accelerate and
+            plain DCP do not).
+        marker: The file that identified the format.
+    """
+
+    name: str
+    path: str
+    format: ForeignFormat
+    step: int | None
+    marker: str
+
+
+def _step_in_name(form: ForeignFormat, name: str) -> int | None:
+    pattern = _FOREIGN_STEP.get(form)
+    match = pattern.search(name) if pattern is not None else None
+    return int(match.group(1)) if match else None
+
+
+def _hf_trainer_step(storage: Storage, state_file: str) -> int | None:
+    try:
+        step = json.loads(storage.read_bytes(state_file)).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and step >= 0 else None
+
+
+def detect_foreign(storage: Storage, name: str = "") -> ForeignCheckpoint | None:
+    """Recognise another tool's checkpoint at ``name`` (a directory, or a Lightning file).
+
+    Only the entry's own files are listed (no recursion); a resumekit checkpoint (one with
+    ``manifest.json``) is never foreign.
+
+    Args:
+        storage: The root the name is relative to.
+        name: A directory or file under it (``""``: the root itself).
+
+    Returns:
+        What was recognised, or None.
+    """
+    base = name.rstrip("/").rsplit("/", 1)[-1] or storage.root.rstrip("/").rsplit("/", 1)[-1]
+    path = storage.path(name)
+    if name and name.endswith(".ckpt") and storage.is_file(name):
+        return ForeignCheckpoint(name, path, "lightning", _step_in_name("lightning", base),
+                                 name)
+    files = {info.name for info in storage.list_dir(name) if not info.is_dir}
+    if not files or MANIFEST_NAME in files:
+        return None
+
+    form, marker, step = _format_of_files(storage, name, base, files)
+    if form is None:
+        return None
+    return ForeignCheckpoint(name, path, form, step, f"{name}/{marker}".lstrip("/"))
+
+
+def _format_of_files(storage: Storage, name: str, base: str, files: set[str]
+                     ) -> tuple[ForeignFormat | None, str, int | None]:
+    """``(format, marker file, step)`` of a directory holding ``files`` (format None: none)."""
+    if _HF_TRAINER_STATE in files:
+        step = _hf_trainer_step(storage, f"{name}/{_HF_TRAINER_STATE}".lstrip("/"))
+        return "hf-trainer", _HF_TRAINER_STATE, (
+            step if step is not None else _step_in_name("hf-trainer", base))
+    accelerate = sorted(f for f in files if f == "optimizer.bin"
+                        or (f.startswith("random_states_") and f.endswith(".pkl")))
+    if accelerate:
+        return "accelerate", accelerate[0], None
+    if _DCP_METADATA in files:
+        step = _step_in_name("torchtitan", base)
+        return ("torchtitan" if step is not None else "dcp"), _DCP_METADATA, step
+    lightning = sorted(f for f in files if f.endswith(".ckpt"))
+    if lightning:
+        return "lightning", lightning[-1], _step_in_name("lightning", lightning[-1])
+    return None, "", None
+
+
+def _foreign_entry(storage: Storage, name: str, step: int | None) -> CheckpointEntry | None:
+    foreign = detect_foreign(storage, name)
+    if foreign is None:
+        return None
+    known = step if step is not None else foreign.step
+    return CheckpointEntry(
+        -1 if known is None else known, name, storage.path(name), "foreign",
+        problem=f"a {foreign.format} checkpoint ({foreign.marker}), not resumekit's: "
+                "convert it with resumekit import", format=foreign.format)
 
 
 def _check_root(storage: Storage) -> None:
@@ -135,56 +252,61 @@ def list_checkpoints(
     name_format = name_format or NameFormat()
     legacy_format = legacy_format or NameFormat(LEGACY_NAME_FORMAT)
     _check_root(storage)
-    entries: list[CheckpointEntry] = []
-    for info in storage.list_dir():
-        if not info.is_dir:
-            continue
-        hidden = name_format.parse_hidden(info.name)
-        if hidden is not None:
-            if hidden[1].kind == "bad":
-                entries.append(CheckpointEntry(
-                    hidden[0], info.name, storage.path(info.name), "corrupt",
-                    problem="set aside after failing verification on restore"))
-                continue
-            kind = "being written" if hidden[1].kind == "tmp" else "being retired"
-            entries.append(CheckpointEntry(hidden[0], info.name, storage.path(info.name),
-                                           "partial", problem=f"hidden directory {kind}"))
-            continue
-        step = name_format.parse(info.name)
-        if step is None:
-            legacy_step = legacy_format.parse(info.name)
-            if legacy_step is not None:
-                status, problem = _classify_without_manifest(storage, info.name)
-                if status == "legacy":
-                    entries.append(CheckpointEntry(legacy_step, info.name,
-                                                   storage.path(info.name), status,
-                                                   problem=problem))
-            continue
-        if not storage.exists(f"{info.name}/{MANIFEST_NAME}"):
-            status, problem = _classify_without_manifest(storage, info.name)
-            if status == "legacy" and legacy_format.parse(info.name) is None:
-                # Our own step name without a manifest is a save that never committed
-                # (or lost its manifest), not a weights-only export to import.
-                status, problem = "partial", "data without manifest.json (not committed)"
-            entries.append(CheckpointEntry(step, info.name, storage.path(info.name), status,
-                                           problem=problem))
-            continue
-        try:
-            manifest = read_manifest(storage, info.name)
-        except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
-            entries.append(CheckpointEntry(step, info.name, storage.path(info.name),
-                                           "corrupt", problem=str(error)))
-            continue
-        if manifest.step != step:
-            entries.append(CheckpointEntry(
-                step, info.name, storage.path(info.name), "corrupt",
-                problem=f"manifest says step {manifest.step}, directory name says {step}",
-            ))
-            continue
-        entries.append(CheckpointEntry(step, info.name, storage.path(info.name),
-                                       "committed", manifest=manifest))
-    order = {"partial": 0, "corrupt": 1, "legacy": 2, "committed": 3}
+    entries = [entry for info in storage.list_dir()
+               if (entry := _entry_of(storage, info, name_format, legacy_format)) is not None]
+    order = {"foreign": 0, "partial": 1, "corrupt": 2, "legacy": 3, "committed": 4}
     return sorted(entries, key=lambda entry: (entry.step, order[entry.status], entry.name))
+
+
+def _entry_of(storage: Storage, info: FileInfo, name_format: NameFormat,
+              legacy_format: NameFormat) -> CheckpointEntry | None:
+    """Classify one entry of the root (None: not checkpoint-like, ignored)."""
+    if not info.is_dir:
+        return _foreign_entry(storage, info.name, None) if info.name.endswith(".ckpt") \
+            else None
+    hidden = name_format.parse_hidden(info.name)
+    if hidden is not None:
+        if hidden[1].kind == "bad":
+            return CheckpointEntry(hidden[0], info.name, storage.path(info.name), "corrupt",
+                                   problem="set aside after failing verification on restore")
+        kind = "being written" if hidden[1].kind == "tmp" else "being retired"
+        return CheckpointEntry(hidden[0], info.name, storage.path(info.name), "partial",
+                               problem=f"hidden directory {kind}")
+    step = name_format.parse(info.name)
+    if step is not None:
+        return _step_entry(storage, info.name, step, legacy_format)
+    legacy_step = legacy_format.parse(info.name)
+    if legacy_step is not None:
+        status, problem = _classify_without_manifest(storage, info.name)
+        if status == "legacy":
+            return CheckpointEntry(legacy_step, info.name, storage.path(info.name), status,
+                                   problem=problem)
+    return _foreign_entry(storage, info.name, None)
+
+
+def _step_entry(storage: Storage, name: str, step: int,
+                legacy_format: NameFormat) -> CheckpointEntry:
+    """Classify a directory whose name parses as one of this root's steps."""
+    path = storage.path(name)
+    if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+        foreign = _foreign_entry(storage, name, step)
+        if foreign is not None:
+            return foreign
+        status, problem = _classify_without_manifest(storage, name)
+        if status == "legacy" and legacy_format.parse(name) is None:
+            # Our own step name without a manifest is a save that never committed
+            # (or lost its manifest), not a weights-only export to import.
+            status, problem = "partial", "data without manifest.json (not committed)"
+        return CheckpointEntry(step, name, path, status, problem=problem)
+    try:
+        manifest = read_manifest(storage, name)
+    except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error))
+    if manifest.step != step:
+        return CheckpointEntry(
+            step, name, path, "corrupt",
+            problem=f"manifest says step {manifest.step}, directory name says {step}")
+    return CheckpointEntry(step, name, path, "committed", manifest=manifest)
 
 
 def latest_committed(

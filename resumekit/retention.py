@@ -192,7 +192,7 @@ def _sweep_attempts(storage: Storage, entries: Iterable[CheckpointEntry], now: f
     """Object stores: sweep ``step_X/attempt-<token>/`` prefixes no manifest points to."""
     swept = []
     for entry in entries:
-        if entry.name.startswith(".") or entry.status == "legacy":
+        if entry.name.startswith(".") or entry.status in ("legacy", "foreign"):
             continue
         published = entry.manifest.data_dir if entry.manifest is not None else None
         for info in storage.list_dir(entry.name):
