@@ -81,6 +81,9 @@ if TYPE_CHECKING:
         SkipAheadSampler,
         wrap_sampler,
     )
+    from resumekit.sharded import (
+        StorageReader,
+    )
     from resumekit.storage import (
         Storage,
     )
@@ -118,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "StepCollisionError": "resumekit.errors",
     "Storage": "resumekit.storage",
     "StorageError": "resumekit.errors",
+    "StorageReader": "resumekit.sharded",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
     "capture_rng": "resumekit.rng",
@@ -169,6 +173,7 @@ __all__ = [
     "StepCollisionError",
     "Storage",
     "StorageError",
+    "StorageReader",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
     "__version__",

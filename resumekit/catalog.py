@@ -18,10 +18,12 @@ Statuses of an entry:
 from __future__ import annotations
 
 import json
+import os
+import posixpath
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -31,7 +33,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.layout import LEGACY_NAME_FORMAT, NameFormat
+from resumekit.layout import DCP_METADATA_FILE, LEGACY_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, checksum_chunks, parse_manifest
 from resumekit.storage import FileInfo, Storage
 
@@ -41,9 +43,11 @@ __all__ = [
     "ForeignCheckpoint",
     "ForeignFormat",
     "Status",
+    "TensorData",
     "detect_foreign",
     "latest_committed",
     "list_checkpoints",
+    "locate_tensor_data",
     "read_manifest",
     "verify_checkpoint",
 ]
@@ -61,7 +65,7 @@ _FOREIGN_STEP = {
     "hf-trainer": re.compile(r"^checkpoint-(\d+)$"),
     "lightning": re.compile(r"(?:^|[-_])step=(\d+)"),
 }
-_DCP_METADATA = ".metadata"
+_DCP_METADATA = DCP_METADATA_FILE
 _HF_TRAINER_STATE = "trainer_state.json"
 
 
@@ -379,3 +383,100 @@ def verify_checkpoint(
                 path=storage.path(name), file=entry.path, step=manifest.step,
             )
     return manifest
+
+
+# --------------------------------------------------------------------- tensor data
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """Where the model/optimizer tensors of one committed checkpoint live.
+
+    Attributes:
+        url: The DCP directory holding them (``<step>/tensors`` on POSIX,
+            ``<step>/attempt-<token>/tensors`` on object stores), as DCP opens it.
+        step_dir: The step directory (holding ``manifest.json``).
+        manifest: Its manifest.
+        checksums: ``{file name relative to url: "xxh3_128:<hex>"}`` of every data file
+            the manifest lists there, ``.metadata`` included.
+    """
+
+    url: str
+    step_dir: str
+    manifest: Manifest
+    checksums: Mapping[str, str]
+
+
+def locate_tensor_data(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> TensorData:
+    """Find the tensor data of the committed checkpoint at ``path``.
+
+    Args:
+        path: A step directory (holding ``manifest.json``) or its tensor directory
+            (``tensors/``, also under ``attempt-<token>/`` on object stores): a local path
+            or an fsspec URL.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The tensor directory, the manifest and the checksums it records there.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist, or is not a resumekit checkpoint
+            (neither it nor a step directory above it has ``manifest.json``).
+        ManifestError: The manifest is unreadable or invalid.
+        IncompleteCheckpointError: The manifest points at tensor data that is not there.
+    """
+    options = dict(storage_options or {})
+    given = Storage(path, options)
+    where = given.path()
+    if not given.is_dir():
+        raise CheckpointNotFoundError(
+            f"{where} is not a resumekit checkpoint: no such directory", path=where)
+    candidates = [(given, "")]
+    parent = _parent_storage(given, options)
+    if parent is not None and given.is_file(DCP_METADATA_FILE):
+        candidates.append((parent, posixpath.basename(given.root.rstrip("/"))))
+        grandparent = _parent_storage(parent, options)
+        if grandparent is not None:
+            inner = posixpath.basename(parent.root.rstrip("/"))
+            candidates.append(
+                (grandparent, f"{inner}/{posixpath.basename(given.root.rstrip('/'))}"))
+    for step_dir, below in candidates:
+        if not step_dir.is_file(MANIFEST_NAME):
+            continue
+        source = step_dir.path(MANIFEST_NAME)
+        manifest = parse_manifest(step_dir.read_bytes(MANIFEST_NAME), source=source)
+        data = manifest.data_path(TENSORS_DIR)
+        if below and below != data:
+            continue  # a manifest above, but not of this directory
+        if not step_dir.is_file(f"{data}/{DCP_METADATA_FILE}"):
+            raise IncompleteCheckpointError(
+                f"{step_dir.path(data)} has no {DCP_METADATA_FILE}: checkpoint "
+                f"{step_dir.path()} (step {manifest.step}) holds no model/optimizer tensors "
+                "or lost them",
+                path=step_dir.path(), file=f"{data}/{DCP_METADATA_FILE}", step=manifest.step,
+            )
+        prefix = f"{TENSORS_DIR}/"
+        checksums = {entry.path[len(prefix):]: entry.checksum
+                     for entry in manifest.files if entry.path.startswith(prefix)}
+        return TensorData(step_dir.url_of(data), step_dir.path(), manifest, checksums)
+    what = ("DCP data without a resumekit manifest.json above it (a plain DCP "
+            "checkpoint: read it with DCP's own FileSystemReader, or bring it in with "
+            "`resumekit import`)" if given.is_file(DCP_METADATA_FILE)
+            else f"no {MANIFEST_NAME} and no DCP {DCP_METADATA_FILE}")
+    raise CheckpointNotFoundError(
+        f"{where} is not a resumekit checkpoint: {what}; pass a step directory "
+        f"(holding {MANIFEST_NAME}) or its {TENSORS_DIR}/ folder", path=where)
+
+
+def _parent_storage(storage: Storage, options: dict[str, Any]) -> Storage | None:
+    root = storage.root.rstrip("/")
+    parent = os.path.dirname(root) if storage.is_local else posixpath.dirname(root)
+    if not parent or parent == root:
+        return None
+    if storage.is_local:
+        return Storage(parent, options)
+    protocol = storage.fs.protocol
+    protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+    return Storage(f"{protocol}://{parent.lstrip('/')}", options)

@@ -23,8 +23,10 @@ from resumekit.errors import ConfigurationError
 
 __all__ = [
     "ATTEMPT_PREFIX",
+    "DCP_METADATA_FILE",
     "DEFAULT_NAME_FORMAT",
     "LEGACY_NAME_FORMAT",
+    "TENSORS_DIR",
     "HiddenName",
     "NameFormat",
 ]
@@ -33,6 +35,10 @@ DEFAULT_NAME_FORMAT = "step_{step:09d}"
 #: Object stores: each save attempt writes its data under ``<step dir>/attempt-<token>/``.
 ATTEMPT_PREFIX = "attempt-"
 LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
+#: Inside a step's data directory: model + optimizer tensors, a DCP checkpoint directory.
+TENSORS_DIR = "tensors"
+#: The file DCP writes last in a checkpoint directory, describing every tensor.
+DCP_METADATA_FILE = ".metadata"
 
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|bad)-(?P<token>[A-Za-z0-9_]+)$")
 

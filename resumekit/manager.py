@@ -211,6 +211,11 @@ class CheckpointManager:
         storage_options: fsspec options (e.g. ``endpoint_url``).
         import_legacy: When no committed checkpoint exists, start from the newest
             weights-only ``checkpoint_step_N`` directory (weights only, with a warning).
+        tensor_format: How model and optimizer tensors are written: ``"raw"`` (default;
+            resumekit's raw tensor files, hashed while written and verified block by
+            block while read; object stores get DCP's format) or ``"dcp"`` (DCP's own
+            ``FileSystemWriter`` format, which stock DCP tools read unchanged; slower, see
+            ``docs/performance.md``). Restore reads either, whatever this says.
     """
 
     def __init__(
@@ -236,6 +241,7 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
         import_legacy: bool = True,
+        tensor_format: Literal["raw", "dcp"] = "raw",
     ) -> None:
         if save_every is not None and save_every < 1:
             raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
@@ -248,7 +254,12 @@ class CheckpointManager:
             raise ConfigurationError(
                 f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}",
                 name="on_mismatch", value=on_mismatch)
+        if tensor_format not in sharded.TENSOR_FORMATS:
+            raise ConfigurationError(
+                f"tensor_format must be raw or dcp, not {tensor_format!r}",
+                name="tensor_format", value=tensor_format)
         self.storage = Storage(root, storage_options)
+        self.tensor_format: Literal["raw", "dcp"] = tensor_format
         self.name_format = NameFormat(name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
@@ -626,11 +637,14 @@ class CheckpointManager:
                                     launcher=_launcher()),
             extras=_plain_json(self.extras, what="extras"), state=self.state.contents(),
             fingerprint=self._fingerprint(),
+            tensor_format=sharded.tensor_format_for(self.storage.url_of(), self.tensor_format)
+            if tensors else None,
         )
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
-                self._stager = sharded.CpuStager(page_aligned=self.storage.is_local)
+                self._stager = sharded.CpuStager(page_aligned=sharded.tensor_format_for(
+                    self.storage.url_of(), self.tensor_format) == "raw")
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started,
                            background=self.background_priority == "idle")
@@ -675,7 +689,8 @@ class CheckpointManager:
                 written = sharded.save(
                     job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                     process_group=group, background=job.background,
-                    storage_options=self.storage.storage_options or None)
+                    storage_options=self.storage.storage_options or None,
+                    tensor_format=self.tensor_format)
             if rank == 0:
                 self.storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", job.train)
             self.storage.write_bytes(f"{pending.staging}/{rank_state_file(rank)}", job.ranks)

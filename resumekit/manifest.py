@@ -20,7 +20,7 @@ import socket
 import sys
 from collections.abc import Iterable
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
@@ -163,6 +163,10 @@ class Manifest(BaseModel):
         state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
         fingerprint: Configuration fingerprint compared on restore.
         versions: Library, torch and python versions of the writer.
+        tensor_format: How ``tensors/`` was written: ``"raw"`` (resumekit's raw tensor
+            files) or ``"dcp"`` (DCP's own format); ``None`` when the checkpoint has no
+            tensors or was written before this field existed. Readers detect the format
+            per item, so this is for people and tools, not needed to load.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -179,6 +183,7 @@ class Manifest(BaseModel):
     state: dict[str, JsonValue] = Field(default_factory=dict)
     fingerprint: dict[str, JsonValue] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=_versions)
+    tensor_format: Literal["raw", "dcp"] | None = None
 
     @field_validator("data_dir")
     @classmethod

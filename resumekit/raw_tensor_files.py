@@ -42,7 +42,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, NamedTuple, cast
 
@@ -433,12 +433,18 @@ class RawTensorReading:
     """Mixin for a DCP reader: raw items read in place and verified, others left to DCP.
 
     Mix it in before DCP's ``FileSystemReader`` or ``FsspecReader``. Attributes set by the
-    caller: ``verify`` (check every byte read against its recorded checksum) and
-    ``read_threads`` (files read at once; default :data:`READ_THREADS`).
+    caller: ``verify`` (check every byte read against its recorded checksum),
+    ``read_threads`` (files read at once; default :data:`READ_THREADS`) and
+    ``file_checksums`` (``{file name: "xxh3_128:<hex>"}`` from a manifest, or ``None``).
+    Items in DCP's own format carry no checksum of their own: with ``verify`` and
+    ``file_checksums``, every such file a read touches is hashed whole, once per reader,
+    and compared before DCP reads from it; without ``file_checksums`` they are read
+    unchecked (the commit store verified them before the load).
     """
 
     verify: bool = True
     read_threads: int = READ_THREADS
+    file_checksums: Mapping[str, str] | None = None
     fs: Any
     path: Any
     storage_data: dict[Any, Any]
@@ -450,6 +456,8 @@ class RawTensorReading:
         for request in plan.items:
             (raw if is_raw(self.storage_data[request.storage_index]) else stock).append(request)
         if stock:
+            if self.verify and self.file_checksums is not None:
+                self._verify_stock_files(stock)
             super().read_data(  # type: ignore[misc]
                 dataclasses.replace(plan, items=stock), planner).wait()
         if raw:
@@ -457,6 +465,39 @@ class RawTensorReading:
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _verify_stock_files(self, requests: list[ReadItem]) -> None:
+        """Hash each file in DCP's own format that ``requests`` read from, once, whole."""
+        checksums = cast(Mapping[str, str], self.file_checksums)
+        verified: set[str] = self.__dict__.setdefault("_verified_files", set())
+        files: dict[str, tuple[_StorageInfo, list[str]]] = {}
+        for request in requests:
+            info: _StorageInfo = self.storage_data[request.storage_index]
+            if info.relative_path not in verified:
+                files.setdefault(info.relative_path, (info, []))[1].append(
+                    request.storage_index.fqn)
+        for name, (info, names) in files.items():
+            where = self._where(info)
+            held = ", ".join(names[:3]) + (f" and {len(names) - 3} more"
+                                           if len(names) > 3 else "")
+            expected = checksums.get(name)
+            if expected is None:
+                raise CorruptCheckpointError(
+                    f"{where} is not listed in the checkpoint's manifest, so its bytes "
+                    f"cannot be verified (it holds {held})",
+                    path=where, file=where, key=names[0],
+                )
+            digest = Checksum()
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                while chunk := stream.read(CHUNK_BYTES):
+                    digest.update(chunk)
+            if digest.value() != expected:
+                raise CorruptCheckpointError(
+                    f"{where} does not match its checksum in the manifest (expected "
+                    f"{expected}, got {digest.value()}); it holds {held}",
+                    path=where, file=where, key=names[0],
+                )
+            verified.add(name)
 
     def _read_raw(self, requests: list[ReadItem], planner: LoadPlanner) -> None:
         per_file: dict[str, list[_Job]] = {}

@@ -35,16 +35,18 @@ import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from fsspec.core import split_protocol
 from torch import nn
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     Metadata,
@@ -65,8 +67,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
     CheckpointNotFoundError,
+    ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
@@ -74,6 +78,8 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from resumekit.layout import DCP_METADATA_FILE
+from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import (
     RawTensorReading,
     RawTensorWriter,
@@ -87,7 +93,9 @@ __all__ = [
     "DEFAULT_SYNC_FILES",
     "DEFAULT_THREAD_COUNT",
     "METADATA_FILE",
+    "TENSOR_FORMATS",
     "CpuStager",
+    "StorageReader",
     "TensorInfo",
     "WrittenFile",
     "apply_full_model_state",
@@ -98,9 +106,10 @@ __all__ = [
     "model_and_optimizer_state",
     "read_tensor_index",
     "save",
+    "tensor_format_for",
 ]
 
-METADATA_FILE = ".metadata"
+METADATA_FILE = DCP_METADATA_FILE
 """The file DCP writes last, describing every tensor and where its chunks live."""
 
 DEFAULT_THREAD_COUNT = 4
@@ -118,6 +127,13 @@ overall: measured (2 threads, 200 MiB) save+fsync inside DCP 218-237 ms, save wi
 fsync then fsync afterwards 225 ms, and the commit store's second fsync of already
 synced files is nearly free. Other fsspec URLs never fsync (object stores are durable on
 close, and DCP's fallback for streams without a descriptor is a machine-wide sync)."""
+
+TensorFormat = Literal["raw", "dcp"]
+TENSOR_FORMATS: tuple[TensorFormat, ...] = ("raw", "dcp")
+"""How tensors are stored: ``"raw"``, resumekit's raw tensor files
+(:mod:`resumekit.raw_tensor_files`: each tensor's bytes as they lie in memory, checksummed
+per block, local paths only), or ``"dcp"``, DCP's own ``FileSystemWriter`` format, which
+any DCP reader loads unchanged."""
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 _MAX_LISTED = 10
@@ -250,13 +266,16 @@ def save(
     thread_count: int = DEFAULT_THREAD_COUNT,
     sync_files: bool = DEFAULT_SYNC_FILES,
     background: bool = False,
+    tensor_format: TensorFormat = "raw",
 ) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
     Every rank of the group must call this with the same keys. ``directory`` should be
     empty (the commit store's staging directory); an existing checkpoint there is an error,
-    never overwritten. Local directories get raw tensor files, checksummed while written
-    (:mod:`resumekit.raw_tensor_files`); fsspec URLs get DCP's own format.
+    never overwritten. With ``tensor_format="raw"`` local directories get raw tensor
+    files, checksummed while written (:mod:`resumekit.raw_tensor_files`); fsspec URLs, and
+    every directory with ``tensor_format="dcp"``, get DCP's own format
+    (:func:`tensor_format_for`).
 
     Args:
         state_dict: Nested dicts of tensors, ``DTensor``s, primitives and ``Stateful``s.
@@ -268,17 +287,20 @@ def save(
         thread_count: Writer threads per rank (local paths).
         sync_files: fsync every written file before returning (local paths only).
         background: The save overlaps training: writer threads lower their CPU priority.
+        tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
 
     Returns:
-        The data files this rank wrote, each with its size and checksum (local
-        directories); an empty list for fsspec URLs. ``.metadata`` is not included.
+        The data files this rank wrote, each with its size and checksum (raw tensor
+        files); an empty list for DCP's own format. ``.metadata`` is not included.
 
     Raises:
+        ConfigurationError: ``tensor_format`` is neither ``"raw"`` nor ``"dcp"``.
         StorageError: The write failed on some rank (the message names rank and cause).
     """
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
-    writer = _make_writer(target, storage_options, thread_count, sync_files, background)
+    writer = _make_writer(target, storage_options, thread_count, sync_files, background,
+                          tensor_format=tensor_format)
     try:
         with _quiet_no_dist(no_dist), _without_zip_crc32():
             dcp_save(
@@ -657,19 +679,44 @@ def _local_path(directory: str) -> str | None:
     return None
 
 
+def tensor_format_for(directory: str | os.PathLike[str],
+                      tensor_format: TensorFormat = "raw") -> TensorFormat:
+    """The format :func:`save` writes into ``directory`` when asked for ``tensor_format``.
+
+    ``"raw"`` where the raw writer can write (local paths), ``"dcp"`` otherwise (fsspec
+    URLs, whose writer is DCP's own), and ``"dcp"`` whenever asked for.
+
+    Raises:
+        ConfigurationError: ``tensor_format`` is neither ``"raw"`` nor ``"dcp"``.
+    """
+    if tensor_format not in TENSOR_FORMATS:
+        raise ConfigurationError(
+            f"tensor_format must be 'raw' or 'dcp', not {tensor_format!r}",
+            name="tensor_format", value=tensor_format)
+    if tensor_format == "raw" and _local_path(_directory_str(directory)) is not None:
+        return "raw"
+    return "dcp"
+
+
 def _make_writer(
     directory: str,
     storage_options: Mapping[str, Any] | None,
     thread_count: int,
     sync_files: bool,
     background: bool = False,
+    *,
+    tensor_format: TensorFormat = "raw",
 ) -> FileSystemWriter:
     if thread_count < 1:
         raise ValueError(f"thread_count must be >= 1, got {thread_count}")
     local = _local_path(directory)
-    if local is not None:
+    if tensor_format_for(directory, tensor_format) == "raw":
+        assert local is not None
         return RawTensorWriter(local, thread_count=thread_count, sync_files=sync_files,
                                background=background)
+    if local is not None:  # DCP's own writer, unchanged
+        return FileSystemWriter(local, single_file_per_rank=True, sync_files=sync_files,
+                                thread_count=thread_count, overwrite=False)
     # fsspec streams have no file descriptor: DCP's fallback for sync_files would be a
     # machine-wide os.sync(). Object stores are durable on close anyway.
     return cast(
@@ -693,6 +740,8 @@ class _SafeReaderMixin:
     load_id: str
     _metadata: Metadata | None = None
     metadata_error: ResumekitError | None = None
+    verify: bool = True
+    file_checksums: Mapping[str, str] | None = None
 
     if TYPE_CHECKING:  # provided by the DCP reader class this is mixed into
 
@@ -715,6 +764,8 @@ class _SafeReaderMixin:
                 self.metadata_error = found
             raise found from error
         try:
+            if rank is None:
+                self._check_metadata_bytes(data, source)
             metadata = cast(Metadata, load_dcp_metadata(data, source=source))
         except ResumekitError as error:
             self.metadata_error = error
@@ -727,12 +778,111 @@ class _SafeReaderMixin:
         return metadata
 
 
+    def _check_metadata_bytes(self, data: bytes, source: str) -> None:
+        """With ``verify`` and a manifest, ``.metadata`` must match its recorded checksum.
+
+        The checksums of raw tensor blocks are in it, so it is checked before any is used.
+        """
+        if not self.verify or self.file_checksums is None:
+            return
+        expected = self.file_checksums.get(DCP_METADATA_FILE)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{source} is not listed in the checkpoint's manifest, so it cannot be "
+                "verified", path=os.fspath(self.path), file=source)
+        actual = checksum_chunks([data])
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{source} does not match its checksum in the manifest (expected "
+                f"{expected}, got {actual})", path=os.fspath(self.path), file=source)
+
+
 class _SafeFileSystemReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
     pass
 
 
 class _SafeFsspecReader(_SafeReaderMixin, RawTensorReading, FsspecReader):
     pass
+
+
+class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
+    """A DCP ``StorageReader`` for resumekit checkpoints: stock DCP tools read ours with it.
+
+    Pass it wherever DCP takes a reader::
+
+        dcp.load(state_dict, storage_reader=resumekit.StorageReader(step_dir))
+
+    It loads the model and optimizer tensors of a committed checkpoint (``state_dict``
+    as :func:`model_and_optimizer_state` or DCP's ``get_state_dict`` builds it:
+    ``{"model": ..., "optimizer": ...}``), in either tensor format: resumekit's raw tensor
+    files and DCP's own (``tensor_format="dcp"``, object stores, earlier versions).
+    Resharding works as in DCP (a checkpoint of N ranks loads on M). The step, scheduler,
+    RNG and data position are not DCP data; restore them with
+    :class:`~resumekit.CheckpointManager`.
+
+    With ``verify`` (the default) every byte read is checked: ``.metadata`` against the
+    manifest before anything else, raw tensor files block by block as they are read, and
+    each file in DCP's own format hashed whole against the manifest before DCP reads it.
+    A mismatch raises :class:`~resumekit.errors.CorruptCheckpointError` naming the file
+    and key (``dcp.load`` reports a reader's error wrapped in its ``CheckpointException``,
+    whose ``failures`` hold it by rank). ``.metadata`` and non-tensor values are read
+    without unrestricted unpickling (see the module docstring); the latter only when the
+    planner is resumekit's, as DCP's default planner unpickles them itself.
+
+    Args:
+        path: The step directory (holding ``manifest.json``) or its ``tensors/`` folder
+            (``attempt-<token>/tensors`` on object stores): a local path, ``file://`` URL
+            or fsspec URL (``s3://bucket/run/step_000001000``).
+        storage_options: fsspec options for URLs (credentials, endpoint).
+        verify: Check every byte read against the checksums recorded at save time.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a resumekit checkpoint (no
+            ``manifest.json`` in it or in a step directory above it).
+        ManifestError: The manifest is unreadable or invalid.
+        IncompleteCheckpointError: The checkpoint holds no tensor data.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 verify: bool = True) -> None:
+        self._options = dict(storage_options or {})
+        self.verify = verify
+        url = self._locate(path)
+        super().__init__(_local_path(url) or url)
+        self._point_at(url)
+
+    def _locate(self, path: str | os.PathLike[str]) -> str:
+        data = locate_tensor_data(_directory_str(path), self._options)
+        self.step_dir: str = data.step_dir
+        """The step directory of the checkpoint being read."""
+        self.file_checksums = dict(data.checksums)
+        self._metadata = None
+        self.metadata_error = None
+        self.__dict__.pop("_verified_files", None)
+        return data.url
+
+    def _point_at(self, url: str) -> None:
+        local = _local_path(url)
+        if local is None:
+            self.fs = FsspecFileSystem()
+            self.path = self.fs.init_path(url, **self._options)
+        else:
+            self.fs = LocalFileSystem()
+            self.path = self.fs.init_path(local)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load; with ``checkpoint_id``, of that step (or tensor) directory."""
+        super().reset()
+        self._metadata = None
+        self.metadata_error = None
+        if checkpoint_id is not None:
+            self._point_at(self._locate(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a local path or an fsspec URL."""
+        return FsspecFileSystem.validate_checkpoint_id(os.fspath(checkpoint_id))
 
 
 def _make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,

@@ -36,6 +36,7 @@ from torch import nn
 
 from resumekit import rng, sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.layout import TENSORS_DIR
 from resumekit.manifest import Manifest
 from resumekit.sampler import ResumableDistributedSampler
 from resumekit.storage import Storage
@@ -53,7 +54,6 @@ __all__ = [
     "read_plain",
 ]
 
-TENSORS_DIR = "tensors"
 TRAIN_STATE_FILE = "train_state.pt"
 RANK_STATE_DIR = "rank_state"
 
