@@ -26,8 +26,10 @@ Format: each stored item's ``_StorageInfo.transform_descriptors`` is one string
 per block of the item (:func:`block_bytes_for`: about a sixteenth of it, 64 KiB to 4 MiB),
 so a reader that needs a slice verifies it without reading much more (``bytes`` and an
 empty shape for non-tensor values). DCP's stock reader stops at such an item with
-``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it; read these
-checkpoints with :func:`resumekit.sharded.load` or export them with ``resumekit export``.
+``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it; stock DCP
+reads these checkpoints through :class:`resumekit.StorageReader` (``dcp.load(...,
+storage_reader=resumekit.StorageReader(step_dir))``), and
+``CheckpointManager(..., tensor_format="dcp")`` writes DCP's own format instead.
 """
 
 from __future__ import annotations

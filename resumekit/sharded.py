@@ -836,12 +836,17 @@ class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
         storage_options: fsspec options for URLs (credentials, endpoint).
         verify: Check every byte read against the checksums recorded at save time.
 
+    Attributes:
+        step_dir: The step directory of the checkpoint being read.
+
     Raises:
         CheckpointNotFoundError: ``path`` is not a resumekit checkpoint (no
             ``manifest.json`` in it or in a step directory above it).
         ManifestError: The manifest is unreadable or invalid.
         IncompleteCheckpointError: The checkpoint holds no tensor data.
     """
+
+    step_dir: str
 
     def __init__(self, path: str | os.PathLike[str], *,
                  storage_options: Mapping[str, Any] | None = None,
@@ -854,8 +859,7 @@ class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
 
     def _locate(self, path: str | os.PathLike[str]) -> str:
         data = locate_tensor_data(_directory_str(path), self._options)
-        self.step_dir: str = data.step_dir
-        """The step directory of the checkpoint being read."""
+        self.step_dir = data.step_dir
         self.file_checksums = dict(data.checksums)
         self._metadata = None
         self.metadata_error = None
