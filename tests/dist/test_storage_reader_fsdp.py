@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
