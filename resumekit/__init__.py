@@ -46,6 +46,10 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedSchemaError,
     )
+    from resumekit.importers import (
+        ImportResult,
+        import_checkpoint,
+    )
     from resumekit.layout import (
         NameFormat,
     )
@@ -104,6 +108,7 @@ _EXPORTS: dict[str, str] = {
     "DistributedContext": "resumekit.distributed",
     "DistributedSetupError": "resumekit.errors",
     "EXIT_CODE_PREEMPTED": "resumekit.preemption",
+    "ImportResult": "resumekit.importers",
     "IncompatibleCheckpointError": "resumekit.errors",
     "IncompleteCheckpointError": "resumekit.errors",
     "Lineage": "resumekit.manifest",
@@ -125,6 +130,7 @@ _EXPORTS: dict[str, str] = {
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
     "capture_rng": "resumekit.rng",
+    "import_checkpoint": "resumekit.importers",
     "init_distributed": "resumekit.distributed",
     "keep_all": "resumekit.retention",
     "keep_every": "resumekit.retention",
@@ -156,6 +162,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedContext",
     "DistributedSetupError",
+    "ImportResult",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "Lineage",
@@ -178,6 +185,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "__version__",
     "capture_rng",
+    "import_checkpoint",
     "init_distributed",
     "keep_all",
     "keep_every",

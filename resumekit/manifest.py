@@ -55,6 +55,7 @@ class SaveReason(str, enum.Enum):
     PREEMPTION = "preemption"
     FINAL = "final"
     MANUAL = "manual"
+    IMPORTED = "imported"
 
 
 def safe_relative_path(path: str) -> str:
@@ -110,6 +111,9 @@ class Lineage(BaseModel):
         slurm_restart_count: ``SLURM_RESTART_COUNT`` (0 on the first run of a job).
         resumed_from_step: Step this run restored from; None for a fresh start.
         launcher: ``torchrun``, ``slurm`` or ``single``, when known.
+        imported_from: For a checkpoint converted by ``resumekit import``: the source
+            as the user gave it, ``{"path": ..., "format": ...}`` (the path is recorded
+            verbatim, never made absolute); None otherwise.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -120,6 +124,7 @@ class Lineage(BaseModel):
     slurm_restart_count: int | None = None
     resumed_from_step: int | None = None
     launcher: str | None = None
+    imported_from: dict[str, str] | None = None
 
     @classmethod
     def current(cls, *, resumed_from_step: int | None = None, launcher: str | None = None
