@@ -243,7 +243,7 @@ def _final_step(recorded: int | None, given: int | None, where: str, form: str) 
     if given is None:
         if recorded is None:
             raise ConfigurationError(
-                f"{where}: a {form} checkpoint records no step; pass the step it was taken "
+                f"{where}: this {form} checkpoint records no step; pass the step it was taken "
                 "after with --step N (import_checkpoint(..., step=N))",
                 name="step", value=None, path=where,
             )
@@ -518,7 +518,7 @@ def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
         optimizer = _map_optimizer(raw, weights, model=model, ordered=True, where=where) \
             if _by_index(raw) else raw
     found = detect_foreign(storage, name)
-    not_carried = [f"{k!r} entries" for k in sorted(full)
+    not_carried = [f"the {k!r} entry" for k in sorted(full)
                    if k in _NOT_MODEL_KEYS and k != key]
     return _Source(weights, optimizer, None, None if found is None else found.step,
                    not_carried)
@@ -634,8 +634,7 @@ def _from_hf_trainer(storage: Storage, name: str, model: nn.Module | None) -> _S
             raise CorruptCheckpointError(
                 f"{where}/trainer_state.json: no readable global_step ({error})",
                 path=where, file="trainer_state.json") from error
-    not_carried = ["trainer_state.json (epoch, log history, best metric)",
-                   "the data position (the Trainer skips batches itself)"]
+    not_carried = ["trainer_state.json (epoch, log history, best metric)"]
     return _Source(weights, optimizer, scheduler, step, not_carried)
 
 

@@ -1,4 +1,4 @@
-"""The ``resumekit`` command line: ``inspect | verify | export | diff | prune``.
+"""The ``resumekit`` command line: ``inspect | verify | export | import | diff | prune``.
 
 Exit status everywhere: 0 ok; 1 a problem found (verification failed, not a checkpoint,
 checkpoints differ, corrupt checkpoint); 2 a usage error (argparse's convention). Errors
@@ -15,20 +15,20 @@ import sys
 from collections.abc import Sequence
 
 from resumekit._version import __version__
-from resumekit.cli import diff, export, inspect, prune, verify
+from resumekit.cli import diff, export, import_, inspect, prune, verify
 from resumekit.cli._common import UsageError, error_line
 from resumekit.errors import ResumekitError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (inspect, verify, export, diff, prune)
+_COMMANDS = (inspect, verify, export, import_, diff, prune)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``resumekit`` argument parser with every command registered."""
     parser = argparse.ArgumentParser(
         prog="resumekit",
-        description="Inspect, verify, export, compare and prune resumekit checkpoints "
+        description="Inspect, verify, export, import, compare and prune resumekit checkpoints "
         "(local paths or fsspec URLs such as s3://bucket/run).",
     )
     parser.add_argument("--version", action="version", version=f"resumekit {__version__}")

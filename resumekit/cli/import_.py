@@ -1,0 +1,85 @@
+"""``resumekit import``: convert another tool's checkpoint into a resumekit checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from dataclasses import asdict
+from typing import Any
+
+from resumekit.cli._common import (
+    JSON_SCHEMA_PREFIX,
+    UsageError,
+    console,
+    emit_json,
+    parse_storage_option,
+    storage_options,
+)
+from resumekit.errors import ConfigurationError
+from resumekit.importers import IMPORT_FORMATS, import_checkpoint
+from resumekit.layout import DEFAULT_NAME_FORMAT
+from resumekit.warnings import ResumekitWarning
+
+__all__ = ["SCHEMA", "add_parser", "run"]
+
+SCHEMA = f"{JSON_SCHEMA_PREFIX}.import/1"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``import``."""
+    parser = subparsers.add_parser(
+        "import",
+        help="convert a DCP, torchtitan, Accelerate, Lightning, HF Trainer or LingBot "
+        "checkpoint into one committed resumekit checkpoint",
+        description="Write one committed resumekit checkpoint (reason 'imported') under "
+        "ROOT from another tool's checkpoint SRC: model weights and optimizer state "
+        "(and the LR scheduler where SRC has one), bit for bit. RNG streams and the data "
+        "position are not carried over. See docs/migration.md.",
+    )
+    parser.add_argument("src", help="the foreign checkpoint (directory or Lightning .ckpt)")
+    parser.add_argument("root", help="resumekit checkpoint root to write into")
+    parser.add_argument("--format", choices=IMPORT_FORMATS, default="auto",
+                        help="source format (default: detect from its files)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="step of the new checkpoint (required when SRC records none: "
+                        "Accelerate, plain DCP)")
+    parser.add_argument("--name-format", dest="name_format", metavar="TEMPLATE",
+                        default=DEFAULT_NAME_FORMAT,
+                        help=f"step directory names in ROOT (default {DEFAULT_NAME_FORMAT})")
+    parser.add_argument("--json", action="store_true",
+                        help=f"print one JSON document (schema {SCHEMA})")
+    parser.add_argument(
+        "--storage-option", dest="storage_option", metavar="KEY=VALUE", action="append",
+        type=parse_storage_option, default=[], help="fsspec option (repeatable)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show tracebacks instead of one-line errors")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``import``; return the exit code (2 when a step is needed and not given)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResumekitWarning)
+        try:
+            result = import_checkpoint(
+                args.src, args.root, format=args.format, step=args.step,
+                name_format=args.name_format,
+                storage_options=storage_options(args.storage_option) or None,
+            )
+        except ConfigurationError as error:
+            if error.fields.get("name") == "step":
+                raise UsageError(str(error), **error.fields) from error
+            raise
+    notes = [str(w.message) for w in caught if issubclass(w.category, ResumekitWarning)]
+    if args.json:
+        emit_json({"schema": SCHEMA, **asdict(result), "warnings": notes})
+        return 0
+    out = console()
+    out.print(f"imported {result.format} checkpoint {result.source} as step {result.step}")
+    out.print(f"  committed {result.path} ({result.tensors} tensors, reason imported)")
+    out.print(f"  carried over: {', '.join(result.carried)}")
+    out.print(f"  NOT carried over: {', '.join(result.not_carried)}")
+    for note in notes:
+        if not note.startswith("imported "):  # the summary is printed above
+            out.print(f"  warning: {note}")
+    return 0
