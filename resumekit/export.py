@@ -18,11 +18,23 @@ Peak memory is therefore about one full tensor as stored plus its cast copy (at 
 twice the largest tensor), whatever the model's size. Output layouts:
 
 * ``plain``: ``OUT/model.safetensors``, or ``OUT/model-00001-of-0000N.safetensors`` and
-  ``OUT/model.safetensors.index.json`` when split (the Hugging Face convention);
+  ``OUT/model.safetensors.index.json`` when split (the Hugging Face convention), plus
+  ``OUT/config.json`` when a model config is known (transformers' ``from_pretrained``);
 * ``diffusers``: ``OUT/transformer/diffusion_pytorch_model.safetensors`` (split the same
   way, with ``diffusion_pytorch_model.safetensors.index.json``) and
   ``OUT/transformer/config.json`` - LingBot-VA's upstream inference layout, which
-  :mod:`resumekit.legacy` also imports.
+  :mod:`resumekit.legacy` also imports, and what diffusers'
+  ``ModelMixin.from_pretrained(OUT, subfolder="transformer")`` reads. It needs a model
+  config: ``model_config=`` (``--model-config FILE.json``) or the manifest's
+  ``extras.model_config``; without one the export is refused before anything is written.
+
+The model config, when known, becomes ``config.json`` unchanged plus a ``_resumekit`` key
+(step, source directory name). No artifact records a local path.
+
+Plain DCP directories (``dcp.save`` output, torchtitan ``step-N``) export too: their
+model tensors are those under ``model`` or, without one, the top-level ones (torchtitan).
+:func:`export_torch` writes one ``torch.save`` file instead, as DCP's
+``dcp_to_torch_save`` does.
 
 Keys are the model's own parameter names (the checkpoint's ``model.`` prefix removed), so
 ``model.load_state_dict(safetensors.torch.load_file(...))`` works on the unwrapped model.
@@ -56,7 +68,13 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from resumekit import sharded
-from resumekit.catalog import CheckpointEntry, list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.catalog import (
+    CheckpointEntry,
+    detect_foreign,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -75,11 +93,13 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "DEFAULT_NAME_FORMATS",
     "MODEL_PREFIX",
+    "NOT_MODEL_KEYS",
     "SAFETENSORS_DTYPES",
     "CheckpointTarget",
     "ExportLayout",
     "ExportResult",
     "export_checkpoint",
+    "export_torch",
     "open_target",
     "parse_dtype",
     "plan_shards",
@@ -98,6 +118,12 @@ DEFAULT_NAME_FORMATS = (DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT)
 
 MODEL_PREFIX = "model."
 """Prefix of model tensors in a checkpoint's tensor index (removed on export)."""
+
+NOT_MODEL_KEYS = frozenset({"optimizer", "optim", "opt", "optimizers", "lr_scheduler",
+                            "lr_schedulers", "scheduler", "dataloader", "train_state",
+                            "extra", "rng"})
+"""Top-level keys of a DCP checkpoint without a ``model`` entry (torchtitan keeps the
+model's keys at the top level) that are not model weights."""
 
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -135,7 +161,7 @@ _LAYOUT_FILES: dict[str, tuple[str, str]] = {
     "diffusers": ("transformer", "diffusion_pytorch_model"),
 }
 _CONFIG_NAME = "config.json"
-_CONFIG_SOURCES = ("extras.model_config", "fingerprint.config.model", "fingerprint.config")
+_CONFIG_SOURCES = ("extras.model_config", "fingerprint.config.model")
 
 
 # --------------------------------------------------------------------------- targets
@@ -399,7 +425,8 @@ def plan_shards(
 
 
 def _plan(
-    index: Mapping[str, sharded.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int
+    index: Mapping[str, sharded.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int,
+    names: Mapping[str, str] | None = None,
 ) -> list[_PlannedFile]:
     if max_shard_bytes < 1:
         raise ConfigurationError(
@@ -407,8 +434,10 @@ def _plan(
             name="max_shard_bytes", value=max_shard_bytes,
         )
     files: list[_PlannedFile] = [_PlannedFile()]
+    if names is None:
+        names = {fqn: fqn[len(MODEL_PREFIX):] for fqn in index if fqn.startswith(MODEL_PREFIX)}
     for fqn, info in index.items():
-        if not fqn.startswith(MODEL_PREFIX):
+        if fqn not in names:
             continue
         out_dtype = _output_dtype(info.dtype, dtype)
         if out_dtype not in SAFETENSORS_DTYPES:
@@ -419,7 +448,7 @@ def _plan(
         numel = 1
         for size in info.shape:
             numel *= size
-        planned = _PlannedTensor(fqn, fqn[len(MODEL_PREFIX):], info.shape, out_dtype,
+        planned = _PlannedTensor(fqn, names[fqn], info.shape, out_dtype,
                                  numel * out_dtype.itemsize)
         current = files[-1]
         if current.tensors and current.nbytes + planned.nbytes > max_shard_bytes:
@@ -464,10 +493,11 @@ class ExportResult:
         out: The directory holding the weight files (``OUT/transformer`` for diffusers).
         files: Weight files written, relative to ``out``, in order.
         index: The ``*.safetensors.index.json`` written (relative to ``out``), if split.
-        config: The ``config.json`` written (diffusers layout), relative to ``out``.
-        config_source: Where the config came from (``extras.model_config``,
-            ``fingerprint.config.model``, ``fingerprint.config``), or None when the
-            manifest held none and only resumekit's own keys were written.
+        config: The ``config.json`` written (whenever a model config is known), relative
+            to ``out``.
+        config_source: Where the config came from (``model_config`` or the file name of
+            ``--model-config``, ``extras.model_config``, ``fingerprint.config.model``), or
+            None when none is known (then no ``config.json`` is written).
         tensors: Number of tensors written.
         total_bytes: Tensor bytes written (headers excluded).
         largest_tensor_bytes: The largest tensor as stored in the checkpoint: the unit
@@ -504,6 +534,102 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The DCP tensor directory an export reads, and what is known about it."""
+
+    url: str
+    step: int
+    name: str  # the checkpoint directory's own name (recorded in artifacts: no path)
+    path: str
+    manifest: Manifest | None  # None: a plain DCP directory (no resumekit manifest)
+    names: dict[str, str]  # tensor FQN in the checkpoint -> name in the export
+
+
+def _plain_dcp(url: str, options: Mapping[str, Any]) -> bool:
+    storage = Storage(url, dict(options))
+    return storage.is_dir() and storage.exists(sharded.METADATA_FILE) \
+        and not storage.exists(MANIFEST_NAME)
+
+
+def _model_names(metadata: Any, index: Mapping[str, sharded.TensorInfo]) -> dict[str, str]:
+    """Model tensors of a DCP checkpoint and their export names.
+
+    Under a top-level ``model`` entry (resumekit, ``dcp.save({"model": ...})``) the
+    ``model.`` prefix is removed; without one (torchtitan puts the model's keys at the top
+    level), every top-level tensor that is not optimizer, scheduler, data-loader or
+    training state is a model weight.
+    """
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+
+    def top(fqn: str) -> str:
+        path = paths.get(fqn)
+        return str(path[0]) if isinstance(path, tuple) and path else fqn.split(".", 1)[0]
+
+    if any(top(fqn) == "model" for fqn in index):
+        return {fqn: fqn[len(MODEL_PREFIX):] for fqn in index
+                if top(fqn) == "model" and fqn.startswith(MODEL_PREFIX)}
+    return {fqn: fqn for fqn in index if top(fqn) not in NOT_MODEL_KEYS}
+
+
+def _resolve(root_or_dir: str | os.PathLike[str], step: int | None, *,
+             storage_options: Mapping[str, Any] | None, name_format: str | NameFormat | None,
+             verify: bool) -> _Source:
+    url = os.fspath(root_or_dir)
+    options = dict(storage_options or {})
+    if _plain_dcp(url, options):
+        parent_url, name = _split_parent(url)
+        found = detect_foreign(Storage(parent_url, options), name)
+        recorded = None if found is None else found.step
+        path = Storage(url, options).path()
+        if step is not None and recorded is not None and step != recorded:
+            raise CheckpointNotFoundError(f"{path} is step {recorded}, not step {step}",
+                                          path=path, step=step)
+        manifest = None
+        resolved_step = recorded if recorded is not None else (step or 0)
+        source = url
+    else:
+        target = open_target(url, storage_options=storage_options, name_format=name_format)
+        entry = select_committed(target, step)
+        assert entry.manifest is not None  # committed entries carry their manifest
+        manifest = entry.manifest
+        if verify:
+            verify_checkpoint(target.storage, entry.name, manifest=manifest)
+        source, name, path, resolved_step = (tensors_url(target.storage, entry), entry.name,
+                                             entry.path, entry.step)
+    reader = sharded._make_reader(source, storage_options)  # noqa: SLF001 - same package
+    index = sharded.read_tensor_index(source, storage_options=storage_options)
+    names = _model_names(reader.read_metadata(), index)
+    if not names:
+        raise CheckpointNotFoundError(
+            f"{path} (step {resolved_step}) holds no model tensors to export",
+            path=path, step=resolved_step,
+        )
+    return _Source(source, resolved_step, name.rsplit("/", 1)[-1], path, manifest, names)
+
+
+def _read_model_config(model_config: str | os.PathLike[str] | Mapping[str, Any] | None
+                       ) -> tuple[dict[str, Any], str] | None:
+    if model_config is None:
+        return None
+    if isinstance(model_config, Mapping):
+        return dict(model_config), "model_config"
+    path = os.fspath(model_config)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except OSError as error:
+        raise ConfigurationError(f"--model-config {path}: cannot be read ({error})",
+                                 name="model_config", value=path) from error
+    except ValueError as error:
+        raise ConfigurationError(f"--model-config {path}: not valid JSON ({error})",
+                                 name="model_config", value=path) from error
+    if not isinstance(document, dict) or not document:
+        raise ConfigurationError(f"--model-config {path}: expected a non-empty JSON object",
+                                 name="model_config", value=path)
+    return document, os.path.basename(path)
+
+
 def export_checkpoint(
     root_or_dir: str | os.PathLike[str],
     step: int | None = None,
@@ -518,21 +644,27 @@ def export_checkpoint(
     name_format: str | NameFormat | None = None,
     overwrite: bool = False,
     verify: bool = False,
+    model_config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> ExportResult:
     """Write a checkpoint's model weights as consolidated safetensors files.
 
     Needs no process group: any single process can export a checkpoint written by any
     number of ranks. Memory is bounded by the largest tensor (see the module docstring).
+    No artifact records a local path: the source is named by its directory name only.
 
     Args:
-        root_or_dir: A checkpoint root or one checkpoint directory (path or fsspec URL).
+        root_or_dir: A checkpoint root, one checkpoint directory, or a plain DCP
+            directory (one holding ``.metadata``: ``dcp.save`` output, torchtitan
+            ``step-N``) - path or fsspec URL.
         step: The step to export; None exports the newest committed checkpoint of a root
             (or the directory given).
         out: Output directory (path or fsspec URL); created if needed.
         dtype: Cast floating-point tensors to ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
             torch dtype); None or ``"keep"`` writes them as stored.
-        layout: ``"plain"`` (``model.safetensors``) or ``"diffusers"``
-            (``transformer/diffusion_pytorch_model.safetensors`` + ``config.json``).
+        layout: ``"plain"`` (``model.safetensors``, plus ``config.json`` when a model
+            config is known) or ``"diffusers"``
+            (``transformer/diffusion_pytorch_model.safetensors`` + ``config.json``, which
+            needs a model config).
         max_shard_bytes: Split into several files (plus an index) above this size.
         progress: Called as ``progress(done, total)`` after each tensor: tensor bytes
             written so far and in all.
@@ -542,6 +674,9 @@ def export_checkpoint(
         overwrite: Replace existing exported weights in ``out``; otherwise they are an
             error. Old files of the same layout are removed first.
         verify: Re-hash the checkpoint's files against its manifest before exporting.
+        model_config: The model's config (a dict or a JSON file) for ``config.json``;
+            default: the manifest's ``extras.model_config`` (or
+            ``fingerprint.config.model``).
 
     Returns:
         What was written.
@@ -551,8 +686,9 @@ def export_checkpoint(
             model tensors.
         UnsafeCheckpointError: The checkpoint's metadata would run code, or its manifest
             lists a path outside its directory (nothing is written).
-        ConfigurationError: A bad ``dtype``, ``layout`` or ``max_shard_bytes``, or ``out``
-            already holds an export and ``overwrite`` is False.
+        ConfigurationError: A bad ``dtype``, ``layout``, ``max_shard_bytes`` or
+            ``model_config``; ``layout="diffusers"`` without any model config; or ``out``
+            already holds an export and ``overwrite`` is False (nothing is written).
         CorruptCheckpointError: A shard is unreadable, or fails verification.
     """
     if out is None:
@@ -564,36 +700,35 @@ def export_checkpoint(
             value=layout,
         )
     wanted = parse_dtype(dtype)
-    target = open_target(root_or_dir, storage_options=storage_options,
-                         name_format=name_format)
-    entry = select_committed(target, step)
-    assert entry.manifest is not None  # committed entries carry their manifest
-    manifest = entry.manifest
-    if verify:
-        verify_checkpoint(target.storage, entry.name, manifest=manifest)
-    source = tensors_url(target.storage, entry)
-    index = sharded.read_tensor_index(source, storage_options=storage_options)
-    files = _plan(index, wanted, max_shard_bytes)
-    if not files:
-        raise CheckpointNotFoundError(
-            f"{entry.path} (step {entry.step}) holds no model tensors to export",
-            path=entry.path, step=entry.step,
+    given_config = _read_model_config(model_config)
+    source = _resolve(root_or_dir, step, storage_options=storage_options,
+                      name_format=name_format, verify=verify)
+    config, config_source = given_config if given_config is not None else (
+        _config_for(source.manifest) if source.manifest is not None else ({}, None))
+    if layout == "diffusers" and config_source is None:
+        raise ConfigurationError(
+            f"--layout diffusers needs the model's config for config.json, and {source.path} "
+            "records none (no extras.model_config in its manifest): pass --model-config "
+            "FILE.json (model_config=...), or save with extras={'model_config': ...}",
+            name="model_config", value=None, path=source.path,
         )
+    index = sharded.read_tensor_index(source.url, storage_options=storage_options)
+    files = _plan(index, wanted, max_shard_bytes, source.names)
     subdir, stem = _LAYOUT_FILES[layout]
     options = dict(storage_options or {}) if out_storage_options is None \
         else dict(out_storage_options)
     out_url = os.fspath(out)
     base = Storage(out_url, options)
     out_store = base if not subdir else Storage(_join(out_url, subdir), options)
-    _clear_previous(out_store, stem, overwrite)
+    _clear_previous(out_store, stem, overwrite, config=config_source is not None)
     names = _file_names(layout, len(files))
-    metadata = {"format": "pt", "resumekit_step": str(entry.step),
-                "resumekit_source": entry.path}
+    metadata = {"format": "pt", "resumekit_step": str(source.step),
+                "resumekit_source": source.name}
     weight_map: dict[str, str] = {}
     order = [tensor for planned in files for tensor in planned.tensors]
-    stream = sharded.iter_full_tensors(source, [t.source for t in order],
+    stream = sharded.iter_full_tensors(source.url, [t.source for t in order],
                                        storage_options=storage_options)
-    largest = max(info.nbytes for fqn, info in index.items() if fqn.startswith(MODEL_PREFIX))
+    largest = max(index[fqn].nbytes for fqn in source.names)
     total = sum(planned.nbytes for planned in files)
     written = 0
 
@@ -610,22 +745,90 @@ def export_checkpoint(
     index_name: str | None = None
     if len(files) > 1:
         index_name = f"{stem}.safetensors.index.json"
-        document = {"metadata": {"total_size": total, "resumekit_step": entry.step},
+        document = {"metadata": {"total_size": total, "resumekit_step": source.step},
                     "weight_map": weight_map}
         out_store.write_bytes(index_name, _json_bytes(document))
     config_name: str | None = None
-    config_source: str | None = None
-    if layout == "diffusers":
-        config, config_source = _config_for(manifest)
-        config["_resumekit"] = {"step": entry.step, "source": entry.path,
+    if config_source is not None:
+        config["_resumekit"] = {"step": source.step, "source": source.name,
                                 "config_source": config_source}
         config_name = _CONFIG_NAME
         out_store.write_bytes(config_name, _json_bytes(config))
     return ExportResult(
-        step=entry.step, source=entry.path, out=out_store.path(), files=names,
+        step=source.step, source=source.path, out=out_store.path(), files=names,
         index=index_name, config=config_name, config_source=config_source,
         tensors=len(order), total_bytes=total, largest_tensor_bytes=largest,
         weight_map=weight_map,
+    )
+
+
+def export_torch(
+    root_or_dir: str | os.PathLike[str],
+    step: int | None = None,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    name_format: str | NameFormat | None = None,
+    overwrite: bool = False,
+    verify: bool = False,
+) -> ExportResult:
+    """Write a checkpoint as one ``torch.save`` file, as ``dcp_to_torch_save`` would.
+
+    The file holds the checkpoint's whole nested state dict (``{"model": ...,
+    "optimizer": ...}`` for a resumekit checkpoint), every tensor whole and as stored,
+    readable with ``torch.load(path, weights_only=True)``. The whole state is held in
+    memory once. Written under a temporary name and renamed into place (local paths).
+
+    Args:
+        root_or_dir: As for :func:`export_checkpoint` (plain DCP directories included).
+        step: The step to export (None: the newest committed).
+        out: The output file (``FILE.pt``; a local path).
+        storage_options: fsspec options for reading the checkpoint.
+        name_format: Step-name template of the root (detected when None).
+        overwrite: Replace an existing ``out``.
+        verify: Re-hash the checkpoint's files against its manifest first.
+
+    Returns:
+        What was written (``files`` is the one file, ``out`` its directory).
+
+    Raises:
+        ConfigurationError: No ``out``, or it exists and ``overwrite`` is False.
+        CheckpointNotFoundError: No committed checkpoint of ``step``.
+    """
+    if out is None:
+        raise ConfigurationError("export --format torch needs an output file (--out FILE.pt)",
+                                 name="out", value=None)
+    target = os.path.abspath(os.fspath(out))
+    if os.path.isdir(target):
+        raise ConfigurationError(
+            f"{target} is a directory; --format torch writes one file (--out FILE.pt)",
+            name="out", value=target)
+    if os.path.exists(target) and not overwrite:
+        raise ConfigurationError(
+            f"{target} already exists; pass overwrite=True (--overwrite) to replace it",
+            name="out", value=target)
+    source = _resolve(root_or_dir, step, storage_options=storage_options,
+                      name_format=name_format, verify=verify)
+    state = read_full_state(source.url, storage_options)
+    tensors = sharded._flatten(state)  # noqa: SLF001 - same package
+    sizes = [v.numel() * v.element_size() for v in tensors.values()
+             if isinstance(v, torch.Tensor)]
+    directory = os.path.dirname(target)
+    os.makedirs(directory, exist_ok=True)
+    temporary = os.path.join(directory, f".{os.path.basename(target)}.tmp-"
+                                        f"{secrets.token_hex(4)}")
+    try:
+        torch.save(state, temporary)
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+    return ExportResult(
+        step=source.step, source=source.path, out=directory,
+        files=[os.path.basename(target)], index=None, config=None, config_source=None,
+        tensors=len(sizes), total_bytes=sum(sizes), largest_tensor_bytes=max(sizes, default=0),
+        weight_map={},
     )
 
 
@@ -639,13 +842,15 @@ def _json_bytes(document: Mapping[str, Any]) -> bytes:
     return json.dumps(document, indent=2, sort_keys=False).encode("utf-8") + b"\n"
 
 
-def _clear_previous(out_store: Storage, stem: str, overwrite: bool) -> None:
-    """Refuse (or, with ``overwrite``, remove) weights a previous export left in ``out``."""
+def _clear_previous(out_store: Storage, stem: str, overwrite: bool, *,
+                    config: bool = False) -> None:
+    """Refuse (or, with ``overwrite``, remove) files a previous export left in ``out``."""
+    listing = [info.name for info in out_store.list_dir() if not info.is_dir]
     previous = [
-        info.name for info in out_store.list_dir()
-        if not info.is_dir and info.name.startswith(stem)
-        and (info.name.endswith(".safetensors") or info.name.endswith(".safetensors.index.json"))
-    ]
+        name for name in listing
+        if name.startswith(stem)
+        and (name.endswith(".safetensors") or name.endswith(".safetensors.index.json"))
+    ] + [name for name in listing if config and name == _CONFIG_NAME]
     if previous and not overwrite:
         raise ConfigurationError(
             f"{out_store.path(previous[0])} already exists; pass overwrite=True "

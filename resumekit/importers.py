@@ -67,7 +67,7 @@ from resumekit.errors import (
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
 )
-from resumekit.export import read_full_state
+from resumekit.export import NOT_MODEL_KEYS, read_full_state
 from resumekit.layout import DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT, NameFormat
 from resumekit.manifest import FileEntry, Lineage, Manifest, SaveReason
 from resumekit.state import TENSORS_DIR, TRAIN_STATE_FILE, dump_plain, rank_state_file
@@ -84,9 +84,6 @@ ImportFormat = Literal["auto", "dcp", "torchtitan", "accelerate", "lightning", "
 IMPORT_FORMATS: tuple[str, ...] = ("auto", *FOREIGN_FORMATS, "lingbot")
 
 _OPTIMIZER_KEYS = ("optimizer", "optim", "opt", "optimizers")
-#: Top-level keys of a torchtitan checkpoint that are not model weights.
-_NOT_MODEL_KEYS = frozenset({*_OPTIMIZER_KEYS, "lr_scheduler", "lr_schedulers", "scheduler",
-                             "dataloader", "train_state", "extra", "rng"})
 _STATE = "state"
 _GROUPS = "param_groups"
 _PARAMS = "params"
@@ -504,7 +501,7 @@ def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
         weights = dict(full["model"])
     else:  # torchtitan: the model's keys at the top level, next to optimizer & co.
         weights = {k: v for k, v in full.items()
-                   if k not in _NOT_MODEL_KEYS and isinstance(v, torch.Tensor)}
+                   if k not in NOT_MODEL_KEYS and isinstance(v, torch.Tensor)}
     if not weights:
         raise CheckpointNotFoundError(f"{where} holds no model tensors (top-level keys: "
                                       f"{sorted(full)})", path=where)
@@ -519,7 +516,7 @@ def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
             if _by_index(raw) else raw
     found = detect_foreign(storage, name)
     not_carried = [f"the {k!r} entry" for k in sorted(full)
-                   if k in _NOT_MODEL_KEYS and k != key]
+                   if k in NOT_MODEL_KEYS and k != key]
     return _Source(weights, optimizer, None, None if found is None else found.step,
                    not_carried)
 

@@ -1,4 +1,5 @@
-"""``resumekit export``: consolidate a sharded checkpoint's model into safetensors."""
+"""``resumekit export``: consolidate a checkpoint's model into safetensors, or the whole
+checkpoint into one ``torch.save`` file (``--format torch``)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from resumekit.cli._common import (
     console,
     emit_json,
     format_bytes,
+    UsageError,
     running_progress,
     storage_options,
 )
-from resumekit.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
+from resumekit.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint, export_torch
 
 __all__ = ["SCHEMA", "add_parser", "parse_size", "run"]
 
@@ -57,17 +59,25 @@ def add_parser(subparsers: Any) -> None:
         "safetensors files, without a process group and with memory bounded by the "
         "largest tensor. Keys lose the checkpoint's 'model.' prefix.",
     )
-    parser.add_argument("path", help="checkpoint root or one checkpoint directory")
+    parser.add_argument("path", help="checkpoint root, one checkpoint directory, or a plain "
+                        "DCP directory (.metadata: dcp.save output, torchtitan step-N)")
     parser.add_argument("--step", type=int, default=None,
                         help="step to export (default: newest committed)")
-    parser.add_argument("--out", required=True, help="output directory (path or URL)")
-    parser.add_argument("--format", choices=["safetensors"], default="safetensors",
-                        help="output format (safetensors)")
+    parser.add_argument("--out", required=True,
+                        help="output directory (path or URL); with --format torch: the "
+                        "output file FILE.pt")
+    parser.add_argument("--format", choices=["safetensors", "torch"], default="safetensors",
+                        help="safetensors: the model's weights; torch: the whole checkpoint "
+                        "as one torch.save file, as dcp_to_torch_save writes it")
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32", "keep"], default="keep",
                         help="cast floating-point tensors (default: keep stored dtype)")
     parser.add_argument("--layout", choices=["plain", "diffusers"], default="plain",
                         help="plain: OUT/model.safetensors; diffusers: OUT/transformer/"
                         "diffusion_pytorch_model.safetensors + config.json")
+    parser.add_argument("--model-config", dest="model_config", metavar="FILE.json",
+                        default=None,
+                        help="the model's config for config.json (default: the manifest's "
+                        "extras.model_config); --layout diffusers needs one")
     parser.add_argument("--max-shard-size", dest="max_shard_size", type=parse_size,
                         default=DEFAULT_MAX_SHARD_BYTES,
                         help="split into files of at most this size, with an index "
@@ -83,12 +93,27 @@ def add_parser(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``export``; return the exit code."""
     options = storage_options(args.storage_option)
-    with running_progress("export", enabled=not (args.json or args.no_progress)) as bar:
-        result = export_checkpoint(
-            args.path, args.step, args.out, dtype=args.dtype, layout=args.layout,
-            max_shard_bytes=args.max_shard_size, progress=bar, storage_options=options,
-            name_format=args.name_format, overwrite=args.overwrite, verify=args.verify,
-        )
+    if args.format == "torch":
+        for flag, value, default in (("--dtype", args.dtype, "keep"),
+                                     ("--layout", args.layout, "plain"),
+                                     ("--model-config", args.model_config, None),
+                                     ("--max-shard-size", args.max_shard_size,
+                                      DEFAULT_MAX_SHARD_BYTES)):
+            if value != default:
+                raise UsageError(
+                    f"{flag} does not apply to --format torch (it writes the checkpoint's "
+                    "tensors as stored, in one file)", name=flag, value=value)
+        result = export_torch(args.path, args.step, args.out, storage_options=options,
+                              name_format=args.name_format, overwrite=args.overwrite,
+                              verify=args.verify)
+    else:
+        with running_progress("export", enabled=not (args.json or args.no_progress)) as bar:
+            result = export_checkpoint(
+                args.path, args.step, args.out, dtype=args.dtype, layout=args.layout,
+                max_shard_bytes=args.max_shard_size, progress=bar, storage_options=options,
+                name_format=args.name_format, overwrite=args.overwrite, verify=args.verify,
+                model_config=args.model_config,
+            )
     if args.json:
         emit_json({"schema": SCHEMA, **asdict(result)})
         return 0
@@ -101,6 +126,5 @@ def run(args: argparse.Namespace) -> int:
     if result.index is not None:
         out.print(f"    {result.index}")
     if result.config is not None:
-        source = result.config_source or "no model config in the manifest"
-        out.print(f"    {result.config}  (from {source})")
+        out.print(f"    {result.config}  (from {result.config_source})")
     return 0

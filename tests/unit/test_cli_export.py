@@ -52,7 +52,8 @@ def test_export_writes_the_newest_model_as_one_safetensors_file_equal_to_the_sta
     code, stdout, err = run_cli(capsys, "export", str(root), "--out", str(out))
     assert code == 0, err
     assert "exported step 20" in stdout and "model.safetensors" in stdout
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    # The run saved extras={"model_config": ...}: the plain layout writes it as config.json.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     weights = load_file(str(out / "model.safetensors"))
     assert weights.keys() == state.keys()
     for key, tensor in state.items():
@@ -118,7 +119,7 @@ def test_export_refuses_to_overwrite_an_existing_export_unless_asked(
     code, _, err = run_cli(capsys, "export", str(root), "--out", str(tmp_path),
                            "--overwrite", "--verify")
     assert code == 0, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_export_errors_exit_1_and_bad_options_exit_2(
