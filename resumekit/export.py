@@ -597,7 +597,7 @@ def _resolve(root_or_dir: str | os.PathLike[str], step: int | None, *,
             verify_checkpoint(target.storage, entry.name, manifest=manifest)
         source, name, path, resolved_step = (tensors_url(target.storage, entry), entry.name,
                                              entry.path, entry.step)
-    reader = sharded._make_reader(source, storage_options)  # noqa: SLF001 - same package
+    reader = sharded._make_reader(source, storage_options)
     index = sharded.read_tensor_index(source, storage_options=storage_options)
     names = _model_names(reader.read_metadata(), index)
     if not names:
@@ -810,7 +810,7 @@ def export_torch(
     source = _resolve(root_or_dir, step, storage_options=storage_options,
                       name_format=name_format, verify=verify)
     state = read_full_state(source.url, storage_options)
-    tensors = sharded._flatten(state)  # noqa: SLF001 - same package
+    tensors = sharded._flatten(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]
     directory = os.path.dirname(target)
@@ -967,11 +967,11 @@ def read_full_state(
         CorruptCheckpointError: A file is unreadable or fails its checksum.
     """
     target = os.fspath(directory)
-    reader = sharded._make_reader(target, storage_options)  # noqa: SLF001 - same package
+    reader = sharded._make_reader(target, storage_options)
     state: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=sharded._NO_DIST_WARNING)  # noqa: SLF001
+            warnings.filterwarnings("ignore", message=sharded._NO_DIST_WARNING)
             _load_state_dict(state, storage_reader=cast(Any, reader),
                              planner=_SafeEmptyStateDictLoadPlanner(target), no_dist=True)
     except ResumekitError:

@@ -130,7 +130,7 @@ def import_checkpoint(
     src: str | os.PathLike[str],
     root: str | os.PathLike[str],
     *,
-    format: str = "auto",  # noqa: A002 - the command line's --format
+    format: str = "auto",
     step: int | None = None,
     model: nn.Module | None = None,
     name_format: str = DEFAULT_NAME_FORMAT,
@@ -206,7 +206,7 @@ def import_checkpoint(
     )
     logger.warning("resumekit: %s", message)
     warnings.warn(message, ResumekitWarning, stacklevel=2)
-    tensors = len(sharded._flatten({"model": source.model,  # noqa: SLF001
+    tensors = len(sharded._flatten({"model": source.model,
                                     "optimizer": source.optimizer or {}}))
     return ImportResult(step=final_step, path=committed, source=given, format=form,
                         tensors=tensors, carried=carried, not_carried=not_carried)
@@ -268,7 +268,7 @@ def _write(storage: Storage, name_format: NameFormat, source: _Source, step: int
                        what=f"training state of imported step {step}")
     ranks = dump_plain({"rng": _fresh_rng(), "data": None},
                        what=f"rank 0 state of imported step {step}")
-    params = {key: [list(value.shape), str(value.dtype).removeprefix("torch.")]
+    params: dict[str, Any] = {key: [list(value.shape), str(value.dtype).removeprefix("torch.")]
               for key, value in source.model.items() if isinstance(value, torch.Tensor)}
     manifest = Manifest(
         step=step, world_size=1, reason=SaveReason.IMPORTED,

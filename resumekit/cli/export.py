@@ -1,5 +1,4 @@
-"""``resumekit export``: consolidate a checkpoint's model into safetensors, or the whole
-checkpoint into one ``torch.save`` file (``--format torch``)."""
+"""``resumekit export``: a checkpoint's model as safetensors, or all of it as one .pt file."""
 
 from __future__ import annotations
 
@@ -9,11 +8,11 @@ from typing import Any
 
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
+    UsageError,
     add_common_options,
     console,
     emit_json,
     format_bytes,
-    UsageError,
     running_progress,
     storage_options,
 )

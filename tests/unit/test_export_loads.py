@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from diffusers import WanTransformer3DModel
 from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from transformers import AutoModel, LlamaConfig, LlamaModel
 
 from resumekit.manager import CheckpointManager
 from tests.unit.test_cli_support import assert_one_error_line, run_cli
@@ -39,7 +41,6 @@ def _assert_no_local_path(out: Path, *paths: Path) -> None:
 
 
 def _tiny_wan() -> nn.Module:
-    from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4,
@@ -50,7 +51,6 @@ def _tiny_wan() -> nn.Module:
 def test_a_diffusers_export_loads_with_from_pretrained_in_bf16(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from diffusers import WanTransformer3DModel
 
     model = _tiny_wan()
     config = json.loads(json.dumps(dict(model.config)))
@@ -80,7 +80,6 @@ def test_a_diffusers_export_loads_with_from_pretrained_in_bf16(
 def test_a_plain_export_of_a_run_with_a_model_config_loads_with_automodel(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from transformers import AutoModel, LlamaConfig, LlamaModel
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,

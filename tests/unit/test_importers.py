@@ -8,9 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from accelerate import Accelerator
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -18,6 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     get_state_dict,
 )
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import resumekit
 from resumekit.catalog import read_manifest
@@ -118,7 +122,6 @@ def test_a_torchtitan_step_directory_with_a_flattened_optimizer_imports_at_its_s
 def test_an_accelerate_save_state_imports_with_the_step_given_bit_for_bit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = _mlp()
@@ -147,7 +150,6 @@ def test_an_accelerate_save_state_imports_with_the_step_given_bit_for_bit(
 def test_safetensors_weights_of_equal_shapes_need_the_model_for_the_parameter_order(
     tmp_path: Path,
 ) -> None:
-    from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
@@ -179,8 +181,6 @@ class _LitMLP(nn.Module):
 def test_a_lightning_checkpoint_imports_at_its_global_step_bit_for_bit(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import lightning as L
-    from torch.utils.data import DataLoader, TensorDataset
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -212,8 +212,6 @@ def test_a_lightning_checkpoint_imports_at_its_global_step_bit_for_bit(
 def test_an_hf_trainer_checkpoint_imports_its_step_scheduler_and_both_decay_groups(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torch.utils.data import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
     config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
