@@ -51,7 +51,12 @@ def test_export_of_a_two_rank_fsdp2_checkpoint_equals_the_full_state_dict(
     assert json.loads((step_dir / "manifest.json").read_text())["world_size"] == 2
     assert {p.name.split("_")[2] for p in (step_dir / "tensors").glob("*.distcp")} == {"0", "1"}
     out = tmp_path / "export"
-    assert main(["export", str(root), "--out", str(out), "--layout", "diffusers"]) == 0
+    # The run recorded no model config: the diffusers layout needs one (--model-config).
+    assert main(["export", str(root), "--out", str(out), "--layout", "diffusers"]) == 1
+    (tmp_path / "config.json").write_text(json.dumps({"in_features": 5, "out_features": 3}))
+    assert main(["export", str(root), "--out", str(out), "--layout", "diffusers",
+                 "--model-config", str(tmp_path / "config.json")]) == 0
+    assert json.loads((out / "transformer" / "config.json").read_text())["in_features"] == 5
     weights = load_file(str(out / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert weights.keys() == full.keys()
     for key, tensor in full.items():
