@@ -33,6 +33,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from resumekit.catalog import list_checkpoints, read_manifest
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
@@ -204,6 +205,7 @@ class CommitProtocol:
         final = manifest.model_copy(update={
             "step": pending.step, "files": files, "data_dir": pending.data_dir,
             "world_size": max(manifest.world_size, 1),
+            "created_at": datetime.now(timezone.utc),  # publication, not capture
         })
         committed: Manifest = run_on_leader(self.coordinator,
                                             lambda: self._publish_on_leader(pending, final))

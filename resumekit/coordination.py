@@ -3,21 +3,69 @@
 The commit protocol takes a :class:`Coordinator` instead of a process group, so the store
 works (and is tested) in one process, and a trainer's ranks coordinate over the
 *checkpoint* process group, never the training one.
+
+A collective that fails because a peer died (gloo: ``Connection closed by peer``) or hung
+past the group's timeout (``Application timeout caused pair closure``, ``Timed out
+waiting ... for recv``) is raised once, here, as a :class:`~resumekit.errors.
+CoordinationError` that names the operation (set with :func:`activity`, e.g. "save of
+step 200"), the collective, this rank, its peers and ``checkpoint_timeout``; gloo's own
+error is its ``__cause__``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
+
+from resumekit.errors import CoordinationError
 
 __all__ = [
     "Coordinator",
     "ProcessGroupCoordinator",
     "SingleProcess",
+    "activity",
+    "current_activity",
     "run_on_every_rank",
     "run_on_leader",
 ]
 
 T = TypeVar("T")
+
+_activity: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = \
+    contextvars.ContextVar("resumekit_coordination_activity", default=None)
+
+#: Words of a gloo error that mean "the peer did not answer in time" (else: it went away).
+_TIMEOUT_WORDS = ("timeout", "timed out")
+
+
+@contextlib.contextmanager
+def activity(what: str, **fields: Any) -> Iterator[None]:
+    """Name what the collectives run inside the block are for, in their errors.
+
+    Per thread (a ``contextvars`` variable): a background save names its own activity
+    while the main thread names another.
+
+    Args:
+        what: The operation, e.g. ``"save of step 200"``.
+        **fields: Attributes for the :class:`~resumekit.errors.CoordinationError`
+            (``step=200``).
+
+    Yields:
+        Nothing.
+    """
+    token = _activity.set((what, dict(fields)))
+    try:
+        yield
+    finally:
+        _activity.reset(token)
+
+
+def current_activity() -> str | None:
+    """What the collectives of this thread are for right now (see :func:`activity`)."""
+    named = _activity.get()
+    return None if named is None else named[0]
 
 
 class Coordinator(Protocol):
@@ -82,21 +130,78 @@ class ProcessGroupCoordinator:
         self.world_size = dist.get_world_size(group)
 
     def barrier(self) -> None:
-        """Block until every rank of the group arrives."""
-        self._dist.barrier(group=self.group)
+        """Block until every rank of the group arrives.
+
+        Raises:
+            CoordinationError: A peer died or did not arrive within the group's timeout.
+        """
+        self._run("barrier", lambda: self._dist.barrier(group=self.group))
 
     def broadcast(self, value: T) -> T:
-        """Return the group-rank-0 ``value`` on every rank."""
+        """Return the group-rank-0 ``value`` on every rank.
+
+        Raises:
+            CoordinationError: A peer died or did not answer within the group's timeout.
+        """
         box = [value]
         source = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        self._dist.broadcast_object_list(box, src=source, group=self.group)
+        self._run("broadcast", lambda: self._dist.broadcast_object_list(
+            box, src=source, group=self.group))
         return box[0]
 
     def all_gather(self, value: T) -> list[T]:
-        """Return every rank's ``value``."""
+        """Return every rank's ``value``.
+
+        Raises:
+            CoordinationError: A peer died or did not answer within the group's timeout.
+        """
         boxes: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(boxes, value, group=self.group)
+        self._run("all_gather", lambda: self._dist.all_gather_object(
+            boxes, value, group=self.group))
         return boxes
+
+    def _run(self, collective: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+        except RuntimeError as error:  # gloo's peer-closed and timeout errors
+            raise self.failure(collective, error) from error
+
+    def _global_rank(self, group_rank: int) -> int:
+        if self.group is None:
+            return group_rank
+        return int(self._dist.get_global_rank(self.group, group_rank))
+
+    def failure(self, collective: str, error: BaseException) -> CoordinationError:
+        """The :class:`CoordinationError` for ``collective`` failing with gloo's ``error``.
+
+        It names the activity (:func:`activity`), the collective, this rank and its peers
+        (global ranks), whether the peer went away or timed out, and ``checkpoint_timeout``
+        of :func:`resumekit.distributed.current_context`.
+        """
+        from resumekit import distributed  # noqa: PLC0415 - torch.distributed, see above
+
+        named = _activity.get()
+        what, fields = named if named is not None else ("checkpoint coordination", {})
+        rank = self._global_rank(self.rank)
+        peers = [self._global_rank(r) for r in range(self.world_size) if r != self.rank]
+        context = distributed.current_context()
+        timeout = None if context is None else context.checkpoint_timeout
+        limit = ("the group's timeout" if timeout is None
+                 else f"checkpoint_timeout={timeout.total_seconds():g} s")
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if any(word in text.lower() for word in _TIMEOUT_WORDS):
+            cause = (f"a peer among rank(s) {peers} did not answer within {limit} "
+                     "(it hung, or is far behind)")
+        else:
+            cause = (f"a peer among rank(s) {peers} closed its connection (it died: "
+                     f"crashed, was killed or exited; {limit})")
+        message = (f"{what} failed on rank {rank} of {self.world_size}: the {collective} on "
+                   f"the checkpoint process group broke because {cause}: "
+                   f"{type(error).__name__}: {text}")
+        details = {"reason": what, "rank": rank, "peers": peers, "collective": collective,
+                   "checkpoint_timeout": None if timeout is None
+                   else timeout.total_seconds(), **fields}
+        return CoordinationError(message, **details)
 
 
 def run_on_leader(coordinator: Coordinator, action: Any) -> Any:
@@ -122,13 +227,27 @@ def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
 
     Each rank returns its own result. The error raised is the lowest failing rank's, so
     all ranks take the same branch and none is left waiting in the next collective.
+
+    A rank whose own part failed (a DCP collective broken by a dead peer, raised as gloo's
+    raw ``RuntimeError``) and whose all-gather then fails too raises the all-gather's
+    :class:`~resumekit.errors.CoordinationError`, which also quotes its own failure (the
+    ``__cause__``).
     """
     outcome: tuple[str, Any] = ("ok", None)
     try:
         outcome = ("ok", action())
     except Exception as error:  # noqa: BLE001 - re-raised on every rank below
         outcome = ("error", error)
-    for status, value in coordinator.all_gather(outcome):
+    try:
+        gathered = coordinator.all_gather(outcome)
+    except CoordinationError as error:
+        if outcome[0] != "error":
+            raise
+        own = outcome[1]
+        raise CoordinationError(
+            f"{error.message}; before that, this rank's own part had failed: "
+            f"{type(own).__name__}: {own}", **error.fields) from own
+    for status, value in gathered:
         if status == "error":
             raise value
     return outcome[1]

@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
 
 import torch
@@ -47,6 +47,7 @@ from resumekit.coordination import (
     Coordinator,
     ProcessGroupCoordinator,
     SingleProcess,
+    activity,
     run_on_every_rank,
     run_on_leader,
 )
@@ -283,6 +284,14 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._last_commit_time: float | None = None
         self._last_save_seconds = 0.0
+        # The emergency-save decision, on this process's monotonic clock: (newest step
+        # committed by this process, when training after its capture began), the last
+        # step_end (step, when it returned), the smoothed duration of one step and of the
+        # last blocking save.
+        self._committed_capture: tuple[int, float] | None = None
+        self._step_clock: tuple[int, float] | None = None
+        self._step_seconds: float | None = None
+        self._blocking_save_seconds: float | None = None
         self._newest_step: int | None = None
         self._closed = False
         self._background = _BackgroundSave()
@@ -567,31 +576,72 @@ class CheckpointManager:
 
         Returns:
             True when the run must stop now: every rank agreed on a preemption signal and
-            a ``preemption`` checkpoint of ``step`` is committed (or was skipped because
-            the grace period would not allow it).
+            a ``preemption`` checkpoint of ``step`` is committed (or was skipped, with an
+            ``EmergencySaveSkippedWarning``, because the grace period would not allow it).
+            A ``save_every`` step is always committed before True is returned, also with
+            ``async_save``.
         """
         self._check_open()
-        if self.preemption is not None and self.preemption.agreed(step):
-            self._save_for_preemption(step, micro_step)
-            return True
-        if self.save_every is not None and step % self.save_every == 0 \
-                and step != self.last_saved_step:
-            self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step)
-        return False
+        now = time.monotonic()
+        if self._step_clock is not None and step == self._step_clock[0] + 1:
+            sample = now - self._step_clock[1]  # one step of training (no save inside)
+            self._step_seconds = sample if self._step_seconds is None \
+                else self._step_seconds + 0.2 * (sample - self._step_seconds)
+        try:
+            if self.preemption is not None and self.preemption.agreed(step):
+                self._save_for_preemption(step, micro_step)
+                return True
+            if self._scheduled(step) and step != self.last_saved_step:
+                self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step)
+            return False
+        finally:
+            self._step_clock = (step, time.monotonic())
+
+    def _scheduled(self, step: int) -> bool:
+        return self.save_every is not None and step % self.save_every == 0
 
     def _save_for_preemption(self, step: int, micro_step: int) -> None:
-        self.wait()
-        if step == self.last_saved_step:
+        self.wait()  # an interval save in flight commits first
+        newest = self.last_saved_step
+        if step == newest:
+            logger.info("resumekit: preempted at step %d, which is already committed", step)
             return
-        since = None if self._last_commit_time is None else time.time() - \
-            self._last_commit_time
-        if self.preemption is not None and self.preemption.should_skip_emergency_save(
-            since, self._expected_save_seconds()
+        if self._scheduled(step):
+            # The save this step was due anyway: never let the skip rule drop it (with
+            # async_save it would otherwise be lost, and the run stop an interval behind).
+            logger.info("resumekit: preempted at save_every step %d: saving it blocking",
+                        step)
+        elif self.preemption is not None and self.preemption.should_skip_emergency_save(
+            self._training_seconds_since_commit(step), self._expected_save_seconds(),
+            steps_since_last_commit=None if newest is None else step - newest,
         ):
             return
         self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True)
 
+    def _training_seconds_since_commit(self, step: int) -> float | None:
+        """Seconds of training since the newest commit's state was captured, or None.
+
+        Monotonic, in this process: from when :meth:`save` handed control back to the
+        trainer (an asynchronous save: right after staging, not when the background
+        commit finished). After a restore, before this process committed anything: the
+        steps since the restored step times the measured step time (unknown before one
+        step was timed). Never a wall-clock difference: a checkpoint written on a host
+        whose clock runs ahead would look like it came from the future.
+        """
+        newest = self.last_saved_step
+        if newest is None:
+            return None
+        committed = self._committed_capture
+        if committed is not None and committed[0] == newest:
+            return time.monotonic() - committed[1]
+        if self._step_seconds is None or step < newest:
+            return None
+        return (step - newest) * self._step_seconds
+
     def _expected_save_seconds(self) -> float:
+        """How long a blocking save takes: the last one's duration, else the last save's."""
+        if self._blocking_save_seconds is not None:
+            return self._blocking_save_seconds
         return self._last_save_seconds
 
     def save(
@@ -625,6 +675,7 @@ class CheckpointManager:
                 step=step, newest=self._newest_step, path=self.storage.path(),
             )
         started = time.monotonic()
+        captured_at = datetime.now(timezone.utc)
         reason = SaveReason(reason)
         self.state.step, self.state.micro_step = step, micro_step
         tensors = self.state.tensor_state()
@@ -636,7 +687,7 @@ class CheckpointManager:
             lineage=Lineage.current(resumed_from_step=self.resumed_from,
                                     launcher=_launcher()),
             extras=_plain_json(self.extras, what="extras"), state=self.state.contents(),
-            fingerprint=self._fingerprint(),
+            fingerprint=self._fingerprint(), captured_at=captured_at,
             tensor_format=sharded.tensor_format_for(self.storage.url_of(), self.tensor_format)
             if tensors else None,
         )
@@ -649,11 +700,21 @@ class CheckpointManager:
                            manifest, started,
                            background=self.background_priority == "idle")
             self._newest_step = step
-            self._background.submit(step, lambda: self._write(job, self._saver))
+            resumed = time.monotonic()  # training after this capture starts now
+
+            def write_in_background() -> None:
+                with activity(f"background save of step {step}", step=step):
+                    self._write(job, self._saver)
+                self._committed_capture = (step, resumed)
+
+            self._background.submit(step, write_in_background)
             return
-        self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
-                    self._main)
+        with activity(f"save of step {step}", step=step):
+            self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
+                        self._main)
         self._newest_step = step
+        self._blocking_save_seconds = time.monotonic() - started
+        self._committed_capture = (step, time.monotonic())
 
     def _write(self, job: _SaveJob, channel: _Channel) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator

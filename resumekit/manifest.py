@@ -158,6 +158,9 @@ class Manifest(BaseModel):
         schema_version: Format version; a newer one than this library knows is refused.
         step: The training step the checkpoint was taken after.
         created_at: UTC time of publication.
+        captured_at: UTC time at which the saved state was captured (``save()`` was
+            called); with ``async_save`` the commit follows later, while training goes on.
+            None in manifests written before resumekit recorded it.
         world_size: Number of ranks that wrote it.
         reason: Why it was written.
         files: Every data file with size and checksum.
@@ -179,6 +182,7 @@ class Manifest(BaseModel):
     schema_version: int = SCHEMA_VERSION
     step: int = Field(ge=0)
     created_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    captured_at: datetime | None = None
     world_size: int = Field(default=1, ge=1)
     reason: SaveReason = SaveReason.MANUAL
     files: list[FileEntry] = Field(default_factory=list)

@@ -486,27 +486,50 @@ class PreemptionHandler:
     # -- deadline -------------------------------------------------------------------------
 
     def should_skip_emergency_save(
-        self, seconds_since_last_commit: float | None, expected_save_seconds: float
+        self,
+        seconds_since_last_commit: float | None,
+        expected_save_seconds: float,
+        *,
+        steps_since_last_commit: int | None = None,
     ) -> bool:
         """Whether to skip the emergency save; call on every rank, after :meth:`agreed`.
 
-        Skip (with an :class:`EmergencySaveSkippedWarning`) when either holds on any rank:
+        Skip (with an :class:`EmergencySaveSkippedWarning` and a ``logger.warning`` that
+        name every input of the decision) when, on any rank:
 
-        * **recent enough:** ``seconds_since_last_commit <= expected_save_seconds`` -
-          redoing the work since the last commit costs no more than saving it now;
+        * **nothing new:** ``steps_since_last_commit == 0`` - the newest commit already
+          holds this step;
         * **no time:** ``grace_period`` is known and
           ``expected_save_seconds * SAVE_TIME_MARGIN`` exceeds :meth:`seconds_left` - the
           save would likely be killed half-way (harmless, the commit protocol keeps the
-          previous checkpoint, but the grace period is better spent exiting cleanly).
+          previous checkpoint, but the grace period is better spent exiting cleanly);
+        * **recent enough, deadline unknown:** without ``grace_period``,
+          ``0 <= seconds_since_last_commit <= expected_save_seconds`` - redoing the work
+          since the last commit costs no more than saving it now, and a short save is
+          the best bet against a kill that may come at any moment. With a known
+          ``grace_period`` this rule does not apply: a save that fits the grace period
+          costs the job nothing it could use (the node is being taken away), and every
+          step it keeps is a step the requeued run need not redo.
+
+        Measure ``seconds_since_last_commit`` with ``time.monotonic()`` in this process,
+        from when the committed state was captured (for an asynchronous save: when
+        ``save()`` returned, not when the commit finished). A negative or non-finite age
+        (a wall-clock age across hosts whose clocks disagree) is never "recent": it is
+        treated as unknown, with a warning. None (no commit, or an age this process cannot
+        know) is never "recent" either.
 
         Ranks measure time differently, so with a process group the decision is
-        all-reduced (MAX): if one rank says skip, all skip, and no rank waits in a save the
-        others never start.
+        all-reduced: if one rank says skip, all skip (and the warning names the ranks that
+        chose to), and no rank waits in a save the others never start.
 
         Args:
-            seconds_since_last_commit: Age of the newest committed checkpoint, or None if
-                there is none (never "recent enough").
-            expected_save_seconds: How long a save takes (e.g. the last one's duration).
+            seconds_since_last_commit: Training seconds since the state of the newest
+                committed checkpoint was captured, or None if there is none or it is
+                unknown.
+            expected_save_seconds: How long a blocking save takes (e.g. the last one's
+                duration).
+            steps_since_last_commit: Steps done since the newest committed step, if
+                known (only named in the warning, except 0: nothing new to save).
 
         Returns:
             True to skip the save.
@@ -514,41 +537,91 @@ class PreemptionHandler:
         Raises:
             CoordinationError: The all-reduce of the decision failed.
         """
-        reasons: list[str] = []
-        if (
-            seconds_since_last_commit is not None
-            and seconds_since_last_commit <= expected_save_seconds
-        ):
-            reasons.append(
-                f"the last commit is {seconds_since_last_commit:.1f} s old, no older than a "
-                f"save takes ({expected_save_seconds:.1f} s)"
+        age = seconds_since_last_commit
+        if age is not None and not (math.isfinite(age) and age >= 0):
+            message = (
+                f"the age of the last commit is {age:.1f} s, which cannot be: an age taken "
+                "from wall clocks of hosts that disagree (clock skew)? It is treated as "
+                "unknown (never 'recent enough'); measure it with time.monotonic() in this "
+                "process"
             )
+            logger.warning("resumekit: %s", message)
+            warnings.warn(message, ResumekitWarning, stacklevel=2)
+            age = None
+        reasons: list[str] = []
+        codes = 0
+        if steps_since_last_commit == 0:
+            codes |= _NOTHING_NEW
+            reasons.append("the newest commit already holds this step")
         left = self.seconds_left()
         if left is not None and expected_save_seconds * SAVE_TIME_MARGIN > left:
+            codes |= _NO_TIME
             reasons.append(
                 f"{max(left, 0.0):.1f} s of the {self.grace_period:.0f} s grace period are left, "
                 f"a save needs about {expected_save_seconds:.1f} s x {SAVE_TIME_MARGIN}"
             )
-        skip = bool(reasons)
+        if self.grace_period is None and age is not None and age <= expected_save_seconds:
+            codes |= _RECENT
+            reasons.append(
+                f"the last commit is {age:.1f} s old, no older than a save takes "
+                f"({expected_save_seconds:.1f} s), and no grace period is known"
+            )
+        skipping_ranks = [0] if codes else []
         group = self._vote_group()
+        rank = 0
         if group is not None:
-            decision = torch.tensor([int(skip)], dtype=torch.int64)
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            decision = torch.zeros(size, dtype=torch.int64)
+            decision[rank] = codes
             try:
-                dist.all_reduce(decision, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(decision, op=dist.ReduceOp.SUM, group=group)
             except RuntimeError as error:
                 raise _collective_failed("agreeing whether to skip the emergency save",
                                          "emergency save decision", error) from error
-            if decision.item() and not skip:
-                reasons.append("another rank has no time left to save")
-            skip = bool(decision.item())
-        if skip:
-            step = "" if self._agreed_step is None else f" at step {self._agreed_step}"
-            warnings.warn(
-                f"skipping the emergency save{step}: {'; '.join(reasons)}",
-                EmergencySaveSkippedWarning,
-                stacklevel=2,
-            )
-        return skip
+            others = {r: int(c) for r, c in enumerate(decision.tolist()) if c and r != rank}
+            for other, other_codes in sorted(others.items()):
+                reasons.append(f"rank {other} chose to skip ({_describe_codes(other_codes)})")
+            skipping_ranks = [r for r, c in enumerate(decision.tolist()) if c]
+        inputs = self._inputs(age, seconds_since_last_commit, expected_save_seconds,
+                              steps_since_last_commit, left)
+        if not skipping_ranks:
+            logger.info("resumekit: making the emergency save%s (inputs on rank %d: %s)",
+                        self._at_step(), rank, inputs)
+            return False
+        message = (f"skipping the emergency save{self._at_step()}: {'; '.join(reasons)} "
+                   f"[inputs on rank {rank}: {inputs}]")
+        logger.warning("resumekit: %s", message)
+        warnings.warn(message, EmergencySaveSkippedWarning, stacklevel=2)
+        return True
+
+    def _at_step(self) -> str:
+        return "" if self._agreed_step is None else f" at step {self._agreed_step}"
+
+    def _inputs(self, age: float | None, given: float | None, expected: float,
+                steps: int | None, left: float | None) -> str:
+        if given is None:
+            since = "age of the last commit unknown"
+        elif age is None:
+            since = f"age of the last commit {given:.1f} s (ignored)"
+        else:
+            since = f"last commit captured {age:.2f} s ago"
+        parts = [since]
+        if steps is not None:
+            parts.append(f"{steps} step(s) since it")
+        parts.append(f"expected save {expected:.2f} s")
+        parts.append("no grace period" if self.grace_period is None
+                     else f"grace period {self.grace_period:g} s, "
+                          f"{0.0 if left is None else left:.1f} s left")
+        return ", ".join(parts)
+
+
+_NOTHING_NEW, _NO_TIME, _RECENT = 1, 2, 4
+
+
+def _describe_codes(codes: int) -> str:
+    names = [name for bit, name in ((_NOTHING_NEW, "nothing new"), (_NO_TIME, "no time left"),
+                                    (_RECENT, "last commit recent enough")) if codes & bit]
+    return ", ".join(names)
 
 
 def _collective_failed(what: str, reason: str, error: Exception, **fields: Any
