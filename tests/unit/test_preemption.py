@@ -21,6 +21,7 @@ from resumekit.preemption import (
     PreemptionHandler,
     requeue_slurm_job,
 )
+from resumekit.warnings import ResumekitWarning
 
 
 class Recorder:
@@ -194,6 +195,56 @@ def test_without_a_grace_period_only_recency_decides() -> None:
     handler.request()
     assert handler.agreed(1) and handler.seconds_left() is None
     assert not handler.should_skip_emergency_save(36_000.0, expected_save_seconds=10_000.0)
+
+
+def test_a_negative_age_of_the_last_commit_is_never_recent_and_is_reported_as_clock_skew(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handler = PreemptionHandler()  # no grace period: the recency rule applies
+    handler.request()
+    assert handler.agreed(3)
+    with pytest.warns(ResumekitWarning, match=r"-599.9 s, which cannot be: .*clock skew"):
+        assert not handler.should_skip_emergency_save(-599.9, expected_save_seconds=30.0)
+    assert "clock skew" in caplog.text
+    with pytest.warns(ResumekitWarning, match="cannot be"):
+        assert not handler.should_skip_emergency_save(float("nan"), expected_save_seconds=1.0)
+
+
+def test_with_a_known_grace_period_a_save_that_fits_is_made_however_recent_the_last_commit(
+    previous_handlers: Recorder,
+) -> None:
+    with PreemptionHandler(grace_period=120) as handler:
+        signal.raise_signal(signal.SIGTERM)
+        assert handler.agreed(7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not handler.should_skip_emergency_save(
+                0.5, expected_save_seconds=30.0, steps_since_last_commit=1)
+
+
+def test_nothing_new_since_the_last_commit_is_skipped() -> None:
+    handler = PreemptionHandler(grace_period=60)
+    handler.request()
+    assert handler.agreed(10)
+    with pytest.warns(EmergencySaveSkippedWarning, match="already holds this step"):
+        assert handler.should_skip_emergency_save(
+            5.0, expected_save_seconds=1.0, steps_since_last_commit=0)
+
+
+def test_a_skipped_emergency_save_names_every_input_of_the_decision(
+    previous_handlers: Recorder, caplog: pytest.LogCaptureFixture,
+) -> None:
+    with PreemptionHandler(grace_period=30) as handler:
+        signal.raise_signal(signal.SIGTERM)
+        assert handler.agreed(7)
+        expected = (r"at step 7: .* grace period .*\[inputs on rank 0: last commit captured "
+                    r"12.00 s ago, 3 step\(s\) since it, expected save 25.00 s, grace period "
+                    r"30 s, \d+\.\d s left\]")
+        with pytest.warns(EmergencySaveSkippedWarning, match=expected):
+            assert handler.should_skip_emergency_save(
+                12.0, expected_save_seconds=25.0, steps_since_last_commit=3)
+    assert "skipping the emergency save at step 7" in caplog.text
+    assert "expected save 25.00 s" in caplog.text
 
 
 def test_the_preempted_exit_code_is_a_retryable_failure_not_success_or_a_signal_death() -> None:
