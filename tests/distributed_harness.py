@@ -7,7 +7,9 @@ errors from any rank re-raised in the test with that rank's traceback.
 
 ``fn(rank, world_size, *args)`` must be importable (defined at module level). Each rank
 has RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, as torchrun would,
-and (unless ``init_group=False``) a default gloo group already initialised.
+and (unless ``init_group=False``) a default gloo group already initialised. Ranks named
+in ``may_exit`` may leave without a result (a test that kills a rank on purpose): their
+result is None.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pickle
 import socket
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -88,6 +90,7 @@ def run_ranks(
     init_group: bool = True,
     group_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
+    may_exit: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` processes; return each rank's return value."""
     with tempfile.TemporaryDirectory(prefix="rk-ranks-") as out_dir:
@@ -109,6 +112,9 @@ def run_ranks(
         errors: list[str] = []
         for rank in range(world_size):
             path = Path(out_dir) / f"rank{rank}.pkl"
+            if not path.exists() and rank in may_exit:
+                results.append(None)
+                continue
             if not path.exists():
                 errors.append(f"rank {rank}: no result ({failure})")
                 results.append(None)

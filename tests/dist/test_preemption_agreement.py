@@ -8,6 +8,7 @@ import stat
 import statistics
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,10 +63,13 @@ def _train_until_agreed(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {rank}: no agreement by step {step}")
         seconds_left = preemption.seconds_left()
-        # Only rank 1's last commit is "recent enough": the decision is still shared.
-        skip = preemption.should_skip_emergency_save(
-            1.0 if rank == SIGNALLED_RANK else 3600.0, expected_save_seconds=10.0
-        )
+        # Only rank 1 expects a save too long for the grace period: the decision is still
+        # shared, and rank 0's warning names rank 1 and its reason.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            skip = preemption.should_skip_emergency_save(
+                3600.0, expected_save_seconds=GRACE_S if rank == SIGNALLED_RANK else 10.0
+            )
     requeued = requeue_slurm_job(job_id="111606", scontrol=scontrol)
     shutdown()
     return {
@@ -75,6 +79,7 @@ def _train_until_agreed(
         "requeued": requeued,
         "knows_the_deadline": seconds_left is not None and seconds_left <= GRACE_S,
         "skip": skip,
+        "skip_warnings": [str(w.message) for w in caught],
     }
 
 
@@ -116,6 +121,9 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(
     assert (rank0["requeued"], rank1["requeued"]) == (True, False)
     assert rank0["knows_the_deadline"] is rank1["knows_the_deadline"] is True
     assert rank0["skip"] is rank1["skip"] is True
+    [rank0_warning] = rank0["skip_warnings"]
+    assert "rank 1 chose to skip (no time left)" in rank0_warning
+    assert "inputs on rank 0:" in rank0_warning
     assert calls.read_text().splitlines() == ["requeue 111606"]
 
 
