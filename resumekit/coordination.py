@@ -216,7 +216,12 @@ def run_on_leader(coordinator: Coordinator, action: Any) -> Any:
             outcome = ("ok", action())
         except Exception as error:  # noqa: BLE001 - re-raised on every rank below
             outcome = ("error", error)
-    outcome = coordinator.broadcast(outcome)
+    try:
+        outcome = coordinator.broadcast(outcome)
+    except CoordinationError as error:
+        if outcome[0] != "error":
+            raise
+        raise _with_own_failure(error, outcome[1]) from error
     if outcome[0] == "error":
         raise outcome[1]
     return outcome[1]
@@ -230,8 +235,8 @@ def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
 
     A rank whose own part failed (a DCP collective broken by a dead peer, raised as gloo's
     raw ``RuntimeError``) and whose all-gather then fails too raises the all-gather's
-    :class:`~resumekit.errors.CoordinationError`, which also quotes its own failure (the
-    ``__cause__``).
+    :class:`~resumekit.errors.CoordinationError` (gloo's error is its ``__cause__``), which
+    also quotes this rank's own failure.
     """
     outcome: tuple[str, Any] = ("ok", None)
     try:
@@ -243,11 +248,15 @@ def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
     except CoordinationError as error:
         if outcome[0] != "error":
             raise
-        own = outcome[1]
-        raise CoordinationError(
-            f"{error.message}; before that, this rank's own part had failed: "
-            f"{type(own).__name__}: {own}", **error.fields) from own
+        raise _with_own_failure(error, outcome[1]) from error
     for status, value in gathered:
         if status == "error":
             raise value
     return outcome[1]
+
+
+def _with_own_failure(error: CoordinationError, own: BaseException) -> CoordinationError:
+    """``error`` (the cause), also quoting this rank's own failure, which came first."""
+    return CoordinationError(
+        f"{error.message}; before that, this rank's own part had failed: "
+        f"{type(own).__name__}: {own}", **error.fields)

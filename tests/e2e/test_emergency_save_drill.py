@@ -8,6 +8,7 @@ grace period the save fits in, no preemption may lose a step, synchronous or not
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -48,7 +49,7 @@ def test_no_sigterm_preemption_at_a_random_step_loses_a_step_when_the_save_fits_
         assert record["stopped_at"] == record["signalled_after"], record  # one process
         assert record["skipped"] == [], record
     # Each launch resumed from the checkpoint the previous preemption committed ...
-    for before, after in zip(records, records[1:]):
+    for before, after in itertools.pairwise(records):
         assert after["restored"] == before["newest_committed"]
     # ... and that checkpoint held every step done before the signal.
     assert report["lost"] == [0] * PREEMPTIONS
