@@ -13,6 +13,10 @@ Statuses of an entry:
   (:func:`detect_foreign`): plain DCP or torchtitan (``.metadata``), Accelerate
   (``optimizer.bin``, ``random_states_*.pkl``), HF Trainer (``trainer_state.json``),
   Lightning (``*.ckpt``) — never loaded as ours; ``resumekit import`` converts it.
+
+An entry that is not committed also says what is wrong with it (:data:`Defect`), so a
+restore can tell what is provably broken (:data:`BROKEN`: set aside) from what is merely
+newer (``newer-schema``: refused) or still being written (``unfinished``, ``staging``).
 """
 
 from __future__ import annotations
@@ -32,14 +36,18 @@ from resumekit.errors import (
     ManifestError,
     StorageError,
     UnsafeCheckpointError,
+    UnsupportedSchemaError,
 )
 from resumekit.layout import DCP_METADATA_FILE, LEGACY_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, checksum_chunks, parse_manifest
+from resumekit.retry import read_with_retry
 from resumekit.storage import FileInfo, Storage
 
 __all__ = [
+    "BROKEN",
     "FOREIGN_FORMATS",
     "CheckpointEntry",
+    "Defect",
     "ForeignCheckpoint",
     "ForeignFormat",
     "Status",
@@ -54,6 +62,25 @@ __all__ = [
 
 Status = Literal["committed", "partial", "corrupt", "legacy", "foreign"]
 ForeignFormat = Literal["dcp", "torchtitan", "accelerate", "lightning", "hf-trainer"]
+#: What is wrong with an entry that is not committed:
+#:
+#: * ``newer-schema``: its manifest was written by a newer resumekit (not broken: newer);
+#: * ``bad-manifest``: its manifest is not JSON, not a valid manifest, or a directory;
+#: * ``unsafe-manifest``: its manifest lists a path that escapes it (``..``, absolute);
+#: * ``wrong-step``: its manifest names another step than its directory;
+#: * ``no-manifest``: a visible step directory with files but no manifest on a POSIX root,
+#:   which the commit protocol never leaves (publishing renames a finished directory);
+#: * ``empty``: a visible, empty step directory;
+#: * ``unfinished``: an object-store step directory whose save has not written its
+#:   manifest (yet: the manifest is written last);
+#: * ``set-aside``, ``staging``, ``retiring``: hidden ``.bad-``, ``.tmp-`` and ``.old-``
+#:   directories.
+Defect = Literal["newer-schema", "bad-manifest", "unsafe-manifest", "wrong-step",
+                 "no-manifest", "empty", "unfinished", "set-aside", "staging", "retiring"]
+#: Defects no save of resumekit leaves behind: such a directory can never become a
+#: checkpoint, and it blocks a new save of its step until it is moved away.
+BROKEN: frozenset[Defect] = frozenset(
+    {"bad-manifest", "unsafe-manifest", "wrong-step", "no-manifest", "empty"})
 #: Every foreign format :func:`detect_foreign` recognises (``resumekit import --format``).
 FOREIGN_FORMATS: tuple[ForeignFormat, ...] = (
     "dcp", "torchtitan", "accelerate", "lightning", "hf-trainer")
@@ -77,9 +104,11 @@ class CheckpointEntry:
         step: The step its name stands for.
         name: Directory name relative to the root.
         path: Full path (or URL) of the directory.
-        status: ``committed``, ``partial``, ``corrupt`` or ``legacy``.
+        status: ``committed``, ``partial``, ``corrupt``, ``legacy`` or ``foreign``.
         manifest: The parsed manifest of a committed entry.
         problem: Why an entry is not committed (one line), if it is not.
+        format: The format of a ``foreign`` entry.
+        defect: What is wrong with a ``partial`` or ``corrupt`` entry (:data:`Defect`).
     """
 
     step: int
@@ -89,6 +118,7 @@ class CheckpointEntry:
     manifest: Manifest | None = None
     problem: str | None = None
     format: ForeignFormat | None = None
+    defect: Defect | None = None
 
 
 @dataclass(frozen=True)
@@ -201,7 +231,7 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
     """
     source = storage.path(f"{name}/{MANIFEST_NAME}")
     try:
-        raw = storage.read_bytes(f"{name}/{MANIFEST_NAME}")
+        raw = read_with_retry(source, lambda: storage.read_bytes(f"{name}/{MANIFEST_NAME}"))
     except FileNotFoundError:
         if not storage.exists(name):
             raise CheckpointNotFoundError(
@@ -272,10 +302,12 @@ def _entry_of(storage: Storage, info: FileInfo, name_format: NameFormat,
     if hidden is not None:
         if hidden[1].kind == "bad":
             return CheckpointEntry(hidden[0], info.name, storage.path(info.name), "corrupt",
-                                   problem="set aside after failing verification on restore")
+                                   problem="set aside after failing verification on restore",
+                                   defect="set-aside")
         kind = "being written" if hidden[1].kind == "tmp" else "being retired"
         return CheckpointEntry(hidden[0], info.name, storage.path(info.name), "partial",
-                               problem=f"hidden directory {kind}")
+                               problem=f"hidden directory {kind}",
+                               defect="staging" if hidden[1].kind == "tmp" else "retiring")
     step = name_format.parse(info.name)
     if step is not None:
         return _step_entry(storage, info.name, step, legacy_format)
@@ -301,15 +333,27 @@ def _step_entry(storage: Storage, name: str, step: int,
             # Our own step name without a manifest is a save that never committed
             # (or lost its manifest), not a weights-only export to import.
             status, problem = "partial", "data without manifest.json (not committed)"
-        return CheckpointEntry(step, name, path, status, problem=problem)
+        defect: Defect | None = None
+        if status == "partial":
+            defect = ("empty" if problem.startswith("empty") else
+                      "no-manifest" if storage.atomic_rename else "unfinished")
+        return CheckpointEntry(step, name, path, status, problem=problem, defect=defect)
     try:
         manifest = read_manifest(storage, name)
-    except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error))
+    except UnsupportedSchemaError as error:
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
+                               defect="newer-schema")
+    except UnsafeCheckpointError as error:
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
+                               defect="unsafe-manifest")
+    except (ManifestError, CorruptCheckpointError) as error:
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
+                               defect="bad-manifest")
     if manifest.step != step:
         return CheckpointEntry(
             step, name, path, "corrupt",
-            problem=f"manifest says step {manifest.step}, directory name says {step}")
+            problem=f"manifest says step {manifest.step}, directory name says {step}",
+            defect="wrong-step")
     return CheckpointEntry(step, name, path, "committed", manifest=manifest)
 
 
@@ -354,7 +398,7 @@ def verify_checkpoint(
         relative = f"{name}/{manifest.data_path(entry.path)}"
         where = storage.path(relative)
         try:
-            size = storage.size(relative)
+            size = read_with_retry(where, lambda: storage.size(relative))
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{where} is missing (listed in the manifest of step {manifest.step})",
@@ -375,7 +419,9 @@ def verify_checkpoint(
                     progress(len(chunk))
                 yield chunk
 
-        actual = checksum_chunks(counted())  # type: ignore[arg-type]
+        # A transient read error hashes the file again from its start.
+        actual = read_with_retry(
+            where, lambda: checksum_chunks(counted()))  # type: ignore[arg-type]
         if actual != entry.checksum:
             raise CorruptCheckpointError(
                 f"{where} fails its checksum (step {manifest.step}): expected "

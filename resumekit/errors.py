@@ -17,6 +17,7 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "DistributedSetupError",
+    "ForeignCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
     "ManifestError",
@@ -90,6 +91,16 @@ class UnsafeCheckpointError(ResumekitError, ValueError):
 
 class StorageError(ResumekitError, OSError):
     """The storage backend refused an operation (``path``, ``operation``)."""
+
+
+class ForeignCheckpointError(ResumekitError, FileExistsError):
+    """A root holds another tool's checkpoint and no resumekit one (``path``, ``format``).
+
+    Raised by ``CheckpointManager.restore()`` instead of starting from step 0; attributes
+    ``path`` (the foreign checkpoint), ``format`` (``dcp``, ``torchtitan``, ...), ``step``
+    (what it records, or None) and ``command`` (the ``resumekit import`` command line that
+    converts it).
+    """
 
 
 class IncompatibleCheckpointError(ResumekitError, ValueError):

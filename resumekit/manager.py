@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import threading
 import time
 import warnings
@@ -37,7 +38,10 @@ from torch import nn
 
 from resumekit import distributed, legacy, sharded
 from resumekit.catalog import (
+    BROKEN,
     CheckpointEntry,
+    ForeignCheckpoint,
+    detect_foreign,
     latest_committed,
     list_checkpoints,
     verify_checkpoint,
@@ -56,10 +60,13 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
+    ForeignCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
+    ManifestError,
     ResumekitError,
     StepCollisionError,
+    UnsupportedSchemaError,
 )
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
 from resumekit.manifest import MANIFEST_NAME, FileEntry, Lineage, Manifest, SaveReason
@@ -77,11 +84,12 @@ from resumekit.state import (
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "MismatchPolicy"]
+__all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
 
 logger = logging.getLogger("resumekit")
 
 MismatchPolicy = Literal["error", "warn", "ignore"]
+ForeignPolicy = Literal["error", "ignore"]
 
 #: Retention when none is given: the three newest committed checkpoints.
 DEFAULT_RETENTION = keep_last(3)
@@ -108,6 +116,15 @@ class _SaveJob:
     manifest: Manifest
     started: float
     background: bool = False  # overlaps training: writer threads at idle CPU priority
+
+
+@dataclass(frozen=True)
+class _Survey:
+    """What restore found in the root: its entries, and the root itself if it is another
+    tool's checkpoint (``root_foreign``)."""
+
+    entries: list[CheckpointEntry]
+    root_foreign: ForeignCheckpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +234,11 @@ class CheckpointManager:
             block while read; object stores get DCP's format) or ``"dcp"`` (DCP's own
             ``FileSystemWriter`` format, which stock DCP tools read unchanged; slower, see
             ``docs/performance.md``). Restore reads either, whatever this says.
+        foreign: What :meth:`restore` does when the root holds no resumekit checkpoint but
+            another tool's (plain DCP, torchtitan, Accelerate, Lightning, HF Trainer), or
+            is one: ``"error"`` (default) raises
+            :class:`~resumekit.errors.ForeignCheckpointError` with the ``resumekit
+            import`` command that converts it; ``"ignore"`` warns and starts at step 0.
     """
 
     def __init__(
@@ -243,6 +265,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         import_legacy: bool = True,
         tensor_format: Literal["raw", "dcp"] = "raw",
+        foreign: ForeignPolicy = "error",
     ) -> None:
         if save_every is not None and save_every < 1:
             raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
@@ -259,6 +282,10 @@ class CheckpointManager:
             raise ConfigurationError(
                 f"tensor_format must be raw or dcp, not {tensor_format!r}",
                 name="tensor_format", value=tensor_format)
+        if foreign not in ("error", "ignore"):
+            raise ConfigurationError(
+                f"foreign must be error or ignore, not {foreign!r}",
+                name="foreign", value=foreign)
         self.storage = Storage(root, storage_options)
         self.tensor_format: Literal["raw", "dcp"] = tensor_format
         self.name_format = NameFormat(name_format)
@@ -280,6 +307,7 @@ class CheckpointManager:
         if preemption is not None and self._installed_preemption:
             preemption.install()
         self.import_legacy = import_legacy
+        self.foreign = foreign
         self.resumed_from: int | None = None
         self.last_saved_step: int | None = None
         self._last_commit_time: float | None = None
@@ -351,18 +379,27 @@ class CheckpointManager:
     def restore(self, step: int | None = None) -> int:
         """Restore the newest committed checkpoint (or ``step``); return the step to resume.
 
-        Returns 0 on a fresh start. Ends with every rank meeting on the checkpoint group,
-        so ranks that finished loading early wait there (long timeout), never in a
-        training collective.
+        Returns 0 on a fresh start, and says why (logged; a warning when the root holds
+        anything that is not a committed checkpoint). Every entry newer than the one
+        restored that is not a usable checkpoint is warned about; what is provably broken
+        (a garbled, missing or unsafe manifest, one naming another step) is set aside
+        under a hidden ``.bad-`` name so that its step can be saved again. Ends with every
+        rank meeting on the checkpoint group, so ranks that finished loading early wait
+        there (long timeout), never in a training collective.
 
         Raises:
             CheckpointNotFoundError: ``step`` was asked for and is not committed.
             IncompatibleCheckpointError: The checkpoint does not fit this run.
+            UnsupportedSchemaError: A checkpoint newer than every usable one was written
+                by a newer resumekit (never fallen back past, never set aside).
+            ForeignCheckpointError: No resumekit checkpoint, but another tool's (and
+                ``foreign="error"``): the message gives the ``resumekit import`` command.
+            StorageError: Reading failed even after retries (the checkpoint is kept).
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        entries: list[CheckpointEntry] = run_on_leader(self._main.coordinator,
-                                                       self._recovered_listing)
+        survey: _Survey = run_on_leader(self._main.coordinator, self._survey)
+        entries = survey.entries
         committed = [e for e in entries if e.status == "committed"]
         if step is not None:
             committed = [e for e in committed if e.step == step]
@@ -371,44 +408,247 @@ class CheckpointManager:
                     f"no committed checkpoint of step {step} under {self.storage.path()}",
                     path=self.storage.path(), step=step,
                 )
-        if committed:
-            self._newest_step = max(e.step for e in entries if e.status == "committed")
+        if step is None and not self.fallback:
+            self._refuse_broken_newest(entries)
+        restored = self._restore_newest_committed(entries, committed, explicit=step is not None)
+        if restored is not None:
+            self._report_newer_unusable(entries, above=restored)
+            self._report_foreign_next_to(entries, restored)
+            self._finish_restore(f"end of restore from step {restored}")
+            return self.state.step
+        if step is None:
+            self._refuse_newer_schema(entries, below=None)
+        legacy = [e for e in entries if e.status == "legacy"]
+        if self.import_legacy and legacy and self.state.model is not None:
+            self._import_legacy(legacy[-1])
+            self._report_newer_unusable(entries, above=legacy[-1].step)
+            self._report_foreign_next_to(entries, legacy[-1].step)
+            self._finish_restore(f"end of legacy import from {legacy[-1].name}")
+            return self.state.step
+        self._refuse_or_ignore_foreign(survey)
+        self._report_newer_unusable(entries, above=-1)
+        self._explain_fresh_start(survey)
+        self._finish_restore("fresh start")
+        return 0
+
+    def _survey(self) -> _Survey:
+        """What the root holds (run on the leader): its entries, and whether it is itself
+        another tool's checkpoint (a root passed as ``.../checkpoint-4``)."""
+        entries = self._recovered_listing()
+        root_foreign = None
+        if not any(e.status == "committed" for e in entries) and self.storage.is_dir():
+            root_foreign = detect_foreign(self.storage)
+        return _Survey(entries, root_foreign)
+
+    def _restore_newest_committed(self, entries: list[CheckpointEntry],
+                                  committed: list[CheckpointEntry], *, explicit: bool
+                                  ) -> int | None:
+        """Load the newest of ``committed`` that restores, falling back past bad ones.
+
+        Returns:
+            The step restored, or None when ``committed`` is empty.
+        """
+        remaining = {e.step for e in entries if e.status == "committed"}
+        if remaining:
+            self._newest_step = max(remaining)
         failures: list[str] = []
         for entry in reversed(committed):
+            if not explicit:
+                self._refuse_newer_schema(entries, below=entry)
             try:
                 self._restore_entry(entry)
-            except (IncompatibleCheckpointError, CheckpointNotFoundError):
+            except IncompatibleCheckpointError:
                 raise
-            except ResumekitError as error:
-                failures.append(f"step {entry.step}: {error}")
-                if not self.fallback or step is not None:
-                    raise
-                aside = self._set_aside(entry, error)
-                where = f" (set aside as {aside})" if aside else ""
-                logger.warning("resumekit: cannot restore step %d (%s)%s; falling back to "
-                               "the previous checkpoint", entry.step, error, where)
-                warnings.warn(f"checkpoint step {entry.step} is unusable ({error}){where}; "
-                              "falling back to the previous one", ResumekitWarning,
-                              stacklevel=2)
-                self._newest_step = max((e.step for e in committed if e.step < entry.step),
-                                        default=None)
+            except (ResumekitError, FileNotFoundError) as error:
+                what, freed = self._unusable_committed(entry, error, explicit=explicit)
+                failures.append(f"step {entry.step}: {what}")
+                if freed:
+                    remaining.discard(entry.step)
+                self._newest_step = max(remaining, default=None)
                 continue
-            self._finish_restore(f"end of restore from step {entry.step}")
-            return self.state.step
+            self._newest_step = max(remaining, default=None)
+            return entry.step
         if failures:
             raise ResumekitError(
                 f"no checkpoint under {self.storage.path()} could be restored: "
                 + "; ".join(failures), path=self.storage.path(),
             )
-        legacy = [e for e in entries if e.status == "legacy"]
-        if self.import_legacy and legacy and self.state.model is not None:
-            self._import_legacy(legacy[-1])
-            self._finish_restore(f"end of legacy import from {legacy[-1].name}")
-            return self.state.step
-        if self._main.coordinator.rank == 0:
-            self._warn_about_other_names()
-        self._finish_restore("fresh start")
-        return 0
+        return None
+
+    def _unusable_committed(self, entry: CheckpointEntry, error: BaseException, *,
+                            explicit: bool) -> tuple[str, bool]:
+        """Decide what a committed checkpoint that failed to restore means; warn.
+
+        Returns a one-line account, and whether its step is free again (deleted or set
+        aside), when restore may fall back to the previous checkpoint:
+        the entry was deleted while it was read (another job's retention), or it failed a
+        checksum or a size (then it is set aside when the root allows). Anything else (a
+        storage failure that outlived its retries, unsafe content) is raised: falling back
+        past a checkpoint that stays committed would only collide with it on the next
+        save.
+        """
+        gone = run_on_leader(self._main.coordinator, lambda: not self.storage.exists(
+            f"{entry.name}/{MANIFEST_NAME}"))
+        if gone:
+            message = (f"{entry.path} (step {entry.step}) was deleted while it was being "
+                       f"restored (another job's retention or prune?): {error}")
+            if not self.fallback or explicit:
+                raise CheckpointNotFoundError(message, path=entry.path,
+                                              step=entry.step) from error
+            self._warn(f"{message}; falling back to the previous checkpoint")
+            return f"deleted while it was being restored ({error})", True
+        if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
+            error = IncompleteCheckpointError(
+                f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
+                path=entry.path, file=error.filename, step=entry.step)
+        if not isinstance(error, (CorruptCheckpointError, IncompleteCheckpointError)) or \
+                not self.fallback or explicit:
+            raise error
+        aside, why_not = self._set_aside(entry)
+        where = (f"set aside as {aside}" if aside else
+                 f"it could not be set aside ({why_not}), so saving step {entry.step} again "
+                 "will fail until it is moved out of the root")
+        self._warn(f"checkpoint step {entry.step} ({entry.path}) is unusable ({error}); "
+                   f"{where}; falling back to the previous checkpoint")
+        return (f"set aside ({error})" if aside else f"unusable ({error})"), aside is not None
+
+    def _refuse_newer_schema(self, entries: list[CheckpointEntry],
+                             below: CheckpointEntry | None) -> None:
+        """Never restore (or start fresh) past a checkpoint a newer resumekit wrote."""
+        floor = -1 if below is None else below.step
+        newer = [e for e in entries if e.defect == "newer-schema" and e.step > floor]
+        if not newer:
+            return
+        newest = newer[-1]
+        instead = "start fresh at step 0" if below is None else \
+            f"fall back to step {below.step}"
+        raise UnsupportedSchemaError(
+            f"{newest.path} (step {newest.step}) was written by a newer resumekit: "
+            f"{newest.problem}. Refusing to {instead} past it: upgrade resumekit to resume "
+            "from it, or move it out of the root to resume without it",
+            path=newest.path, step=newest.step,
+        )
+
+    def _refuse_broken_newest(self, entries: list[CheckpointEntry]) -> None:
+        """With ``fallback=False``, a broken step directory newer than every committed
+        checkpoint is an error, not something to restore past."""
+        newest = max((e.step for e in entries if e.status == "committed"), default=-1)
+        broken = [e for e in entries if e.defect in BROKEN and e.step > newest]
+        if broken:
+            entry = broken[-1]
+            raise ManifestError(
+                f"{entry.path} (step {entry.step}) is newer than every committed checkpoint "
+                f"but is not one: {entry.problem} (fallback=False: not restoring an older "
+                "one; move it out of the root or pass fallback=True to set it aside)",
+                path=entry.path, step=entry.step,
+            )
+
+    def _report_newer_unusable(self, entries: list[CheckpointEntry], *, above: int) -> None:
+        """Warn about every own step directory newer than ``above`` that is not usable.
+
+        What is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
+        resumed run can save its step again instead of colliding with it on every requeue;
+        older ones are only logged (they block nothing: steps only increase).
+        """
+        for entry in entries:
+            if entry.defect not in BROKEN and entry.defect not in ("newer-schema",
+                                                                   "unfinished"):
+                continue
+            if entry.step <= above:
+                logger.info("resumekit: ignoring %s, older than the step resumed from: %s",
+                            entry.path, entry.problem)
+                continue
+            if entry.defect == "unfinished":
+                self._warn(f"ignoring {entry.path} (step {entry.step}): {entry.problem}; a "
+                           "save that has not committed (the next save of that step "
+                           "writes a new attempt)")
+                continue
+            if entry.defect == "newer-schema":
+                self._warn(f"ignoring {entry.path} (step {entry.step}), written by a newer "
+                           f"resumekit ({entry.problem}), because an older step was asked "
+                           "for; it is kept")
+                continue
+            aside, why_not = self._set_aside(entry)
+            outcome = (f"set aside as {aside} (kept for inspection) so that step "
+                       f"{entry.step} can be saved again" if aside else
+                       f"it could not be set aside ({why_not}); saving step {entry.step} "
+                       "will fail until it is moved out of the root")
+            self._warn(f"{entry.path} (step {entry.step}) is not a usable checkpoint: "
+                       f"{entry.problem}; {outcome}")
+
+    def _report_foreign_next_to(self, entries: list[CheckpointEntry], restored: int) -> None:
+        """Foreign checkpoints beside the one restored: warn when one records a newer
+        step (its state may be the run's newest), log the others."""
+        for entry in entries:
+            if entry.status != "foreign":
+                continue
+            if entry.step > restored:
+                self._warn(f"{entry.path} is a {entry.format} checkpoint of step "
+                           f"{entry.step}, newer than step {restored} restored; it is "
+                           f"ignored (convert it with: {_import_command(entry, self.storage)})")
+            else:
+                logger.info("resumekit: ignoring the %s checkpoint %s (not resumekit's)",
+                            entry.format, entry.path)
+
+    def _refuse_or_ignore_foreign(self, survey: _Survey) -> None:
+        """No committed checkpoint but another tool's: never start from step 0 silently."""
+        found: list[tuple[str, str, int | None, str]] = [
+            (e.path, str(e.format), None if e.step < 0 else e.step,
+             _import_command(e, self.storage))
+            for e in survey.entries if e.status == "foreign"]
+        if survey.root_foreign is not None:
+            root = survey.root_foreign
+            found.append((root.path, root.format, root.step, _import_command(
+                root, self.storage, into=_new_root_for(self.storage))))
+        if not found:
+            return
+        path, form, step, command = max(found, key=lambda f: (f[2] is not None, f[2] or 0))
+        others = f" (and {len(found) - 1} more foreign checkpoint(s))" if len(found) > 1 \
+            else ""
+        recorded = f"step {step}" if step is not None else "no step: pass the step it was " \
+            "saved at as --step N"
+        if self.foreign == "ignore":
+            self._warn(f"starting fresh at step 0 although {path} is a {form} checkpoint "
+                       f"({recorded}){others}: foreign='ignore'")
+            return
+        itself = survey.root_foreign is not None and path == survey.root_foreign.path
+        then = f" and use {_new_root_for(self.storage)} as the root" if itself else ""
+        raise ForeignCheckpointError(
+            f"{self.storage.path()} holds no resumekit checkpoint, but {path} is a {form} "
+            f"checkpoint ({recorded}){others}; refusing to start from step 0. Convert it "
+            f"with: {command}{then} - or pass foreign='ignore' to start fresh anyway",
+            path=path, format=form, step=step, command=command,
+        )
+
+    def _explain_fresh_start(self, survey: _Survey) -> None:
+        """Say why a run starts at step 0: info for an empty root, a warning when the root
+        holds anything that is not a committed checkpoint."""
+        if self._main.coordinator.rank != 0:
+            return
+        root = self.storage.path()
+        reported = BROKEN | {"newer-schema", "unfinished"}
+        others = [e for e in survey.entries
+                  if e.status not in ("committed", "foreign") and e.defect not in reported]
+        if not self.storage.exists():
+            logger.info("resumekit: starting fresh at step 0: %s does not exist yet", root)
+        elif not self.storage.list_dir():
+            logger.info("resumekit: starting fresh at step 0: %s is empty", root)
+        else:
+            logger.info("resumekit: starting fresh at step 0: %s holds no committed "
+                        "checkpoint (%d entries, none resumekit can resume from)", root,
+                        len(self.storage.list_dir()))
+        if others:
+            listed = "; ".join(f"{e.name} ({e.status}: {e.problem})" for e in others[-5:])
+            reason = (" (import_legacy=False)" if self.import_legacy is False else
+                      " (no model to load weights into)") if any(
+                e.status == "legacy" for e in others) else ""
+            self._warn(f"starting fresh at step 0, but {root} holds entries that are not "
+                       f"committed checkpoints{reason}: {listed}", stacklevel=4)
+        self._warn_about_other_names()
+
+    def _warn(self, message: str, *, stacklevel: int = 4) -> None:
+        logger.warning("resumekit: %s", message)
+        warnings.warn(message, ResumekitWarning, stacklevel=stacklevel)
 
     def _warn_about_other_names(self) -> None:
         """A fresh start next to checkpoints of another name format is almost always a bug."""
@@ -419,34 +659,44 @@ class CheckpointManager:
             and self.storage.exists(f"{info.name}/{MANIFEST_NAME}")
         ]
         if others:
-            warnings.warn(
+            self._warn(
                 f"starting fresh at step 0, but {self.storage.path()} holds checkpoints "
                 f"this manager's name_format {self.name_format.template!r} does not match "
                 f"(e.g. {sorted(others)[-1]!r}): pass the name_format they were written with",
-                ResumekitWarning, stacklevel=3,
+                stacklevel=5,
             )
 
-    def _set_aside(self, entry: CheckpointEntry, error: ResumekitError) -> str | None:
-        """Rename a committed checkpoint that failed to restore to a hidden ``.bad-`` name.
+    def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
+        """Rename a step directory that cannot be restored to a hidden ``.bad-`` name.
 
         Nothing is deleted: the files stay for forensics, but the step no longer counts as
-        committed, so the resumed run can save that step again. Object stores (no rename)
-        keep the entry; their next saves of lower steps then collide, and the error says
-        which directory to move.
+        taken, so the resumed run can save that step again. Object stores (no atomic
+        rename) and roots this job cannot write keep the entry; the reason comes back so
+        the warning can say what to do.
+
+        Returns:
+            ``(hidden name, None)`` once set aside, else ``(None, why not)``.
         """
-        if not self.storage.atomic_rename or not isinstance(
-            error, (CorruptCheckpointError, IncompleteCheckpointError)
-        ):
-            return None  # a transient read error is no reason to set a checkpoint aside
+        if not self.storage.atomic_rename:
+            return None, (f"{self.storage.url} is an object store, where a directory cannot "
+                          f"be renamed atomically: move or delete {entry.path} by hand")
 
-        def rename() -> str:
+        def rename() -> tuple[str | None, str | None]:
             aside = self.name_format.quarantine_name(entry.step, os.urandom(6).hex())
-            self.storage.rename_dir(entry.name, aside)
-            self.storage.fsync_dir()
-            return aside
+            try:
+                self.storage.rename_dir(entry.name, aside)
+            except OSError as error:  # read-only root, another user's root, gone
+                return None, f"renaming it failed: {error}"
+            try:
+                self.storage.fsync_dir()
+            except OSError as error:
+                logger.warning("resumekit: %s", error)
+            logger.info("resumekit: set %s aside as %s", entry.path, aside)
+            return aside, None
 
-        aside: str = run_on_leader(self._main.coordinator, rename)
-        return aside
+        outcome: tuple[str | None, str | None] = run_on_leader(self._main.coordinator,
+                                                               rename)
+        return outcome
 
     def _recovered_listing(self) -> list[CheckpointEntry]:
         """List the root after undoing a replacement a crash cut between its two renames."""
@@ -801,6 +1051,21 @@ def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
+
+
+def _import_command(found: CheckpointEntry | ForeignCheckpoint, storage: Storage, *,
+                    into: str | None = None) -> str:
+    """The ``resumekit import`` command line converting a foreign checkpoint into a root."""
+    source = storage.url_of(found.name)
+    step = found.step if found.step is not None and found.step >= 0 else None
+    command = (f"resumekit import {shlex.quote(source)} "
+               f"{shlex.quote(into or storage.url_of())} --format {found.format}")
+    return command if step is not None else f"{command} --step N"
+
+
+def _new_root_for(storage: Storage) -> str:
+    """Where to import a root that is itself a foreign checkpoint: a sibling directory."""
+    return f"{storage.url_of().rstrip('/')}-resumekit"
 
 
 def _launcher() -> str | None:

@@ -70,6 +70,7 @@ from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, hex_digest
+from resumekit.retry import read_with_retry
 
 __all__ = [
     "ALIGNMENT",
@@ -530,13 +531,18 @@ class RawTensorReading:
         return str(os.fspath(self.fs.concat_path(self.path, info.relative_path)))
 
     def _read_file(self, name: str, jobs: list[_Job]) -> list[tuple[_Job, Any]]:
+        """Read every item of one file; a transient error reads the whole file again."""
         where = self._where(jobs[0].info)
-        values: list[tuple[_Job, Any]] = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-            for job in sorted(jobs, key=lambda j: j.info.offset):
-                stream.seek(job.info.offset)
-                values.append((job, self._read_item(stream, job, where)))
-        return values
+
+        def read() -> list[tuple[_Job, Any]]:
+            values: list[tuple[_Job, Any]] = []
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                for job in sorted(jobs, key=lambda j: j.info.offset):
+                    stream.seek(job.info.offset)
+                    values.append((job, self._read_item(stream, job, where)))
+            return values
+
+        return read_with_retry(where, read)
 
     def _read_item(self, stream: IO[bytes], job: _Job, where: str) -> Any:
         descriptor, info, request = job.descriptor, job.info, job.request

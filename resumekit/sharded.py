@@ -87,6 +87,7 @@ from resumekit.raw_tensor_files import (
     aligned_empty,
     is_raw,
 )
+from resumekit.retry import read_with_retry
 from resumekit.safe_pickle import load_dcp_metadata
 
 __all__ = [
@@ -753,9 +754,13 @@ class _SafeReaderMixin:
         if self._metadata is not None and rank is None:
             return self._metadata
         source = os.fspath(self._get_metadata_path(rank))
-        try:
+
+        def read() -> bytes:
             with self.fs.create_stream(source, "rb") as stream:
-                data = stream.read()
+                return cast(bytes, stream.read())
+
+        try:
+            data = read_with_retry(source, read)
         except FileNotFoundError as error:
             found = CheckpointNotFoundError(
                 f"no checkpoint metadata at {source}", path=os.fspath(self.path), file=source
@@ -1050,6 +1055,12 @@ def _load_error(
             f"checkpoint {target} is missing file {missing}{where}",
             path=target,
             file=missing,
+        )
+    if isinstance(error, OSError):  # the storage failed, not the bytes: never corruption
+        return StorageError(
+            f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",
+            path=target,
+            operation="load",
         )
     return CorruptCheckpointError(
         f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",

@@ -38,6 +38,7 @@ from resumekit import rng, sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.layout import TENSORS_DIR
 from resumekit.manifest import Manifest
+from resumekit.retry import read_with_retry
 from resumekit.sampler import ResumableDistributedSampler
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
@@ -83,7 +84,9 @@ def read_plain(storage: Storage, name: str, manifest: Manifest, path: str) -> An
     data directory, with ``torch.load(weights_only=True)``, errors naming the file.
     """
     relative = f"{name}/{manifest.data_path(path)}"
-    return load_plain(storage.read_bytes(relative), source=storage.path(relative))
+    source = storage.path(relative)
+    return load_plain(read_with_retry(source, lambda: storage.read_bytes(relative)),
+                      source=source)
 
 
 def dump_plain(value: Any, *, what: str) -> bytes:
