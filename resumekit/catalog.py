@@ -21,11 +21,13 @@ newer (``newer-schema``: refused) or still being written (``unfinished``, ``stag
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import posixpath
 import re
-from collections.abc import Callable, Collection, Mapping
+import shlex
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +55,7 @@ __all__ = [
     "Status",
     "TensorData",
     "detect_foreign",
+    "import_command",
     "latest_committed",
     "list_checkpoints",
     "locate_tensor_data",
@@ -203,6 +206,26 @@ def _format_of_files(storage: Storage, name: str, base: str, files: set[str]
     return None, "", None
 
 
+def import_command(found: CheckpointEntry | ForeignCheckpoint, storage: Storage, *,
+                   into: str | None = None) -> str:
+    """The ``resumekit import`` command line that converts a foreign checkpoint.
+
+    Args:
+        found: A ``foreign`` entry of ``storage``, or what :func:`detect_foreign` found.
+        storage: The root it was found in (the import's destination by default).
+        into: Another destination root (for a root that is itself a foreign checkpoint).
+
+    Returns:
+        ``resumekit import SRC ROOT --format FORMAT``, plus ``--step N`` when the format
+        records no step (Accelerate, plain DCP): N is then for the user to fill in.
+    """
+    source = storage.url_of(found.name)
+    command = (f"resumekit import {shlex.quote(source)} "
+               f"{shlex.quote(into or storage.url_of())} --format {found.format}")
+    recorded = found.step is not None and found.step >= 0
+    return command if recorded else f"{command} --step N"
+
+
 def _foreign_entry(storage: Storage, name: str, step: int | None) -> CheckpointEntry | None:
     foreign = detect_foreign(storage, name)
     if foreign is None:
@@ -333,22 +356,18 @@ def _step_entry(storage: Storage, name: str, step: int,
             # Our own step name without a manifest is a save that never committed
             # (or lost its manifest), not a weights-only export to import.
             status, problem = "partial", "data without manifest.json (not committed)"
-        defect: Defect | None = None
+        missing: Defect | None = None
         if status == "partial":
-            defect = ("empty" if problem.startswith("empty") else
-                      "no-manifest" if storage.atomic_rename else "unfinished")
-        return CheckpointEntry(step, name, path, status, problem=problem, defect=defect)
+            missing = ("empty" if problem.startswith("empty") else
+                       "no-manifest" if storage.atomic_rename else "unfinished")
+        return CheckpointEntry(step, name, path, status, problem=problem, defect=missing)
     try:
         manifest = read_manifest(storage, name)
-    except UnsupportedSchemaError as error:
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
-                               defect="newer-schema")
-    except UnsafeCheckpointError as error:
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
-                               defect="unsafe-manifest")
-    except (ManifestError, CorruptCheckpointError) as error:
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
-                               defect="bad-manifest")
+    except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
+        defect: Defect = ("newer-schema" if isinstance(error, UnsupportedSchemaError) else
+                          "unsafe-manifest" if isinstance(error, UnsafeCheckpointError) else
+                          "bad-manifest")
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error), defect=defect)
     if manifest.step != step:
         return CheckpointEntry(
             step, name, path, "corrupt",
@@ -398,7 +417,7 @@ def verify_checkpoint(
         relative = f"{name}/{manifest.data_path(entry.path)}"
         where = storage.path(relative)
         try:
-            size = read_with_retry(where, lambda: storage.size(relative))
+            size = read_with_retry(where, functools.partial(storage.size, relative))
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{where} is missing (listed in the manifest of step {manifest.step})",
@@ -413,15 +432,16 @@ def verify_checkpoint(
         if entry.path in sizes_only:
             continue
 
-        def counted(relative: str = relative) -> object:
-            for chunk in storage.iter_chunks(relative):
-                if progress is not None:
-                    progress(len(chunk))
-                yield chunk
+        def hashed(relative: str = relative) -> str:
+            def counted() -> Iterator[bytes]:
+                for chunk in storage.iter_chunks(relative):
+                    if progress is not None:
+                        progress(len(chunk))
+                    yield chunk
 
-        # A transient read error hashes the file again from its start.
-        actual = read_with_retry(
-            where, lambda: checksum_chunks(counted()))  # type: ignore[arg-type]
+            return checksum_chunks(counted())
+
+        actual = read_with_retry(where, hashed)  # a transient error hashes it again
         if actual != entry.checksum:
             raise CorruptCheckpointError(
                 f"{where} fails its checksum (step {manifest.step}): expected "

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 import threading
 import time
 import warnings
@@ -42,6 +41,7 @@ from resumekit.catalog import (
     CheckpointEntry,
     ForeignCheckpoint,
     detect_foreign,
+    import_command,
     latest_committed,
     list_checkpoints,
     verify_checkpoint,
@@ -120,8 +120,12 @@ class _SaveJob:
 
 @dataclass(frozen=True)
 class _Survey:
-    """What restore found in the root: its entries, and the root itself if it is another
-    tool's checkpoint (``root_foreign``)."""
+    """What restore found in the root.
+
+    Attributes:
+        entries: Its entries, as the catalog lists them.
+        root_foreign: The root itself, when it is another tool's checkpoint.
+    """
 
     entries: list[CheckpointEntry]
     root_foreign: ForeignCheckpoint | None = None
@@ -432,8 +436,10 @@ class CheckpointManager:
         return 0
 
     def _survey(self) -> _Survey:
-        """What the root holds (run on the leader): its entries, and whether it is itself
-        another tool's checkpoint (a root passed as ``.../checkpoint-4``)."""
+        """List the root (on the leader) and check whether it is itself a foreign checkpoint.
+
+        A root passed as ``.../checkpoint-4`` is one (only when it holds nothing committed).
+        """
         entries = self._recovered_listing()
         root_foreign = None
         if not any(e.status == "committed" for e in entries) and self.storage.is_dir():
@@ -530,8 +536,10 @@ class CheckpointManager:
         )
 
     def _refuse_broken_newest(self, entries: list[CheckpointEntry]) -> None:
-        """With ``fallback=False``, a broken step directory newer than every committed
-        checkpoint is an error, not something to restore past."""
+        """Raise for a broken step directory newer than every committed one (no fallback).
+
+        With ``fallback=False`` it is an error, not something to restore past.
+        """
         newest = max((e.step for e in entries if e.status == "committed"), default=-1)
         broken = [e for e in entries if e.defect in BROKEN and e.step > newest]
         if broken:
@@ -577,15 +585,17 @@ class CheckpointManager:
                        f"{entry.problem}; {outcome}")
 
     def _report_foreign_next_to(self, entries: list[CheckpointEntry], restored: int) -> None:
-        """Foreign checkpoints beside the one restored: warn when one records a newer
-        step (its state may be the run's newest), log the others."""
+        """Warn about foreign checkpoints of a newer step than ``restored``; log the others.
+
+        A newer one may hold the run's newest state.
+        """
         for entry in entries:
             if entry.status != "foreign":
                 continue
             if entry.step > restored:
                 self._warn(f"{entry.path} is a {entry.format} checkpoint of step "
                            f"{entry.step}, newer than step {restored} restored; it is "
-                           f"ignored (convert it with: {_import_command(entry, self.storage)})")
+                           f"ignored (convert it with: {import_command(entry, self.storage)})")
             else:
                 logger.info("resumekit: ignoring the %s checkpoint %s (not resumekit's)",
                             entry.format, entry.path)
@@ -594,11 +604,11 @@ class CheckpointManager:
         """No committed checkpoint but another tool's: never start from step 0 silently."""
         found: list[tuple[str, str, int | None, str]] = [
             (e.path, str(e.format), None if e.step < 0 else e.step,
-             _import_command(e, self.storage))
+             import_command(e, self.storage))
             for e in survey.entries if e.status == "foreign"]
         if survey.root_foreign is not None:
             root = survey.root_foreign
-            found.append((root.path, root.format, root.step, _import_command(
+            found.append((root.path, root.format, root.step, import_command(
                 root, self.storage, into=_new_root_for(self.storage))))
         if not found:
             return
@@ -621,8 +631,11 @@ class CheckpointManager:
         )
 
     def _explain_fresh_start(self, survey: _Survey) -> None:
-        """Say why a run starts at step 0: info for an empty root, a warning when the root
-        holds anything that is not a committed checkpoint."""
+        """Say why a run starts at step 0.
+
+        Info for an empty root, a warning when the root holds anything that is not a
+        committed checkpoint.
+        """
         if self._main.coordinator.rank != 0:
             return
         root = self.storage.path()
@@ -1051,16 +1064,6 @@ def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
-
-
-def _import_command(found: CheckpointEntry | ForeignCheckpoint, storage: Storage, *,
-                    into: str | None = None) -> str:
-    """The ``resumekit import`` command line converting a foreign checkpoint into a root."""
-    source = storage.url_of(found.name)
-    step = found.step if found.step is not None and found.step >= 0 else None
-    command = (f"resumekit import {shlex.quote(source)} "
-               f"{shlex.quote(into or storage.url_of())} --format {found.format}")
-    return command if step is not None else f"{command} --step N"
 
 
 def _new_root_for(storage: Storage) -> str:

@@ -53,6 +53,7 @@ STATUS_STYLES = {
     "partial": "yellow",
     "corrupt": "bold red",
     "legacy": "cyan",
+    "foreign": "magenta",
 }
 
 _PIPE_WIDTH = 160

@@ -1,9 +1,12 @@
 """``resumekit inspect``: what a checkpoint root, or one checkpoint, holds.
 
-On a root: one row per checkpoint (committed, partial, corrupt, legacy) with size, world
-size, time, reason and lineage; the checkpoint the next run resumes from; and the requeue
-chain (which job and restart wrote which steps). On one checkpoint: its manifest, the
-state it holds, its files and, with ``--tensors``, every tensor from the metadata alone.
+On a root: one row per checkpoint (committed, partial, corrupt, legacy, foreign) with
+size, world size, time, reason and lineage; the checkpoint the next run resumes from; and
+the requeue chain (which job and restart wrote which steps). On one checkpoint: its
+manifest, the state it holds, its files and, with ``--tensors``, every tensor from the
+metadata alone. Another tool's checkpoint (``foreign``, with its format) is never taken
+for an empty root: a root holding only such entries, or a directory that is one, exits 1
+with the ``resumekit import`` command that converts it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from rich.table import Table
 from rich.text import Text
 
 from resumekit import legacy, sharded
-from resumekit.catalog import CheckpointEntry, list_checkpoints
+from resumekit.catalog import (
+    CheckpointEntry,
+    ForeignCheckpoint,
+    detect_foreign,
+    import_command,
+    list_checkpoints,
+)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -37,7 +46,7 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.errors import CorruptCheckpointError, ResumekitError
+from resumekit.errors import CorruptCheckpointError, ForeignCheckpointError, ResumekitError
 from resumekit.export import CheckpointTarget, open_target, tensors_url
 from resumekit.manifest import Lineage, Manifest, describe
 from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, read_plain
@@ -60,7 +69,8 @@ def add_parser(subparsers: Any) -> None:
         "reason and lineage, the one the next run resumes from (*), and the requeue "
         "chain. On one checkpoint directory: its manifest and state; --tensors adds "
         "every tensor (from metadata, no tensor data read). Exit 1 when a root holds a "
-        "corrupt checkpoint or the directory is not a committed checkpoint.",
+        "corrupt checkpoint, holds only another tool's checkpoints (status foreign) or is "
+        "one, or the directory is not a committed checkpoint.",
     )
     parser.add_argument("path", help="checkpoint root or one checkpoint directory "
                         "(path or fsspec URL)")
@@ -116,6 +126,7 @@ def entry_json(
         "problem": entry.problem,
         "resume_from": resume is not None and entry.name == resume.name,
         "seconds_since_previous": since_previous,
+        "format": entry.format,
     }
 
 
@@ -191,6 +202,8 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
         rows.append(entry_json(storage, entry, resume=resume, since_previous=since))
     chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
     corrupt = [entry for entry in entries if entry.status == "corrupt"]
+    itself = detect_foreign(storage) if not entries else None
+    refused = _foreign_refusal(storage, entries, itself)
     if args.json:
         emit_json({
             "schema": SCHEMA,
@@ -200,9 +213,15 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
             "resume_from": None if resume is None else resume.step,
             "checkpoints": rows,
             "chain": chain,
+            "foreign": None if itself is None else {
+                "path": itself.path, "format": itself.format, "step": itself.step,
+                "marker": itself.marker, "command": getattr(refused, "command", None),
+            },
         })
     else:
-        _print_root(storage, target, rows, chain, resume)
+        _print_root(storage, target, rows, chain, resume, itself=itself, refused=refused)
+    if refused is not None:
+        raise refused
     if corrupt:
         first = corrupt[0]
         raise CorruptCheckpointError(
@@ -212,9 +231,48 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
     return 0
 
 
+def _foreign_refusal(storage: Storage, entries: list[CheckpointEntry],
+                     itself: ForeignCheckpoint | None) -> ForeignCheckpointError | None:
+    """The error of a root the next run refuses to start in, if it is one.
+
+    That is a root holding only foreign checkpoints (nothing committed, nothing legacy to
+    import), or one that is itself a foreign checkpoint.
+    """
+    if itself is not None:
+        into = f"{storage.url_of().rstrip('/')}-resumekit"
+        command = import_command(itself, storage, into=into)
+        return ForeignCheckpointError(
+            f"{itself.path} is not a resumekit root but a {itself.format} checkpoint "
+            f"({itself.marker}); convert it with: {command} (then use {into} as the root)",
+            path=itself.path, format=itself.format, step=itself.step, command=command)
+    if any(e.status in ("committed", "legacy") for e in entries):
+        return None
+    foreign = [e for e in entries if e.status == "foreign"]
+    if not foreign:
+        return None
+    newest = foreign[-1]
+    command = import_command(newest, storage)
+    more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+    return ForeignCheckpointError(
+        f"{storage.path()} holds no resumekit checkpoint, only another tool's: "
+        f"{newest.name} ({newest.format}){more}; the next run refuses to start from step "
+        f"0 - convert it with: {command}",
+        path=newest.path, format=newest.format, step=None if newest.step < 0 else newest.step,
+        command=command)
+
+
 def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str, Any]],
-                chain: list[dict[str, Any]], resume: CheckpointEntry | None) -> None:
+                chain: list[dict[str, Any]], resume: CheckpointEntry | None, *,
+                itself: ForeignCheckpoint | None = None,
+                refused: ForeignCheckpointError | None = None) -> None:
     out = console()
+    if itself is not None:
+        step = "no step recorded" if itself.step is None else f"step {itself.step}"
+        out.print(Text(f"{storage.path()} is a ").append_text(status_text("foreign"))
+                  .append(f" checkpoint: {itself.format} ({step}; found {itself.marker}), "
+                          "not a resumekit root"))
+        out.print(f"Convert it with: {getattr(refused, 'command', '')}")
+        return
     out.print(f"Checkpoint root {storage.path()} (names: {target.name_format.template})")
     if not rows:
         out.print("No checkpoints: the next run starts fresh.")
@@ -226,8 +284,8 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
         created = row["created_at"]
         grid.add_row(
             "*" if row["resume_from"] else "",
-            str(row["step"]),
-            status_text(row["status"]),
+            "-" if row["step"] < 0 else str(row["step"]),
+            status_text(row["status"]).append(f" {row['format']}" if row["format"] else ""),
             format_bytes(row["bytes"]),
             or_dash(row["world_size"]),
             "-" if created is None else format_time(datetime.fromisoformat(created)),
@@ -239,7 +297,10 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
             row["problem"] or "",
         )
     out.print(grid)
-    if resume is None:
+    if refused is not None:
+        out.print("No resumekit checkpoint, only another tool's: the next run refuses to "
+                  f"start from step 0. Convert it with: {getattr(refused, 'command', '')}")
+    elif resume is None:
         out.print("No committed checkpoint: the next run starts fresh"
                   + (" (or imports the newest legacy weights)." if any(
                       row["status"] == "legacy" for row in rows) else "."))
@@ -425,6 +486,12 @@ def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
         emit_json(document)
     else:
         _print_one(entry, document)
+    if entry.status == "foreign":
+        command = import_command(entry, storage)
+        raise ForeignCheckpointError(
+            f"{entry.path} is not a resumekit checkpoint but a {entry.format} one; convert "
+            f"it with: {command}", path=entry.path, format=entry.format,
+            step=None if entry.step < 0 else entry.step, command=command)
     if entry.status not in ("committed", "legacy"):
         raise CorruptCheckpointError(
             f"{entry.path} is not a committed checkpoint ({entry.status}: {entry.problem})",
@@ -438,6 +505,8 @@ def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
     row = document["checkpoints"][0]
     head = Text(f"Checkpoint {entry.path}\n  step {entry.step}  ")
     head.append_text(status_text(entry.status))
+    if entry.format:
+        head.append(f" ({entry.format})")
     head.append(f"  {format_bytes(row['bytes'])} in {len(document['files'])} files")
     if entry.problem:
         head.append(f"\n  problem: {entry.problem}")
