@@ -501,7 +501,7 @@ class CheckpointManager:
             if not self.fallback or explicit:
                 raise CheckpointNotFoundError(message, path=entry.path,
                                               step=entry.step) from error
-            self._warn(f"{message}; falling back to the previous checkpoint")
+            self._warn(f"{message}; falling back to the previous checkpoint", stacklevel=5)
             return f"deleted while it was being restored ({error})", True
         if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
             error = IncompleteCheckpointError(
@@ -515,7 +515,7 @@ class CheckpointManager:
                  f"it could not be set aside ({why_not}), so saving step {entry.step} again "
                  "will fail until it is moved out of the root")
         self._warn(f"checkpoint step {entry.step} ({entry.path}) is unusable ({error}); "
-                   f"{where}; falling back to the previous checkpoint")
+                   f"{where}; falling back to the previous checkpoint", stacklevel=5)
         return (f"set aside ({error})" if aside else f"unusable ({error})"), aside is not None
 
     def _refuse_newer_schema(self, entries: list[CheckpointEntry],
