@@ -164,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after training, write the upstream bf16 inference layout here")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads per rank (CPU runs)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="compute device (default: cuda:<local rank> when CUDA is "
+                             "available, else cpu)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                        help="bf16: FSDP2 MixedPrecisionPolicy(param_dtype=bfloat16) with "
+                             "fp32 gradient reduction (CUDA only); fp32: plain fp32 "
+                             "(default: the config's)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="on CUDA: torch.use_deterministic_algorithms(True) and "
+                             "CUBLAS_WORKSPACE_CONFIG=:4096:8 (CPU runs always use "
+                             "deterministic kernels)")
     parser.add_argument("--wandb", action="store_true",
                         help="log to Weights & Biases when wandb is installed; the run id is "
                              "kept in the checkpoint so a resume continues the same run")
@@ -393,6 +404,19 @@ def _build_model(config: LingBotConfig, context: DistributedContext) -> LingBotV
     return model
 
 
+def _with_dtype(config: LingBotConfig, dtype: str | None, device: torch.device
+                ) -> LingBotConfig:
+    """Apply ``--dtype``: bf16 turns on the config's mixed precision, which needs CUDA."""
+    if dtype is None:
+        return config
+    if dtype == "bf16" and device.type != "cuda":
+        raise ConfigError(
+            f"--dtype bf16 (FSDP2 bf16 mixed precision) needs a CUDA device; this run is on "
+            f"{device}", field="TrainConfig.mixed_precision", value=True)
+    train_cfg = dataclasses.replace(config.train, mixed_precision=dtype == "bf16")
+    return dataclasses.replace(config, train=train_cfg)
+
+
 def _wandb_run(enabled: bool, ckpt: CheckpointManager, config: LingBotConfig,
                leader: bool) -> Any:
     """Start (or continue, by the id kept in the checkpoint) a wandb run on rank 0."""
@@ -423,15 +447,22 @@ def train(args: argparse.Namespace) -> int:
         0 when the run reached ``num_steps``; ``EXIT_CODE_PREEMPTED`` (75) after a
         preemption checkpoint.
     """
-    context = init_distributed(timeout=args.timeout, checkpoint_timeout=args.checkpoint_timeout)
+    if args.deterministic:
+        # cuBLAS reads this when its first handle is created: set it before any CUDA work.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    context = init_distributed(timeout=args.timeout, checkpoint_timeout=args.checkpoint_timeout,
+                               device=args.device)
     leader = context.is_leader
     if context.device.type == "cpu":
         # Bit-identical resumes on CPU: one thread per rank, deterministic kernels.
         torch.set_num_threads(args.threads)
         torch.use_deterministic_algorithms(True)
+    elif args.deterministic:
+        torch.use_deterministic_algorithms(True)
     config = resolve_config(args.config, world_size=context.world_size,
                             num_steps=args.num_steps, save_interval=args.save_interval,
                             seed=args.seed)
+    config = _with_dtype(config, args.dtype, context.device)
     tcfg = config.train
     save_root: Path = args.save_root
     if leader:
