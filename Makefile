@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test test-fast lint demo docs docs-build bench clean
+.PHONY: venv test test-fast lint demo docs docs-build bench gpu-check gpu-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,22 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]"
 	$(PY) -m benchmarks.run
+
+# Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU
+# mode; add GPU_CHECK_ARGS=--require-cuda to fail instead. On a bare GPU machine without this
+# venv: `bash benchmarks/gpu_check_device.sh` (python3 with its own CUDA torch).
+gpu-check: $(STAMP)
+	$(PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# Wheels a bare GPU machine lacks (it has torch, numpy, fsspec, xxhash, rich, tqdm,
+# safetensors, not pydantic), for its Python 3.12, at the versions of this venv, into .whl/.
+GPU_WHEELS := pydantic pydantic_core annotated_types typing_inspection typing_extensions
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl $$($(PY) -c "import importlib.metadata as m; \
+		print(' '.join(n + '==' + m.version(n) for n in '$(GPU_WHEELS)'.split()))")
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache

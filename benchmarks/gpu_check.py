@@ -167,8 +167,23 @@ def _worker(args: argparse.Namespace) -> int:
     if not cuda:
         torch.set_num_threads(1)
 
+    part = Path(args.worker_out) / f"part-{world}-rank{rank}.json"
+
+    def save_part() -> None:
+        # After every check: a later crash or hang loses only the checks not yet run.
+        staging = part.with_suffix(".tmp")
+        staging.write_text(json.dumps(results, indent=2, default=str) + "\n")
+        staging.replace(part)
+
     def run(name: str, body: Callable[[], Mapping[str, Any] | None], *,
             needs: Sequence[str] = ()) -> None:
+        try:
+            _run(name, body, needs)
+        finally:
+            save_part()
+
+    def _run(name: str, body: Callable[[], Mapping[str, Any] | None],
+             needs: Sequence[str]) -> None:
         device = str(state["ctx"].device) if "ctx" in state else args.device
         missing = [n for n in needs if n not in state]
         if missing:
@@ -187,6 +202,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     def not_applicable(name: str, reason: str) -> None:
         results.append(record(name, world, args.device, NOT_APPLICABLE, reason=reason))
+        save_part()
 
     run("init_distributed", lambda: _check_init(state, cuda=cuda, forced_cpu=args.forced_cpu))
     run("rng_capture_restore", lambda: _check_rng(state), needs=("ctx",))
@@ -202,8 +218,6 @@ def _worker(args: argparse.Namespace) -> int:
     run("restore_cuda_dtensor", lambda: _check_restore(state, sizes, scratch),
         needs=("ctx",))
 
-    part = Path(args.worker_out) / f"part-{world}-rank{rank}.json"
-    part.write_text(json.dumps(results, indent=2, default=str) + "\n")
     with contextlib.suppress(Exception):
         from resumekit.distributed import shutdown
 
@@ -818,31 +832,44 @@ def _tail(path: Path, limit: int = 3000) -> str:
         return ""
 
 
+def _rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The env:// variables torchrun would set, for a process started without its agent."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
 def _run_worker(world: int, device: str, scratch: Path, *, forced_cpu: bool,
                 timeout: float) -> list[dict[str, Any]]:
-    """Run the worker checks on ``world`` ranks; one merged record per check."""
+    """Run the worker checks on ``world`` ranks; one merged record per check.
+
+    The ranks are started directly with torchrun's environment variables (no agent: one
+    interpreter less to start per rank count); ``init_distributed`` reads them as torchrun's.
+    """
     parts = scratch / f"parts-{world}"
     parts.mkdir(parents=True, exist_ok=True)
-    worker_args = ["--worker", "--device", device, "--scratch", str(scratch),
-                   "--worker-out", str(parts)] + (["--forced-cpu"] if forced_cpu else [])
-    if world == 1:
-        command = [sys.executable, "-m", "benchmarks.gpu_check", *worker_args]
-        env = _child_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                          "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                          "MASTER_PORT": str(_free_port())})
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={world}", "-m", "benchmarks.gpu_check", *worker_args]
-        env = _child_env()
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--worker", "--device", device,
+               "--scratch", str(scratch), "--worker-out", str(parts),
+               *(["--forced-cpu"] if forced_cpu else [])]
+    port = _free_port()
     log = scratch / f"worker-{world}.log"
     started = time.perf_counter()
     with log.open("wb") as handle:
-        try:
-            completed = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=handle,
-                                       stderr=subprocess.STDOUT, timeout=timeout, check=False)
-            status: int | str = completed.returncode
-        except subprocess.TimeoutExpired:
-            status = f"killed after the {timeout:.0f} s timeout"
+        processes = [subprocess.Popen(command, cwd=REPO_ROOT, stdout=handle,
+                                      stderr=subprocess.STDOUT,
+                                      env=_child_env(_rank_env(rank, world, port)))
+                     for rank in range(world)]
+        deadline = time.monotonic() + timeout
+        codes: list[int | str] = []
+        for process in processes:
+            try:
+                codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for other in processes:
+                    other.kill()
+                process.wait()
+                codes.append(f"killed after the {timeout:.0f} s timeout")
+    status: int | str = next((code for code in codes if code != 0), 0)
     seconds = time.perf_counter() - started
     per_rank = []
     for rank in range(world):
@@ -913,6 +940,24 @@ def _check_disk(scratch: Path, nbytes: int) -> dict[str, Any]:
             "write_GBps": size / write_s / 1e9, "read_GBps": size / read_s / 1e9}
 
 
+@dataclass(frozen=True)
+class _DirectLaunch:
+    """One trainer process started with torchrun's variables but without its agent.
+
+    The CPU mode uses it to save an interpreter start per launch; SIGTERM then reaches
+    the trainer directly instead of through the agent. The CUDA mode uses torchrun.
+    """
+
+    save_root: Path
+    train_args: tuple[str, ...] = ()
+    nproc: int = 1
+
+    def command(self) -> list[str]:
+        variables = [f"{k}={v}" for k, v in _rank_env(0, 1, _free_port()).items()]
+        return ["env", *variables, sys.executable, "-m", "examples.lingbot.train",
+                "--config", "tiny", "--save-root", str(self.save_root), *self.train_args]
+
+
 def _drill(mode: str, scratch: Path, sizes: Sizes, nproc: int, timeout: float
            ) -> dict[str, Any]:
     """The LingBot tiny kill/resume drill; figures plus ``identical`` per variant."""
@@ -938,10 +983,14 @@ def _drill(mode: str, scratch: Path, sizes: Sizes, nproc: int, timeout: float
         args = (*base, *train_args)
         started = time.perf_counter()
         reference = root / "A"
-        run_segment("A", 1, Launch(reference, nproc=nproc, train_args=args),
-                    log_dir=reference / "logs", timeout=timeout)
+        def launch_of(save_root: Path, args: tuple[str, ...] = args) -> Any:
+            if cuda or nproc > 1:
+                return Launch(save_root, nproc=nproc, train_args=args)
+            return _DirectLaunch(save_root, train_args=args)
+
+        run_segment("A", 1, launch_of(reference), log_dir=reference / "logs", timeout=timeout)
         other = root / "B"
-        launch = Launch(other, nproc=nproc, train_args=args)
+        launch = launch_of(other)
         index, launches = 1, []
         resumed_from = 0
         if with_sigterm:
