@@ -4,6 +4,8 @@ From the repository root::
 
     torchrun --nproc_per_node=2 -m examples.lingbot.train --config tiny --save-root runs/a
     python -m examples.lingbot.train --config tiny --save-root runs/a      # one process
+    torchrun --nproc_per_node=1 -m examples.lingbot.train --config tiny --save-root runs/g \
+        --device cuda --dtype bf16 --deterministic                         # one GPU, bf16
 
 Rerunning the same command resumes from the newest committed checkpoint under
 ``SAVE_ROOT/checkpoints/`` (``checkpoint_step_{N}``): weights, AdamW moments, the

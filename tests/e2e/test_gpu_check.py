@@ -19,6 +19,10 @@ import pytest
 import torch
 
 from benchmarks import gpu_check
+from examples.lingbot.config import get_config
+from examples.lingbot.errors import ConfigError
+from examples.lingbot.train import _with_dtype, build_parser
+from resumekit import raw_tensor_files
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,8 +98,6 @@ def test_require_cuda_without_cuda_fails_naming_every_cuda_path(tmp_path: Path) 
 def test_a_staging_buffer_off_the_page_boundary_fails_the_check_naming_aligned_empty(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from resumekit import raw_tensor_files
-
     def misaligned(shape: tuple[int, ...], dtype: torch.dtype, *,
                    pin_memory: bool = False) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -107,3 +109,18 @@ def test_a_staging_buffer_off_the_page_boundary_fails_the_check_naming_aligned_e
     state = {"ctx": SimpleNamespace(device=torch.device("cpu"))}
     with pytest.raises(gpu_check.CheckFailed, match=r"aligned_empty\(.*\) starts at .* not on"):
         gpu_check._check_aligned(state)
+
+
+def test_the_trainer_turns_on_bf16_mixed_precision_for_cuda_and_refuses_it_on_cpu() -> None:
+    tiny = get_config("tiny")
+    assert tiny.train.mixed_precision is False
+    assert _with_dtype(tiny, "bf16", torch.device("cuda", 0)).train.mixed_precision is True
+    assert _with_dtype(tiny, "fp32", torch.device("cuda", 0)).train.mixed_precision is False
+    assert _with_dtype(tiny, None, torch.device("cpu")) is tiny
+    with pytest.raises(ConfigError, match=r"--dtype bf16 .* needs a CUDA device; .* on cpu"):
+        _with_dtype(tiny, "bf16", torch.device("cpu"))
+    args = build_parser().parse_args(["--save-root", "x", "--device", "cuda", "--dtype",
+                                      "bf16", "--deterministic"])
+    assert (args.device, args.dtype, args.deterministic) == ("cuda", "bf16", True)
+    defaults = build_parser().parse_args(["--save-root", "x"])
+    assert (defaults.device, defaults.dtype, defaults.deterministic) == (None, None, False)
