@@ -114,8 +114,11 @@ class Sizes:
     drill_interval: int
 
 
-CUDA_SIZES = Sizes(width=4096, depth=6, batch=16, drill_steps=12, drill_interval=4)
-"""About 1.1 GiB of fp32 weights + AdamW moments: well past launch overheads on an H200."""
+CUDA_SIZES = Sizes(width=4096, depth=6, batch=16, drill_steps=60, drill_interval=20)
+"""About 1.1 GiB of fp32 weights + AdamW moments: well past launch overheads on an H200.
+The drill runs 60 steps: a tiny step takes milliseconds on a GPU, and the SIGTERM (sent
+once step 1 is logged) and the SIGKILL (once the step after the next checkpoint is logged)
+must both land before the run ends."""
 CPU_SIZES = Sizes(width=64, depth=2, batch=4, drill_steps=8, drill_interval=3)
 """Tiny: the CPU mode only proves the code paths run (it is part of ``make test``)."""
 
@@ -885,16 +888,17 @@ def _run_worker(world: int, device: str, scratch: Path, *, forced_cpu: bool,
                 f"the {world}-rank worker ended (status {status}) without reporting this "
                 f"check; log tail:\n{_tail(log)}")))
             continue
-        statuses = {entry["status"] for entry in entries}
-        first = dict(entries[0])
+        present: list[dict[str, Any]] = [entry for entry in entries if entry is not None]
+        statuses = {entry["status"] for entry in present}
+        first = dict(present[0])
         if FAILED in statuses:
             first["status"] = FAILED
             first["error"] = "\n".join(f"rank {rank}: {entry['error']}"
-                                       for rank, entry in enumerate(entries)
+                                       for rank, entry in enumerate(present)
                                        if entry["status"] == FAILED)
         if world > 1:
             first["figures"] = {f"rank{rank}": entry["figures"]
-                                for rank, entry in enumerate(entries)}
+                                for rank, entry in enumerate(present)}
         merged.append(first)
     if status != 0 and all(entry["status"] != FAILED for entry in merged):
         merged[0]["status"] = FAILED
