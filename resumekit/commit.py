@@ -27,24 +27,29 @@ Retention (``resumekit.retention``) runs only after publish.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from resumekit.catalog import list_checkpoints, read_manifest
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
-from resumekit.errors import StepCollisionError, StorageError
+from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.layout import ATTEMPT_PREFIX, NameFormat
 from resumekit.manifest import MANIFEST_NAME, FileEntry, Manifest, checksum_chunks
 from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
 
 __all__ = ["WRITER_FILE", "CommitProtocol", "PendingCheckpoint", "recover_interrupted"]
 
 WRITER_FILE = ".writer.json"
+
+logger = logging.getLogger("resumekit")
 
 #: Test hook: called with the name of each protocol phase as it starts (crash tests).
 PhaseHook = Callable[[str], None]
@@ -166,41 +171,47 @@ class CommitProtocol:
 
     # -- 3-6: publish -----------------------------------------------------------------
     def publish(self, pending: PendingCheckpoint, manifest: Manifest, *,
-                described: Sequence[FileEntry] = ()) -> Manifest:
+                described: Sequence[FileEntry] = (),
+                required: Sequence[str] = ()) -> Manifest:
         """Describe the staged files and commit them as checkpoint ``pending.step``.
 
         Every rank must call it once its writes are done. ``manifest`` supplies the
         metadata (reason, lineage, extras, ...); its file list, step and data directory
         are filled in here.
 
+        What the ranks report is authoritative: every file a rank described is listed in
+        the manifest, checked against the store (a file a directory listing misses is
+        looked up by name; one that is not there, or has another size, fails the
+        commit). Files no rank described (callers that write through :class:`Storage`
+        directly) are found by listing the staging area and hashed here.
+
         Args:
             pending: What :meth:`begin` returned.
             manifest: The metadata to commit.
-            described: Files this rank already hashed and fsynced while writing them
-                (paths relative to the staging directory). They are not read again
-                unless their size on disk differs; every other file is hashed here.
+            described: Files this rank wrote and already hashed and fsynced while writing
+                them (paths relative to the staging directory). They are not read again.
+            required: Files the written data cannot load without (for DCP: every file
+                its ``.metadata`` references). Each must be described by some rank.
 
         Returns:
             The manifest as committed.
+
+        Raises:
+            IncompleteCheckpointError: A required file no rank described, or a described
+                file missing from the store or of another size; nothing is committed.
+            StepCollisionError: Another writer committed this step first (object stores).
         """
-        known = {entry.path: entry for part in self.coordinator.all_gather(list(described))
-                 for entry in part}
+        reports = self.coordinator.all_gather((list(described), list(required)))
         self._phase("hash")
-        listing = run_on_leader(self.coordinator, lambda: [
-            (path, size) for path, size in self.storage.walk_files(pending.staging)
-            if path != WRITER_FILE
-        ])
-        unknown = [path for path, size in listing
-                   if path not in known or known[path].size != size]
+        known, unknown = run_on_leader(
+            self.coordinator, lambda: self._reconcile(pending, reports))
         mine = [
             self._describe_file(pending, path)
             for index, path in enumerate(unknown)
             if index % self.coordinator.world_size == self.coordinator.rank
         ]
         gathered = self.coordinator.all_gather(mine)
-        trusted = {path for path, _ in listing} - set(unknown)
-        files = sorted([entry for part in gathered for entry in part]
-                       + [entry for path, entry in known.items() if path in trusted],
+        files = sorted([entry for part in gathered for entry in part] + list(known),
                        key=lambda e: e.path)
         final = manifest.model_copy(update={
             "step": pending.step, "files": files, "data_dir": pending.data_dir,
@@ -210,6 +221,58 @@ class CommitProtocol:
         committed: Manifest = run_on_leader(self.coordinator,
                                             lambda: self._publish_on_leader(pending, final))
         return committed
+
+    def _reconcile(self, pending: PendingCheckpoint,
+                   reports: Sequence[tuple[Sequence[FileEntry], Sequence[str]]]
+                   ) -> tuple[list[FileEntry], list[str]]:
+        """Check the ranks' reports against each other and the store (rank 0).
+
+        Returns the described entries and the staged files nobody described.
+        """
+        known: dict[str, tuple[int, FileEntry]] = {}
+        for rank, (entries, _) in enumerate(reports):
+            for entry in entries:
+                other = known.get(entry.path)
+                if other is not None and other[1] != entry:
+                    raise self._incomplete(
+                        pending, entry.path,
+                        f"ranks {other[0]} and {rank} both report writing it, differently")
+                known[entry.path] = (rank, entry)
+        for path in sorted({path for _, paths in reports for path in paths} - set(known)):
+            raise self._incomplete(pending, path, "the checkpoint's data references it but "
+                                   "no rank reported writing it")
+        listing = {path: size for path, size in self.storage.walk_files(pending.staging)
+                   if path != WRITER_FILE}
+        for path, (rank, entry) in sorted(known.items()):
+            size = listing.get(path)
+            if size is None:
+                size = self._size_or_none(f"{pending.staging}/{path}")
+                if size is None:
+                    raise self._incomplete(pending, path, f"rank {rank} reported writing it "
+                                           f"({entry.size} bytes) but it is not in the store")
+                message = (f"resumekit: the listing of {self.storage.path(pending.staging)} "
+                           f"missed {path}, which rank {rank} wrote; found by name "
+                           f"({size} bytes) and committed (a stale directory cache?)")
+                logger.warning(message)
+                warnings.warn(message, ResumekitWarning, stacklevel=5)
+            if size != entry.size:
+                raise self._incomplete(pending, path, f"rank {rank} wrote {entry.size} "
+                                       f"bytes but the store holds {size}")
+        unknown = sorted(path for path in listing if path not in known)
+        return [entry for _, entry in known.values()], unknown
+
+    def _size_or_none(self, relative: str) -> int | None:
+        try:
+            return self.storage.size(relative)
+        except FileNotFoundError:
+            return None
+
+    def _incomplete(self, pending: PendingCheckpoint, path: str, reason: str
+                    ) -> IncompleteCheckpointError:
+        where = self.storage.path(f"{pending.staging}/{path}")
+        return IncompleteCheckpointError(
+            f"cannot commit step {pending.step}: {path} ({where}): {reason}; nothing was "
+            "committed", path=where, file=path, step=pending.step)
 
     def _describe_file(self, pending: PendingCheckpoint, path: str) -> FileEntry:
         relative = f"{pending.staging}/{path}"
@@ -246,11 +309,42 @@ class CommitProtocol:
             return manifest
         previous = read_manifest(storage, pending.name) if pending.replaces else None
         self._phase("publish")
-        storage.write_bytes(f"{pending.name}/{MANIFEST_NAME}", manifest.to_json())
+        if pending.replaces:
+            storage.write_bytes(f"{pending.name}/{MANIFEST_NAME}", manifest.to_json())
+        else:
+            self._create_commit_marker(pending, manifest)
         self._phase("cleanup")
         if previous is not None and previous.data_dir not in (".", manifest.data_dir):
             storage.remove_tree(f"{pending.name}/{previous.data_dir}")
         return manifest
+
+    def _create_commit_marker(self, pending: PendingCheckpoint, manifest: Manifest) -> None:
+        """Write ``<name>/manifest.json`` only if no other writer has (object stores).
+
+        S3 creates it conditionally (``If-None-Match: *``): of two writers publishing
+        the same step, exactly one commits. Stores without conditional writes get a
+        check-then-write (warned about once per root).
+        """
+        storage = self.storage
+        marker = f"{pending.name}/{MANIFEST_NAME}"
+        if not storage.conditional_create:
+            _warn_weak_commit(storage)
+        try:
+            storage.write_bytes_exclusive(marker, manifest.to_json())
+        except FileExistsError:
+            winner = ""
+            try:
+                other = read_manifest(storage, pending.name)
+                winner = (f" (by {other.lineage.hostname} pid {other.lineage.pid}, data in "
+                          f"{other.data_dir})")
+            except Exception:  # noqa: BLE001 - only detail for the message
+                pass
+            raise StepCollisionError(
+                f"cannot commit step {pending.step}: another writer committed "
+                f"{storage.path(pending.name)} first{winner}; this save's data in "
+                f"{storage.path(pending.staging)} is not committed",
+                step=pending.step, newest=pending.step, path=storage.path(pending.name),
+            ) from None
 
     def _swap_in(self, pending: PendingCheckpoint) -> None:
         try:
@@ -273,6 +367,24 @@ class CommitProtocol:
                 info.name != pending.data_dir for info in self.storage.list_dir(pending.name)
             ):
                 self.storage.remove_tree(pending.name)
+
+
+_WEAK_COMMIT_WARNED: set[str] = set()
+
+
+def _warn_weak_commit(storage: Storage) -> None:
+    """Say once per root that its commit marker is check-then-write, not atomic."""
+    if storage.url in _WEAK_COMMIT_WARNED:
+        return
+    _WEAK_COMMIT_WARNED.add(storage.url)
+    message = (
+        f"resumekit: {storage.url} has no conditional create (If-None-Match); a commit "
+        "marker is checked for, then written, so two writers publishing the same step "
+        "within one round trip of each other can both succeed (the later manifest wins). "
+        "Use a local/NAS path or s3:// for an atomic commit"
+    )
+    logger.warning(message)
+    warnings.warn(message, ResumekitWarning, stacklevel=4)
 
 
 def _directories_of(manifest: Manifest) -> set[str]:

@@ -66,10 +66,18 @@ from resumekit.errors import (
     ManifestError,
     ResumekitError,
     StepCollisionError,
+    StorageError,
     UnsupportedSchemaError,
 )
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
-from resumekit.manifest import MANIFEST_NAME, FileEntry, Lineage, Manifest, SaveReason
+from resumekit.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Lineage,
+    Manifest,
+    SaveReason,
+    checksum_chunks,
+)
 from resumekit.preemption import PreemptionHandler
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import (
@@ -984,10 +992,14 @@ class CheckpointManager:
         pending = protocol.begin(job.step, replace=job.replace)
         self._active_tokens.add(pending.token)
         try:
-            described = self._write_files(pending, job, coordinator, channel.group)
-            protocol.publish(pending, job.manifest, described=described)
-        except BaseException:
-            protocol.abort(pending)
+            described, required = self._write_files(pending, job, coordinator, channel.group)
+            protocol.publish(pending, job.manifest, described=described, required=required)
+        except BaseException as error:
+            _abort_after(protocol, pending, error)
+            if isinstance(error, OSError) and not isinstance(error, ResumekitError):
+                raise _save_failure(job.step, self.storage, error) from error
+            if type(error) is StorageError:
+                raise _save_failure(job.step, self.storage, error) from error
             raise
         finally:
             self._active_tokens.discard(pending.token)
@@ -1003,11 +1015,12 @@ class CheckpointManager:
 
     def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None
-                     ) -> list[FileEntry]:
-        """Write this rank's files; return those already hashed and fsynced on the way."""
+                     ) -> tuple[list[FileEntry], list[str]]:
+        """Write this rank's files; return every one of them, hashed on the way, and
+        the files the tensor metadata references (coordinating rank)."""
         rank = coordinator.rank
 
-        def write() -> list[FileEntry]:
+        def write() -> tuple[list[FileEntry], list[str]]:
             written: list[sharded.WrittenFile] = []
             if job.tensors:
                 written = sharded.save(
@@ -1015,13 +1028,21 @@ class CheckpointManager:
                     process_group=group, background=job.background,
                     storage_options=self.storage.storage_options or None,
                     tensor_format=self.tensor_format)
+            entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
+                                 checksum=file.checksum) for file in written]
+            required = [f"{TENSORS_DIR}/{name}" for file in written
+                        for name in (file.name, *file.references) if file.references]
+            small = [(rank_state_file(rank), job.ranks)]
             if rank == 0:
-                self.storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", job.train)
-            self.storage.write_bytes(f"{pending.staging}/{rank_state_file(rank)}", job.ranks)
-            return [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
-                              checksum=file.checksum) for file in written]
+                small.insert(0, (TRAIN_STATE_FILE, job.train))
+                if job.tensors:  # only the coordinating rank writes it
+                    required.append(f"{TENSORS_DIR}/{sharded.METADATA_FILE}")
+            for path, data in small:
+                self.storage.write_bytes(f"{pending.staging}/{path}", data, durable=True)
+                entries.append(FileEntry(path=path, size=len(data), checksum=checksum_chunks([data])))
+            return entries, sorted(set(required))
 
-        described: list[FileEntry] = run_on_every_rank(coordinator, write)
+        described: tuple[list[FileEntry], list[str]] = run_on_every_rank(coordinator, write)
         return described
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -1055,6 +1076,41 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _abort_after(protocol: CommitProtocol, pending: PendingCheckpoint,
+                 error: BaseException) -> None:
+    """Remove a failed save's staging area; a failure here is secondary to ``error``.
+
+    It is logged and attached to ``error`` as a note, so the error raised stays the one
+    that made the save fail (a cleanup against an unreachable store fails too).
+    """
+    try:
+        protocol.abort(pending)
+    except Exception as cleanup:  # noqa: BLE001 - secondary to the save's own error
+        note = (f"removing the staging area {protocol.storage.path(pending.staging)} "
+                f"failed too: {type(cleanup).__name__}: {cleanup} (the sweep removes it "
+                "later)")
+        logger.warning("resumekit: save of step %d: %s", pending.step, note)
+        error.add_note(note)
+
+
+def _save_failure(step: int, storage: Storage, error: OSError) -> StorageError:
+    """The error of a failed save: names the step, the root and the file; errno kept."""
+    fields = dict(getattr(error, "fields", {}))
+    file = fields.get("file") or getattr(error, "filename", None)
+    where = f" writing {file}" if file else ""
+    root = storage.url_of()
+    fields.update(step=step, root=root, operation=fields.get("operation", "save"))
+    fields.setdefault("path", getattr(error, "filename", None) or root)
+    fields["errno"] = error.errno
+    failure = StorageError(
+        f"save of step {step} to {root} failed{where}: {error}; nothing was committed",
+        **fields)
+    failure.strerror, failure.filename = error.strerror, error.filename
+    for note in getattr(error, "__notes__", ()):
+        failure.add_note(note)
+    return failure
 
 
 def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:

@@ -11,6 +11,15 @@ place. This module replaces only that storage layer; planning, resharding and th
   reading the file back (:attr:`RawTensorWriter.written`). File writes and the hash both
   release the GIL; for a background save the writer threads also drop to idle CPU
   priority, so the training loop keeps its cores.
+* :class:`CheckedDcpWriter` (fsspec URLs: ``s3://``, ``memory://``, ...) writes DCP's own
+  format through DCP's own code, one file per thread, but gives it the raw writer's
+  guarantees: an error on any writer thread fails the save (DCP's threads drop theirs), every
+  stream is hashed on its way out, and a failed upload is discarded, not completed by the
+  stream's close, so the error raised is the write's, naming the file.
+* Both writers report every file they wrote, ``.metadata`` included, with its size and
+  checksum, and the ``.metadata`` entry names every data file the metadata references
+  (:attr:`WrittenFile.references`), after checking that each item of the plan has stored
+  data: the commit store cross-checks the ranks' reports against it.
 * :class:`RawTensorReading` (mixed into DCP's readers) reads only the bytes a rank needs.
   When the piece of a stored tensor that a destination wants is one byte range (always for
   an unchanged world size, and for FSDP's dim-0 shards when resharding), it is read
@@ -40,9 +49,11 @@ import dataclasses
 import errno
 import fcntl
 import io
+import logging
 import math
 import mmap
 import os
+import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,10 +61,17 @@ from typing import IO, Any, NamedTuple, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
     _StorageInfo,
     _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -68,7 +86,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
+from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, hex_digest
 from resumekit.retry import read_with_retry
 
@@ -76,6 +94,8 @@ __all__ = [
     "ALIGNMENT",
     "CHUNK_BYTES",
     "FORMAT_NAME",
+    "METADATA_NAME",
+    "CheckedDcpWriter",
     "RawTensorReading",
     "RawTensorWriter",
     "WrittenFile",
@@ -95,6 +115,11 @@ ALIGNMENT = 4096
 MIN_BLOCK_BYTES = 64 << 10
 """The smallest checksummed block (items below it are one block)."""
 DATA_SUFFIX = ".distcp"
+METADATA_NAME = ".metadata"
+"""The file DCP writes last (on the coordinating rank), describing every item."""
+_METADATA_TMP = f"{METADATA_NAME}.tmp"
+
+logger = logging.getLogger("resumekit")
 
 
 def _usable_cpus() -> int:
@@ -117,11 +142,14 @@ class WrittenFile(NamedTuple):
         name: File name relative to the checkpoint directory.
         size: Bytes written.
         checksum: ``"xxh3_128:<hex>"`` of the whole file.
+        references: For ``.metadata``: every data file its items point to (the files
+            the checkpoint cannot load without). Empty for data files.
     """
 
     name: str
     size: int
     checksum: str
+    references: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +202,309 @@ def is_raw(info: _StorageInfo) -> bool:
 # ------------------------------------------------------------------------------- writing
 
 
-class RawTensorWriter(FileSystemWriter):
+class _Recorded(NamedTuple):
+    size: int
+    checksum: str
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes and counts every byte on its way to ``inner``.
+
+    Errors of the inner stream (a dropped connection, a refused part upload, a full disk)
+    are raised as :class:`StorageError` naming the file, the original attached as cause.
+    Anything else (``fileno``, ``tell``, ...) is the inner stream's.
+    """
+
+    def __init__(self, inner: Any, where: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._where = where
+        self.checksum = Checksum()
+        self.size = 0
+
+    def writable(self) -> bool:
+        """Always: this is a write stream."""
+        return True
+
+    def write(self, data: Any) -> int:
+        """Hash ``data``, then write all of it (returns its length)."""
+        view = memoryview(data).cast("B")
+        self.checksum.update(view)
+        try:
+            self._inner.write(view)
+        except Exception as error:
+            raise _write_failure(self._where, error, "write") from error
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.size
+
+    def flush(self) -> None:
+        """Flush the inner stream (an upload of a full part, on object stores)."""
+        if self.closed or getattr(self._inner, "closed", False):
+            return
+        try:
+            self._inner.flush()
+        except Exception as error:
+            raise _write_failure(self._where, error, "flush") from error
+
+    def close(self) -> None:
+        """Close the inner stream: the upload completes here on object stores."""
+        if self.closed:
+            return
+        try:
+            self._inner.close()
+        except Exception as error:
+            raise _write_failure(self._where, error, "close") from error
+        finally:
+            super().close()
+
+    def fileno(self) -> int:
+        """The inner stream's descriptor (local files: DCP fsyncs ``.metadata``)."""
+        return int(self._inner.fileno())
+
+    def discard(self) -> None:
+        """Drop what was written without completing it; log (not raise) a failure."""
+        try:
+            discard = getattr(self._inner, "discard", None)
+            if callable(discard):  # fsspec buffered files: abort the multipart upload
+                discard()
+                with contextlib.suppress(AttributeError):  # never upload on collection
+                    self._inner.closed = True
+            else:
+                self._inner.close()
+        except Exception as error:  # noqa: BLE001 - secondary to the write error
+            logger.warning("resumekit: could not discard the failed write of %s: %s: %s",
+                           self._where, type(error).__name__, error)
+        finally:
+            super().close()
+
+
+class _RecordingFileSystem:
+    """Wraps a DCP ``FileSystem``: write streams hashed and recorded by file name.
+
+    Everything but ``create_stream`` is the wrapped object's. A stream whose writer fails
+    is discarded (an object store then keeps no partial object) and the write's error is
+    raised; the wrapped ``FileSystem``'s own cleanup, whose errors could replace it, is
+    not used for writes.
+    """
+
+    def __init__(self, inner: Any, root: str) -> None:
+        self._inner = inner
+        self._root = root.rstrip("/")
+        self.recorded: dict[str, _Recorded] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _name_of(self, path: str) -> str:
+        prefix = self._root + "/"
+        return path[len(prefix):] if path.startswith(prefix) else os.path.basename(path)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        """Open ``path``; a write stream is hashed and recorded once it closed cleanly."""
+        if not any(flag in mode for flag in "wax+"):
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        where = os.fspath(path)
+        fsspec_fs = getattr(self._inner, "fs", None)
+        try:
+            inner = (fsspec_fs.open(where, mode) if fsspec_fs is not None
+                     else open(where, mode))  # noqa: SIM115 - closed by the stream below
+        except Exception as error:
+            raise _write_failure(where, error, "open") from error
+        stream = _HashingStream(inner, where)
+        try:
+            yield stream
+            stream.close()
+        except BaseException:
+            stream.discard()
+            self._remove_partial(where, fsspec_fs)
+            raise
+        with self._lock:
+            self.recorded[self._name_of(where)] = _Recorded(stream.size,
+                                                            stream.checksum.value())
+
+    def _remove_partial(self, where: str, fsspec_fs: Any) -> None:
+        try:
+            if fsspec_fs is not None:
+                if fsspec_fs.exists(where):
+                    fsspec_fs.rm_file(where)
+            elif os.path.lexists(where):
+                os.unlink(where)
+        except Exception as error:  # noqa: BLE001 - secondary: the staging area is swept
+            logger.warning("resumekit: could not remove the partial file %s: %s: %s",
+                           where, type(error).__name__, error)
+
+
+class _ReportingWriter:
+    """Mixin for a DCP writer: every file it writes reported, the metadata checked.
+
+    Mix it in before DCP's writer class and call :meth:`_start_reporting` after that
+    class's ``__init__``.
+    """
+
+    fs: Any
+    path: Any
+    written: list[WrittenFile]
+
+    def _start_reporting(self) -> None:
+        self.written = []
+        self.fs = _RecordingFileSystem(self.fs, os.fspath(self.path))
+
+    def _record(self, name: str, size: int, checksum: str) -> None:
+        self.written.append(WrittenFile(name, size, checksum))
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Check every item has stored data, write ``.metadata``, report it.
+
+        Raises:
+            StorageError: An item of the plan has no stored data (a writer lost it
+                without raising); nothing is written.
+        """
+        where = os.fspath(self.path)
+        _check_every_item_stored(metadata, results, where)
+        super().finish(metadata, results)  # type: ignore[misc]
+        recorder = cast(_RecordingFileSystem, self.fs)
+        with recorder._lock:  # noqa: SLF001 - our own recorder
+            temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
+            recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
+        references = tuple(sorted({result.storage_data.relative_path
+                                   for part in results for result in part}))
+        for name, entry in recorded:
+            self.written.append(WrittenFile(name.removesuffix(".tmp"), entry.size,
+                                            entry.checksum, references))
+
+
+def _check_every_item_stored(metadata: Metadata, results: Sequence[Sequence[WriteResult]],
+                             where: str) -> None:
+    stored = {result.index for part in results for result in part}
+    missing: list[str] = []
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            wanted = [MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
+        elif isinstance(entry, BytesStorageMetadata):
+            wanted = [MetadataIndex(fqn)]
+        else:
+            continue
+        missing.extend(f"{fqn}{list(index.offset or [])}" for index in wanted
+                       if index not in stored)
+    if missing:
+        raise StorageError(
+            f"writing checkpoint {where} lost {len(missing)} item(s) without an error "
+            f"(first: {', '.join(missing[:3])}); nothing was written as .metadata",
+            path=where, operation="save", file=METADATA_NAME,
+        )
+
+
+def _free_space(path: str) -> str:
+    """Free bytes on the filesystem holding ``path``, as a phrase for a message."""
+    try:
+        stats = os.statvfs(os.path.dirname(path) or ".")
+    except (AttributeError, OSError):
+        return "free space unknown"
+    free = stats.f_bavail * stats.f_frsize
+    return f"{_human(free)} free of {_human(stats.f_blocks * stats.f_frsize)}"
+
+
+def _human(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"  # pragma: no cover - the loop always returns
+
+
+def _write_failure(where: str, error: BaseException, operation: str) -> StorageError:
+    """A :class:`StorageError` naming the file and the cause; ``errno`` kept.
+
+    A full disk (``ENOSPC``, ``EDQUOT``) or a file over the size limit (``EFBIG``) also
+    names the free space left on the filesystem (local paths).
+    """
+    if isinstance(error, StorageError):
+        return error
+    code = getattr(error, "errno", None)
+    detail = f"{type(error).__name__}: {error}"
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and "://" not in where:
+        reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file is too large "
+                  "for the filesystem", errno.EDQUOT: "the disk quota is exhausted"}[code]
+        detail = f"{reason} ({os.strerror(code)}; {_free_space(where)}) [errno {code}]"
+    failure = StorageError(f"cannot {operation} {where}: {detail}", path=where,
+                           file=os.path.basename(where), operation=operation, errno=code)
+    failure.strerror = os.strerror(code) if isinstance(code, int) else None
+    failure.filename = where
+    return failure
+
+
+class CheckedDcpWriter(_ReportingWriter, FsspecWriter):
+    """DCP's own file format for any fsspec URL, with the raw writer's guarantees.
+
+    DCP's ``FsspecWriter`` loses the errors of its extra writer threads (the save goes on,
+    a shard short) and cleans up a failed stream by closing it, which on an object store
+    completes the upload or raises a second error in place of the first. This writer runs
+    each file on its own pool thread and re-raises every thread's error, hashes each
+    stream on its way out (:attr:`written`, ``.metadata`` included) and discards a failed
+    upload. The bytes are exactly DCP's: stock readers load the result.
+
+    Args:
+        path: The (empty) directory, a local path or URL, to write into.
+        thread_count: Files, and writer threads, per rank.
+        sync_files: ``fsync`` each file before it is reported (local paths only: an
+            object-store stream has no descriptor, and objects are durable on close).
+        storage_options: fsspec options (credentials, ``endpoint_url``).
+    """
+
+    def __init__(self, path: str, *, thread_count: int, sync_files: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files,
+                         thread_count=1, overwrite=False, **dict(storage_options or {}))
+        self.file_count = thread_count  # DCP's own threads stay off: ours report errors
+        self._start_reporting()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items, one file per thread; raise if any thread failed."""
+        prefix = cast(_StoragePrefix, plan.storage_data).prefix
+        buckets = [bucket for bucket in _balance(plan.items, self.file_count) if bucket]
+        self.written = []
+        results: list[WriteResult] = []
+        with ThreadPoolExecutor(max_workers=max(len(buckets), 1),
+                                thread_name_prefix="resumekit-writer") as pool:
+            futures = [pool.submit(self._write_one, f"{prefix}{number}{DATA_SUFFIX}", bucket,
+                                   planner) for number, bucket in enumerate(buckets)]
+        errors = [error for error in (future.exception() for future in futures)
+                  if error is not None]
+        if errors:
+            for extra in errors[1:]:
+                logger.error("resumekit: another writer thread failed too: %s: %s",
+                             type(extra).__name__, extra)
+                errors[0].add_note(f"another writer thread failed too: {extra}")
+            raise errors[0]
+        recorder = cast(_RecordingFileSystem, self.fs)
+        for future in futures:
+            results.extend(future.result())
+        for name in sorted({cast(_StorageInfo, r.storage_data).relative_path
+                            for r in results}):
+            entry = recorder.recorded[name]
+            self._record(name, entry.size, entry.checksum)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_one(self, name: str, items: list[WriteItem], planner: SavePlanner
+                   ) -> list[WriteResult]:
+        files: queue.Queue[tuple[Any, str, list[WriteItem]]] = queue.Queue()
+        files.put((self.fs.concat_path(self.path, name), name, items))
+        # DCP's single-thread path: runs on this thread, so its errors reach us.
+        return super()._write_data(planner, files).wait()
+
+
+class RawTensorWriter(_ReportingWriter, FileSystemWriter):
     """DCP ``StorageWriter`` for a local directory: raw tensor bytes, hashed while written.
 
     Args:
@@ -191,10 +521,17 @@ class RawTensorWriter(FileSystemWriter):
                          thread_count=thread_count, overwrite=False)
         self.background = background
         self.written: list[WrittenFile] = []
-        """The files this rank wrote in the last :meth:`write_data`, with checksums."""
+        """The files this rank wrote in the last save, with checksums (``.metadata`` too,
+        on the coordinating rank)."""
+        self._start_reporting()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items, one file per thread; re-raise the first thread error."""
+        """Write this rank's items, one file per thread; raise if any thread failed.
+
+        Raises:
+            StorageError: A file could not be written (naming it; a full disk also names
+                the free space). Every thread has stopped by then.
+        """
         prefix = cast(_StoragePrefix, plan.storage_data).prefix
         buckets = [bucket for bucket in _balance(plan.items, self.thread_count) if bucket]
         jobs = [
@@ -207,10 +544,16 @@ class RawTensorWriter(FileSystemWriter):
         with ThreadPoolExecutor(max_workers=max(len(jobs), 1),
                                 thread_name_prefix="resumekit-writer") as pool:
             futures = [pool.submit(self._write_file, name, items) for name, items in jobs]
-            for future in futures:  # in order: the first error is re-raised here
-                file_results, written = future.result()
-                results.extend(file_results)
-                self.written.append(written)
+        errors = [error for error in (future.exception() for future in futures)
+                  if error is not None]
+        if errors:
+            for extra in errors[1:]:
+                errors[0].add_note(f"another writer thread failed too: {extra}")
+            raise errors[0]
+        for future in futures:
+            file_results, written = future.result()
+            results.extend(file_results)
+            self.written.append(written)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -221,6 +564,15 @@ class RawTensorWriter(FileSystemWriter):
         if self.background:
             _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
+        try:
+            return self._write_items(path, name, items)
+        except OSError as error:
+            raise _write_failure(path, error, "write") from error
+
+    def _write_items(
+        self, path: str, name: str,
+        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
+    ) -> tuple[list[WriteResult], WrittenFile]:
         results: list[WriteResult] = []
         with _AlignedFile(path) as handle:
             for item, data in items:
@@ -261,6 +613,7 @@ class _AlignedFile:
     """
 
     def __init__(self, path: str) -> None:
+        self.path = path
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         direct = getattr(os, "O_DIRECT", 0)
         self.direct = False
@@ -280,10 +633,23 @@ class _AlignedFile:
     def __enter__(self) -> _AlignedFile:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        os.close(self.fd)
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as error:
+            if exc_type is None:
+                raise
+            # Secondary: the error being raised already says why the file is unusable.
+            logger.warning("resumekit: closing %s after a failed write failed too: %s",
+                           self.path, error)
         if self._bounce is not None:
-            self._bounce.close()
+            try:
+                self._bounce.close()
+            except BufferError:
+                # A view of it is still alive (in the traceback of a failed write):
+                # the mapping goes away with the last view, not here.
+                pass
+            self._bounce = None
 
     def write(self, chunk: memoryview, address: int | None) -> None:
         """Append ``chunk`` (at ``address`` in memory when known); pads nothing."""

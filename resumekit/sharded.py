@@ -42,7 +42,7 @@ import torch.distributed as dist
 from fsspec.core import split_protocol
 from torch import nn
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -81,6 +81,7 @@ from resumekit.errors import (
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import (
+    CheckedDcpWriter,
     RawTensorReading,
     RawTensorWriter,
     WrittenFile,
@@ -291,12 +292,16 @@ def save(
         tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
 
     Returns:
-        The data files this rank wrote, each with its size and checksum (raw tensor
-        files); an empty list for DCP's own format. ``.metadata`` is not included.
+        Every file this rank wrote, each with its size and the checksum computed while it
+        was written (both formats, local directories and fsspec URLs alike). On the
+        coordinating rank this includes ``.metadata``, whose
+        :attr:`WrittenFile.references` name every data file the checkpoint's items
+        point to.
 
     Raises:
         ConfigurationError: ``tensor_format`` is neither ``"raw"`` nor ``"dcp"``.
-        StorageError: The write failed on some rank (the message names rank and cause).
+        StorageError: The write failed on some rank, on any writer thread (the message
+            names rank, file and cause; a full disk also names the free space).
     """
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
@@ -317,7 +322,7 @@ def save(
             path=target,
             operation="save",
         ) from error
-    return list(writer.written) if isinstance(writer, RawTensorWriter) else []
+    return list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
 
 
 def load(
@@ -715,22 +720,13 @@ def _make_writer(
         assert local is not None
         return RawTensorWriter(local, thread_count=thread_count, sync_files=sync_files,
                                background=background)
-    if local is not None:  # DCP's own writer, unchanged
-        return FileSystemWriter(local, single_file_per_rank=True, sync_files=sync_files,
-                                thread_count=thread_count, overwrite=False)
+    if local is not None:  # DCP's own format, every thread's error re-raised
+        return cast(FileSystemWriter, CheckedDcpWriter(
+            local, thread_count=thread_count, sync_files=sync_files))
     # fsspec streams have no file descriptor: DCP's fallback for sync_files would be a
     # machine-wide os.sync(). Object stores are durable on close anyway.
-    return cast(
-        FileSystemWriter,
-        FsspecWriter(
-            directory,
-            single_file_per_rank=True,
-            sync_files=False,
-            thread_count=thread_count,
-            overwrite=False,
-            **dict(storage_options or {}),
-        ),
-    )
+    return cast(FileSystemWriter, CheckedDcpWriter(
+        directory, thread_count=thread_count, storage_options=storage_options))
 
 
 class _SafeReaderMixin:

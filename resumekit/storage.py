@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import posixpath
 import shutil
@@ -26,6 +27,8 @@ from resumekit.errors import StorageError
 __all__ = ["FileInfo", "Storage"]
 
 _READ_CHUNK = 8 << 20
+#: fsspec protocols whose ``pipe_file(mode="create")`` is an atomic create-if-absent.
+_CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 @dataclass(frozen=True)
@@ -97,14 +100,26 @@ class Storage:
         """Return a URL for ``relative`` that another fsspec user (e.g. DCP) can open."""
         if self.is_local:
             return self.path(relative)
-        protocol = self.fs.protocol
-        protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
-        return f"{protocol}://{self.path(relative).lstrip('/')}"
+        return f"{self._protocol()}://{self.path(relative).lstrip('/')}"
 
     @property
     def atomic_rename(self) -> bool:
         """True when a directory can be published with one atomic rename (POSIX)."""
         return self.is_local
+
+    @property
+    def conditional_create(self) -> bool:
+        """True when :meth:`write_bytes_exclusive` is one atomic create-if-absent.
+
+        Local filesystems (``O_EXCL``) and S3 (``If-None-Match: *``, through s3fs) have
+        it. Other fsspec backends (``memory://``, ...) get a check-then-write that two
+        writers racing inside the window between the check and the write can both pass.
+        """
+        return self.is_local or self._protocol() in _CONDITIONAL_PROTOCOLS
+
+    def _protocol(self) -> str:
+        protocol = self.fs.protocol
+        return str(protocol[0] if isinstance(protocol, (tuple, list)) else protocol)
 
     # -- queries ----------------------------------------------------------------------
     def exists(self, relative: str = "") -> bool:
@@ -229,6 +244,50 @@ class Storage:
             return
         with self.open(relative, "wb") as handle:
             handle.write(data)
+
+    def write_bytes_exclusive(self, relative: str, data: bytes) -> None:
+        """Create ``relative`` holding ``data``, only if nothing is there yet.
+
+        Where :attr:`conditional_create` is true the check and the write are one atomic
+        operation of the store (``O_CREAT | O_EXCL`` plus ``fsync`` locally, a PUT with
+        ``If-None-Match: *`` on S3): of two writers, exactly one succeeds. Elsewhere the
+        file is checked for, then written (a race window of one round trip).
+
+        Raises:
+            FileExistsError: Something is already at ``relative``; nothing was written.
+            StorageError: The store refused the write.
+        """
+        target = self.path(relative)
+        if self.is_local:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            try:
+                with open(target, "xb") as handle:
+                    handle.write(data)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except FileExistsError:
+                raise
+            except OSError as error:
+                raise StorageError(
+                    f"cannot write {target}: {error}", path=target, operation="write"
+                ) from error
+            return
+        self._forget(relative)
+        try:
+            if self.conditional_create:
+                self.fs.pipe_file(target, data, mode="create")
+            else:
+                if self.fs.exists(target):
+                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+                self.fs.pipe_file(target, data)
+        except FileExistsError:
+            raise
+        except OSError as error:
+            raise StorageError(
+                f"cannot write {target}: {error}", path=target, operation="write"
+            ) from error
+        finally:
+            self._forget(relative)
 
     def make_dirs(self, relative: str = "") -> None:
         """Create the directory ``relative`` and its parents (a no-op on object stores)."""
