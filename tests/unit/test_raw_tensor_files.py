@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
-from resumekit.catalog import verify_checkpoint
+from resumekit.catalog import latest_committed, verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.errors import ConfigurationError, ResumekitError
 from resumekit.manager import CheckpointManager
@@ -185,19 +185,21 @@ def test_torchs_stock_reader_refuses_a_raw_checkpoint_naming_the_format(tmp_path
                  no_dist=True)
 
 
-def test_save_returns_every_data_file_with_the_size_and_checksum_of_its_bytes_on_disk(
+def test_save_returns_every_file_with_the_size_and_checksum_of_its_bytes_on_disk(
     tmp_path: Path,
 ) -> None:
     directory = tmp_path / "ckpt"
     written = sharded.save(mixed_state(), directory)
 
-    on_disk = sorted(path.name for path in directory.iterdir() if path.name != ".metadata")
+    on_disk = sorted(path.name for path in directory.iterdir())
     assert sorted(file.name for file in written) == on_disk
-    assert len(on_disk) > 1  # spread over several writer threads
+    assert len(on_disk) > 2  # .metadata and data spread over several writer threads
     for file in written:
         data = (directory / file.name).read_bytes()
         assert file.size == len(data), file.name
         assert file.checksum == checksum_chunks([data]), file.name
+    (metadata,) = [file for file in written if file.name == ".metadata"]
+    assert sorted(metadata.references) == [name for name in on_disk if name != ".metadata"]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -217,7 +219,8 @@ def test_a_checkpoint_of_torchs_stock_writer_still_loads_and_is_not_verified_on_
     assert torch.equal(loaded["i64"], state["i64"])
     assert loaded["count"] == 3
     assert sharded.files_verified_on_read(stock) == set()
-    assert sharded.files_verified_on_read(ours) == {file.name for file in written}
+    assert sharded.files_verified_on_read(ours) == {
+        file.name for file in written if file.name != ".metadata"}
 
 
 # --------------------------------------------------------------------------- damage
@@ -303,7 +306,7 @@ def _record_described_files(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return described
 
 
-def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading_them_back(
+def test_a_manager_save_takes_every_checksum_from_the_writers_without_reading_a_file_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     described = _record_described_files(monkeypatch)
@@ -312,15 +315,13 @@ def test_a_manager_save_takes_raw_file_checksums_from_the_writer_without_reading
     manager.save(1)
     manager.close()
 
-    assert "tensors/.metadata" in described
-    assert [path for path in described
-            if path.startswith("tensors/") and path != "tensors/.metadata"] == []
+    assert described == []
     info = manager.latest()
     assert info is not None
     tensors = Path(info.path) / info.manifest.data_path("tensors")
     listed = {entry.path: entry for entry in info.manifest.files}
-    data_files = sorted(path for path in tensors.iterdir() if path.name != ".metadata")
-    assert data_files
+    data_files = sorted(tensors.iterdir())
+    assert len(data_files) > 1
     for path in data_files:
         entry = listed[f"tensors/{path.name}"]
         data = path.read_bytes()
@@ -433,7 +434,9 @@ def test_verify_with_sizes_only_still_hashes_the_files_it_does_not_list(tmp_path
     assert caught.value.file == "other.pt"
 
 
-def test_publish_rehashes_a_described_file_whose_size_differs_on_disk(tmp_path: Path) -> None:
+def test_publish_refuses_a_described_file_whose_size_differs_in_the_store(
+    tmp_path: Path,
+) -> None:
     store = Storage(tmp_path)
     protocol = CommitProtocol(store)
     pending = protocol.begin(1)
@@ -442,11 +445,13 @@ def test_publish_rehashes_a_described_file_whose_size_differs_on_disk(tmp_path: 
     wrong = FileEntry(path="tensors/a.distcp", size=len(data) - 1,
                       checksum=checksum_chunks([data[:-1]]))
 
-    committed = protocol.publish(pending, Manifest(step=1), described=[wrong])
+    with pytest.raises(IncompleteCheckpointError) as caught:
+        protocol.publish(pending, Manifest(step=1), described=[wrong])
 
-    (entry,) = committed.files
-    assert (entry.size, entry.checksum) == (len(data), checksum_chunks([data]))
-    verify_checkpoint(store, pending.name)
+    assert caught.value.step == 1 and caught.value.file == "tensors/a.distcp"
+    assert "wrote 99 bytes but the store holds 100" in str(caught.value)
+    protocol.abort(pending)
+    assert latest_committed(store) is None
 
 
 def test_publish_trusts_a_described_file_whose_size_matches_without_reading_it(
@@ -566,7 +571,7 @@ def test_every_item_starts_on_an_alignment_boundary_and_the_file_checksum_covers
     written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
     infos = storage_info(tmp_path / "ckpt")
     assert infos and all(info.offset % ALIGNMENT == 0 for info in infos.values())
-    (file,) = written
+    (file,) = [file for file in written if file.name != ".metadata"]
     on_disk = (tmp_path / "ckpt" / file.name).read_bytes()
     assert len(on_disk) % ALIGNMENT == 0 and file.size == len(on_disk)
     assert file.checksum == checksum_chunks([on_disk])
@@ -604,7 +609,8 @@ def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_
     monkeypatch.setattr(os, "open", refusing_open)
     buffered = sharded.save(_big_state(), tmp_path / "buffered", thread_count=1)
     monkeypatch.undo()
-    assert [(f.size, f.checksum) for f in buffered] == [(f.size, f.checksum) for f in direct]
+    assert [(f.size, f.checksum) for f in buffered if f.name != ".metadata"] == [
+        (f.size, f.checksum) for f in direct if f.name != ".metadata"]
     _round_trips(_big_state(), tmp_path / "buffered")
 
 
@@ -628,7 +634,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
     written = sharded.save(_big_state(), tmp_path / "ckpt", thread_count=1)
     monkeypatch.undo()
     assert refused, "the first direct write should have been refused"
-    (file,) = written
+    (file,) = [file for file in written if file.name != ".metadata"]
     assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()])
     _round_trips(_big_state(), tmp_path / "ckpt")
 
