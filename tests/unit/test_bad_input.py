@@ -196,3 +196,30 @@ def test_a_step_name_taken_by_a_file_is_a_collision_before_anything_is_written(
     assert sorted(os.listdir(tmp_path)) == [NAME_1, NAME_2]  # no staging directory
     assert (tmp_path / NAME_2).read_text() == "squatter"
     verify_checkpoint(store, NAME_1)
+
+
+def test_a_manager_save_that_fills_the_disk_names_the_file_and_free_space_and_keeps_the_old(
+    small_disk: Path,
+) -> None:
+    import torch  # noqa: PLC0415 - the rest of this file needs no torch
+    from torch import nn  # noqa: PLC0415
+
+    from resumekit.manager import CheckpointManager  # noqa: PLC0415
+
+    root = small_disk / "ckpt"
+    torch.manual_seed(0)
+    small = nn.Linear(8, 8)
+    CheckpointManager(root, model=small).save(1)
+    big = nn.Linear(512, 1024)  # 2 MiB of weights on a 1 MiB disk
+    with pytest.raises(StorageError) as caught:
+        CheckpointManager(root, model=big).save(2)
+
+    error = caught.value
+    assert error.errno == errno.ENOSPC and error.step == 2
+    assert "No space left on device" in str(error) and " free of " in str(error)
+    assert ".distcp" in str(error) and "BufferError" not in str(error)
+    assert sorted(os.listdir(root)) == [NAME_1]
+    verify_checkpoint(Storage(root), NAME_1)
+    again = nn.Linear(8, 8)
+    assert CheckpointManager(root, model=again).restore() == 1
+    assert torch.equal(again.weight, small.weight)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
 from resumekit.catalog import latest_committed, verify_checkpoint
 from resumekit.commit import CommitProtocol
-from resumekit.errors import ConfigurationError, ResumekitError
+from resumekit.errors import ConfigurationError, ResumekitError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.manifest import FileEntry, Manifest, checksum_chunks
 from resumekit.raw_tensor_files import (
@@ -652,3 +652,46 @@ def test_a_rank_reads_with_at_most_one_thread_per_usable_cpu_and_at_most_four() 
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert module.READ_THREADS == max(1, min(4, cpus or 1))
+
+
+# --------------------------------------------------------------------------- full disk
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG], ids=["ENOSPC", "EFBIG"])
+def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int,
+) -> None:
+    import resumekit.raw_tensor_files as module
+
+    model, optimizer = _build()
+    manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)
+    manager.save(1)
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
+            raise OSError(code, os.strerror(code))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(module.os, "write", full)
+    with pytest.raises(StorageError) as caught:
+        manager.save(2)
+    monkeypatch.undo()
+
+    error = caught.value
+    assert isinstance(error, OSError) and error.errno == code and error.step == 2
+    message = str(error)
+    assert os.strerror(code) in message and ".distcp" in message and " free of " in message
+    assert str(tmp_path) in message and "step 2" in message
+    assert not any(isinstance(link, BufferError) for link in _chain(error))
+    assert [entry.name for entry in tmp_path.iterdir()] == ["step_000000001"]
+    model, optimizer = _build()
+    assert CheckpointManager(tmp_path, model=model, optimizer=optimizer).restore() == 1

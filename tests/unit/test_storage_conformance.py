@@ -68,6 +68,16 @@ def test_written_bytes_read_back_and_report_their_size(storage: Storage) -> None
     assert not storage.exists("a/b/nothing.bin")
 
 
+def test_an_exclusive_write_creates_once_and_refuses_a_second_without_touching_it(
+    storage: Storage,
+) -> None:
+    storage.write_bytes_exclusive("step_1/manifest.json", b"first")
+    with pytest.raises(FileExistsError):
+        storage.write_bytes_exclusive("step_1/manifest.json", b"second")
+    assert storage.read_bytes("step_1/manifest.json") == b"first"
+    assert storage.conditional_create == (storage.is_local or storage.url.startswith("s3://"))
+
+
 def test_listing_a_directory_gives_sorted_children_and_an_absent_one_is_empty(
     storage: Storage,
 ) -> None:
