@@ -11,13 +11,20 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          object: <root>/step_000001000/attempt-<token>/
     write (every rank writes its shards into the staging area)
     publish
-      3. all-gather of the files each rank hashed and fsynced while writing them
-         (it doubles as the barrier: every writer has finished)
-      4. every rank hashes and fsyncs its share of the other files; rank 0 gathers
-         the list, writes manifest.json (durable) and fsyncs the staging directory
+      3. all-gather of the files each rank wrote, hashed and fsynced while writing
+         them, and of the files the data references (DCP's .metadata); it doubles as
+         the barrier: every writer has finished. The reports are the file list: rank 0
+         fails the commit (IncompleteCheckpointError naming step and file) for a
+         referenced file no rank reported, and for a reported file that is not in the
+         store (looked up by name when a listing misses it) or has another size
+      4. every rank hashes and fsyncs its share of the files nobody reported (found by
+         listing); rank 0 writes manifest.json (durable), fsyncs the staging directory
       5. POSIX : rename staging -> step_000001000, fsync the root (the commit point);
                  replacing an existing step swaps the two atomically (RENAME_EXCHANGE)
-         object: write step_000001000/manifest.json last (the commit point)
+         object: create step_000001000/manifest.json last, only if absent (the commit
+                 point): S3 If-None-Match: *, so of two writers of a step one commits and
+                 the other gets StepCollisionError; stores without conditional writes
+                 check, then write (warned once per root: a one-round-trip race window)
       6. rank 0 removes what the new checkpoint replaced; all ranks learn the outcome
     abort: rank 0 removes the staging area (a crash leaves it for the sweep instead)
 

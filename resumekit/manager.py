@@ -1016,8 +1016,11 @@ class CheckpointManager:
     def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None
                      ) -> tuple[list[FileEntry], list[str]]:
-        """Write this rank's files; return every one of them, hashed on the way, and
-        the files the tensor metadata references (coordinating rank)."""
+        """Write this rank's files; return them, hashed on the way, and what they reference.
+
+        The second list (coordinating rank only) names the files the tensor metadata
+        references, which the commit requires some rank to have reported.
+        """
         rank = coordinator.rank
 
         def write() -> tuple[list[FileEntry], list[str]]:
@@ -1039,7 +1042,8 @@ class CheckpointManager:
                     required.append(f"{TENSORS_DIR}/{sharded.METADATA_FILE}")
             for path, data in small:
                 self.storage.write_bytes(f"{pending.staging}/{path}", data, durable=True)
-                entries.append(FileEntry(path=path, size=len(data), checksum=checksum_chunks([data])))
+                entries.append(FileEntry(path=path, size=len(data),
+                                         checksum=checksum_chunks([data])))
             return entries, sorted(set(required))
 
         described: tuple[list[FileEntry], list[str]] = run_on_every_rank(coordinator, write)

@@ -371,7 +371,7 @@ class _ReportingWriter:
         _check_every_item_stored(metadata, results, where)
         super().finish(metadata, results)  # type: ignore[misc]
         recorder = cast(_RecordingFileSystem, self.fs)
-        with recorder._lock:  # noqa: SLF001 - our own recorder
+        with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
             recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
         references = tuple(sorted({result.storage_data.relative_path
@@ -643,12 +643,10 @@ class _AlignedFile:
             logger.warning("resumekit: closing %s after a failed write failed too: %s",
                            self.path, error)
         if self._bounce is not None:
-            try:
+            # A view of it may still be alive (in the traceback of a failed write): then
+            # the mapping goes away with the last view, not here.
+            with contextlib.suppress(BufferError):
                 self._bounce.close()
-            except BufferError:
-                # A view of it is still alive (in the traceback of a failed write):
-                # the mapping goes away with the last view, not here.
-                pass
             self._bounce = None
 
     def write(self, chunk: memoryview, address: int | None) -> None:
