@@ -87,6 +87,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
+from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, hex_digest
 from resumekit.retry import read_with_retry
 
@@ -94,7 +95,6 @@ __all__ = [
     "ALIGNMENT",
     "CHUNK_BYTES",
     "FORMAT_NAME",
-    "METADATA_NAME",
     "CheckedDcpWriter",
     "RawTensorReading",
     "RawTensorWriter",
@@ -115,9 +115,7 @@ ALIGNMENT = 4096
 MIN_BLOCK_BYTES = 64 << 10
 """The smallest checksummed block (items below it are one block)."""
 DATA_SUFFIX = ".distcp"
-METADATA_NAME = ".metadata"
-"""The file DCP writes last (on the coordinating rank), describing every item."""
-_METADATA_TMP = f"{METADATA_NAME}.tmp"
+_METADATA_TMP = f"{DCP_METADATA_FILE}.tmp"
 
 logger = logging.getLogger("resumekit")
 
@@ -398,7 +396,7 @@ def _check_every_item_stored(metadata: Metadata, results: Sequence[Sequence[Writ
         raise StorageError(
             f"writing checkpoint {where} lost {len(missing)} item(s) without an error "
             f"(first: {', '.join(missing[:3])}); nothing was written as .metadata",
-            path=where, operation="save", file=METADATA_NAME,
+            path=where, operation="save", file=DCP_METADATA_FILE,
         )
 
 

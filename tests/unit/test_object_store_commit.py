@@ -68,9 +68,11 @@ def _fail_uploads_of(backend: str, monkeypatch: pytest.MonkeyPatch, name: str,
 
         monkeypatch.setattr(s3fs.core.S3File, "_upload_chunk", upload)
         return failed
+    from fsspec.implementations.local import LocalFileSystem  # noqa: PLC0415
     from fsspec.implementations.memory import MemoryFileSystem  # noqa: PLC0415
 
-    original_open = MemoryFileSystem._open
+    filesystem = LocalFileSystem if backend == "local" else MemoryFileSystem
+    original_open = filesystem._open
 
     def open_(self: Any, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         handle = original_open(self, path, mode, **kwargs)
@@ -81,7 +83,7 @@ def _fail_uploads_of(backend: str, monkeypatch: pytest.MonkeyPatch, name: str,
             handle.write = write
         return handle
 
-    monkeypatch.setattr(MemoryFileSystem, "_open", open_)
+    monkeypatch.setattr(filesystem, "_open", open_)
     return failed
 
 
@@ -327,3 +329,22 @@ def test_a_store_without_conditional_writes_warns_once_naming_it_and_still_refus
     assert store.read_bytes(
         f"step_000000009/{first_pending.data_dir}/data.bin") == b"first"
     store.remove_tree("")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcps_own_format_on_a_local_disk_also_fails_on_any_thread_and_reports_checksums(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}
+    written = sharded.save(state, tmp_path / "ok", tensor_format="dcp")
+    for file in written:
+        data = (tmp_path / "ok" / file.name).read_bytes()
+        assert (file.size, file.checksum) == (len(data), checksum_chunks([data]))
+    assert {file.name for file in written} == {p.name for p in (tmp_path / "ok").iterdir()}
+
+    failed = _fail_uploads_of("local", monkeypatch, FAILING_SHARD,
+                              lambda path: OSError(28, "No space left on device", path))
+    with pytest.raises(StorageError, match=FAILING_SHARD) as caught:
+        sharded.save(state, tmp_path / "bad", tensor_format="dcp")
+    assert failed and caught.value.errno == 28
+    assert not (tmp_path / "bad" / ".metadata").exists()
