@@ -28,7 +28,32 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
       6. rank 0 removes what the new checkpoint replaced; all ranks learn the outcome
     abort: rank 0 removes the staging area (a crash leaves it for the sweep instead)
 
-Retention (``resumekit.retention``) runs only after publish.
+Writer generations (fencing). Every writer holds a generation of the root
+(``resumekit.generations``): a manager claims the next one when it restores (or, if it
+never restored, at its first ``begin``); records live in ``<root>/.resumekit-generations/``.
+Two managers of one SLURM allocation (same ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT``)
+share a generation; an older restart of a job cannot claim after a newer one did. The rule:
+
+    a writer commits only while its generation is the newest claim of the root.
+
+  - checked in step 1 (before anything is written or swept), and again in step 5
+    immediately before the commit point (after the manifest is durable, before the
+    rename / the object-store manifest write); a fenced writer gets FencedWriterError
+    naming both generations and its staging area is removed: nothing of the newer run
+    is touched;
+  - the one window left is between that last check (two small reads) and the rename:
+    a claim landing inside it lets a fenced writer's checkpoint appear. Restore never
+    chooses such a checkpoint (``generations.zombie_commits``: an older generation's
+    checkpoint with a step above the newest step the newer claim saw), and ``begin``
+    neither counts it as the newest step nor suggests ``replace=True`` over it;
+  - the manifest records the generation that committed it.
+
+Before a save writes (step 2), rank 0 sweeps staging areas whose writer is provably dead:
+on this host with its pid gone, or of a fenced generation; writers on other hosts are left
+to retention's age rule. Each sweep is logged and warned about, naming the directory.
+
+Retention (``resumekit.retention``) runs only after publish; its failures do not undo the
+commit (the manager reports them as warnings on every rank).
 """
 
 from __future__ import annotations
@@ -40,23 +65,41 @@ import secrets
 import socket
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
-from resumekit.catalog import list_checkpoints, read_manifest
+from resumekit import generations
+from resumekit.catalog import CheckpointEntry, list_checkpoints, read_manifest
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.layout import ATTEMPT_PREFIX, NameFormat
-from resumekit.manifest import MANIFEST_NAME, FileEntry, Manifest, checksum_chunks
+from resumekit.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    WriterGeneration,
+    checksum_chunks,
+)
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
-__all__ = ["WRITER_FILE", "CommitProtocol", "PendingCheckpoint", "recover_interrupted"]
-
-WRITER_FILE = ".writer.json"
+__all__ = [
+    "WRITER_FILE",
+    "CommitProtocol",
+    "PendingCheckpoint",
+    "dead_writer_reason",
+    "pid_gone",
+    "read_writer",
+    "recover_interrupted",
+    "staging_areas",
+    "sweep_dead_writers",
+]
 
 logger = logging.getLogger("resumekit")
+
+WRITER_FILE = ".writer.json"
 
 #: Test hook: called with the name of each protocol phase as it starts (crash tests).
 PhaseHook = Callable[[str], None]
@@ -73,6 +116,7 @@ class PendingCheckpoint:
         token: Unique token of this attempt.
         replaces: True when an existing committed checkpoint of this step is replaced.
         data_dir: Data directory relative to the final directory (``"."`` on POSIX).
+        generation: The writer generation that began it (checked again at publish).
     """
 
     step: int
@@ -81,6 +125,7 @@ class PendingCheckpoint:
     token: str
     replaces: bool
     data_dir: str
+    generation: WriterGeneration | None = None
 
 
 class CommitProtocol:
@@ -92,6 +137,8 @@ class CommitProtocol:
         coordinator: The ranks taking part (default: this process alone).
         on_phase: Test hook called with each phase name (``"stage"``, ``"hash"``,
             ``"manifest"``, ``"publish"``, ``"cleanup"``).
+        fence: The writer generation this protocol commits as, shared between protocols
+            of one writer (default: its own, claimed at the first ``begin``).
 
     Example:
         >>> import tempfile
@@ -109,41 +156,126 @@ class CommitProtocol:
         coordinator: Coordinator | None = None,
         *,
         on_phase: PhaseHook | None = None,
+        fence: generations.Fence | None = None,
     ) -> None:
         self.storage = storage
         self.name_format = name_format or NameFormat()
         self.coordinator: Coordinator = coordinator or SingleProcess()
         self._on_phase = on_phase
+        self.fence = fence or generations.Fence()
 
     def _phase(self, name: str) -> None:
         if self._on_phase is not None:
             self._on_phase(name)
 
-    # -- 1-2: begin -------------------------------------------------------------------
-    def begin(self, step: int, *, replace: bool = False) -> PendingCheckpoint:
-        """Check the step is new (or an explicit replacement) and create the staging area.
+    # -- generations ------------------------------------------------------------------
+    def claim(self, *, if_root_exists: bool = False
+              ) -> tuple[WriterGeneration | None, dict[str, str]]:
+        """Claim the root's next writer generation for this writer (every rank calls it).
+
+        Keeps the claim already held while it is still the newest. Returns the generation
+        and ``{name: reason}`` of committed checkpoints that fenced writers committed
+        (never to be restored from).
+
+        Args:
+            if_root_exists: Claim nothing (return ``(None, {})``) when the root does not
+                exist yet: the first ``begin`` claims it.
 
         Raises:
+            FencedWriterError: The claim held is fenced, or a newer restart of this SLURM
+                job already claimed the root.
+            StorageError: The root cannot be written.
+        """
+
+        def on_leader() -> tuple[WriterGeneration | None, dict[str, str]]:
+            if if_root_exists and not self.storage.is_dir():
+                return None, {}
+            generation, zombies, _ = self._claim_on_leader("restore")
+            return generation, zombies
+
+        result: tuple[WriterGeneration | None, dict[str, str]] = run_on_leader(
+            self.coordinator, on_leader)
+        if result[0] is not None:
+            self.fence.generation = result[0]
+        return result
+
+    def _claim_on_leader(self, action: str, step: int | None = None, *, claim: bool = True
+                         ) -> tuple[WriterGeneration | None, dict[str, str],
+                                    list[CheckpointEntry]]:
+        """Check this writer's claim, or make one (``claim``; else only look).
+
+        Returns the claim (None when none is held and ``claim`` is False), the fenced
+        writers' commits (by the root's newest generation) and the root's listing.
+        """
+        held = self.fence.generation
+        if held is not None:
+            generations.check(self.storage, held, action=action, step=step)
+        recover_interrupted(self.storage, self.name_format)
+        entries = list_checkpoints(self.storage, self.name_format)
+        if held is not None:
+            return held, generations.zombie_commits(entries, held), entries
+        zombies = generations.zombie_commits(
+            entries, generations.newest_generation(self.storage))
+        if not claim:
+            return None, zombies, entries
+        return self._claim_now(entries, zombies), zombies, entries
+
+    def _claim_now(self, entries: Sequence[CheckpointEntry], zombies: Collection[str]
+                   ) -> WriterGeneration:
+        self.storage.make_dirs()
+        newest = max((e.step for e in entries
+                      if e.status == "committed" and e.name not in zombies), default=None)
+        claimed = generations.claim(self.storage, newest_step=newest)
+        self.fence.generation = claimed
+        return claimed
+
+    # -- 1-2: begin -------------------------------------------------------------------
+    def begin(self, step: int, *, replace: bool = False,
+              active_tokens: Collection[str] = ()) -> PendingCheckpoint:
+        """Check the writer is not fenced and the step is new, then create the staging area.
+
+        Staging areas of provably dead writers are swept first (with a warning each), so a
+        full disk left by a crash does not fail this save.
+
+        Args:
+            step: The step to save.
+            replace: Atomically replace an existing committed checkpoint of ``step``.
+            active_tokens: Tokens of this writer's saves in flight (never swept).
+
+        Raises:
+            FencedWriterError: A newer writer generation has claimed the root.
             StepCollisionError: ``step`` is not newer than the newest committed step
                 (and not an explicit replacement of an existing one).
             StorageError: The root is a file or cannot be written.
         """
         token = secrets.token_hex(6)
         pending: PendingCheckpoint = run_on_leader(
-            self.coordinator, lambda: self._begin_on_leader(step, token, replace)
-        )
+            self.coordinator,
+            lambda: self._begin_on_leader(step, token, replace, active_tokens))
+        self.fence.generation = pending.generation
         return pending
 
-    def _begin_on_leader(self, step: int, token: str, replace: bool) -> PendingCheckpoint:
+    def _begin_on_leader(self, step: int, token: str, replace: bool,
+                         active_tokens: Collection[str] = ()) -> PendingCheckpoint:
         self._phase("stage")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.storage.make_dirs()
-        recover_interrupted(self.storage, self.name_format)
-        committed = [e.step for e in list_checkpoints(self.storage, self.name_format)
-                     if e.status == "committed"]
+        held, zombies, entries = self._claim_on_leader(f"begin saving step {step}", step,
+                                                       claim=False)
+        committed = [e.step for e in entries
+                     if e.status == "committed" and e.name not in zombies]
         newest = max(committed, default=None)
         replaces = step in committed
+        name = self.name_format.build(step)
+        if name in zombies and not replace:
+            raise StepCollisionError(
+                f"cannot save step {step}: {self.storage.path(name)} was {zombies[name]}. "
+                "This run never resumes from it; move it out of the root to save this "
+                "step (it is not replaced automatically)",
+                step=step, newest=newest, path=self.storage.path(name),
+            )
+        replaces = replaces or name in zombies
         if newest is not None and step <= newest and not (replace and replaces):
             hint = (" (pass replace=True to replace it atomically)" if replaces else
                     "; steps only ever increase: prune newer checkpoints first to go back")
@@ -152,7 +284,6 @@ class CommitProtocol:
                 f"checkpoint is step {newest}{hint}",
                 step=step, newest=newest, path=self.storage.path(),
             )
-        name = self.name_format.build(step)
         if self.storage.atomic_rename and not replaces and self.storage.exists(name):
             raise StepCollisionError(
                 f"cannot save step {step}: {self.storage.path(name)} already exists and is "
@@ -160,6 +291,10 @@ class CommitProtocol:
                 "move it out of the root first",
                 step=step, newest=newest, path=self.storage.path(name),
             )
+        # A writer that never restored claims the root now, as its first save starts
+        # (not on a save refused above: that one neither restored nor committed).
+        generation = held or self._claim_now(entries, zombies)
+        sweep_dead_writers(self.storage, entries, generation, active_tokens=active_tokens)
         if self.storage.atomic_rename:
             staging = self.name_format.staging_name(step, token)
             data_dir = "."
@@ -168,9 +303,10 @@ class CommitProtocol:
             data_dir = f"{ATTEMPT_PREFIX}{token}"
             staging = f"{name}/{data_dir}"
         writer = {"host": socket.gethostname(), "pid": os.getpid(), "token": token,
-                  "step": step, "started": time.time()}
+                  "step": step, "started": time.time(),
+                  "generation": generation.number, "generation_token": generation.token}
         self.storage.write_bytes(f"{staging}/{WRITER_FILE}", json.dumps(writer).encode())
-        return PendingCheckpoint(step, name, staging, token, replaces, data_dir)
+        return PendingCheckpoint(step, name, staging, token, replaces, data_dir, generation)
 
     def staging_url(self, pending: PendingCheckpoint) -> str:
         """Return the path/URL data writers (e.g. DCP) should write into."""
@@ -222,7 +358,7 @@ class CommitProtocol:
                        key=lambda e: e.path)
         final = manifest.model_copy(update={
             "step": pending.step, "files": files, "data_dir": pending.data_dir,
-            "world_size": max(manifest.world_size, 1),
+            "world_size": max(manifest.world_size, 1), "generation": pending.generation,
             "created_at": datetime.now(timezone.utc),  # publication, not capture
         })
         committed: Manifest = run_on_leader(self.coordinator,
@@ -298,6 +434,7 @@ class CommitProtocol:
     def _publish_on_leader(self, pending: PendingCheckpoint, manifest: Manifest) -> Manifest:
         self._phase("manifest")
         storage = self.storage
+        self._check_fence(pending)  # before the manifest: a fenced writer describes nothing
         storage.remove_file(f"{pending.staging}/{WRITER_FILE}")
         if storage.atomic_rename:
             storage.write_bytes(f"{pending.staging}/{MANIFEST_NAME}", manifest.to_json(),
@@ -305,6 +442,7 @@ class CommitProtocol:
             for directory in _directories_of(manifest):
                 storage.fsync_dir(f"{pending.staging}/{directory}")
             storage.fsync_dir(pending.staging)
+            self._check_fence(pending)  # the last check: the race window starts here
             self._phase("publish")
             if pending.replaces:
                 self._swap_in(pending)
@@ -315,6 +453,7 @@ class CommitProtocol:
             storage.remove_tree(pending.staging)  # after a swap: the replaced checkpoint
             return manifest
         previous = read_manifest(storage, pending.name) if pending.replaces else None
+        self._check_fence(pending)  # the last check: the race window starts here
         self._phase("publish")
         if pending.replaces:
             storage.write_bytes(f"{pending.name}/{MANIFEST_NAME}", manifest.to_json())
@@ -352,6 +491,20 @@ class CommitProtocol:
                 f"{storage.path(pending.staging)} is not committed",
                 step=pending.step, newest=pending.step, path=storage.path(pending.name),
             ) from None
+
+    def _check_fence(self, pending: PendingCheckpoint) -> None:
+        """Refuse the commit of a fenced writer, removing its staging area (rank 0)."""
+        if pending.generation is None:
+            return
+        try:
+            generations.check(self.storage, pending.generation,
+                              action=f"commit step {pending.step}", step=pending.step)
+        except Exception:
+            logger.warning("resumekit: a fenced writer's save of step %d is abandoned; "
+                           "removing its staging area %s", pending.step,
+                           self.storage.path(pending.staging))
+            self.storage.remove_tree(pending.staging)
+            raise
 
     def _swap_in(self, pending: PendingCheckpoint) -> None:
         try:
@@ -427,3 +580,94 @@ def recover_interrupted(storage: Storage, name_format: NameFormat) -> list[str]:
     if restored:
         storage.fsync_dir()
     return restored
+
+
+def read_writer(storage: Storage, staging: str) -> dict[str, Any] | None:
+    """Return the writer record (``.writer.json``) of a staging area, None if unreadable."""
+    try:
+        writer = json.loads(storage.read_bytes(f"{staging}/{WRITER_FILE}"))
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    return writer if isinstance(writer, dict) else None
+
+
+def pid_gone(pid: Any) -> bool:
+    """Whether process ``pid`` of this host provably no longer exists."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return False
+    return False
+
+
+def dead_writer_reason(writer: dict[str, Any] | None,
+                       current: WriterGeneration | None) -> str | None:
+    """Why the writer of a record is provably dead (or fenced), else None.
+
+    Provably: of a generation older than ``current`` (it can never commit), or on this
+    host with its pid gone. A writer on another host, or without a readable record, is
+    not provably dead (retention's age rule handles those).
+    """
+    if writer is None:
+        return None
+    number, token = writer.get("generation"), writer.get("generation_token")
+    if current is not None and isinstance(number, int) and isinstance(token, str) and (
+        number < current.number or (number == current.number and token != current.token)
+    ):
+        return (f"its writer's generation {number} is fenced by {current.describe()}")
+    if writer.get("host") == socket.gethostname() and pid_gone(writer.get("pid", -1)):
+        return f"its writer, pid {writer.get('pid')} on this host, is gone"
+    return None
+
+
+def staging_areas(storage: Storage, entries: Iterable[CheckpointEntry]) -> list[str]:
+    """Names of the root's unpublished staging areas (relative to the root).
+
+    POSIX: the hidden ``.<name>.tmp-<token>`` directories (and ``.old-`` directories of
+    interrupted deletions); object stores: ``<step dir>/attempt-<token>/`` prefixes that
+    no manifest points to.
+    """
+    areas = [entry.name for entry in entries
+             if entry.status == "partial" and entry.name.startswith(".")]
+    if storage.atomic_rename:
+        return areas
+    for entry in entries:
+        if entry.name.startswith(".") or entry.status in ("legacy", "foreign"):
+            continue
+        published = entry.manifest.data_dir if entry.manifest is not None else None
+        for info in storage.list_dir(entry.name):
+            if info.is_dir and info.name.startswith(ATTEMPT_PREFIX) and info.name != published:
+                areas.append(f"{entry.name}/{info.name}")
+    return areas
+
+
+def sweep_dead_writers(storage: Storage, entries: Iterable[CheckpointEntry],
+                       current: WriterGeneration | None, *,
+                       active_tokens: Collection[str] = ()) -> list[str]:
+    """Remove staging areas whose writer is provably dead or fenced; return their names.
+
+    Runs in ``begin`` (rank 0), before the new save writes, so the space a crashed writer
+    left is free again. Each sweep is logged and warned about, naming the directory and
+    the reason; a sweep that fails is warned about and the save goes on.
+    """
+    swept = []
+    for name in staging_areas(storage, entries):
+        writer = read_writer(storage, name)
+        if writer is not None and writer.get("token") in active_tokens:
+            continue
+        reason = dead_writer_reason(writer, current)
+        if reason is None:
+            continue
+        where = storage.path(name)
+        try:
+            storage.remove_tree(name)
+        except OSError as error:
+            message = f"cannot sweep the abandoned staging area {where} ({reason}): {error}"
+        else:
+            swept.append(name)
+            message = f"swept the abandoned staging area {where}: {reason}"
+        logger.warning("resumekit: %s", message)
+        warnings.warn(message, ResumekitWarning, stacklevel=2)
+    return swept

@@ -17,6 +17,7 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "DistributedSetupError",
+    "FencedWriterError",
     "ForeignCheckpointError",
     "IncompatibleCheckpointError",
     "IncompleteCheckpointError",
@@ -132,4 +133,14 @@ class PreemptionError(ResumekitError, RuntimeError):
     A handler installed off the main thread or twice, ranks voting at different steps, or
     a failed ``scontrol requeue`` (attributes such as ``thread``, ``step``, ``command``,
     ``returncode``).
+    """
+
+
+class FencedWriterError(ResumekitError, PermissionError):
+    """A writer of an older generation tried to commit into a root a newer one claimed.
+
+    A zombie job (an old SLURM restart still alive after the requeue) is refused before
+    it touches anything of the newer run. Attributes ``path`` (the root), ``step`` (the
+    step it tried to save, when saving), ``generation`` (the fenced writer, described)
+    and ``newer`` (the generation that fenced it, described).
     """

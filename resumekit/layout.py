@@ -10,6 +10,9 @@ Work in progress uses hidden names that never parse as a step:
   set aside (never swept) so later saves of that step are possible.
 
 Listing sorts numerically, never lexicographically; names that do not parse are ignored.
+
+The root also holds ``.resumekit-generations/``: one small record per writer generation
+that claimed the root (``000000000007.json``), see :mod:`resumekit.generations`.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ __all__ = [
     "ATTEMPT_PREFIX",
     "DCP_METADATA_FILE",
     "DEFAULT_NAME_FORMAT",
+    "GENERATIONS_DIR",
     "LEGACY_NAME_FORMAT",
     "TENSORS_DIR",
     "HiddenName",
     "NameFormat",
+    "generation_record_name",
+    "parse_generation_record_name",
 ]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
@@ -39,6 +45,9 @@ LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
 TENSORS_DIR = "tensors"
 #: The file DCP writes last in a checkpoint directory, describing every tensor.
 DCP_METADATA_FILE = ".metadata"
+#: Directory (under the root) of the writer generation records, one file per claim.
+GENERATIONS_DIR = ".resumekit-generations"
+_GENERATION_RECORD = re.compile(r"^(?P<number>\d{12})\.json$")
 
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|bad)-(?P<token>[A-Za-z0-9_]+)$")
 
@@ -156,6 +165,25 @@ class NameFormat:
             return None
         kind: Literal["tmp", "old", "bad"] = match.group("kind")  # type: ignore[assignment]
         return step, HiddenName(match.group("name"), kind, match.group("token"))
+
+
+def generation_record_name(number: int) -> str:
+    """Return the path, relative to the root, of the record of generation ``number``.
+
+    Example:
+        >>> generation_record_name(7)
+        '.resumekit-generations/000000000007.json'
+    """
+    if number < 1:
+        raise ConfigurationError(f"a generation number is >= 1, got {number}",
+                                 name="generation", value=number)
+    return f"{GENERATIONS_DIR}/{number:012d}.json"
+
+
+def parse_generation_record_name(name: str) -> int | None:
+    """Return the generation number of a record's base name, or None if it is not one."""
+    match = _GENERATION_RECORD.match(name)
+    return int(match.group("number")) if match else None
 
 
 def _bad_template(template: str, problem: str) -> ConfigurationError:

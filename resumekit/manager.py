@@ -60,6 +60,7 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
+    FencedWriterError,
     ForeignCheckpointError,
     IncompatibleCheckpointError,
     IncompleteCheckpointError,
@@ -69,6 +70,7 @@ from resumekit.errors import (
     StorageError,
     UnsupportedSchemaError,
 )
+from resumekit.generations import Fence
 from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
 from resumekit.manifest import (
     MANIFEST_NAME,
@@ -337,6 +339,7 @@ class CheckpointManager:
         self._background = _BackgroundSave()
         self._stager: Any = None
         self._active_tokens: set[str] = set()
+        self._fence = Fence()  # this run's writer generation, shared by both channels
         self._main = self._channel(process_group)
         # Background saves run collectives from another thread: they get a group of their
         # own so they never interleave with the coordination of the main thread.
@@ -372,7 +375,8 @@ class CheckpointManager:
             group = group or distributed.checkpoint_group() or self._new_group()
             coordinator = ProcessGroupCoordinator(group)
         return _Channel(group, coordinator,
-                        CommitProtocol(self.storage, self.name_format, coordinator))
+                        CommitProtocol(self.storage, self.name_format, coordinator,
+                                       fence=self._fence))
 
     # -- finding ------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointEntry]:
@@ -411,7 +415,7 @@ class CheckpointManager:
         """
         self._check_open()
         survey: _Survey = run_on_leader(self._main.coordinator, self._survey)
-        entries = survey.entries
+        entries = self._claim_generation(survey.entries)
         committed = [e for e in entries if e.status == "committed"]
         if step is not None:
             committed = [e for e in committed if e.step == step]
@@ -670,6 +674,27 @@ class CheckpointManager:
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         logger.warning("resumekit: %s", message)
         warnings.warn(message, ResumekitWarning, stacklevel=stacklevel)
+
+    def _claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+        """Claim this run's writer generation; drop checkpoints fenced writers committed.
+
+        The claim fences every older writer of the root (see ``resumekit.commit``). A
+        root that does not exist yet is claimed by the first save; one that cannot be
+        written (an eval job's) is restored from anyway, with a warning.
+        """
+        try:
+            _, zombies = self._main.protocol.claim(if_root_exists=True)
+        except FencedWriterError:
+            raise
+        except OSError as error:
+            self._warn(f"cannot record this run's writer generation in "
+                       f"{self.storage.path()} ({error}); restoring anyway: a save from this "
+                       "manager claims it first (and fails the same way while the root "
+                       "cannot be written)")
+            return entries
+        for name in sorted(zombies):
+            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
+        return [entry for entry in entries if entry.name not in zombies]
 
     def _warn_about_other_names(self) -> None:
         """A fresh start next to checkpoints of another name format is almost always a bug."""
@@ -989,7 +1014,8 @@ class CheckpointManager:
 
     def _write(self, job: _SaveJob, channel: _Channel) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator
-        pending = protocol.begin(job.step, replace=job.replace)
+        pending = protocol.begin(job.step, replace=job.replace,
+                                 active_tokens=set(self._active_tokens))
         self._active_tokens.add(pending.token)
         try:
             described, required = self._write_files(pending, job, coordinator, channel.group)
@@ -1006,12 +1032,35 @@ class CheckpointManager:
         self.last_saved_step = job.step
         self._last_commit_time = time.time()
         self._last_save_seconds = time.monotonic() - job.started
-        if coordinator.rank == 0 and self.retention is not None:
-            protect = () if self.resumed_from is None else (self.resumed_from,)
-            prune(self.storage, self.retention, name_format=self.name_format,
-                  protect=protect, active_tokens=set(self._active_tokens))
+        self._apply_retention(job.step, coordinator)
         logger.info("resumekit: committed step %d in %.2fs", job.step,
                     self._last_save_seconds)
+
+    def _apply_retention(self, step: int, coordinator: Coordinator) -> None:
+        """Prune on rank 0 after ``step`` is committed; report problems on every rank.
+
+        The save has succeeded by now: a retention failure (``EBUSY`` from NFS
+        ``.nfsXXXX`` files, an entry another process removed) is a warning, the same on
+        every rank (rank 0's outcome is broadcast), never an error.
+        """
+        if self.retention is None:
+            return
+        retention = self.retention
+        protect = () if self.resumed_from is None else (self.resumed_from,)
+
+        def run() -> list[str]:
+            try:
+                report = prune(self.storage, retention, name_format=self.name_format,
+                               protect=protect, active_tokens=set(self._active_tokens),
+                               errors="report")
+            except Exception as error:  # noqa: BLE001 - the commit stands; reported below
+                return [f"{type(error).__name__}: {error}"]
+            return report.problems
+
+        problems: list[str] = run_on_leader(coordinator, run)
+        for line in problems:
+            self._warn(f"step {step} is committed, but retention under "
+                       f"{self.storage.path()} did not complete: {line}")
 
     def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None

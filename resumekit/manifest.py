@@ -37,6 +37,7 @@ __all__ = [
     "Lineage",
     "Manifest",
     "SaveReason",
+    "WriterGeneration",
     "checksum_chunks",
     "hex_digest",
     "parse_manifest",
@@ -143,6 +144,52 @@ class Lineage(BaseModel):
         )
 
 
+class WriterGeneration(BaseModel):
+    """A writer generation: one claim of a checkpoint root by one run.
+
+    Generations of a root are totally ordered by ``number`` (each claim takes the next
+    one, see :mod:`resumekit.generations`); the newest claim owns the root and every older
+    generation is fenced. Two managers of one SLURM allocation (same job id and restart
+    count) share a generation.
+
+    Attributes:
+        number: Position in the root's order of claims (1, 2, ...).
+        token: Unique token of the claim (tells apart claims that raced for a number on
+            a store without conditional create).
+        slurm_job_id: ``SLURM_JOB_ID`` of the claimer, when under SLURM.
+        slurm_restart_count: ``SLURM_RESTART_COUNT`` of the claimer (0 on a first run).
+        hostname: Host of the claiming process (rank 0).
+        pid: Its process id.
+        claimed_at: UTC time of the claim.
+        newest_step: Newest step committed by a not-fenced writer when the claim was made
+            (None for an empty root): a checkpoint of an older generation with a higher
+            step was committed after this claim, by a zombie.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    number: int = Field(ge=1)
+    token: str
+    slurm_job_id: str | None = None
+    slurm_restart_count: int | None = None
+    hostname: str = ""
+    pid: int = 0
+    claimed_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
+    newest_step: int | None = None
+
+    def same_run(self, other: WriterGeneration) -> bool:
+        """Whether both describe the same SLURM allocation (same job and restart count)."""
+        return (self.slurm_job_id is not None and self.slurm_job_id == other.slurm_job_id
+                and self.slurm_restart_count == other.slurm_restart_count)
+
+    def describe(self) -> str:
+        """One line naming the generation and who claimed it (for errors and warnings)."""
+        who = (f"SLURM job {self.slurm_job_id} restart {self.slurm_restart_count}, "
+               if self.slurm_job_id is not None else "")
+        return (f"generation {self.number} ({who}host {self.hostname or '?'} pid {self.pid}, "
+                f"claimed {self.claimed_at.isoformat(timespec='seconds')})")
+
+
 def _versions() -> dict[str, str]:
     versions = {"resumekit": __version__, "python": platform.python_version()}
     torch = sys.modules.get("torch")
@@ -167,6 +214,8 @@ class Manifest(BaseModel):
         data_dir: Directory of the data files relative to the step directory (``"."``
             except on object stores, where each attempt writes under its own prefix).
         lineage: Which job and restart wrote it.
+        generation: The writer generation that committed it (None in manifests written
+            before generations existed).
         extras: JSON user data (e.g. a wandb run id).
         state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
         fingerprint: Configuration fingerprint compared on restore.
@@ -188,6 +237,7 @@ class Manifest(BaseModel):
     files: list[FileEntry] = Field(default_factory=list)
     data_dir: str = "."
     lineage: Lineage = Field(default_factory=Lineage.current)
+    generation: WriterGeneration | None = None
     extras: dict[str, JsonValue] = Field(default_factory=dict)
     state: dict[str, JsonValue] = Field(default_factory=dict)
     fingerprint: dict[str, JsonValue] = Field(default_factory=dict)

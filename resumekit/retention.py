@@ -7,24 +7,29 @@
 ``a | b`` keeps what either keeps; ``a & b`` keeps what both keep. :func:`prune` applies a
 policy after a publish and never deletes the newest committed checkpoint, the one the run
 resumed from (``protect``), or anything being written. It also sweeps staging directories
-abandoned by dead writers.
+abandoned by dead writers. Entries that vanish under it are skipped with a note; a
+deletion that fails is reported and the rest goes on (:class:`PruneReport`).
 """
 
 from __future__ import annotations
 
-import json
+import functools
+import logging
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from resumekit.catalog import CheckpointEntry, list_checkpoints
-from resumekit.commit import WRITER_FILE, recover_interrupted
-from resumekit.errors import ConfigurationError
-from resumekit.layout import ATTEMPT_PREFIX, NameFormat
+from resumekit.commit import pid_gone, read_writer, recover_interrupted, staging_areas
+from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
+from resumekit.layout import NameFormat
 from resumekit.manifest import MANIFEST_NAME
 from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
 
 __all__ = [
     "PruneReport",
@@ -35,6 +40,8 @@ __all__ = [
     "keep_steps",
     "prune",
 ]
+
+logger = logging.getLogger("resumekit")
 
 
 class RetentionPolicy:
@@ -98,12 +105,24 @@ class PruneReport:
         deleted: Committed steps deleted.
         swept: Names of abandoned staging directories removed.
         dry_run: True when nothing was actually deleted.
+        notes: Entries skipped because they vanished (or were renamed back) under the
+            prune: another process removed or restored them. One line each.
+        failures: Deletions or sweeps that failed (e.g. ``EBUSY`` from NFS ``.nfsXXXX``
+            files), one line each naming the directory and the error; the prune went on
+            with the other entries.
     """
 
     kept: list[int] = field(default_factory=list)
     deleted: list[int] = field(default_factory=list)
     swept: list[str] = field(default_factory=list)
     dry_run: bool = False
+    notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[str]:
+        """Notes and failures together, in that order."""
+        return [*self.notes, *self.failures]
 
 
 def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
@@ -113,11 +132,16 @@ def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
     The writer record (``.writer.json``: host, pid, token, start time) is read once. A
     writer on another host cannot be checked, so there its age alone decides; a missing or
     unreadable record counts as a dead writer, dated by the directory's mtime.
+
+    Raises:
+        FileNotFoundError: ``name`` vanished meanwhile.
     """
+    writer = read_writer(storage, name)
     try:
-        writer = json.loads(storage.read_bytes(f"{name}/{WRITER_FILE}"))
-        started = float(writer["started"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError, OSError):
+        started = float(writer["started"]) if writer is not None else None
+    except (KeyError, TypeError, ValueError):
+        started = None
+    if started is None:
         writer, started = None, storage.mtime(name) or now
     if now - started < sweep_after:
         return False
@@ -125,13 +149,10 @@ def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
         return False  # a save of this process, in flight
     if writer is None or writer.get("host") != socket.gethostname():
         return True
-    try:
-        os.kill(int(writer.get("pid", -1)), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError, OverflowError):
-        return False
-    return False
+    return pid_gone(writer.get("pid", -1))
+
+
+_LISTING_ATTEMPTS = 3
 
 
 def prune(
@@ -143,8 +164,13 @@ def prune(
     active_tokens: Iterable[str] = (),
     sweep_after: float = 3600.0,
     dry_run: bool = False,
+    errors: Literal["raise", "warn", "report"] = "raise",
 ) -> PruneReport:
     """Delete committed checkpoints the policy does not keep, and sweep abandoned staging.
+
+    An entry that vanishes under the prune (another process deleted it, or renamed it
+    back) is skipped with a note; a deletion that fails (``EBUSY``, permissions) is
+    recorded as a failure and the prune goes on with the other entries. Both are logged.
 
     Args:
         storage: The checkpoint root.
@@ -155,57 +181,109 @@ def prune(
         sweep_after: Seconds after which a staging directory whose writer is gone (or
             unknowable, on another host) is swept.
         dry_run: Report without deleting.
+        errors: What failures do once every entry was handled: ``"raise"`` a
+            :class:`~resumekit.errors.StorageError` listing them (notes are warned about),
+            ``"warn"`` (a :class:`~resumekit.warnings.ResumekitWarning` per note and
+            failure), or ``"report"`` (only in the returned report: the manager and the
+            CLI report them themselves).
 
     Returns:
-        What was (or would be) kept, deleted and swept.
+        What was (or would be) kept, deleted and swept, and what was skipped or failed.
+
+    Raises:
+        StorageError: With ``errors="raise"``, when a deletion or sweep failed.
     """
     name_format = name_format or NameFormat()
+    report = PruneReport(dry_run=dry_run)
     if not dry_run:
         recover_interrupted(storage, name_format)
-    entries = list_checkpoints(storage, name_format)
+    entries = _listing(storage, name_format, report)
     committed = [e.step for e in entries if e.status == "committed"]
     keep = policy.keep(committed) | set(protect) | set(committed[-1:])
-    report = PruneReport(kept=[s for s in committed if s in keep], dry_run=dry_run)
+    report.kept = [s for s in committed if s in keep]
     now = time.time()
     token = os.urandom(6).hex()
     for entry in entries:
         if entry.status == "committed" and entry.step not in keep:
-            report.deleted.append(entry.step)
-            if not dry_run:
-                _delete_committed(storage, name_format, entry.step, entry.name, token)
-        elif entry.status == "partial" and entry.name.startswith("."):
-            # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
-            if not _abandoned(storage, entry.name, now, sweep_after, active_tokens):
+            if dry_run:
+                report.deleted.append(entry.step)
                 continue
-            report.swept.append(entry.name)
-            if not dry_run:
-                storage.remove_tree(entry.name)
-    if not storage.atomic_rename:
-        report.swept.extend(_sweep_attempts(storage, entries, now, sweep_after=sweep_after,
-                                            active_tokens=active_tokens, dry_run=dry_run))
+            if _attempt(storage, report, entry.name, f"delete step {entry.step}",
+                        functools.partial(_delete_committed, storage, name_format,
+                                          entry.step, entry.name, token)):
+                report.deleted.append(entry.step)
+    for name in staging_areas(storage, entries):
+        # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
+        try:
+            abandoned = _abandoned(storage, name, now, sweep_after, active_tokens)
+        except FileNotFoundError:
+            report.notes.append(f"{storage.path(name)} vanished while pruning (another "
+                                "process removed it): skipped")
+            continue
+        if not abandoned:
+            continue
+        if dry_run:
+            report.swept.append(name)
+            continue
+        if _attempt(storage, report, name, "sweep the abandoned staging area",
+                    functools.partial(storage.remove_tree, name)):
+            report.swept.append(name)
+    for line in report.problems:
+        logger.warning("resumekit: retention: %s", line)
+    if errors != "report":
+        for line in report.notes if errors == "raise" else report.problems:
+            warnings.warn(f"retention: {line}", ResumekitWarning, stacklevel=2)
+    if errors == "raise" and report.failures:
+        raise StorageError(
+            f"pruning {storage.path()} failed for {len(report.failures)} entr"
+            f"{'y' if len(report.failures) == 1 else 'ies'} (the others were handled): "
+            + "; ".join(report.failures),
+            path=storage.path(), operation="prune", failures=list(report.failures),
+        )
     return report
 
 
-def _sweep_attempts(storage: Storage, entries: Iterable[CheckpointEntry], now: float, *,
-                    sweep_after: float, active_tokens: Iterable[str], dry_run: bool
-                    ) -> list[str]:
-    """Object stores: sweep ``step_X/attempt-<token>/`` prefixes no manifest points to."""
-    swept = []
-    for entry in entries:
-        if entry.name.startswith(".") or entry.status in ("legacy", "foreign"):
-            continue
-        published = entry.manifest.data_dir if entry.manifest is not None else None
-        for info in storage.list_dir(entry.name):
-            if not info.is_dir or not info.name.startswith(ATTEMPT_PREFIX) \
-                    or info.name == published:
-                continue
-            name = f"{entry.name}/{info.name}"
-            if not _abandoned(storage, name, now, sweep_after, active_tokens):
-                continue
-            swept.append(name)
-            if not dry_run:
-                storage.remove_tree(name)
-    return swept
+def _listing(storage: Storage, name_format: NameFormat, report: PruneReport
+             ) -> list[CheckpointEntry]:
+    """List the root, again when an entry vanished while it was being read."""
+    for attempt in range(_LISTING_ATTEMPTS):
+        try:
+            return list_checkpoints(storage, name_format)
+        except CheckpointNotFoundError as error:
+            if attempt == _LISTING_ATTEMPTS - 1:
+                raise
+            report.notes.append(f"{error} while listing {storage.path()} (another "
+                                "process removed it): listed again")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _attempt(storage: Storage, report: PruneReport, name: str, what: str,
+             action: Callable[[], None]) -> bool:
+    """Run one deletion; a vanished entry becomes a note, any other error a failure.
+
+    Returns whether it succeeded.
+    """
+    try:
+        action()
+    except _Vanished as vanished:
+        report.notes.append(str(vanished))
+        return False
+    except OSError as error:
+        if not isinstance(error, _Renamed) and not storage.exists(name):
+            report.notes.append(f"{storage.path(name)} vanished while pruning (another "
+                                f"process removed or renamed it): skipped ({what})")
+            return False
+        report.failures.append(f"cannot {what} {storage.path(name)}: {error}")
+        return False
+    return True
+
+
+class _Vanished(Exception):
+    """A checkpoint a concurrent process took away (or put back) during its deletion."""
+
+
+class _Renamed(OSError):
+    """Marker: an error after the entry was renamed (its old name is gone on purpose)."""
 
 
 def _delete_committed(storage: Storage, name_format: NameFormat, step: int, name: str,
@@ -213,10 +291,28 @@ def _delete_committed(storage: Storage, name_format: NameFormat, step: int, name
     """De-commit first (so a crash never leaves a half-deleted 'checkpoint'), then delete."""
     if storage.atomic_rename:
         retired = name_format.retired_name(step, token)
-        storage.rename_dir(name, retired)
-        storage.remove_file(f"{retired}/{MANIFEST_NAME}")
-        storage.fsync_dir(retired)
-        storage.remove_tree(retired)
+        try:
+            storage.rename_dir(name, retired)
+        except OSError:
+            if not storage.exists(name):
+                raise _Vanished(f"{storage.path(name)} vanished before it could be deleted "
+                                "(another process removed or renamed it): skipped") from None
+            raise
+        try:
+            storage.remove_file(f"{retired}/{MANIFEST_NAME}")
+            storage.fsync_dir(retired)
+        except OSError as error:
+            if not storage.exists(retired):
+                # A concurrent recover_interrupted() renamed it back: still committed.
+                raise _Vanished(
+                    f"{storage.path(name)} was renamed back by another process while "
+                    "being deleted: kept") from error
+            raise _Renamed(f"{error} (de-committing {storage.path(retired)})") from error
+        try:
+            storage.remove_tree(retired)
+        except OSError as error:
+            raise _Renamed(f"{error}; step {step} is de-committed (no manifest), its files "
+                           f"stay in {storage.path(retired)} for the next prune") from error
         return
     storage.remove_file(f"{name}/{MANIFEST_NAME}")
     storage.remove_tree(name)

@@ -4,9 +4,11 @@ The same policies and guarantees as :func:`resumekit.retention.prune`: committed
 checkpoints are de-committed (manifest removed) before their data is deleted, so a crash
 never leaves a half-deleted "checkpoint"; the newest committed checkpoint is never
 deleted; staging directories are swept only when their writer is gone and they are older
-than an hour. The command line adds one protection: the step the newest checkpoint's run
-resumed from (its manifest's ``lineage.resumed_from_step``) is kept, since that run may
-still fall back to it; ``--protect`` keeps more.
+than an hour. Entries that vanish under it (another process removed them) are skipped
+with a note; a deletion that fails is printed and makes the exit status 1, after the
+other entries were handled. The command line adds one protection: the step the newest
+checkpoint's run resumed from (its manifest's ``lineage.resumed_from_step``) is kept,
+since that run may still fall back to it; ``--protect`` keeps more.
 """
 
 from __future__ import annotations
@@ -83,14 +85,16 @@ def run(args: argparse.Namespace) -> int:
     if newest is not None and newest.lineage.resumed_from_step is not None:
         protect.add(newest.lineage.resumed_from_step)
     report = prune(target.storage, policy, name_format=target.name_format,
-                   protect=sorted(protect), dry_run=args.dry_run)
+                   protect=sorted(protect), dry_run=args.dry_run, errors="report")
+    code = 1 if report.failures else 0
     if args.json:
         emit_json({
             "schema": SCHEMA, "root": target.storage.path(), "policy": policy.description,
             "dry_run": report.dry_run, "protected": sorted(protect), "kept": report.kept,
-            "deleted": report.deleted, "swept": report.swept,
+            "deleted": report.deleted, "swept": report.swept, "notes": report.notes,
+            "failures": report.failures,
         })
-        return 0
+        return code
     out = console()
     verb = "would delete" if report.dry_run else "deleted"
     out.print(f"{target.storage.path()}: policy {policy.description}"
@@ -105,4 +109,8 @@ def run(args: argparse.Namespace) -> int:
     out.print(f"{len(report.kept)} kept, {len(report.deleted)} {verb}, "
               f"{len(report.swept)} staging directories "
               f"{'would be swept' if report.dry_run else 'swept'}")
-    return 0
+    for line in report.notes:
+        out.print(f"note: {line}")
+    for line in report.failures:
+        out.print(f"failed: {line}")
+    return code

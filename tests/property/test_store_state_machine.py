@@ -134,6 +134,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.protocol = CommitProtocol(self.storage)
         self.model: dict[int, int] = {}
         self.abandoned: dict[str, int] = {}  # staging left by a dead writer -> its step
+        # Those still holding their dead writer's record: the next begin sweeps them.
+        self.dead_writers: set[str] = set()
         self.versions = 0
         self.history: list[int] = []
 
@@ -150,6 +152,12 @@ class StoreMachine(RuleBasedStateMachine):
     def _collides(self, step: int, replace: bool) -> bool:
         newest = self._newest()
         return newest is not None and step <= newest and not (replace and step in self.model)
+
+    def _begun(self) -> None:
+        """A begin succeeded: it swept every staging area whose writer is provably dead."""
+        for name in self.dead_writers:
+            self.abandoned.pop(name, None)
+        self.dead_writers = set()
 
     def _write(self, pending: PendingCheckpoint, files: dict[str, bytes]) -> None:
         for path, data in files.items():
@@ -176,6 +184,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.protocol.begin(step)
             return
         pending = self.protocol.begin(step)
+        self._begun()
         self._write(pending, content(step, self.versions))
         manifest = self.protocol.publish(pending, Manifest(step=step, extras={"v": self.versions}))
         assert manifest.step == step
@@ -189,6 +198,7 @@ class StoreMachine(RuleBasedStateMachine):
         step = data.draw(st.sampled_from(sorted(self.model)), label="existing step")
         self.versions += 1
         pending = self.protocol.begin(step, replace=True)
+        self._begun()
         assert pending.replaces
         self._write(pending, content(step, self.versions))
         self.protocol.publish(pending, Manifest(step=step, extras={"v": self.versions}))
@@ -223,6 +233,7 @@ class StoreMachine(RuleBasedStateMachine):
         previous = read_manifest(self.storage, self.storage_name(step)).data_dir \
             if replace else None
         pending = self.protocol.begin(step, replace=replace)
+        self._begun()
         # The process that began this save is the one that dies: make its record say so.
         record = self.storage.read_bytes(f"{pending.staging}/{WRITER_FILE}")
         self.storage.write_bytes(f"{pending.staging}/{WRITER_FILE}", record.replace(
@@ -232,7 +243,7 @@ class StoreMachine(RuleBasedStateMachine):
             for path in list(files)[:written]:
                 data = files[path]
                 self.storage.write_bytes(f"{pending.staging}/{path}", data[: len(data) // 2])
-            self._abandon(pending)
+            self._abandon(pending, with_writer_record=True)
             return
 
         def die(name: str) -> None:
@@ -253,10 +264,13 @@ class StoreMachine(RuleBasedStateMachine):
             elif replace:
                 self.abandoned[f"{pending.name}/{previous}"] = step  # the replaced data
             return
-        self._abandon(pending)
+        # The writer record goes just before the manifest is written (phase "manifest").
+        self._abandon(pending, with_writer_record=phase in ("hash", "manifest"))
 
-    def _abandon(self, pending: PendingCheckpoint) -> None:
+    def _abandon(self, pending: PendingCheckpoint, *, with_writer_record: bool) -> None:
         self.abandoned[pending.staging] = pending.step
+        if with_writer_record:
+            self.dead_writers.add(pending.staging)
 
     @rule()
     def resume(self) -> None:
@@ -282,6 +296,7 @@ class StoreMachine(RuleBasedStateMachine):
                     if self.storage.atomic_rename or step not in report.deleted}
         assert sorted(report.swept) == sorted(expected)
         self.abandoned = {}
+        self.dead_writers = set()
 
     # -- invariants ---------------------------------------------------------------------
     @invariant()

@@ -22,6 +22,7 @@ import pytest
 from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.errors import StepCollisionError, StorageError
+from resumekit.layout import GENERATIONS_DIR
 from resumekit.manifest import MANIFEST_NAME, Manifest
 from resumekit.retention import keep_last, prune
 from resumekit.storage import Storage
@@ -30,6 +31,11 @@ from tests.storage_backends import save_checkpoint
 
 NAME_1 = "step_000000001"
 NAME_2 = "step_000000002"
+
+
+def _names(root: Path) -> list[str]:
+    """The root's entries, without the writer generation records."""
+    return sorted(name for name in os.listdir(root) if name != GENERATIONS_DIR)
 
 
 def _mount(*args: str) -> None:
@@ -98,7 +104,7 @@ def test_saving_into_a_read_only_root_fails_naming_it_and_keeps_the_old(
     assert str(root) in str(caught.value)
     assert str(root) in caught.value.path
     assert "Read-only file system" in str(caught.value)
-    assert sorted(os.listdir(root)) == [NAME_1]
+    assert _names(root) == [NAME_1]
     verify_checkpoint(store, NAME_1)
 
 
@@ -136,7 +142,7 @@ def test_a_full_disk_while_writing_data_fails_naming_the_file_and_abort_cleans_u
     assert caught.value.path == store.path(target)
     assert "No space left on device" in str(caught.value)
     protocol.abort(pending)
-    assert sorted(os.listdir(small_disk)) == [NAME_1]
+    assert _names(small_disk) == [NAME_1]
     verify_checkpoint(store, NAME_1)
     # The space came back: the next save of the same step succeeds.
     save_checkpoint(store, 2)
@@ -167,7 +173,7 @@ def test_a_full_disk_while_writing_the_manifest_fails_naming_it_and_abort_cleans
     assert latest is not None
     assert latest.step == 1
     protocol.abort(pending)
-    assert sorted(os.listdir(small_disk)) == ["filler", NAME_1]
+    assert _names(small_disk) == ["filler", NAME_1]
     filler[0].unlink()
     verify_checkpoint(store, NAME_1)
     assert [(e.step, e.status) for e in list_checkpoints(store)] == [(1, "committed")]
@@ -193,7 +199,7 @@ def test_a_step_name_taken_by_a_file_is_a_collision_before_anything_is_written(
     with pytest.raises(StepCollisionError, match=NAME_2) as caught:
         protocol.begin(2)
     assert caught.value.path == str(tmp_path / NAME_2)
-    assert sorted(os.listdir(tmp_path)) == [NAME_1, NAME_2]  # no staging directory
+    assert _names(tmp_path) == [NAME_1, NAME_2]  # no staging directory
     assert (tmp_path / NAME_2).read_text() == "squatter"
     verify_checkpoint(store, NAME_1)
 

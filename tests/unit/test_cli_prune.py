@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from resumekit.layout import GENERATIONS_DIR
 from tests.unit.test_cli_support import Trainer, run_cli, run_json, write_checkpoints
 
 
 def _steps(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir())
+    return sorted(p.name for p in root.iterdir() if p.name != GENERATIONS_DIR)
 
 
 @pytest.fixture

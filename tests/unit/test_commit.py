@@ -12,7 +12,7 @@ from resumekit.catalog import latest_committed, list_checkpoints, read_manifest,
 from resumekit.commit import WRITER_FILE, CommitProtocol, recover_interrupted
 from resumekit.coordination import ProcessGroupCoordinator
 from resumekit.errors import StepCollisionError, StorageError
-from resumekit.layout import NameFormat
+from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
 from resumekit.storage import Storage
 from tests.distributed_harness import run_ranks
@@ -22,7 +22,7 @@ NAME_1 = "step_000000001"
 
 
 def _entries(root: Path) -> list[str]:
-    return sorted(os.listdir(root))
+    return sorted(name for name in os.listdir(root) if name != GENERATIONS_DIR)
 
 
 # -- one process ------------------------------------------------------------------------

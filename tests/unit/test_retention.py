@@ -13,7 +13,7 @@ import pytest
 
 from resumekit.catalog import list_checkpoints, verify_checkpoint
 from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
-from resumekit.layout import NameFormat
+from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME
 from resumekit.retention import keep_all, keep_every, keep_last, keep_steps, prune
 from resumekit.storage import Storage
@@ -72,9 +72,15 @@ def _committed(root: Path) -> list[int]:
     return [e.step for e in list_checkpoints(Storage(root)) if e.status == "committed"]
 
 
-def _stage(store: Storage, step: int) -> PendingCheckpoint:
+def _listing(root: Path) -> list[str]:
+    """The root's entries, without the writer generation records."""
+    return sorted(name for name in os.listdir(root) if name != GENERATIONS_DIR)
+
+
+def _stage(store: Storage, step: int, protocol: CommitProtocol | None = None
+           ) -> PendingCheckpoint:
     """Begin a save of ``step`` and write one file into it, leaving it unpublished."""
-    pending = CommitProtocol(store).begin(step)
+    pending = (protocol or CommitProtocol(store)).begin(step)
     store.write_bytes(f"{pending.staging}/model.bin", b"unfinished")
     return pending
 
@@ -104,7 +110,7 @@ def test_prune_deletes_only_what_the_policy_drops(tmp_path: Path) -> None:
     assert report.deleted == [2, 3]
     assert report.kept == [1, 4, 5]
     assert _committed(tmp_path) == [1, 4, 5]
-    assert sorted(os.listdir(tmp_path)) == ["step_000000001", "step_000000004",
+    assert _listing(tmp_path) == ["step_000000001", "step_000000004",
                                             "step_000000005"]
 
 
@@ -135,7 +141,7 @@ def test_prune_leaves_unreadable_step_directories_alone(tmp_path: Path) -> None:
     (tmp_path / "step_000000002" / MANIFEST_NAME).write_text("{ garbled")
     report = prune(store, keep_last(1))
     assert report.deleted == [1]
-    assert sorted(os.listdir(tmp_path)) == ["step_000000002", "step_000000003"]
+    assert _listing(tmp_path) == ["step_000000002", "step_000000003"]
 
 
 def test_prune_never_sweeps_the_staging_of_a_live_writer(tmp_path: Path) -> None:
@@ -166,7 +172,7 @@ def test_prune_sweeps_abandoned_staging_of_a_dead_writer_after_the_threshold(
     _rewrite_writer(store, old, pid=dead_pid, started=time.time() - 2 * HOUR)
     report = prune(store, keep_all(), sweep_after=HOUR)
     assert report.swept == [old.staging]
-    assert sorted(os.listdir(tmp_path)) == ["step_000000001"]
+    assert _listing(tmp_path) == ["step_000000001"]
     verify_checkpoint(store, "step_000000001")
 
 
@@ -181,13 +187,14 @@ def test_prune_keeps_recent_staging_of_a_dead_writer(tmp_path: Path, dead_pid: i
 
 def test_staging_from_another_host_is_swept_by_age_alone(tmp_path: Path) -> None:
     store = Storage(tmp_path)
-    old = _stage(store, 2)
-    young = _stage(store, 3)
+    writer = CommitProtocol(store)  # one writer: a newer one would fence (and sweep) it
+    old = _stage(store, 2, writer)
+    young = _stage(store, 3, writer)
     _rewrite_writer(store, old, host="elsewhere", started=time.time() - 2 * HOUR)
     _rewrite_writer(store, young, host="elsewhere", started=time.time())
     report = prune(store, keep_all(), sweep_after=HOUR)
     assert report.swept == [old.staging]
-    assert os.listdir(tmp_path) == [young.staging]
+    assert _listing(tmp_path) == [young.staging]
 
 
 def test_a_half_deleted_retired_directory_is_swept(tmp_path: Path) -> None:
@@ -200,7 +207,7 @@ def test_a_half_deleted_retired_directory_is_swept(tmp_path: Path) -> None:
     os.remove(tmp_path / retired / MANIFEST_NAME)
     report = prune(store, keep_all(), sweep_after=0)
     assert report.swept == [retired]
-    assert os.listdir(tmp_path) == ["step_000000002"]
+    assert _listing(tmp_path) == ["step_000000002"]
 
 
 def test_a_dry_run_reports_deletions_and_sweeps_but_deletes_nothing(

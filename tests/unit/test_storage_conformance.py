@@ -29,7 +29,7 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import LEGACY_NAME_FORMAT, NameFormat
+from resumekit.layout import GENERATIONS_DIR, LEGACY_NAME_FORMAT, NameFormat
 from resumekit.manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
 from resumekit.retention import keep_last, keep_steps, prune
 from resumekit.storage import Storage
@@ -184,7 +184,7 @@ def test_an_aborted_save_leaves_no_trace(storage: Storage) -> None:
     storage.write_bytes(f"{pending.staging}/model.bin", b"never published")
     protocol.abort(pending)
     assert _statuses(storage) == {NAME_1: "committed"}
-    assert [info.name for info in storage.list_dir()] == [NAME_1]
+    assert [info.name for info in storage.list_dir() if info.name != GENERATIONS_DIR] == [NAME_1]
     verify_checkpoint(storage, NAME_1)
 
 
@@ -237,7 +237,8 @@ def test_replace_true_swaps_in_the_new_content(storage: Storage) -> None:
     assert storage.read_bytes(data_file(storage, NAME_1, "model.bin")) == b"replacement"
     assert _statuses(storage) == {NAME_1: "committed"}
     # Nothing of the replaced checkpoint is left behind.
-    assert [path for path, _ in storage.walk_files()] == sorted(
+    assert [path for path, _ in storage.walk_files()
+            if not path.startswith(GENERATIONS_DIR)] == sorted(
         [f"{NAME_1}/{MANIFEST_NAME}", data_file(storage, NAME_1, "model.bin")]
     )
 
@@ -272,7 +273,7 @@ def test_prune_deletes_what_the_policy_drops_but_never_the_newest_or_protected(
     report = prune(storage, keep_steps(2), protect=[1])
     assert (report.deleted, report.kept) == ([3], [1, 2, 4])
     assert _committed_steps(storage) == [1, 2, 4]
-    assert [info.name for info in storage.list_dir()] == [
+    assert [info.name for info in storage.list_dir() if info.name != GENERATIONS_DIR] == [
         "step_000000001", "step_000000002", "step_000000004",
     ]
     for name in ("step_000000001", "step_000000002", "step_000000004"):

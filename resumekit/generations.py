@@ -1,0 +1,238 @@
+"""Writer generations: which run owns a checkpoint root now, and fencing the older ones.
+
+The rule is written down once, in :mod:`resumekit.commit`; this module is its mechanism.
+
+Every claim of a root is a record ``<root>/.resumekit-generations/<number:012d>.json``
+(a :class:`~resumekit.manifest.WriterGeneration`), created exclusively
+(:meth:`~resumekit.storage.Storage.write_bytes_exclusive`) with ``number`` = newest + 1,
+retried on a lost race. Numbers are therefore unique and consecutive, and generations are
+totally ordered by them. Two managers of one SLURM allocation (same job id and restart
+count) share one generation; a claim from an older restart of a job whose newer restart
+already claimed is refused.
+
+A writer holding generation ``n`` may commit while record ``n`` still holds its token and
+no record ``n + 1`` exists. Records are pruned oldest first, keeping the newest
+:data:`RECORDS_KEPT`, so a writer whose successor's record was pruned lost its own record
+too and is still fenced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Iterable
+
+from resumekit.catalog import CheckpointEntry
+from resumekit.errors import FencedWriterError, StorageError
+from resumekit.layout import (
+    GENERATIONS_DIR,
+    generation_record_name,
+    parse_generation_record_name,
+)
+from resumekit.manifest import Lineage, Manifest, WriterGeneration
+from resumekit.storage import Storage
+
+__all__ = [
+    "RECORDS_KEPT",
+    "Fence",
+    "check",
+    "claim",
+    "fenced_by",
+    "newest_generation",
+    "zombie_commits",
+    "zombie_reason",
+]
+
+logger = logging.getLogger("resumekit")
+
+#: Generation records kept in a root (older ones are deleted by the next claim).
+RECORDS_KEPT = 16
+_CLAIM_ATTEMPTS = 64
+
+
+class Fence:
+    """The generation a writer claimed in one root, shared by a manager's protocols.
+
+    Attributes:
+        generation: The claim, once made (None before the first restore or save).
+    """
+
+    def __init__(self) -> None:
+        self.generation: WriterGeneration | None = None
+
+
+def _numbers(storage: Storage) -> list[int]:
+    numbers = [parse_generation_record_name(info.name)
+               for info in storage.list_dir(GENERATIONS_DIR) if not info.is_dir]
+    return sorted(number for number in numbers if number is not None)
+
+
+def _read(storage: Storage, number: int) -> WriterGeneration | None:
+    """Read record ``number``; None when absent or unreadable (the latter logged)."""
+    name = generation_record_name(number)
+    try:
+        return WriterGeneration.model_validate_json(storage.read_bytes(name))
+    except FileNotFoundError:
+        return None
+    except (ValueError, StorageError) as error:
+        logger.warning("resumekit: ignoring unreadable generation record %s: %s",
+                       storage.path(name), error)
+        return None
+
+
+def _records(storage: Storage) -> list[WriterGeneration]:
+    records = [_read(storage, number) for number in _numbers(storage)]
+    return [record for record in records if record is not None]
+
+
+def newest_generation(storage: Storage) -> WriterGeneration | None:
+    """Return the newest readable generation record of the root (None if there is none)."""
+    for number in reversed(_numbers(storage)):
+        record = _read(storage, number)
+        if record is not None:
+            return record
+    return None
+
+
+def fenced_by(generation: WriterGeneration, current: WriterGeneration) -> bool:
+    """Whether ``generation`` is older than ``current``, the root's newest claim.
+
+    Older means a lower number, or the same number with another token (a claim that lost
+    a race on a store without conditional create: the record that stayed is the claim).
+    """
+    return generation.number < current.number or (
+        generation.number == current.number and generation.token != current.token)
+
+
+def zombie_reason(manifest: Manifest, current: WriterGeneration | None) -> str | None:
+    """Why the checkpoint of ``manifest`` was committed by a fenced writer, else None.
+
+    A checkpoint of an older generation whose step is above the newest step the current
+    generation saw when it claimed the root was committed after that claim: by a writer
+    that had been fenced (a zombie, inside the race window of the commit, or a resumekit
+    without fencing). Manifests without a generation are never a zombie's.
+    """
+    written = manifest.generation
+    if current is None or written is None or not fenced_by(written, current):
+        return None
+    if current.newest_step is not None and manifest.step <= current.newest_step:
+        return None  # committed before the claim: part of the history the claimer saw
+    seen = ("an empty root" if current.newest_step is None
+            else f"step {current.newest_step} as the newest")
+    return (f"committed by {written.describe()} after {current.describe()} had claimed the "
+            f"root (seeing {seen}): a fenced writer's checkpoint")
+
+
+def zombie_commits(entries: Iterable[CheckpointEntry], current: WriterGeneration | None
+                   ) -> dict[str, str]:
+    """Return ``{name: reason}`` of the committed entries a fenced writer committed."""
+    found = {}
+    for entry in entries:
+        if entry.status == "committed" and entry.manifest is not None:
+            reason = zombie_reason(entry.manifest, current)
+            if reason is not None:
+                found[entry.name] = reason
+    return found
+
+
+def claim(storage: Storage, *, newest_step: int | None,
+          identity: Lineage | None = None) -> WriterGeneration:
+    """Claim the root for this process (call on rank 0 only); return the generation.
+
+    Args:
+        storage: The checkpoint root (created if absent).
+        newest_step: Newest step committed by a not-fenced writer, as the caller listed it
+            (see :func:`zombie_commits`).
+        identity: Whose claim it is (default: this process, from its environment).
+
+    Returns:
+        A new generation, or the current one when it belongs to the same SLURM
+        allocation (same job id and restart count).
+
+    Raises:
+        FencedWriterError: A newer restart of this SLURM job already claimed the root.
+        StorageError: The root cannot be written.
+    """
+    me = identity or Lineage.current()
+    for _ in range(_CLAIM_ATTEMPTS):
+        records = _records(storage)
+        numbers = _numbers(storage)
+        for record in records:
+            if me.slurm_job_id is not None and record.slurm_job_id == me.slurm_job_id \
+                    and (record.slurm_restart_count or 0) > (me.slurm_restart_count or 0):
+                raise FencedWriterError(
+                    f"cannot claim {storage.path()}: this process is SLURM job "
+                    f"{me.slurm_job_id} restart {me.slurm_restart_count}, and "
+                    f"{record.describe()} of a later restart of the same job already "
+                    "claimed it (this process is a zombie of the requeued job: stop it)",
+                    path=storage.path(), step=None,
+                    generation=f"SLURM job {me.slurm_job_id} restart "
+                               f"{me.slurm_restart_count}",
+                    newer=record.describe(),
+                )
+        newest = max(records, key=lambda record: record.number, default=None)
+        mine = WriterGeneration(
+            number=(numbers[-1] if numbers else 0) + 1, token=secrets.token_hex(8),
+            slurm_job_id=me.slurm_job_id, slurm_restart_count=me.slurm_restart_count,
+            hostname=socket.gethostname(), pid=os.getpid(), newest_step=newest_step,
+        )
+        if newest is not None and numbers[-1] == newest.number and newest.same_run(mine):
+            return newest
+        storage.make_dirs()
+        try:
+            storage.write_bytes_exclusive(generation_record_name(mine.number),
+                                          mine.model_dump_json(indent=2).encode())
+        except FileExistsError:
+            continue  # another claimer took this number first: try the next one
+        _prune_records(storage, mine.number)
+        logger.info("resumekit: %s claimed %s", mine.describe(), storage.path())
+        return mine
+    raise StorageError(
+        f"cannot claim a writer generation in {storage.path()}: {_CLAIM_ATTEMPTS} claims "
+        "raced with others and lost", path=storage.path(), operation="claim",
+    )
+
+
+def _prune_records(storage: Storage, newest: int) -> None:
+    for number in _numbers(storage):
+        if number <= newest - RECORDS_KEPT:
+            try:
+                storage.remove_file(generation_record_name(number))
+            except StorageError as error:  # kept records only cost a few bytes
+                logger.warning("resumekit: cannot delete old generation record %s: %s",
+                               storage.path(generation_record_name(number)), error)
+
+
+def check(storage: Storage, generation: WriterGeneration, *, action: str,
+          step: int | None = None) -> None:
+    """Raise unless ``generation`` is still the root's newest claim.
+
+    Reads two names: the writer's own record (it must still hold its token) and its
+    successor's (it must not exist).
+
+    Args:
+        storage: The checkpoint root.
+        generation: The writer's claim.
+        action: What the writer is about to do, for the error (``"commit step 300"``).
+        step: The step concerned, if any.
+
+    Raises:
+        FencedWriterError: A newer generation has claimed the root.
+    """
+    own = _read(storage, generation.number)
+    successor = storage.exists(generation_record_name(generation.number + 1))
+    if own is not None and own.token == generation.token and not successor:
+        return
+    newer = newest_generation(storage)
+    newer_text = newer.describe() if newer is not None and newer.token != generation.token \
+        else f"a newer claim (record {generation.number} or {generation.number + 1} of " \
+             f"{storage.path(GENERATIONS_DIR)})"
+    raise FencedWriterError(
+        f"refusing to {action} under {storage.path()}: this writer's "
+        f"{generation.describe()} is fenced by {newer_text}; a newer run restored or "
+        "committed here since (e.g. a SLURM requeue while this process was still alive). "
+        "Nothing of the newer run was touched; stop this process",
+        path=storage.path(), step=step, generation=generation.describe(), newer=newer_text,
+    )
