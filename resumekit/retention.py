@@ -212,6 +212,15 @@ def prune(
                         functools.partial(_delete_committed, storage, name_format,
                                           entry.step, entry.name, token)):
                 report.deleted.append(entry.step)
+    _sweep_abandoned(storage, entries, report, now=now, sweep_after=sweep_after,
+                     active_tokens=active_tokens)
+    _report(storage, report, errors)
+    return report
+
+
+def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: PruneReport,
+                     *, now: float, sweep_after: float, active_tokens: Iterable[str]) -> None:
+    """Sweep (or, on a dry run, list) the staging areas abandoned by dead writers."""
     for name in staging_areas(storage, entries):
         # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
         try:
@@ -222,17 +231,20 @@ def prune(
             continue
         if not abandoned:
             continue
-        if dry_run:
+        if report.dry_run or _attempt(storage, report, name,
+                                      "sweep the abandoned staging area",
+                                      functools.partial(storage.remove_tree, name)):
             report.swept.append(name)
-            continue
-        if _attempt(storage, report, name, "sweep the abandoned staging area",
-                    functools.partial(storage.remove_tree, name)):
-            report.swept.append(name)
+
+
+def _report(storage: Storage, report: PruneReport,
+            errors: Literal["raise", "warn", "report"]) -> None:
+    """Log every note and failure; warn or raise as ``errors`` says."""
     for line in report.problems:
         logger.warning("resumekit: retention: %s", line)
     if errors != "report":
         for line in report.notes if errors == "raise" else report.problems:
-            warnings.warn(f"retention: {line}", ResumekitWarning, stacklevel=2)
+            warnings.warn(f"retention: {line}", ResumekitWarning, stacklevel=3)
     if errors == "raise" and report.failures:
         raise StorageError(
             f"pruning {storage.path()} failed for {len(report.failures)} entr"
@@ -240,7 +252,6 @@ def prune(
             + "; ".join(report.failures),
             path=storage.path(), operation="prune", failures=list(report.failures),
         )
-    return report
 
 
 def _listing(storage: Storage, name_format: NameFormat, report: PruneReport
