@@ -71,7 +71,7 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.generations import Fence
-from resumekit.layout import DEFAULT_NAME_FORMAT, NameFormat
+from resumekit.layout import DEFAULT_NAME_FORMAT, GENERATIONS_DIR, NameFormat
 from resumekit.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -656,7 +656,7 @@ class CheckpointManager:
                   if e.status not in ("committed", "foreign") and e.defect not in reported]
         if not self.storage.exists():
             logger.info("resumekit: starting fresh at step 0: %s does not exist yet", root)
-        elif not self.storage.list_dir():
+        elif not [i for i in self.storage.list_dir() if i.name != GENERATIONS_DIR]:
             logger.info("resumekit: starting fresh at step 0: %s is empty", root)
         else:
             logger.info("resumekit: starting fresh at step 0: %s holds no committed "
