@@ -224,7 +224,7 @@ def test_a_manager_save_that_fills_the_disk_names_the_file_and_free_space_and_ke
     assert error.errno == errno.ENOSPC and error.step == 2
     assert "No space left on device" in str(error) and " free of " in str(error)
     assert ".distcp" in str(error) and "BufferError" not in str(error)
-    assert sorted(os.listdir(root)) == [NAME_1]
+    assert _names(root) == [NAME_1]
     verify_checkpoint(Storage(root), NAME_1)
     again = nn.Linear(8, 8)
     assert CheckpointManager(root, model=again).restore() == 1
