@@ -95,6 +95,10 @@ _FOREIGN_STEP = {
     "hf-trainer": re.compile(r"^checkpoint-(\d+)$"),
     "lightning": re.compile(r"(?:^|[-_])step=(\d+)"),
 }
+#: Folders other tools save checkpoints into, looked into one level down: Accelerate's
+#: ``automatic_checkpoint_naming`` (``checkpoints/checkpoint_N``) and Lightning's
+#: ``ModelCheckpoint`` default (``checkpoints/*.ckpt``).
+_FOREIGN_CONTAINERS = ("checkpoints",)
 _DCP_METADATA = DCP_METADATA_FILE
 _HF_TRAINER_STATE = "trainer_state.json"
 
@@ -309,10 +313,26 @@ def list_checkpoints(
     name_format = name_format or NameFormat()
     legacy_format = legacy_format or NameFormat(LEGACY_NAME_FORMAT)
     _check_root(storage)
-    entries = [entry for info in storage.list_dir()
-               if (entry := _entry_of(storage, info, name_format, legacy_format)) is not None]
+    entries = []
+    for info in storage.list_dir():
+        nested = _foreign_entries_in(storage, info.name) \
+            if info.is_dir and info.name in _FOREIGN_CONTAINERS else []
+        entry = None if nested else _entry_of(storage, info, name_format, legacy_format)
+        entries.extend(nested if entry is None else [entry])
     order = {"foreign": 0, "partial": 1, "corrupt": 2, "legacy": 3, "committed": 4}
     return sorted(entries, key=lambda entry: (entry.step, order[entry.status], entry.name))
+
+
+def _foreign_entries_in(storage: Storage, folder: str) -> list[CheckpointEntry]:
+    """Foreign checkpoints one level down in a folder other tools keep them in."""
+    found = []
+    for info in storage.list_dir(folder):
+        name = f"{folder}/{info.name}"
+        if info.is_dir or info.name.endswith(".ckpt"):
+            entry = _foreign_entry(storage, name, None)
+            if entry is not None:
+                found.append(entry)
+    return found
 
 
 def _entry_of(storage: Storage, info: FileInfo, name_format: NameFormat,

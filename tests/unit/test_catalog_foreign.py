@@ -42,6 +42,7 @@ def test_each_foreign_format_is_listed_with_its_format_and_step(foreign_root: Pa
         "plain_dcp": ("foreign", "dcp", -1),
         "checkpoint-4": ("foreign", "hf-trainer", 4),
         "accelerate_state": ("foreign", "accelerate", -1),
+        "checkpoints/checkpoint_0": ("foreign", "accelerate", -1),
         "epoch=0-step=7.ckpt": ("foreign", "lightning", 7),
     }
 
@@ -62,3 +63,25 @@ def test_a_foreign_directory_named_like_ours_is_foreign_not_partial(tmp_path: Pa
     (entry,) = list_checkpoints(Storage(tmp_path), NameFormat("checkpoint-{step}"))
     assert (entry.status, entry.format, entry.step) == ("foreign", "hf-trainer", 4)
 
+
+
+def test_checkpoints_one_level_down_in_a_checkpoints_folder_are_found(tmp_path: Path) -> None:
+    # Accelerate's automatic naming and Lightning's ModelCheckpoint default both save into
+    # <project>/checkpoints/: a root pointed at the project must not look empty.
+    _touch(tmp_path / "checkpoints" / "checkpoint_3" / "random_states_0.pkl")
+    _touch(tmp_path / "checkpoints" / "epoch=1-step=40.ckpt")
+    _touch(tmp_path / "checkpoints" / "notes.txt")
+    found = {e.name: (e.status, e.format, e.step) for e in list_checkpoints(Storage(tmp_path))}
+    assert found == {
+        "checkpoints/checkpoint_3": ("foreign", "accelerate", -1),
+        "checkpoints/epoch=1-step=40.ckpt": ("foreign", "lightning", 40),
+    }
+
+
+def test_restore_in_an_accelerate_project_folder_refuses_to_start_from_zero(
+        tmp_path: Path) -> None:
+    import resumekit
+
+    _touch(tmp_path / "checkpoints" / "checkpoint_0" / "optimizer.bin")
+    with pytest.raises(resumekit.ForeignCheckpointError, match=r"checkpoint_0.*--step"):
+        resumekit.CheckpointManager(tmp_path).restore()
