@@ -243,11 +243,13 @@ class CheckpointManager:
         storage_options: fsspec options (e.g. ``endpoint_url``).
         import_legacy: When no committed checkpoint exists, start from the newest
             weights-only ``checkpoint_step_N`` directory (weights only, with a warning).
-        tensor_format: How model and optimizer tensors are written: ``"raw"`` (default;
-            resumekit's raw tensor files, hashed while written and verified block by
-            block while read; object stores get DCP's format) or ``"dcp"`` (DCP's own
-            ``FileSystemWriter`` format, which stock DCP tools read unchanged; slower, see
-            ``docs/performance.md``). Restore reads either, whatever this says.
+        tensor_format: How model and optimizer tensors are written: ``"raw"``
+            (resumekit's raw tensor files, hashed while written and verified block by
+            block while read; local roots only) or ``"dcp"`` (DCP's own format, which
+            stock DCP tools read unchanged; slower on local disks, see
+            ``docs/performance.md``). None (default): ``"raw"`` on local roots, ``"dcp"``
+            on object stores; an explicit ``"raw"`` on an object store warns and writes
+            ``"dcp"``. Restore reads either, whatever this says.
         foreign: What :meth:`restore` does when the root holds no resumekit checkpoint but
             another tool's (plain DCP, torchtitan, Accelerate, Lightning, HF Trainer), or
             is one: ``"error"`` (default) raises
@@ -278,7 +280,7 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
         import_legacy: bool = True,
-        tensor_format: Literal["raw", "dcp"] = "raw",
+        tensor_format: Literal["raw", "dcp"] | None = None,
         foreign: ForeignPolicy = "error",
     ) -> None:
         if save_every is not None and save_every < 1:
@@ -292,7 +294,7 @@ class CheckpointManager:
             raise ConfigurationError(
                 f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}",
                 name="on_mismatch", value=on_mismatch)
-        if tensor_format not in sharded.TENSOR_FORMATS:
+        if tensor_format is not None and tensor_format not in sharded.TENSOR_FORMATS:
             raise ConfigurationError(
                 f"tensor_format must be raw or dcp, not {tensor_format!r}",
                 name="tensor_format", value=tensor_format)
@@ -301,7 +303,13 @@ class CheckpointManager:
                 f"foreign must be error or ignore, not {foreign!r}",
                 name="foreign", value=foreign)
         self.storage = Storage(root, storage_options)
-        self.tensor_format: Literal["raw", "dcp"] = tensor_format
+        self.tensor_format: Literal["raw", "dcp"] = sharded.tensor_format_for(
+            self.storage.url_of(), tensor_format or "raw")
+        if tensor_format == "raw" and self.tensor_format != "raw":
+            self._warn(f"tensor_format='raw' cannot write to {self.storage.path()} (raw "
+                       "tensor files need a local filesystem): writing DCP's own format "
+                       "there, hashed while it is uploaded; pass tensor_format='dcp' to "
+                       "choose it explicitly", stacklevel=3)
         self.name_format = NameFormat(name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
@@ -984,14 +992,12 @@ class CheckpointManager:
                                     launcher=_launcher()),
             extras=_plain_json(self.extras, what="extras"), state=self.state.contents(),
             fingerprint=self._fingerprint(), captured_at=captured_at,
-            tensor_format=sharded.tensor_format_for(self.storage.url_of(), self.tensor_format)
-            if tensors else None,
+            tensor_format=self.tensor_format if tensors else None,
         )
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
-                self._stager = sharded.CpuStager(page_aligned=sharded.tensor_format_for(
-                    self.storage.url_of(), self.tensor_format) == "raw")
+                self._stager = sharded.CpuStager(page_aligned=self.tensor_format == "raw")
             job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started,
                            background=self.background_priority == "idle")

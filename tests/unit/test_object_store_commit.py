@@ -268,10 +268,18 @@ def _stage(store: Storage, step: int, payload: bytes) -> tuple[CommitProtocol, A
     return protocol, pending
 
 
+def _same_allocation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both writers share one writer generation (one SLURM allocation), so the fence lets
+    both through and only the conditional create of the commit marker tells them apart."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+
+
 @pytest.mark.s3
 def test_the_second_of_two_s3_writers_publishing_one_step_fails_and_the_first_stays(
-    s3_endpoint: S3Endpoint,
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    _same_allocation(monkeypatch)
     url = f"s3://{s3_endpoint.bucket}/race-{uuid.uuid4().hex[:8]}"
     first_store, second_store = Storage(url, s3_endpoint.storage_options), Storage(
         url, s3_endpoint.storage_options)
@@ -312,7 +320,9 @@ def test_an_s3_exclusive_write_is_refused_by_the_server_not_by_a_prior_check(
 
 
 def test_a_store_without_conditional_writes_warns_once_naming_it_and_still_refuses_a_late_one(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    _same_allocation(monkeypatch)
     url = f"memory://objstore-{uuid.uuid4().hex[:10]}"
     store = Storage(url)
     assert not store.conditional_create

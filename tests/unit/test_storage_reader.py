@@ -355,3 +355,17 @@ def test_an_unknown_tensor_format_is_refused_naming_the_argument(tmp_path: Path)
     with pytest.raises(ConfigurationError, match="tensor_format"):
         sharded.save({"x": torch.zeros(2)}, tmp_path / "t",
                      tensor_format="zip")  # type: ignore[arg-type]
+
+
+def test_an_explicit_raw_format_on_an_object_store_warns_and_records_dcp() -> None:
+    root = f"memory://raw-on-objects-{uuid.uuid4().hex}"
+    with pytest.warns(resumekit.ResumekitWarning, match=r"tensor_format='raw' cannot write to"):
+        ckpt = resumekit.CheckpointManager(root, tensor_format="raw")
+    assert ckpt.tensor_format == "dcp"
+
+
+def test_the_default_format_picks_raw_on_local_disks_and_dcp_on_object_stores(
+        tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    assert resumekit.CheckpointManager(tmp_path).tensor_format == "raw"
+    assert resumekit.CheckpointManager(f"memory://default-{uuid.uuid4().hex}").tensor_format == "dcp"
+    assert not [w for w in recwarn if "tensor_format" in str(w.message)]
