@@ -21,7 +21,9 @@ module reads metadata with :mod:`resumekit.safe_pickle` and non-tensor values wi
 
 Process groups: with ``process_group=None`` the save/load is single-process when
 ``torch.distributed`` is not initialised and uses the default (WORLD) group when it is.
-When a group is passed, every DCP collective runs on that group only.
+When a group is passed, every DCP collective runs on that group only. A group of one rank
+is single-process too: no collective runs, so a background save of a one-GPU run never
+shares the training thread's NCCL communicator (NCCL communicators are not thread-safe).
 """
 
 from __future__ import annotations
@@ -649,11 +651,12 @@ def _without_zip_crc32() -> Generator[None, None, None]:
 def _resolve_group(
     process_group: dist.ProcessGroup | None,
 ) -> tuple[dist.ProcessGroup | None, bool]:
-    if process_group is not None:
-        return process_group, False
-    if dist.is_available() and dist.is_initialized():
-        return cast(dist.ProcessGroup, dist.group.WORLD), False
-    return None, True
+    group = process_group
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = cast(dist.ProcessGroup, dist.group.WORLD)
+    if group is None or dist.get_world_size(group) == 1:
+        return None, True
+    return group, False
 
 
 @contextmanager

@@ -426,3 +426,26 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
     loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
     module.load(loaded, str(tmp_path / "ckpt"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+
+
+def test_a_one_rank_process_group_saves_and_loads_without_any_collective(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A one-GPU run has an NCCL default group of one rank; its background save must not
+    # issue collectives on it from another thread.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        def no_collective(*_: object, **__: object) -> None:
+            raise AssertionError("a collective ran on a one-rank group")
+
+        for name in ("barrier", "broadcast_object_list", "all_gather_object",
+                     "gather_object", "scatter_object_list", "all_reduce"):
+            monkeypatch.setattr(dist, name, no_collective)
+        state = {"w": torch.arange(6.0)}
+        sharded.save(state, tmp_path / "ckpt")
+        loaded = {"w": torch.zeros(6)}
+        sharded.load(loaded, tmp_path / "ckpt")
+        assert torch.equal(loaded["w"], state["w"])
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
