@@ -199,6 +199,13 @@ class CommitProtocol:
             self.fence.generation = result[0]
         return result
 
+    def fenced_commits(self, entries: Sequence[CheckpointEntry]) -> dict[str, str]:
+        """Return ``{name: reason}`` of ``entries`` that fenced writers committed.
+
+        Claims nothing: for readers that must not take the root over (call on the leader).
+        """
+        return generations.zombie_commits(entries, generations.newest_generation(self.storage))
+
     def _claim_on_leader(self, action: str, step: int | None = None, *, claim: bool = True
                          ) -> tuple[WriterGeneration | None, dict[str, str],
                                     list[CheckpointEntry]]:

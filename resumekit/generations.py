@@ -6,9 +6,10 @@ Every claim of a root is a record ``<root>/.resumekit-generations/<number:012d>.
 (a :class:`~resumekit.manifest.WriterGeneration`), created exclusively
 (:meth:`~resumekit.storage.Storage.write_bytes_exclusive`) with ``number`` = newest + 1,
 retried on a lost race. Numbers are therefore unique and consecutive, and generations are
-totally ordered by them. Two managers of one SLURM allocation (same job id and restart
-count) share one generation; a claim from an older restart of a job whose newer restart
-already claimed is refused.
+totally ordered by them. Two managers of one run share one generation: of one SLURM
+allocation (same job id and restart count), or outside SLURM of one process (same host
+and pid — a zombie is always another process than the run that replaced it); a claim
+from an older restart of a job whose newer restart already claimed is refused.
 
 A writer holding generation ``n`` may commit while record ``n`` still holds its token and
 no record ``n + 1`` exists. Records are pruned oldest first, keeping the newest
@@ -19,9 +20,7 @@ too and is still fenced.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
-import socket
 from collections.abc import Iterable
 
 from resumekit.catalog import CheckpointEntry
@@ -148,8 +147,8 @@ def claim(storage: Storage, *, newest_step: int | None,
         identity: Whose claim it is (default: this process, from its environment).
 
     Returns:
-        A new generation, or the current one when it belongs to the same SLURM
-        allocation (same job id and restart count).
+        A new generation, or the current one when it belongs to the same run (see
+        :meth:`~resumekit.manifest.WriterGeneration.same_run`).
 
     Raises:
         FencedWriterError: A newer restart of this SLURM job already claimed the root.
@@ -176,7 +175,7 @@ def claim(storage: Storage, *, newest_step: int | None,
         mine = WriterGeneration(
             number=(numbers[-1] if numbers else 0) + 1, token=secrets.token_hex(8),
             slurm_job_id=me.slurm_job_id, slurm_restart_count=me.slurm_restart_count,
-            hostname=socket.gethostname(), pid=os.getpid(), newest_step=newest_step,
+            hostname=me.hostname, pid=me.pid, newest_step=newest_step,
         )
         if newest is not None and numbers[-1] == newest.number and newest.same_run(mine):
             return newest

@@ -250,6 +250,10 @@ class CheckpointManager:
             ``docs/performance.md``). None (default): ``"raw"`` on local roots, ``"dcp"``
             on object stores; an explicit ``"raw"`` on an object store warns and writes
             ``"dcp"``. Restore reads either, whatever this says.
+        read_only: Restore without taking the root over, for eval jobs and tools that read
+            a live run's root: no writer-generation claim (a claim would fence the run
+            writing there, see ``docs/concepts.md``), no crash recovery or setting aside
+            (broken entries are only warned about), and :meth:`save` raises.
         foreign: What :meth:`restore` does when the root holds no resumekit checkpoint but
             another tool's (plain DCP, torchtitan, Accelerate, Lightning, HF Trainer), or
             is one: ``"error"`` (default) raises
@@ -281,6 +285,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         import_legacy: bool = True,
         tensor_format: Literal["raw", "dcp"] | None = None,
+        read_only: bool = False,
         foreign: ForeignPolicy = "error",
     ) -> None:
         if save_every is not None and save_every < 1:
@@ -303,6 +308,7 @@ class CheckpointManager:
                 f"foreign must be error or ignore, not {foreign!r}",
                 name="foreign", value=foreign)
         self.storage = Storage(root, storage_options)
+        self.read_only = read_only
         self.tensor_format: Literal["raw", "dcp"] = sharded.tensor_format_for(
             self.storage.url_of(), tensor_format or "raw")
         if tensor_format == "raw" and self.tensor_format != "raw":
@@ -690,6 +696,10 @@ class CheckpointManager:
         root that does not exist yet is claimed by the first save; one that cannot be
         written (an eval job's) is restored from anyway, with a warning.
         """
+        if self.read_only:
+            zombies = run_on_leader(self._main.coordinator,
+                                    lambda: self._main.protocol.fenced_commits(entries))
+            return self._without_zombies(entries, zombies)
         try:
             _, zombies = self._main.protocol.claim(if_root_exists=True)
         except FencedWriterError:
@@ -700,6 +710,10 @@ class CheckpointManager:
                        "manager claims it first (and fails the same way while the root "
                        "cannot be written)")
             return entries
+        return self._without_zombies(entries, zombies)
+
+    def _without_zombies(self, entries: list[CheckpointEntry], zombies: Mapping[str, str]
+                         ) -> list[CheckpointEntry]:
         for name in sorted(zombies):
             self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
         return [entry for entry in entries if entry.name not in zombies]
@@ -731,6 +745,8 @@ class CheckpointManager:
         Returns:
             ``(hidden name, None)`` once set aside, else ``(None, why not)``.
         """
+        if self.read_only:
+            return None, "this manager is read_only: move it out of the root by hand"
         if not self.storage.atomic_rename:
             return None, (f"{self.storage.url} is an object store, where a directory cannot "
                           f"be renamed atomically: move or delete {entry.path} by hand")
@@ -754,7 +770,7 @@ class CheckpointManager:
 
     def _recovered_listing(self) -> list[CheckpointEntry]:
         """List the root after undoing a replacement a crash cut between its two renames."""
-        if self.storage.is_dir():
+        if self.storage.is_dir() and not self.read_only:
             recover_interrupted(self.storage, self.name_format)
         return self.checkpoints()
 
@@ -969,8 +985,14 @@ class CheckpointManager:
         Raises:
             StepCollisionError: ``step`` is not newer than the newest committed step.
             AsyncSaveError: The previous background save failed.
+            ConfigurationError: The manager is ``read_only``.
         """
         self._check_open()
+        if self.read_only:
+            raise ConfigurationError(
+                f"cannot save step {step} under {self.storage.path()}: this manager is "
+                "read_only (it restores without claiming the root)",
+                name="read_only", value=True)
         self._background.wait()
         if self._newest_step is not None and step <= self._newest_step and not replace:
             raise StepCollisionError(

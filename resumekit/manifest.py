@@ -178,9 +178,20 @@ class WriterGeneration(BaseModel):
     newest_step: int | None = None
 
     def same_run(self, other: WriterGeneration) -> bool:
-        """Whether both describe the same SLURM allocation (same job and restart count)."""
-        return (self.slurm_job_id is not None and self.slurm_job_id == other.slurm_job_id
-                and self.slurm_restart_count == other.slurm_restart_count)
+        """Whether both describe one run.
+
+        One run is one SLURM allocation (same job and restart count), or outside SLURM
+        one process (same host and pid).
+
+        A zombie is always another process than the run that replaced it, so managers a
+        process builds one after another on one root (an eval loop, a benchmark) share
+        its generation instead of fencing each other.
+        """
+        if self.slurm_job_id is not None or other.slurm_job_id is not None:
+            return (self.slurm_job_id == other.slurm_job_id
+                    and self.slurm_restart_count == other.slurm_restart_count)
+        return (bool(self.hostname) and self.hostname == other.hostname
+                and self.pid == other.pid)
 
     def describe(self) -> str:
         """One line naming the generation and who claimed it (for errors and warnings)."""

@@ -38,3 +38,19 @@ from tests.storage_backends import (  # noqa: E402
 )
 
 __all__ = ["IN_CI", "backend", "s3_endpoint", "storage", "storage_factory", "unavailable"]
+
+
+@pytest.fixture
+def another_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """``another_process(pid)``: what this process claims from now on looks like process
+    ``pid`` of this host — outside SLURM a zombie writer is always another process, and
+    managers of one process share its writer generation."""
+    from resumekit.manifest import Lineage
+
+    real = Lineage.current
+
+    def become(pid: int) -> None:
+        monkeypatch.setattr(Lineage, "current", classmethod(
+            lambda cls, **kwargs: real(**kwargs).model_copy(update={"pid": pid})))
+
+    return become

@@ -15,6 +15,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import resumekit
 from resumekit import generations
 from resumekit.catalog import latest_committed, list_checkpoints, read_manifest
 from resumekit.commit import CommitProtocol
@@ -193,11 +195,12 @@ def test_two_managers_of_one_slurm_allocation_share_a_generation(
 
 
 def test_without_slurm_the_manager_that_restored_last_owns_the_root(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, another_process: Any,
 ) -> None:
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     old = _manager(tmp_path, 0.0)
     old.save(1)
+    another_process(1)  # the requeued run is another process than the zombie
     new = _manager(tmp_path, 0.0)
     assert new.restore() == 1
     with pytest.raises(FencedWriterError):
@@ -206,9 +209,10 @@ def test_without_slurm_the_manager_that_restored_last_owns_the_root(
 
 
 def test_a_manager_on_a_root_it_cannot_write_restores_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, another_process: Any,
 ) -> None:
     _manager(tmp_path, 5.0).save(7)
+    another_process(1)  # an eval job: another process
 
     def refuse(self: Storage, relative: str, data: bytes) -> None:
         raise PermissionError(13, "Permission denied", self.path(relative))
@@ -307,8 +311,9 @@ def test_claims_are_totally_ordered_and_only_the_newest_may_commit(
         store = Storage(directory)
         held: list[WriterGeneration] = []
         records: list[WriterGeneration] = []  # the model: every record created, in order
-        for job, count in claims:
-            identity = Lineage(hostname="h", pid=1, slurm_job_id=job,
+        for index, (job, count) in enumerate(claims):
+            # outside SLURM every claim here is another process (pid): a new generation
+            identity = Lineage(hostname="h", pid=1000 + index, slurm_job_id=job,
                                slurm_restart_count=count if job else None)
             kept = records[-generations.RECORDS_KEPT:]
             if job is not None and any(r.slurm_job_id == job
@@ -359,9 +364,13 @@ def test_a_checkpoint_is_a_zombies_only_if_an_older_generation_committed_it_afte
 
 def test_a_pruned_successor_record_still_fences_the_old_writer(tmp_path: Path) -> None:
     store = Storage(tmp_path)
-    first = generations.claim(store, newest_step=None)
-    for _ in range(generations.RECORDS_KEPT + 2):
-        generations.claim(store, newest_step=None)
+
+    def process(pid: int) -> Lineage:
+        return Lineage(hostname="h", pid=pid)
+
+    first = generations.claim(store, newest_step=None, identity=process(1))
+    for pid in range(2, generations.RECORDS_KEPT + 4):
+        generations.claim(store, newest_step=None, identity=process(pid))
     assert not store.exists(generation_record_name(first.number + 1))  # pruned
     with pytest.raises(FencedWriterError):
         generations.check(store, first, action="commit")
@@ -369,3 +378,31 @@ def test_a_pruned_successor_record_still_fences_the_old_writer(tmp_path: Path) -
         warnings.simplefilter("error")
         generations.check(store, generations.newest_generation(store),  # type: ignore[arg-type]
                           action="commit")
+
+
+def test_managers_one_process_builds_one_after_another_share_its_generation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An eval loop or a benchmark building a manager per round is one run, not zombies.
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    first = _manager(tmp_path, 1.0)
+    first.save(1)
+    second = _manager(tmp_path, 0.0)
+    assert second.restore() == 1
+    first.save(2)
+    assert first.restore() == 2
+    assert len(os.listdir(tmp_path / GENERATIONS_DIR)) == 1
+
+
+def test_a_read_only_manager_restores_without_fencing_the_run_writing_there(
+    tmp_path: Path, another_process: Any,
+) -> None:
+    trainer = _manager(tmp_path, 4.0)
+    trainer.save(10)
+    another_process(1)  # an eval job
+    evaluator = CheckpointManager(tmp_path, model=nn.Linear(4, 2), read_only=True)
+    assert evaluator.restore() == 10
+    assert _weight(evaluator) == 4.0
+    trainer.save(20)  # not fenced: the eval job claimed nothing
+    with pytest.raises(resumekit.ConfigurationError, match="read_only"):
+        evaluator.save(30)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch import nn
@@ -69,12 +70,13 @@ def test_a_dead_writers_fresh_staging_is_swept_at_begin_with_a_warning(
 
 
 def test_staging_of_a_fenced_generation_is_swept_at_begin_though_its_writer_lives(
-    tmp_path: Path,
+    tmp_path: Path, another_process: Any,
 ) -> None:
     store = Storage(tmp_path)
     zombie = CommitProtocol(store)
     save_checkpoint(store, 1)
     stale = zombie.begin(2)  # this very (live) process wrote it
+    another_process(1)  # the newer run's claims come from another process
     newer = CommitProtocol(store)
     claimed, _ = newer.claim()
     assert stale.generation is not None and claimed is not None
