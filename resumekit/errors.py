@@ -23,6 +23,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "ManifestError",
     "PreemptionError",
+    "ResumeStepError",
     "ResumekitError",
     "StepCollisionError",
     "StorageError",
@@ -120,6 +121,15 @@ class ConfigurationError(ResumekitError, ValueError):
     """An argument or setting that cannot work: out of range, or contradicting another.
 
     Attributes ``name`` (the argument or setting) and ``value`` (what was given).
+    """
+
+
+class ResumeStepError(ConfigurationError):
+    """The loop ignored the step :meth:`~resumekit.CheckpointManager.restore` returned.
+
+    Raised by the first ``step_end(step)`` after a restore of step ``restored`` when
+    ``step <= restored`` (attributes ``step``, ``restored``, ``path``): the loop counts from
+    0 (or an older step) instead of from the step returned, so it would retrain steps.
     """
 
 

@@ -424,6 +424,28 @@ def plan_shards(
     ]
 
 
+def _tied_names(manifest: Manifest | None) -> dict[str, str]:
+    """``{alias: kept}``: model entries the checkpoint stored once (tied weights)."""
+    tied = None if manifest is None else manifest.state.get("tied")
+    return {str(k): str(v) for k, v in tied.items()} if isinstance(tied, dict) else {}
+
+
+def _add_tied(files: list[_PlannedFile], manifest: Manifest | None) -> None:
+    """Write each tied alias next to the tensor it shares, under its own name.
+
+    A tied checkpoint stores ``lm_head.weight`` once, as ``transformer.wte.weight``; the
+    export lists both names, so ``load_state_dict(..., strict=True)`` finds every key.
+    """
+    tied = _tied_names(manifest)
+    for planned in files:
+        by_name = {tensor.name: tensor for tensor in planned.tensors}
+        for alias, kept in tied.items():
+            tensor = by_name.get(kept)
+            if tensor is not None and alias not in by_name:
+                planned.tensors.append(_PlannedTensor(tensor.source, alias, tensor.shape,
+                                                      tensor.dtype, tensor.nbytes))
+
+
 def _plan(
     index: Mapping[str, sharded.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int,
     names: Mapping[str, str] | None = None,
@@ -714,6 +736,7 @@ def export_checkpoint(
         )
     index = sharded.read_tensor_index(source.url, storage_options=storage_options)
     files = _plan(index, wanted, max_shard_bytes, source.names)
+    _add_tied(files, source.manifest)
     subdir, stem = _LAYOUT_FILES[layout]
     options = dict(storage_options or {}) if out_storage_options is None \
         else dict(out_storage_options)
@@ -810,6 +833,8 @@ def export_torch(
     source = _resolve(root_or_dir, step, storage_options=storage_options,
                       name_format=name_format, verify=verify)
     state = read_full_state(source.url, storage_options)
+    if source.manifest is not None and isinstance(state.get("model"), dict):
+        state = sharded.retie(state, _tied_names(source.manifest))
     tensors = sharded._flatten(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]

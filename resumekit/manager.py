@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Literal
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import distributed, legacy, sharded
+from resumekit import distributed, jsonable, legacy, sharded, weights
 from resumekit.catalog import (
     BROKEN,
     CheckpointEntry,
@@ -66,6 +66,7 @@ from resumekit.errors import (
     IncompleteCheckpointError,
     ManifestError,
     ResumekitError,
+    ResumeStepError,
     StepCollisionError,
     StorageError,
     UnsupportedSchemaError,
@@ -209,8 +210,13 @@ class CheckpointManager:
         scheduler: LR scheduler (or any object with state_dict/load_state_dict).
         data: Data position: a ``ResumableDistributedSampler`` or any stateful object.
         generators: Named ``torch.Generator`` objects to resume (noise, augmentation).
-        extras: JSON-able user data saved in the manifest and restored (``manager.extras``),
-            e.g. a wandb run id.
+        extras: JSON-able user data saved in the manifest and restored, e.g. a wandb run
+            id. The manager keeps this very mapping (``manager.extras is extras``) and
+            reads it at every save, so changing the dict passed in is saved; restore
+            updates it in place with the checkpoint's values. 0-dim tensors and numpy
+            scalars are saved as plain numbers (``tensor(0.5)`` reads back as ``0.5``); a
+            value that is not JSON-able (a tensor of several elements, an object) is a
+            ``TypeError`` here, not at the first save.
         save_every: Save every this many steps in :meth:`step_end` (None: only explicit
             saves and preemption saves).
         retention: Which committed checkpoints to keep after each save (default
@@ -319,7 +325,9 @@ class CheckpointManager:
         self.name_format = NameFormat(name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
-        self.extras: dict[str, Any] = _plain_json(extras or {}, what="extras")
+        self.extras: MutableMapping[str, Any] = extras if isinstance(extras, MutableMapping) \
+            else dict(extras or {})
+        jsonable.plain_extras(self.extras)  # refuse what cannot be saved, now
         self.save_every = save_every
         self.retention = retention
         self.async_save = async_save
@@ -337,7 +345,12 @@ class CheckpointManager:
         self.import_legacy = import_legacy
         self.foreign = foreign
         self.resumed_from: int | None = None
+        self.initialized_from: weights.WeightsSource | None = None
         self.last_saved_step: int | None = None
+        # The step the last restore returned, until the first step_end checks the loop
+        # counts on from it; the step of a ``final`` checkpoint restored or written.
+        self._resume_guard: int | None = None
+        self._final_step: int | None = None
         self._last_commit_time: float | None = None
         self._last_save_seconds = 0.0
         # The emergency-save decision, on this process's monotonic clock: (newest step
@@ -445,6 +458,7 @@ class CheckpointManager:
             self._report_newer_unusable(entries, above=restored)
             self._report_foreign_next_to(entries, restored)
             self._finish_restore(f"end of restore from step {restored}")
+            self._resume_guard = self.state.step
             return self.state.step
         if step is None:
             self._refuse_newer_schema(entries, below=None)
@@ -454,6 +468,7 @@ class CheckpointManager:
             self._report_newer_unusable(entries, above=legacy[-1].step)
             self._report_foreign_next_to(entries, legacy[-1].step)
             self._finish_restore(f"end of legacy import from {legacy[-1].name}")
+            self._resume_guard = self.state.step
             return self.state.step
         self._refuse_or_ignore_foreign(survey)
         self._report_newer_unusable(entries, above=-1)
@@ -808,27 +823,54 @@ class CheckpointManager:
             run_on_every_rank(self._main.coordinator,
                               lambda: self._verify_before_load(name, manifest))
         self._check_compatibility(manifest, entry.path)
+        # A checkpoint converted by ``resumekit import`` holds what the source tool saved
+        # (weights, maybe optimizer and scheduler), never its RNG streams or a data
+        # position: those parts start fresh, named in one warning. Anything else missing
+        # from one of resumekit's own checkpoints stays an error.
+        imported = manifest.reason == SaveReason.IMPORTED
+        with_optimizer = not imported or manifest.state.get("optimizer") is not False
+        tied = _tied_of(manifest)
+        fresh: list[str] = []
 
         def read() -> None:
-            tensors = self.state.tensor_state()
+            fresh.clear()
+            tensors = self.state.load_target(tied, optimizer=with_optimizer)
             if tensors:
                 sharded.load(tensors, self.storage.url_of(
                                  f"{name}/{manifest.data_path(TENSORS_DIR)}"),
                              process_group=self._main.group, verify=self.verify_on_restore,
                              storage_options=self.storage.storage_options or None)
-                self.state.apply_tensor_state(tensors)
+                self.state.apply_tensor_state(tensors, tied)
             train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
+            with_scheduler = not imported or train.get("scheduler") is not None
             self.state.apply_train_state(train, source=self.storage.path(
-                f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"))
+                f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
             saved_world = int(train.get("world_size", manifest.world_size))
             wanted = {0, self.rank} & set(range(saved_world))
             saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
                      for r in sorted(wanted)}
+            with_data = not imported or saved[0].get("data") is not None
             self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
-                                        world_size=self.world_size)
+                                        world_size=self.world_size, rng=not imported,
+                                        data=with_data)
+            if imported:
+                fresh.extend(part for part, missing in (
+                    ("data position", self.state.data is not None and not with_data),
+                    ("scheduler", self.state.scheduler is not None and not with_scheduler),
+                    ("optimizer", self.state.optimizer is not None and not with_optimizer),
+                    ("RNG", True)) if missing)
 
         run_on_every_rank(self._main.coordinator, read)
-        self.extras = dict(manifest.extras)
+        if fresh:
+            source = (manifest.lineage.imported_from or {}).get("path", "another tool")
+            self._warn(
+                f"{entry.path} (step {manifest.step}) was converted by resumekit import "
+                f"from {source}; it holds no {', '.join(fresh)} of that run, so "
+                f"{'they start' if len(fresh) > 1 else 'it starts'} fresh (the weights, "
+                "the step and what else it holds are restored): the run continues, but not "
+                "exactly as the source run would have", stacklevel=6)
+        self.extras.update(manifest.extras)
+        self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
         self.resumed_from = manifest.step
         self.last_saved_step = manifest.step
         self._last_commit_time = manifest.created_at.timestamp()
@@ -841,16 +883,24 @@ class CheckpointManager:
         saved: dict[str, Any] = dict(manifest.fingerprint or {})
         now = self._fingerprint()
         saved_params: dict[str, Any] = saved.get("params") or {}
-        if saved_params and now["params"]:
+        now_params: dict[str, Any] = now["params"]
+        if saved_params and now_params and set(saved_params) != set(now_params):
+            # Fingerprints written before they held DCP's canonical names carry wrapper
+            # atoms (``module.`` of DDP, ``_orig_mod.`` of torch.compile): compare both
+            # sides without them.
+            saved_params = {sharded.canonical_param_name(k): v
+                            for k, v in saved_params.items()}
+            now_params = {sharded.canonical_param_name(k): v for k, v in now_params.items()}
+        if saved_params and now_params:
             problems = []
-            for key in sorted(set(saved_params) | set(now["params"])):
-                if key not in now["params"]:
+            for key in sorted(set(saved_params) | set(now_params)):
+                if key not in now_params:
                     problems.append(f"{key}: in the checkpoint, not in the model")
                 elif key not in saved_params:
                     problems.append(f"{key}: in the model, not in the checkpoint")
-                elif list(saved_params[key]) != now["params"][key]:
+                elif list(saved_params[key]) != now_params[key]:
                     problems.append(f"{key}: checkpoint {saved_params[key]}, "
-                                    f"model {now['params'][key]}")
+                                    f"model {now_params[key]}")
             if problems:
                 raise IncompatibleCheckpointError(
                     f"{where} does not fit the model (nothing was loaded):\n  "
@@ -902,6 +952,7 @@ class CheckpointManager:
             ``async_save``.
         """
         self._check_open()
+        self._check_counts_on(step)
         now = time.monotonic()
         if self._step_clock is not None and step == self._step_clock[0] + 1:
             sample = now - self._step_clock[1]  # one step of training (no save inside)
@@ -916,6 +967,19 @@ class CheckpointManager:
             return False
         finally:
             self._step_clock = (step, time.monotonic())
+
+    def _check_counts_on(self, step: int) -> None:
+        """The first ``step_end`` after a restore must be past the step restore returned."""
+        restored, self._resume_guard = self._resume_guard, None
+        if restored is None or step > restored:
+            return
+        raise ResumeStepError(
+            f"step_end({step}) right after restoring step {restored} from "
+            f"{self.storage.path()}: the loop must continue from the step restore() "
+            f"returned (for step in range(ckpt.restore(), num_steps): ... "
+            f"ckpt.step_end(step + 1)), not count from {step - 1 if step else 0} again - "
+            f"it would retrain steps already in the checkpoint",
+            name="step", value=step, step=step, restored=restored, path=self.storage.path())
 
     def _scheduled(self, step: int) -> bool:
         return self.save_every is not None and step % self.save_every == 0
@@ -1003,6 +1067,8 @@ class CheckpointManager:
         started = time.monotonic()
         captured_at = datetime.now(timezone.utc)
         reason = SaveReason(reason)
+        self._resume_guard = None  # saving a step: the loop's count is what it saves
+        self._final_step = step if reason == SaveReason.FINAL else None
         self.state.step, self.state.micro_step = step, micro_step
         tensors = self.state.tensor_state()
         train = dump_plain(self.state.train_state(self.world_size),
@@ -1010,9 +1076,8 @@ class CheckpointManager:
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
         manifest = Manifest(
             step=step, world_size=self.world_size, reason=reason,
-            lineage=Lineage.current(resumed_from_step=self.resumed_from,
-                                    launcher=_launcher()),
-            extras=_plain_json(self.extras, what="extras"), state=self.state.contents(),
+            lineage=self._lineage(),
+            extras=jsonable.plain_extras(self.extras), state=self.state.contents(),
             fingerprint=self._fingerprint(), captured_at=captured_at,
             tensor_format=self.tensor_format if tensors else None,
         )
@@ -1126,6 +1191,128 @@ class CheckpointManager:
         described: tuple[list[FileEntry], list[str]] = run_on_every_rank(coordinator, write)
         return described
 
+    def finish(self, step: int) -> None:
+        """Commit the run's last step as a ``final`` checkpoint; call once after the loop.
+
+        ``step_end`` saves only on its interval, so a run whose last step is not a
+        multiple of ``save_every`` would otherwise end unsaved. Blocking (waits for a
+        background save first). Nothing is written when ``step`` is already committed as
+        ``final`` (a relaunch of a finished run); when it is committed for another reason
+        (its ``save_every`` save), it is replaced, atomically, by the same state marked
+        ``final``, so that :attr:`finished` and the newest manifest's ``reason`` tell a
+        relaunch or a wrapper script that the run is done.
+
+        Args:
+            step: Optimizer steps completed (the loop's last ``step_end`` step).
+
+        Raises:
+            StepCollisionError: A newer step than ``step`` is committed.
+        """
+        self._check_open()
+        self._background.wait()
+        if self._final_step == step:
+            logger.info("resumekit: step %d is already committed as final", step)
+            return
+        if self._newest_step == step:
+            logger.info("resumekit: step %d is committed; re-committing it as final", step)
+            self.save(step, reason=SaveReason.FINAL, replace=True, blocking=True)
+            return
+        self.save(step, reason=SaveReason.FINAL, blocking=True)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run is done: a ``final`` checkpoint was restored or committed.
+
+        That is, the checkpoint :meth:`restore` restored, or the last one this manager
+        committed, was written by :meth:`finish`. A relaunch of a finished run checks it
+        after :meth:`restore` and trains nothing.
+        """
+        return self._final_step is not None
+
+    def load_weights(self, source: str | os.PathLike[str], step: int | None = None, *,
+                     strict: bool = True, name_format: str | None = None,
+                     storage_options: dict[str, Any] | None = None) -> int | None:
+        """Start a fine-tune: the model's weights only, from another run's checkpoint.
+
+        Call it after :meth:`restore` returned 0. The weights of ``source`` (a root's
+        newest committed checkpoint, its ``step``, or one step directory) are read into
+        the model, resharded as needed (a checkpoint of N ranks into a model sharded over
+        M); the step stays 0, and the optimizer, scheduler, RNG and data position stay as
+        they are (fresh); the source's configuration is not compared. Checkpoints this
+        run saves record the source in ``lineage.initialized_from``.
+
+        Once this root holds a committed checkpoint of its own (a requeued fine-tune),
+        :meth:`restore` resumes from it and this loads nothing (logged)::
+
+            start = ckpt.restore()
+            ckpt.load_weights("/ckpt/pretrain")      # only while start == 0
+            for step in range(start, num_steps): ...
+
+        Args:
+            source: A checkpoint root or step directory (path or fsspec URL).
+            step: The step to read from a root (None: its newest committed).
+            strict: Every model entry must be in the checkpoint with its shape and dtype,
+                and the checkpoint hold no other model tensor; False loads what fits and
+                warns, naming what does not.
+            name_format: Step directory names of ``source`` (default: this manager's).
+            storage_options: fsspec options for ``source`` (default: this root's).
+
+        Returns:
+            The step of the checkpoint the weights came from, or None when this run
+            resumed its own checkpoint and nothing was loaded.
+
+        Raises:
+            ConfigurationError: No model, or this root holds a committed checkpoint that
+                :meth:`restore` has not restored (call it first).
+            CheckpointNotFoundError: ``source`` holds no committed checkpoint (of ``step``).
+            IncompatibleCheckpointError: ``strict`` and the weights do not fit (nothing
+                is loaded).
+        """
+        self._check_open()
+        if self.state.model is None:
+            raise ConfigurationError("load_weights needs a model (model=...)",
+                                     name="model", value=None)
+        if self.resumed_from is not None:
+            logger.info("resumekit: not loading weights from %s: this run resumed its own "
+                        "checkpoint of step %d under %s", os.fspath(source),
+                        self.resumed_from, self.storage.path())
+            return None
+        own = run_on_leader(self._main.coordinator, self.latest)
+        if own is not None:
+            raise ConfigurationError(
+                f"{self.storage.path()} holds committed step {own.step}: call restore() "
+                f"before load_weights({os.fspath(source)!r}) - a requeued fine-tune resumes "
+                "its own checkpoints", name="source", value=os.fspath(source),
+                path=own.path)
+        options = self.storage.storage_options if storage_options is None \
+            else storage_options
+        found: weights.WeightsSource = run_on_leader(
+            self._main.coordinator, lambda: weights.resolve_weights_source(
+            source, step, name_format=name_format or self.name_format.template,
+            storage_options=options or None, verify=self.verify_on_restore))
+
+        def read() -> None:
+            assert self.state.model is not None
+            weights.load_model_weights(self.state.model, found, strict=strict,
+                                       process_group=self._main.group,
+                                       storage_options=options or None,
+                                       verify=self.verify_on_restore)
+
+        run_on_every_rank(self._main.coordinator, read)
+        self.initialized_from = found
+        self._finish_restore(f"end of load_weights from {found.path}")
+        logger.warning("resumekit: loaded model weights only from %s (step %d); step 0, "
+                       "optimizer, scheduler, RNG and data position start fresh",
+                       found.path, found.step)
+        return found.step
+
+    def _lineage(self) -> Lineage:
+        lineage = Lineage.current(resumed_from_step=self.resumed_from, launcher=_launcher())
+        if self.initialized_from is None:
+            return lineage
+        return lineage.model_copy(update={"initialized_from": {
+            "path": self.initialized_from.path, "step": self.initialized_from.step}})
+
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
@@ -1201,6 +1388,14 @@ def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
+
+
+def _tied_of(manifest: Manifest) -> dict[str, str]:
+    """The model entries a checkpoint stored once (``state.tied``: ``{alias: kept}``)."""
+    tied = manifest.state.get("tied")
+    if not isinstance(tied, dict):
+        return {}
+    return {str(alias): str(kept) for alias, kept in tied.items()}
 
 
 def _new_root_for(storage: Storage) -> str:

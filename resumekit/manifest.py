@@ -115,6 +115,9 @@ class Lineage(BaseModel):
         imported_from: For a checkpoint converted by ``resumekit import``: the source
             as the user gave it, ``{"path": ..., "format": ...}`` (the path is recorded
             verbatim, never made absolute); None otherwise.
+        initialized_from: For a run whose weights came from another run's checkpoint
+            (:meth:`~resumekit.CheckpointManager.load_weights`): ``{"path": ..., "step":
+            ...}`` of that checkpoint; None otherwise.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -126,6 +129,7 @@ class Lineage(BaseModel):
     resumed_from_step: int | None = None
     launcher: str | None = None
     imported_from: dict[str, str] | None = None
+    initialized_from: dict[str, str | int] | None = None
 
     @classmethod
     def current(cls, *, resumed_from_step: int | None = None, launcher: str | None = None

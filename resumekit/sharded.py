@@ -104,13 +104,18 @@ __all__ = [
     "WrittenFile",
     "apply_full_model_state",
     "apply_model_and_optimizer_state",
+    "canonical_param_name",
     "files_verified_on_read",
+    "find_tied",
     "iter_full_tensors",
     "load",
+    "load_subset",
     "model_and_optimizer_state",
     "read_tensor_index",
+    "retie",
     "save",
     "tensor_format_for",
+    "untie",
 ]
 
 METADATA_FILE = DCP_METADATA_FILE
@@ -217,6 +222,79 @@ def apply_model_and_optimizer_state(
         optim_state_dict=state.get("optimizer", {}),
         options=strict,
     )
+
+
+def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
+    """Name the tensors of a model state dict that are another tensor of it (tied weights).
+
+    nanoGPT ties ``lm_head.weight`` to ``transformer.wte.weight``: the model's state dict
+    lists both names over one storage. Two entries are tied when they view the same
+    memory the same way (storage, offset, shape, stride, dtype; for a ``DTensor`` its
+    local shard, with the same placements). The first name in state-dict order is kept.
+
+    Args:
+        model_state: ``{name: tensor}`` as ``get_model_state_dict`` returns it.
+
+    Returns:
+        ``{alias: kept name}``, empty when nothing is tied.
+    """
+    seen: dict[tuple[Any, ...], str] = {}
+    tied: dict[str, str] = {}
+    for name, value in model_state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if local.numel() == 0:
+            continue
+        key = (local.untyped_storage().data_ptr(), local.storage_offset(),
+               tuple(local.shape), local.stride(), local.dtype, str(local.device),
+               str(value.placements) if isinstance(value, DTensor) else None,
+               tuple(value.shape))
+        kept = seen.get(key)
+        if kept is None:
+            seen[key] = name
+        else:
+            tied[name] = kept
+    return tied
+
+
+def untie(state: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
+    """Return ``state`` (``{"model": ..., ...}``) without the model entries in ``tied``.
+
+    The copy is shallow: tensors are the same objects, so a load into it lands in the
+    model. Only aliases whose kept name is present are dropped.
+    """
+    model = state.get("model")
+    if not tied or not isinstance(model, Mapping):
+        return dict(state)
+    kept = {k: v for k, v in model.items() if not (k in tied and tied[k] in model)}
+    return {**state, "model": kept}
+
+
+def retie(state: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
+    """Undo :func:`untie`: every alias in ``tied`` reads its kept name's tensor again."""
+    model = state.get("model")
+    if not tied or not isinstance(model, Mapping):
+        return dict(state)
+    full = dict(model)
+    for alias, kept in tied.items():
+        if kept in full:
+            full[alias] = full[kept]
+    return {**state, "model": full}
+
+
+_WRAPPER_ATOMS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def canonical_param_name(name: str) -> str:
+    """A parameter name as DCP's ``get_state_dict`` writes it, without wrapper atoms.
+
+    ``module.`` (DDP), ``_orig_mod.`` (``torch.compile``) and the FSDP1 / activation
+    checkpointing wrapper atoms are removed, so ``module._orig_mod.0.weight`` becomes
+    ``0.weight``. Used for fingerprints written before they held canonical names.
+    """
+    atoms = [atom for atom in name.split(".") if atom not in _WRAPPER_ATOMS]
+    return ".".join(atoms) if atoms else name
 
 
 def apply_full_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
@@ -365,6 +443,29 @@ def load(
     target = _directory_str(directory)
     reader = _make_reader(target, storage_options, verify=verify)
     planner = _CheckedLoadPlanner(target, reject_unexpected=True)
+    _run_load(
+        state_dict=state_dict, reader=reader, planner=planner, target=target,
+        group=group, no_dist=no_dist,
+    )
+
+
+def load_subset(
+    state_dict: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    verify: bool = True,
+) -> None:
+    """As :func:`load`, but the checkpoint may hold more than ``state_dict`` asks for.
+
+    Every key asked for must still exist with its shape and dtype (weights-only loads:
+    the optimizer and any unused model tensor are not read).
+    """
+    group, no_dist = _resolve_group(process_group)
+    target = _directory_str(directory)
+    reader = _make_reader(target, storage_options, verify=verify)
+    planner = _CheckedLoadPlanner(target, reject_unexpected=False)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
         group=group, no_dist=no_dist,

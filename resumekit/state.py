@@ -33,8 +33,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from resumekit import rng, sharded
+from resumekit import rng as _rng
+from resumekit import sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.layout import TENSORS_DIR
 from resumekit.manifest import Manifest
@@ -127,6 +129,7 @@ class TrainState:
         generators: Named ``torch.Generator`` objects whose streams must resume too.
         step: Optimizer steps taken.
         micro_step: Position inside gradient accumulation (0 at a step boundary).
+        tied: Model entries the last capture stored once: ``{alias: kept name}``.
     """
 
     model: nn.Module | None = None
@@ -136,13 +139,37 @@ class TrainState:
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     step: int = 0
     micro_step: int = 0
+    tied: dict[str, str] = field(default_factory=dict)
 
     # -- capture ------------------------------------------------------------------------
     def tensor_state(self) -> dict[str, Any]:
-        """Return the sharded tensor state (model, optimizer) to write through DCP."""
+        """Return the sharded tensor state (model, optimizer) to write through DCP.
+
+        Tied weights (two names over one tensor, nanoGPT's ``lm_head.weight`` and
+        ``transformer.wte.weight``) are written once, under the first name; the others
+        are recorded in :attr:`tied` (and so in the manifest's ``state.tied``).
+        """
+        if self.model is None:
+            self.tied = {}
+            return {}
+        state = sharded.model_and_optimizer_state(self.model, self.optimizer)
+        self.tied = sharded.find_tied(state["model"])
+        return sharded.untie(state, self.tied)
+
+    def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True
+                    ) -> dict[str, Any]:
+        """Return the destination tensors for loading a checkpoint that stored ``tied`` once.
+
+        Args:
+            tied: The checkpoint's ``{alias: kept name}`` (its manifest's ``state.tied``).
+            optimizer: Include the optimizer (False for a checkpoint that holds none, or
+                for weights only).
+        """
         if self.model is None:
             return {}
-        return sharded.model_and_optimizer_state(self.model, self.optimizer)
+        state = sharded.model_and_optimizer_state(
+            self.model, self.optimizer if optimizer else None)
+        return sharded.untie(state, tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""
@@ -156,7 +183,7 @@ class TrainState:
     def rank_state(self) -> dict[str, Any]:
         """Return this rank's part: RNG streams and data position."""
         return {
-            "rng": rng.capture_rng(self.generators),
+            "rng": _rng.capture_rng(self.generators),
             "data": None if self.data is None else self.data.state_dict(),
         }
 
@@ -169,30 +196,53 @@ class TrainState:
             "data": self.data is not None,
             "generators": sorted(self.generators),
             "micro_step": self.micro_step,
+            **({"tied": dict(self.tied)} if self.tied else {}),
         }
 
     def fingerprint_params(self) -> dict[str, list[Any]]:
-        """Return ``{parameter name: [global shape, dtype]}`` of the model."""
+        """Return ``{parameter name: [global shape, dtype]}`` of the model.
+
+        Names are the canonical ones DCP stores tensors under (``get_model_state_dict``):
+        no ``module.`` (DDP) or ``_orig_mod.`` (``torch.compile``), so a checkpoint of a
+        wrapped model fits the same model unwrapped, and the other way round.
+        """
         if self.model is None:
             return {}
         return {
             name: [list(param.shape), str(param.dtype).removeprefix("torch.")]
-            for name, param in self.model.state_dict().items()
+            for name, param in get_model_state_dict(self.model).items()
             if isinstance(param, torch.Tensor)
         }
 
     # -- apply --------------------------------------------------------------------------
-    def apply_tensor_state(self, state: dict[str, Any]) -> None:
-        """Load sharded model/optimizer state (already read through DCP) into the objects."""
-        if self.model is not None:
-            sharded.apply_model_and_optimizer_state(self.model, self.optimizer, state)
+    def apply_tensor_state(self, state: dict[str, Any],
+                           tied: Mapping[str, str] | None = None) -> None:
+        """Load sharded model/optimizer state (already read through DCP) into the objects.
 
-    def apply_train_state(self, state: Mapping[str, Any], *, source: str) -> None:
-        """Restore step, accumulation position and scheduler from the rank-0 part."""
+        Args:
+            state: As read into :meth:`load_target`'s tensors (with or without
+                ``"optimizer"``; without, the optimizer is left as it is).
+            tied: The aliases the checkpoint stored once; they get their kept tensor.
+        """
+        if self.model is not None:
+            optimizer = self.optimizer if "optimizer" in state else None
+            sharded.apply_model_and_optimizer_state(self.model, optimizer,
+                                                    sharded.retie(state, tied or {}))
+
+    def apply_train_state(self, state: Mapping[str, Any], *, source: str,
+                          scheduler: bool = True) -> None:
+        """Restore step, accumulation position and scheduler from the rank-0 part.
+
+        Args:
+            state: The rank-0 part, as read.
+            source: Its file, for errors.
+            scheduler: Restore the scheduler (False leaves it as it is: the caller has
+                decided, and said, that it starts fresh).
+        """
         try:
             self.step = int(state["step"])
             self.micro_step = int(state.get("micro_step", 0))
-            if self.scheduler is not None:
+            if self.scheduler is not None and scheduler:
                 if state.get("scheduler") is None:
                     raise IncompatibleCheckpointError(
                         f"{source} holds no scheduler state but a scheduler was given",
@@ -211,6 +261,8 @@ class TrainState:
         *,
         saved_world_size: int,
         world_size: int,
+        rng: bool = True,
+        data: bool = True,
     ) -> None:
         """Restore RNG streams and data position, applying the resharding policy.
 
@@ -220,10 +272,14 @@ class TrainState:
             rank: This process's rank.
             saved_world_size: World size of the writer.
             world_size: World size now.
+            rng: Restore the RNG streams (False keeps this process's: the caller has
+                decided, and said, that they start fresh).
+            data: Restore the data position (False: likewise).
         """
-        rng.restore_rng(rng.select_rank_rng({r: s["rng"] for r, s in saved.items()}, rank),
-                        self.generators)
-        if self.data is None:
+        if rng:
+            _rng.restore_rng(_rng.select_rank_rng(
+                {r: s["rng"] for r, s in saved.items()}, rank), self.generators)
+        if self.data is None or not data:
             return
         same_world = saved_world_size == world_size and rank in saved
         source = saved[rank] if same_world else saved[0]

@@ -1,0 +1,210 @@
+"""Model weights only, from another run's checkpoint: how a fine-tune starts.
+
+torchtitan calls it ``initial_load_path`` + ``initial_load_model_only``. The weights of a
+committed resumekit checkpoint (a root's newest, a given step, or one step directory)
+are read into the model - resharded through DCP, so a checkpoint of N ranks loads into
+a model sharded over M - and nothing else is touched: no step, optimizer, scheduler, RNG
+or data position comes from the source, and its configuration is not compared.
+:meth:`resumekit.CheckpointManager.load_weights` uses this only while its own root holds
+no committed checkpoint, so a requeued fine-tune resumes its own checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from resumekit import sharded
+from resumekit.catalog import list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.errors import CheckpointNotFoundError, IncompatibleCheckpointError
+from resumekit.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
+from resumekit.manifest import MANIFEST_NAME, Manifest
+from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
+
+__all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
+
+logger = logging.getLogger("resumekit")
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """The committed checkpoint weights are read from.
+
+    Attributes:
+        step: Its step.
+        path: Its step directory.
+        tensors_url: Its tensor directory.
+        manifest: Its manifest.
+    """
+
+    step: int
+    path: str
+    tensors_url: str
+    manifest: Manifest
+
+
+def resolve_weights_source(source: str | os.PathLike[str], step: int | None = None, *,
+                           name_format: str | NameFormat = DEFAULT_NAME_FORMAT,
+                           storage_options: Mapping[str, Any] | None = None,
+                           verify: bool = True) -> WeightsSource:
+    """Find the committed checkpoint ``source`` names, and verify its tensor files.
+
+    Args:
+        source: A checkpoint root (its newest committed checkpoint, or ``step``'s) or one
+            step directory (holding ``manifest.json``).
+        step: The step to read from a root; for a step directory, the step it must be.
+        name_format: Step directory names of the root.
+        storage_options: fsspec options.
+        verify: Hash the checkpoint's tensor metadata (and size-check its raw tensor
+            files, which are verified block by block as they are read).
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint there (or not of ``step``).
+        CorruptCheckpointError: A file fails its checksum.
+    """
+    options = dict(storage_options or {})
+    names = name_format if isinstance(name_format, NameFormat) else NameFormat(name_format)
+    url = os.fspath(source).rstrip("/")
+    given = Storage(url, options)
+    if given.is_file(MANIFEST_NAME):
+        parent_url, name = posixpath.split(url) if "://" in url else os.path.split(url)
+        storage = Storage(parent_url or ".", options)
+        entries = [e for e in list_checkpoints(storage, names)
+                   if e.name == name and e.status == "committed"]
+        if not entries:  # a step directory under another name: read its manifest
+            manifest = read_manifest(storage, name)
+            chosen_step, chosen_name = manifest.step, name
+        else:
+            manifest = entries[0].manifest  # type: ignore[assignment]
+            chosen_step, chosen_name = entries[0].step, name
+        if step is not None and chosen_step != step:
+            raise CheckpointNotFoundError(
+                f"{given.path()} is step {chosen_step}, not step {step}",
+                path=given.path(), step=step)
+    else:
+        storage = given
+        if not storage.is_dir():
+            raise CheckpointNotFoundError(
+                f"cannot load weights from {given.path()}: no such directory",
+                path=given.path())
+        committed = [e for e in list_checkpoints(storage, names)
+                     if e.status == "committed" and (step is None or e.step == step)]
+        if not committed:
+            which = "a committed checkpoint" if step is None else \
+                f"a committed checkpoint of step {step}"
+            raise CheckpointNotFoundError(
+                f"cannot load weights from {given.path()}: it holds no {which}",
+                path=given.path(), step=step)
+        entry = committed[-1]
+        assert entry.manifest is not None
+        manifest, chosen_step, chosen_name = entry.manifest, entry.step, entry.name
+    assert manifest is not None
+    tensors = storage.url_of(f"{chosen_name}/{manifest.data_path(TENSORS_DIR)}")
+    if verify:
+        metadata = f"{TENSORS_DIR}/{sharded.METADATA_FILE}"
+        first = [f for f in manifest.files if f.path == metadata]
+        verify_checkpoint(storage, chosen_name,
+                          manifest=manifest.model_copy(update={"files": first}))
+        raw = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
+            tensors, storage_options=options or None)}
+        rest = [f for f in manifest.files if f.path.startswith(f"{TENSORS_DIR}/")
+                and f.path != metadata]
+        verify_checkpoint(storage, chosen_name,
+                          manifest=manifest.model_copy(update={"files": rest}),
+                          sizes_only=raw)
+    return WeightsSource(chosen_step, storage.path(chosen_name), tensors, manifest)
+
+
+def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool = True,
+                       process_group: dist.ProcessGroup | None = None,
+                       storage_options: Mapping[str, Any] | None = None,
+                       verify: bool = True) -> list[str]:
+    """Read ``source``'s model tensors into ``model`` (plain, DDP, compiled or FSDP2).
+
+    Args:
+        model: The model; FSDP2 shards are read as this rank needs them (resharding).
+        source: From :func:`resolve_weights_source`.
+        strict: Every model entry must be in the checkpoint with its shape and dtype, and
+            the checkpoint may hold no other model tensor. False loads the entries that
+            fit and warns, naming every one that does not (a new head, a dropped layer).
+        process_group: Group for DCP's collectives (None: WORLD when initialised).
+        storage_options: fsspec options.
+        verify: Check every byte read from raw tensor files against its checksum.
+
+    Returns:
+        The model entries that were not loaded (empty when ``strict``).
+
+    Raises:
+        IncompatibleCheckpointError: ``strict`` and the weights do not fit (nothing is
+            loaded).
+    """
+    recorded = source.manifest.state.get("tied")
+    tied: dict[str, str] = {str(k): str(v) for k, v in recorded.items()} \
+        if isinstance(recorded, dict) else {}
+    full = get_model_state_dict(model)
+    target = sharded.untie({"model": full}, tied)
+    skipped: list[str] = []
+    if not strict:
+        index = sharded.read_tensor_index(source.tensors_url, storage_options=storage_options)
+        fits: dict[str, Any] = {}
+        for name, value in target["model"].items():
+            info = index.get(f"model.{name}")
+            if info is not None and isinstance(value, torch.Tensor) and \
+                    tuple(value.shape) == info.shape and value.dtype == info.dtype:
+                fits[name] = value
+            else:
+                skipped.append(name if info is None else
+                               f"{name} (checkpoint {list(info.shape)} {info.dtype})")
+        unexpected = sorted(fqn[len("model."):] for fqn in index
+                            if fqn.startswith("model.") and fqn[len("model."):] not in full)
+        target = {"model": fits}
+        if skipped or unexpected:
+            message = (f"loading weights from {source.path} (step {source.step}) with "
+                       f"strict=False: {len(skipped)} model entries keep their current "
+                       f"values ({', '.join(skipped) or 'none'}); {len(unexpected)} "
+                       f"checkpoint tensors are not used ({', '.join(unexpected) or 'none'})")
+            logger.warning("resumekit: %s", message)
+            warnings.warn(message, ResumekitWarning, stacklevel=3)
+        _load_model_part(target, source, process_group, storage_options, verify,
+                         allow_more=True)
+        loaded = sharded.retie(target, {a: k for a, k in tied.items() if k in fits})
+        set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
+        return skipped
+    try:
+        _load_model_part(target, source, process_group, storage_options, verify,
+                         allow_more=False)
+    except IncompatibleCheckpointError as error:
+        raise IncompatibleCheckpointError(
+            f"the weights of {source.path} (step {source.step}) do not fit the model "
+            f"(nothing was loaded; pass strict=False to load what fits): {error}",
+            path=source.path, differences=getattr(error, "differences", None)) from error
+    set_model_state_dict(model, sharded.retie(target, tied)["model"],
+                         options=StateDictOptions(strict=True))
+    return skipped
+
+
+def _load_model_part(target: dict[str, Any], source: WeightsSource,
+                     process_group: dist.ProcessGroup | None,
+                     storage_options: Mapping[str, Any] | None, verify: bool, *,
+                     allow_more: bool) -> None:
+    if allow_more:
+        sharded.load_subset(target, source.tensors_url, process_group=process_group,
+                            storage_options=storage_options, verify=verify)
+    else:
+        sharded.load(target, source.tensors_url, process_group=process_group,
+                     storage_options=storage_options, verify=verify)
