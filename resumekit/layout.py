@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_NAME_FORMAT",
     "GENERATIONS_DIR",
     "LEGACY_NAME_FORMAT",
+    "LIGHTNING_CHECKPOINT_FILE",
     "TENSORS_DIR",
     "HiddenName",
     "NameFormat",
@@ -48,6 +49,9 @@ DCP_METADATA_FILE = ".metadata"
 #: Directory (under the root) of the writer generation records, one file per claim.
 GENERATIONS_DIR = ".resumekit-generations"
 _GENERATION_RECORD = re.compile(r"^(?P<number>\d{12})\.json$")
+#: The Lightning checkpoint dict inside a step directory written by
+#: ``resumekit.integrations.lightning.ResumekitCheckpointIO``.
+LIGHTNING_CHECKPOINT_FILE = "lightning.ckpt"
 
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|bad)-(?P<token>[A-Za-z0-9_]+)$")
 

@@ -1,0 +1,12 @@
+"""Adapters for training frameworks, each optional.
+
+Importing ``resumekit`` imports none of them, and none imports its framework until its
+own module is imported:
+
+* :mod:`resumekit.integrations.lightning`: ``ResumekitCheckpointIO``, a Lightning
+  ``CheckpointIO`` plugin writing every checkpoint as a resumekit atomic commit.
+
+Accelerate needs no adapter (``CheckpointManager`` takes what ``accelerator.prepare()``
+returns) and the Hugging Face ``Trainer`` cannot have one (its callbacks run after its
+own save); ``docs/integrations.md`` shows both recipes.
+"""

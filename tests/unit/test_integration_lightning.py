@@ -1,0 +1,113 @@
+"""``ResumekitCheckpointIO``: a real Lightning Trainer, interrupted and resumed, ends bit for
+bit where the same run resumed from Lightning's own ``.ckpt`` ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+
+from resumekit.catalog import list_checkpoints, verify_checkpoint
+from resumekit.integrations.lightning import ResumekitCheckpointIO
+from resumekit.manifest import SaveReason
+from resumekit.storage import Storage
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        x, y = batch
+        return (self.net(x) - y).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
+                                                         "interval": "step"}}
+
+
+class Interrupt(Callback):
+    """Stops the run with an exception after ``at`` optimizer steps (a killed job)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            raise RuntimeError("interrupted")
+
+
+def _data() -> torch.utils.data.DataLoader[Any]:
+    generator = torch.Generator().manual_seed(0)
+    dataset = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=generator),
+                                             torch.randn(32, 1, generator=generator))
+    return torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True,
+                                       generator=torch.Generator().manual_seed(1))
+
+
+def _trainer(tmp: Path, max_steps: int, callbacks: list[Callback],
+             plugins: list[Any]) -> L.Trainer:
+    return L.Trainer(max_steps=max_steps, default_root_dir=tmp, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False,
+                     accelerator="cpu", callbacks=callbacks, plugins=plugins,
+                     num_sanity_val_steps=0)
+
+
+def _interrupted_then_resumed(tmp: Path, plugins: list[Any], resume_from: Any) -> Module:
+    L.seed_everything(0, verbose=False)
+    every = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    first = Module()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _trainer(tmp, 12, [every, Interrupt(6)], plugins).fit(first, _data())
+    L.seed_everything(0, verbose=False)
+    resumed = Module()
+    again = ModelCheckpoint(dirpath=tmp / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _trainer(tmp, 12, [again], plugins).fit(resumed, _data(), ckpt_path=resume_from(tmp))
+    return resumed
+
+
+def test_an_interrupted_lightning_run_resumed_from_resumekit_equals_lightnings_own_resume(
+    tmp_path: Path
+) -> None:
+    own = _interrupted_then_resumed(tmp_path / "own", [],
+                                    lambda tmp: tmp / "ckpt" / "epoch=0-step=4.ckpt")
+    root = tmp_path / "root"
+    ours = _interrupted_then_resumed(tmp_path / "ours", [ResumekitCheckpointIO(root)],
+                                     lambda tmp: root)
+    expected = own.state_dict()
+    got = ours.state_dict()
+    assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    # Lightning saved through atomic commits: retention kept the newest three.
+    entries = [e for e in list_checkpoints(Storage(root)) if e.status == "committed"]
+    assert [e.step for e in entries] == [4, 8, 12]
+    for entry in entries:
+        assert entry.manifest is not None and entry.manifest.reason == SaveReason.INTERVAL
+        assert str(entry.manifest.state["lightning_name"]).endswith(f"step={entry.step}.ckpt")
+        verify_checkpoint(Storage(root), entry.name)
+    assert not (tmp_path / "ours" / "ckpt").exists() or not any(
+        (tmp_path / "ours" / "ckpt").glob("*.ckpt"))
+
+
+def test_lightning_can_name_a_resumekit_checkpoint_by_its_own_file_name(
+    tmp_path: Path
+) -> None:
+    io = ResumekitCheckpointIO(tmp_path / "root", retention=None)
+    checkpoint = {"global_step": 3, "epoch": 0, "state_dict": {"w": torch.ones(2)}}
+    io.save_checkpoint(checkpoint, tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    io.save_checkpoint({**checkpoint, "global_step": 5}, tmp_path / "ckpt" / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")["global_step"] == 3
+    assert io.load_checkpoint(tmp_path / "ckpt" / "last.ckpt")["global_step"] == 5
+    assert io.load_checkpoint(tmp_path / "root")["global_step"] == 5
+    io.remove_checkpoint(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
+    assert [e.step for e in list_checkpoints(Storage(tmp_path / "root"))
+            if e.status == "committed"] == [5]
