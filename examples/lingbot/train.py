@@ -75,7 +75,6 @@ from resumekit.distributed import DistributedContext, init_distributed, shutdown
 from resumekit.errors import PreemptionError
 from resumekit.export import export_checkpoint
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import SaveReason
 from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_slurm_job
 from resumekit.retention import RetentionPolicy, keep_all, keep_every, keep_last
 from resumekit.sampler import ResumableDistributedSampler
@@ -491,7 +490,12 @@ def train(args: argparse.Namespace) -> int:
         start = ckpt.restore()
         dropped = metrics.truncate_after(start)
         if leader:
-            if ckpt.resumed_from is None:
+            if ckpt.finished and start >= tcfg.num_steps:
+                # A relaunch of a finished run (its final checkpoint restored): the loop
+                # below trains nothing and the job exits 0.
+                logger.info("run already finished at step %d (final checkpoint): nothing "
+                            "to train", start)
+            elif ckpt.resumed_from is None:
                 logger.info("fresh start: step 0 of %d on %d rank(s)", tcfg.num_steps,
                             context.world_size)
             else:
@@ -541,8 +545,7 @@ def train(args: argparse.Namespace) -> int:
             progress.update(1)
             progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
             if done == tcfg.num_steps:
-                if ckpt.last_saved_step != done:
-                    ckpt.save(done, reason=SaveReason.FINAL, blocking=True)
+                ckpt.finish(done)  # the last step is committed, as reason "final"
                 break
             if ckpt.step_end(done):
                 signals = "/".join(dict.fromkeys(r.name for r in preemption.received)) \

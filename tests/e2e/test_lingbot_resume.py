@@ -160,3 +160,26 @@ def test_a_two_rank_run_resumes_on_one_process_and_exports_the_upstream_bf16_lay
     for name, value in model.state_dict().items():
         assert torch.equal(value, exported[name].float()), name
     manager.close()
+
+
+def test_a_relaunch_of_a_finished_run_trains_no_extra_step_and_exits_0(
+    reference: Path, tmp_path: Path,
+) -> None:
+    root = tmp_path / "finished"
+    shutil.copytree(reference, root, ignore=shutil.ignore_patterns("logs"))
+    before = (root / METRICS_FILE).read_text()
+    final = CheckpointManager(root / CHECKPOINT_DIR,
+                              name_format="checkpoint_step_{step}").latest()
+    assert final is not None and final.step == NUM_STEPS and final.manifest.reason == "final"
+    completed = subprocess.run(
+        [sys.executable, "-m", "examples.lingbot.train", "--config", "tiny", "--save-root",
+         str(root), *TRAIN_ARGS], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=500, check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert f"run already finished at step {NUM_STEPS}" in completed.stderr
+    assert (root / METRICS_FILE).read_text() == before  # not one step trained
+    again = CheckpointManager(root / CHECKPOINT_DIR,
+                              name_format="checkpoint_step_{step}").latest()
+    assert again is not None and again.path == final.path
+    assert again.manifest.created_at == final.manifest.created_at  # nothing re-saved
