@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate import Accelerator
 from torch import nn
 
 from resumekit.manager import CheckpointManager
@@ -57,8 +58,6 @@ def _run(accelerator: Any, root: str | None, stop_at: int | None) -> dict[str, t
 
 
 def _accelerate(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from accelerate import Accelerator
-
     accelerator = Accelerator(cpu=True)
     assert accelerator.num_processes == world_size
     torch.manual_seed(42 + rank)

@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -400,8 +401,6 @@ def test_a_weights_only_import_restores_into_a_full_trainer_naming_what_starts_f
 def test_a_lightning_import_restores_with_its_optimizer_and_only_data_and_rng_fresh(
     tmp_path: Path
 ) -> None:
-    import lightning as L
-
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()

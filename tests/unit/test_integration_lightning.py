@@ -3,6 +3,8 @@ bit where the same run resumed from Lightning's own ``.ckpt`` ends."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +113,12 @@ def test_lightning_can_name_a_resumekit_checkpoint_by_its_own_file_name(
     io.remove_checkpoint(tmp_path / "ckpt" / "epoch=0-step=3.ckpt")
     assert [e.step for e in list_checkpoints(Storage(tmp_path / "root"))
             if e.status == "committed"] == [5]
+
+
+def test_importing_resumekit_and_its_integrations_package_imports_no_framework() -> None:
+    code = ("import sys, resumekit, resumekit.integrations; "
+            "print(sorted(m for m in ('lightning', 'accelerate', 'transformers') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert done.stdout.strip() == "[]"
