@@ -863,12 +863,15 @@ class CheckpointManager:
         run_on_every_rank(self._main.coordinator, read)
         if fresh:
             source = (manifest.lineage.imported_from or {}).get("path", "another tool")
+            unrecorded = "" if (manifest.fingerprint or {}).get("config") or \
+                not self.config else "; it records no configuration, so config= is not " \
+                "compared with it"
             self._warn(
                 f"{entry.path} (step {manifest.step}) was converted by resumekit import "
                 f"from {source}; it holds no {', '.join(fresh)} of that run, so "
                 f"{'they start' if len(fresh) > 1 else 'it starts'} fresh (the weights, "
                 "the step and what else it holds are restored): the run continues, but not "
-                "exactly as the source run would have", stacklevel=6)
+                f"exactly as the source run would have{unrecorded}", stacklevel=6)
         self.extras.update(manifest.extras)
         self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
         self.resumed_from = manifest.step
@@ -906,7 +909,11 @@ class CheckpointManager:
                     f"{where} does not fit the model (nothing was loaded):\n  "
                     + "\n  ".join(problems), path=where, differences=problems,
                 )
-        differences = _dict_diff(saved.get("config") or {}, now["config"], "config")
+        # ``resumekit import`` records no configuration unless given one: nothing to
+        # compare (restore's warning about the import says so).
+        unrecorded = manifest.reason == SaveReason.IMPORTED and not saved.get("config")
+        differences = [] if unrecorded else \
+            _dict_diff(saved.get("config") or {}, now["config"], "config")
         if manifest.world_size != self.world_size:
             differences.append(f"world_size: checkpoint {manifest.world_size}, "
                                f"now {self.world_size} (state is resharded)")

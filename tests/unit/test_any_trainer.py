@@ -374,7 +374,7 @@ def test_a_weights_only_import_restores_into_a_full_trainer_naming_what_starts_f
     fresh = _mlp(seed=8)
     optimizer, scheduler, sampler = _full_trainer(fresh)
     ckpt = CheckpointManager(tmp_path / "root", model=fresh, optimizer=optimizer,
-                             scheduler=scheduler, data=sampler)
+                             scheduler=scheduler, data=sampler, config={"lr": 1e-2})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert ckpt.restore() == 40
@@ -382,7 +382,8 @@ def test_a_weights_only_import_restores_into_a_full_trainer_naming_what_starts_f
     assert len(ours) == 1, [str(w.message) for w in ours]
     message = str(ours[0].message)
     assert os.fspath(tmp_path / "root" / "step_000000040") in message
-    for part in ("data position", "scheduler", "optimizer", "RNG"):
+    for part in ("data position", "scheduler", "optimizer", "RNG",
+                 "records no configuration"):
         assert part in message, part
     _assert_bitwise(fresh, weights)
     assert sampler.state_dict()["consumed"] == 0  # the data position starts fresh
@@ -393,7 +394,7 @@ def test_a_weights_only_import_restores_into_a_full_trainer_naming_what_starts_f
     ckpt.close()
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResumekitWarning)
-        again = CheckpointManager(tmp_path / "root", model=_mlp(), optimizer=None)
+        again = CheckpointManager(tmp_path / "root", model=_mlp(), config={"lr": 1e-2})
         assert again.restore() == 41
         again.close()
 
