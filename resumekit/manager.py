@@ -267,6 +267,11 @@ class CheckpointManager:
             import`` command that converts it; ``"ignore"`` warns and starts at step 0.
     """
 
+    # The step the last restore returned, until the first step_end checks that the loop
+    # counts on from it; the step of a ``final`` checkpoint restored or written.
+    _resume_guard: int | None
+    _final_step: int | None
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -325,9 +330,7 @@ class CheckpointManager:
         self.name_format = NameFormat(name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
-        self.extras: MutableMapping[str, Any] = extras if isinstance(extras, MutableMapping) \
-            else dict(extras or {})
-        jsonable.plain_extras(self.extras)  # refuse what cannot be saved, now
+        self.extras: MutableMapping[str, Any] = _live_extras(extras)
         self.save_every = save_every
         self.retention = retention
         self.async_save = async_save
@@ -347,10 +350,7 @@ class CheckpointManager:
         self.resumed_from: int | None = None
         self.initialized_from: weights.WeightsSource | None = None
         self.last_saved_step: int | None = None
-        # The step the last restore returned, until the first step_end checks the loop
-        # counts on from it; the step of a ``final`` checkpoint restored or written.
-        self._resume_guard: int | None = None
-        self._final_step: int | None = None
+        self._resume_guard = self._final_step = None
         self._last_commit_time: float | None = None
         self._last_save_seconds = 0.0
         # The emergency-save decision, on this process's monotonic clock: (newest step
@@ -1395,6 +1395,14 @@ def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
+
+
+def _live_extras(extras: Mapping[str, Any] | None) -> MutableMapping[str, Any]:
+    """The caller's own mapping (read at every save), checked now: a bad value fails here."""
+    live: MutableMapping[str, Any] = extras if isinstance(extras, MutableMapping) \
+        else dict(extras or {})
+    jsonable.plain_extras(live)
+    return live
 
 
 def _tied_of(manifest: Manifest) -> dict[str, str]:

@@ -75,6 +75,8 @@ class ResumekitCheckpointIO(CheckpointIO):
         self.storage = Storage(root, storage_options)
         self.name_format = NameFormat(name_format)
         self.retention = retention
+        # One writer, one protocol: its writer generation is claimed once and kept.
+        self._protocol = CommitProtocol(self.storage, self.name_format)
 
     # -- saving -------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
@@ -103,7 +105,7 @@ class ResumekitCheckpointIO(CheckpointIO):
         name = os.path.basename(os.fspath(path))
         data = dump_plain(checkpoint, what=f"Lightning checkpoint {name} (step {step})")
         committed = {e.step for e in self._committed()}
-        protocol = CommitProtocol(self.storage, self.name_format)
+        protocol = self._protocol
         pending = protocol.begin(step, replace=step in committed)
         if step in committed:
             logger.info("resumekit: Lightning saved step %d again (%s): replacing it", step,
