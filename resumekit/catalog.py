@@ -1,4 +1,4 @@
-"""What a checkpoint root holds: listing, the newest committed step, verification.
+"""What a path holds: listing a root, the newest committed step, verification, targets.
 
 Statuses of an entry:
 
@@ -17,6 +17,11 @@ Statuses of an entry:
 An entry that is not committed also says what is wrong with it (:data:`Defect`), so a
 restore can tell what is provably broken (:data:`BROKEN`: set aside) from what is merely
 newer (``newer-schema``: refused) or still being written (``unfinished``, ``staging``).
+
+For paths a user gives (the command line, export, import): :func:`open_target` tells a
+checkpoint root from one checkpoint directory and detects the step-name format,
+:func:`select_committed` picks the committed checkpoint of a step, and
+:func:`tensors_url` is where its DCP tensor data lives. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -36,19 +41,30 @@ from resumekit.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     ManifestError,
+    ResumekitError,
     StorageError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import DCP_METADATA_FILE, LEGACY_NAME_FORMAT, TENSORS_DIR, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Manifest, checksum_chunks, parse_manifest
+from resumekit.layout import (
+    ATTEMPT_PREFIX,
+    DCP_METADATA_FILE,
+    DEFAULT_NAME_FORMAT,
+    LEGACY_NAME_FORMAT,
+    MANIFEST_NAME,
+    TENSORS_DIR,
+    NameFormat,
+)
+from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
 from resumekit.retry import read_with_retry
 from resumekit.storage import FileInfo, Storage
 
 __all__ = [
     "BROKEN",
+    "DEFAULT_NAME_FORMATS",
     "FOREIGN_FORMATS",
     "CheckpointEntry",
+    "CheckpointTarget",
     "Defect",
     "ForeignCheckpoint",
     "ForeignFormat",
@@ -59,7 +75,11 @@ __all__ = [
     "latest_committed",
     "list_checkpoints",
     "locate_tensor_data",
+    "open_target",
     "read_manifest",
+    "select_committed",
+    "split_parent",
+    "tensors_url",
     "verify_checkpoint",
 ]
 
@@ -100,6 +120,8 @@ _FOREIGN_STEP = {
 #: ``ModelCheckpoint`` default (``checkpoints/*.ckpt``).
 _FOREIGN_CONTAINERS = ("checkpoints",)
 _DCP_METADATA = DCP_METADATA_FILE
+#: Step-name formats :func:`open_target` tries, in order, when none is given.
+DEFAULT_NAME_FORMATS = (DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT)
 _HF_TRAINER_STATE = "trainer_state.json"
 
 
@@ -285,7 +307,8 @@ def _classify_without_manifest(storage: Storage, name: str) -> tuple[Status, str
     if not files:
         return "partial", "empty directory without manifest.json"
     names = [path for path, _ in files]
-    if any(path.startswith("attempt-") or path.endswith(".metadata") for path in names):
+    if any(path.startswith(ATTEMPT_PREFIX) or path.endswith(DCP_METADATA_FILE)
+           for path in names):
         return "partial", "data without manifest.json (a save that did not finish)"
     if any(path.endswith(_WEIGHT_SUFFIXES) for path in names):
         return "legacy", "weights-only directory without manifest.json"
@@ -384,16 +407,23 @@ def _step_entry(storage: Storage, name: str, step: int,
     try:
         manifest = read_manifest(storage, name)
     except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
-        defect: Defect = ("newer-schema" if isinstance(error, UnsupportedSchemaError) else
-                          "unsafe-manifest" if isinstance(error, UnsafeCheckpointError) else
-                          "bad-manifest")
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error), defect=defect)
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
+                               defect=_manifest_defect(error))
     if manifest.step != step:
         return CheckpointEntry(
             step, name, path, "corrupt",
             problem=f"manifest says step {manifest.step}, directory name says {step}",
             defect="wrong-step")
     return CheckpointEntry(step, name, path, "committed", manifest=manifest)
+
+
+def _manifest_defect(error: ResumekitError) -> Defect:
+    """What an error reading a manifest says is wrong with its directory."""
+    if isinstance(error, UnsupportedSchemaError):
+        return "newer-schema"
+    if isinstance(error, UnsafeCheckpointError):
+        return "unsafe-manifest"
+    return "bad-manifest"
 
 
 def latest_committed(
@@ -566,3 +596,182 @@ def _parent_storage(storage: Storage, options: dict[str, Any]) -> Storage | None
     protocol = storage.fs.protocol
     protocol = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
     return Storage(f"{protocol}://{parent.lstrip('/')}", options)
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a path given by a user points at.
+
+    Attributes:
+        storage: The checkpoint root (the parent directory when ``entry`` is set).
+        name_format: The step-name format detected (or given).
+        entry: The one checkpoint directory pointed at, or None for a root.
+    """
+
+    storage: Storage
+    name_format: NameFormat
+    entry: CheckpointEntry | None = None
+
+    @property
+    def is_root(self) -> bool:
+        """True when the path is a checkpoint root rather than one checkpoint."""
+        return self.entry is None
+
+    def entries(self) -> list[CheckpointEntry]:
+        """List the root's entries (for a single checkpoint: that one)."""
+        if self.entry is not None:
+            return [self.entry]
+        return list_checkpoints(self.storage, self.name_format)
+
+
+def _formats(name_format: str | NameFormat | None) -> list[NameFormat]:
+    if isinstance(name_format, NameFormat):
+        return [name_format]
+    if name_format is not None:
+        return [NameFormat(name_format)]
+    return [NameFormat(template) for template in DEFAULT_NAME_FORMATS]
+
+
+def _parses(name_format: NameFormat, name: str) -> bool:
+    return name_format.parse(name) is not None or name_format.parse_hidden(name) is not None
+
+
+def split_parent(url: str) -> tuple[str, str]:
+    """Split a local path or URL into ``(parent, name)``; local paths become absolute."""
+    trimmed = url.rstrip("/")
+    if "://" in trimmed:
+        protocol, rest = trimmed.split("://", 1)
+        parent, _, name = rest.rpartition("/")
+        return f"{protocol}://{parent}", name
+    absolute = os.path.abspath(trimmed)
+    return os.path.dirname(absolute), os.path.basename(absolute)
+
+
+def open_target(
+    path: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    name_format: str | NameFormat | None = None,
+) -> CheckpointTarget:
+    """Decide whether ``path`` is a checkpoint root or one checkpoint directory.
+
+    A directory holding ``manifest.json``, or whose name parses as a step (work in
+    progress included), is one checkpoint; any other directory is a root. Without
+    ``name_format``, ``step_{step:09d}`` and ``checkpoint_step_{step}`` are tried: for a
+    root, the one that names more of its directories wins (ties go to the first).
+
+    Args:
+        path: A local path or fsspec URL (``s3://bucket/run``).
+        storage_options: fsspec options (e.g. ``endpoint_url``).
+        name_format: The step-name template, if known.
+
+    Returns:
+        The target; for one checkpoint, its entry as the catalog classifies it.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist, or is a directory with a
+            manifest-like name that is not a checkpoint.
+        StorageError: ``path`` is a file, or cannot be read.
+    """
+    url = os.fspath(path)
+    options = dict(storage_options or {})
+    storage = Storage(url, options)
+    if not storage.exists():
+        raise CheckpointNotFoundError(f"{storage.path()} does not exist", path=storage.path())
+    if not storage.is_dir():
+        raise StorageError(
+            f"{storage.path()} is a file, not a checkpoint directory or root",
+            path=storage.path(), operation="inspect",
+        )
+    candidates = _formats(name_format)
+    parent_url, name = split_parent(url)
+    own = [fmt for fmt in candidates if _parses(fmt, name)]
+    if storage.exists(MANIFEST_NAME) or own:
+        parent = Storage(parent_url, options)
+        fmt = own[0] if own else candidates[0]
+        return CheckpointTarget(parent, fmt, _named_entry(parent, fmt, name))
+    names = [info.name for info in storage.list_dir() if info.is_dir]
+    scores = [sum(_parses(fmt, entry) for entry in names) for fmt in candidates]
+    best = candidates[scores.index(max(scores))]
+    return CheckpointTarget(storage, best)
+
+
+def _named_entry(parent: Storage, name_format: NameFormat, name: str) -> CheckpointEntry:
+    legacy = NameFormat(LEGACY_NAME_FORMAT)
+    for entry in list_checkpoints(parent, name_format, legacy_format=legacy):
+        if entry.name == name:
+            return entry
+    # Not a step name of this format: a directory with a manifest, under any name.
+    path = parent.path(name)
+    try:
+        manifest = read_manifest(parent, name)
+    except (ManifestError, UnsafeCheckpointError) as error:
+        return CheckpointEntry(-1, name, path, "corrupt", problem=str(error),
+                               defect=_manifest_defect(error))
+    except CheckpointNotFoundError:
+        raise
+    if not parent.exists(f"{name}/{MANIFEST_NAME}"):
+        raise CheckpointNotFoundError(f"{path} is not a checkpoint", path=path)
+    return CheckpointEntry(manifest.step, name, path, "committed", manifest=manifest)
+
+
+def select_committed(target: CheckpointTarget, step: int | None = None) -> CheckpointEntry:
+    """Return the committed checkpoint of ``step`` (newest when None) of a target.
+
+    For a single-checkpoint target, ``step`` (if given) must be its step.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint of that step.
+        ManifestError: The checkpoint pointed at is not committed (its problem named).
+        UnsafeCheckpointError: Its manifest lists a path outside its directory.
+    """
+    where = target.storage.path()
+    if target.entry is not None:
+        entry = target.entry
+        if step is not None and entry.step != step:
+            raise CheckpointNotFoundError(
+                f"{entry.path} is step {entry.step}, not step {step}",
+                path=entry.path, step=step,
+            )
+        if entry.status != "committed":
+            _raise_not_committed(entry)
+        return entry
+    entries = target.entries()
+    if step is not None:
+        matching = [entry for entry in entries if entry.step == step]
+        committed = [entry for entry in matching if entry.status == "committed"]
+        if committed:
+            return committed[-1]
+        if matching:
+            _raise_not_committed(matching[-1])
+        raise CheckpointNotFoundError(
+            f"no checkpoint of step {step} under {where} (name format "
+            f"{target.name_format.template!r})", path=where, step=step,
+        )
+    committed = [entry for entry in entries if entry.status == "committed"]
+    if not committed:
+        raise CheckpointNotFoundError(
+            f"no committed checkpoint under {where} (name format "
+            f"{target.name_format.template!r})", path=where,
+        )
+    return committed[-1]
+
+
+def _raise_not_committed(entry: CheckpointEntry) -> None:
+    problem = entry.problem or f"no valid {MANIFEST_NAME}"
+    if entry.defect == "unsafe-manifest":
+        raise UnsafeCheckpointError(problem, path=entry.path, step=entry.step)
+    raise ManifestError(
+        f"{entry.path} is not a committed checkpoint ({entry.status}: {problem})",
+        path=entry.path, step=entry.step,
+    )
+
+
+def tensors_url(storage: Storage, entry: CheckpointEntry) -> str:
+    """Return the URL of the DCP tensor directory of a committed checkpoint."""
+    if entry.manifest is None:
+        raise ManifestError(f"{entry.path} has no manifest", path=entry.path)
+    return storage.url_of(f"{entry.name}/{entry.manifest.data_path(TENSORS_DIR)}")

@@ -74,9 +74,8 @@ from resumekit import generations
 from resumekit.catalog import CheckpointEntry, list_checkpoints, read_manifest
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
-from resumekit.layout import ATTEMPT_PREFIX, NameFormat
+from resumekit.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
 from resumekit.manifest import (
-    MANIFEST_NAME,
     FileEntry,
     Manifest,
     WriterGeneration,
@@ -98,8 +97,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("resumekit")
-
-WRITER_FILE = ".writer.json"
 
 #: Test hook: called with the name of each protocol phase as it starts (crash tests).
 PhaseHook = Callable[[str], None]

@@ -42,9 +42,9 @@ Floating-point tensors are cast to ``dtype`` when one is given; integer and bool
 tensors (buffers such as counters) keep theirs. Byte order is the machine's (little-endian
 on every platform PyTorch supports), as safetensors requires.
 
-This module also finds checkpoints for the command line: :func:`open_target` tells a
-checkpoint root from one checkpoint directory and detects the step-name format, and
-:func:`select_committed` picks the committed checkpoint of a step.
+Finding the checkpoint a path points at (:func:`~resumekit.catalog.open_target`,
+:func:`~resumekit.catalog.select_committed`) is :mod:`resumekit.catalog`'s job; those names
+are re-exported here for code that imported them from this module.
 """
 
 from __future__ import annotations
@@ -69,24 +69,24 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from resumekit import sharded
 from resumekit.catalog import (
-    CheckpointEntry,
+    DEFAULT_NAME_FORMATS,  # re-exported: its home is catalog
+    CheckpointTarget,  # re-exported: its home is catalog
     detect_foreign,
-    list_checkpoints,
-    read_manifest,
+    open_target,
+    select_committed,
+    split_parent,
+    tensors_url,
     verify_checkpoint,
 )
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
-    ManifestError,
     ResumekitError,
-    StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.layout import DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Manifest
-from resumekit.state import TENSORS_DIR
+from resumekit.layout import MANIFEST_NAME, NameFormat
+from resumekit.manifest import Manifest
 from resumekit.storage import Storage
 
 __all__ = [
@@ -112,9 +112,6 @@ ExportLayout = Literal["plain", "diffusers"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """Largest output file (5 GiB) before the export is split into several files."""
-
-DEFAULT_NAME_FORMATS = (DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT)
-"""Step-name formats tried, in order, when none is given."""
 
 MODEL_PREFIX = "model."
 """Prefix of model tensors in a checkpoint's tensor index (removed on export)."""
@@ -162,183 +159,6 @@ _LAYOUT_FILES: dict[str, tuple[str, str]] = {
 }
 _CONFIG_NAME = "config.json"
 _CONFIG_SOURCES = ("extras.model_config", "fingerprint.config.model")
-
-
-# --------------------------------------------------------------------------- targets
-
-
-@dataclass(frozen=True)
-class CheckpointTarget:
-    """What a path given by a user points at.
-
-    Attributes:
-        storage: The checkpoint root (the parent directory when ``entry`` is set).
-        name_format: The step-name format detected (or given).
-        entry: The one checkpoint directory pointed at, or None for a root.
-    """
-
-    storage: Storage
-    name_format: NameFormat
-    entry: CheckpointEntry | None = None
-
-    @property
-    def is_root(self) -> bool:
-        """True when the path is a checkpoint root rather than one checkpoint."""
-        return self.entry is None
-
-    def entries(self) -> list[CheckpointEntry]:
-        """List the root's entries (for a single checkpoint: that one)."""
-        if self.entry is not None:
-            return [self.entry]
-        return list_checkpoints(self.storage, self.name_format)
-
-
-def _formats(name_format: str | NameFormat | None) -> list[NameFormat]:
-    if isinstance(name_format, NameFormat):
-        return [name_format]
-    if name_format is not None:
-        return [NameFormat(name_format)]
-    return [NameFormat(template) for template in DEFAULT_NAME_FORMATS]
-
-
-def _parses(name_format: NameFormat, name: str) -> bool:
-    return name_format.parse(name) is not None or name_format.parse_hidden(name) is not None
-
-
-def _split_parent(url: str) -> tuple[str, str]:
-    trimmed = url.rstrip("/")
-    if "://" in trimmed:
-        protocol, rest = trimmed.split("://", 1)
-        parent, _, name = rest.rpartition("/")
-        return f"{protocol}://{parent}", name
-    absolute = os.path.abspath(trimmed)
-    return os.path.dirname(absolute), os.path.basename(absolute)
-
-
-def open_target(
-    path: str | os.PathLike[str],
-    *,
-    storage_options: Mapping[str, Any] | None = None,
-    name_format: str | NameFormat | None = None,
-) -> CheckpointTarget:
-    """Decide whether ``path`` is a checkpoint root or one checkpoint directory.
-
-    A directory holding ``manifest.json``, or whose name parses as a step (work in
-    progress included), is one checkpoint; any other directory is a root. Without
-    ``name_format``, ``step_{step:09d}`` and ``checkpoint_step_{step}`` are tried: for a
-    root, the one that names more of its directories wins (ties go to the first).
-
-    Args:
-        path: A local path or fsspec URL (``s3://bucket/run``).
-        storage_options: fsspec options (e.g. ``endpoint_url``).
-        name_format: The step-name template, if known.
-
-    Returns:
-        The target; for one checkpoint, its entry as the catalog classifies it.
-
-    Raises:
-        CheckpointNotFoundError: ``path`` does not exist, or is a directory with a
-            manifest-like name that is not a checkpoint.
-        StorageError: ``path`` is a file, or cannot be read.
-    """
-    url = os.fspath(path)
-    options = dict(storage_options or {})
-    storage = Storage(url, options)
-    if not storage.exists():
-        raise CheckpointNotFoundError(f"{storage.path()} does not exist", path=storage.path())
-    if not storage.is_dir():
-        raise StorageError(
-            f"{storage.path()} is a file, not a checkpoint directory or root",
-            path=storage.path(), operation="inspect",
-        )
-    candidates = _formats(name_format)
-    parent_url, name = _split_parent(url)
-    own = [fmt for fmt in candidates if _parses(fmt, name)]
-    if storage.exists(MANIFEST_NAME) or own:
-        parent = Storage(parent_url, options)
-        fmt = own[0] if own else candidates[0]
-        return CheckpointTarget(parent, fmt, _entry_of(parent, fmt, name))
-    names = [info.name for info in storage.list_dir() if info.is_dir]
-    scores = [sum(_parses(fmt, entry) for entry in names) for fmt in candidates]
-    best = candidates[scores.index(max(scores))]
-    return CheckpointTarget(storage, best)
-
-
-def _entry_of(parent: Storage, name_format: NameFormat, name: str) -> CheckpointEntry:
-    legacy = NameFormat(LEGACY_NAME_FORMAT)
-    for entry in list_checkpoints(parent, name_format, legacy_format=legacy):
-        if entry.name == name:
-            return entry
-    # Not a step name of this format: a directory with a manifest, under any name.
-    path = parent.path(name)
-    try:
-        manifest = read_manifest(parent, name)
-    except (ManifestError, UnsafeCheckpointError) as error:
-        return CheckpointEntry(-1, name, path, "corrupt", problem=str(error))
-    except CheckpointNotFoundError:
-        raise
-    if not parent.exists(f"{name}/{MANIFEST_NAME}"):
-        raise CheckpointNotFoundError(f"{path} is not a checkpoint", path=path)
-    return CheckpointEntry(manifest.step, name, path, "committed", manifest=manifest)
-
-
-def select_committed(target: CheckpointTarget, step: int | None = None) -> CheckpointEntry:
-    """Return the committed checkpoint of ``step`` (newest when None) of a target.
-
-    For a single-checkpoint target, ``step`` (if given) must be its step.
-
-    Raises:
-        CheckpointNotFoundError: No committed checkpoint of that step.
-        ManifestError: The checkpoint pointed at is not committed (its problem named).
-        UnsafeCheckpointError: Its manifest lists a path outside its directory.
-    """
-    where = target.storage.path()
-    if target.entry is not None:
-        entry = target.entry
-        if step is not None and entry.step != step:
-            raise CheckpointNotFoundError(
-                f"{entry.path} is step {entry.step}, not step {step}",
-                path=entry.path, step=step,
-            )
-        if entry.status != "committed":
-            _raise_not_committed(entry)
-        return entry
-    entries = target.entries()
-    if step is not None:
-        matching = [entry for entry in entries if entry.step == step]
-        committed = [entry for entry in matching if entry.status == "committed"]
-        if committed:
-            return committed[-1]
-        if matching:
-            _raise_not_committed(matching[-1])
-        raise CheckpointNotFoundError(
-            f"no checkpoint of step {step} under {where} (name format "
-            f"{target.name_format.template!r})", path=where, step=step,
-        )
-    committed = [entry for entry in entries if entry.status == "committed"]
-    if not committed:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint under {where} (name format "
-            f"{target.name_format.template!r})", path=where,
-        )
-    return committed[-1]
-
-
-def _raise_not_committed(entry: CheckpointEntry) -> None:
-    problem = entry.problem or "no valid manifest.json"
-    if "unsafe path" in problem:
-        raise UnsafeCheckpointError(problem, path=entry.path, step=entry.step)
-    raise ManifestError(
-        f"{entry.path} is not a committed checkpoint ({entry.status}: {problem})",
-        path=entry.path, step=entry.step,
-    )
-
-
-def tensors_url(storage: Storage, entry: CheckpointEntry) -> str:
-    """Return the URL of the DCP tensor directory of a committed checkpoint."""
-    if entry.manifest is None:
-        raise ManifestError(f"{entry.path} has no manifest", path=entry.path)
-    return storage.url_of(f"{entry.name}/{entry.manifest.data_path(TENSORS_DIR)}")
 
 
 # --------------------------------------------------------------------------- planning
@@ -600,7 +420,7 @@ def _resolve(root_or_dir: str | os.PathLike[str], step: int | None, *,
     url = os.fspath(root_or_dir)
     options = dict(storage_options or {})
     if _plain_dcp(url, options):
-        parent_url, name = _split_parent(url)
+        parent_url, name = split_parent(url)
         found = detect_foreign(Storage(parent_url, options), name)
         recorded = None if found is None else found.step
         path = Storage(url, options).path()

@@ -68,9 +68,16 @@ from resumekit.errors import (
     UnsafeCheckpointError,
 )
 from resumekit.export import NOT_MODEL_KEYS, read_full_state
-from resumekit.layout import DEFAULT_NAME_FORMAT, LEGACY_NAME_FORMAT, NameFormat
+from resumekit.layout import (
+    DEFAULT_NAME_FORMAT,
+    LEGACY_NAME_FORMAT,
+    TENSORS_DIR,
+    TRAIN_STATE_FILE,
+    NameFormat,
+    rank_state_file,
+)
 from resumekit.manifest import FileEntry, Lineage, Manifest, SaveReason
-from resumekit.state import TENSORS_DIR, TRAIN_STATE_FILE, dump_plain, rank_state_file
+from resumekit.state import dump_plain
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 

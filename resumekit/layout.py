@@ -11,6 +11,22 @@ Work in progress uses hidden names that never parse as a step:
 
 Listing sorts numerically, never lexicographically; names that do not parse are ignored.
 
+What a committed step directory holds (every name is a constant of this module)::
+
+    step_000001000/
+      manifest.json              MANIFEST_NAME: the commit marker, written last
+      tensors/                   TENSORS_DIR: model + optimizer, a DCP directory
+        .metadata                DCP_METADATA_FILE: DCP's index of every tensor
+        __0_0.distcp ...         the ranks' tensor data (named by DCP)
+      train_state.pt             TRAIN_STATE_FILE: step, micro_step, scheduler (rank 0)
+      rank_state/rank_00000.pt   RANK_STATE_DIR, rank_state_file(rank): RNG, data position
+
+On an object store the data sits one level down, under ``attempt-<token>/``
+(ATTEMPT_PREFIX), and ``manifest.json`` names that directory as its ``data_dir``. A
+staging directory (or attempt) also holds ``.writer.json`` (WRITER_FILE: host, pid and
+token of its writer) until it is published, so a sweep can tell a dead writer's leftovers
+from a live one's.
+
 The root also holds ``.resumekit-generations/``: one small record per writer generation
 that claimed the root (``000000000007.json``), see :mod:`resumekit.generations`.
 """
@@ -31,11 +47,17 @@ __all__ = [
     "GENERATIONS_DIR",
     "LEGACY_NAME_FORMAT",
     "LIGHTNING_CHECKPOINT_FILE",
+    "MANIFEST_NAME",
+    "RANK_STATE_DIR",
     "TENSORS_DIR",
+    "TRAIN_STATE_FILE",
+    "WRITER_FILE",
     "HiddenName",
     "NameFormat",
     "generation_record_name",
     "parse_generation_record_name",
+    "parse_rank_state_file",
+    "rank_state_file",
 ]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
@@ -53,6 +75,16 @@ _GENERATION_RECORD = re.compile(r"^(?P<number>\d{12})\.json$")
 #: ``resumekit.integrations.lightning.ResumekitCheckpointIO``.
 LIGHTNING_CHECKPOINT_FILE = "lightning.ckpt"
 
+#: A step directory's commit marker: the manifest, written last (see :mod:`resumekit.commit`).
+MANIFEST_NAME = "manifest.json"
+#: Rank 0's plain state: step, micro_step, scheduler, world size (a ``torch.save`` file).
+TRAIN_STATE_FILE = "train_state.pt"
+#: Directory of the per-rank state files (RNG streams, data position).
+RANK_STATE_DIR = "rank_state"
+#: In a staging directory or attempt: its writer's host, pid and token, for the sweep.
+WRITER_FILE = ".writer.json"
+
+_RANK_STATE_FILE = re.compile(rf"^{re.escape(RANK_STATE_DIR)}/rank_(?P<rank>\d+)\.pt$")
 _HIDDEN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|bad)-(?P<token>[A-Za-z0-9_]+)$")
 
 
@@ -188,6 +220,27 @@ def parse_generation_record_name(name: str) -> int | None:
     """Return the generation number of a record's base name, or None if it is not one."""
     match = _GENERATION_RECORD.match(name)
     return int(match.group("number")) if match else None
+
+
+def rank_state_file(rank: int) -> str:
+    """Return the per-rank state file of ``rank``, relative to the step's data directory.
+
+    Example:
+        >>> rank_state_file(3)
+        'rank_state/rank_00003.pt'
+    """
+    return f"{RANK_STATE_DIR}/rank_{rank:05d}.pt"
+
+
+def parse_rank_state_file(path: str) -> int | None:
+    """Return the rank of a per-rank state file path, or None if it is not one.
+
+    Example:
+        >>> parse_rank_state_file("rank_state/rank_00003.pt"), parse_rank_state_file("x.pt")
+        (3, None)
+    """
+    match = _RANK_STATE_FILE.match(path)
+    return int(match.group("rank")) if match else None
 
 
 def _bad_template(template: str, problem: str) -> ConfigurationError:

@@ -72,9 +72,17 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.generations import Fence
-from resumekit.layout import DEFAULT_NAME_FORMAT, GENERATIONS_DIR, NameFormat
-from resumekit.manifest import (
+from resumekit.layout import (
+    DCP_METADATA_FILE,
+    DEFAULT_NAME_FORMAT,
+    GENERATIONS_DIR,
     MANIFEST_NAME,
+    TENSORS_DIR,
+    TRAIN_STATE_FILE,
+    NameFormat,
+    rank_state_file,
+)
+from resumekit.manifest import (
     FileEntry,
     Lineage,
     Manifest,
@@ -83,15 +91,7 @@ from resumekit.manifest import (
 )
 from resumekit.preemption import PreemptionHandler
 from resumekit.retention import RetentionPolicy, keep_last, prune
-from resumekit.state import (
-    TENSORS_DIR,
-    TRAIN_STATE_FILE,
-    Stateful,
-    TrainState,
-    dump_plain,
-    rank_state_file,
-    read_plain,
-)
+from resumekit.state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
@@ -798,7 +798,7 @@ class CheckpointManager:
         other file is hashed by one rank.
         """
         ranks = self._main.coordinator
-        metadata_path = f"{TENSORS_DIR}/{sharded.METADATA_FILE}"
+        metadata_path = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
         first = [entry for entry in manifest.files if entry.path == metadata_path]
         rest = [entry for entry in manifest.files if entry.path != metadata_path]
         sizes_only: set[str] = set()
@@ -1188,7 +1188,7 @@ class CheckpointManager:
             if rank == 0:
                 small.insert(0, (TRAIN_STATE_FILE, job.train))
                 if job.tensors:  # only the coordinating rank writes it
-                    required.append(f"{TENSORS_DIR}/{sharded.METADATA_FILE}")
+                    required.append(f"{TENSORS_DIR}/{DCP_METADATA_FILE}")
             for path, data in small:
                 self.storage.write_bytes(f"{pending.staging}/{path}", data, durable=True)
                 entries.append(FileEntry(path=path, size=len(data),

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, f
 
 from resumekit._version import __version__
 from resumekit.errors import ManifestError, UnsafeCheckpointError, UnsupportedSchemaError
+from resumekit.layout import MANIFEST_NAME
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -45,7 +46,6 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "xxh3_128"
 
 

@@ -26,8 +26,7 @@ from typing import Literal
 from resumekit.catalog import CheckpointEntry, list_checkpoints
 from resumekit.commit import pid_gone, read_writer, recover_interrupted, staging_areas
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from resumekit.layout import NameFormat
-from resumekit.manifest import MANIFEST_NAME
+from resumekit.layout import MANIFEST_NAME, NameFormat
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 

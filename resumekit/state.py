@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resumekit import rng as _rng
 from resumekit import sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from resumekit.layout import TENSORS_DIR
+from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
 from resumekit.manifest import Manifest
 from resumekit.retry import read_with_retry
 from resumekit.sampler import ResumableDistributedSampler
@@ -56,15 +56,6 @@ __all__ = [
     "rank_state_file",
     "read_plain",
 ]
-
-TRAIN_STATE_FILE = "train_state.pt"
-RANK_STATE_DIR = "rank_state"
-
-
-def rank_state_file(rank: int) -> str:
-    """Return the per-rank state file name of ``rank``."""
-    return f"{RANK_STATE_DIR}/rank_{rank:05d}.pt"
-
 
 @runtime_checkable
 class Stateful(Protocol):

@@ -6,26 +6,80 @@ are one line on stderr (``resumekit: error: ...``); ``--debug`` shows the traceb
 Human output is rich tables on stdout (colour only on a TTY); ``--json`` prints one JSON
 document instead, and progress bars are drawn on stderr only when it is a terminal.
 Reference: docs/cli.md.
+
+Each command lives in its own module, registered in :data:`COMMANDS` by module path and
+imported only when it runs: ``resumekit --help`` imports none of them, and ``inspect``
+of a root, ``verify`` and ``prune`` import no torch (only ``export``, ``diff``, ``import``
+and ``inspect`` of one checkpoint's state or tensors do).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from resumekit._version import __version__
-from resumekit.cli import diff, export, import_, inspect, prune, verify
 from resumekit.cli._common import UsageError, error_line
 from resumekit.errors import ResumekitError
 
-__all__ = ["build_parser", "main"]
-
-_COMMANDS = (inspect, verify, export, import_, diff, prune)
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the ``resumekit`` argument parser with every command registered."""
+class Command(NamedTuple):
+    """One subcommand: the module that implements it and its line in ``--help``.
+
+    Attributes:
+        module: The module path; it is imported only when the command runs (or its own
+            ``--help`` is asked for), so ``resumekit --help`` and the commands that only
+            read the store (``inspect ROOT``, ``verify``, ``prune``) import no torch.
+        summary: The one line ``resumekit --help`` shows for it.
+    """
+
+    module: str
+    summary: str
+
+
+#: Every subcommand, in ``--help`` order (pip's ``commands/__init__.py`` pattern).
+COMMANDS: dict[str, Command] = {
+    "inspect": Command("resumekit.cli.inspect",
+                       "list the checkpoints of a root, or describe one checkpoint"),
+    "verify": Command("resumekit.cli.verify",
+                      "re-hash a checkpoint's files against its manifest"),
+    "export": Command("resumekit.cli.export",
+                      "consolidate a checkpoint's model weights into safetensors"),
+    "import": Command("resumekit.cli.import_",
+                      "convert a DCP, torchtitan, Accelerate, Lightning, HF Trainer or "
+                      "LingBot checkpoint into one committed resumekit checkpoint"),
+    "diff": Command("resumekit.cli.diff", "compare two checkpoints tensor by tensor"),
+    "prune": Command("resumekit.cli.prune",
+                     "delete committed checkpoints a retention policy does not keep"),
+}
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The command named on a command line (the top level takes no option values)."""
+    for arg in argv:
+        if arg == "--":
+            return None
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Return the ``resumekit`` argument parser.
+
+    Args:
+        command: The command whose options are registered in full (its module is
+            imported); every other command is registered by name and summary only, so
+            ``resumekit --help`` (None) imports no command module at all.
+
+    Returns:
+        The parser.
+    """
     parser = argparse.ArgumentParser(
         prog="resumekit",
         description="Inspect, verify, export, import, compare and prune resumekit checkpoints "
@@ -33,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"resumekit {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in _COMMANDS:
-        command.add_parser(subparsers)
+    for name, spec in COMMANDS.items():
+        if name == command:
+            importlib.import_module(spec.module).add_parser(subparsers, spec.summary)
+        else:
+            subparsers.add_parser(name, help=spec.summary, add_help=False)
     return parser
 
 
@@ -47,9 +104,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The exit status.
     """
-    parser = build_parser()
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    chosen = _chosen(arguments)
     try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
+        parser = build_parser(chosen)
+    except ImportError as error:  # e.g. export/diff in an environment without torch
+        print(error_line(f"resumekit {chosen} cannot run here: {error}"), file=sys.stderr)
+        return 1
+    try:
+        args = parser.parse_args(arguments)
     except SystemExit as stop:  # argparse: --help/--version (0) or a usage error (2)
         return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
     try:

@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import IO, Any
 
-import torch
 from rich import box
 from rich.console import Console
 from rich.table import Table
@@ -252,7 +251,10 @@ def plain(value: Any, *, depth: int = 0) -> Any:  # noqa: PLR0911 - one return p
     """Turn loaded checkpoint data into JSON-able values; tensors become short summaries."""
     if depth > 12:
         return "..."
-    if isinstance(value, torch.Tensor):
+    # torch is not imported for commands that read only the store: a value can only be a
+    # tensor when torch was imported to load it.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
         if value.numel() == 1 and not value.is_complex():
             return value.item()
         return {"tensor": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}

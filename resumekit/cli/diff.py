@@ -19,7 +19,13 @@ from typing import Any
 import torch
 
 from resumekit import sharded
-from resumekit.catalog import CheckpointEntry
+from resumekit.catalog import (
+    CheckpointEntry,
+    CheckpointTarget,
+    open_target,
+    select_committed,
+    tensors_url,
+)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     add_common_options,
@@ -31,8 +37,8 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.export import CheckpointTarget, open_target, select_committed, tensors_url
-from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, read_plain
+from resumekit.layout import RANK_STATE_DIR, TRAIN_STATE_FILE
+from resumekit.state import read_plain
 
 __all__ = ["SCHEMA", "add_parser", "compare_tensors", "run"]
 
@@ -40,11 +46,11 @@ SCHEMA = f"{JSON_SCHEMA_PREFIX}.diff/1"
 _CHUNK = 1 << 20  # elements compared at a time (bounds the temporaries)
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``diff``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``diff`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "diff",
-        help="compare two checkpoints tensor by tensor",
+        help=summary,
         description="Compare model and optimizer tensors (consolidated one at a time), "
         "train_state.pt, per-rank state and manifest extras of two checkpoints. A root "
         "stands for its newest committed checkpoint (or --step-a/--step-b). Exit 0 when "

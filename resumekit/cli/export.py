@@ -49,11 +49,11 @@ def parse_size(text: str) -> int:
     return max(1, int(value * _SIZE_UNITS[unit]))
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``export``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``export`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "export",
-        help="consolidate a checkpoint's model weights into safetensors",
+        help=summary,
         description="Consolidate the model tensors of a sharded checkpoint into "
         "safetensors files, without a process group and with memory bounded by the "
         "largest tensor. Keys lose the checkpoint's 'model.' prefix.",

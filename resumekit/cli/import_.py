@@ -25,12 +25,11 @@ __all__ = ["SCHEMA", "add_parser", "run"]
 SCHEMA = f"{JSON_SCHEMA_PREFIX}.import/1"
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``import``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``import`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "import",
-        help="convert a DCP, torchtitan, Accelerate, Lightning, HF Trainer or LingBot "
-        "checkpoint into one committed resumekit checkpoint",
+        help=summary,
         description="Write one committed resumekit checkpoint (reason 'imported') under "
         "ROOT from another tool's checkpoint SRC: model weights and optimizer state "
         "(and the LR scheduler where SRC has one), bit for bit. RNG streams and the data "

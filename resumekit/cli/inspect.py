@@ -14,22 +14,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-import torch
 from rich.table import Table
 from rich.text import Text
 
-from resumekit import legacy, sharded
 from resumekit.catalog import (
     CheckpointEntry,
+    CheckpointTarget,
     ForeignCheckpoint,
     detect_foreign,
     import_command,
     list_checkpoints,
+    open_target,
+    tensors_url,
 )
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
@@ -47,24 +47,22 @@ from resumekit.cli._common import (
     table,
 )
 from resumekit.errors import CorruptCheckpointError, ForeignCheckpointError, ResumekitError
-from resumekit.export import CheckpointTarget, open_target, tensors_url
+from resumekit.layout import TRAIN_STATE_FILE, parse_rank_state_file
 from resumekit.manifest import Lineage, Manifest, describe
-from resumekit.state import RANK_STATE_DIR, TRAIN_STATE_FILE, read_plain
 from resumekit.storage import Storage
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
 
 SCHEMA = f"{JSON_SCHEMA_PREFIX}.inspect/1"
-_RANK_FILE = re.compile(r"rank_(\d+)\.pt$")
 _MAX_RANKS_SHOWN = 16
 _SAFETENSORS_HEADER_LIMIT = 100 << 20
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``inspect``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``inspect`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "inspect",
-        help="list the checkpoints of a root, or describe one checkpoint",
+        help=summary,
         description="On a root: every checkpoint with status, size, world size, time, "
         "reason and lineage, the one the next run resumes from (*), and the requeue "
         "chain. On one checkpoint directory: its manifest and state; --tensors adds "
@@ -333,11 +331,6 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
 # --------------------------------------------------------------------------- one checkpoint
 
 
-def _rank_of(path: str) -> int | None:
-    match = _RANK_FILE.search(path)
-    return None if match is None else int(match.group(1))
-
-
 def _rng_streams(rng: Any) -> list[str]:
     if not isinstance(rng, dict):
         return []
@@ -352,6 +345,8 @@ def _rng_streams(rng: Any) -> list[str]:
 
 
 def _model_summary(manifest: Manifest) -> dict[str, Any]:
+    import torch  # noqa: PLC0415 - one checkpoint's state only: listing a root needs no torch
+
     params = manifest.fingerprint.get("params")
     if not isinstance(params, dict):
         return {"tensors": None, "bytes": None, "elements": None}
@@ -363,7 +358,7 @@ def _model_summary(manifest: Manifest) -> dict[str, Any]:
         count = 1
         for size in spec[0]:
             count *= int(size) if isinstance(size, int) else 0
-        dtype = getattr(torch, str(spec[1]), None)
+        dtype = getattr(torch, str(spec[1]), None)  # a dtype name: float32, bfloat16...
         elements += count
         if isinstance(dtype, torch.dtype):
             total_bytes += count * dtype.itemsize
@@ -371,6 +366,8 @@ def _model_summary(manifest: Manifest) -> dict[str, Any]:
 
 
 def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
+    from resumekit.state import read_plain  # noqa: PLC0415 - torch.load, one checkpoint only
+
     manifest = entry.manifest
     assert manifest is not None
     contents = dict(manifest.state)
@@ -387,8 +384,8 @@ def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
                 "scheduler": None if scheduler is None else plain(scheduler),
             }
     rank_files = sorted(
-        (rank, path) for path in listed if path.startswith(f"{RANK_STATE_DIR}/")
-        for rank in [_rank_of(path)] if rank is not None
+        (rank, path) for path in listed
+        for rank in [parse_rank_state_file(path)] if rank is not None
     )
     ranks = []
     for rank, path in rank_files[:_MAX_RANKS_SHOWN]:
@@ -412,6 +409,8 @@ def _tensors_json(storage: Storage, entry: CheckpointEntry,
                   options: dict[str, Any]) -> list[dict[str, Any]]:
     if entry.status == "legacy":
         return _legacy_tensors(storage, entry)
+    from resumekit import sharded  # noqa: PLC0415 - DCP metadata, --tensors only
+
     index = sharded.read_tensor_index(tensors_url(storage, entry),
                                       storage_options=options or None)
     return [
@@ -423,6 +422,8 @@ def _tensors_json(storage: Storage, entry: CheckpointEntry,
 
 def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, Any]]:
     """Read only the JSON headers of a legacy directory's safetensors files."""
+    from resumekit import legacy  # noqa: PLC0415 - --tensors of a legacy directory only
+
     tensors = []
     for relative in legacy.find_weight_files(storage, entry.name):
         with storage.open(relative, "rb") as handle:

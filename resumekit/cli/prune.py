@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from resumekit.catalog import open_target
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -25,7 +26,6 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.export import open_target
 from resumekit.retention import keep_every, keep_last, prune
 
 __all__ = ["SCHEMA", "add_parser", "run"]
@@ -43,11 +43,11 @@ def _positive(text: str) -> int:
     return value
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``prune``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``prune`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "prune",
-        help="delete committed checkpoints a retention policy does not keep",
+        help=summary,
         description="Keep the K newest committed checkpoints (and, with --keep-every N, "
         "every step divisible by N); delete the rest, never the newest nor the step the "
         "newest run resumed from; sweep abandoned staging directories. --dry-run only "

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from resumekit.catalog import CheckpointEntry, verify_checkpoint
+from resumekit.catalog import (
+    CheckpointEntry,
+    CheckpointTarget,
+    open_target,
+    select_committed,
+    verify_checkpoint,
+)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -17,7 +23,6 @@ from resumekit.cli._common import (
     storage_options,
 )
 from resumekit.errors import CorruptCheckpointError, ResumekitError
-from resumekit.export import CheckpointTarget, open_target, select_committed
 from resumekit.storage import Storage
 
 __all__ = ["SCHEMA", "add_parser", "run"]
@@ -25,11 +30,11 @@ __all__ = ["SCHEMA", "add_parser", "run"]
 SCHEMA = f"{JSON_SCHEMA_PREFIX}.verify/1"
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register ``verify``."""
+def add_parser(subparsers: Any, summary: str) -> None:
+    """Register ``verify`` (``summary``: its line in ``resumekit --help``)."""
     parser = subparsers.add_parser(
         "verify",
-        help="re-hash a checkpoint's files against its manifest",
+        help=summary,
         description="Re-hash every file against the manifest (size and XXH3-128). On a "
         "root: the newest committed checkpoint, --step N, or --all committed ones. Exit "
         "1 naming the first bad file.",
