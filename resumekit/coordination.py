@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from resumekit.errors import CoordinationError
 
@@ -204,7 +204,7 @@ class ProcessGroupCoordinator:
         return CoordinationError(message, **details)
 
 
-def run_on_leader(coordinator: Coordinator, action: Any) -> Any:
+def run_on_leader(coordinator: Coordinator, action: Callable[[], T]) -> T:
     """Run ``action()`` on rank 0 and give every rank its result or its exception.
 
     An error raised on rank 0 is re-raised on every rank, so all ranks take the same
@@ -224,10 +224,11 @@ def run_on_leader(coordinator: Coordinator, action: Any) -> Any:
         raise _with_own_failure(error, outcome[1]) from error
     if outcome[0] == "error":
         raise outcome[1]
-    return outcome[1]
+    result: T = outcome[1]  # rank 0's action() result, broadcast
+    return result
 
 
-def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
+def run_on_every_rank(coordinator: Coordinator, action: Callable[[], T]) -> T:
     """Run ``action()`` on every rank; if it failed on any rank, raise on every rank.
 
     Each rank returns its own result. The error raised is the lowest failing rank's, so
@@ -238,21 +239,23 @@ def run_on_every_rank(coordinator: Coordinator, action: Any) -> Any:
     :class:`~resumekit.errors.CoordinationError` (gloo's error is its ``__cause__``), which
     also quotes this rank's own failure.
     """
-    outcome: tuple[str, Any] = ("ok", None)
+    result: T | None = None
+    own: Exception | None = None
     try:
-        outcome = ("ok", action())
+        result = action()
     except Exception as error:  # noqa: BLE001 - re-raised on every rank below
-        outcome = ("error", error)
+        own = error
+    outcome: tuple[str, Any] = ("ok", result) if own is None else ("error", own)
     try:
         gathered = coordinator.all_gather(outcome)
     except CoordinationError as error:
-        if outcome[0] != "error":
+        if own is None:
             raise
-        raise _with_own_failure(error, outcome[1]) from error
+        raise _with_own_failure(error, own) from error
     for status, value in gathered:
         if status == "error":
             raise value
-    return outcome[1]
+    return cast(T, result)  # no rank failed, so action() returned here
 
 
 def _with_own_failure(error: CoordinationError, own: BaseException) -> CoordinationError:

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed import PrefixStore, Store, TCPStore
 
 from resumekit.errors import CoordinationError, DistributedSetupError
 

@@ -49,23 +49,15 @@ are re-exported here for code that imported them from this module.
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import pickle
 import posixpath
 import secrets
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from resumekit import sharded
 from resumekit.catalog import (
@@ -82,11 +74,10 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
-    ResumekitError,
-    UnsafeCheckpointError,
 )
 from resumekit.layout import MANIFEST_NAME, NameFormat
 from resumekit.manifest import Manifest
+from resumekit.sharded import read_full_state  # re-exported: its home is sharded
 from resumekit.storage import Storage
 
 __all__ = [
@@ -756,87 +747,3 @@ def _write_file(
         if temporary != name:
             out_store.remove_file(temporary)
         raise
-
-
-
-# --------------------------------------------------------------------------- full state
-
-
-class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
-    """DCP's "rebuild the state dict from the metadata" planner, loading values safely.
-
-    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
-    ``torch.load(weights_only=False)``; this reads them with ``weights_only=True``.
-    """
-
-    def __init__(self, directory: str) -> None:
-        super().__init__()
-        self._directory = directory
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Load one non-tensor value without running code from the checkpoint."""
-        fqn = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise UnsafeCheckpointError(
-                f"{self._directory}: value {fqn!r} is not a plain Python value and would "
-                f"need unrestricted unpickling ({error})", path=self._directory, key=fqn,
-            ) from error
-        set_element(self.original_state_dict, self.mappings[fqn], loaded)
-
-
-def read_full_state(
-    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """Read a whole DCP checkpoint into one nested state dict, without a process group.
-
-    The same structure ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
-    builds (every tensor whole, nesting rebuilt from the metadata), read safely: the
-    metadata through the allow-list unpickler, non-tensor values with
-    ``torch.load(weights_only=True)``. Works on stock DCP directories (``dcp.save``,
-    torchtitan ``step-N``) and on a resumekit checkpoint's ``tensors/`` directory, whose
-    raw tensor files are verified against their checksums as they are read. Holds the whole
-    checkpoint in memory.
-
-    Args:
-        directory: The DCP directory (the one holding ``.metadata``): a local path or URL.
-        storage_options: fsspec options for URLs.
-
-    Returns:
-        The nested state dict, e.g. ``{"model": {...}, "optimizer": {...}}``.
-
-    Raises:
-        CheckpointNotFoundError: No ``.metadata`` in ``directory``.
-        UnsafeCheckpointError: The metadata or a stored value would run code.
-        CorruptCheckpointError: A file is unreadable or fails its checksum.
-    """
-    target = os.fspath(directory)
-    reader = sharded._make_reader(target, storage_options)
-    state: dict[str, Any] = {}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=sharded._NO_DIST_WARNING)
-            _load_state_dict(state, storage_reader=cast(Any, reader),
-                             planner=_SafeEmptyStateDictLoadPlanner(target), no_dist=True)
-    except ResumekitError:
-        raise
-    except CheckpointException as error:
-        causes = [cause for cause, _ in error.failures.values()]
-        found = next((c for c in causes if isinstance(c, ResumekitError)), None)
-        if found is not None:
-            raise found from None
-        if reader.metadata_error is not None:
-            raise reader.metadata_error from None
-        raise CorruptCheckpointError(
-            f"reading checkpoint {target} failed: {causes[0] if causes else error}",
-            path=target,
-        ) from None
-    except Exception as error:
-        if reader.metadata_error is not None:
-            raise reader.metadata_error from error
-        raise CorruptCheckpointError(
-            f"reading checkpoint {target} failed: {type(error).__name__}: {error}",
-            path=target,
-        ) from error
-    return state

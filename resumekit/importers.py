@@ -67,7 +67,7 @@ from resumekit.errors import (
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
 )
-from resumekit.export import NOT_MODEL_KEYS, read_full_state
+from resumekit.export import NOT_MODEL_KEYS
 from resumekit.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
@@ -503,7 +503,7 @@ def _map_optimizer(optimizer: Mapping[str, Any], model_state: Mapping[str, Any],
 def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
     """Plain ``dcp.save`` or torchtitan ``step-N``: model at ``model`` or the top level."""
     where = storage.path(name)
-    full = read_full_state(storage.url_of(name), storage.storage_options or None)
+    full = sharded.read_full_state(storage.url_of(name), storage.storage_options or None)
     if isinstance(full.get("model"), Mapping):
         weights = dict(full["model"])
     else:  # torchtitan: the model's keys at the top level, next to optimizer & co.

@@ -47,7 +47,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as Fsspec
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
@@ -63,6 +66,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
@@ -111,6 +115,7 @@ __all__ = [
     "load",
     "load_subset",
     "model_and_optimizer_state",
+    "read_full_state",
     "read_tensor_index",
     "retie",
     "save",
@@ -1006,6 +1011,23 @@ def _make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
     return reader
 
 
+def _load_plain_value(directory: str, fqn: str, value: io.BytesIO) -> Any:
+    """Load one non-tensor value with ``weights_only=True``: never code from a checkpoint.
+
+    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
+    ``torch.load(weights_only=False)``; both load planners here read them through this.
+    """
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{directory}: value {fqn!r} is not a plain Python value and would "
+            f"need unrestricted unpickling ({error})",
+            path=directory,
+            key=fqn,
+        ) from error
+
+
 class _CheckedLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, plus a strict fit check and safe non-tensor loading."""
 
@@ -1035,15 +1057,7 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Load a non-tensor value with ``weights_only=True`` (no arbitrary code)."""
         fqn = read_item.dest_index.fqn
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as error:
-            raise UnsafeCheckpointError(
-                f"{self._directory}: value {fqn!r} is not a plain Python value and would "
-                f"need unrestricted unpickling ({error})",
-                path=self._directory,
-                key=fqn,
-            ) from error
+        loaded = _load_plain_value(self._directory, fqn, value)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
@@ -1188,3 +1202,80 @@ def _from_failures(
         path=target,
         operation=operation,
     )
+
+
+# --------------------------------------------------------------------------- full state
+
+
+class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):
+    """DCP's "rebuild the state dict from the metadata" planner, loading values safely.
+
+    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
+    ``torch.load(weights_only=False)``; this reads them with ``weights_only=True``.
+    """
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self._directory = directory
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Load one non-tensor value without running code from the checkpoint."""
+        fqn = read_item.dest_index.fqn
+        loaded = _load_plain_value(self._directory, fqn, value)
+        set_element(self.original_state_dict, self.mappings[fqn], loaded)
+
+
+def read_full_state(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Read a whole DCP checkpoint into one nested state dict, without a process group.
+
+    The same structure ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+    builds (every tensor whole, nesting rebuilt from the metadata), read safely: the
+    metadata through the allow-list unpickler, non-tensor values with
+    ``torch.load(weights_only=True)``. Works on stock DCP directories (``dcp.save``,
+    torchtitan ``step-N``) and on a resumekit checkpoint's ``tensors/`` directory, whose
+    raw tensor files are verified against their checksums as they are read. Holds the whole
+    checkpoint in memory.
+
+    Args:
+        directory: The DCP directory (the one holding ``.metadata``): a local path or URL.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The nested state dict, e.g. ``{"model": {...}, "optimizer": {...}}``.
+
+    Raises:
+        CheckpointNotFoundError: No ``.metadata`` in ``directory``.
+        UnsafeCheckpointError: The metadata or a stored value would run code.
+        CorruptCheckpointError: A file is unreadable or fails its checksum.
+    """
+    target = os.fspath(directory)
+    reader = _make_reader(target, storage_options)
+    state: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+            _load_state_dict(state, storage_reader=cast(Any, reader),
+                             planner=_SafeEmptyStateDictLoadPlanner(target), no_dist=True)
+    except ResumekitError:
+        raise
+    except CheckpointException as error:
+        causes = [cause for cause, _ in error.failures.values()]
+        found = next((c for c in causes if isinstance(c, ResumekitError)), None)
+        if found is not None:
+            raise found from None
+        if reader.metadata_error is not None:
+            raise reader.metadata_error from None
+        raise CorruptCheckpointError(
+            f"reading checkpoint {target} failed: {causes[0] if causes else error}",
+            path=target,
+        ) from None
+    except Exception as error:
+        if reader.metadata_error is not None:
+            raise reader.metadata_error from error
+        raise CorruptCheckpointError(
+            f"reading checkpoint {target} failed: {type(error).__name__}: {error}",
+            path=target,
+        ) from error
+    return state

@@ -125,32 +125,33 @@ class Storage:
     def exists(self, relative: str = "") -> bool:
         """Return whether ``relative`` exists (file or directory)."""
         self._forget(relative)
-        return bool(self._call("exists", relative, self.fs.exists, self.path(relative)))
+        target = self.path(relative)
+        with _storage_errors("exists", target, "exists", passes=(FileNotFoundError,)):
+            return bool(self.fs.exists(target))
 
     def is_dir(self, relative: str = "") -> bool:
         """Return whether ``relative`` is a directory (or a non-empty object prefix)."""
         self._forget(relative)
-        return bool(self._call("isdir", relative, self.fs.isdir, self.path(relative)))
+        target = self.path(relative)
+        with _storage_errors("isdir", target, "isdir", passes=(FileNotFoundError,)):
+            return bool(self.fs.isdir(target))
 
     def is_file(self, relative: str) -> bool:
         """Return whether ``relative`` is a regular file."""
         self._forget(relative)
-        return bool(self._call("isfile", relative, self.fs.isfile, self.path(relative)))
+        target = self.path(relative)
+        with _storage_errors("isfile", target, "isfile", passes=(FileNotFoundError,)):
+            return bool(self.fs.isfile(target))
 
     def list_dir(self, relative: str = "") -> list[FileInfo]:
         """List the direct children of ``relative``; an absent directory lists as empty."""
         target = self.path(relative)
-        try:
+        entries: list[dict[str, Any]] = []  # stays empty for an absent directory
+        with _storage_errors("list", target, "list", ignores=(FileNotFoundError,)):
             if self.is_local and not os.path.isdir(target):
                 return []
             entries = self.fs.ls(target, detail=True, refresh=True) if not self.is_local \
                 else self.fs.ls(target, detail=True)
-        except FileNotFoundError:
-            return []
-        except OSError as error:
-            raise StorageError(
-                f"cannot list {target}: {error}", path=target, operation="list"
-            ) from error
         infos = []
         for entry in entries:
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
@@ -172,10 +173,9 @@ class Storage:
         """Return ``(path relative to relative, size)`` of every file below ``relative``."""
         base = self.path(relative).rstrip("/")
         self._forget(relative)
-        try:
+        found: dict[str, dict[str, Any]] = {}  # stays empty for an absent directory
+        with _storage_errors("list", base, "list", ignores=(FileNotFoundError,)):
             found = self.fs.find(base, detail=True, withdirs=False)
-        except FileNotFoundError:
-            return []
         files = []
         for full, info in found.items():
             if info.get("type") == "directory":
@@ -188,12 +188,16 @@ class Storage:
     def size(self, relative: str) -> int:
         """Return the size in bytes of the file ``relative``."""
         self._forget(relative)
-        return int(self._call("size", relative, self.fs.size, self.path(relative)))
+        target = self.path(relative)
+        with _storage_errors("size", target, "size", passes=(FileNotFoundError,)):
+            return int(self.fs.size(target))
 
     def mtime(self, relative: str) -> float | None:
         """Return the modification time of ``relative`` when the backend reports one."""
         self._forget(relative)
-        info = self._call("info", relative, self.fs.info, self.path(relative))
+        target = self.path(relative)
+        with _storage_errors("info", target, "info", passes=(FileNotFoundError,)):
+            info = self.fs.info(target)
         return _mtime_of(info)
 
     # -- reading and writing ----------------------------------------------------------
@@ -204,14 +208,8 @@ class Storage:
         if "w" in mode and self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
         self._forget(relative)
-        try:
+        with _storage_errors("open", target, "open", passes=(FileNotFoundError,)):
             handle = self.fs.open(target, mode)
-        except FileNotFoundError:
-            raise
-        except OSError as error:
-            raise StorageError(
-                f"cannot open {target}: {error}", path=target, operation="open"
-            ) from error
         with handle:
             yield handle
 
@@ -231,16 +229,11 @@ class Storage:
         target = self.path(relative)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            try:
-                with open(target, "wb") as handle:
-                    handle.write(data)
-                    if durable:
-                        handle.flush()
-                        os.fsync(handle.fileno())
-            except OSError as error:
-                raise StorageError(
-                    f"cannot write {target}: {error}", path=target, operation="write"
-                ) from error
+            with _storage_errors("write", target, "write"), open(target, "wb") as handle:
+                handle.write(data)
+                if durable:
+                    handle.flush()
+                    os.fsync(handle.fileno())
             return
         with self.open(relative, "wb") as handle:
             handle.write(data)
@@ -260,32 +253,21 @@ class Storage:
         target = self.path(relative)
         if self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            try:
-                with open(target, "xb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            except FileExistsError:
-                raise
-            except OSError as error:
-                raise StorageError(
-                    f"cannot write {target}: {error}", path=target, operation="write"
-                ) from error
+            with _storage_errors("write", target, "write", passes=(FileExistsError,)), \
+                    open(target, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
             return
         self._forget(relative)
         try:
-            if self.conditional_create:
-                self.fs.pipe_file(target, data, mode="create")
-            else:
-                if self.fs.exists(target):
-                    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
-                self.fs.pipe_file(target, data)
-        except FileExistsError:
-            raise
-        except OSError as error:
-            raise StorageError(
-                f"cannot write {target}: {error}", path=target, operation="write"
-            ) from error
+            with _storage_errors("write", target, "write", passes=(FileExistsError,)):
+                if self.conditional_create:
+                    self.fs.pipe_file(target, data, mode="create")
+                else:
+                    if self.fs.exists(target):
+                        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)
+                    self.fs.pipe_file(target, data)
         finally:
             self._forget(relative)
 
@@ -293,20 +275,20 @@ class Storage:
         """Create the directory ``relative`` and its parents (a no-op on object stores)."""
         target = self.path(relative)
         if self.is_local:
-            with _storage_errors("create directory", target, "mkdir", missing_ok=False):
+            with _storage_errors("create directory", target, "mkdir"):
                 os.makedirs(target, exist_ok=True)
 
     def make_dir_exclusive(self, relative: str) -> None:
         """Create the directory ``relative``; fail if it exists (local only)."""
         target = self.path(relative)
         if self.is_local:
-            with _storage_errors("create directory", target, "mkdir", missing_ok=False):
+            with _storage_errors("create directory", target, "mkdir"):
                 os.mkdir(target)
 
     def remove_tree(self, relative: str) -> None:
         """Delete ``relative`` and everything below it; an absent path is not an error."""
         target = self.path(relative)
-        try:
+        with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             if self.is_local:
                 if os.path.isdir(target):
                     shutil.rmtree(target)
@@ -316,17 +298,11 @@ class Storage:
             self._forget(relative)
             if self.fs.exists(target):
                 self.fs.rm(target, recursive=True)
-        except FileNotFoundError:
-            return
-        except OSError as error:
-            raise StorageError(
-                f"cannot delete {target}: {error}", path=target, operation="delete"
-            ) from error
 
     def remove_file(self, relative: str) -> None:
         """Delete the file ``relative``; an absent file is not an error."""
         target = self.path(relative)
-        with _storage_errors("delete", target, "delete", missing_ok=True):
+        with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             self.fs.rm_file(target)
 
     # -- durability (local filesystems) -----------------------------------------------
@@ -335,16 +311,12 @@ class Storage:
         if not self.is_local:
             return
         target = self.path(relative)
-        try:
+        with _storage_errors("fsync", target, "fsync"):
             fd = os.open(target, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError as error:
-            raise StorageError(
-                f"cannot fsync {target}: {error}", path=target, operation="fsync"
-            ) from error
 
     def fsync_dir(self, relative: str = "") -> None:
         """Flush the directory entry list of ``relative`` (so renames and creates persist)."""
@@ -358,12 +330,8 @@ class Storage:
             raise StorageError(
                 f"cannot publish {src}: {dst} already exists", path=dst, operation="rename"
             )
-        try:
+        with _storage_errors("rename", f"{src} to {dst}", "rename", path=src):
             os.rename(src, dst)
-        except OSError as error:
-            raise StorageError(
-                f"cannot rename {src} to {dst}: {error}", path=src, operation="rename"
-            ) from error
 
     def exchange_dirs(self, first: str, second: str) -> None:
         """Atomically swap two existing directories (Linux ``renameat2(RENAME_EXCHANGE)``).
@@ -407,17 +375,6 @@ class Storage:
                 path=self.url, operation=operation,
             )
 
-    def _call(self, operation: str, relative: str, function: Any, *args: Any) -> Any:
-        try:
-            return function(*args)
-        except FileNotFoundError:
-            raise
-        except OSError as error:
-            target = self.path(relative)
-            raise StorageError(
-                f"cannot {operation} {target}: {error}", path=target, operation=operation
-            ) from error
-
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
 
@@ -426,22 +383,39 @@ _RENAMEAT2: Any = None
 
 
 @contextmanager
-def _storage_errors(verb: str, target: str, operation: str, *, missing_ok: bool
-                    ) -> Iterator[None]:
-    """Turn an ``OSError`` of the block into a :class:`StorageError` naming ``target``.
+def _storage_errors(
+    verb: str,
+    target: str,
+    operation: str,
+    *,
+    path: str | None = None,
+    passes: tuple[type[OSError], ...] = (),
+    ignores: tuple[type[OSError], ...] = (),
+) -> Iterator[None]:
+    """Turn an ``OSError`` of the block into a :class:`StorageError`: the one way it is done.
 
-    With ``missing_ok`` a ``FileNotFoundError`` ends the block quietly; without, it is
-    reported like any other failure.
+    The message is ``cannot <verb> <target>: <error>``.
+
+    Args:
+        verb: What was being done (``"write"``, ``"list"``).
+        target: What it was done to, as the message names it.
+        operation: The error's ``operation`` attribute.
+        path: The error's ``path`` attribute (default ``target``).
+        passes: Errors raised unchanged, for callers that tell them apart
+            (``FileNotFoundError`` from ``open``, ``FileExistsError`` from an exclusive
+            create).
+        ignores: Errors that end the block quietly (deleting what is already gone).
     """
     try:
         yield
-    except FileNotFoundError as error:
-        if missing_ok:
-            return
-        raise StorageError(f"cannot {verb} {target}: {error}", path=target,
-                           operation=operation) from error
+    except StorageError:
+        raise
     except OSError as error:
-        raise StorageError(f"cannot {verb} {target}: {error}", path=target,
+        if isinstance(error, ignores):
+            return
+        if isinstance(error, passes):
+            raise
+        raise StorageError(f"cannot {verb} {target}: {error}", path=path or target,
                            operation=operation) from error
 
 
