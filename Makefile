@@ -31,9 +31,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests/unit tests/property
 
+# ruff, mypy --strict, and the layer rules of docs/design.md as import-linter contracts
+# ([tool.importlinter] in pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check resumekit
 	$(VENV)/bin/mypy resumekit
+	$(VENV)/bin/lint-imports
 
 docs-build: $(STAMP)
 	@if [ -f mkdocs.yml ]; then NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site; fi
