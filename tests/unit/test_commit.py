@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from resumekit.catalog import latest_committed, list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.catalog import latest_committed, read_manifest, verify_checkpoint
 from resumekit.commit import WRITER_FILE, CommitProtocol, recover_interrupted
-from resumekit.coordination import ProcessGroupCoordinator
 from resumekit.errors import StepCollisionError, StorageError
 from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
 from resumekit.storage import Storage
-from tests.distributed_harness import run_ranks
 from tests.storage_backends import save_checkpoint
 
 NAME_1 = "step_000000001"
@@ -159,59 +156,3 @@ def test_a_retired_directory_is_not_restored_over_a_live_one(tmp_path: Path) -> 
                                                       .read_bytes())
     assert recover_interrupted(store, NameFormat()) == []
     assert _entries(tmp_path) == sorted([NAME_1, retired])
-
-
-# -- two gloo ranks ---------------------------------------------------------------------
-
-
-def _two_rank_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    store = Storage(root)
-    protocol = CommitProtocol(store, coordinator=ProcessGroupCoordinator())
-    pending = protocol.begin(10)
-    store.write_bytes(f"{pending.staging}/shards/rank{rank}.bin",
-                      f"shard of rank {rank} ".encode() * (rank + 1))
-    committed = protocol.publish(pending, Manifest(step=10, world_size=world_size))
-    outcome: dict[str, Any] = {"staging": pending.staging,
-                               "manifest": committed.model_dump_json()}
-    for step in (10, 9):
-        try:
-            protocol.begin(step)
-        except StepCollisionError as error:
-            outcome[f"collision_{step}"] = (type(error).__name__, error.step, error.newest)
-        else:
-            outcome[f"collision_{step}"] = None
-    return outcome
-
-
-@pytest.fixture(scope="module")
-def two_rank_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
-    root = tmp_path_factory.mktemp("two-ranks")
-    results = run_ranks(_two_rank_save, world_size=2, args=(str(root),), group_timeout_s=60)
-    return root, results
-
-
-def test_two_ranks_write_their_own_files_and_see_the_same_manifest(
-    two_rank_save: tuple[Path, list[dict[str, Any]]],
-) -> None:
-    root, (rank0, rank1) = two_rank_save
-    assert rank0["staging"] == rank1["staging"]
-    assert rank0["manifest"] == rank1["manifest"]
-    store = Storage(root)
-    manifest = verify_checkpoint(store, "step_000000010")
-    assert manifest.model_dump_json() == rank0["manifest"]
-    assert manifest.world_size == 2
-    assert [(f.path, f.size) for f in manifest.files] == [
-        ("shards/rank0.bin", len("shard of rank 0 ")),
-        ("shards/rank1.bin", 2 * len("shard of rank 1 ")),
-    ]
-    assert _entries(root) == ["step_000000010"]
-
-
-def test_a_collision_raises_on_both_ranks_instead_of_hanging(
-    two_rank_save: tuple[Path, list[dict[str, Any]]],
-) -> None:
-    root, results = two_rank_save
-    for outcome in results:
-        assert outcome["collision_10"] == ("StepCollisionError", 10, 10)
-        assert outcome["collision_9"] == ("StepCollisionError", 9, 10)
-    assert [entry.status for entry in list_checkpoints(Storage(root))] == ["committed"]
