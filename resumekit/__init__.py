@@ -1,8 +1,10 @@
 """resumekit: preemption-proof checkpoints for PyTorch distributed training.
 
 The public API is re-exported here and imported lazily on first use, so light users
-(the CLI, the commit store) do not pay for ``torch.distributed`` at import time.
-Each module behind it does one job (see ``docs/design.md``).
+do not import torch at all: the commit store (``catalog``, ``commit``, ``retention``) and
+the command line's ``--help``, ``inspect ROOT``, ``verify`` and ``prune``
+(``tests/unit/test_cli_imports.py``, ``tests/unit/test_public_api.py``). Each module
+behind it does one job (see ``docs/design.md``, which also says what is public).
 """
 
 from __future__ import annotations
