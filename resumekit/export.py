@@ -646,7 +646,7 @@ def export_torch(
     state = read_full_state(source.url, storage_options)
     if source.manifest is not None and isinstance(state.get("model"), dict):
         state = sharded.retie(state, _tied_names(source.manifest))
-    tensors = sharded._flatten(state)
+    tensors = sharded.flatten_state(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]
     directory = os.path.dirname(target)

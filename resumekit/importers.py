@@ -213,7 +213,7 @@ def import_checkpoint(
     )
     logger.warning("resumekit: %s", message)
     warnings.warn(message, ResumekitWarning, stacklevel=2)
-    tensors = len(sharded._flatten({"model": source.model,
+    tensors = len(sharded.flatten_state({"model": source.model,
                                     "optimizer": source.optimizer or {}}))
     return ImportResult(step=final_step, path=committed, source=given, format=form,
                         tensors=tensors, carried=carried, not_carried=not_carried)

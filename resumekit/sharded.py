@@ -73,6 +73,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from resumekit._tree import flatten
 from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -111,6 +112,7 @@ __all__ = [
     "canonical_param_name",
     "files_verified_on_read",
     "find_tied",
+    "flatten_state",
     "iter_full_tensors",
     "load",
     "load_subset",
@@ -215,7 +217,7 @@ def apply_model_and_optimizer_state(
                 differences=[f"missing: {part}"],
             )
     differences = _compare_flat(
-        _flatten({part: state[part] for part in expected}), _flatten(expected)
+        flatten_state({part: state[part] for part in expected}), flatten_state(expected)
     )
     if differences:
         raise _incompatible("the state to apply", differences)
@@ -1111,20 +1113,17 @@ def _check_against_metadata(
     return differences
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Flatten nested dicts (and lists holding tensors or dicts) to dotted keys."""
-    if isinstance(tree, Mapping):
-        items: Iterable[tuple[Any, Any]] = tree.items()
-    elif isinstance(tree, (list, tuple)) and any(
-        isinstance(item, (torch.Tensor, Mapping)) for item in tree
-    ):
-        items = enumerate(tree)
-    else:
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in items:
-        flat.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
-    return flat
+def _holds_state(items: Sequence[Any]) -> bool:
+    return any(isinstance(item, (torch.Tensor, Mapping)) for item in items)
+
+
+def flatten_state(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Flatten a state dict to dotted keys as DCP does.
+
+    Lists holding tensors or dicts (an optimizer's ``param_groups``) are containers; any
+    other list is a value.
+    """
+    return flatten(tree, prefix, expand=_holds_state)
 
 
 def _compare_flat(given: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:

@@ -125,26 +125,13 @@ def flat_state(objects: Mapping[str, Any]) -> dict[str, Any]:
     model = objects.get("model")
     optimizer = objects.get("optimizer")
     if isinstance(model, torch.nn.Module):
-        _flatten(sharded.model_and_optimizer_state(model, optimizer), "", flat)
+        flat.update(sharded.flatten_state(sharded.model_and_optimizer_state(model, optimizer)))
     for name, value in objects.items():
         if name in ("model", "optimizer") and isinstance(model, torch.nn.Module):
             continue
         state = value.state_dict() if hasattr(value, "state_dict") else value
-        _flatten(state, f"{name}.", flat)
+        flat.update(sharded.flatten_state(state, name))
     return flat
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _flatten(item, f"{prefix}{key}.", out)
-    elif isinstance(value, (list, tuple)) and any(
-        isinstance(item, (Mapping, torch.Tensor)) for item in value
-    ):
-        for index, item in enumerate(value):
-            _flatten(item, f"{prefix}{index}.", out)
-    else:
-        out[prefix.rstrip(".")] = value
 
 
 def _local(value: Any) -> Any:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from resumekit import _tree
 from resumekit.catalog import CheckpointEntry
 from resumekit.errors import ConfigurationError
 from resumekit.layout import NameFormat
@@ -272,22 +273,12 @@ def plain(value: Any, *, depth: int = 0) -> Any:  # noqa: PLR0911 - one return p
 
 
 def flatten(value: Any, prefix: str) -> dict[str, Any]:
-    """Flatten nested dicts and lists to dotted keys (leaves: tensors, scalars, None)."""
-    if isinstance(value, Mapping):
-        if not value:
-            return {prefix: {}}
-        flat: dict[str, Any] = {}
-        for key, item in value.items():
-            flat.update(flatten(item, f"{prefix}.{key}"))
-        return flat
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return {prefix: []}
-        flat = {}
-        for position, item in enumerate(value):
-            flat.update(flatten(item, f"{prefix}.{position}"))
-        return flat
-    return {prefix: value}
+    """Flatten nested dicts and lists to dotted keys (leaves: tensors, scalars, None).
+
+    Every list is expanded (``resumekit diff`` names the element that differs) and empty
+    containers stay as leaves (``{}`` differs from a missing key).
+    """
+    return _tree.flatten(value, prefix, keep_empty=True)
 
 
 def entry_bytes(entry: CheckpointEntry, walked: int | None) -> int | None:
