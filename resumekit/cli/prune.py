@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from resumekit.catalog import open_target
+from resumekit.catalog import CheckpointTarget, open_target
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -26,7 +26,7 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.retention import keep_every, keep_last, prune
+from resumekit.retention import PruneReport, keep_every, keep_last, prune
 
 __all__ = ["SCHEMA", "add_parser", "run"]
 
@@ -79,26 +79,36 @@ def run(args: argparse.Namespace) -> int:
     policy = keep_last(args.keep_last)
     if args.keep_every is not None:
         policy = policy | keep_every(args.keep_every)
-    committed = [e for e in target.entries() if e.status == "committed"]
-    protect = set(args.protect)
-    newest = committed[-1].manifest if committed else None
-    if newest is not None and newest.lineage.resumed_from_step is not None:
-        protect.add(newest.lineage.resumed_from_step)
+    protect = _protected(target, args.protect)
     report = prune(target.storage, policy, name_format=target.name_format,
-                   protect=sorted(protect), dry_run=args.dry_run, errors="report")
-    code = 1 if report.failures else 0
+                   protect=protect, dry_run=args.dry_run, errors="report")
     if args.json:
         emit_json({
             "schema": SCHEMA, "root": target.storage.path(), "policy": policy.description,
-            "dry_run": report.dry_run, "protected": sorted(protect), "kept": report.kept,
+            "dry_run": report.dry_run, "protected": protect, "kept": report.kept,
             "deleted": report.deleted, "swept": report.swept, "notes": report.notes,
             "failures": report.failures,
         })
-        return code
+    else:
+        _print_report(target.storage.path(), policy.description, protect, report)
+    return 1 if report.failures else 0
+
+
+def _protected(target: CheckpointTarget, given: list[int]) -> list[int]:
+    """The steps never deleted: those given, plus the one the newest run resumed from."""
+    committed = [e for e in target.entries() if e.status == "committed"]
+    protect = set(given)
+    newest = committed[-1].manifest if committed else None
+    if newest is not None and newest.lineage.resumed_from_step is not None:
+        protect.add(newest.lineage.resumed_from_step)
+    return sorted(protect)
+
+
+def _print_report(root: str, policy: str, protect: list[int], report: PruneReport) -> None:
     out = console()
     verb = "would delete" if report.dry_run else "deleted"
-    out.print(f"{target.storage.path()}: policy {policy.description}"
-              + (f", protected {sorted(protect)}" if protect else "")
+    out.print(f"{root}: policy {policy}"
+              + (f", protected {protect}" if protect else "")
               + (" (dry run)" if report.dry_run else ""))
     grid = table("step", "action")
     for step in sorted(report.kept + report.deleted):
@@ -113,4 +123,3 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"note: {line}")
     for line in report.failures:
         out.print(f"failed: {line}")
-    return code
