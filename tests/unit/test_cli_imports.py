@@ -18,8 +18,9 @@ import pytest
 from resumekit.cli import COMMANDS, build_parser
 from tests.unit.test_cli_support import write_checkpoints
 
-# Runs the command lines given as JSON in argv[1] with torch made unimportable; prints one
-# JSON object per command: exit status and whether anything of torch got imported.
+# Runs the command lines given as JSON in argv[1], in order, in one process with torch made
+# unimportable; prints one JSON object per command: exit status, output, the torch modules
+# and the command modules imported so far.
 _WITHOUT_TORCH = r"""
 import contextlib, io, json, sys
 sys.modules["torch"] = None  # `import torch` (and torch.anything) now raises ImportError
@@ -30,8 +31,10 @@ for argv in json.loads(sys.argv[1]):
         code = main(argv)
     loaded = sorted(name for name, module in sys.modules.items()
                     if name.startswith("torch") and module is not None)
+    commands = sorted(name for name in sys.modules if name.startswith("resumekit.cli."))
     print(json.dumps({"argv": argv, "code": code, "out": out.getvalue(),
-                      "err": err.getvalue(), "torch_modules": loaded}))
+                      "err": err.getvalue(), "torch_modules": loaded,
+                      "cli_modules": commands}))
 """
 
 
@@ -56,6 +59,9 @@ def test_help_inspect_verify_and_prune_of_a_root_run_where_torch_cannot_be_impor
     for result in results:
         assert result["code"] == 0, result
         assert result["torch_modules"] == [], result
+    # --help imports no command module; a command imports only its own.
+    assert results[0]["cli_modules"] == ["resumekit.cli._common"]
+    assert results[1]["cli_modules"] == ["resumekit.cli._common", "resumekit.cli.prune"]
     help_text = " ".join(str(results[0]["out"]).split())
     for name, command in COMMANDS.items():
         assert f"{name} {command.summary}" in help_text
@@ -70,18 +76,6 @@ def test_a_command_that_needs_torch_says_so_in_one_line_where_torch_is_missing()
     lines = str(result["err"]).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("resumekit: error: resumekit export "), lines
     assert "torch" in lines[0] and "Traceback" not in str(result["err"])
-
-
-def test_help_imports_no_command_module_and_a_command_imports_only_its_own() -> None:
-    code = ("import sys; from resumekit.cli import main; main(sys.argv[1:]); "
-            "print(sorted(m for m in sys.modules if m.startswith('resumekit.cli.')))")
-
-    def modules(*argv: str) -> list[str]:
-        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
-                              text=True, timeout=120, check=False)
-        return json.loads(done.stdout.splitlines()[-1].replace("'", '"'))
-    assert modules("--help") == ["resumekit.cli._common"]
-    assert modules("prune", "--help") == ["resumekit.cli._common", "resumekit.cli.prune"]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
