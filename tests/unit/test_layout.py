@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from resumekit import layout
 from resumekit.catalog import latest_committed, list_checkpoints
 from resumekit.errors import ConfigurationError
 from resumekit.layout import (
@@ -16,6 +17,7 @@ from resumekit.layout import (
 )
 from resumekit.storage import Storage
 from tests.storage_backends import save_checkpoint
+from tests.unit.test_cli_support import write_checkpoints
 
 
 def test_the_default_format_pads_steps_to_nine_digits() -> None:
@@ -170,3 +172,20 @@ def test_a_weights_only_legacy_directory_lists_as_legacy_not_committed(tmp_path:
     latest = latest_committed(store)
     assert latest is not None
     assert latest.step == 100
+
+
+def test_every_name_in_a_saved_step_directory_is_one_layout_defines(tmp_path: Path) -> None:
+    write_checkpoints(tmp_path, [5])
+    step_dir = tmp_path / layout.NameFormat().build(5)
+    files = sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*")
+                   if p.is_file())
+    assert layout.MANIFEST_NAME in files and layout.TRAIN_STATE_FILE in files
+    assert f"{layout.TENSORS_DIR}/{layout.DCP_METADATA_FILE}" in files
+    assert layout.rank_state_file(0) in files
+    for path in files:
+        top = path.split("/", 1)[0]
+        assert top in {layout.MANIFEST_NAME, layout.TRAIN_STATE_FILE, layout.TENSORS_DIR,
+                       layout.RANK_STATE_DIR}, path
+        if top == layout.RANK_STATE_DIR:
+            assert layout.parse_rank_state_file(path) == 0
+    assert layout.parse_rank_state_file("rank_state/sub/rank_00001.pt") is None

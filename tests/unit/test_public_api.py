@@ -55,3 +55,27 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("old", "home", "name"), [
+    ("resumekit.state", "resumekit.layout", "TENSORS_DIR"),
+    ("resumekit.state", "resumekit.layout", "TRAIN_STATE_FILE"),
+    ("resumekit.state", "resumekit.layout", "RANK_STATE_DIR"),
+    ("resumekit.state", "resumekit.layout", "rank_state_file"),
+    ("resumekit.commit", "resumekit.layout", "WRITER_FILE"),
+    ("resumekit.manifest", "resumekit.layout", "MANIFEST_NAME"),
+    ("resumekit.sharded", "resumekit.layout", "METADATA_FILE"),
+    ("resumekit.export", "resumekit.catalog", "CheckpointTarget"),
+    ("resumekit.export", "resumekit.catalog", "open_target"),
+    ("resumekit.export", "resumekit.catalog", "select_committed"),
+    ("resumekit.export", "resumekit.catalog", "tensors_url"),
+    ("resumekit.export", "resumekit.catalog", "DEFAULT_NAME_FORMATS"),
+    ("resumekit.export", "resumekit.sharded", "read_full_state"),
+])
+def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(
+    old: str, home: str, name: str,
+) -> None:
+    moved = getattr(importlib.import_module(old), name)
+    if name == "METADATA_FILE":  # sharded's alias of layout.DCP_METADATA_FILE
+        name = "DCP_METADATA_FILE"
+    assert moved is getattr(importlib.import_module(home), name)
