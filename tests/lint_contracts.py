@@ -39,32 +39,44 @@ def imported_names(line: str) -> list[str]:
     return []
 
 
+def _within(name: str, modules: list[str]) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in modules)
+
+
 class ExternalSubpackageContract(Contract):
     """Only ``allowed_importers`` import ``protected`` (a dotted external sub-package).
 
     Configuration options:
         - protected: e.g. ``torch.distributed.checkpoint``.
         - allowed_importers: The modules of the root package that may import it.
+        - ignore_imports: Declared exceptions, ``"importer -> dotted.module"``: that
+          importer may import that part of ``protected`` (and what is below it). (Optional.)
     """
 
     type_name = "external_subpackage"
 
     protected = fields.StringField()
     allowed_importers = fields.ListField(subfield=fields.StringField())
+    ignore_imports = fields.ListField(subfield=fields.StringField(), required=False)
 
     def check(self, graph: grimp.ImportGraph, verbose: bool) -> ContractCheck:
         """Find every import line outside the allowed importers that reaches ``protected``."""
         protected = str(self.protected)
         top = protected.split(".", 1)[0]
         allowed = {str(name) for name in self.allowed_importers}  # type: ignore[attr-defined]
+        excepted: dict[str, list[str]] = {}
+        for rule in self.ignore_imports or []:  # type: ignore[attr-defined]
+            importer, _, module = str(rule).partition("->")
+            excepted.setdefault(importer.strip(), []).append(module.strip())
         illegal: list[dict[str, Any]] = []
         for importer in sorted(graph.find_modules_that_directly_import(top)):
             if importer in allowed:
                 continue
             for detail in graph.get_import_details(importer=importer, imported=top):
-                reached = imported_names(str(detail["line_contents"]))
-                if any(name == protected or name.startswith(protected + ".")
-                       for name in reached):
+                reached = [name for name in imported_names(str(detail["line_contents"]))
+                           if name == protected or name.startswith(protected + ".")]
+                ok = excepted.get(importer, [])
+                if any(not _within(name, ok) for name in reached):
                     illegal.append({"importer": importer, "line": detail["line_number"],
                                     "contents": detail["line_contents"]})
         return ContractCheck(kept=not illegal, metadata={"illegal": illegal})
