@@ -1,0 +1,336 @@
+"""A throwaway multi-host SLURM cluster: one network namespace per host, real daemons.
+
+``NamespaceCluster.start(hosts=("host1", "host2"))`` builds a :class:`HostNetwork` (bridge +
+one namespace per host, see ``tests/multinode/netns.py``) and, under one private temp dir:
+
+* one ``munged`` in the root namespace; its socket is a filesystem path, so the daemons and
+  job processes of every host reach it;
+* ``slurmctld`` in the root namespace, ``SlurmctldHost=<this host>(<bridge address>)``, so
+  every host's slurmd and srun reach it over the bridge;
+* per host ``slurmd -D -N hostN`` started inside that host's namespace under its own
+  hostname (UTS namespace), ``NodeAddr`` = its veth address, its own spool
+  (``SlurmdSpoolDir=<dir>/spool/%n``), pid and log files (``%n``);
+* per host a private scratch dir ``<dir>/scratch/hostN`` (node-local disk); the checkpoint
+  root the tests use lives elsewhere on the shared filesystem (the "NAS").
+
+Partitions as in the single-node cluster: ``extra`` (preemptible, requeued) and ``own``
+(high tier), both over every host. ``SlurmdTimeout`` is short (``slurmd_timeout_s``) so a
+dead or partitioned host is marked DOWN, and its job ``NODE_FAIL``-requeued, within the
+test's time; ``ReturnToService=2`` lets a host that comes back rejoin on its own.
+
+``close()`` kills every process in the namespaces (slurmd, slurmstepd, job processes),
+stops slurmctld and munged, removes the network and the dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.multinode.netns import HostNetwork, NetworkUnavailableError
+from tests.slurm.cluster import (
+    CLIENTS,
+    DAEMONS,
+    SlurmCluster,
+    SlurmClusterError,
+    SlurmTimeoutError,
+    SlurmUnavailableError,
+    _free_port,
+    _node_hardware,
+    _tail,
+    find_binary,
+)
+
+__all__ = ["NamespaceCluster"]
+
+_POLL_S = 0.1
+
+
+@dataclass
+class NamespaceCluster(SlurmCluster):
+    """A running multi-host cluster; build it with ``NamespaceCluster.start()``.
+
+    Attributes (beyond :class:`SlurmCluster`'s):
+        network: The namespaces and bridge the hosts live in.
+        hosts: Host (node) names, in order.
+        slurmd_timeout_s: ``SlurmdTimeout``: silence after which a host is marked DOWN.
+    """
+
+    network: HostNetwork | None = None
+    hosts: tuple[str, ...] = ()
+    slurmd_timeout_s: int = 20
+    hardware: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def start_hosts(
+        cls,
+        hosts: Sequence[str] = ("host1", "host2"),
+        *,
+        kill_wait_s: int = 30,
+        slurmd_timeout_s: int = 20,
+        startup_timeout_s: float = 90.0,
+    ) -> NamespaceCluster:
+        """Build the network and the daemons; return once every host is idle.
+
+        Raises:
+            SlurmUnavailableError: A program is missing, the network cannot be built or a
+                daemon did not come up (message: the cause, with the daemon's log tail).
+                Everything started is torn down.
+        """
+        bins: dict[str, str] = {}
+        missing = [name for name in (*DAEMONS, *CLIENTS) if find_binary(name) is None]
+        if missing:
+            raise SlurmUnavailableError(
+                f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge)"
+            )
+        bins = {name: str(find_binary(name)) for name in (*DAEMONS, *CLIENTS)}
+        if os.geteuid() != 0:
+            raise SlurmUnavailableError(
+                f"the namespace cluster needs root (netns, SlurmUser=root); euid {os.geteuid()}"
+            )
+        try:
+            network = HostNetwork.create(hosts)
+        except NetworkUnavailableError as error:
+            raise SlurmUnavailableError(f"host network: {error}") from error
+        root = Path(tempfile.mkdtemp(prefix="rk-mn-", dir="/tmp"))
+        root.chmod(0o700)
+        conf_path = root / "slurm.conf"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+        env["SLURM_CONF"] = str(conf_path)
+        hardware = _node_hardware(bins["slurmd"])
+        cluster = cls(
+            root=root, conf_path=conf_path, node=hosts[0], cpus=int(hardware["CPUs"]),
+            kill_wait_s=kill_wait_s, env=env, bins=bins, network=network,
+            hosts=tuple(hosts), slurmd_timeout_s=slurmd_timeout_s, hardware=dict(hardware),
+        )
+        began = time.monotonic()
+        try:
+            cluster._boot(hardware, startup_timeout_s)
+        except BaseException:
+            cluster.close()
+            raise
+        cluster.timings["start_s"] = time.monotonic() - began
+        cluster.timings["network_s"] = network.timings.get("create_s", 0.0)
+        return cluster
+
+    def _boot(self, hardware: Mapping[str, str], timeout_s: float) -> None:
+        for sub in ("state", "spool", "log", "jobs", "run", "scratch"):
+            (self.root / sub).mkdir(mode=0o700)
+        for host in self.hosts:
+            (self.root / "scratch" / host).mkdir()
+            (self.root / "spool" / host).mkdir()
+        key = self.root / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o400)
+        self.conf_path.write_text(self.render_conf(hardware))
+        deadline = time.monotonic() + timeout_s
+        munge_socket = self.root / "munge.socket"
+        self._spawn(
+            "munged",
+            [self.bins["munged"], "--foreground", "--force",
+             f"--socket={munge_socket}", f"--key-file={key}",
+             f"--pid-file={self.root / 'munged.pid'}",
+             f"--log-file={self.root / 'log' / 'munged.log'}",
+             f"--seed-file={self.root / 'munge.seed'}"],
+        )
+        self._poll(munge_socket.exists, deadline, "munged to create its socket",
+                   watch=("munged",))
+        self._spawn("slurmctld", [self.bins["slurmctld"], "-D", "-i", "-f", str(self.conf_path)])
+        for host in self.hosts:
+            self.start_slurmd(host)
+        self._poll(self.all_idle, deadline, f"sinfo to report {', '.join(self.hosts)} idle",
+                   watch=("slurmctld", *(f"slurmd-{h}" for h in self.hosts)))
+
+    def start_slurmd(self, host: str) -> None:
+        """Start ``slurmd -D -N host`` inside ``host``'s namespace, under its hostname."""
+        assert self.network is not None
+        argv = self.network.command(host, [self.bins["slurmd"], "-D", "-N", host,
+                                           "-f", str(self.conf_path)])
+        self._spawn(f"slurmd-{host}", argv)
+
+    def node_states(self) -> dict[str, str]:
+        """``{host: state}`` as ``sinfo -N`` reports it (``idle``, ``alloc``, ``down*`` ...)."""
+        result = self._run(["sinfo", "-h", "-N", "-o", "%N %T"], check=False)
+        states: dict[str, str] = {}
+        for line in result.stdout.splitlines():
+            parts = line.split()
+            if len(parts) == 2:
+                states[parts[0]] = parts[1]
+        return states
+
+    def all_idle(self) -> bool:
+        """Whether every host is idle."""
+        states = self.node_states()
+        return all(states.get(host) == "idle" for host in self.hosts)
+
+    def wait_for_nodes(self, state: str, hosts: Sequence[str], timeout: float) -> None:
+        """Wait until each of ``hosts`` is in ``state`` (``sinfo %T``, e.g. ``idle``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.node_states()
+            if all(states.get(h, "").rstrip("*~#") == state for h in hosts):
+                return
+            if time.monotonic() > deadline:
+                raise SlurmTimeoutError(
+                    f"hosts {list(hosts)} not {state} within {timeout:.0f} s: {states}; "
+                    f"slurmctld: {self.daemon_log_tail('slurmctld', 5)}"
+                )
+            time.sleep(_POLL_S)
+
+    def render_conf(self, hardware: Mapping[str, str]) -> str:
+        """The ``slurm.conf`` of the namespace cluster."""
+        assert self.network is not None
+        r = self.root
+        node_hw = " ".join(f"{k}={v}" for k, v in hardware.items())
+        nodes = ",".join(self.hosts)
+        lines = [
+            "# Generated by tests/multinode/cluster.py: a throwaway multi-host test cluster.",
+            "ClusterName=rkmulti",
+            f"SlurmctldHost={socket.gethostname().split('.')[0]}"
+            f"({self.network.controller_address})",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={r / 'munge.socket'}",
+            f"StateSaveLocation={r / 'state'}",
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
+            f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",
+            f"SlurmdPidFile={r / 'run' / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
+            "SlurmctldDebug=info",
+            "SlurmdDebug=info",
+            "MpiDefault=none",
+            "MailProg=/bin/true",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "SchedulerType=sched/backfill",
+            "SchedulerParameters=batch_sched_delay=0",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "PreemptType=preempt/partition_prio",
+            "PreemptMode=REQUEUE",
+            "ReturnToService=2",
+            "MinJobAge=600",
+            f"KillWait={self.kill_wait_s}",
+            f"SlurmdTimeout={self.slurmd_timeout_s}",
+            "MessageTimeout=10",
+            *(f"NodeName={host} NodeAddr={self.network.addresses[host]} "
+              f"NodeHostname={host} {node_hw} State=UNKNOWN" for host in self.hosts),
+            f"PartitionName=extra Nodes={nodes} Default=YES MaxTime=INFINITE State=UP"
+            " PriorityTier=1 PreemptMode=REQUEUE",
+            f"PartitionName=own Nodes={nodes} MaxTime=INFINITE State=UP"
+            " PriorityTier=10 PreemptMode=OFF",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def daemon_log_tail(self, name: str, lines: int = 15) -> str:
+        """A daemon's log tail; ``slurmd`` means every host's slurmd."""
+        if name == "slurmd":
+            return " || ".join(
+                f"{host}: {_tail(self.root / 'log' / f'slurmd-{host}.log', lines)}"
+                for host in self.hosts
+            )
+        if name.startswith("slurmd-"):
+            return _tail(self.root / "log" / f"{name}.log", lines)
+        return super().daemon_log_tail(name, lines)
+
+    def close(self) -> None:
+        """Kill every host's processes, stop the daemons, remove network and dir."""
+        if self._closed:
+            return
+        ctld = self._daemons.get("slurmctld")
+        if ctld is not None and ctld.poll() is None:
+            with contextlib.suppress(SlurmClusterError, subprocess.SubprocessError, OSError):
+                ids = self._run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+                if ids:
+                    self._run(["scancel", *ids], check=False)
+        if self.network is not None:
+            self.network.close()  # slurmd, slurmstepd and job processes of every host
+        super().close()
+
+    # ------------------------------------------------------------------ hosts
+
+    def scratch(self, host: str) -> Path:
+        """``host``'s private scratch dir (node-local disk)."""
+        return self.root / "scratch" / host
+
+    def kill_host(self, host: str) -> list[int]:
+        """SIGKILL every process of ``host`` (slurmd, slurmstepd, torchrun, ranks)."""
+        assert self.network is not None
+        self._daemons.pop(f"slurmd-{host}", None)
+        return self.network.kill_host(host)
+
+    def revive_host(self, host: str, timeout: float = 90.0) -> None:
+        """Start ``host``'s slurmd again (after ``kill_host``) and wait until it is idle."""
+        self.start_slurmd(host)
+        self.wait_for_nodes("idle", [host], timeout)
+
+    def set_node(self, host: str, state: str, reason: str = "test") -> None:
+        """``scontrol update NodeName=host State=state`` (``DRAIN``, ``RESUME`` ...)."""
+        argv = ["scontrol", "update", f"NodeName={host}", f"State={state}"]
+        if state.upper() in {"DRAIN", "DOWN"}:
+            argv.append(f"Reason={reason}")
+        self._run(argv)
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit_nodes(
+        self,
+        script: Path,
+        *,
+        nodes: str,
+        output: Path,
+        env: Mapping[str, str],
+        partition: str = "extra",
+        job_name: str = "job",
+        extra_args: Sequence[str] = (),
+    ) -> int:
+        """Submit a batch job over ``nodes`` (``"2"`` or ``"1-2"``), one task per node."""
+        argv = [
+            "sbatch", "--parsable", f"--partition={partition}", f"--job-name={job_name}",
+            f"--nodes={nodes}", "--ntasks-per-node=1", f"--cpus-per-task={self.cpus}",
+            f"--output={output}", "--open-mode=append", f"--chdir={self.root / 'jobs'}",
+            "--requeue", *extra_args, str(script),
+        ]
+        result = self._run(argv, env=env)
+        return int(result.stdout.strip().split(";")[0])
+
+    def preempt(self, cpus: int | None = None, command: str = "true") -> int:
+        """Submit an ``own`` job over every host, all CPUs; return its id."""
+        script = self.job_file(f"preemptor-{time.monotonic_ns()}.sh")
+        script.write_text(f"#!/bin/sh\n{command}\n")
+        script.chmod(0o700)
+        argv = [
+            "sbatch", "--parsable", "--partition=own", "--job-name=preemptor",
+            f"--nodes={len(self.hosts)}", "--ntasks-per-node=1",
+            f"--cpus-per-task={cpus or self.cpus}", f"--output={self.job_file('pre-%j.out')}",
+            "--no-requeue", str(script),
+        ]
+        return int(self._run(argv).stdout.strip().split(";")[0])
+
+    def requeue(self, job_id: int) -> None:
+        """``scontrol requeue`` a running or finished batch job (keeps its id)."""
+        self._run(["scontrol", "requeue", str(job_id)])
+
+    def nodelist(self, job_id: int) -> list[str]:
+        """The hosts of the job's current (or last) allocation."""
+        raw = self.job_state(job_id).get("NodeList", "")
+        if not raw or raw == "(null)":
+            return []
+        result = self._run(["scontrol", "show", "hostnames", raw])
+        return result.stdout.split()
