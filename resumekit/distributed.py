@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import os
 import re
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -100,6 +101,11 @@ class LaunchEnvironment:
             (``TORCHELASTIC_USE_AGENT_STORE=True``): every rank connects as a client.
         restart_count: torchrun's ``TORCHELASTIC_RESTART_COUNT``. The agent's store
             outlives worker restarts, so each attempt works under its own key prefix.
+        node_rank: Index of this process's node in the job (torchrun's ``GROUP_RANK``,
+            SLURM's ``SLURM_NODEID``; else ``rank // local_world_size``).
+        num_nodes: Nodes in the job (torchrun's ``GROUP_WORLD_SIZE``, SLURM's
+            ``SLURM_STEP_NUM_NODES``/``SLURM_NNODES``/``SLURM_JOB_NUM_NODES``, else the
+            length of the node list, else ``ceil(world_size / local_world_size)``).
     """
 
     launcher: Launcher
@@ -111,6 +117,8 @@ class LaunchEnvironment:
     master_port: int | None
     agent_store: bool = False
     restart_count: int = 0
+    node_rank: int = 0
+    num_nodes: int = 1
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,8 @@ class DistributedContext:
             collectives on one group can interleave differently on different ranks.
         timeout: Timeout of the training group.
         checkpoint_timeout: Timeout of the checkpoint group.
+        node_rank: Index of this rank's node (see :class:`LaunchEnvironment`).
+        num_nodes: Nodes in the job.
     """
 
     rank: int
@@ -147,6 +157,8 @@ class DistributedContext:
     preemption_group: dist.ProcessGroup | None = None
     timeout: timedelta = DEFAULT_TIMEOUT
     checkpoint_timeout: timedelta = DEFAULT_CHECKPOINT_TIMEOUT
+    node_rank: int = 0
+    num_nodes: int = 1
 
     @property
     def is_distributed(self) -> bool:
@@ -374,11 +386,42 @@ def _detect_torchrun(env: Mapping[str, str]) -> LaunchEnvironment:
     restarts = (
         _int_var(env, "TORCHELASTIC_RESTART_COUNT") if "TORCHELASTIC_RESTART_COUNT" in env else 0
     )
+    node_rank, num_nodes = _node_position(
+        env, rank, world_size, local_world_size,
+        rank_var="GROUP_RANK", size_vars=("GROUP_WORLD_SIZE",),
+    )
     return LaunchEnvironment(
         "torchrun", rank, world_size, local_rank, local_world_size, env["MASTER_ADDR"], port,
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        restart_count=restarts,
+        restart_count=restarts, node_rank=node_rank, num_nodes=num_nodes,
     )
+
+
+def _node_position(
+    env: Mapping[str, str], rank: int, world_size: int, local_world_size: int,
+    *, rank_var: str, size_vars: tuple[str, ...], nodes_listed: int | None = None,
+) -> tuple[int, int]:
+    """``(node_rank, num_nodes)`` from the launcher's variables, else derived."""
+    size_var = next((name for name in size_vars if name in env), None)
+    if size_var is not None:
+        num_nodes = _int_var(env, size_var)
+    elif nodes_listed is not None:
+        size_var, num_nodes = "SLURM_JOB_NODELIST", nodes_listed
+    else:
+        size_var = size_vars[0]
+        num_nodes = -(-world_size // local_world_size)
+    node_rank = _int_var(env, rank_var) if rank_var in env else rank // local_world_size
+    if not 1 <= num_nodes <= world_size:
+        raise DistributedSetupError(
+            f"{size_var}={num_nodes} nodes is outside 1..{world_size} (the world size)",
+            variable=size_var,
+        )
+    if not 0 <= node_rank < num_nodes:
+        raise DistributedSetupError(
+            f"{rank_var}={node_rank} is outside 0..{num_nodes - 1} ({size_var}={num_nodes})",
+            variable=rank_var,
+        )
+    return node_rank, num_nodes
 
 
 def _detect_slurm(env: Mapping[str, str]) -> LaunchEnvironment:
@@ -407,23 +450,31 @@ def _detect_slurm(env: Mapping[str, str]) -> LaunchEnvironment:
         rank, world_size, local_rank, local_world_size,
         local_rank_var="SLURM_LOCALID", local_size_var=per_node_var or "SLURM_TASKS_PER_NODE",
     )
+    list_var = next(
+        (
+            name
+            for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+            if name in env
+        ),
+        None,
+    )
+    nodes = expand_nodelist(env[list_var]) if list_var is not None else None
     if "MASTER_ADDR" in env:
         master_addr = env["MASTER_ADDR"]
-    else:
-        list_var = next(
-            (
-                name
-                for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-                if name in env
-            ),
-            None,
+    elif nodes is None:
+        raise DistributedSetupError(
+            "under SLURM neither MASTER_ADDR nor SLURM_JOB_NODELIST is set",
+            variable="SLURM_JOB_NODELIST",
         )
-        if list_var is None:
-            raise DistributedSetupError(
-                "under SLURM neither MASTER_ADDR nor SLURM_JOB_NODELIST is set",
-                variable="SLURM_JOB_NODELIST",
-            )
-        master_addr = expand_nodelist(env[list_var])[0]
+    else:
+        # The first node of the step serves the store: rank 0 runs there (SLURM's block
+        # distribution puts task 0 on the first node of the list).
+        master_addr = nodes[0]
+    node_rank, num_nodes = _node_position(
+        env, rank, world_size, local_world_size, rank_var="SLURM_NODEID",
+        size_vars=("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"),
+        nodes_listed=len(nodes) if nodes is not None else None,
+    )
     if "MASTER_PORT" in env:
         port = _port(env, "MASTER_PORT")
     elif "SLURM_JOB_ID" in env:
@@ -433,7 +484,8 @@ def _detect_slurm(env: Mapping[str, str]) -> LaunchEnvironment:
             "under SLURM neither MASTER_PORT nor SLURM_JOB_ID is set", variable="MASTER_PORT"
         )
     return LaunchEnvironment(
-        "slurm", rank, world_size, local_rank, local_world_size, master_addr, port
+        "slurm", rank, world_size, local_rank, local_world_size, master_addr, port,
+        node_rank=node_rank, num_nodes=num_nodes,
     )
 
 
@@ -663,11 +715,14 @@ def _init_group(
         preemption_group=vote_group,
         timeout=request.timeout,
         checkpoint_timeout=request.checkpoint_timeout,
+        node_rank=launch.node_rank,
+        num_nodes=launch.num_nodes,
     )
     logger.info(
-        "rank %d/%d (%s, %s on %s): training timeout %s, checkpoint timeout %s",
-        rank, world_size, launch.launcher, backend, chosen, request.timeout,
-        request.checkpoint_timeout,
+        "rank %d/%d (%s, %s on %s) on %s, node %d of %d: training timeout %s, checkpoint "
+        "timeout %s",
+        rank, world_size, launch.launcher, backend, chosen, socket.gethostname(),
+        launch.node_rank, launch.num_nodes, request.timeout, request.checkpoint_timeout,
     )
     return context, owns
 

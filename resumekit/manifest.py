@@ -110,6 +110,8 @@ class Lineage(BaseModel):
         pid: Its process id.
         slurm_job_id: ``SLURM_JOB_ID`` when running under SLURM.
         slurm_restart_count: ``SLURM_RESTART_COUNT`` (0 on the first run of a job).
+        slurm_nodelist: ``SLURM_JOB_NODELIST`` (compact form, e.g. ``host[1-2]``): the
+            nodes of the allocation that wrote it; a requeued job may get other nodes.
         resumed_from_step: Step this run restored from; None for a fresh start.
         launcher: ``torchrun``, ``slurm`` or ``single``, when known.
         imported_from: For a checkpoint converted by ``resumekit import``: the source
@@ -126,6 +128,7 @@ class Lineage(BaseModel):
     pid: int
     slurm_job_id: str | None = None
     slurm_restart_count: int | None = None
+    slurm_nodelist: str | None = None
     resumed_from_step: int | None = None
     launcher: str | None = None
     imported_from: dict[str, str] | None = None
@@ -143,6 +146,7 @@ class Lineage(BaseModel):
             slurm_job_id=job,
             slurm_restart_count=int(restarts) if restarts and restarts.isdigit()
             else (0 if job else None),
+            slurm_nodelist=os.environ.get("SLURM_JOB_NODELIST") if job else None,
             resumed_from_step=resumed_from_step,
             launcher=launcher,
         )

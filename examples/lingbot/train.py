@@ -69,6 +69,7 @@ from examples.lingbot.data import (
     collate,
 )
 from examples.lingbot.errors import ConfigError
+from examples.lingbot.faults import install as install_test_faults
 from examples.lingbot.model import LingBotVA, shard_model
 from examples.lingbot.recipe import build_optimizer, build_scheduler, flow_matching_step
 from resumekit.distributed import DistributedContext, init_distributed, shutdown
@@ -593,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    install_test_faults()  # test-only, off unless LINGBOT_TEST_* variables are set
     return train(args)
 
 

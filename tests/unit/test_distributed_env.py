@@ -48,7 +48,9 @@ LAUNCH_VARIABLES = (
 
 
 def test_torchrun_variables_give_rank_local_rank_and_store_address() -> None:
-    assert detect_launch(TORCHRUN) == LaunchEnvironment("torchrun", 5, 8, 1, 4, "node01", 29500)
+    assert detect_launch(TORCHRUN) == LaunchEnvironment(
+        "torchrun", 5, 8, 1, 4, "node01", 29500, node_rank=1, num_nodes=2
+    )
 
 
 def test_torchrun_workers_use_the_agents_store_and_know_their_restart_attempt() -> None:
@@ -70,7 +72,7 @@ def test_torchrun_inside_sbatch_wins_over_the_slurm_procid_every_worker_shares()
 def test_srun_variables_give_rank_and_the_first_node_as_store_host() -> None:
     launch = detect_launch(SRUN)
     assert launch == LaunchEnvironment(
-        "slurm", 6, 8, 2, 4, "gpu07", slurm_default_port("111859")
+        "slurm", 6, 8, 2, 4, "gpu07", slurm_default_port("111859"), node_rank=1, num_nodes=2
     )
 
 
@@ -83,7 +85,57 @@ def test_srun_prefers_the_step_variables_over_the_job_ones() -> None:
         "SLURM_STEP_TASKS_PER_NODE": "5,3",
         "MASTER_PORT": "23456",
     }
-    assert detect_launch(env) == LaunchEnvironment("slurm", 6, 8, 2, 3, "gpu08", 23456)
+    assert detect_launch(env) == LaunchEnvironment(
+        "slurm", 6, 8, 2, 3, "gpu08", 23456, node_rank=1, num_nodes=2
+    )
+
+
+def test_torchrun_across_nodes_gives_the_node_rank_and_count_from_its_group_variables() -> None:
+    # torchrun --nnodes=3 --nproc_per_node=2, this agent got group rank 2 of 3.
+    env = {**TORCHRUN, "RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "3"}
+    launch = detect_launch(env)
+    assert (launch.node_rank, launch.num_nodes) == (2, 3)
+
+
+def test_torchrun_without_group_variables_derives_the_node_from_the_local_world_size() -> None:
+    env = {**TORCHRUN, "RANK": "7", "LOCAL_RANK": "3"}  # 8 ranks, 4 per node
+    launch = detect_launch(env)
+    assert (launch.node_rank, launch.num_nodes) == (1, 2)
+
+
+def test_srun_across_three_nodes_meets_on_the_first_node_of_the_compact_node_list() -> None:
+    # srun --nodes=3 --ntasks-per-node=1 on host[1-3]: the task on host3.
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "2", "SLURM_NTASKS": "3",
+           "SLURM_LOCALID": "0", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "1(x3)",
+           "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "host[1-3]"}
+    launch = detect_launch(env)
+    assert launch == LaunchEnvironment(
+        "slurm", 2, 3, 0, 1, "host1", slurm_default_port("7"), node_rank=2, num_nodes=3
+    )
+
+
+def test_srun_without_a_node_count_takes_it_from_the_node_list() -> None:
+    env = {k: v for k, v in SRUN.items()}
+    assert detect_launch(env).num_nodes == 2  # gpu[07-08]
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({**TORCHRUN, "GROUP_RANK": "2", "GROUP_WORLD_SIZE": "2"}, "GROUP_RANK"),
+        ({**TORCHRUN, "GROUP_WORLD_SIZE": "9"}, "GROUP_WORLD_SIZE"),
+        ({**TORCHRUN, "GROUP_RANK": "one"}, "GROUP_RANK"),
+        ({**SRUN, "SLURM_NNODES": "1"}, "SLURM_NODEID"),
+        ({**SRUN, "SLURM_NNODES": "0"}, "SLURM_NNODES"),
+    ],
+)
+def test_an_inconsistent_node_rank_or_count_is_an_error_naming_the_variable(
+    env: dict[str, str], variable: str
+) -> None:
+    with pytest.raises(DistributedSetupError, match=variable) as caught:
+        detect_launch(env)
+    assert caught.value.variable == variable
 
 
 def test_master_addr_in_the_environment_overrides_the_slurm_node_list() -> None:

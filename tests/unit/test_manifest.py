@@ -61,9 +61,8 @@ def test_a_manifest_records_every_documented_field() -> None:
     }
     assert document["lineage"] == {
         "hostname": "node7", "pid": 4242, "slurm_job_id": "111882",
-        "slurm_restart_count": 3, "resumed_from_step": 750, "launcher": "slurm",
-        "imported_from": None,
-        "initialized_from": None,
+        "slurm_restart_count": 3, "slurm_nodelist": None, "resumed_from_step": 750,
+        "launcher": "slurm", "imported_from": None, "initialized_from": None,
     }
     assert document["extras"]["wandb_run"] == "abc123"
     assert datetime.fromisoformat(document["created_at"]).tzinfo is not None
@@ -103,6 +102,16 @@ def test_a_first_slurm_run_has_restart_count_zero(monkeypatch: pytest.MonkeyPatc
     assert (lineage.slurm_job_id, lineage.slurm_restart_count) == ("111321", 0)
     assert lineage.resumed_from_step == 200
     assert lineage.launcher == "slurm"
+
+
+def test_lineage_records_the_node_list_of_the_allocation_that_wrote_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "111882")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "host[1-2]")
+    assert Lineage.current().slurm_nodelist == "host[1-2]"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert Lineage.current().slurm_nodelist is None  # a stale variable outside a job
 
 
 def test_lineage_outside_slurm_has_no_job(monkeypatch: pytest.MonkeyPatch) -> None:
