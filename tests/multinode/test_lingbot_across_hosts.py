@@ -1,0 +1,117 @@
+"""LingBot-VA tiny across two hosts under real SLURM: preempted, a node lost, the world shrunk.
+
+Each test submits ``examples/lingbot/train_lingbot.sbatch`` once to the namespace cluster
+(``tests/multinode/cluster.py``: ``host1`` and ``host2``, each a network namespace with its
+own address, hostname and ``slurmd``), one torchrun per node joined by the c10d rendezvous,
+one rank per node. The checkpoint root is on the shared filesystem (the NAS); each run is
+compared with an uninterrupted single-host 2-rank run of the same command (``reference``).
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+
+from examples.lingbot.drill import compare_runs
+from examples.lingbot.train import CHECKPOINT_DIR, CHECKPOINT_NAME_FORMAT, METRICS_FILE, \
+    read_metrics
+from resumekit.catalog import list_checkpoints
+from resumekit.layout import NameFormat
+from resumekit.storage import Storage
+from tests.multinode.cluster import NamespaceCluster
+from tests.multinode.drills import (
+    NUM_STEPS,
+    TRAINER,
+    WAIT_S,
+    Run,
+    preempt_at,
+    runs_of,
+    submit,
+)
+from tests.slurm.job_processes import find_worker
+
+pytestmark = [pytest.mark.multinode, pytest.mark.timeout(900)]
+
+
+def _entries(root: Path) -> list:  # type: ignore[type-arg]
+    return list_checkpoints(Storage(root / CHECKPOINT_DIR), NameFormat(CHECKPOINT_NAME_FORMAT))
+
+
+def _assert_bit_identical(reference: Path, root: Path) -> None:
+    steps = [r["step"] for r in read_metrics(root / METRICS_FILE)]
+    assert steps == list(range(1, NUM_STEPS + 1))
+    comparison = compare_runs(reference, root)
+    assert comparison.tensors_compared > 0
+    assert comparison.first_metric_difference is None, comparison
+    assert comparison.different_tensors == [], comparison
+    assert comparison.identical, comparison
+
+
+def _assert_resumes_from_newest_commit(runs: list[Run]) -> list[int]:
+    """Each restart resumed from the newest step committed before it; return steps lost."""
+    lost = []
+    for index, (earlier, later) in enumerate(pairwise(runs), 1):
+        committed = [c for run in runs[:index] for c in run.committed]
+        assert later.resumed_from == max(committed), (later, committed)
+        if earlier.preempted_at is not None:
+            lost.append(earlier.preempted_at - max(committed))
+    return lost
+
+
+def _worker_host(cluster: NamespaceCluster, job_id: int, rank: int) -> str:
+    """The host whose namespace holds the live rank-``rank`` worker of the job."""
+    pid = find_worker(cluster, job_id, rank=rank, module=TRAINER, timeout=WAIT_S)
+    assert cluster.network is not None
+    hosts = [h for h in cluster.hosts if pid in cluster.network.pids(h)]
+    assert len(hosts) == 1, (pid, hosts)
+    return hosts[0]
+
+
+def test_a_two_host_job_preempted_twice_resumes_under_the_same_id_bit_identical(
+    cluster: NamespaceCluster, reference: Path, tmp_path: Path
+) -> None:
+    root, output = tmp_path / "run", tmp_path / "job.out"
+    began = time.monotonic()
+    job_id = submit(cluster, root, output)
+    placement = {rank: _worker_host(cluster, job_id, rank) for rank in (0, 1)}
+    cycles = [round(preempt_at(cluster, job_id, root, output, restarts=restarts, step=step), 2)
+              for restarts, step in ((0, 3), (1, 7))]
+    done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
+    elapsed = time.monotonic() - began
+    text = output.read_text()
+    assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
+    assert done["Restarts"] == "2"
+
+    runs = runs_of(text)
+    assert [r.restart for r in runs] == [0, 1, 2], text
+    assert all((r.nodes, r.nodelist, r.batch_host) == (2, "host[1-2]", "host1") for r in runs)
+    assert placement == {0: "host1", 1: "host2"}
+    assert [r.preempted_at is not None for r in runs] == [True, True, False], text
+    lost = _assert_resumes_from_newest_commit(runs)
+
+    entries = _entries(root)
+    assert entries and all(e.status == "committed" for e in entries)
+    restart_of = {step: run.restart for run in runs for step in run.committed}
+    for entry in entries:
+        assert entry.manifest is not None
+        assert entry.manifest.world_size == 2
+        lineage = entry.manifest.lineage
+        assert (lineage.slurm_job_id, lineage.slurm_nodelist) == (str(job_id), "host[1-2]")
+        assert lineage.slurm_restart_count == restart_of[entry.step]
+        assert lineage.hostname == "host1"  # rank 0 published
+        files = {f.path for f in entry.manifest.files}
+        # Shards of both ranks, i.e. of both hosts (rank 1 ran on host2).
+        assert {"rank_state/rank_00000.pt", "rank_state/rank_00001.pt"} <= files
+        assert any(p.startswith("tensors/__1_") for p in files)
+        assert any(p.startswith("tensors/__0_") for p in files)
+    # Nothing the job needs lives on a host's private scratch disk.
+    for host in cluster.hosts:
+        assert not any(cluster.scratch(host).iterdir())
+
+    _assert_bit_identical(reference, root)
+    print(f"\n[drill 1] preempted twice across 2 hosts: job {job_id}, {elapsed:.1f} s, "
+          f"requeue {cycles} s, steps lost per preemption {lost}, resumed from "
+          f"{[r.resumed_from for r in runs]}, bit-identical: yes")
