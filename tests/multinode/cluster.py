@@ -259,6 +259,11 @@ class NamespaceCluster(SlurmCluster):
                 ids = self._run(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
                 if ids:
                     self._run(["scancel", *ids], check=False)
+        keep = os.environ.get("RK_MULTINODE_KEEP_LOGS")
+        if keep:  # debugging aid: the daemons' logs survive the teardown
+            import shutil  # noqa: PLC0415
+
+            shutil.copytree(self.root / "log", keep, dirs_exist_ok=True)
         if self.network is not None:
             self.network.close()  # slurmd, slurmstepd and job processes of every host
         super().close()
@@ -334,3 +339,40 @@ class NamespaceCluster(SlurmCluster):
             return []
         result = self._run(["scontrol", "show", "hostnames", raw])
         return result.stdout.split()
+
+    def job_processes(self, job_id: int) -> list[int]:
+        """Live processes (any host) carrying ``SLURM_JOB_ID=job_id``: steps and ranks."""
+        marker = f"SLURM_JOB_ID={job_id}".encode()
+        found = []
+        for pid in self.processes():
+            with contextlib.suppress(OSError):
+                if marker in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    found.append(pid)
+        return found
+
+    def job_steps(self, job_id: int) -> list[str]:
+        """Step ids (``J.S``, ``J.batch``) the controller still lists for the job."""
+        out = self._run(["squeue", "-h", "-s", "-j", str(job_id), "-o", "%i"], check=False)
+        return [s for s in out.stdout.split() if s.startswith(f"{job_id}.")]
+
+    def wait_job_gone(self, job_id: int, timeout: float = 90.0) -> None:
+        """Wait until no process of the job's previous run is left on any host and every
+        host is idle: a requeued job released earlier finds its old step still holding the
+        nodes ("Requested nodes are busy") and srun waits."""
+        deadline = time.monotonic() + timeout
+        cancelled: set[str] = set()
+        while True:
+            left, steps = self.job_processes(job_id), self.job_steps(job_id)
+            if not left and not steps and self.all_idle():
+                return
+            # A step record of the lost run that the revived host never reports complete
+            # keeps its CPUs "busy" for the next run's srun: cancel it (once per step).
+            for step in (s for s in steps if s not in cancelled):
+                cancelled.add(step)
+                self._run(["scancel", step], check=False)
+            if time.monotonic() > deadline:
+                raise SlurmTimeoutError(
+                    f"job {job_id}: processes {left}, steps {steps} still there, hosts "
+                    f"{self.node_states()}, {timeout:.0f} s after it was requeued"
+                )
+            time.sleep(_POLL_S)

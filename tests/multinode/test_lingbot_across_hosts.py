@@ -9,6 +9,7 @@ compared with an uninterrupted single-host 2-rank run of the same command (``ref
 
 from __future__ import annotations
 
+import re
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -27,11 +28,19 @@ from tests.multinode.drills import (
     TRAINER,
     WAIT_S,
     Run,
+    newest_step,
     preempt_at,
     runs_of,
     submit,
+    wait_for_output,
+    wait_for_run_step,
+    wait_requeued,
 )
-from tests.slurm.job_processes import find_worker
+
+#: What a host1 rank prints when its peer on host2 is gone (gloo names the peer's address).
+LOST_PEER = r"\[rank0\]: ([\w.]+(?:Error|Exception)): (.*)"
+_ADDRESS = r"\[(\d+\.\d+\.\d+\.\d+)\]"
+from tests.slurm.job_processes import find_worker, frozen
 
 pytestmark = [pytest.mark.multinode, pytest.mark.timeout(900)]
 
@@ -115,3 +124,112 @@ def test_a_two_host_job_preempted_twice_resumes_under_the_same_id_bit_identical(
     print(f"\n[drill 1] preempted twice across 2 hosts: job {job_id}, {elapsed:.1f} s, "
           f"requeue {cycles} s, steps lost per preemption {lost}, resumed from "
           f"{[r.resumed_from for r in runs]}, bit-identical: yes")
+
+
+def _staging_with_data(checkpoints: Path) -> Path | None:
+    for staging in sorted(checkpoints.glob(".checkpoint_step_*.tmp-*")):
+        try:
+            names = [p.name for p in staging.rglob("*") if p.is_file()]
+        except OSError:
+            continue
+        if any(name != ".writer.json" for name in names):
+            return staging
+    return None
+
+
+def test_a_host_that_dies_mid_step_or_mid_save_or_is_cut_off_costs_only_uncommitted_steps(
+    cluster: NamespaceCluster, reference: Path, tmp_path: Path
+) -> None:
+    root, output = tmp_path / "run", tmp_path / "job.out"
+    checkpoints = root / CHECKPOINT_DIR
+    job_id = submit(cluster, root, output)
+    figures: dict[str, dict[str, object]] = {}
+    host2 = cluster.network.addresses["host2"] if cluster.network else ""
+
+    def lost(kind: str, restarts: int, offset: int, began: float, reached: int,
+             **extra: object) -> str:
+        match, detect_s = wait_for_output(cluster, output, LOST_PEER, after=offset)
+        error = f"{match.group(1)}: {match.group(2)}"
+        state = wait_requeued_or_requeue(cluster, job_id, restarts)
+        figures[kind] = {"detect_s": round(detect_s, 2), "reached": reached,
+                         "requeued_after_s": round(time.monotonic() - began, 1),
+                         "requeued_by": state, "error": error[:240], **extra}
+        return error
+
+    # --- run 0: every process of host2 SIGKILLed in the middle of a training step --------
+    wait_for_run_step(cluster, job_id, root, output, restarts=0, step=5)
+    offset, reached, began = len(output.read_text()), newest_step(root), time.monotonic()
+    killed = cluster.kill_host("host2")
+    error = lost("dead host mid-step", 0, offset, began, reached, killed=len(killed))
+    assert re.search(_ADDRESS, error) and host2 in error, error  # names the lost peer
+    cluster.revive_host("host2")
+    cluster.wait_job_gone(job_id)
+    cluster.release(job_id)
+
+    # --- run 1: host2 killed while a checkpoint is being written -----------------------------
+    cluster.wait_for_output(job_id, r"lingbot\.train: resumed at step", WAIT_S, min_count=1)
+    rank0 = find_worker(cluster, job_id, rank=0, module=TRAINER, timeout=WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, "no save caught in the act"
+        staging = _staging_with_data(checkpoints)
+        if staging is None:
+            time.sleep(0.005)
+            continue
+        with frozen(rank0):  # rank 0 publishes: frozen, the staging dir cannot be published
+            if not staging.exists():
+                continue
+            save_step = int(staging.name.split("_step_")[1].split(".tmp-")[0])
+            offset, reached = len(output.read_text()), newest_step(root)
+            killed = cluster.kill_host("host2")
+            began = time.monotonic()
+        break
+    error = lost("dead host mid-save", 1, offset, began, reached, killed=len(killed),
+                 save_step=save_step)
+    assert host2 in error or "rank 1" in error or "host2" in error, error
+    assert not (checkpoints / CHECKPOINT_NAME_FORMAT.format(step=save_step)).exists()
+    assert save_step not in [e.step for e in _entries(root)]  # nothing partial committed
+    cluster.revive_host("host2")
+    cluster.wait_job_gone(job_id)
+    cluster.release(job_id)
+
+    # --- run 2: host2 cut off (veth down: no RST, no FIN) in the middle of a step -----------
+    wait_for_run_step(cluster, job_id, root, output, restarts=2, step=9)
+    assert cluster.network is not None
+    offset, reached, began = len(output.read_text()), newest_step(root), time.monotonic()
+    with cluster.network.partitioned("host2"):
+        match, partition_s = wait_for_output(cluster, output, LOST_PEER, after=offset)
+    error = f"{match.group(1)}: {match.group(2)}"
+    state = wait_requeued_or_requeue(cluster, job_id, 2)
+    figures["partition mid-step"] = {"detect_s": round(partition_s, 2), "reached": reached,
+                                     "requeued_by": state, "error": error[:240]}
+    cluster.wait_job_gone(job_id)
+    cluster.release(job_id)
+
+    done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
+    assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
+    runs = runs_of(output.read_text())
+    assert [r.restart for r in runs] == [0, 1, 2, 3]
+    _assert_resumes_from_newest_commit(runs)
+    lost_steps = [figures[k]["reached"] - later.resumed_from  # type: ignore[operator]
+                  for k, later in zip(figures, runs[1:], strict=True)]
+    assert all(e.status == "committed" for e in _entries(root))
+    _assert_bit_identical(reference, root)
+    print(f"\n[drill 2] node loss: job {job_id}; steps lost {lost_steps}; "
+          f"resumed from {[r.resumed_from for r in runs]}; figures {figures}; "
+          "bit-identical: yes")
+
+
+def wait_requeued_or_requeue(cluster: NamespaceCluster, job_id: int, restarts: int) -> str:
+    """SLURM requeues a job whose node failed (NODE_FAIL, ``--requeue``); a job whose ranks
+    all exited first (a partition healed before ``SlurmdTimeout``) ends FAILED and is
+    requeued here, as an operator (or a requeue-on-failure wrapper) would. Returns which."""
+    state = cluster.wait_for(
+        job_id, lambda s: s.get("JobState") in {"PENDING", "FAILED", "COMPLETED"}
+        and (s.get("JobState") != "PENDING" or int(s.get("Restarts", "0")) > restarts),
+        WAIT_S, "requeued or ended")
+    if state["JobState"] == "PENDING":
+        return f"slurm ({state.get('Reason')})"
+    cluster.requeue(job_id)
+    wait_requeued(cluster, job_id, restarts)
+    return f"scontrol requeue after {state['JobState']}"
