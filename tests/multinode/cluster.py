@@ -363,7 +363,9 @@ class NamespaceCluster(SlurmCluster):
         cancelled: set[str] = set()
         while True:
             left, steps = self.job_processes(job_id), self.job_steps(job_id)
-            if not left and not steps and self.all_idle():
+            busy = [h for h, st in self.node_states().items()
+                    if st.startswith(("alloc", "mix", "comp"))]
+            if not left and not steps and not busy:
                 return
             # A step record of the lost run that the revived host never reports complete
             # keeps its CPUs "busy" for the next run's srun: cancel it (once per step).

@@ -12,7 +12,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,7 +169,8 @@ def wait_for_run_step(cluster: NamespaceCluster, job_id: int, root: Path, output
 
 
 def preempt_at(cluster: NamespaceCluster, job_id: int, root: Path, output: Path, *,
-               restarts: int, step: int) -> float:
+               restarts: int, step: int,
+               before_release: Callable[[], None] | None = None) -> float:
     """Preempt the job once its run ``restarts`` logged ``step``; requeue and release it.
 
     A tiny step takes a fraction of the ~1 s a preemption needs to arrive, so rank 0 is
@@ -184,5 +185,8 @@ def preempt_at(cluster: NamespaceCluster, job_id: int, root: Path, output: Path,
         wait_for_signal_arrival(rank0, signal.SIGTERM, timeout=WAIT_S)
     wait_requeued(cluster, job_id, restarts)
     requeue_s = time.monotonic() - began
+    if before_release is not None:
+        before_release()
+    cluster.wait_job_gone(job_id)
     cluster.release(job_id)
     return requeue_s

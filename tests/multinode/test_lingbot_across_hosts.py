@@ -23,8 +23,11 @@ from resumekit.catalog import list_checkpoints
 from resumekit.layout import NameFormat
 from resumekit.storage import Storage
 from tests.multinode.cluster import NamespaceCluster
+from examples.lingbot.faults import SLOW_READS_VARIABLE
 from tests.multinode.drills import (
+    CKPT_TIMEOUT_S,
     NUM_STEPS,
+    TRAIN_TIMEOUT_S,
     TRAINER,
     WAIT_S,
     Run,
@@ -233,3 +236,76 @@ def wait_requeued_or_requeue(cluster: NamespaceCluster, job_id: int, restarts: i
     cluster.requeue(job_id)
     wait_requeued(cluster, job_id, restarts)
     return f"scontrol requeue after {state['JobState']}"
+
+
+def test_a_job_requeued_onto_one_host_reshards_and_grows_back_onto_two(
+    cluster: NamespaceCluster, reference: Path, tmp_path: Path
+) -> None:
+    root, output = tmp_path / "run", tmp_path / "job.out"
+    job_id = submit(cluster, root, output, nodes="1-2")  # takes what is free, 1 or 2 nodes
+    preempt_at(cluster, job_id, root, output, restarts=0, step=3,
+               before_release=lambda: cluster.set_node("host2", "DRAIN", "drill: host lost"))
+    # host2 is back; the preemptor (both hosts) now sends the 1-host run to a requeue that
+    # gets both hosts again.
+    cluster.wait_for_output(job_id, r"lingbot\.train: resumed at step", WAIT_S, min_count=1)
+    cluster.set_node("host2", "RESUME")
+    cluster.wait_for_nodes("idle", ["host2"], WAIT_S)
+    preempt_at(cluster, job_id, root, output, restarts=1, step=7)
+    done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
+    assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
+    text = output.read_text()
+    runs = runs_of(text)
+    assert [(r.nodes, r.nodelist) for r in runs] == [(2, "host[1-2]"), (1, "host1"),
+                                                     (2, "host[1-2]")], text
+    _assert_resumes_from_newest_commit(runs)
+    first, second = runs[1].resumed_from, runs[2].resumed_from
+    assert first is not None and second is not None
+
+    records = read_metrics(root / METRICS_FILE)
+    assert [r["step"] for r in records] == list(range(1, NUM_STEPS + 1))
+    sizes = [r["world_size"] for r in records]
+    assert sizes == [2] * first + [1] * (second - first) + [2] * (NUM_STEPS - second)
+    # Data position is global: after S steps of 8 samples, S*8 into the 64-sample epochs,
+    # whatever the world size was.
+    for run in runs[1:]:
+        assert run.resumed_from is not None
+        assert (run.resumed_epoch, run.resumed_consumed) == divmod(run.resumed_from * 8, 64)
+    # RNG: shrinking drops rank 1's streams; growing gives the new rank 1 derived ones, said.
+    assert "draws new streams derived from rank 0" in runs[2].text, runs[2].text
+    # Tensors resharded 2 -> 1 -> 2; each checkpoint's lineage names its allocation.
+    by_step = {e.step: e.manifest for e in _entries(root) if e.manifest is not None}
+    assert by_step[first].world_size == 2 and by_step[first].lineage.slurm_nodelist == "host[1-2]"
+    assert by_step[second].world_size == 1 and by_step[second].lineage.slurm_nodelist == "host1"
+    assert by_step[NUM_STEPS].world_size == 2
+    # Before the first shrink the history is the reference's, bit for bit; after it the run
+    # is a correct continuation, not a replay (docs/concepts.md, resharding policy).
+    comparison = compare_runs(reference, root, steps=range(1, first + 1))
+    assert comparison.first_metric_difference is None, comparison
+    print(f"\n[drill 3] world 2 -> 1 -> 2: job {job_id}, resumed at {first} on host1 alone and "
+          f"at {second} on host[1-2]; world sizes {sizes}; final loss "
+          f"{comparison.final_loss:.6f}, largest final weight difference from the reference "
+          f"{comparison.max_weight_difference:.3g}")
+
+
+def test_one_hosts_slow_reads_beyond_the_training_timeout_are_absorbed_by_the_meeting(
+    cluster: NamespaceCluster, reference: Path, tmp_path: Path
+) -> None:
+    root, output = tmp_path / "run", tmp_path / "job.out"
+    delay = TRAIN_TIMEOUT_S * 1.5
+    job_id = submit(cluster, root, output, env={SLOW_READS_VARIABLE: f"host2={delay}"})
+    preempt_at(cluster, job_id, root, output, restarts=0, step=5)
+    done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
+    assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
+    runs = runs_of(output.read_text())
+    assert [r.restart for r in runs] == [0, 1]
+    restored = runs[1].text
+    # host2's rank (rank 1) sat in its first read for longer than the training timeout...
+    assert f"delaying the first storage read on host2" in restored, restored
+    assert "on host1" not in restored.split("delaying")[0][-200:]
+    # ...and the first training collective after the restore still succeeded: no timeout.
+    assert "Timed out" not in restored and "Traceback" not in restored, restored
+    assert runs[1].resumed_from is not None and runs[1].exit_status == 0
+    _assert_bit_identical(reference, root)
+    print(f"\n[drill 4] host2 reads delayed {delay:.0f} s > training timeout "
+          f"{TRAIN_TIMEOUT_S} s: absorbed by the checkpoint-group meeting "
+          f"(timeout {CKPT_TIMEOUT_S} s); resumed at {runs[1].resumed_from}; bit-identical: yes")
