@@ -2,7 +2,8 @@
 
 ``LINGBOT_TEST_SLOW_READS="host2=15"`` (comma-separated ``HOST=SECONDS`` pairs): on a host
 whose name (``socket.gethostname()``) is listed, the first storage read of the process
-(``resumekit.storage.Storage.open`` in a read mode - the start of a restore) is delayed by
+(``resumekit.storage.Storage.open`` in a read mode, outside a save's staging dir: the
+start of a restore) is delayed by
 that many seconds. It plays a NAS that is slow for one host's ranks: the load skew of the
 incident, across hosts. The multi-node drill (``tests/multinode``) sets it beyond the
 training timeout to prove the checkpoint group's meeting absorbs it.
@@ -58,7 +59,9 @@ def install() -> float:
 
     @contextlib.contextmanager
     def slow_open(self: Storage, relative: str, mode: str = "rb") -> Iterator[IO[bytes]]:
-        if "r" in mode and pending:
+        # Reads of a save in progress (its staging dir, ".tmp-") are not slowed: the
+        # fault plays a slow restore.
+        if "r" in mode and pending and ".tmp-" not in relative:
             seconds = pending.pop()
             logger.warning("%s: delaying the first storage read on %s (%s) by %.1f s",
                            SLOW_READS_VARIABLE, host, relative, seconds)

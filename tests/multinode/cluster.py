@@ -328,6 +328,10 @@ class NamespaceCluster(SlurmCluster):
         ]
         return int(self._run(argv).stdout.strip().split(";")[0])
 
+    def update_job(self, job_id: int, *settings: str) -> None:
+        """``scontrol update JobId=job_id <settings>`` (e.g. ``NumNodes=1`` while pending)."""
+        self._run(["scontrol", "update", f"JobId={job_id}", *settings])
+
     def requeue(self, job_id: int) -> None:
         """``scontrol requeue`` a running or finished batch job (keeps its id)."""
         self._run(["scontrol", "requeue", str(job_id)])
