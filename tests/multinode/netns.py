@@ -160,9 +160,11 @@ class HostNetwork:
         """
         if os.geteuid() != 0:
             raise NetworkUnavailableError(f"network namespaces need root; euid is {os.geteuid()}")
-        for program in ("ip", "unshare"):
+        for program in ("ip", "unshare", "nsenter", "mount"):
             if shutil.which(program) is None:
-                raise NetworkUnavailableError(f"`{program}` is not installed (iproute2, util-linux)")
+                raise NetworkUnavailableError(
+                    f"`{program}` is not installed (iproute2, util-linux)"
+                )
         began = time.monotonic()
         cls.remove_leftovers()
         if users := _subnet_users():

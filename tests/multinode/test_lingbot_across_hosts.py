@@ -17,13 +17,17 @@ from pathlib import Path
 import pytest
 
 from examples.lingbot.drill import compare_runs
-from examples.lingbot.train import CHECKPOINT_DIR, CHECKPOINT_NAME_FORMAT, METRICS_FILE, \
-    read_metrics
+from examples.lingbot.faults import SLOW_READS_VARIABLE
+from examples.lingbot.train import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_NAME_FORMAT,
+    METRICS_FILE,
+    read_metrics,
+)
 from resumekit.catalog import list_checkpoints
 from resumekit.layout import NameFormat
 from resumekit.storage import Storage
 from tests.multinode.cluster import NamespaceCluster
-from examples.lingbot.faults import SLOW_READS_VARIABLE
 from tests.multinode.drills import (
     CKPT_TIMEOUT_S,
     NUM_STEPS,
@@ -39,12 +43,11 @@ from tests.multinode.drills import (
     wait_for_run_step,
     wait_requeued,
 )
+from tests.slurm.job_processes import find_worker, frozen
 
 #: What a host1 rank prints when its peer on host2 is gone (gloo names the peer's address).
 LOST_PEER = r"\[rank0\]: ([\w.]+(?:Error|Exception)): (.*)"
 _ADDRESS = r"\[(\d+\.\d+\.\d+\.\d+)\]"
-from tests.slurm.job_processes import find_worker, frozen
-
 pytestmark = [pytest.mark.multinode, pytest.mark.timeout(900)]
 
 
