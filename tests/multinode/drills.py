@@ -177,8 +177,12 @@ def preempt_at(cluster: NamespaceCluster, job_id: int, root: Path, output: Path,
     frozen (SIGSTOP) right after ``step`` and continued once SLURM's signal reached it:
     the preemption lands at that step. Returns the seconds to requeue.
     """
-    wait_for_run_step(cluster, job_id, root, output, restarts=restarts, step=step)
+    if restarts:
+        cluster.wait_for_output(job_id, _RESUMED.pattern, WAIT_S, min_count=restarts)
+    # Found before the step is awaited: scanning /proc takes long on a loaded machine, and
+    # a tiny run would be steps further by then.
     rank0 = find_worker(cluster, job_id, rank=0, module=TRAINER, timeout=WAIT_S)
+    wait_for_step(cluster, job_id, root, step)
     began = time.monotonic()
     with frozen(rank0):
         cluster.preempt()
