@@ -76,6 +76,7 @@ __all__ = [
     "list_checkpoints",
     "locate_tensor_data",
     "open_target",
+    "other_name_checkpoints",
     "read_manifest",
     "select_committed",
     "split_parent",
@@ -435,6 +436,23 @@ def latest_committed(
         if entry.status == "committed"
     ]
     return committed[-1] if committed else None
+
+
+def other_name_checkpoints(storage: Storage, name_format: NameFormat) -> list[str]:
+    """Name the visible directories with a manifest that ``name_format`` does not match.
+
+    Checkpoints written with another ``name_format`` (``step_{step}`` next to a manager
+    of ``checkpoint_step_{step}``): a fresh start next to them is almost always a bug.
+
+    Returns:
+        Their names, sorted.
+    """
+    return sorted(
+        info.name for info in storage.list_dir()
+        if info.is_dir and not info.name.startswith(".")
+        and name_format.parse(info.name) is None
+        and storage.exists(f"{info.name}/{MANIFEST_NAME}")
+    )
 
 
 def verify_checkpoint(

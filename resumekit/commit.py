@@ -92,6 +92,7 @@ __all__ = [
     "pid_gone",
     "read_writer",
     "recover_interrupted",
+    "set_aside",
     "staging_areas",
     "sweep_dead_writers",
 ]
@@ -584,6 +585,39 @@ def recover_interrupted(storage: Storage, name_format: NameFormat) -> list[str]:
     if restored:
         storage.fsync_dir()
     return restored
+
+
+def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
+              ) -> tuple[str | None, str | None]:
+    """Rename a step directory that cannot be restored to a hidden ``.bad-`` name.
+
+    Nothing is deleted: the files stay for forensics, but the step no longer counts as
+    taken, so a resumed run can save that step again. Object stores (no atomic rename)
+    and roots this process cannot write keep the entry; the reason comes back so that
+    the caller's warning can say what to do. Run it on one process (the leader).
+
+    Args:
+        storage: The checkpoint root.
+        name_format: Its step directory names.
+        entry: The step directory to set aside.
+
+    Returns:
+        ``(hidden name, None)`` once set aside, else ``(None, why not)``.
+    """
+    if not storage.atomic_rename:
+        return None, (f"{storage.url} is an object store, where a directory cannot "
+                      f"be renamed atomically: move or delete {entry.path} by hand")
+    aside = name_format.quarantine_name(entry.step, os.urandom(6).hex())
+    try:
+        storage.rename_dir(entry.name, aside)
+    except OSError as error:  # read-only root, another user's root, gone
+        return None, f"renaming it failed: {error}"
+    try:
+        storage.fsync_dir()
+    except OSError as error:
+        logger.warning("resumekit: %s", error)
+    logger.info("resumekit: set %s aside as %s", entry.path, aside)
+    return aside, None
 
 
 def read_writer(storage: Storage, staging: str) -> dict[str, Any] | None:

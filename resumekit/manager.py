@@ -35,18 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import distributed, jsonable, legacy, sharded, weights
-from resumekit.catalog import (
-    BROKEN,
-    CheckpointEntry,
-    ForeignCheckpoint,
-    detect_foreign,
-    import_command,
-    latest_committed,
-    list_checkpoints,
-    verify_checkpoint,
-)
-from resumekit.commit import CommitProtocol, PendingCheckpoint, recover_interrupted
+from resumekit import distributed, jsonable, legacy, restore_plan, sharded, weights
+from resumekit.catalog import CheckpointEntry, latest_committed, list_checkpoints
+from resumekit.commit import CommitProtocol, PendingCheckpoint, set_aside
+from resumekit.compatibility import check_compatibility
 from resumekit.coordination import (
     Coordinator,
     ProcessGroupCoordinator,
@@ -57,25 +49,18 @@ from resumekit.coordination import (
 )
 from resumekit.errors import (
     AsyncSaveError,
-    CheckpointNotFoundError,
     ConfigurationError,
-    CorruptCheckpointError,
     FencedWriterError,
-    ForeignCheckpointError,
     IncompatibleCheckpointError,
-    IncompleteCheckpointError,
-    ManifestError,
     ResumekitError,
     ResumeStepError,
     StepCollisionError,
     StorageError,
-    UnsupportedSchemaError,
 )
 from resumekit.generations import Fence
 from resumekit.layout import (
     DCP_METADATA_FILE,
     DEFAULT_NAME_FORMAT,
-    GENERATIONS_DIR,
     MANIFEST_NAME,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
@@ -89,10 +74,12 @@ from resumekit.manifest import (
     SaveReason,
     checksum_chunks,
 )
-from resumekit.preemption import PreemptionHandler
+from resumekit.preemption import CommitClock, PreemptionHandler
+from resumekit.restore_plan import Survey
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.storage import Storage
+from resumekit.verification import verify_share
 from resumekit.warnings import ResumekitWarning
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
@@ -127,19 +114,6 @@ class _SaveJob:
     manifest: Manifest
     started: float
     background: bool = False  # overlaps training: writer threads at idle CPU priority
-
-
-@dataclass(frozen=True)
-class _Survey:
-    """What restore found in the root.
-
-    Attributes:
-        entries: Its entries, as the catalog lists them.
-        root_foreign: The root itself, when it is another tool's checkpoint.
-    """
-
-    entries: list[CheckpointEntry]
-    root_foreign: ForeignCheckpoint | None = None
 
 
 @dataclass(frozen=True)
@@ -352,15 +326,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
         self._last_commit_time: float | None = None
-        self._last_save_seconds = 0.0
-        # The emergency-save decision, on this process's monotonic clock: (newest step
-        # committed by this process, when training after its capture began), the last
-        # step_end (step, when it returned), the smoothed duration of one step and of the
-        # last blocking save.
-        self._committed_capture: tuple[int, float] | None = None
-        self._step_clock: tuple[int, float] | None = None
-        self._step_seconds: float | None = None
-        self._blocking_save_seconds: float | None = None
+        self._clock = CommitClock()  # the inputs of the emergency-save decision
         self._newest_step: int | None = None
         self._closed = False
         self._background = _BackgroundSave()
@@ -428,7 +394,8 @@ class CheckpointManager:
         (a garbled, missing or unsafe manifest, one naming another step) is set aside
         under a hidden ``.bad-`` name so that its step can be saved again. Ends with every
         rank meeting on the checkpoint group, so ranks that finished loading early wait
-        there (long timeout), never in a training collective.
+        there (long timeout), never in a training collective. The decisions are
+        :mod:`resumekit.restore_plan`'s; this method runs them in order.
 
         Raises:
             CheckpointNotFoundError: ``step`` was asked for and is not committed.
@@ -441,59 +408,32 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        survey: _Survey = run_on_leader(self._main.coordinator, self._survey)
-        entries = self._claim_generation(survey.entries)
-        committed = [e for e in entries if e.status == "committed"]
-        if step is not None:
-            committed = [e for e in committed if e.step == step]
-            if not committed:
-                raise CheckpointNotFoundError(
-                    f"no committed checkpoint of step {step} under {self.storage.path()}",
-                    path=self.storage.path(), step=step,
-                )
+        found: Survey = run_on_leader(self._main.coordinator, lambda: restore_plan.survey(
+            self.storage, self.name_format, recover=not self.read_only))
+        entries = self._claim_generation(found.entries)
+        committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.fallback:
-            self._refuse_broken_newest(entries)
+            restore_plan.refuse_broken_newest(entries)
         restored = self._restore_newest_committed(entries, committed, explicit=step is not None)
-        if restored is not None:
-            self._report_newer_unusable(entries, above=restored)
-            self._report_foreign_next_to(entries, restored)
-            self._finish_restore(f"end of restore from step {restored}")
-            self._resume_guard = self.state.step
-            return self.state.step
-        if step is None:
-            self._refuse_newer_schema(entries, below=None)
-        legacy = [e for e in entries if e.status == "legacy"]
-        if self.import_legacy and legacy and self.state.model is not None:
-            self._import_legacy(legacy[-1])
-            self._report_newer_unusable(entries, above=legacy[-1].step)
-            self._report_foreign_next_to(entries, legacy[-1].step)
-            self._finish_restore(f"end of legacy import from {legacy[-1].name}")
-            self._resume_guard = self.state.step
-            return self.state.step
-        self._refuse_or_ignore_foreign(survey)
-        self._report_newer_unusable(entries, above=-1)
-        self._explain_fresh_start(survey)
-        self._finish_restore("fresh start")
-        return 0
-
-    def _survey(self) -> _Survey:
-        """List the root (on the leader) and check whether it is itself a foreign checkpoint.
-
-        A root passed as ``.../checkpoint-4`` is one (only when it holds nothing committed).
-        """
-        entries = self._recovered_listing()
-        root_foreign = None
-        if not any(e.status == "committed" for e in entries) and self.storage.is_dir():
-            root_foreign = detect_foreign(self.storage)
-        return _Survey(entries, root_foreign)
+        if restored is None:  # nothing committed (an explicit step raised by now)
+            restore_plan.refuse_newer_schema(entries, below=None)
+            restored = self._import_newest_legacy(entries)
+        if restored is None:
+            return self._start_fresh(found, entries)
+        self._report_leftovers(entries, above=restored.step)
+        self._finish_restore(f"end of restore from step {restored.step}"
+                             if restored.status == "committed"
+                             else f"end of legacy import from {restored.name}")
+        self._resume_guard = self.state.step
+        return self.state.step
 
     def _restore_newest_committed(self, entries: list[CheckpointEntry],
                                   committed: list[CheckpointEntry], *, explicit: bool
-                                  ) -> int | None:
+                                  ) -> CheckpointEntry | None:
         """Load the newest of ``committed`` that restores, falling back past bad ones.
 
         Returns:
-            The step restored, or None when ``committed`` is empty.
+            The entry restored, or None when ``committed`` is empty.
         """
         remaining = {e.step for e in entries if e.status == "committed"}
         if remaining:
@@ -501,7 +441,7 @@ class CheckpointManager:
         failures: list[str] = []
         for entry in reversed(committed):
             if not explicit:
-                self._refuse_newer_schema(entries, below=entry)
+                restore_plan.refuse_newer_schema(entries, below=entry)
             try:
                 self._restore_entry(entry)
             except IncompatibleCheckpointError:
@@ -514,7 +454,7 @@ class CheckpointManager:
                 self._newest_step = max(remaining, default=None)
                 continue
             self._newest_step = max(remaining, default=None)
-            return entry.step
+            return entry
         if failures:
             raise ResumekitError(
                 f"no checkpoint under {self.storage.path()} could be restored: "
@@ -524,181 +464,63 @@ class CheckpointManager:
 
     def _unusable_committed(self, entry: CheckpointEntry, error: BaseException, *,
                             explicit: bool) -> tuple[str, bool]:
-        """Decide what a committed checkpoint that failed to restore means; warn.
+        """Judge a committed checkpoint that failed to restore; set it aside and warn.
 
         Returns a one-line account, and whether its step is free again (deleted or set
-        aside), when restore may fall back to the previous checkpoint:
-        the entry was deleted while it was read (another job's retention), or it failed a
-        checksum or a size (then it is set aside when the root allows). Anything else (a
-        storage failure that outlived its retries, unsafe content) is raised: falling back
-        past a checkpoint that stays committed would only collide with it on the next
-        save.
+        aside); raises what may not be fallen back from
+        (:func:`resumekit.restore_plan.judge_failure`).
         """
         gone = run_on_leader(self._main.coordinator, lambda: not self.storage.exists(
             f"{entry.name}/{MANIFEST_NAME}"))
-        if gone:
-            message = (f"{entry.path} (step {entry.step}) was deleted while it was being "
-                       f"restored (another job's retention or prune?): {error}")
-            if not self.fallback or explicit:
-                raise CheckpointNotFoundError(message, path=entry.path,
-                                              step=entry.step) from error
-            self._warn(f"{message}; falling back to the previous checkpoint", stacklevel=5)
-            return f"deleted while it was being restored ({error})", True
-        if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
-            error = IncompleteCheckpointError(
-                f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
-                path=entry.path, file=error.filename, step=entry.step)
-        if not isinstance(error, (CorruptCheckpointError, IncompleteCheckpointError)) or \
-                not self.fallback or explicit:
-            raise error
-        aside, why_not = self._set_aside(entry)
-        where = (f"set aside as {aside}" if aside else
-                 f"it could not be set aside ({why_not}), so saving step {entry.step} again "
-                 "will fail until it is moved out of the root")
-        self._warn(f"checkpoint step {entry.step} ({entry.path}) is unusable ({error}); "
-                   f"{where}; falling back to the previous checkpoint", stacklevel=5)
-        return (f"set aside ({error})" if aside else f"unusable ({error})"), aside is not None
+        unusable = restore_plan.judge_failure(entry, error, gone=gone,
+                                              may_fall_back=self.fallback and not explicit)
+        aside, why_not = (None, None) if unusable.deleted else self._set_aside(entry)
+        self._warn(unusable.warning(aside, why_not), stacklevel=5)
+        return unusable.account(aside), unusable.deleted or aside is not None
 
-    def _refuse_newer_schema(self, entries: list[CheckpointEntry],
-                             below: CheckpointEntry | None) -> None:
-        """Never restore (or start fresh) past a checkpoint a newer resumekit wrote."""
-        floor = -1 if below is None else below.step
-        newer = [e for e in entries if e.defect == "newer-schema" and e.step > floor]
-        if not newer:
-            return
-        newest = newer[-1]
-        instead = "start fresh at step 0" if below is None else \
-            f"fall back to step {below.step}"
-        raise UnsupportedSchemaError(
-            f"{newest.path} (step {newest.step}) was written by a newer resumekit: "
-            f"{newest.problem}. Refusing to {instead} past it: upgrade resumekit to resume "
-            "from it, or move it out of the root to resume without it",
-            path=newest.path, step=newest.step,
-        )
+    def _import_newest_legacy(self, entries: list[CheckpointEntry]) -> CheckpointEntry | None:
+        """Load the weights of the newest weights-only ``checkpoint_step_N``, if allowed."""
+        legacy_entries = [e for e in entries if e.status == "legacy"]
+        if not (self.import_legacy and legacy_entries and self.state.model is not None):
+            return None
+        entry = legacy_entries[-1]
+        legacy.load_weights_only(self.storage, entry.name, self.state.model)
+        self.state.step = entry.step
+        self.resumed_from = entry.step
+        self._newest_step = None
+        self._warn(f"imported weights only from legacy {entry.path} (step {entry.step}): "
+                   "optimizer, scheduler, RNG and data position start fresh - this is NOT "
+                   "an exact resume")
+        return entry
 
-    def _refuse_broken_newest(self, entries: list[CheckpointEntry]) -> None:
-        """Raise for a broken step directory newer than every committed one (no fallback).
+    def _start_fresh(self, found: Survey, entries: list[CheckpointEntry]) -> int:
+        """Nothing to restore: refuse (or warn about) another tool's checkpoint, say why."""
+        ignored = restore_plan.foreign_instead(found, self.storage, policy=self.foreign)
+        if ignored is not None:
+            self._warn(ignored)
+        self._report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
+        if self._main.coordinator.rank == 0:
+            said, warnings_ = restore_plan.fresh_start_account(
+                found, self.storage, self.name_format, import_legacy=self.import_legacy,
+                has_model=self.state.model is not None)
+            logger.info("resumekit: %s", said)
+            for message in warnings_:
+                self._warn(message)
+        self._finish_restore("fresh start")
+        return 0
 
-        With ``fallback=False`` it is an error, not something to restore past.
-        """
-        newest = max((e.step for e in entries if e.status == "committed"), default=-1)
-        broken = [e for e in entries if e.defect in BROKEN and e.step > newest]
-        if broken:
-            entry = broken[-1]
-            raise ManifestError(
-                f"{entry.path} (step {entry.step}) is newer than every committed checkpoint "
-                f"but is not one: {entry.problem} (fallback=False: not restoring an older "
-                "one; move it out of the root or pass fallback=True to set it aside)",
-                path=entry.path, step=entry.step,
-            )
-
-    def _report_newer_unusable(self, entries: list[CheckpointEntry], *, above: int) -> None:
-        """Warn about every own step directory newer than ``above`` that is not usable.
-
-        What is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
-        resumed run can save its step again instead of colliding with it on every requeue;
-        older ones are only logged (they block nothing: steps only increase).
-        """
-        for entry in entries:
-            if entry.defect not in BROKEN and entry.defect not in ("newer-schema",
-                                                                   "unfinished"):
-                continue
-            if entry.step <= above:
-                logger.info("resumekit: ignoring %s, older than the step resumed from: %s",
-                            entry.path, entry.problem)
-                continue
-            if entry.defect == "unfinished":
-                self._warn(f"ignoring {entry.path} (step {entry.step}): {entry.problem}; a "
-                           "save that has not committed (the next save of that step "
-                           "writes a new attempt)")
-                continue
-            if entry.defect == "newer-schema":
-                self._warn(f"ignoring {entry.path} (step {entry.step}), written by a newer "
-                           f"resumekit ({entry.problem}), because an older step was asked "
-                           "for; it is kept")
-                continue
-            aside, why_not = self._set_aside(entry)
-            outcome = (f"set aside as {aside} (kept for inspection) so that step "
-                       f"{entry.step} can be saved again" if aside else
-                       f"it could not be set aside ({why_not}); saving step {entry.step} "
-                       "will fail until it is moved out of the root")
-            self._warn(f"{entry.path} (step {entry.step}) is not a usable checkpoint: "
-                       f"{entry.problem}; {outcome}")
-
-    def _report_foreign_next_to(self, entries: list[CheckpointEntry], restored: int) -> None:
-        """Warn about foreign checkpoints of a newer step than ``restored``; log the others.
-
-        A newer one may hold the run's newest state.
-        """
-        for entry in entries:
-            if entry.status != "foreign":
-                continue
-            if entry.step > restored:
-                self._warn(f"{entry.path} is a {entry.format} checkpoint of step "
-                           f"{entry.step}, newer than step {restored} restored; it is "
-                           f"ignored (convert it with: {import_command(entry, self.storage)})")
+    def _report_leftovers(self, entries: list[CheckpointEntry], *, above: int,
+                          foreign: bool = True, stacklevel: int = 4) -> None:
+        """Say what :func:`resumekit.restore_plan.leftovers` lists; set aside what it says."""
+        for leftover in restore_plan.leftovers(entries, self.storage, above=above,
+                                               foreign=foreign):
+            if leftover.action == "log":
+                logger.info("resumekit: %s", leftover.message)
+            elif leftover.action == "warn":
+                self._warn(leftover.message, stacklevel=stacklevel)
             else:
-                logger.info("resumekit: ignoring the %s checkpoint %s (not resumekit's)",
-                            entry.format, entry.path)
-
-    def _refuse_or_ignore_foreign(self, survey: _Survey) -> None:
-        """No committed checkpoint but another tool's: never start from step 0 silently."""
-        found: list[tuple[str, str, int | None, str]] = [
-            (e.path, str(e.format), None if e.step < 0 else e.step,
-             import_command(e, self.storage))
-            for e in survey.entries if e.status == "foreign"]
-        if survey.root_foreign is not None:
-            root = survey.root_foreign
-            found.append((root.path, root.format, root.step, import_command(
-                root, self.storage, into=_new_root_for(self.storage))))
-        if not found:
-            return
-        path, form, step, command = max(found, key=lambda f: (f[2] is not None, f[2] or 0))
-        others = f" (and {len(found) - 1} more foreign checkpoint(s))" if len(found) > 1 \
-            else ""
-        recorded = f"step {step}" if step is not None else "no step: pass the step it was " \
-            "saved at as --step N"
-        if self.foreign == "ignore":
-            self._warn(f"starting fresh at step 0 although {path} is a {form} checkpoint "
-                       f"({recorded}){others}: foreign='ignore'")
-            return
-        itself = survey.root_foreign is not None and path == survey.root_foreign.path
-        then = f" and use {_new_root_for(self.storage)} as the root" if itself else ""
-        raise ForeignCheckpointError(
-            f"{self.storage.path()} holds no resumekit checkpoint, but {path} is a {form} "
-            f"checkpoint ({recorded}){others}; refusing to start from step 0. Convert it "
-            f"with: {command}{then} - or pass foreign='ignore' to start fresh anyway",
-            path=path, format=form, step=step, command=command,
-        )
-
-    def _explain_fresh_start(self, survey: _Survey) -> None:
-        """Say why a run starts at step 0.
-
-        Info for an empty root, a warning when the root holds anything that is not a
-        committed checkpoint.
-        """
-        if self._main.coordinator.rank != 0:
-            return
-        root = self.storage.path()
-        reported = BROKEN | {"newer-schema", "unfinished"}
-        others = [e for e in survey.entries
-                  if e.status not in ("committed", "foreign") and e.defect not in reported]
-        if not self.storage.exists():
-            logger.info("resumekit: starting fresh at step 0: %s does not exist yet", root)
-        elif not [i for i in self.storage.list_dir() if i.name != GENERATIONS_DIR]:
-            logger.info("resumekit: starting fresh at step 0: %s is empty", root)
-        else:
-            logger.info("resumekit: starting fresh at step 0: %s holds no committed "
-                        "checkpoint (%d entries, none resumekit can resume from)", root,
-                        len(self.storage.list_dir()))
-        if others:
-            listed = "; ".join(f"{e.name} ({e.status}: {e.problem})" for e in others[-5:])
-            reason = (" (import_legacy=False)" if self.import_legacy is False else
-                      " (no model to load weights into)") if any(
-                e.status == "legacy" for e in others) else ""
-            self._warn(f"starting fresh at step 0, but {root} holds entries that are not "
-                       f"committed checkpoints{reason}: {listed}", stacklevel=4)
-        self._warn_about_other_names()
+                self._warn(leftover.warning(*self._set_aside(leftover.entry)),
+                           stacklevel=stacklevel)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         logger.warning("resumekit: %s", message)
@@ -733,145 +555,41 @@ class CheckpointManager:
             self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
         return [entry for entry in entries if entry.name not in zombies]
 
-    def _warn_about_other_names(self) -> None:
-        """A fresh start next to checkpoints of another name format is almost always a bug."""
-        others = [
-            info.name for info in self.storage.list_dir()
-            if info.is_dir and not info.name.startswith(".")
-            and self.name_format.parse(info.name) is None
-            and self.storage.exists(f"{info.name}/{MANIFEST_NAME}")
-        ]
-        if others:
-            self._warn(
-                f"starting fresh at step 0, but {self.storage.path()} holds checkpoints "
-                f"this manager's name_format {self.name_format.template!r} does not match "
-                f"(e.g. {sorted(others)[-1]!r}): pass the name_format they were written with",
-                stacklevel=5,
-            )
-
     def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
-        """Rename a step directory that cannot be restored to a hidden ``.bad-`` name.
-
-        Nothing is deleted: the files stay for forensics, but the step no longer counts as
-        taken, so the resumed run can save that step again. Object stores (no atomic
-        rename) and roots this job cannot write keep the entry; the reason comes back so
-        the warning can say what to do.
+        """Set ``entry`` aside on the leader (:func:`resumekit.commit.set_aside`), unless read-only.
 
         Returns:
             ``(hidden name, None)`` once set aside, else ``(None, why not)``.
         """
         if self.read_only:
             return None, "this manager is read_only: move it out of the root by hand"
-        if not self.storage.atomic_rename:
-            return None, (f"{self.storage.url} is an object store, where a directory cannot "
-                          f"be renamed atomically: move or delete {entry.path} by hand")
-
-        def rename() -> tuple[str | None, str | None]:
-            aside = self.name_format.quarantine_name(entry.step, os.urandom(6).hex())
-            try:
-                self.storage.rename_dir(entry.name, aside)
-            except OSError as error:  # read-only root, another user's root, gone
-                return None, f"renaming it failed: {error}"
-            try:
-                self.storage.fsync_dir()
-            except OSError as error:
-                logger.warning("resumekit: %s", error)
-            logger.info("resumekit: set %s aside as %s", entry.path, aside)
-            return aside, None
-
-        outcome: tuple[str | None, str | None] = run_on_leader(self._main.coordinator,
-                                                               rename)
+        outcome: tuple[str | None, str | None] = run_on_leader(
+            self._main.coordinator, lambda: set_aside(self.storage, self.name_format, entry))
         return outcome
-
-    def _recovered_listing(self) -> list[CheckpointEntry]:
-        """List the root after undoing a replacement a crash cut between its two renames."""
-        if self.storage.is_dir() and not self.read_only:
-            recover_interrupted(self.storage, self.name_format)
-        return self.checkpoints()
-
-    def _verify_before_load(self, name: str, manifest: Manifest) -> None:
-        """Check this rank's share of the files against the manifest before loading.
-
-        Raw tensor files are checked byte by byte while they are read (the checksum of
-        every stored tensor is in DCP's ``.metadata``), so here they only need the right
-        size; the metadata those checksums come from is hashed first, on every rank. Every
-        other file is hashed by one rank.
-        """
-        ranks = self._main.coordinator
-        metadata_path = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
-        first = [entry for entry in manifest.files if entry.path == metadata_path]
-        rest = [entry for entry in manifest.files if entry.path != metadata_path]
-        sizes_only: set[str] = set()
-        if first:
-            verify_checkpoint(self.storage, name,
-                              manifest=manifest.model_copy(update={"files": first}))
-            sizes_only = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
-                self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}"),
-                storage_options=self.storage.storage_options or None)}
-        mine = manifest.model_copy(update={"files": rest[ranks.rank::ranks.world_size]})
-        verify_checkpoint(self.storage, name, manifest=mine, sizes_only=sizes_only)
 
     def _finish_restore(self, reason: str) -> None:
         if self._distributed:
             distributed.meet(self._main.group, reason=reason)
 
     def _restore_entry(self, entry: CheckpointEntry) -> None:
+        """Verify, check and load one committed checkpoint on every rank."""
         manifest = entry.manifest
         assert manifest is not None
-        name = entry.name
+        ranks = self._main.coordinator
         if self.verify_on_restore:
-            run_on_every_rank(self._main.coordinator,
-                              lambda: self._verify_before_load(name, manifest))
-        self._check_compatibility(manifest, entry.path)
-        # A checkpoint converted by ``resumekit import`` holds what the source tool saved
-        # (weights, maybe optimizer and scheduler), never its RNG streams or a data
-        # position: those parts start fresh, named in one warning. Anything else missing
-        # from one of resumekit's own checkpoints stays an error.
-        imported = manifest.reason == SaveReason.IMPORTED
-        with_optimizer = not imported or manifest.state.get("optimizer") is not False
-        tied = _tied_of(manifest)
-        fresh: list[str] = []
-
-        def read() -> None:
-            fresh.clear()
-            tensors = self.state.load_target(tied, optimizer=with_optimizer)
-            if tensors:
-                sharded.load(tensors, self.storage.url_of(
-                                 f"{name}/{manifest.data_path(TENSORS_DIR)}"),
-                             process_group=self._main.group, verify=self.verify_on_restore,
-                             storage_options=self.storage.storage_options or None)
-                self.state.apply_tensor_state(tensors, tied)
-            train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
-            with_scheduler = not imported or train.get("scheduler") is not None
-            self.state.apply_train_state(train, source=self.storage.path(
-                f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
-            saved_world = int(train.get("world_size", manifest.world_size))
-            wanted = {0, self.rank} & set(range(saved_world))
-            saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
-                     for r in sorted(wanted)}
-            with_data = not imported or saved[0].get("data") is not None
-            self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
-                                        world_size=self.world_size, rng=not imported,
-                                        data=with_data)
-            if imported:
-                fresh.extend(part for part, missing in (
-                    ("data position", self.state.data is not None and not with_data),
-                    ("scheduler", self.state.scheduler is not None and not with_scheduler),
-                    ("optimizer", self.state.optimizer is not None and not with_optimizer),
-                    ("RNG", True)) if missing)
-
-        run_on_every_rank(self._main.coordinator, read)
+            run_on_every_rank(ranks, lambda: verify_share(
+                self.storage, entry.name, manifest, rank=ranks.rank,
+                world_size=ranks.world_size))
+        check_compatibility(manifest, entry.path, fingerprint=self._fingerprint(),
+                            world_size=self.world_size, on_mismatch=self.on_mismatch,
+                            stacklevel=4)
+        fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(entry.name,
+                                                                              manifest))
         if fresh:
-            source = (manifest.lineage.imported_from or {}).get("path", "another tool")
-            unrecorded = "" if (manifest.fingerprint or {}).get("config") or \
-                not self.config else "; it records no configuration, so config= is not " \
-                "compared with it"
-            self._warn(
-                f"{entry.path} (step {manifest.step}) was converted by resumekit import "
-                f"from {source}; it holds no {', '.join(fresh)} of that run, so "
-                f"{'they start' if len(fresh) > 1 else 'it starts'} fresh (the weights, "
-                "the step and what else it holds are restored): the run continues, but not "
-                f"exactly as the source run would have{unrecorded}", stacklevel=6)
+            recorded = bool((manifest.fingerprint or {}).get("config"))
+            self._warn(restore_plan.imported_warning(
+                entry, fresh, config_unrecorded=bool(self.config) and not recorded),
+                stacklevel=5)
         self.extras.update(manifest.extras)
         self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
         self.resumed_from = manifest.step
@@ -879,69 +597,46 @@ class CheckpointManager:
         self._last_commit_time = manifest.created_at.timestamp()
         logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
 
+    def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
+        """Read step directory ``name`` into the run's state; return the parts left fresh.
+
+        A checkpoint converted by ``resumekit import`` holds what the source tool saved
+        (weights, maybe optimizer and scheduler), never its RNG streams or a data
+        position: those parts start fresh, and are returned to be named in one warning.
+        Anything else missing from one of resumekit's own checkpoints stays an error.
+        """
+        imported = manifest.reason == SaveReason.IMPORTED
+        with_optimizer = not imported or manifest.state.get("optimizer") is not False
+        tied = _tied_of(manifest)
+        tensors = self.state.load_target(tied, optimizer=with_optimizer)
+        if tensors:
+            sharded.load(tensors, self.storage.url_of(
+                             f"{name}/{manifest.data_path(TENSORS_DIR)}"),
+                         process_group=self._main.group, verify=self.verify_on_restore,
+                         storage_options=self.storage.storage_options or None)
+            self.state.apply_tensor_state(tensors, tied)
+        train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
+        with_scheduler = not imported or train.get("scheduler") is not None
+        self.state.apply_train_state(train, source=self.storage.path(
+            f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
+        saved_world = int(train.get("world_size", manifest.world_size))
+        wanted = {0, self.rank} & set(range(saved_world))
+        saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
+                 for r in sorted(wanted)}
+        with_data = not imported or saved[0].get("data") is not None
+        self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
+                                    world_size=self.world_size, rng=not imported,
+                                    data=with_data)
+        if not imported:
+            return []
+        return [part for part, missing in (
+            ("data position", self.state.data is not None and not with_data),
+            ("scheduler", self.state.scheduler is not None and not with_scheduler),
+            ("optimizer", self.state.optimizer is not None and not with_optimizer),
+            ("RNG", True)) if missing]
+
     def _fingerprint(self) -> dict[str, Any]:
         return {"config": self.config, "params": self.state.fingerprint_params()}
-
-    def _check_compatibility(self, manifest: Manifest, where: str) -> None:
-        saved: dict[str, Any] = dict(manifest.fingerprint or {})
-        now = self._fingerprint()
-        saved_params: dict[str, Any] = saved.get("params") or {}
-        now_params: dict[str, Any] = now["params"]
-        if saved_params and now_params and set(saved_params) != set(now_params):
-            # Fingerprints written before they held DCP's canonical names carry wrapper
-            # atoms (``module.`` of DDP, ``_orig_mod.`` of torch.compile): compare both
-            # sides without them.
-            saved_params = {sharded.canonical_param_name(k): v
-                            for k, v in saved_params.items()}
-            now_params = {sharded.canonical_param_name(k): v for k, v in now_params.items()}
-        if saved_params and now_params:
-            problems = []
-            for key in sorted(set(saved_params) | set(now_params)):
-                if key not in now_params:
-                    problems.append(f"{key}: in the checkpoint, not in the model")
-                elif key not in saved_params:
-                    problems.append(f"{key}: in the model, not in the checkpoint")
-                elif list(saved_params[key]) != now_params[key]:
-                    problems.append(f"{key}: checkpoint {saved_params[key]}, "
-                                    f"model {now_params[key]}")
-            if problems:
-                raise IncompatibleCheckpointError(
-                    f"{where} does not fit the model (nothing was loaded):\n  "
-                    + "\n  ".join(problems), path=where, differences=problems,
-                )
-        # ``resumekit import`` records no configuration unless given one: nothing to
-        # compare (restore's warning about the import says so).
-        unrecorded = manifest.reason == SaveReason.IMPORTED and not saved.get("config")
-        differences = [] if unrecorded else \
-            _dict_diff(saved.get("config") or {}, now["config"], "config")
-        if manifest.world_size != self.world_size:
-            differences.append(f"world_size: checkpoint {manifest.world_size}, "
-                               f"now {self.world_size} (state is resharded)")
-        if not differences or self.on_mismatch == "ignore":
-            return
-        message = f"{where} was written by a different configuration:\n  " + \
-            "\n  ".join(differences)
-        if self.on_mismatch == "error" and any(
-            not d.startswith("world_size") for d in differences
-        ):
-            raise IncompatibleCheckpointError(
-                message + "\n(pass on_mismatch='warn' to resume anyway)",
-                path=where, differences=differences,
-            )
-        warnings.warn(message, ResumekitWarning, stacklevel=3)
-
-    def _import_legacy(self, entry: CheckpointEntry) -> None:
-        assert self.state.model is not None
-        legacy.load_weights_only(self.storage, entry.name, self.state.model)
-        self.state.step = entry.step
-        self.resumed_from = entry.step
-        self._newest_step = None
-        message = (
-            f"imported weights only from legacy {entry.path} (step {entry.step}): optimizer,"
-            " scheduler, RNG and data position start fresh - this is NOT an exact resume"
-        )
-        logger.warning("resumekit: %s", message)
-        warnings.warn(message, ResumekitWarning, stacklevel=3)
 
     # -- saving -------------------------------------------------------------------------
     def step_end(self, step: int, *, micro_step: int = 0) -> bool:
@@ -960,11 +655,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._check_counts_on(step)
-        now = time.monotonic()
-        if self._step_clock is not None and step == self._step_clock[0] + 1:
-            sample = now - self._step_clock[1]  # one step of training (no save inside)
-            self._step_seconds = sample if self._step_seconds is None \
-                else self._step_seconds + 0.2 * (sample - self._step_seconds)
+        self._clock.step_started(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):
                 self._save_for_preemption(step, micro_step)
@@ -973,7 +664,7 @@ class CheckpointManager:
                 self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step)
             return False
         finally:
-            self._step_clock = (step, time.monotonic())
+            self._clock.step_returned(step)
 
     def _check_counts_on(self, step: int) -> None:
         """The first ``step_end`` after a restore must be past the step restore returned."""
@@ -1003,37 +694,12 @@ class CheckpointManager:
             logger.info("resumekit: preempted at save_every step %d: saving it blocking",
                         step)
         elif self.preemption is not None and self.preemption.should_skip_emergency_save(
-            self._training_seconds_since_commit(step), self._expected_save_seconds(),
+            self._clock.training_seconds_since_commit(step, newest),
+            self._clock.expected_save_seconds(),
             steps_since_last_commit=None if newest is None else step - newest,
         ):
             return
         self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True)
-
-    def _training_seconds_since_commit(self, step: int) -> float | None:
-        """Seconds of training since the newest commit's state was captured, or None.
-
-        Monotonic, in this process: from when :meth:`save` handed control back to the
-        trainer (an asynchronous save: right after staging, not when the background
-        commit finished). After a restore, before this process committed anything: the
-        steps since the restored step times the measured step time (unknown before one
-        step was timed). Never a wall-clock difference: a checkpoint written on a host
-        whose clock runs ahead would look like it came from the future.
-        """
-        newest = self.last_saved_step
-        if newest is None:
-            return None
-        committed = self._committed_capture
-        if committed is not None and committed[0] == newest:
-            return time.monotonic() - committed[1]
-        if self._step_seconds is None or step < newest:
-            return None
-        return (step - newest) * self._step_seconds
-
-    def _expected_save_seconds(self) -> float:
-        """How long a blocking save takes: the last one's duration, else the last save's."""
-        if self._blocking_save_seconds is not None:
-            return self._blocking_save_seconds
-        return self._last_save_seconds
 
     def save(
         self,
@@ -1101,7 +767,7 @@ class CheckpointManager:
             def write_in_background() -> None:
                 with activity(f"background save of step {step}", step=step):
                     self._write(job, self._saver)
-                self._committed_capture = (step, resumed)
+                self._clock.captured(step, resumed)
 
             self._background.submit(step, write_in_background)
             return
@@ -1109,8 +775,8 @@ class CheckpointManager:
             self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
                         self._main)
         self._newest_step = step
-        self._blocking_save_seconds = time.monotonic() - started
-        self._committed_capture = (step, time.monotonic())
+        self._clock.blocking_save_took(time.monotonic() - started)
+        self._clock.captured(step, time.monotonic())
 
     def _write(self, job: _SaveJob, channel: _Channel) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator
@@ -1131,10 +797,10 @@ class CheckpointManager:
             self._active_tokens.discard(pending.token)
         self.last_saved_step = job.step
         self._last_commit_time = time.time()
-        self._last_save_seconds = time.monotonic() - job.started
+        self._clock.last_save_seconds = time.monotonic() - job.started
         self._apply_retention(job.step, coordinator)
         logger.info("resumekit: committed step %d in %.2fs", job.step,
-                    self._last_save_seconds)
+                    self._clock.last_save_seconds)
 
     def _apply_retention(self, step: int, coordinator: Coordinator) -> None:
         """Prune on rank 0 after ``step`` is committed; report problems on every rank.
@@ -1413,26 +1079,6 @@ def _tied_of(manifest: Manifest) -> dict[str, str]:
     return {str(alias): str(kept) for alias, kept in tied.items()}
 
 
-def _new_root_for(storage: Storage) -> str:
-    """Where to import a root that is itself a foreign checkpoint: a sibling directory."""
-    return f"{storage.url_of().rstrip('/')}-resumekit"
-
-
 def _launcher() -> str | None:
     context = distributed.current_context()
     return None if context is None else str(context.launcher)
-
-
-def _dict_diff(saved: Mapping[str, Any], now: Mapping[str, Any], prefix: str) -> list[str]:
-    differences = []
-    for key in sorted(set(saved) | set(now)):
-        where = f"{prefix}.{key}"
-        if key not in now:
-            differences.append(f"{where}: {saved[key]!r} in the checkpoint, absent now")
-        elif key not in saved:
-            differences.append(f"{where}: absent in the checkpoint, {now[key]!r} now")
-        elif isinstance(saved[key], Mapping) and isinstance(now[key], Mapping):
-            differences.extend(_dict_diff(saved[key], now[key], where))
-        elif saved[key] != now[key]:
-            differences.append(f"{where}: checkpoint {saved[key]!r}, now {now[key]!r}")
-    return differences

@@ -50,10 +50,13 @@ from resumekit.warnings import ResumekitWarning
 __all__ = [
     "DEFAULT_SIGNALS",
     "EXIT_CODE_PREEMPTED",
+    "REQUEUE_SIGNALS",
     "SAVE_TIME_MARGIN",
+    "CommitClock",
     "EmergencySaveSkippedWarning",
     "PreemptionHandler",
     "SignalRecord",
+    "requeue_after_signal",
     "requeue_slurm_job",
 ]
 
@@ -615,6 +618,78 @@ class PreemptionHandler:
         return ", ".join(parts)
 
 
+class CommitClock:
+    """The inputs of the emergency-save decision, measured by a checkpoint manager.
+
+    :meth:`PreemptionHandler.should_skip_emergency_save` needs the training time since
+    the newest commit's state was captured and how long a save takes. The manager tells
+    this clock when each step ends and each save returns or commits; everything is on this
+    process's monotonic clock, never a wall-clock difference (a checkpoint written on a
+    host whose clock runs ahead would look like it came from the future).
+    """
+
+    def __init__(self) -> None:
+        # (newest step committed by this process, when training after its capture began)
+        self._committed_capture: tuple[int, float] | None = None
+        # The last step_end: (step, when it returned).
+        self._step_clock: tuple[int, float] | None = None
+        self._step_seconds: float | None = None  # smoothed duration of one step
+        self._blocking_save_seconds: float | None = None  # the last blocking save
+        self.last_save_seconds = 0.0
+        """Duration of the last save that committed (any kind), in seconds."""
+
+    def step_started(self, step: int) -> None:
+        """Call on entering ``step_end(step)``: times the step that just ended.
+
+        Only a step right after the previous ``step_end`` counts (one step of training,
+        no save inside).
+        """
+        clock = self._step_clock
+        if clock is not None and step == clock[0] + 1:
+            self._step_seconds = _smoothed(self._step_seconds, time.monotonic() - clock[1])
+
+    def step_returned(self, step: int) -> None:
+        """Call when ``step_end(step)`` returns (training resumes now)."""
+        self._step_clock = (step, time.monotonic())
+
+    def captured(self, step: int, training_resumed: float) -> None:
+        """Step ``step`` committed; training after its capture resumed at ``training_resumed``.
+
+        For an asynchronous save that is right after staging, not when the background
+        commit finished.
+        """
+        self._committed_capture = (step, training_resumed)
+
+    def blocking_save_took(self, seconds: float) -> None:
+        """A blocking save (capture to commit) took ``seconds``."""
+        self._blocking_save_seconds = seconds
+
+    def training_seconds_since_commit(self, step: int, newest: int | None) -> float | None:
+        """Seconds of training since the newest commit's state was captured, or None.
+
+        Args:
+            step: The step now (the one an emergency save would write).
+            newest: The newest committed step (None: none).
+
+        After a restore, before this process committed anything: the steps since the
+        restored step times the measured step time (unknown before one step was timed).
+        """
+        if newest is None:
+            return None
+        committed = self._committed_capture
+        if committed is not None and committed[0] == newest:
+            return time.monotonic() - committed[1]
+        if self._step_seconds is None or step < newest:
+            return None
+        return (step - newest) * self._step_seconds
+
+    def expected_save_seconds(self) -> float:
+        """How long a blocking save takes: the last one's duration, else the last save's."""
+        if self._blocking_save_seconds is not None:
+            return self._blocking_save_seconds
+        return self.last_save_seconds
+
+
 _NOTHING_NEW, _NO_TIME, _RECENT = 1, 2, 4
 
 
@@ -697,3 +772,55 @@ def requeue_slurm_job(
         )
     logger.warning("requeued SLURM job %s", job)
     return True
+
+
+REQUEUE_SIGNALS: Final = (signal.SIGUSR1,)
+"""Signals after which SLURM does not requeue a job by itself: SIGUSR1, the usual
+``sbatch --signal=B:USR1@<seconds>`` time-limit warning. A SIGTERM preemption under
+``PreemptMode=REQUEUE`` is requeued by SLURM."""
+
+
+def requeue_after_signal(
+    preemption: PreemptionHandler,
+    *,
+    signals: Iterable[signal.Signals | int | str] = REQUEUE_SIGNALS,
+    job_id: str | None = None,
+    scontrol: str = "scontrol",
+    timeout: float = 60.0,
+) -> bool:
+    """Requeue the SLURM job only if this process received one of ``signals``.
+
+    The exit policy of a preempted SLURM job: a preemption (SIGTERM) is requeued by SLURM
+    itself, but the time-limit warning of ``sbatch --signal=B:USR1@<seconds>`` is not - the
+    job would simply end at its time limit. Call it once the emergency save is committed,
+    last, just before exiting with :data:`EXIT_CODE_PREEMPTED` (requeueing a running job
+    ends it at once; :func:`resumekit.shutdown` first is fine)::
+
+        if ckpt.step_end(step + 1):
+            ckpt.close()
+            requeue_after_signal(preemption)
+            sys.exit(EXIT_CODE_PREEMPTED)
+
+    Args:
+        preemption: The handler whose received signals decide.
+        signals: The signals that call for a requeue (default :data:`REQUEUE_SIGNALS`).
+        job_id: The job to requeue; default ``SLURM_JOB_ID``.
+        scontrol: The ``scontrol`` executable.
+        timeout: Seconds to wait for ``scontrol``.
+
+    Returns:
+        True if the job was requeued; False when none of ``signals`` was received
+        (logged), and as :func:`requeue_slurm_job` returns it (ranks other than 0, no
+        SLURM job).
+
+    Raises:
+        PreemptionError: ``scontrol`` is missing, timed out, or refused.
+    """
+    wanted = {_as_signal(value) for value in signals}
+    received = [record.name for record in preemption.received]
+    if not any(record.signum in wanted for record in preemption.received):
+        logger.info("not requeueing: the signal(s) received (%s) are not among %s; the "
+                    "scheduler requeues (or ends) the job", ", ".join(received) or "none",
+                    ", ".join(sorted(s.name for s in wanted)))
+        return False
+    return requeue_slurm_job(job_id=job_id, scontrol=scontrol, timeout=timeout)

@@ -1,0 +1,438 @@
+"""What a restore does with each entry of a root: load, fall back, set aside, warn, refuse.
+
+The decisions of :meth:`resumekit.CheckpointManager.restore`, as functions of what the
+catalog lists, so that each is read and tested without a manager, a model or a process
+group. The manager runs them in this order and does what they say (it loads, sets aside
+through :func:`resumekit.commit.set_aside`, warns and logs):
+
+1. :func:`survey` the root (leader only): undo an interrupted replacement, list it, and
+   check whether the root itself is another tool's checkpoint;
+2. :func:`candidates`: the committed checkpoints it may load, newest last (only the one
+   of an explicit ``step``);
+3. refuse what must never be restored past: :func:`refuse_broken_newest` (with
+   ``fallback=False``), :func:`refuse_newer_schema` (a newer resumekit's checkpoint);
+4. load the newest candidate; :func:`judge_failure` says whether a failed one may be
+   fallen back from, and whether it is set aside;
+5. :func:`leftovers`: every entry newer than the step restored that is not usable, and
+   every newer foreign checkpoint, is warned about (broken ones set aside); older ones
+   are logged;
+6. with nothing restored: :func:`foreign_instead` (never start from step 0 next to
+   another tool's checkpoint without saying so) and :func:`fresh_start_account` (why the
+   run starts at step 0).
+
+Nothing here runs a collective or touches torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from resumekit.catalog import (
+    BROKEN,
+    CheckpointEntry,
+    ForeignCheckpoint,
+    detect_foreign,
+    import_command,
+    list_checkpoints,
+    other_name_checkpoints,
+)
+from resumekit.commit import recover_interrupted
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    ResumekitError,
+    UnsupportedSchemaError,
+)
+from resumekit.layout import GENERATIONS_DIR, NameFormat
+from resumekit.storage import Storage
+
+__all__ = [
+    "Leftover",
+    "Survey",
+    "Unusable",
+    "candidates",
+    "foreign_instead",
+    "fresh_start_account",
+    "imported_warning",
+    "judge_failure",
+    "leftovers",
+    "new_root_for",
+    "refuse_broken_newest",
+    "refuse_newer_schema",
+    "survey",
+]
+
+#: Defects that :func:`leftovers` reports on their own (and the fresh-start account
+#: leaves out).
+_REPORTED = BROKEN | {"newer-schema", "unfinished"}
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What restore found in the root.
+
+    Attributes:
+        entries: Its entries, as the catalog lists them.
+        root_foreign: The root itself, when it is another tool's checkpoint.
+    """
+
+    entries: list[CheckpointEntry]
+    root_foreign: ForeignCheckpoint | None = None
+
+
+def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True) -> Survey:
+    """List the root; check whether it is itself a foreign checkpoint (leader only).
+
+    Args:
+        storage: The checkpoint root.
+        name_format: Its step directory names.
+        recover: First undo a replacement a crash cut between its two renames
+            (:func:`resumekit.commit.recover_interrupted`); False for a read-only restore.
+
+    A root passed as ``.../checkpoint-4`` is a foreign one only when it holds nothing
+    committed.
+    """
+    if recover and storage.is_dir():
+        recover_interrupted(storage, name_format)
+    entries = list_checkpoints(storage, name_format)
+    root_foreign = None
+    if not any(e.status == "committed" for e in entries) and storage.is_dir():
+        root_foreign = detect_foreign(storage)
+    return Survey(entries, root_foreign)
+
+
+def candidates(entries: Sequence[CheckpointEntry], step: int | None, *, root: str
+               ) -> list[CheckpointEntry]:
+    """The committed checkpoints a restore may load, oldest first.
+
+    Args:
+        entries: The root's entries.
+        step: The step asked for (None: any).
+        root: The root's path, for the error.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` was asked for and is not committed.
+    """
+    committed = [e for e in entries if e.status == "committed"]
+    if step is None:
+        return committed
+    chosen = [e for e in committed if e.step == step]
+    if not chosen:
+        raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {root}",
+                                      path=root, step=step)
+    return chosen
+
+
+def refuse_newer_schema(entries: Sequence[CheckpointEntry],
+                        below: CheckpointEntry | None) -> None:
+    """Never restore ``below`` (or start fresh: None) past a checkpoint a newer resumekit wrote.
+
+    Raises:
+        UnsupportedSchemaError: There is such a checkpoint newer than ``below``.
+    """
+    floor = -1 if below is None else below.step
+    newer = [e for e in entries if e.defect == "newer-schema" and e.step > floor]
+    if not newer:
+        return
+    newest = newer[-1]
+    instead = "start fresh at step 0" if below is None else \
+        f"fall back to step {below.step}"
+    raise UnsupportedSchemaError(
+        f"{newest.path} (step {newest.step}) was written by a newer resumekit: "
+        f"{newest.problem}. Refusing to {instead} past it: upgrade resumekit to resume "
+        "from it, or move it out of the root to resume without it",
+        path=newest.path, step=newest.step,
+    )
+
+
+def refuse_broken_newest(entries: Sequence[CheckpointEntry]) -> None:
+    """Refuse a broken step directory newer than every committed one (``fallback=False``).
+
+    Raises:
+        ManifestError: There is one; it names it and its problem.
+    """
+    newest = max((e.step for e in entries if e.status == "committed"), default=-1)
+    broken = [e for e in entries if e.defect in BROKEN and e.step > newest]
+    if broken:
+        entry = broken[-1]
+        raise ManifestError(
+            f"{entry.path} (step {entry.step}) is newer than every committed checkpoint "
+            f"but is not one: {entry.problem} (fallback=False: not restoring an older "
+            "one; move it out of the root or pass fallback=True to set it aside)",
+            path=entry.path, step=entry.step,
+        )
+
+
+@dataclass(frozen=True)
+class Unusable:
+    """A committed checkpoint that failed to restore and may be fallen back from.
+
+    Attributes:
+        entry: The checkpoint.
+        error: Why it failed.
+        deleted: It was deleted while it was read (its step is free; nothing to set
+            aside); else it failed a checksum or a size and is to be set aside.
+    """
+
+    entry: CheckpointEntry
+    error: BaseException
+    deleted: bool
+
+    def warning(self, aside: str | None, why_not: str | None) -> str:
+        """The warning, once setting it aside gave ``aside`` (or failed: ``why_not``)."""
+        entry = self.entry
+        if self.deleted:
+            return (f"{_deleted(entry, self.error)}; falling back to the previous "
+                    "checkpoint")
+        where = (f"set aside as {aside}" if aside else
+                 f"it could not be set aside ({why_not}), so saving step {entry.step} again "
+                 "will fail until it is moved out of the root")
+        return (f"checkpoint step {entry.step} ({entry.path}) is unusable ({self.error}); "
+                f"{where}; falling back to the previous checkpoint")
+
+    def account(self, aside: str | None) -> str:
+        """One line for the error raised when every candidate failed."""
+        if self.deleted:
+            return f"deleted while it was being restored ({self.error})"
+        return f"set aside ({self.error})" if aside else f"unusable ({self.error})"
+
+
+def _deleted(entry: CheckpointEntry, error: BaseException) -> str:
+    return (f"{entry.path} (step {entry.step}) was deleted while it was being "
+            f"restored (another job's retention or prune?): {error}")
+
+
+def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
+                  may_fall_back: bool) -> Unusable:
+    """Decide what a committed checkpoint that failed to restore means.
+
+    Restore may fall back to the previous checkpoint only when the step is free again:
+    the entry was deleted while it was read (another job's retention), or it failed a
+    checksum or a size (it is then set aside). Anything else (a storage failure that
+    outlived its retries, unsafe content) is raised: falling back past a checkpoint that
+    stays committed would only collide with it on the next save.
+
+    Args:
+        entry: The checkpoint.
+        error: Why loading it failed.
+        gone: Its manifest no longer exists.
+        may_fall_back: ``fallback`` is on and no explicit step was asked for.
+
+    Raises:
+        CheckpointNotFoundError: It was deleted and restore may not fall back.
+        ResumekitError: ``error`` itself (a bare ``FileNotFoundError`` as an
+            :class:`~resumekit.errors.IncompleteCheckpointError` naming the file), when
+            restore may not fall back past it.
+    """
+    if gone:
+        if not may_fall_back:
+            raise CheckpointNotFoundError(_deleted(entry, error), path=entry.path,
+                                          step=entry.step) from error
+        return Unusable(entry, error, deleted=True)
+    if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
+        error = IncompleteCheckpointError(
+            f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
+            path=entry.path, file=error.filename, step=entry.step)
+    if not isinstance(error, (CorruptCheckpointError, IncompleteCheckpointError)) or \
+            not may_fall_back:
+        raise error
+    return Unusable(entry, error, deleted=False)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """An entry restore did not load and must say something about.
+
+    Attributes:
+        entry: The entry.
+        action: ``"log"`` (info only: older than the step restored, or an older foreign
+            checkpoint), ``"warn"``, or ``"set-aside"`` (provably broken and newer: set
+            it aside, then warn with :meth:`warning`).
+        message: What to log or warn (for ``set-aside``: the start of the warning).
+    """
+
+    entry: CheckpointEntry
+    action: Literal["log", "warn", "set-aside"]
+    message: str
+
+    def warning(self, aside: str | None, why_not: str | None) -> str:
+        """The warning of a ``set-aside`` leftover, once setting it aside was tried."""
+        entry = self.entry
+        outcome = (f"set aside as {aside} (kept for inspection) so that step "
+                   f"{entry.step} can be saved again" if aside else
+                   f"it could not be set aside ({why_not}); saving step {entry.step} "
+                   "will fail until it is moved out of the root")
+        return f"{self.message}; {outcome}"
+
+
+def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: int,
+              foreign: bool = True) -> list[Leftover]:
+    """What restore says about the entries it did not load, in the order to say it.
+
+    Every own step directory newer than ``above`` that is not usable is warned about;
+    what is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
+    resumed run can save its step again instead of colliding with it on every requeue;
+    older ones are only logged (they block nothing: steps only increase). Then (with
+    ``foreign``) every foreign checkpoint of a newer step is warned about (it may hold
+    the run's newest state), the others logged.
+
+    Args:
+        entries: The root's entries.
+        storage: The root (for the ``resumekit import`` commands).
+        above: The step restored (-1: none).
+        foreign: Also report foreign checkpoints.
+    """
+    found = [_own_leftover(entry, above) for entry in entries
+             if entry.defect in _REPORTED]
+    if foreign:
+        found.extend(_foreign_leftover(entry, above, storage) for entry in entries
+                     if entry.status == "foreign")
+    return found
+
+
+def _own_leftover(entry: CheckpointEntry, above: int) -> Leftover:
+    if entry.step <= above:
+        return Leftover(entry, "log", f"ignoring {entry.path}, older than the step resumed "
+                        f"from: {entry.problem}")
+    if entry.defect == "unfinished":
+        return Leftover(entry, "warn", f"ignoring {entry.path} (step {entry.step}): "
+                        f"{entry.problem}; a save that has not committed (the next save of "
+                        "that step writes a new attempt)")
+    if entry.defect == "newer-schema":
+        return Leftover(entry, "warn", f"ignoring {entry.path} (step {entry.step}), written "
+                        f"by a newer resumekit ({entry.problem}), because an older step was "
+                        "asked for; it is kept")
+    return Leftover(entry, "set-aside", f"{entry.path} (step {entry.step}) is not a usable "
+                    f"checkpoint: {entry.problem}")
+
+
+def _foreign_leftover(entry: CheckpointEntry, restored: int, storage: Storage) -> Leftover:
+    if entry.step > restored:
+        return Leftover(entry, "warn", f"{entry.path} is a {entry.format} checkpoint of step "
+                        f"{entry.step}, newer than step {restored} restored; it is ignored "
+                        f"(convert it with: {import_command(entry, storage)})")
+    return Leftover(entry, "log", f"ignoring the {entry.format} checkpoint {entry.path} (not "
+                    "resumekit's)")
+
+
+def new_root_for(storage: Storage) -> str:
+    """Where to import a root that is itself a foreign checkpoint: a sibling directory."""
+    return f"{storage.url_of().rstrip('/')}-resumekit"
+
+
+def foreign_instead(found: Survey, storage: Storage, *,
+                    policy: Literal["error", "ignore"]) -> str | None:
+    """Nothing restored but another tool's checkpoint is there: never start silently.
+
+    Args:
+        found: The survey of the root.
+        storage: The root.
+        policy: The manager's ``foreign``.
+
+    Returns:
+        The warning to give before starting at step 0 (``policy="ignore"``), or None
+        when there is no foreign checkpoint.
+
+    Raises:
+        ForeignCheckpointError: There is one and ``policy="error"``; the message gives
+            the ``resumekit import`` command that converts the newest.
+    """
+    listed: list[tuple[str, str, int | None, str]] = [
+        (e.path, str(e.format), None if e.step < 0 else e.step, import_command(e, storage))
+        for e in found.entries if e.status == "foreign"]
+    if found.root_foreign is not None:
+        root = found.root_foreign
+        listed.append((root.path, root.format, root.step, import_command(
+            root, storage, into=new_root_for(storage))))
+    if not listed:
+        return None
+    path, form, step, command = max(listed, key=lambda f: (f[2] is not None, f[2] or 0))
+    others = f" (and {len(listed) - 1} more foreign checkpoint(s))" if len(listed) > 1 \
+        else ""
+    recorded = f"step {step}" if step is not None else "no step: pass the step it was " \
+        "saved at as --step N"
+    if policy == "ignore":
+        return (f"starting fresh at step 0 although {path} is a {form} checkpoint "
+                f"({recorded}){others}: foreign='ignore'")
+    itself = found.root_foreign is not None and path == found.root_foreign.path
+    then = f" and use {new_root_for(storage)} as the root" if itself else ""
+    raise ForeignCheckpointError(
+        f"{storage.path()} holds no resumekit checkpoint, but {path} is a {form} "
+        f"checkpoint ({recorded}){others}; refusing to start from step 0. Convert it "
+        f"with: {command}{then} - or pass foreign='ignore' to start fresh anyway",
+        path=path, format=form, step=step, command=command,
+    )
+
+
+def fresh_start_account(found: Survey, storage: Storage, name_format: NameFormat, *,
+                        import_legacy: bool, has_model: bool) -> tuple[str, list[str]]:
+    """Say why a run starts at step 0 (leader only: it lists the root).
+
+    Args:
+        found: The survey of the root.
+        storage: The root.
+        name_format: The manager's step directory names.
+        import_legacy: The manager's ``import_legacy``.
+        has_model: Whether the manager has a model to import legacy weights into.
+
+    Returns:
+        The line to log (an empty root, a root that does not exist yet, or one that holds
+        nothing resumable), and the warnings to give: the root holds entries that are not
+        committed checkpoints (besides those :func:`leftovers` reported), or checkpoints
+        of another ``name_format``.
+    """
+    root = storage.path()
+    if not storage.exists():
+        return f"starting fresh at step 0: {root} does not exist yet", []
+    listing = storage.list_dir()
+    if not [info for info in listing if info.name != GENERATIONS_DIR]:
+        said = f"starting fresh at step 0: {root} is empty"
+    else:
+        said = (f"starting fresh at step 0: {root} holds no committed checkpoint "
+                f"({len(listing)} entries, none resumekit can resume from)")
+    warnings: list[str] = []
+    others = [e for e in found.entries
+              if e.status not in ("committed", "foreign") and e.defect not in _REPORTED]
+    if others:
+        listed = "; ".join(f"{e.name} ({e.status}: {e.problem})" for e in others[-5:])
+        reason = ""
+        if any(e.status == "legacy" for e in others):
+            reason = " (import_legacy=False)" if not import_legacy else \
+                " (no model to load weights into)"
+        warnings.append(f"starting fresh at step 0, but {root} holds entries that are not "
+                        f"committed checkpoints{reason}: {listed}")
+    named = other_name_checkpoints(storage, name_format)
+    if named:
+        warnings.append(
+            f"starting fresh at step 0, but {root} holds checkpoints this manager's "
+            f"name_format {name_format.template!r} does not match (e.g. {named[-1]!r}): "
+            "pass the name_format they were written with")
+    return said, warnings
+
+
+def imported_warning(entry: CheckpointEntry, fresh: Sequence[str], *,
+                     config_unrecorded: bool) -> str:
+    """The one warning of a restore from a checkpoint ``resumekit import`` converted.
+
+    Args:
+        entry: The checkpoint restored.
+        fresh: The parts of the state it does not hold, which start fresh (``"RNG"``,
+            ``"data position"``, ...).
+        config_unrecorded: It records no configuration although this run has one (so
+            ``config=`` was not compared with it).
+    """
+    assert entry.manifest is not None
+    manifest = entry.manifest
+    source = (manifest.lineage.imported_from or {}).get("path", "another tool")
+    unrecorded = "; it records no configuration, so config= is not compared with it" \
+        if config_unrecorded else ""
+    return (f"{entry.path} (step {manifest.step}) was converted by resumekit import "
+            f"from {source}; it holds no {', '.join(fresh)} of that run, so "
+            f"{'they start' if len(fresh) > 1 else 'it starts'} fresh (the weights, "
+            "the step and what else it holds are restored): the run continues, but not "
+            f"exactly as the source run would have{unrecorded}")

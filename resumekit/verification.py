@@ -1,0 +1,52 @@
+"""Which rank checks which file of a checkpoint before it is loaded.
+
+Restore checks every byte it loads against the manifest (``verify_on_restore``). The work
+is split so that no rank reads a file twice and no rank waits long for the others:
+
+1. ``tensors/.metadata`` is hashed first, on every rank: it holds the per-block checksums
+   of the raw tensor files (:mod:`resumekit.raw_tensor_files`);
+2. those raw tensor files then only need the size the manifest records: every block is
+   checked against its checksum while it is read (:func:`resumekit.sharded.load`);
+3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
+   by exactly one rank: rank ``r`` of ``n`` takes the manifest's files ``r, r + n, ...``.
+
+The checks themselves are :func:`resumekit.catalog.verify_checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+from resumekit import sharded
+from resumekit.catalog import verify_checkpoint
+from resumekit.layout import DCP_METADATA_FILE, TENSORS_DIR
+from resumekit.manifest import Manifest
+from resumekit.storage import Storage
+
+__all__ = ["verify_share"]
+
+
+def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int,
+                 world_size: int) -> None:
+    """Check rank ``rank``'s share of step directory ``name`` against ``manifest``.
+
+    Args:
+        storage: The checkpoint root.
+        name: The step directory, relative to the root.
+        manifest: Its manifest.
+        rank: This rank, of ``world_size``.
+        world_size: The ranks that share the work (each calls this).
+
+    Raises:
+        CorruptCheckpointError: A checksum or a size differs.
+        IncompleteCheckpointError: A file the manifest lists is missing.
+    """
+    metadata_path = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
+    first = [entry for entry in manifest.files if entry.path == metadata_path]
+    rest = [entry for entry in manifest.files if entry.path != metadata_path]
+    sizes_only: set[str] = set()
+    if first:
+        verify_checkpoint(storage, name, manifest=manifest.model_copy(update={"files": first}))
+        sizes_only = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
+            storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}"),
+            storage_options=storage.storage_options or None)}
+    mine = manifest.model_copy(update={"files": rest[rank::world_size]})
+    verify_checkpoint(storage, name, manifest=mine, sizes_only=sizes_only)
