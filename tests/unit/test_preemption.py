@@ -17,8 +17,10 @@ import pytest
 from resumekit.errors import ConfigurationError, PreemptionError
 from resumekit.preemption import (
     EXIT_CODE_PREEMPTED,
+    CommitClock,
     EmergencySaveSkippedWarning,
     PreemptionHandler,
+    requeue_after_signal,
     requeue_slurm_job,
 )
 from resumekit.warnings import ResumekitWarning
@@ -315,3 +317,72 @@ def test_after_shutdown_only_the_launchers_rank_zero_requeues(
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert requeue_slurm_job(scontrol=scontrol)
     assert calls.read_text().split() == ["requeue", "111882"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_the_job_is_requeued_after_the_time_limit_warning_and_left_to_slurm_after_sigterm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, previous_handlers: Recorder,
+    sig: signal.Signals,
+) -> None:
+    calls = tmp_path / "calls"
+    scontrol = _fake_scontrol(tmp_path, f'echo "$@" >> {calls}')
+    monkeypatch.setenv("SLURM_JOB_ID", "111859")
+    with PreemptionHandler() as handler:
+        os.kill(os.getpid(), sig)
+        assert handler.requested
+        requeued = requeue_after_signal(handler, scontrol=scontrol)
+    assert requeued is (sig == signal.SIGUSR1)
+    assert calls.exists() is (sig == signal.SIGUSR1)
+    if requeued:
+        assert calls.read_text().split() == ["requeue", "111859"]
+
+
+def test_no_signal_no_requeue_and_the_signals_that_requeue_can_be_chosen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, previous_handlers: Recorder,
+) -> None:
+    calls = tmp_path / "calls"
+    scontrol = _fake_scontrol(tmp_path, f'echo "$@" >> {calls}')
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    with PreemptionHandler() as handler:
+        assert not requeue_after_signal(handler, scontrol=scontrol)  # nothing received
+        handler.request()  # from code: no signal at all
+        assert not requeue_after_signal(handler, scontrol=scontrol)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert requeue_after_signal(handler, signals=("TERM",), scontrol=scontrol)
+    assert calls.read_text().split() == ["requeue", "7"]
+
+
+def test_a_refused_requeue_after_sigusr1_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, previous_handlers: Recorder,
+) -> None:
+    scontrol = _fake_scontrol(tmp_path, 'echo "Job is not requeueable" >&2; exit 1')
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    with PreemptionHandler() as handler:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(PreemptionError, match="not requeueable"):
+            requeue_after_signal(handler, scontrol=scontrol)
+
+
+def test_the_commit_clock_counts_training_time_from_the_capture_or_from_the_step_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    clock = CommitClock()
+    assert clock.training_seconds_since_commit(5, None) is None  # nothing committed
+    assert clock.training_seconds_since_commit(5, 3) is None  # restored, no step timed
+    clock.step_returned(3)
+    now[0] = 102.0
+    clock.step_started(4)  # one step of 2 s
+    clock.step_returned(4)
+    assert clock.training_seconds_since_commit(5, 3) == pytest.approx(4.0)  # 2 steps x 2 s
+    now[0] = 110.0
+    clock.step_started(6)  # not the next step: a gap is not a step time
+    assert clock.training_seconds_since_commit(5, 3) == pytest.approx(4.0)
+    clock.captured(6, 111.0)
+    now[0] = 113.5
+    assert clock.training_seconds_since_commit(6, 6) == pytest.approx(2.5)
+    clock.last_save_seconds = 7.0
+    assert clock.expected_save_seconds() == 7.0  # no blocking save measured yet
+    clock.blocking_save_took(3.0)
+    assert clock.expected_save_seconds() == 3.0

@@ -1,0 +1,182 @@
+"""What a restore does with each entry, decided without a manager, a model or torch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from resumekit import restore_plan
+from resumekit.catalog import CheckpointEntry, Defect, Status
+from resumekit.commit import set_aside
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    IncompleteCheckpointError,
+    ManifestError,
+    StorageError,
+    UnsupportedSchemaError,
+)
+from resumekit.layout import NameFormat
+from resumekit.storage import Storage
+
+FORMAT = NameFormat("step_{step:09d}")
+
+
+def _entry(step: int, status: Status = "committed", defect: Defect | None = None, *,
+           problem: str | None = None, form: str | None = None) -> CheckpointEntry:
+    name = FORMAT.build(step) if form is None else f"checkpoint-{step}"
+    return CheckpointEntry(step, name, f"/root/{name}", status, problem=problem,
+                           defect=defect, format=form)  # type: ignore[arg-type]
+
+
+def test_an_explicit_step_that_is_not_committed_is_an_error_naming_it() -> None:
+    entries = [_entry(1), _entry(2, "corrupt", "bad-manifest"), _entry(3)]
+    assert [e.step for e in restore_plan.candidates(entries, None, root="/root")] == [1, 3]
+    assert [e.step for e in restore_plan.candidates(entries, 1, root="/root")] == [1]
+    with pytest.raises(CheckpointNotFoundError, match="no committed checkpoint of step 2 "
+                       "under /root") as caught:
+        restore_plan.candidates(entries, 2, root="/root")
+    assert caught.value.step == 2
+
+
+def test_a_newer_schema_is_refused_only_when_it_is_above_what_would_be_restored() -> None:
+    entries = [_entry(1), _entry(2, "corrupt", "newer-schema", problem="schema 9"), _entry(3)]
+    restore_plan.refuse_newer_schema(entries, below=entries[2])  # step 3 is newer: fine
+    with pytest.raises(UnsupportedSchemaError, match=r"step 2.*schema 9.*fall back to step 1"):
+        restore_plan.refuse_newer_schema(entries, below=entries[0])
+    with pytest.raises(UnsupportedSchemaError, match="start fresh at step 0"):
+        restore_plan.refuse_newer_schema(entries, below=None)
+
+
+def test_without_fallback_a_broken_newest_step_directory_is_refused_an_older_one_not() -> None:
+    older = [_entry(1, "partial", "empty", problem="empty"), _entry(2)]
+    restore_plan.refuse_broken_newest(older)
+    newer = [_entry(2), _entry(3, "corrupt", "bad-manifest", problem="not JSON")]
+    with pytest.raises(ManifestError, match=r"step 3.*not JSON.*fallback=False") as caught:
+        restore_plan.refuse_broken_newest(newer)
+    assert caught.value.step == 3
+
+
+def test_each_leftover_is_logged_warned_or_set_aside_by_its_step_and_defect() -> None:
+    entries = [
+        _entry(1, "corrupt", "bad-manifest", problem="old garbage"),
+        _entry(2),
+        _entry(3, "partial", "staging", problem="a staging area"),
+        _entry(4, "partial", "unfinished", problem="no manifest yet"),
+        _entry(5, "corrupt", "newer-schema", problem="schema 9"),
+        _entry(6, "partial", "no-manifest", problem="files but no manifest"),
+        _entry(1, "foreign", form="hf-trainer"),
+        _entry(7, "foreign", form="hf-trainer"),
+    ]
+    found = restore_plan.leftovers(entries, Storage("/root"), above=2)
+    assert [(f.entry.step, f.entry.status, f.action) for f in found] == [
+        (1, "corrupt", "log"), (4, "partial", "warn"), (5, "corrupt", "warn"),
+        (6, "partial", "set-aside"), (1, "foreign", "log"), (7, "foreign", "warn"),
+    ]
+    assert "older than the step resumed from: old garbage" in found[0].message
+    assert "--format hf-trainer" in found[-1].message  # the command that converts it
+    aside = found[3].warning(".bad-step_000000006-x", None)
+    assert "files but no manifest; set aside as .bad-step_000000006-x" in aside
+    kept = found[3].warning(None, "renaming it failed: EROFS")
+    assert "could not be set aside (renaming it failed: EROFS)" in kept
+    own_only = restore_plan.leftovers(entries, Storage("/root"), above=-1, foreign=False)
+    assert all(f.entry.status != "foreign" for f in own_only)
+    assert own_only[0].action == "set-aside"  # step 1 is above a fresh start
+
+
+def test_a_failed_checkpoint_is_fallen_back_from_only_when_its_step_is_free_again() -> None:
+    entry = _entry(7)
+    deleted = restore_plan.judge_failure(entry, StorageError("gone"), gone=True,
+                                         may_fall_back=True)
+    assert deleted.deleted and "deleted while it was being restored" in deleted.warning(None,
+                                                                                        None)
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was being restored"):
+        restore_plan.judge_failure(entry, StorageError("gone"), gone=True, may_fall_back=False)
+    missing = restore_plan.judge_failure(
+        entry, FileNotFoundError(2, "No such file", "tensors/__0_0.distcp"), gone=False,
+        may_fall_back=True)
+    assert isinstance(missing.error, IncompleteCheckpointError)
+    assert "is missing tensors/__0_0.distcp" in str(missing.error)
+    assert missing.account("aside").startswith("set aside (")
+    corrupt = CorruptCheckpointError("checksum of train_state.pt differs")
+    with pytest.raises(CorruptCheckpointError):  # fallback=False or an explicit step
+        restore_plan.judge_failure(entry, corrupt, gone=False, may_fall_back=False)
+    with pytest.raises(StorageError, match="timed out"):  # the checkpoint stays committed
+        restore_plan.judge_failure(entry, StorageError("timed out"), gone=False,
+                                   may_fall_back=True)
+
+
+def _hf_trainer_checkpoint(root: Path, step: int) -> None:
+    folder = root / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / "model.safetensors").write_bytes(b"x")
+
+
+def test_a_fresh_start_next_to_another_tools_checkpoint_is_refused_or_warned(
+    tmp_path: Path,
+) -> None:
+    storage = Storage(tmp_path)
+    assert restore_plan.foreign_instead(restore_plan.survey(storage, FORMAT), storage,
+                                        policy="error") is None
+    _hf_trainer_checkpoint(tmp_path, 4)
+    _hf_trainer_checkpoint(tmp_path, 9)
+    found = restore_plan.survey(storage, FORMAT)
+    with pytest.raises(ForeignCheckpointError, match=r"checkpoint-9 is a hf-trainer "
+                       r"checkpoint \(step 9\) \(and 1 more") as caught:
+        restore_plan.foreign_instead(found, storage, policy="error")
+    assert caught.value.command.startswith("resumekit import ")
+    warning = restore_plan.foreign_instead(found, storage, policy="ignore")
+    assert warning is not None and "foreign='ignore'" in warning
+
+
+def test_a_root_that_is_itself_a_foreign_checkpoint_is_imported_next_to_it(
+    tmp_path: Path,
+) -> None:
+    _hf_trainer_checkpoint(tmp_path, 4)
+    storage = Storage(tmp_path / "checkpoint-4")
+    found = restore_plan.survey(storage, FORMAT)
+    assert found.root_foreign is not None
+    with pytest.raises(ForeignCheckpointError, match="checkpoint-4-resumekit as the root"):
+        restore_plan.foreign_instead(found, storage, policy="error")
+
+
+def test_a_fresh_start_says_why_and_warns_about_what_the_root_holds(tmp_path: Path) -> None:
+    missing = Storage(tmp_path / "nothing")
+    said, warned = restore_plan.fresh_start_account(
+        restore_plan.survey(missing, FORMAT), missing, FORMAT, import_legacy=True,
+        has_model=True)
+    assert said.endswith("does not exist yet") and warned == []
+    storage = Storage(tmp_path)
+    said, warned = restore_plan.fresh_start_account(
+        restore_plan.survey(storage, FORMAT), storage, FORMAT, import_legacy=True,
+        has_model=True)
+    assert said.endswith("is empty") and warned == []
+    (tmp_path / "ckpt-3").mkdir()
+    (tmp_path / "ckpt-3" / "manifest.json").write_text("{}")
+    (tmp_path / ".tmp-step_000000004-abc").mkdir()  # a staging area: not reported here
+    said, warned = restore_plan.fresh_start_account(
+        restore_plan.survey(storage, FORMAT), storage, FORMAT, import_legacy=True,
+        has_model=True)
+    assert "holds no committed checkpoint" in said
+    assert any("name_format 'step_{step:09d}' does not match (e.g. 'ckpt-3')" in w
+               for w in warned)
+
+
+def test_a_broken_step_directory_is_set_aside_under_a_hidden_name_and_its_step_freed(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "step_000000005").mkdir()
+    storage = Storage(tmp_path)
+    [entry] = restore_plan.survey(storage, FORMAT).entries
+    assert entry.defect == "empty"
+    aside, why_not = set_aside(storage, FORMAT, entry)
+    assert why_not is None and aside is not None and aside.startswith(".step_000000005.bad-")
+    assert (tmp_path / aside).is_dir() and not (tmp_path / "step_000000005").exists()
+    [after] = restore_plan.survey(storage, FORMAT).entries
+    assert after.defect == "set-aside"  # hidden: step 5 can be saved again
+    again, why_not = set_aside(storage, FORMAT, entry)  # gone now: the reason comes back
+    assert again is None and why_not is not None and "renaming it failed" in why_not
