@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from resumekit.preemption import (
         EXIT_CODE_PREEMPTED,
         PreemptionHandler,
+        requeue_after_signal,
         requeue_slurm_job,
     )
     from resumekit.retention import (
@@ -149,6 +150,7 @@ _EXPORTS: dict[str, str] = {
     "meet": "resumekit.distributed",
     "prune": "resumekit.retention",
     "read_manifest": "resumekit.catalog",
+    "requeue_after_signal": "resumekit.preemption",
     "requeue_slurm_job": "resumekit.preemption",
     "restore_rng": "resumekit.rng",
     "select_rank_rng": "resumekit.rng",
@@ -207,6 +209,7 @@ __all__ = [
     "meet",
     "prune",
     "read_manifest",
+    "requeue_after_signal",
     "requeue_slurm_job",
     "restore_rng",
     "select_rank_rng",

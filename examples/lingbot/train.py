@@ -47,7 +47,6 @@ import json
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -72,13 +71,22 @@ from examples.lingbot.errors import ConfigError
 from examples.lingbot.faults import install as install_test_faults
 from examples.lingbot.model import LingBotVA, shard_model
 from examples.lingbot.recipe import build_optimizer, build_scheduler, flow_matching_step
-from resumekit.distributed import DistributedContext, init_distributed, shutdown
-from resumekit.errors import PreemptionError
+from resumekit import (
+    EXIT_CODE_PREEMPTED,
+    CheckpointManager,
+    DistributedContext,
+    PreemptionError,
+    PreemptionHandler,
+    ResumableDistributedSampler,
+    RetentionPolicy,
+    init_distributed,
+    keep_all,
+    keep_every,
+    keep_last,
+    requeue_after_signal,
+    shutdown,
+)
 from resumekit.export import export_checkpoint
-from resumekit.manager import CheckpointManager
-from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_slurm_job
-from resumekit.retention import RetentionPolicy, keep_all, keep_every, keep_last
-from resumekit.sampler import ResumableDistributedSampler
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -434,12 +442,86 @@ def _wandb_run(enabled: bool, ckpt: CheckpointManager, config: LingBotConfig,
                       name=f"lingbot-{config.name}")
 
 
-def _requeue() -> None:
-    """Requeue the SLURM job; a failure is logged, the committed checkpoint stays valid."""
-    try:
-        requeue_slurm_job()
-    except PreemptionError as error:
-        logger.error("could not requeue the job (%s); resubmit it to resume", error)
+def _init(args: argparse.Namespace) -> DistributedContext:
+    """Start the process group (short training timeout) and choose the kernels."""
+    if args.deterministic:
+        # cuBLAS reads this when its first handle is created: set it before any CUDA work.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    context = init_distributed(timeout=args.timeout, checkpoint_timeout=args.checkpoint_timeout,
+                               device=args.device)
+    if context.device.type == "cpu":
+        # Bit-identical resumes on CPU: one thread per rank, deterministic kernels.
+        torch.set_num_threads(args.threads)
+        torch.use_deterministic_algorithms(True)
+    elif args.deterministic:
+        torch.use_deterministic_algorithms(True)
+    return context
+
+
+def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBotConfig,
+               world_size: int, scheduler: Any, sampler: ResumableDistributedSampler) -> None:
+    """Say how this launch starts: fresh, resumed (and what), or already finished."""
+    if ckpt.finished and start >= config.train.num_steps:
+        # A relaunch of a finished run (its final checkpoint restored): nothing to train,
+        # and the job exits 0.
+        logger.info("run already finished at step %d (final checkpoint): nothing to train",
+                    start)
+    elif ckpt.resumed_from is None:
+        logger.info("fresh start: step 0 of %d on %d rank(s)", config.train.num_steps,
+                    world_size)
+    else:
+        logger.info("resumed at step %d: weights, AdamW state, lr schedule (lr %.3g), RNG "
+                    "streams and data position (epoch %d, %d samples consumed); %d metric "
+                    "record(s) after step %d dropped", start, scheduler.get_last_lr()[0],
+                    sampler.epoch, sampler.consumed, dropped, start)
+
+
+def _optimizer_step(model: LingBotVA, optimizer: torch.optim.Optimizer, scheduler: Any,
+                    batches: MicroBatches, noise: torch.Generator, config: LingBotConfig,
+                    context: DistributedContext) -> dict[str, float]:
+    """One optimizer step over ``grad_accum_steps`` micro-batches; its losses, lr and norm."""
+    tcfg = config.train
+    model.train()
+    sums = torch.zeros(3, dtype=torch.float64)
+    for micro in range(tcfg.grad_accum_steps):
+        if isinstance(model, FSDPModule):
+            model.set_requires_gradient_sync(micro == tcfg.grad_accum_steps - 1)
+        batch = next(batches)
+        terms = flow_matching_step(model, batch, noise, frame_patch=config.model.patch_size[0],
+                                   action_loss_weight=tcfg.action_loss_weight)
+        (terms.loss / tcfg.grad_accum_steps).backward()
+        batches.sampler.advance(int(batch["latents"].shape[0]))
+        sums += torch.stack([t.detach().double().cpu() for t in terms])
+    max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
+    grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    sums /= tcfg.grad_accum_steps
+    if context.is_distributed:
+        dist.all_reduce(sums)
+        sums /= context.world_size
+    loss, latent_loss, action_loss = sums.tolist()
+    return {"loss": loss, "latent_loss": latent_loss, "action_loss": action_loss, "lr": lr,
+            "grad_norm": float(grad_norm)}
+
+
+def _say_preempted(ckpt: CheckpointManager, preemption: PreemptionHandler, step: int) -> None:
+    signals = "/".join(dict.fromkeys(r.name for r in preemption.received)) or "another rank's"
+    saved = (f"saved checkpoint_step_{step}" if ckpt.last_saved_step == step
+             else f"emergency save skipped, newest checkpoint is step {ckpt.last_saved_step}")
+    logger.warning("preempted at step %d (%s signal): %s; exiting with status %d; rerun the "
+                   "same command to resume", step, signals, saved, EXIT_CODE_PREEMPTED)
+
+
+def _export(args: argparse.Namespace) -> None:
+    """``--export``: the newest checkpoint as the upstream bf16 inference layout."""
+    exported = export_checkpoint(
+        args.save_root / CHECKPOINT_DIR, out=args.export, dtype="bf16", layout="diffusers",
+        name_format=CHECKPOINT_NAME_FORMAT, overwrite=True)
+    logger.info("exported step %d (%d tensors, bf16) to %s", exported.step, exported.tensors,
+                Path(exported.out) / exported.files[0])
 
 
 def train(args: argparse.Namespace) -> int:
@@ -449,142 +531,80 @@ def train(args: argparse.Namespace) -> int:
         0 when the run reached ``num_steps``; ``EXIT_CODE_PREEMPTED`` (75) after a
         preemption checkpoint.
     """
-    if args.deterministic:
-        # cuBLAS reads this when its first handle is created: set it before any CUDA work.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    context = init_distributed(timeout=args.timeout, checkpoint_timeout=args.checkpoint_timeout,
-                               device=args.device)
-    leader = context.is_leader
-    if context.device.type == "cpu":
-        # Bit-identical resumes on CPU: one thread per rank, deterministic kernels.
-        torch.set_num_threads(args.threads)
-        torch.use_deterministic_algorithms(True)
-    elif args.deterministic:
-        torch.use_deterministic_algorithms(True)
-    config = resolve_config(args.config, world_size=context.world_size,
-                            num_steps=args.num_steps, save_interval=args.save_interval,
-                            seed=args.seed)
-    config = _with_dtype(config, args.dtype, context.device)
-    tcfg = config.train
-    save_root: Path = args.save_root
+    context = _init(args)
+    config = _with_dtype(resolve_config(
+        args.config, world_size=context.world_size, num_steps=args.num_steps,
+        save_interval=args.save_interval, seed=args.seed), args.dtype, context.device)
+    tcfg, leader = config.train, context.is_leader
     if leader:
-        save_root.mkdir(parents=True, exist_ok=True)
-
+        args.save_root.mkdir(parents=True, exist_ok=True)
     model = _build_model(config, context)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim)
     dataset = _dataset(config, args.data_dir)
     sampler = ResumableDistributedSampler(dataset, seed=tcfg.seed)
     noise = torch.Generator(device=context.device).manual_seed(tcfg.noise_seed + context.rank)
-    preemption = PreemptionHandler(grace_period=args.grace_period).install()
+    preemption = PreemptionHandler(grace_period=args.grace_period)  # the manager installs it
     ckpt = CheckpointManager(
-        save_root / CHECKPOINT_DIR, model=model, optimizer=optimizer, scheduler=scheduler,
-        data=sampler, generators={"noise": noise},
-        extras={"config_name": config.name},
+        args.save_root / CHECKPOINT_DIR, model=model, optimizer=optimizer,
+        scheduler=scheduler, data=sampler,
+        generators={"noise": noise}, extras={"config_name": config.name},
         save_every=tcfg.save_interval, retention=_retention(args),
         name_format=CHECKPOINT_NAME_FORMAT, async_save=args.async_save,
         config=recipe_fingerprint(config), preemption=preemption,
     )
-    metrics = MetricsLog(save_root / METRICS_FILE, enabled=leader)
+    metrics = MetricsLog(args.save_root / METRICS_FILE, enabled=leader)
     progress: Any = None
+    status = 0
     try:
         start = ckpt.restore()
         dropped = metrics.truncate_after(start)
         if leader:
-            if ckpt.finished and start >= tcfg.num_steps:
-                # A relaunch of a finished run (its final checkpoint restored): the loop
-                # below trains nothing and the job exits 0.
-                logger.info("run already finished at step %d (final checkpoint): nothing "
-                            "to train", start)
-            elif ckpt.resumed_from is None:
-                logger.info("fresh start: step 0 of %d on %d rank(s)", tcfg.num_steps,
-                            context.world_size)
-            else:
-                logger.info(
-                    "resumed at step %d: weights, AdamW state, lr schedule (lr %.3g), RNG "
-                    "streams and data position (epoch %d, %d samples consumed); %d metric "
-                    "record(s) after step %d dropped",
-                    start, scheduler.get_last_lr()[0], sampler.epoch, sampler.consumed,
-                    dropped, start)
+            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler)
         run = _wandb_run(args.wandb, ckpt, config, leader)
         batches = MicroBatches(dataset, sampler, tcfg.micro_batch_size, context.device)
         progress = tqdm(total=tcfg.num_steps, initial=start, file=sys.stderr,
                         disable=not leader or args.no_progress, desc=f"lingbot {config.name}",
                         unit="step", dynamic_ncols=True, mininterval=0.5)
-        frame_patch = config.model.patch_size[0]
-        max_norm = config.optim.grad_clip if config.optim.grad_clip > 0 else math.inf
-        for step in range(start, tcfg.num_steps):
-            model.train()
-            sums = torch.zeros(3, dtype=torch.float64)
-            for micro in range(tcfg.grad_accum_steps):
-                last = micro == tcfg.grad_accum_steps - 1
-                if isinstance(model, FSDPModule):
-                    model.set_requires_gradient_sync(last)
-                batch = next(batches)
-                terms = flow_matching_step(model, batch, noise, frame_patch=frame_patch,
-                                           action_loss_weight=tcfg.action_loss_weight)
-                (terms.loss / tcfg.grad_accum_steps).backward()
-                sampler.advance(int(batch["latents"].shape[0]))
-                sums += torch.stack([t.detach().double().cpu() for t in terms])
-            grad_norm = _full(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            sums /= tcfg.grad_accum_steps
-            if context.is_distributed:
-                dist.all_reduce(sums)
-                sums /= context.world_size
-            loss, latent_loss, action_loss = sums.tolist()
-            done = step + 1
-            record = {"step": done, "loss": loss, "latent_loss": latent_loss,
-                      "action_loss": action_loss, "lr": lr, "grad_norm": float(grad_norm),
+        for step in range(start + 1, tcfg.num_steps + 1):  # step: optimizer steps done
+            record = {"step": step, **_optimizer_step(model, optimizer, scheduler, batches,
+                                                      noise, config, context),
                       "epoch": sampler.epoch, "world_size": context.world_size}
             metrics.append(record)
             if run is not None:
-                run.log({k: v for k, v in record.items() if k != "step"}, step=done)
+                run.log({k: v for k, v in record.items() if k != "step"}, step=step)
             progress.update(1)
-            progress.set_postfix(loss=f"{loss:.4f}", refresh=False)
-            if done == tcfg.num_steps:
-                ckpt.finish(done)  # the last step is committed, as reason "final"
-                break
-            if ckpt.step_end(done):
-                signals = "/".join(dict.fromkeys(r.name for r in preemption.received)) \
-                    or "another rank's"
+            progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            if step == tcfg.num_steps:
+                ckpt.finish(step)  # the last step is committed, as reason "final"
+            elif ckpt.step_end(step):  # a preemption checkpoint of `step` is committed
                 if leader:
-                    saved = (f"saved checkpoint_step_{done}" if ckpt.last_saved_step == done
-                             else "emergency save skipped, newest checkpoint is step "
-                                  f"{ckpt.last_saved_step}")
-                    logger.warning("preempted at step %d (%s signal): %s; exiting with status "
-                                   "%d; rerun the same command to resume", done, signals,
-                                   saved, EXIT_CODE_PREEMPTED)
-                progress.close()
-                metrics.close()
-                ckpt.close()
-                preemption.uninstall()
-                shutdown()
-                # Rank 0 only, and after shutdown(): requeueing ends the job at once.
-                if leader and args.requeue_on_signal and any(
-                        r.signum == signal.SIGUSR1 for r in preemption.received):
-                    _requeue()
-                return EXIT_CODE_PREEMPTED
+                    _say_preempted(ckpt, preemption, step)
+                status = EXIT_CODE_PREEMPTED
+                break
         ckpt.wait()
-        if args.export is not None and leader:
-            exported = export_checkpoint(
-                save_root / CHECKPOINT_DIR, out=args.export, dtype="bf16", layout="diffusers",
-                name_format=CHECKPOINT_NAME_FORMAT, overwrite=True)
-            logger.info("exported step %d (%d tensors, bf16) to %s", exported.step,
-                        exported.tensors, Path(exported.out) / exported.files[0])
-        if run is not None:
-            run.finish()
+        if status == 0 and args.export is not None and leader:
+            _export(args)
+        if status == 0 and run is not None:
+            run.finish()  # after a preemption the run stays open for the resume
     finally:
         if progress is not None:
             progress.close()
         metrics.close()
-    ckpt.close()
-    preemption.uninstall()
+    # Not reached on an error: closing meets the other ranks, and one of them may be gone.
+    ckpt.close()  # also removes the preemption handler
     shutdown()
-    return 0
+    if status == EXIT_CODE_PREEMPTED and args.requeue_on_signal:
+        _requeue(preemption)  # last, and rank 0 only: requeueing ends the job at once
+    return status
+
+
+def _requeue(preemption: PreemptionHandler) -> None:
+    """Requeue after SIGUSR1 (SLURM does not); a failure is logged, the checkpoint stays."""
+    try:
+        requeue_after_signal(preemption)
+    except PreemptionError as error:
+        logger.error("could not requeue the job (%s); resubmit it to resume", error)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
