@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import math
 import os
@@ -44,7 +43,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -55,21 +53,22 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
-from resumekit import sharded
-from resumekit.catalog import list_checkpoints
-from resumekit.errors import ResumekitError
-from resumekit.layout import NameFormat
-from resumekit.preemption import EXIT_CODE_PREEMPTED
-from resumekit.state import TENSORS_DIR
-from resumekit.storage import Storage
+from resumekit import (
+    EXIT_CODE_PREEMPTED,
+    CheckpointEntry,
+    NameFormat,
+    ResumekitError,
+    Storage,
+    list_checkpoints,
+)
 
 __all__ = [
     "DrillError",
     "Launch",
     "RunComparison",
     "Segment",
-    "checkpoint_chain",
     "compare_runs",
+    "diff_checkpoints",
     "kill_tree",
     "main",
     "process_tree",
@@ -202,7 +201,7 @@ def wait_for_step(metrics: Path, step: int, process: subprocess.Popen[bytes],
         time.sleep(POLL_SECONDS)
 
 
-def _committed(save_root: Path) -> list[Any]:
+def _committed(save_root: Path) -> list[CheckpointEntry]:
     root = save_root / CHECKPOINT_DIR
     if not root.exists():
         return []
@@ -260,8 +259,10 @@ def run_segment(run: str, index: int, launch: Launch, *, interruption: str | Non
     segment.last_step = _newest_step(metrics)
     committed = _committed(launch.save_root)
     if committed:
-        segment.newest_checkpoint = committed[-1].step
-        segment.newest_reason = str(committed[-1].manifest.reason.value)
+        newest = committed[-1]
+        assert newest.manifest is not None
+        segment.newest_checkpoint = newest.step
+        segment.newest_reason = str(newest.manifest.reason.value)
     if interruption is None and process.returncode != 0:
         raise DrillError(f"{run} launch {index} failed with status {process.returncode}; "
                          f"see {log_path}", segment=f"{run}{index}")
@@ -300,17 +301,37 @@ class RunComparison:
         return self.first_metric_difference is None and self.tensors_different == 0
 
 
-def _final_tensors_dir(save_root: Path) -> Path:
-    committed = _committed(save_root)
-    if not committed:
-        raise DrillError(f"no committed checkpoint under {save_root / CHECKPOINT_DIR}",
-                         segment=str(save_root))
-    return Path(committed[-1].path) / TENSORS_DIR
+def _resumekit(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``resumekit`` command line on checkpoints of the LingBot name format."""
+    return subprocess.run(
+        [sys.executable, "-m", "resumekit", *args, "--name-format", CHECKPOINT_NAME_FORMAT,
+         "--no-progress"], cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+        timeout=600)
+
+
+def diff_checkpoints(reference: Path, other: Path) -> dict[str, Any]:
+    """``resumekit diff --json`` of two runs' newest checkpoints (bitwise).
+
+    Raises:
+        DrillError: The command failed (not for differences: they are its answer).
+    """
+    roots = [str(run / CHECKPOINT_DIR) for run in (reference, other)]
+    completed = _resumekit("diff", *roots, "--json")
+    try:
+        document: dict[str, Any] = json.loads(completed.stdout)
+    except json.JSONDecodeError:
+        raise DrillError(f"resumekit diff {' '.join(roots)} failed with status "
+                         f"{completed.returncode}: {completed.stderr.strip()}",
+                         segment=str(other)) from None
+    return document
 
 
 def compare_runs(reference: Path, other: Path, *, steps: range | None = None
                  ) -> RunComparison:
     """Compare ``other``'s metrics and newest checkpoint with ``reference``'s, bitwise.
+
+    The metrics are compared here; the checkpoints by ``resumekit diff`` (every tensor of
+    the model and optimizer, consolidated one at a time).
 
     Args:
         reference: Run directory of the uninterrupted run.
@@ -337,55 +358,16 @@ def compare_runs(reference: Path, other: Path, *, steps: range | None = None
                      for s in set(ref_records) & set(records)), default=math.inf)
     final_loss = records[max(records)]["loss"] if records else math.nan
 
-    ref_dir, other_dir = _final_tensors_dir(reference), _final_tensors_dir(other)
-    ref_index = sharded.read_tensor_index(ref_dir)
-    other_index = sharded.read_tensor_index(other_dir)
-    different = sorted(set(ref_index) ^ set(other_index))
-    max_weight = 0.0
-    common = [name for name in ref_index if name in other_index]
-    for (name, want), (_, have) in zip(sharded.iter_full_tensors(ref_dir, common),
-                                       sharded.iter_full_tensors(other_dir, common),
-                                       strict=True):
-        if want.shape != have.shape or want.dtype != have.dtype or not torch.equal(want, have):
-            different.append(name)
-        if name.startswith("model.") and want.shape == have.shape:
-            delta = (want.double() - have.double()).abs().max().item() if want.numel() else 0.0
-            max_weight = max(max_weight, delta)
+    diff = diff_checkpoints(reference, other)
+    tensors = [d for d in diff["differences"] if d["section"] == "tensor"]
+    weights = [float(d["max_abs_diff"]) for d in tensors
+               if d["key"].startswith("model.") and d["max_abs_diff"] is not None]
     return RunComparison(
         steps=len(records), first_metric_difference=first, max_loss_difference=loss_diff,
-        final_loss=final_loss, tensors_compared=len(common), tensors_different=len(different),
-        max_weight_difference=max_weight, different_tensors=different[:10],
+        final_loss=final_loss, tensors_compared=diff["compared"]["tensors"],
+        tensors_different=len(tensors), max_weight_difference=max(weights, default=0.0),
+        different_tensors=[d["key"] for d in tensors][:10],
     )
-
-
-def checkpoint_chain(save_root: Path) -> Table:
-    """The checkpoint chain of a run as a table (step, status, reason, writer, parent)."""
-    table = Table(title=f"checkpoint chain of {save_root / CHECKPOINT_DIR}")
-    for column in ("checkpoint", "status", "reason", "world size", "resumed from",
-                   "writer pid", "size"):
-        table.add_column(column)
-    root = save_root / CHECKPOINT_DIR
-    for entry in list_checkpoints(Storage(root), NameFormat(CHECKPOINT_NAME_FORMAT)):
-        manifest = entry.manifest
-        if manifest is None:
-            table.add_row(entry.name, entry.status, entry.problem or "", "", "", "", "")
-            continue
-        parent = manifest.lineage.resumed_from_step
-        table.add_row(entry.name, entry.status, manifest.reason.value,
-                      str(manifest.world_size), "-" if parent is None else str(parent),
-                      str(manifest.lineage.pid), f"{manifest.total_bytes / 1e6:.2f} MB")
-    return table
-
-
-def _inspect_cli(save_root: Path) -> str | None:
-    """Output of ``python -m resumekit inspect`` if that CLI exists, else None."""
-    if importlib.util.find_spec("resumekit.__main__") is None:
-        return None
-    completed = subprocess.run(
-        [sys.executable, "-m", "resumekit", "inspect", str(save_root / CHECKPOINT_DIR)],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=False, timeout=120,
-    )
-    return completed.stdout + completed.stderr
 
 
 # --------------------------------------------------------------------------- plotting
@@ -539,14 +521,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{comparison.max_weight_difference:.3g}", verdict,
         )
     console.print(table)
-    console.rule("checkpoint chain of run B")
-    cli = _inspect_cli(roots["B"])
-    if cli is not None:
-        console.print(cli)
-    else:
-        console.print("(`python -m resumekit inspect` is not available yet; listing with "
-                      "resumekit.catalog.list_checkpoints)")
-        console.print(checkpoint_chain(roots["B"]))
+    console.rule("checkpoint chain of run B: resumekit inspect")
+    listing = _resumekit("inspect", str(roots["B"] / CHECKPOINT_DIR))
+    console.print(listing.stdout + listing.stderr, markup=False, highlight=False)
     marks = {"SIGTERM": [term.last_step]}
     kill = next(s for s in segments if s.run == "B" and s.interruption == "sigkill")
     marks["SIGKILL"] = [kill.last_step]
