@@ -14,8 +14,10 @@ retention, sharded I/O, RNG, preemption). A trainer integrates in five lines::
 
 Save path (data flows one way): capture (``TrainState``) -> stage to CPU (async only) ->
 ``CommitProtocol.begin`` -> DCP write + small per-rank files -> ``publish`` -> retention.
-Restore path: find (catalog) -> verify (checksums, spread over ranks) -> check
-compatibility -> read -> apply -> every rank meets on the checkpoint group.
+Restore path: find (``restore_plan.survey`` over the catalog) -> verify (``verification``:
+checksums, spread over ranks) -> check compatibility (``compatibility``) -> read -> apply
+-> every rank meets on the checkpoint group. What restore does with every other entry
+(fall back, set aside, warn, refuse) is decided by ``restore_plan``.
 """
 
 from __future__ import annotations

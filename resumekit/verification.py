@@ -24,8 +24,8 @@ from resumekit.storage import Storage
 __all__ = ["verify_share"]
 
 
-def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int,
-                 world_size: int) -> None:
+def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,
+                 world_size: int = 1, under: str | None = None) -> None:
     """Check rank ``rank``'s share of step directory ``name`` against ``manifest``.
 
     Args:
@@ -34,11 +34,16 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int,
         manifest: Its manifest.
         rank: This rank, of ``world_size``.
         world_size: The ranks that share the work (each calls this).
+        under: Only the files under this directory of the step directory (``tensors``
+            for a weights-only load).
 
     Raises:
         CorruptCheckpointError: A checksum or a size differs.
         IncompleteCheckpointError: A file the manifest lists is missing.
     """
+    if under is not None:
+        manifest = manifest.model_copy(update={"files": [
+            entry for entry in manifest.files if entry.path.startswith(f"{under}/")]})
     metadata_path = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
     first = [entry for entry in manifest.files if entry.path == metadata_path]
     rest = [entry for entry in manifest.files if entry.path != metadata_path]

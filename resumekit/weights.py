@@ -29,11 +29,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from resumekit import sharded
-from resumekit.catalog import list_checkpoints, read_manifest, verify_checkpoint
+from resumekit.catalog import list_checkpoints, read_manifest
 from resumekit.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from resumekit.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest
 from resumekit.storage import Storage
+from resumekit.verification import verify_share
 from resumekit.warnings import ResumekitWarning
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
@@ -82,52 +83,50 @@ def resolve_weights_source(source: str | os.PathLike[str], step: int | None = No
     url = os.fspath(source).rstrip("/")
     given = Storage(url, options)
     if given.is_file(MANIFEST_NAME):
-        parent_url, name = posixpath.split(url) if "://" in url else os.path.split(url)
-        storage = Storage(parent_url or ".", options)
-        entries = [e for e in list_checkpoints(storage, names)
-                   if e.name == name and e.status == "committed"]
-        if not entries:  # a step directory under another name: read its manifest
-            manifest = read_manifest(storage, name)
-            chosen_step, chosen_name = manifest.step, name
-        else:
-            manifest = entries[0].manifest  # type: ignore[assignment]
-            chosen_step, chosen_name = entries[0].step, name
-        if step is not None and chosen_step != step:
-            raise CheckpointNotFoundError(
-                f"{given.path()} is step {chosen_step}, not step {step}",
-                path=given.path(), step=step)
+        storage, chosen_name, manifest = _step_directory(given, url, names, step, options)
     else:
-        storage = given
-        if not storage.is_dir():
-            raise CheckpointNotFoundError(
-                f"cannot load weights from {given.path()}: no such directory",
-                path=given.path())
-        committed = [e for e in list_checkpoints(storage, names)
-                     if e.status == "committed" and (step is None or e.step == step)]
-        if not committed:
-            which = "a committed checkpoint" if step is None else \
-                f"a committed checkpoint of step {step}"
-            raise CheckpointNotFoundError(
-                f"cannot load weights from {given.path()}: it holds no {which}",
-                path=given.path(), step=step)
-        entry = committed[-1]
-        assert entry.manifest is not None
-        manifest, chosen_step, chosen_name = entry.manifest, entry.step, entry.name
-    assert manifest is not None
+        storage, chosen_name, manifest = _newest_in_root(given, names, step)
     tensors = storage.url_of(f"{chosen_name}/{manifest.data_path(TENSORS_DIR)}")
     if verify:
-        metadata = f"{TENSORS_DIR}/{sharded.METADATA_FILE}"
-        first = [f for f in manifest.files if f.path == metadata]
-        verify_checkpoint(storage, chosen_name,
-                          manifest=manifest.model_copy(update={"files": first}))
-        raw = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
-            tensors, storage_options=options or None)}
-        rest = [f for f in manifest.files if f.path.startswith(f"{TENSORS_DIR}/")
-                and f.path != metadata]
-        verify_checkpoint(storage, chosen_name,
-                          manifest=manifest.model_copy(update={"files": rest}),
-                          sizes_only=raw)
-    return WeightsSource(chosen_step, storage.path(chosen_name), tensors, manifest)
+        verify_share(storage, chosen_name, manifest, under=TENSORS_DIR)
+    return WeightsSource(manifest.step, storage.path(chosen_name), tensors, manifest)
+
+
+def _step_directory(given: Storage, url: str, names: NameFormat, step: int | None,
+                    options: dict[str, Any]) -> tuple[Storage, str, Manifest]:
+    """One step directory: its parent root, its name and manifest (of ``step``, if given)."""
+    parent_url, name = posixpath.split(url) if "://" in url else os.path.split(url)
+    storage = Storage(parent_url or ".", options)
+    entries = [e for e in list_checkpoints(storage, names)
+               if e.name == name and e.status == "committed"]
+    # A step directory under another name than ``names``: read its manifest.
+    manifest = entries[0].manifest if entries else read_manifest(storage, name)
+    assert manifest is not None
+    if step is not None and manifest.step != step:
+        raise CheckpointNotFoundError(
+            f"{given.path()} is step {manifest.step}, not step {step}",
+            path=given.path(), step=step)
+    return storage, name, manifest
+
+
+def _newest_in_root(storage: Storage, names: NameFormat, step: int | None
+                    ) -> tuple[Storage, str, Manifest]:
+    """A root's newest committed checkpoint (or ``step``'s): the root, its name, manifest."""
+    if not storage.is_dir():
+        raise CheckpointNotFoundError(
+            f"cannot load weights from {storage.path()}: no such directory",
+            path=storage.path())
+    committed = [e for e in list_checkpoints(storage, names)
+                 if e.status == "committed" and (step is None or e.step == step)]
+    if not committed:
+        which = "a committed checkpoint" if step is None else \
+            f"a committed checkpoint of step {step}"
+        raise CheckpointNotFoundError(
+            f"cannot load weights from {storage.path()}: it holds no {which}",
+            path=storage.path(), step=step)
+    entry = committed[-1]
+    assert entry.manifest is not None
+    return storage, entry.name, entry.manifest
 
 
 def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool = True,
