@@ -120,26 +120,33 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float | None) -> dic
     return {"reason": "values differ", "max_abs_diff": worst, "elements": differing}
 
 
-def _compare_values(  # noqa: PLR0911 - one return per kind of value
-    a: Any, b: Any, atol: float | None
-) -> dict[str, Any] | None:
+def _compare_values(a: Any, b: Any, atol: float | None) -> dict[str, Any] | None:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return compare_tensors(a, b, atol)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return {"reason": "tensor vs non-tensor", "max_abs_diff": None, "elements": None}
-    if isinstance(a, float) and isinstance(b, float) and atol is not None:
-        if abs(a - b) <= atol or (math.isnan(a) and math.isnan(b)):
-            return None
-        return {"reason": "values differ", "max_abs_diff": abs(a - b), "elements": 1}
+    if isinstance(a, float) and isinstance(b, float):
+        return _compare_floats(a, b, atol)
     if type(a) is not type(b) or a != b:
-        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-            return None
-        numeric = isinstance(a, (int, float)) and isinstance(b, (int, float)) \
-            and not isinstance(a, bool) and not isinstance(b, bool)
-        return {"reason": "values differ",
-                "max_abs_diff": abs(float(a) - float(b)) if numeric else None,
+        return {"reason": "values differ", "max_abs_diff": _numeric_distance(a, b),
                 "elements": 1}
     return None
+
+
+def _compare_floats(a: float, b: float, atol: float | None) -> dict[str, Any] | None:
+    """Two floats: NaN equals NaN; within ``atol`` when one is given, else ``==``."""
+    if math.isnan(a) and math.isnan(b):
+        return None
+    if (abs(a - b) <= atol) if atol is not None else a == b:
+        return None
+    return {"reason": "values differ", "max_abs_diff": abs(a - b), "elements": 1}
+
+
+def _numeric_distance(a: Any, b: Any) -> float | None:
+    """``|a - b|`` of two numbers (bools are not numbers here), else None."""
+    numeric = isinstance(a, (int, float)) and isinstance(b, (int, float)) \
+        and not isinstance(a, bool) and not isinstance(b, bool)
+    return abs(float(a) - float(b)) if numeric else None
 
 
 class _Comparison:
