@@ -34,6 +34,18 @@ TARGETS: dict[str, dict[str, Any]] = {
                            "what": "PreemptionHandler.agreed on 2 gloo ranks / 10 ms step"},
     "rss_growth_frac_20_async_saves": {"better": "lower", "target": 0.01,
                                        "what": "RSS growth over 20 async saves / RSS after 1st"},
+    "save_requests_at_1000_vs_10": {"better": "lower", "target": 1.1,
+                                    "what": "storage ops per save, 1000 / 10 checkpoints "
+                                            "in the root (local disk)"},
+    "latest_seconds_at_1000_vs_10": {"better": "lower", "target": 1.1,
+                                     "what": "latest() time, 1000 / 10 checkpoints in the "
+                                             "root (local disk)"},
+    "s3_save_requests_at_1000_vs_10": {"better": "lower", "target": 1.1,
+                                       "what": "HTTP requests per save, 1000 / 10 "
+                                               "checkpoints (loopback S3)"},
+    "s3_latest_seconds_at_1000_vs_10": {"better": "lower", "target": 1.1,
+                                        "what": "latest() time, 1000 / 10 checkpoints "
+                                                "(loopback S3)"},
 }
 
 _PEERS = {"save_vs_torch_save": "torch_save", "save_vs_accelerate": "accelerate",
@@ -141,6 +153,14 @@ def summarise(details: Mapping[str, Any], state_bytes: int) -> dict[str, float |
     if rss is not None:
         summary["rss_growth_frac_20_async_saves"] = \
             (rss["rss_after_all"] - rss["rss_after_first"]) / rss["rss_after_first"]
+    roots = details.get("roots")
+    if roots is not None:
+        for prefix, where in (("", "local"), ("s3_", "s3")):
+            figures = roots.get(where) or {}
+            summary[f"{prefix}save_requests_at_1000_vs_10"] = \
+                figures.get("save_requests_at_1000_vs_10")
+            summary[f"{prefix}latest_seconds_at_1000_vs_10"] = \
+                figures.get("latest_seconds_at_1000_vs_10")
     return summary
 
 
@@ -173,6 +193,25 @@ def markdown(results: Mapping[str, Any]) -> str:
         lines += ["", "| load method | median GB/s |", "|---|---:|"]
         for name, gbps in ratios["load_gbps_median"].items():
             lines.append(f"| {name} | {gbps:.3f} |")
+    roots = results.get("details", {}).get("roots") or {}
+    measured = [(where, figures) for where, figures in roots.items() if "by_count" in figures]
+    if measured:
+        lines += ["", "| root | checkpoints | storage ops / save | HTTP requests / save "
+                  "| latest() ms | its listing alone, ms | storage ops / latest() "
+                  "| storage ops / restore |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for where, figures in measured:
+            for count, row in figures["by_count"].items():
+                http = row["http_requests_per_save"]
+                lines.append(f"| {where} | {count} | {row['storage_ops_per_save']} | "
+                             f"{'-' if http is None else http} | "
+                             f"{row['latest_seconds'] * 1000:.2f} | "
+                             f"{row.get('listing_floor_seconds', 0) * 1000:.2f} | "
+                             f"{row['storage_ops_per_latest']} | "
+                             f"{row['storage_ops_per_restore']} |")
+    for where, figures in roots.items():
+        if "skipped" in figures:
+            lines.append(f"\nRoot cost on {where}: not measured ({figures['skipped']}).")
     config = results["config"]
     machine = results["machine"]
     lines += ["", f"{config['rounds']} interleaved rounds; state "

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks import peers, report
 from benchmarks.ranks import spawn_ranks, two_rank_work
+from benchmarks.root_cost import bench_roots
 from benchmarks.timing import (
     clock,
     evict,
@@ -339,8 +340,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="where files are written (default: the temp directory)")
     parser.add_argument("--out", default=str(RESULTS_DIR),
                         help="directory for latest.json and latest.png")
+    parser.add_argument("--root-counts", type=int, nargs="*", default=[0, 10, 100, 1000],
+                        help="checkpoints in the root for the root-cost figures (the "
+                             "*_at_1000_vs_10 ratios compare the largest with 10)")
+    parser.add_argument("--root-s3", choices=["auto", "off"], default="auto",
+                        help="also measure the root cost on a loopback S3 (moto_server)")
     parser.add_argument("--only", nargs="*", default=None,
-                        choices=["saves", "overlap", "loads", "rss", "ranks"],
+                        choices=["saves", "overlap", "loads", "rss", "ranks", "roots"],
                         help="run only these parts (the summary lacks the others)")
     return parser
 
@@ -351,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # resumekit's background saves run DCP off the main thread, where it cannot silence
     # DCP's "assuming single process" notice itself; here single process is the intent.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    parts = set(args.only or ["saves", "overlap", "loads", "rss", "ranks"])
+    parts = set(args.only or ["saves", "overlap", "loads", "rss", "ranks", "roots"])
     # A SIGTERM (timeout, Ctrl-C from make) still cleans the bench directory up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     base = args.bench_dir or tempfile.gettempdir()
@@ -368,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    "state_mb": args.state_mb,
                    "dist_state_mb": args.dist_state_mb, "rss_saves": args.rss_saves,
                    "poll_steps": args.poll_steps, "poll_step_ms": args.poll_step_ms,
-                   "dcp_threads": [1, *args.dcp_threads], "parts": sorted(parts)},
+                   "dcp_threads": [1, *args.dcp_threads], "parts": sorted(parts),
+                   "root_counts": list(args.root_counts), "root_s3": args.root_s3},
         "details": {},
     }
     details = results["details"]
@@ -405,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                "width": dist_shape.width}
             details["ranks"] = bench_two_ranks(dist_shape, work, args.rounds,
                                                args.poll_steps, args.poll_step_ms)
+        if "roots" in parts:
+            _log(f"roots: save and latest() at {args.root_counts} checkpoints")
+            details["roots"] = bench_roots(work, args.root_counts,
+                                           s3=args.root_s3 != "off")
     finally:
         remove(work)
     results["machine"]["load_average_at_end"] = list(os.getloadavg())

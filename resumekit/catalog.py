@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import posixpath
 import re
 import shlex
-from collections.abc import Callable, Collection, Iterator, Mapping
+import warnings
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,12 +54,16 @@ from resumekit.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
     MANIFEST_NAME,
+    NEWEST_HINT_FILE,
     TENSORS_DIR,
     NameFormat,
 )
 from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
 from resumekit.retry import read_with_retry
 from resumekit.storage import FileInfo, Storage
+from resumekit.warnings import ResumekitWarning
+
+logger = logging.getLogger("resumekit")
 
 __all__ = [
     "BROKEN",
@@ -68,20 +74,33 @@ __all__ = [
     "Defect",
     "ForeignCheckpoint",
     "ForeignFormat",
+    "Listing",
+    "RootTop",
     "Status",
     "TensorData",
+    "classify_step",
     "detect_foreign",
+    "entries_from_top",
+    "hidden_entries",
     "import_command",
     "latest_committed",
     "list_checkpoints",
+    "list_root",
     "locate_tensor_data",
+    "newest_committed",
     "open_target",
+    "other_entries",
     "other_name_checkpoints",
     "read_manifest",
+    "read_newest_hint",
+    "read_top",
     "select_committed",
+    "sort_entries",
     "split_parent",
+    "step_directories",
     "tensors_url",
     "verify_checkpoint",
+    "write_newest_hint",
 ]
 
 Status = Literal["committed", "partial", "corrupt", "legacy", "foreign"]
@@ -279,17 +298,36 @@ def read_manifest(storage: Storage, name: str) -> Manifest:
         CheckpointNotFoundError: No such directory.
         ManifestError: Missing, unreadable, invalid or future-version manifest.
     """
-    source = storage.path(f"{name}/{MANIFEST_NAME}")
-    try:
-        raw = read_with_retry(source, lambda: storage.read_bytes(f"{name}/{MANIFEST_NAME}"))
-    except FileNotFoundError:
+    manifest = _manifest_if_any(storage, name)
+    if manifest is None:
         if not storage.exists(name):
             raise CheckpointNotFoundError(
                 f"no checkpoint directory {storage.path(name)}", path=storage.path(name)
-            ) from None
+            )
+        source = storage.path(f"{name}/{MANIFEST_NAME}")
         raise ManifestError(
             f"{source} is missing: {storage.path(name)} is not a committed checkpoint",
             path=source,
+        )
+    return manifest
+
+
+def _manifest_if_any(storage: Storage, name: str) -> Manifest | None:
+    """The manifest of ``name``, validated; None when there is no manifest file (one read).
+
+    Raises:
+        ManifestError: It is unreadable, invalid, a directory or of a future version.
+    """
+    source = storage.path(f"{name}/{MANIFEST_NAME}")
+    try:
+        raw = read_with_retry(source, lambda: storage.read_small(f"{name}/{MANIFEST_NAME}"))
+    except FileNotFoundError:
+        # Some object stores answer "not found" for a prefix read as an object.
+        if storage.is_local or not storage.is_dir(f"{name}/{MANIFEST_NAME}"):
+            return None
+        raise ManifestError(
+            f"{source} is a directory, not a manifest: {storage.path(name)} is not a "
+            "committed checkpoint", path=source,
         ) from None
     except StorageError:
         if storage.is_dir(f"{name}/{MANIFEST_NAME}"):
@@ -343,8 +381,7 @@ def list_checkpoints(
             if info.is_dir and info.name in _FOREIGN_CONTAINERS else []
         entry = None if nested else _entry_of(storage, info, name_format, legacy_format)
         entries.extend(nested if entry is None else [entry])
-    order = {"foreign": 0, "partial": 1, "corrupt": 2, "legacy": 3, "committed": 4}
-    return sorted(entries, key=lambda entry: (entry.step, order[entry.status], entry.name))
+    return sorted(entries, key=_entry_order)
 
 
 def _foreign_entries_in(storage: Storage, folder: str) -> list[CheckpointEntry]:
@@ -391,7 +428,12 @@ def _step_entry(storage: Storage, name: str, step: int,
                 legacy_format: NameFormat) -> CheckpointEntry:
     """Classify a directory whose name parses as one of this root's steps."""
     path = storage.path(name)
-    if not storage.exists(f"{name}/{MANIFEST_NAME}"):
+    try:
+        manifest = _manifest_if_any(storage, name)  # one read, not a look and a read
+    except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
+        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
+                               defect=_manifest_defect(error))
+    if manifest is None:
         foreign = _foreign_entry(storage, name, step)
         if foreign is not None:
             return foreign
@@ -405,11 +447,6 @@ def _step_entry(storage: Storage, name: str, step: int,
             missing = ("empty" if problem.startswith("empty") else
                        "no-manifest" if storage.atomic_rename else "unfinished")
         return CheckpointEntry(step, name, path, status, problem=problem, defect=missing)
-    try:
-        manifest = read_manifest(storage, name)
-    except (ManifestError, CorruptCheckpointError, UnsafeCheckpointError) as error:
-        return CheckpointEntry(step, name, path, "corrupt", problem=str(error),
-                               defect=_manifest_defect(error))
     if manifest.step != step:
         return CheckpointEntry(
             step, name, path, "corrupt",
@@ -430,12 +467,296 @@ def _manifest_defect(error: ResumekitError) -> Defect:
 def latest_committed(
     storage: Storage, name_format: NameFormat | None = None
 ) -> CheckpointEntry | None:
-    """Return the committed checkpoint with the highest step, or None."""
-    committed = [
-        entry for entry in list_checkpoints(storage, name_format)
-        if entry.status == "committed"
-    ]
-    return committed[-1] if committed else None
+    """Return the committed checkpoint with the highest step, or None.
+
+    Reads from the top down (:func:`newest_committed`): one listing and the manifests of
+    the newest step directories, not every manifest of the root.
+    """
+    return newest_committed(storage, name_format)
+
+
+# ------------------------------------------------------- the top of a root, read cheaply
+#
+# A long run's root holds many checkpoints; what a save, ``latest()`` or a restore needs is
+# its top: the newest committed step and what lies above it. These read it with one
+# listing and then only the manifests from the highest-numbered step directory down until
+# one validates, so their cost does not grow with the number of checkpoints. Each manifest
+# read is the real commit marker: nothing here trusts anything but a committed manifest.
+
+#: ``(name, is_dir)`` of the entries of a root, as :meth:`Storage.list_names` lists them.
+Listing = Sequence[tuple[str, bool]]
+
+
+@dataclass(frozen=True)
+class RootTop:
+    """The top of a checkpoint root, read from its highest step down (:func:`read_top`).
+
+    Attributes:
+        listing: ``(name, is_dir)`` of every entry of the root (one listing).
+        hidden: Its hidden entries (staging, retiring, set aside), classified by name.
+        above: Step directories above ``newest``, highest first: not committed, or
+            committed but skipped (e.g. a fenced writer's checkpoint).
+        newest: The newest committed entry that was not skipped, or None.
+    """
+
+    listing: tuple[tuple[str, bool], ...]
+    hidden: tuple[CheckpointEntry, ...]
+    above: tuple[CheckpointEntry, ...]
+    newest: CheckpointEntry | None
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The names of every entry of the root."""
+        return frozenset(name for name, _ in self.listing)
+
+    def entries(self) -> list[CheckpointEntry]:
+        """Hidden entries, ``above`` and ``newest``, sorted as :func:`list_checkpoints`."""
+        found = [*self.hidden, *self.above, *([self.newest] if self.newest else [])]
+        return sorted(found, key=_entry_order)
+
+
+def _entry_order(entry: CheckpointEntry) -> tuple[int, int, str]:
+    order = {"foreign": 0, "partial": 1, "corrupt": 2, "legacy": 3, "committed": 4}
+    return entry.step, order[entry.status], entry.name
+
+
+def sort_entries(entries: Iterable[CheckpointEntry]) -> list[CheckpointEntry]:
+    """Sort entries as :func:`list_checkpoints` does: by step, committed last."""
+    return sorted(entries, key=_entry_order)
+
+
+def list_root(storage: Storage) -> list[tuple[str, bool]]:
+    """List a checkpoint root once, as ``(name, is_dir)``.
+
+    Raises:
+        StorageError: The root is a file (checked only when the listing is empty).
+    """
+    listing = storage.list_names()
+    if not listing:
+        _check_root(storage)
+    return listing
+
+
+def step_directories(listing: Listing, name_format: NameFormat | None = None
+                     ) -> list[tuple[int, str]]:
+    """``(step, name)`` of the visible step directories of a listing, highest step first."""
+    template = (name_format or NameFormat()).template
+    found = [(step, name) for name, is_dir in listing
+             if is_dir and (step := _parsed_step(template, name)) is not None]
+    return sorted(found, reverse=True)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _parsed_step(template: str, name: str) -> int | None:
+    """``NameFormat(template).parse(name)``, remembered: a root's names recur each listing."""
+    return _name_format(template).parse(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _name_format(template: str) -> NameFormat:
+    return NameFormat(template)
+
+
+def hidden_entries(storage: Storage, listing: Listing, name_format: NameFormat | None = None
+                   ) -> list[CheckpointEntry]:
+    """The hidden entries (``.tmp-``, ``.old-``, ``.bad-``) of a listing, from names alone."""
+    name_format = name_format or NameFormat()
+    legacy = NameFormat(LEGACY_NAME_FORMAT)
+    return [entry for name, is_dir in listing
+            if is_dir and name_format.parse_hidden(name) is not None
+            and (entry := _entry_of(storage, FileInfo(name, storage.path(name), True, 0, None),
+                                    name_format, legacy)) is not None]
+
+
+def other_entries(storage: Storage, listing: Listing, name_format: NameFormat | None = None,
+                  *, legacy_format: NameFormat | None = None) -> list[CheckpointEntry]:
+    """Classify every entry of a listing that is not a visible step directory.
+
+    Hidden work in progress, legacy and foreign checkpoints, exactly as
+    :func:`list_checkpoints` classifies them; step directories are left to
+    :func:`entries_from_top`. Their number does not grow with the run's checkpoints.
+    """
+    name_format = name_format or NameFormat()
+    legacy_format = legacy_format or NameFormat(LEGACY_NAME_FORMAT)
+    found = []
+    for name, is_dir in listing:
+        if is_dir and name_format.parse(name) is not None:
+            continue
+        nested = _foreign_entries_in(storage, name) \
+            if is_dir and name in _FOREIGN_CONTAINERS else []
+        entry = None if nested else _entry_of(
+            storage, FileInfo(name, storage.path(name), is_dir, 0, None), name_format,
+            legacy_format)
+        found.extend(nested if entry is None else [entry])
+    return found
+
+
+def classify_step(storage: Storage, step: int, name_format: NameFormat | None = None, *,
+                  legacy_format: NameFormat | None = None) -> CheckpointEntry:
+    """Classify the step directory of ``step`` (which the caller listed), reading its manifest."""
+    name_format = name_format or NameFormat()
+    return _step_entry(storage, name_format.build(step), step,
+                       legacy_format or NameFormat(LEGACY_NAME_FORMAT))
+
+
+def entries_from_top(storage: Storage, name_format: NameFormat | None = None, *,
+                     below: int | None = None, listing: Listing | None = None,
+                     legacy_format: NameFormat | None = None) -> Iterator[CheckpointEntry]:
+    """Classify the root's step directories from the highest step down, one by one.
+
+    Each directory's manifest is read only when the iteration reaches it, so a caller
+    that stops at the first committed entry reads no more than it needs.
+
+    Args:
+        storage: The checkpoint root.
+        name_format: How step directories are named.
+        below: Only steps below this one.
+        listing: The root's listing, if already made (:func:`list_root`).
+        legacy_format: As for :func:`list_checkpoints`.
+
+    Yields:
+        Entries of visible step directories (any status), highest step first.
+    """
+    name_format = name_format or NameFormat()
+    legacy_format = legacy_format or NameFormat(LEGACY_NAME_FORMAT)
+    for step, name in step_directories(
+            list_root(storage) if listing is None else listing, name_format):
+        if below is None or step < below:
+            yield _step_entry(storage, name, step, legacy_format)
+
+
+def read_top(storage: Storage, name_format: NameFormat | None = None, *,
+             skip: Callable[[CheckpointEntry], bool] | None = None,
+             listing: Listing | None = None, below: int | None = None) -> RootTop:
+    """Read the top of a root: one listing, then manifests from the top down.
+
+    Args:
+        storage: The checkpoint root.
+        name_format: How step directories are named.
+        skip: Committed entries for which this is true are not the newest (e.g. a fenced
+            writer's checkpoint); they are reported in ``above`` and the search goes on.
+        listing: The root's listing, if already made (:func:`list_root`).
+        below: Only steps below this one count.
+
+    Returns:
+        The listing, the hidden entries, the step directories above the newest
+        committed one, and that one (None when there is none).
+    """
+    name_format = name_format or NameFormat()
+    listing = tuple(list_root(storage) if listing is None else listing)
+    above: list[CheckpointEntry] = []
+    newest = None
+    for entry in entries_from_top(storage, name_format, below=below, listing=listing):
+        if entry.status == "committed" and (skip is None or not skip(entry)):
+            newest = entry
+            break
+        above.append(entry)
+    return RootTop(listing, tuple(hidden_entries(storage, listing, name_format)),
+                   tuple(above), newest)
+
+
+def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
+                     below: int | None = None,
+                     skip: Callable[[CheckpointEntry], bool] | None = None,
+                     listing: Listing | None = None) -> CheckpointEntry | None:
+    """Return the newest committed checkpoint (below ``below``), reading from the top down.
+
+    One listing of the root, then the manifests of the highest-numbered step directories
+    until one validates: the cost does not grow with the number of checkpoints below it.
+    On S3 (:attr:`Storage.range_listing`) the listing starts at the newest-step hint
+    (:func:`write_newest_hint`) and holds only the names after it: the hint's own
+    manifest, and every step directory above it, are then read as always, so a stale or
+    wrong hint costs a full listing, never a wrong answer.
+
+    Args:
+        storage: The checkpoint root.
+        name_format: How step directories are named.
+        below: Only steps below this one.
+        skip: Committed entries not to return (the search goes on below them).
+        listing: The root's listing, if already made (:func:`list_root`).
+
+    Returns:
+        The entry, or None when no committed checkpoint is there.
+    """
+    if listing is None and below is None and storage.range_listing:
+        found = _newest_from_hint(storage, name_format or NameFormat(), skip)
+        if found is not None:
+            return found
+    for entry in entries_from_top(storage, name_format, below=below, listing=listing):
+        if entry.status == "committed" and (skip is None or not skip(entry)):
+            return entry
+    return None
+
+
+def _newest_from_hint(storage: Storage, name_format: NameFormat,
+                      skip: Callable[[CheckpointEntry], bool] | None) -> CheckpointEntry | None:
+    """The newest committed entry at or above the hint, listing only names after it.
+
+    None when there is no usable hint, or nothing at or above it is committed (the
+    caller then lists the whole root).
+    """
+    hinted = read_newest_hint(storage, name_format)
+    if hinted is None or not _sorts_by_name(name_format, hinted):
+        return None
+    name = name_format.build(hinted)
+    later = storage.list_names(after=name)
+    for step, found in step_directories([*later, (name, True)], name_format):
+        entry = _step_entry(storage, found, step, NameFormat(LEGACY_NAME_FORMAT))
+        if entry.status == "committed" and (skip is None or not skip(entry)):
+            return entry
+    return None
+
+
+def _sorts_by_name(name_format: NameFormat, step: int) -> bool:
+    """Whether every step directory above ``step`` has a name that sorts after its own.
+
+    True for a zero-padded step field (``{step:09d}``) while ``step`` still has a leading
+    zero there: then a higher step's name is either as long and larger, or longer with a
+    non-zero digit where ``step``'s has its zero.
+    """
+    shortest = len(name_format.build(0))
+    width = 0
+    while width < 30 and len(name_format.build(10 ** (width + 1) - 1)) == shortest:
+        width += 1
+    return width >= 2 and step < 10 ** (width - 1)
+
+
+def read_newest_hint(storage: Storage, name_format: NameFormat | None = None) -> int | None:
+    """The step the newest-step hint names (None: absent, unreadable, another format).
+
+    A hint only: a committed manifest always decides (:func:`newest_committed`).
+    """
+    name_format = name_format or NameFormat()
+    try:
+        hint = json.loads(storage.read_small(NEWEST_HINT_FILE))
+    except (FileNotFoundError, ValueError, OSError):
+        return None
+    step = hint.get("step") if isinstance(hint, dict) else None
+    if not isinstance(step, int) or step < 0 or hint.get("name_format") != \
+            name_format.template or hint.get("name") != name_format.build(step):
+        return None
+    return step
+
+
+def write_newest_hint(storage: Storage, name_format: NameFormat, step: int) -> None:
+    """Record ``step`` as the newest committed step (after its commit; S3 roots only).
+
+    Written where :attr:`Storage.range_listing` lets :func:`newest_committed` list only
+    the names after it. Nothing trusts it over a manifest, so a failure to write it costs
+    later readers a full listing, never a wrong answer (and is logged and warned about).
+    """
+    if not storage.range_listing:
+        return
+    document = {"step": step, "name": name_format.build(step),
+                "name_format": name_format.template}
+    try:
+        storage.write_bytes(NEWEST_HINT_FILE, json.dumps(document).encode())
+    except OSError as error:
+        message = (f"resumekit: cannot write the newest-step hint "
+                   f"{storage.path(NEWEST_HINT_FILE)} ({error}); step {step} is committed, "
+                   "readers list the whole root to find it")
+        logger.warning(message)
+        warnings.warn(message, ResumekitWarning, stacklevel=3)
 
 
 def other_name_checkpoints(storage: Storage, name_format: NameFormat) -> list[str]:
@@ -719,9 +1040,12 @@ def open_target(
 
 def _named_entry(parent: Storage, name_format: NameFormat, name: str) -> CheckpointEntry:
     legacy = NameFormat(LEGACY_NAME_FORMAT)
-    for entry in list_checkpoints(parent, name_format, legacy_format=legacy):
-        if entry.name == name:
-            return entry
+    # Classified as list_checkpoints classifies it, without listing (and reading) the
+    # rest of the root: the directory exists (open_target checked).
+    entry = _entry_of(parent, FileInfo(name, parent.path(name), True, 0, None), name_format,
+                      legacy)
+    if entry is not None:
+        return entry
     # Not a step name of this format: a directory with a manifest, under any name.
     path = parent.path(name)
     try:
@@ -757,25 +1081,24 @@ def select_committed(target: CheckpointTarget, step: int | None = None) -> Check
         if entry.status != "committed":
             _raise_not_committed(entry)
         return entry
-    entries = target.entries()
-    if step is not None:
-        matching = [entry for entry in entries if entry.step == step]
-        committed = [entry for entry in matching if entry.status == "committed"]
-        if committed:
-            return committed[-1]
-        if matching:
-            _raise_not_committed(matching[-1])
-        raise CheckpointNotFoundError(
-            f"no checkpoint of step {step} under {where} (name format "
-            f"{target.name_format.template!r})", path=where, step=step,
-        )
-    committed = [entry for entry in entries if entry.status == "committed"]
-    if not committed:
-        raise CheckpointNotFoundError(
-            f"no committed checkpoint under {where} (name format "
-            f"{target.name_format.template!r})", path=where,
-        )
-    return committed[-1]
+    if step is None:  # the newest: read from the top down, not every manifest
+        newest = newest_committed(target.storage, target.name_format)
+        if newest is None:
+            raise CheckpointNotFoundError(
+                f"no committed checkpoint under {where} (name format "
+                f"{target.name_format.template!r})", path=where,
+            )
+        return newest
+    matching = [entry for entry in target.entries() if entry.step == step]
+    committed = [entry for entry in matching if entry.status == "committed"]
+    if committed:
+        return committed[-1]
+    if matching:
+        _raise_not_committed(matching[-1])
+    raise CheckpointNotFoundError(
+        f"no checkpoint of step {step} under {where} (name format "
+        f"{target.name_format.template!r})", path=where, step=step,
+    )
 
 
 def _raise_not_committed(entry: CheckpointEntry) -> None:

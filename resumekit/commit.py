@@ -25,7 +25,9 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
                  point): S3 If-None-Match: *, so of two writers of a step one commits and
                  the other gets StepCollisionError; stores without conditional writes
                  check, then write (warned once per root: a one-round-trip race window)
-      6. rank 0 removes what the new checkpoint replaced; all ranks learn the outcome
+      6. rank 0 removes what the new checkpoint replaced; on S3 it writes the
+         newest-step hint (<root>/.resumekit-generations/newest-step.json; after the
+         commit point, a hint only: see "Finding the newest" below); all ranks learn the outcome
     abort: rank 0 removes the staging area (a crash leaves it for the sweep instead)
 
 Writer generations (fencing). Every writer holds a generation of the root
@@ -52,6 +54,20 @@ Before a save writes (step 2), rank 0 sweeps staging areas whose writer is prova
 on this host with its pid gone, or of a fenced generation; writers on other hosts are left
 to retention's age rule. Each sweep is logged and warned about, naming the directory.
 
+Finding the newest (what begin, restore, ``latest()`` and retention read). The commit
+marker is the truth: a step directory is a checkpoint exactly when its manifest validates.
+To find the newest one nobody reads every manifest: one listing of the root, then the
+manifests from the highest-numbered step directory down until one validates
+(``catalog.read_top``); everything above it (unfinished saves, broken or fenced writers'
+directories) is what begin sweeps and restore reports. On S3 the listing may start at the
+newest-step hint (``ListObjectsV2`` ``StartAfter``): every name after it is listed and the
+hint's own manifest is read, so a hint that lags (a crash after the commit point, before
+the hint) only lists more, and one that names a step that is not committed (deleted, never
+committed) falls back to the full listing; it is never taken over a manifest. The
+manager's retention after a save (``prune(scope="top")``) decides from names and reads the
+manifests from the top down to the lowest step it would delete; it deletes only what a
+manifest read then says is committed.
+
 Retention (``resumekit.retention``) runs only after publish; its failures do not undo the
 commit (the manager reports them as warnings on every rank).
 """
@@ -71,7 +87,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from resumekit import generations
-from resumekit.catalog import CheckpointEntry, list_checkpoints, read_manifest
+from resumekit.catalog import (
+    CheckpointEntry,
+    Listing,
+    RootTop,
+    classify_step,
+    list_root,
+    read_manifest,
+    read_top,
+    write_newest_hint,
+)
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
@@ -188,7 +213,7 @@ class CommitProtocol:
         def on_leader() -> tuple[WriterGeneration | None, dict[str, str]]:
             if if_root_exists and not self.storage.is_dir():
                 return None, {}
-            generation, zombies, _ = self._claim_on_leader("restore")
+            generation, zombies, _, _ = self._claim_on_leader("restore")
             return generation, zombies
 
         result: tuple[WriterGeneration | None, dict[str, str]] = run_on_leader(
@@ -205,31 +230,48 @@ class CommitProtocol:
         return generations.zombie_commits(entries, generations.newest_generation(self.storage))
 
     def _claim_on_leader(self, action: str, step: int | None = None, *, claim: bool = True
-                         ) -> tuple[WriterGeneration | None, dict[str, str],
-                                    list[CheckpointEntry]]:
+                         ) -> tuple[WriterGeneration | None, dict[str, str], RootTop,
+                                    WriterGeneration | None]:
         """Check this writer's claim, or make one (``claim``; else only look).
 
         Returns the claim (None when none is held and ``claim`` is False), the fenced
-        writers' commits (by the root's newest generation) and the root's listing.
+        writers' commits found above the newest checkpoint (by the root's newest
+        generation), the top of the root (:func:`~resumekit.catalog.read_top`: one
+        listing, then manifests from the highest step down to the newest checkpoint a
+        writer that was not fenced committed) and the generation fenced writers' commits
+        are judged by (the claim held, else the root's newest).
         """
         held = self.fence.generation
         if held is not None:
             generations.check(self.storage, held, action=action, step=step)
-        recover_interrupted(self.storage, self.name_format)
-        entries = list_checkpoints(self.storage, self.name_format)
+        reference = held if held is not None else generations.newest_generation(self.storage)
+        top = self._read_top(reference)
+        zombies = self._zombies_in(top, reference)
         if held is not None:
-            return held, generations.zombie_commits(entries, held), entries
-        zombies = generations.zombie_commits(
-            entries, generations.newest_generation(self.storage))
+            return held, zombies, top, reference
         if not claim:
-            return None, zombies, entries
-        return self._claim_now(entries, zombies), zombies, entries
+            return None, zombies, top, reference
+        return self._claim_now(top), zombies, top, reference
 
-    def _claim_now(self, entries: Sequence[CheckpointEntry], zombies: Collection[str]
-                   ) -> WriterGeneration:
+    def _read_top(self, reference: WriterGeneration | None) -> RootTop:
+        """Read the top of the root, after undoing an interrupted replacement (POSIX)."""
+        listing = list_root(self.storage)
+        if recover_interrupted(self.storage, self.name_format, listing=listing):
+            listing = list_root(self.storage)
+
+        def fenced(entry: CheckpointEntry) -> bool:
+            return entry.manifest is not None and \
+                generations.zombie_reason(entry.manifest, reference) is not None
+
+        return read_top(self.storage, self.name_format, skip=fenced, listing=listing)
+
+    @staticmethod
+    def _zombies_in(top: RootTop, reference: WriterGeneration | None) -> dict[str, str]:
+        return generations.zombie_commits(top.above, reference)
+
+    def _claim_now(self, top: RootTop) -> WriterGeneration:
         self.storage.make_dirs()
-        newest = max((e.step for e in entries
-                      if e.status == "committed" and e.name not in zombies), default=None)
+        newest = top.newest.step if top.newest is not None else None
         claimed = generations.claim(self.storage, newest_step=newest)
         self.fence.generation = claimed
         return claimed
@@ -266,13 +308,22 @@ class CommitProtocol:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.storage.make_dirs()
-        held, zombies, entries = self._claim_on_leader(f"begin saving step {step}", step,
-                                                       claim=False)
-        committed = [e.step for e in entries
-                     if e.status == "committed" and e.name not in zombies]
-        newest = max(committed, default=None)
-        replaces = step in committed
+        held, zombies, top, reference = self._claim_on_leader(
+            f"begin saving step {step}", step, claim=False)
+        newest = top.newest.step if top.newest is not None else None
         name = self.name_format.build(step)
+        present = name in top.names
+        known = {entry.name: entry for entry in
+                 (*top.above, *([top.newest] if top.newest is not None else []))}
+        # A step below the newest was not read from the top: read its manifest alone.
+        extra = classify_step(self.storage, step, self.name_format) \
+            if present and name not in known else None
+        own = known.get(name, extra)
+        if extra is not None and extra.manifest is not None and extra.status == "committed":
+            reason = generations.zombie_reason(extra.manifest, reference)
+            if reason is not None:
+                zombies[name] = reason
+        replaces = own is not None and own.status == "committed" and name not in zombies
         if name in zombies and not replace:
             raise StepCollisionError(
                 f"cannot save step {step}: {self.storage.path(name)} was {zombies[name]}. "
@@ -289,7 +340,7 @@ class CommitProtocol:
                 f"checkpoint is step {newest}{hint}",
                 step=step, newest=newest, path=self.storage.path(),
             )
-        if self.storage.atomic_rename and not replaces and self.storage.exists(name):
+        if self.storage.atomic_rename and not replaces and present:
             raise StepCollisionError(
                 f"cannot save step {step}: {self.storage.path(name)} already exists and is "
                 "not a committed checkpoint (a weights-only legacy or foreign directory); "
@@ -298,8 +349,11 @@ class CommitProtocol:
             )
         # A writer that never restored claims the root now, as its first save starts
         # (not on a save refused above: that one neither restored nor committed).
-        generation = held or self._claim_now(entries, zombies)
-        sweep_dead_writers(self.storage, entries, generation, active_tokens=active_tokens)
+        generation = held or self._claim_now(top)
+        # The sweep looks at the top of the root (where a crashed or fenced writer's
+        # staging is: its step was newer than every committed one), not at every entry.
+        sweep_dead_writers(self.storage, [*top.entries(), *([extra] if extra else [])],
+                           generation, active_tokens=active_tokens)
         if self.storage.atomic_rename:
             staging = self.name_format.staging_name(step, token)
             data_dir = "."
@@ -465,6 +519,8 @@ class CommitProtocol:
         else:
             self._create_commit_marker(pending, manifest)
         self._phase("cleanup")
+        if not pending.replaces:  # a hint, after the commit point (see catalog)
+            write_newest_hint(storage, self.name_format, pending.step)
         if previous is not None and previous.data_dir not in (".", manifest.data_dir):
             storage.remove_tree(f"{pending.name}/{previous.data_dir}")
         return manifest
@@ -561,17 +617,27 @@ def _directories_of(manifest: Manifest) -> set[str]:
     return directories
 
 
-def recover_interrupted(storage: Storage, name_format: NameFormat) -> list[str]:
+def recover_interrupted(storage: Storage, name_format: NameFormat, *,
+                        listing: Listing | None = None) -> list[str]:
     """Undo a replacement or deletion that a crash cut between its two renames.
 
     A hidden ``.<name>.old-<token>`` directory that still holds a valid manifest while
     ``<name>`` is absent is renamed back (the operation did not happen). Returns the names
     restored. Only POSIX roots can be in this state.
+
+    Args:
+        storage: The checkpoint root.
+        name_format: How step directories are named.
+        listing: The root's listing, if already made (no second listing then).
     """
-    if not storage.atomic_rename or not storage.is_dir():
+    if not storage.atomic_rename:
         return []
+    if listing is None:
+        if not storage.is_dir():
+            return []
+        listing = storage.list_names()
     restored = []
-    names = {info.name for info in storage.list_dir()}
+    names = {name for name, _ in listing}
     for name in sorted(names):
         parsed = name_format.parse_hidden(name)
         if parsed is None or parsed[1].kind != "old" or parsed[1].name in names:

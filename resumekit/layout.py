@@ -48,6 +48,7 @@ __all__ = [
     "LEGACY_NAME_FORMAT",
     "LIGHTNING_CHECKPOINT_FILE",
     "MANIFEST_NAME",
+    "NEWEST_HINT_FILE",
     "RANK_STATE_DIR",
     "TENSORS_DIR",
     "TRAIN_STATE_FILE",
@@ -70,6 +71,10 @@ TENSORS_DIR = "tensors"
 DCP_METADATA_FILE = ".metadata"
 #: Directory (under the root) of the writer generation records, one file per claim.
 GENERATIONS_DIR = ".resumekit-generations"
+#: Object stores with range listings: the name of the newest committed step directory, a
+#: hint written after each commit (never trusted over a manifest; see ``catalog``). It
+#: lives with the generation records (resumekit's bookkeeping), not as a root entry.
+NEWEST_HINT_FILE = f"{GENERATIONS_DIR}/newest-step.json"
 _GENERATION_RECORD = re.compile(r"^(?P<number>\d{12})\.json$")
 #: The Lightning checkpoint dict inside a step directory written by
 #: ``resumekit.integrations.lightning.ResumekitCheckpointIO``.

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import distributed, jsonable, legacy, restore_plan, sharded, weights
+from resumekit import distributed, generations, jsonable, legacy, restore_plan, sharded, weights
 from resumekit.catalog import CheckpointEntry, latest_committed, list_checkpoints
 from resumekit.commit import CommitProtocol, PendingCheckpoint, set_aside
 from resumekit.compatibility import check_compatibility
@@ -78,7 +78,7 @@ from resumekit.manifest import (
 )
 from resumekit.preemption import CommitClock, PreemptionHandler
 from resumekit.restore_plan import Survey
-from resumekit.retention import RetentionPolicy, keep_last, prune
+from resumekit.retention import RetentionPolicy, RollingSweep, keep_last, prune
 from resumekit.state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.storage import Storage
 from resumekit.verification import verify_share
@@ -330,7 +330,8 @@ class CheckpointManager:
         self._last_commit_time: float | None = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
         self._newest_step: int | None = None
-        self._closed = False
+        # Closed yet; where retention after a save goes on into older step directories.
+        self._closed, self._rolling_sweep = False, RollingSweep()
         self._background = _BackgroundSave()
         self._stager: Any = None
         self._active_tokens: set[str] = set()
@@ -379,7 +380,12 @@ class CheckpointManager:
         return list_checkpoints(self.storage, self.name_format)
 
     def latest(self) -> CheckpointInfo | None:
-        """Return the newest committed checkpoint, or None."""
+        """Return the newest committed checkpoint, or None.
+
+        One listing of the root and the manifests of its newest step directories (from
+        the top down until one validates): the cost does not grow with the checkpoints
+        below it.
+        """
         entry = latest_committed(self.storage, self.name_format)
         if entry is None:
             return None
@@ -411,12 +417,15 @@ class CheckpointManager:
         """
         self._check_open()
         found: Survey = run_on_leader(self._main.coordinator, lambda: restore_plan.survey(
-            self.storage, self.name_format, recover=not self.read_only))
+            self.storage, self.name_format, recover=not self.read_only,
+            whole=step is not None))
         entries = self._claim_generation(found.entries)
         committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.fallback:
             restore_plan.refuse_broken_newest(entries)
-        restored = self._restore_newest_committed(entries, committed, explicit=step is not None)
+        restored = self._restore_newest_committed(
+            entries, committed, explicit=step is not None,
+            more=None if found.complete else lambda: self._survey_below(found))
         if restored is None:  # nothing committed (an explicit step raised by now)
             restore_plan.refuse_newer_schema(entries, below=None)
             restored = self._import_newest_legacy(entries)
@@ -429,10 +438,14 @@ class CheckpointManager:
         self._resume_guard = self.state.step
         return self.state.step
 
-    def _restore_newest_committed(self, entries: list[CheckpointEntry],
-                                  committed: list[CheckpointEntry], *, explicit: bool
-                                  ) -> CheckpointEntry | None:
+    def _restore_newest_committed(
+            self, entries: list[CheckpointEntry], committed: list[CheckpointEntry], *,
+            explicit: bool, more: Callable[[], list[CheckpointEntry]] | None = None
+    ) -> CheckpointEntry | None:
         """Load the newest of ``committed`` that restores, falling back past bad ones.
+
+        ``more`` reads the entries below those listed, when only the top of the root was
+        (the first fallback past the listed ones calls it; ``entries`` grows in place).
 
         Returns:
             The entry restored, or None when ``committed`` is empty.
@@ -441,7 +454,7 @@ class CheckpointManager:
         if remaining:
             self._newest_step = max(remaining)
         failures: list[str] = []
-        for entry in reversed(committed):
+        for entry in restore_plan.fallback_order(entries, committed, more):
             if not explicit:
                 restore_plan.refuse_newer_schema(entries, below=entry)
             try:
@@ -463,6 +476,19 @@ class CheckpointManager:
                 + "; ".join(failures), path=self.storage.path(),
             )
         return None
+
+    def _survey_below(self, found: Survey) -> list[CheckpointEntry]:
+        """The step directories below the top a survey read, for a fallback (all ranks).
+
+        Checkpoints fenced writers committed there are warned about and left out.
+        """
+        below: list[CheckpointEntry] = run_on_leader(
+            self._main.coordinator,
+            lambda: restore_plan.survey_below(self.storage, self.name_format, found))
+        zombies = generations.zombie_commits(below, found.reference)
+        for name in sorted(zombies):
+            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
+        return [entry for entry in below if entry.name not in zombies]
 
     def _unusable_committed(self, entry: CheckpointEntry, error: BaseException, *,
                             explicit: bool) -> tuple[str, bool]:
@@ -820,7 +846,7 @@ class CheckpointManager:
             try:
                 report = prune(self.storage, retention, name_format=self.name_format,
                                protect=protect, active_tokens=set(self._active_tokens),
-                               errors="report")
+                               errors="report", scope="top", rolling=self._rolling_sweep)
             except Exception as error:  # noqa: BLE001 - the commit stands; reported below
                 return [f"{type(error).__name__}: {error}"]
             return report.problems

@@ -25,18 +25,24 @@ Nothing here runs a collective or touches torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from resumekit import generations
 from resumekit.catalog import (
     BROKEN,
     CheckpointEntry,
     ForeignCheckpoint,
     detect_foreign,
+    entries_from_top,
     import_command,
     list_checkpoints,
+    list_root,
+    other_entries,
     other_name_checkpoints,
+    read_top,
+    sort_entries,
 )
 from resumekit.commit import recover_interrupted
 from resumekit.errors import (
@@ -49,6 +55,7 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.layout import GENERATIONS_DIR, NameFormat
+from resumekit.manifest import WriterGeneration
 from resumekit.storage import Storage
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "Survey",
     "Unusable",
     "candidates",
+    "fallback_order",
     "foreign_instead",
     "fresh_start_account",
     "imported_warning",
@@ -65,6 +73,7 @@ __all__ = [
     "refuse_broken_newest",
     "refuse_newer_schema",
     "survey",
+    "survey_below",
 ]
 
 #: Defects that :func:`leftovers` reports on their own (and the fresh-start account
@@ -83,27 +92,82 @@ class Survey:
 
     entries: list[CheckpointEntry]
     root_foreign: ForeignCheckpoint | None = None
+    #: False when only the top of the root was read (down to the newest committed
+    #: checkpoint): the step directories below ``below`` are not in ``entries``.
+    complete: bool = True
+    below: int | None = None
+    #: The generation fenced writers' commits are judged by (the root's newest claim).
+    reference: WriterGeneration | None = None
 
 
-def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True) -> Survey:
-    """List the root; check whether it is itself a foreign checkpoint (leader only).
+def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
+           whole: bool = False) -> Survey:
+    """Read the root; check whether it is itself a foreign checkpoint (leader only).
+
+    Without ``whole`` only its top is read: one listing, every entry that is not a step
+    directory, and the step directories from the highest down to the newest checkpoint a
+    writer that was not fenced committed (:func:`~resumekit.catalog.read_top`), so a
+    restore's cost does not grow with the checkpoints below it; a restore that falls back
+    past that one reads the rest (:func:`survey_below`).
 
     Args:
         storage: The checkpoint root.
         name_format: Its step directory names.
         recover: First undo a replacement a crash cut between its two renames
             (:func:`resumekit.commit.recover_interrupted`); False for a read-only restore.
+        whole: Read every entry (a restore of an explicit step).
 
     A root passed as ``.../checkpoint-4`` is a foreign one only when it holds nothing
     committed.
     """
-    if recover and storage.is_dir():
-        recover_interrupted(storage, name_format)
-    entries = list_checkpoints(storage, name_format)
+    if whole:
+        if recover and storage.is_dir():
+            recover_interrupted(storage, name_format)
+        entries = list_checkpoints(storage, name_format)
+        top = reference = None
+    else:
+        reference = generations.newest_generation(storage) if storage.is_dir() else None
+        listing = list_root(storage)
+        if recover and recover_interrupted(storage, name_format, listing=listing):
+            listing = list_root(storage)
+
+        def fenced(entry: CheckpointEntry) -> bool:
+            return entry.manifest is not None and \
+                generations.zombie_reason(entry.manifest, reference) is not None
+
+        top = read_top(storage, name_format, skip=fenced, listing=listing)
+        entries = sort_entries([*other_entries(storage, listing, name_format),
+                                *top.above, *([top.newest] if top.newest else [])])
     root_foreign = None
     if not any(e.status == "committed" for e in entries) and storage.is_dir():
         root_foreign = detect_foreign(storage)
-    return Survey(entries, root_foreign)
+    if top is None or top.newest is None:
+        return Survey(entries, root_foreign)
+    return Survey(entries, root_foreign, complete=False, below=top.newest.step,
+                  reference=reference)
+
+
+def survey_below(storage: Storage, name_format: NameFormat, found: Survey
+                 ) -> list[CheckpointEntry]:
+    """The step directories below the top ``found`` read, highest first (leader only)."""
+    return list(entries_from_top(storage, name_format, below=found.below))
+
+
+def fallback_order(entries: list[CheckpointEntry], committed: Sequence[CheckpointEntry],
+                   more: Callable[[], list[CheckpointEntry]] | None
+                   ) -> Iterator[CheckpointEntry]:
+    """``committed`` newest first, then (read when reached) the committed ones below.
+
+    ``more`` returns the entries below those of a top-only survey; they join ``entries``
+    (in place, sorted) when the fallback reaches them, so what restore reports afterwards
+    covers them too.
+    """
+    yield from reversed(committed)
+    if more is None:
+        return
+    below = more()
+    entries[:] = sort_entries([*entries, *below])
+    yield from reversed([e for e in below if e.status == "committed"])
 
 
 def candidates(entries: Sequence[CheckpointEntry], step: int | None, *, root: str

@@ -23,7 +23,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from resumekit.catalog import CheckpointEntry, list_checkpoints
+from resumekit.catalog import (
+    CheckpointEntry,
+    Listing,
+    classify_step,
+    hidden_entries,
+    list_checkpoints,
+    list_root,
+    step_directories,
+)
 from resumekit.commit import pid_gone, read_writer, recover_interrupted, staging_areas
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
 from resumekit.layout import MANIFEST_NAME, NameFormat
@@ -33,6 +41,7 @@ from resumekit.warnings import ResumekitWarning
 __all__ = [
     "PruneReport",
     "RetentionPolicy",
+    "RollingSweep",
     "keep_all",
     "keep_every",
     "keep_last",
@@ -154,6 +163,39 @@ def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
 _LISTING_ATTEMPTS = 3
 
 
+@dataclass
+class RollingSweep:
+    """Where a ``scope="top"`` prune goes on reading older step directories from.
+
+    Staging a crashed writer left under an older step directory on an object store (a
+    crashed ``replace``, a crash before its writer record) is below the top of the root,
+    where begin's sweep and a top prune look. Each top prune therefore also reads a few
+    step directories below what it read anyway, going down one prune after the other and
+    starting over at the top: every directory is looked into once every
+    ``len(root) / per_prune`` prunes, at a constant cost per prune.
+
+    Attributes:
+        per_prune: Step directories read per prune, besides the ones that decide.
+        below: The next prune reads the step directories below this step (None: from
+            the top again).
+    """
+
+    per_prune: int = 2
+    below: int | None = None
+
+    def next_entries(self, storage: Storage, name_format: NameFormat, listing: Listing,
+                     classified: Sequence[CheckpointEntry]) -> list[CheckpointEntry]:
+        """Classify the next ``per_prune`` step directories (not in ``classified``)."""
+        seen = {entry.step for entry in classified}
+        lowest = min(seen, default=None)
+        start = self.below if self.below is not None else lowest
+        names = [(step, name) for step, name in step_directories(listing, name_format)
+                 if step not in seen and (start is None or step < start)]
+        chosen = names[:self.per_prune]
+        self.below = chosen[-1][0] if len(names) > self.per_prune else None
+        return [classify_step(storage, step, name_format) for step, _ in chosen]
+
+
 def prune(
     storage: Storage,
     policy: RetentionPolicy,
@@ -164,6 +206,8 @@ def prune(
     sweep_after: float = 3600.0,
     dry_run: bool = False,
     errors: Literal["raise", "warn", "report"] = "raise",
+    scope: Literal["all", "top"] = "all",
+    rolling: RollingSweep | None = None,
 ) -> PruneReport:
     """Delete committed checkpoints the policy does not keep, and sweep abandoned staging.
 
@@ -185,6 +229,16 @@ def prune(
             ``"warn"`` (a :class:`~resumekit.warnings.ResumekitWarning` per note and
             failure), or ``"report"`` (only in the returned report: the manager and the
             CLI report them themselves).
+        scope: ``"all"`` reads every manifest of the root and looks for abandoned
+            staging under every step directory (``resumekit prune``). ``"top"`` (the
+            manager, after each save) decides from names and reads only the manifests
+            that decide (:func:`_decide_from_names`), and on object stores looks for
+            staging only in the step directories it read, plus a few more each time
+            (``rolling``): its cost does not grow with the checkpoints kept. Its
+            ``kept`` counts step directories below the lowest deletion by name.
+        rolling: With ``"top"``, where the look at older step directories goes on from
+            (kept between prunes by the caller; each prune reads
+            :attr:`RollingSweep.per_prune` more, cycling through the root).
 
     Returns:
         What was (or would be) kept, deleted and swept, and what was skipped or failed.
@@ -194,27 +248,90 @@ def prune(
     """
     name_format = name_format or NameFormat()
     report = PruneReport(dry_run=dry_run)
-    if not dry_run:
-        recover_interrupted(storage, name_format)
-    entries = _listing(storage, name_format, report)
-    committed = [e.step for e in entries if e.status == "committed"]
-    keep = policy.keep(committed) | set(protect) | set(committed[-1:])
-    report.kept = [s for s in committed if s in keep]
+    if scope == "all":
+        if not dry_run:
+            recover_interrupted(storage, name_format)
+        entries = _listing(storage, name_format, report)
+        committed = [e.step for e in entries if e.status == "committed"]
+        keep = policy.keep(committed) | set(protect) | set(committed[-1:])
+        report.kept = [s for s in committed if s in keep]
+        doomed = [e for e in entries if e.status == "committed" and e.step not in keep]
+    else:
+        entries, doomed = _decide_from_names(storage, policy, name_format, set(protect),
+                                             report, rolling=rolling)
     now = time.time()
     token = os.urandom(6).hex()
-    for entry in entries:
-        if entry.status == "committed" and entry.step not in keep:
-            if dry_run:
-                report.deleted.append(entry.step)
-                continue
-            if _attempt(storage, report, entry.name, f"delete step {entry.step}",
-                        functools.partial(_delete_committed, storage, name_format,
-                                          entry.step, entry.name, token)):
-                report.deleted.append(entry.step)
+    for entry in doomed:
+        if dry_run:
+            report.deleted.append(entry.step)
+            continue
+        if _attempt(storage, report, entry.name, f"delete step {entry.step}",
+                    functools.partial(_delete_committed, storage, name_format,
+                                      entry.step, entry.name, token)):
+            report.deleted.append(entry.step)
+    report.deleted.sort()
     _sweep_abandoned(storage, entries, report, now=now, sweep_after=sweep_after,
                      active_tokens=active_tokens)
     _report(storage, report, errors)
     return report
+
+
+def _decide_from_names(storage: Storage, policy: RetentionPolicy, name_format: NameFormat,
+                       protect: set[int], report: PruneReport, *,
+                       rolling: RollingSweep | None = None,
+                       ) -> tuple[list[CheckpointEntry], list[CheckpointEntry]]:
+    """Decide what to delete from one listing, reading only the manifests that matter.
+
+    The policy first runs on the step directories' names. Nothing is deleted on a name:
+    the manifests are read from the top down to the lowest step the policy would delete
+    (and always down to the newest committed one), and the policy runs again on what they
+    say, the steps below that lowest one counted by name (a rule that keeps a step on
+    the steps above it, as every built-in policy does, keeps at least as much that way).
+    Only entries whose committed manifest was read are deleted.
+
+    Returns:
+        The entries classified (the hidden ones included: the sweep's candidates) and the
+        committed entries to delete, highest step first.
+    """
+    for attempt in range(_LISTING_ATTEMPTS):
+        try:
+            return _decide_once(storage, policy, name_format, protect, report,
+                                rolling=rolling)
+        except CheckpointNotFoundError as error:
+            if attempt == _LISTING_ATTEMPTS - 1:
+                raise
+            report.notes.append(f"{error} while listing {storage.path()} (another "
+                                "process removed it): listed again")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _decide_once(storage: Storage, policy: RetentionPolicy, name_format: NameFormat,
+                 protect: set[int], report: PruneReport, *, rolling: RollingSweep | None
+                 ) -> tuple[list[CheckpointEntry], list[CheckpointEntry]]:
+    listing = list_root(storage)
+    if not report.dry_run and recover_interrupted(storage, name_format, listing=listing):
+        listing = list_root(storage)
+    named = [step for step, _ in step_directories(listing, name_format)]  # highest first
+    presumed = policy.keep(named) | protect | set(named[:1])
+    lowest = min((step for step in named if step not in presumed), default=None)
+    classified: list[CheckpointEntry] = []
+    newest: int | None = None
+    for step, _ in step_directories(listing, name_format):
+        if newest is not None and (lowest is None or step < lowest):
+            break
+        entry = classify_step(storage, step, name_format)
+        classified.append(entry)
+        if newest is None and entry.status == "committed":
+            newest = entry.step
+    if rolling is not None:
+        classified += rolling.next_entries(storage, name_format, listing, classified)
+    read = {entry.step for entry in classified}
+    committed = sorted({e.step for e in classified if e.status == "committed"}
+                       | {step for step in named if step not in read})
+    keep = policy.keep(committed) | protect | ({newest} if newest is not None else set())
+    report.kept = [step for step in committed if step in keep]
+    doomed = [e for e in classified if e.status == "committed" and e.step not in keep]
+    return [*hidden_entries(storage, listing, name_format), *classified], doomed
 
 
 def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: PruneReport,

@@ -27,7 +27,7 @@ from resumekit.catalog import (
     ForeignCheckpoint,
     detect_foreign,
     import_command,
-    list_checkpoints,
+    newest_committed,
     open_target,
     tensors_url,
 )
@@ -455,12 +455,10 @@ def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
     storage = target.storage
     entry = target.entry
     assert entry is not None
-    try:
-        newest = [e for e in list_checkpoints(storage, target.name_format)
-                  if e.status == "committed"]
+    try:  # the newest, read from the top down: not every manifest of the root
+        resume = newest_committed(storage, target.name_format)
     except ResumekitError:
-        newest = []
-    resume = newest[-1] if newest else None
+        resume = None
     manifest = entry.manifest
     document: dict[str, Any] = {
         "schema": SCHEMA,
