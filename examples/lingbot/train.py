@@ -398,6 +398,9 @@ def _full(value: Tensor) -> Tensor:
 
 def _build_model(config: LingBotConfig, context: DistributedContext) -> LingBotVA:
     mixed = config.train.mixed_precision and context.device.type == "cuda"
+    if config.train.mixed_precision and not mixed:
+        logger.warning("config %s asks for bf16 mixed precision, which needs CUDA: this run "
+                       "on %s trains in fp32", config.name, context.device)
     torch.manual_seed(config.train.seed)
     if context.device.type == "cuda":
         # Real sizes: never materialise the full model on any rank; initialise the shards.

@@ -104,3 +104,21 @@ def test_micro_batches_deal_an_epoch_without_repeats_over_the_ranks() -> None:
             indices += next(batches)["index"].tolist()
             sampler.advance(2)
     assert sorted(indices) == list(range(64))
+
+
+def test_a_mixed_precision_config_on_cpu_says_it_trains_in_fp32(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import dataclasses
+    import logging
+    from types import SimpleNamespace
+
+    from examples.lingbot.train import _build_model
+
+    tiny = get_config("tiny")
+    config = dataclasses.replace(
+        tiny, train=dataclasses.replace(tiny.train, mixed_precision=True))
+    context = SimpleNamespace(device=torch.device("cpu"), is_distributed=False)
+    with caplog.at_level(logging.WARNING, logger="lingbot.train"):
+        model = _build_model(config, context)  # type: ignore[arg-type]
+    assert next(model.parameters()).dtype == torch.float32
+    assert "needs CUDA: this run on cpu trains in fp32" in caplog.text
