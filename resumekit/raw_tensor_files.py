@@ -43,6 +43,7 @@ storage_reader=resumekit.StorageReader(step_dir))``), and
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import dataclasses
@@ -54,12 +55,14 @@ import math
 import mmap
 import os
 import queue
+import struct
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any, NamedTuple, cast
 
 import torch
+import xxhash
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.filesystem import (
@@ -102,10 +105,14 @@ __all__ = [
     "aligned_empty",
     "block_bytes_for",
     "is_raw",
+    "raw_files",
 ]
 
 FORMAT_NAME = "resumekit-raw"
 FORMAT_VERSION = 1
+"""The descriptor of an item stored alone, with its own blocks (every version reads it)."""
+PACK_FORMAT_VERSION = 2
+"""The descriptor of an item stored in a pack of small items (:class:`_Pack`)."""
 CHUNK_BYTES = 4 << 20
 """The largest checksummed block, hashed and written per system call: small enough to stay
 in cache between the hash and the copy into the page cache, large enough to keep system
@@ -114,6 +121,15 @@ ALIGNMENT = 4096
 """Items start on this boundary in a data file, and direct I/O moves whole multiples of it."""
 MIN_BLOCK_BYTES = 64 << 10
 """The smallest checksummed block (items below it are one block)."""
+PACK_ITEM_BYTES = MIN_BLOCK_BYTES
+"""Items smaller than this share a packed, singly checksummed region with their neighbours."""
+PACK_BYTES = 256 << 10
+"""The largest packed region: what a reader of one small item reads and hashes at most."""
+PACK_ITEM_ALIGNMENT = 16
+"""Members of a pack start on this boundary inside it."""
+_MEMBER = struct.Struct("<II16s")  # a packed member: offset in its region, length, XXH3-128
+_FOOTER = struct.Struct("<II")  # member count, magic
+_PACK_MAGIC = 0x31504B52  # "RKP1"
 DATA_SUFFIX = ".distcp"
 _METADATA_TMP = f"{DCP_METADATA_FILE}.tmp"
 
@@ -156,6 +172,9 @@ class _Descriptor:
     shape: tuple[int, ...]
     block_bytes: int
     blocks: tuple[str, ...]  # hex XXH3-128 of each block_bytes slice of the item
+    # A packed item (format 2): (file offset, length) of the region holding it, which is
+    # its one block; None for an item stored alone, whose blocks start at the item.
+    region: tuple[int, int] | None = None
 
     def encode(self) -> str:
         dtype = "bytes" if self.dtype is None else str(self.dtype).removeprefix("torch.")
@@ -190,11 +209,77 @@ class _Descriptor:
             ) from None
         return cls(dtype, shape, block_bytes, blocks)
 
+    @staticmethod
+    def decode_region(text: str, *, where: str) -> tuple[int, int, str]:
+        """``(offset, length, hex checksum)`` of a packed region's descriptor."""
+        try:
+            head, offset_text, length_text, checksum = text.split(";")
+            if head != f"{FORMAT_NAME}/{PACK_FORMAT_VERSION}":
+                raise ValueError(f"unknown format {head!r}")
+            offset, length = int(offset_text), int(length_text)
+            if offset < 0 or length < 0:
+                raise ValueError(f"region {offset}+{length}")
+            algorithm, _, digest = checksum.partition(":")
+            if algorithm != CHECKSUM_ALGORITHM or not digest:
+                raise ValueError(f"unknown checksum {algorithm!r}")
+        except ValueError as error:
+            raise CorruptCheckpointError(
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
+            ) from None
+        return offset, length, digest
+
+
+_PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
+
 
 def is_raw(info: _StorageInfo) -> bool:
-    """Whether a stored item was written by :class:`RawTensorWriter`."""
+    """Whether a stored item carries a descriptor of :class:`RawTensorWriter`.
+
+    The members of a packed region after its first carry none: which files are raw
+    tensor files is :func:`raw_files`'s answer.
+    """
     descriptors = info.transform_descriptors or ()
     return len(descriptors) == 1 and descriptors[0].startswith(f"{FORMAT_NAME}/")
+
+
+def raw_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
+    """The data files written by :class:`RawTensorWriter` (every item of such a file is raw).
+
+    A file is raw when any of its items carries a raw descriptor: the writer of a file
+    writes every item of it, and DCP's own writer records no resumekit descriptor.
+    """
+    return {info.relative_path for info in storage_data.values() if is_raw(info)}
+
+
+class _FileLayout:
+    """Where the raw items of one checkpoint lie: raw files, packed regions by file."""
+
+    def __init__(self, storage_data: Mapping[Any, _StorageInfo], where: Any) -> None:
+        self.raw: set[str] = set()
+        regions: dict[str, list[tuple[int, int, str]]] = {}
+        for info in storage_data.values():
+            if not is_raw(info):
+                continue
+            self.raw.add(info.relative_path)
+            text = cast(Sequence[str], info.transform_descriptors)[0]
+            if text.startswith(_PACK_PREFIX):
+                regions.setdefault(info.relative_path, []).append(
+                    _Descriptor.decode_region(text, where=where(info)))
+        self.regions = {name: sorted(found) for name, found in regions.items()}
+        self.starts = {name: [region[0] for region in found]
+                       for name, found in self.regions.items()}
+
+    def region_of(self, info: _StorageInfo) -> tuple[int, int, str] | None:
+        """The packed region of the file holding ``info``'s first byte, if any."""
+        starts = self.starts.get(info.relative_path)
+        if not starts:
+            return None
+        number = bisect.bisect_right(starts, info.offset) - 1
+        if number < 0:
+            return None
+        region = self.regions[info.relative_path][number]
+        return region if info.offset < region[0] + max(region[1], 1) else None
 
 
 # ------------------------------------------------------------------------------- writing
@@ -573,8 +658,15 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
     ) -> tuple[list[WriteResult], WrittenFile]:
         results: list[WriteResult] = []
         with _AlignedFile(path) as handle:
+            pack = _Pack(name)
             for item, data in items:
                 view, address, dtype, shape = _bytes_of(data)
+                if len(view) < PACK_ITEM_BYTES:
+                    if not pack.fits(len(view)):
+                        results.extend(pack.flush(handle))
+                    pack.add(item, view)
+                    continue
+                results.extend(pack.flush(handle))
                 block = block_bytes_for(len(view))
                 stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
                 blocks: list[str] = []
@@ -591,10 +683,71 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                     storage_data=_StorageInfo(name, offset, len(view),
                                               transform_descriptors=[descriptor]),
                 ))
+            results.extend(pack.flush(handle))
             if self.sync_files:
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
         return results, written
+
+
+class _Pack:
+    """Small items gathered into one region of a data file, written and hashed as one.
+
+    Items below :data:`PACK_ITEM_BYTES` lie back to back (each on a
+    :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
+    written with one system call and covered by one checksum. The region's first member
+    records its descriptor (``resumekit-raw/2;<region offset>;<region length>;
+    xxh3_128:<hex>``); the others record none, as DCP's own items do, and belong to the
+    region of their file that holds their offset (:class:`_FileLayout`). The region ends
+    with a table of its members (offset, length and XXH3-128 of each, then their count and
+    a magic number), read only when the region's checksum fails, to name the damaged
+    member. Each member's
+    dtype and shape are DCP's own metadata entry's: the metadata holds nothing per small
+    item beyond what DCP's own format does.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.buffer = bytearray(PACK_BYTES)
+        self.used = 0
+        self.members: list[tuple[WriteItem, int, int]] = []  # item, offset in pack, length
+
+    def fits(self, length: int) -> bool:
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        table = (len(self.members) + 1) * _MEMBER.size + _FOOTER.size
+        return start + length + table <= PACK_BYTES
+
+    def add(self, item: WriteItem, view: memoryview) -> None:
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        self.buffer[self.used:start] = bytes(start - self.used)
+        self.buffer[start:start + len(view)] = view
+        self.used = start + len(view)
+        self.members.append((item, start, len(view)))
+
+    def flush(self, handle: _AlignedFile) -> list[WriteResult]:
+        """Write the region (padded to the next boundary); one result per member."""
+        if not self.members:
+            return []
+        buffer = memoryview(self.buffer)
+        at = self.used
+        for _, start, length in self.members:  # the table that names a damaged member
+            _MEMBER.pack_into(self.buffer, at, start, length,
+                              xxhash.xxh3_128_digest(buffer[start:start + length]))
+            at += _MEMBER.size
+        _FOOTER.pack_into(self.buffer, at, len(self.members), _PACK_MAGIC)
+        region = buffer[:at + _FOOTER.size]
+        base = handle.offset
+        descriptor = (f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{base};{len(region)};"
+                      f"{CHECKSUM_ALGORITHM}:{hex_digest(region)}")
+        handle.write(region, None)
+        handle.pad()
+        results = [WriteResult(index=item.index, size_in_bytes=length,
+                               storage_data=_StorageInfo(
+                                   self.name, base + start, length,
+                                   transform_descriptors=None if number else [descriptor]))
+                   for number, (item, start, length) in enumerate(self.members)]
+        self.members, self.used = [], 0
+        return results
 
 
 class _AlignedFile:
@@ -813,13 +966,23 @@ class RawTensorReading:
     fs: Any
     path: Any
     storage_data: dict[Any, Any]
+    _raw_metadata: Metadata | None = None
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up; the metadata is kept for the dtype and shape of packed items."""
+        self._raw_metadata = metadata
+        super().set_up_storage_reader(  # type: ignore[misc]
+            metadata, is_coordinator, *args, **kwargs)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner's destinations."""
         raw: list[ReadItem] = []
         stock: list[ReadItem] = []
+        layout = self._layout()
         for request in plan.items:
-            (raw if is_raw(self.storage_data[request.storage_index]) else stock).append(request)
+            info = self.storage_data[request.storage_index]
+            (raw if info.relative_path in layout.raw else stock).append(request)
         if stock:
             if self.verify and self.file_checksums is not None:
                 self._verify_stock_files(stock)
@@ -866,11 +1029,24 @@ class RawTensorReading:
 
     def _read_raw(self, requests: list[ReadItem], planner: LoadPlanner) -> None:
         per_file: dict[str, list[_Job]] = {}
+        layout = self._layout()
         for request in requests:
             info: _StorageInfo = self.storage_data[request.storage_index]
-            where = self._where(info)
-            descriptor = _Descriptor.decode(cast(Sequence[str], info.transform_descriptors)[0],
-                                            where=where)
+            text = (info.transform_descriptors or ("",))[0]
+            if not text or text.startswith(_PACK_PREFIX):  # a packed item
+                region = layout.region_of(info)
+                if region is None:
+                    where = self._where(info)
+                    raise CorruptCheckpointError(
+                        f"{where}: {request.storage_index.fqn} (bytes {info.offset}+"
+                        f"{info.length}) has no storage descriptor and lies in no packed "
+                        "region of its file", path=where, file=where,
+                        key=request.storage_index.fqn)
+                dtype, shape = self._stored_form(request, info)
+                descriptor = _Descriptor(dtype, shape, region[1], (region[2],),
+                                         (region[0], region[1]))
+            else:  # stored alone (format 1; anything else is refused, naming it)
+                descriptor = _Descriptor.decode(text, where=self._where(info))
             target = None
             if request.type != LoadItemType.BYTE_IO:
                 target = planner.resolve_tensor(request).detach()
@@ -892,32 +1068,74 @@ class RawTensorReading:
     def _where(self, info: _StorageInfo) -> str:
         return str(os.fspath(self.fs.concat_path(self.path, info.relative_path)))
 
+    def _layout(self) -> _FileLayout:
+        """The raw files and packed regions of ``storage_data`` (worked out once)."""
+        cached = self.__dict__.get("_raw_layout")
+        if cached is not None and cached[0] is self.storage_data:
+            return cast(_FileLayout, cached[1])
+        layout = _FileLayout(self.storage_data, self._where)
+        self.__dict__["_raw_layout"] = (self.storage_data, layout)
+        return layout
+
+    def _stored_form(self, request: ReadItem, info: _StorageInfo
+                     ) -> tuple[torch.dtype | None, tuple[int, ...]]:
+        """Dtype and shape of a packed item, from DCP's metadata entry of its key."""
+        index = request.storage_index
+        where = self._where(info)
+        entry = (None if self._raw_metadata is None
+                 else self._raw_metadata.state_dict_metadata.get(index.fqn))
+        if isinstance(entry, BytesStorageMetadata):
+            return None, ()
+        if isinstance(entry, TensorStorageMetadata):
+            chunks = entry.chunks
+            hint = index.index
+            if hint is not None and 0 <= hint < len(chunks) and \
+                    tuple(chunks[hint].offsets) == tuple(index.offset or ()):
+                return entry.properties.dtype, tuple(chunks[hint].sizes)
+            for chunk in chunks:
+                if tuple(chunk.offsets) == tuple(index.offset or ()):
+                    return entry.properties.dtype, tuple(chunk.sizes)
+        raise CorruptCheckpointError(
+            f"{where}: the metadata has no entry for the packed item {index.fqn} at "
+            f"offset {list(index.offset or ())}", path=where, file=where, key=index.fqn,
+        )
+
     def _read_file(self, name: str, jobs: list[_Job]) -> list[tuple[_Job, Any]]:
         """Read every item of one file; a transient error reads the whole file again."""
         where = self._where(jobs[0].info)
 
         def read() -> list[tuple[_Job, Any]]:
             values: list[tuple[_Job, Any]] = []
+            packs: dict[int, memoryview] = {}  # the packed regions read (and verified)
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 for job in sorted(jobs, key=lambda j: j.info.offset):
                     stream.seek(job.info.offset)
-                    values.append((job, self._read_item(stream, job, where)))
+                    values.append((job, self._read_item(stream, job, where, packs)))
             return values
 
         return read_with_retry(where, read)
 
-    def _read_item(self, stream: IO[bytes], job: _Job, where: str) -> Any:
+    def _read_item(self, stream: IO[bytes], job: _Job, where: str,
+                   packs: dict[int, memoryview] | None = None) -> Any:
         descriptor, info, request = job.descriptor, job.info, job.request
         key = request.storage_index.fqn
+        if descriptor.region is not None:
+            low, length = descriptor.region
+            if not low <= info.offset <= info.offset + info.length <= low + length:
+                raise CorruptCheckpointError(
+                    f"{where}: {key} records bytes {info.offset}+{info.length} outside its "
+                    f"packed region {low}+{length}", path=where, file=where, key=key,
+                )
         if descriptor.dtype is None:
             buffer = bytearray(info.length)
-            self._read_range(stream, job, (0, info.length), memoryview(buffer))
+            self._read_range(stream, job, (0, info.length), memoryview(buffer), packs)
             return io.BytesIO(bytes(buffer))
         target = job.target
         assert target is not None
         item_size = descriptor.dtype.itemsize
         expected = math.prod(descriptor.shape) * item_size
-        blocks = -(-info.length // descriptor.block_bytes)
+        blocks = (1 if descriptor.region is not None
+                  else -(-info.length // descriptor.block_bytes))
         if expected != info.length or len(descriptor.blocks) != blocks:
             raise CorruptCheckpointError(
                 f"{where}: {key} records {info.length} bytes in {len(descriptor.blocks)} "
@@ -932,7 +1150,7 @@ class RawTensorReading:
         span = _contiguous_span(descriptor.shape, request.storage_offsets, request.lengths)
         if span is None:  # a piece that is not one byte range: read the item, narrow it
             stored = torch.empty(descriptor.shape, dtype=descriptor.dtype)
-            self._read_range(stream, job, (0, info.length), _byte_view(stored))
+            self._read_range(stream, job, (0, info.length), _byte_view(stored), packs)
             target.copy_(narrow_tensor_by_index(stored, request.storage_offsets,
                                                 request.lengths))
             return target
@@ -940,57 +1158,114 @@ class RawTensorReading:
         start, stop = first * item_size, (first + count) * item_size
         if (target.device.type == "cpu" and target.dtype == descriptor.dtype
                 and target.is_contiguous()):
-            self._read_range(stream, job, (start, stop), _byte_view(target))
+            self._read_range(stream, job, (start, stop), _byte_view(target), packs)
             return target
         piece = torch.empty(tuple(request.lengths), dtype=descriptor.dtype)
-        self._read_range(stream, job, (start, stop), _byte_view(piece))
+        self._read_range(stream, job, (start, stop), _byte_view(piece), packs)
         target.copy_(piece)
         return target
 
     def _read_range(self, stream: IO[bytes], job: _Job, span: tuple[int, int],
-                    destination: memoryview) -> None:
+                    destination: memoryview,
+                    packs: dict[int, memoryview] | None = None) -> None:
         """Read bytes ``[start, stop)`` of an item into ``destination``.
 
         With ``verify``, every block the range touches is read whole and checked against
         its checksum: the blocks inside the range are read straight into ``destination``
         in one pass, the (at most two) partial ones at its ends through a scratch buffer.
+        A packed item's block is its whole region: with ``packs`` the region is read (and
+        verified) once, kept there by file offset, and every member is copied out of it.
         """
-        info, (start, stop), where = job.info, span, self._where(job.info)
+        info, where = job.info, self._where(job.info)
+        base, extent = job.descriptor.region or (info.offset, info.length)
+        shift = info.offset - base  # block numbers count from the region's start
+        start, stop = span[0] + shift, span[1] + shift
+        if job.descriptor.region is not None and packs is not None:
+            region = packs.get(base)
+            if region is None:
+                region = memoryview(bytearray(extent))
+                stream.seek(base)
+                self._read_exactly(stream, region, job, where)
+                if self.verify and hex_digest(region) != job.descriptor.blocks[0]:
+                    self._name_damaged_member(job, region)
+                packs.clear()  # members are read in file order: one region at a time
+                packs[base] = region
+            destination[:] = region[start:stop]
+            return
         if not self.verify:
-            stream.seek(info.offset + start)
+            stream.seek(base + start)
             self._read_exactly(stream, destination, job, where)
             return
         block = job.descriptor.block_bytes
         inner_low = -(-start // block) * block  # the whole blocks inside [start, stop)
-        inner_high = max(inner_low, min(stop, info.length) // block * block)
-        if stop == info.length:
+        inner_high = max(inner_low, min(stop, extent) // block * block)
+        if stop == extent:
             inner_high = stop if inner_low < stop else inner_high
         if inner_low < inner_high:
-            stream.seek(info.offset + inner_low)
+            stream.seek(base + inner_low)
             inner = destination[inner_low - start:inner_high - start]
             self._read_exactly(stream, inner, job, where)
             for at in range(0, len(inner), block):
                 self._check_block(job, (inner_low + at) // block, inner[at:at + block])
         scratch: memoryview | None = None
         for number in {start // block, (stop - 1) // block} if stop > start else ():
-            low, high = number * block, min((number + 1) * block, info.length)
+            low, high = number * block, min((number + 1) * block, extent)
             if inner_low <= low and high <= inner_high:
                 continue  # read above
             scratch = scratch if scratch is not None else memoryview(bytearray(block))
             view = scratch[:high - low]
-            stream.seek(info.offset + low)
+            stream.seek(base + low)
             self._read_exactly(stream, view, job, where)
             self._check_block(job, number, view)
             begin, end = max(start, low), min(stop, high)
             destination[begin - start:end - start] = view[begin - low:end - low]
 
+    def _name_damaged_member(self, job: _Job, region: memoryview) -> None:
+        """Raise for a packed region that fails its checksum, naming the damaged member.
+
+        The region's table of members says which member's bytes changed; when none did
+        (the damage is in the table or the padding) the region itself is named.
+        """
+        info, where = job.info, self._where(job.info)
+        base = cast(tuple[int, int], job.descriptor.region)[0]
+        damaged: list[tuple[int, int]] = []
+        try:
+            count, magic = _FOOTER.unpack_from(region, len(region) - _FOOTER.size)
+            table = len(region) - _FOOTER.size - count * _MEMBER.size
+            if magic != _PACK_MAGIC or table < 0:
+                raise ValueError("no table of members")
+            for number in range(count):
+                start, length, digest = _MEMBER.unpack_from(region, table + number * _MEMBER.size)
+                if xxhash.xxh3_128_digest(region[start:start + length]) != digest:
+                    damaged.append((start, length))
+        except (ValueError, struct.error):
+            damaged = []
+        names = {(item.offset - base): index.fqn for index, item in self.storage_data.items()
+                 if item.relative_path == info.relative_path}
+        if damaged:
+            start, length = damaged[0]
+            key = names.get(start, job.request.storage_index.fqn)
+            raise CorruptCheckpointError(
+                f"{where}: the bytes of {key} at offset {base + start} ({length} bytes, in "
+                f"a region of packed small items at offset {base}) do not match their "
+                "checksum", path=where, file=where, key=key,
+            )
+        key = job.request.storage_index.fqn
+        raise CorruptCheckpointError(
+            f"{where}: the region of packed small items at offset {base} ({len(region)} "
+            f"bytes, holding {key}) does not match its checksum, though each member's "
+            "bytes do: its table of members is damaged", path=where, file=where, key=key,
+        )
+
     def _check_block(self, job: _Job, number: int, view: memoryview) -> None:
         if hex_digest(view) != job.descriptor.blocks[number]:
             where = self._where(job.info)
+            base = (job.descriptor.region or (job.info.offset, 0))[0]
+            packed = " (a region of packed small items)" if job.descriptor.region else ""
             raise CorruptCheckpointError(
                 f"{where}: the bytes of {job.request.storage_index.fqn} at offset "
-                f"{job.info.offset + number * job.descriptor.block_bytes} ({len(view)} "
-                "bytes) do not match their checksum",
+                f"{base + number * job.descriptor.block_bytes} ({len(view)} "
+                f"bytes{packed}) do not match their checksum",
                 path=where, file=where, key=job.request.storage_index.fqn,
             )
 

@@ -29,6 +29,7 @@ shares the training thread's NCCL communicator (NCCL communicators are not threa
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import os
 import pickle
@@ -93,7 +94,7 @@ from resumekit.raw_tensor_files import (
     RawTensorWriter,
     WrittenFile,
     aligned_empty,
-    is_raw,
+    raw_files,
 )
 from resumekit.retry import read_with_retry
 from resumekit.safe_pickle import load_dcp_metadata
@@ -395,7 +396,7 @@ def save(
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format)
     try:
-        with _quiet_no_dist(no_dist), _without_zip_crc32():
+        with _quiet_no_dist(no_dist), _without_zip_crc32(), _collection_paused(background):
             dcp_save(
                 dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
             )
@@ -489,7 +490,7 @@ def _run_load(
     no_dist: bool,
 ) -> None:
     try:
-        with _quiet_no_dist(no_dist):
+        with _quiet_no_dist(no_dist), _collection_paused(False):
             dcp_load(
                 state_dict,
                 storage_reader=cast(FileSystemReader, reader),
@@ -567,12 +568,7 @@ def files_verified_on_read(
         File names relative to ``directory``.
     """
     metadata = _make_reader(_directory_str(directory), storage_options).read_metadata()
-    verdict: dict[str, bool] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if isinstance(name, str):
-            verdict[name] = verdict.get(name, True) and is_raw(info)
-    return {name for name, raw in verdict.items() if raw}
+    return raw_files(metadata.storage_data or {})
 
 
 def iter_full_tensors(
@@ -754,6 +750,28 @@ def _without_zip_crc32() -> Generator[None, None, None]:
             _crc32_users[0] -= 1
             if _crc32_users[0] == 0:
                 set_crc32_options(bool(_crc32_users[1]))
+
+
+@contextmanager
+def _collection_paused(background: bool) -> Generator[None, None, None]:
+    """Pause Python's cyclic garbage collector for a foreground save or load.
+
+    Planning, writing and reading create several objects per tensor that all stay alive
+    until the end; with thousands of tensors the collector's passes over them cost more
+    than the work itself (measured: ``docs/performance.md``, per-tensor overhead). Only on
+    the main thread and never for a background save, whose pause would cover the training
+    loop; the previous setting is restored, and nothing is collected that would not be
+    collected later anyway.
+    """
+    if (background or threading.current_thread() is not threading.main_thread()
+            or not gc.isenabled()):
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _resolve_group(

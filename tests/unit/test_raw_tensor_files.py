@@ -17,7 +17,12 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from resumekit import CorruptCheckpointError, IncompleteCheckpointError, sharded
+from resumekit import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    raw_tensor_files,
+    sharded,
+)
 from resumekit.catalog import latest_committed, verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
@@ -28,6 +33,8 @@ from resumekit.raw_tensor_files import (
     ALIGNMENT,
     CHUNK_BYTES,
     FORMAT_NAME,
+    PACK_BYTES,
+    PACK_ITEM_BYTES,
     RawTensorWriter,
     aligned_empty,
 )
@@ -152,7 +159,7 @@ def test_loading_into_a_non_contiguous_destination_fills_the_underlying_buffer(
 def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
     tmp_path: Path,
 ) -> None:
-    state = mixed_state()
+    state = {**mixed_state(), "large": torch.randn(PACK_ITEM_BYTES // 4 + 3)}
     directory = tmp_path / "ckpt"
     sharded.save(state, directory)
     infos = storage_info(directory)
@@ -164,17 +171,125 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         data = (directory / info.relative_path).read_bytes()
         assert info.length == tensor.numel() * tensor.element_size(), key
         assert data[info.offset:info.offset + info.length] == tensor_bytes(tensor), key
-        (descriptor,) = info.transform_descriptors
-        assert descriptor.split(";")[:3] == [
-            f"{FORMAT_NAME}/1",
-            str(tensor.dtype).removeprefix("torch."),
-            "x".join(str(size) for size in tensor.shape),
-        ], key
-        if tensor.numel():  # a small item's checksum is recorded next to it
-            digest = checksum_chunks([tensor_bytes(tensor)]).partition(":")[2]
-            assert digest in descriptor, key
-    for key in ("extras.lr", "extras.name", "count"):
-        assert infos[key].transform_descriptors[0].split(";")[1] == "bytes", key
+        descriptor = (info.transform_descriptors or [None])[0]
+        if key == "large":  # stored alone: its own dtype, shape and blocks
+            assert descriptor.split(";")[:3] == [
+                f"{FORMAT_NAME}/1", "float32", str(tensor.numel())]
+            continue
+        # a small item lies in a packed region whose one checksum covers its bytes; the
+        # region's first member names it, the others record nothing, as DCP's items do
+        assert descriptor is None or descriptor.startswith(f"{FORMAT_NAME}/2;"), key
+    regions = [(info.relative_path, info.transform_descriptors[0]) for info in infos.values()
+               if info.transform_descriptors and
+               info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/2;")]
+    assert regions
+    packed = [info for key, info in infos.items() if key != "large"]
+    for info in packed:
+        data = (directory / info.relative_path).read_bytes()
+        holding = []
+        for name, text in regions:
+            if name != info.relative_path:
+                continue
+            head, start, length, checksum = text.split(";")
+            start, length = int(start), int(length)
+            if start <= info.offset and info.offset + info.length <= start + length:
+                holding.append(text)
+                assert checksum == checksum_chunks([data[start:start + length]])
+        assert len(holding) == 1
+
+
+def test_packed_items_cost_no_more_metadata_than_dcps_own_format(tmp_path: Path) -> None:
+    state = {f"t{number}": torch.full((50,), float(number)) for number in range(300)}
+    sharded.save(state, tmp_path / "ours", thread_count=1)
+    sharded.save(state, tmp_path / "dcp", thread_count=1, tensor_format="dcp")
+    infos = storage_info(tmp_path / "ours")
+
+    described = [info for info in infos.values() if info.transform_descriptors]
+    assert len(described) == 1  # 300 x 200 bytes fit in one region, named once
+    ours, theirs = ((tmp_path / name / ".metadata").stat().st_size for name in ("ours", "dcp"))
+    assert ours <= theirs + 200  # the one region descriptor, nothing per item
+    (data_file,) = {info.relative_path for info in infos.values()}
+    assert (tmp_path / "ours" / data_file).stat().st_size <= PACK_BYTES
+    _round_trips(state, tmp_path / "ours")
+
+
+def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_file(
+    tmp_path: Path,
+) -> None:
+    state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory, thread_count=1)
+    (leader,) = [info for info in storage_info(directory).values()
+                 if info.transform_descriptors]
+    _, start, length, _ = leader.transform_descriptors[0].split(";")
+    flip_byte(directory / leader.relative_path, int(start) + int(length) - 20)
+
+    with pytest.raises(CorruptCheckpointError, match="region of packed small items") as caught:
+        sharded.load(blank_like(state), directory)
+    assert Path(caught.value.file).name == leader.relative_path
+    assert caught.value.key in state
+
+
+def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = {f"t{number}": torch.randn(4000) for number in range(200)}  # 16 KB each
+    sharded.save(state, tmp_path / "ckpt", thread_count=2)
+    infos = storage_info(tmp_path / "ckpt")
+    regions = {info.transform_descriptors[0] for info in infos.values()
+               if info.transform_descriptors}
+    assert len(regions) >= 200 * 16000 // PACK_BYTES
+    assert all(int(text.split(";")[2]) <= PACK_BYTES for text in regions)
+
+    checked: list[int] = []
+    original = raw_tensor_files.hex_digest
+
+    def count(view: memoryview) -> str:
+        checked.append(len(view))
+        return original(view)
+
+    monkeypatch.setattr(raw_tensor_files, "hex_digest", count)
+    _round_trips(state, tmp_path / "ckpt")
+    assert len(checked) == len(regions)  # every region hashed once, not once per member
+
+
+def test_a_checkpoint_with_every_item_stored_alone_as_before_packing_still_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Checkpoints written before packing hold every item alone, small ones included, in
+    # format 1; the reader keeps reading them (and verifying them block by block).
+    monkeypatch.setattr(raw_tensor_files, "PACK_ITEM_BYTES", 0)
+    state = mixed_state()
+    sharded.save(state, tmp_path / "ckpt")
+    monkeypatch.undo()
+    infos = storage_info(tmp_path / "ckpt")
+    assert all(info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/1;")
+               for info in infos.values())
+    _round_trips(state, tmp_path / "ckpt")
+
+    info = infos["f32"]
+    flip_byte(tmp_path / "ckpt" / info.relative_path, info.offset + 5)
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank_like(state), tmp_path / "ckpt")
+    assert caught.value.key == "f32"
+
+
+def test_a_flipped_byte_in_a_packed_item_names_that_item_and_its_file(tmp_path: Path) -> None:
+    state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory, thread_count=1)
+    info = storage_info(directory)["t7"]
+    flip_byte(directory / info.relative_path, info.offset + 3)
+
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank_like(state), directory)
+    assert caught.value.key == "t7"
+    assert Path(caught.value.file).name == info.relative_path
+    assert "packed" in str(caught.value)
+    # Only t7 asked for: the region is still checked whole, so the flip is still found.
+    with pytest.raises(CorruptCheckpointError, match="t7"):
+        sharded.load({"t7": torch.zeros(30)}, directory)
+    sharded.load({"t3": torch.zeros(30)}, directory, verify=False)  # unchecked reads go on
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -565,13 +680,17 @@ def _round_trips(state: dict[str, Any], directory: Path) -> None:
             assert target[key] == value
 
 
-def test_every_item_starts_on_an_alignment_boundary_and_the_file_checksum_covers_the_padding(
+def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_covers_padding(
     tmp_path: Path,
 ) -> None:
     state = _big_state()
     written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
     infos = storage_info(tmp_path / "ckpt")
-    assert infos and all(info.offset % ALIGNMENT == 0 for info in infos.values())
+    starts = [int(info.transform_descriptors[0].split(";")[1])
+              if info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/2;") else info.offset
+              for info in infos.values() if info.transform_descriptors]
+    assert len(infos) == 4 and len(starts) == 2  # "big" alone, the rest in one pack
+    assert all(start % ALIGNMENT == 0 for start in starts)
     (file,) = [file for file in written if file.name != ".metadata"]
     on_disk = (tmp_path / "ckpt" / file.name).read_bytes()
     assert len(on_disk) % ALIGNMENT == 0 and file.size == len(on_disk)
