@@ -123,7 +123,7 @@ MIN_BLOCK_BYTES = 64 << 10
 """The smallest checksummed block (items below it are one block)."""
 PACK_ITEM_BYTES = MIN_BLOCK_BYTES
 """Items smaller than this share a packed, singly checksummed region with their neighbours."""
-PACK_BYTES = 256 << 10
+PACK_BYTES = 1 << 20
 """The largest packed region: what a reader of one small item reads and hashes at most."""
 PACK_ITEM_ALIGNMENT = 16
 """Members of a pack start on this boundary inside it."""
@@ -210,15 +210,21 @@ class _Descriptor:
         return cls(dtype, shape, block_bytes, blocks)
 
     @staticmethod
-    def decode_region(text: str, *, where: str) -> tuple[int, int, str]:
-        """``(offset, length, hex checksum)`` of a packed region's descriptor."""
+    def decode_region(text: str, offset: int, *, where: str) -> tuple[int, int, str]:
+        """``(offset, length, hex checksum)`` of a packed region.
+
+        Args:
+            text: The descriptor its first member records.
+            offset: That member's offset: where the region starts.
+            where: The file, for the error.
+        """
         try:
-            head, offset_text, length_text, checksum = text.split(";")
+            head, length_text, checksum = text.split(";")
             if head != f"{FORMAT_NAME}/{PACK_FORMAT_VERSION}":
                 raise ValueError(f"unknown format {head!r}")
-            offset, length = int(offset_text), int(length_text)
-            if offset < 0 or length < 0:
-                raise ValueError(f"region {offset}+{length}")
+            length = int(length_text)
+            if length < 0:
+                raise ValueError(f"region length {length}")
             algorithm, _, digest = checksum.partition(":")
             if algorithm != CHECKSUM_ALGORITHM or not digest:
                 raise ValueError(f"unknown checksum {algorithm!r}")
@@ -265,7 +271,7 @@ class _FileLayout:
             text = cast(Sequence[str], info.transform_descriptors)[0]
             if text.startswith(_PACK_PREFIX):
                 regions.setdefault(info.relative_path, []).append(
-                    _Descriptor.decode_region(text, where=where(info)))
+                    _Descriptor.decode_region(text, info.offset, where=where(info)))
         self.regions = {name: sorted(found) for name, found in regions.items()}
         self.starts = {name: [region[0] for region in found]
                        for name, found in self.regions.items()}
@@ -660,6 +666,12 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         with _AlignedFile(path) as handle:
             pack = _Pack(name)
             for item, data in items:
+                small = _small_cpu_bytes(data)
+                if small is not None:  # the common small tensor: copied, no view objects
+                    if not pack.fits(small[1]):
+                        results.extend(pack.flush(handle))
+                    pack.add_from(item, *small)
+                    continue
                 view, address, dtype, shape = _bytes_of(data)
                 if len(view) < PACK_ITEM_BYTES:
                     if not pack.fits(len(view)):
@@ -696,7 +708,7 @@ class _Pack:
     Items below :data:`PACK_ITEM_BYTES` lie back to back (each on a
     :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
     written with one system call and covered by one checksum. The region's first member
-    records its descriptor (``resumekit-raw/2;<region offset>;<region length>;
+    starts the region and records its descriptor (``resumekit-raw/2;<region length>;
     xxh3_128:<hex>``); the others record none, as DCP's own items do, and belong to the
     region of their file that holds their offset (:class:`_FileLayout`). The region ends
     with a table of its members (offset, length and XXH3-128 of each, then their count and
@@ -709,6 +721,7 @@ class _Pack:
     def __init__(self, name: str) -> None:
         self.name = name
         self.buffer = bytearray(PACK_BYTES)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         self.used = 0
         self.members: list[tuple[WriteItem, int, int]] = []  # item, offset in pack, length
 
@@ -724,6 +737,15 @@ class _Pack:
         self.used = start + len(view)
         self.members.append((item, start, len(view)))
 
+    def add_from(self, item: WriteItem, address: int, length: int) -> None:
+        """Add ``length`` bytes at ``address`` in memory (a contiguous CPU tensor's)."""
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        self.buffer[self.used:start] = bytes(start - self.used)
+        if length:
+            ctypes.memmove(self.address + start, address, length)
+        self.used = start + length
+        self.members.append((item, start, length))
+
     def flush(self, handle: _AlignedFile) -> list[WriteResult]:
         """Write the region (padded to the next boundary); one result per member."""
         if not self.members:
@@ -737,7 +759,7 @@ class _Pack:
         _FOOTER.pack_into(self.buffer, at, len(self.members), _PACK_MAGIC)
         region = buffer[:at + _FOOTER.size]
         base = handle.offset
-        descriptor = (f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{base};{len(region)};"
+        descriptor = (f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};"
                       f"{CHECKSUM_ALGORITHM}:{hex_digest(region)}")
         handle.write(region, None)
         handle.pad()
@@ -905,6 +927,21 @@ def _bytes_of(data: torch.Tensor | io.BytesIO
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+
+
+def _small_cpu_bytes(data: torch.Tensor | io.BytesIO) -> tuple[int, int] | None:
+    """``(address, length)`` of a small tensor whose memory holds exactly its bytes.
+
+    A contiguous CPU tensor below :data:`PACK_ITEM_BYTES`, neither conjugated nor negated
+    lazily; anything else is ``None`` (and goes through :func:`_bytes_of`).
+    """
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+        return None
+    length = data.numel() * data.element_size()
+    if (length >= PACK_ITEM_BYTES or not data.is_contiguous() or data.is_conj()
+            or data.is_neg()):
+        return None
+    return data.data_ptr(), length
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
@@ -1106,7 +1143,7 @@ class RawTensorReading:
 
         def read() -> list[tuple[_Job, Any]]:
             values: list[tuple[_Job, Any]] = []
-            packs: dict[int, memoryview] = {}  # the packed regions read (and verified)
+            packs: dict[int, Any] = {}  # the packed region read (and verified) last
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 for job in sorted(jobs, key=lambda j: j.info.offset):
                     stream.seek(job.info.offset)
@@ -1116,7 +1153,7 @@ class RawTensorReading:
         return read_with_retry(where, read)
 
     def _read_item(self, stream: IO[bytes], job: _Job, where: str,
-                   packs: dict[int, memoryview] | None = None) -> Any:
+                   packs: dict[int, Any] | None = None) -> Any:
         descriptor, info, request = job.descriptor, job.info, job.request
         key = request.storage_index.fqn
         if descriptor.region is not None:
@@ -1158,6 +1195,12 @@ class RawTensorReading:
         start, stop = first * item_size, (first + count) * item_size
         if (target.device.type == "cpu" and target.dtype == descriptor.dtype
                 and target.is_contiguous()):
+            if descriptor.region is not None and packs is not None and stop > start:
+                # A small item: copied out of its (checked) region, no view objects.
+                _, address = self._region(stream, job, packs)
+                shift = info.offset - descriptor.region[0]
+                ctypes.memmove(target.data_ptr(), address + shift + start, stop - start)
+                return target
             self._read_range(stream, job, (start, stop), _byte_view(target), packs)
             return target
         piece = torch.empty(tuple(request.lengths), dtype=descriptor.dtype)
@@ -1167,7 +1210,7 @@ class RawTensorReading:
 
     def _read_range(self, stream: IO[bytes], job: _Job, span: tuple[int, int],
                     destination: memoryview,
-                    packs: dict[int, memoryview] | None = None) -> None:
+                    packs: dict[int, Any] | None = None) -> None:
         """Read bytes ``[start, stop)`` of an item into ``destination``.
 
         With ``verify``, every block the range touches is read whole and checked against
@@ -1181,15 +1224,7 @@ class RawTensorReading:
         shift = info.offset - base  # block numbers count from the region's start
         start, stop = span[0] + shift, span[1] + shift
         if job.descriptor.region is not None and packs is not None:
-            region = packs.get(base)
-            if region is None:
-                region = memoryview(bytearray(extent))
-                stream.seek(base)
-                self._read_exactly(stream, region, job, where)
-                if self.verify and hex_digest(region) != job.descriptor.blocks[0]:
-                    self._name_damaged_member(job, region)
-                packs.clear()  # members are read in file order: one region at a time
-                packs[base] = region
+            region, _ = self._region(stream, job, packs)
             destination[:] = region[start:stop]
             return
         if not self.verify:
@@ -1219,6 +1254,25 @@ class RawTensorReading:
             self._check_block(job, number, view)
             begin, end = max(start, low), min(stop, high)
             destination[begin - start:end - start] = view[begin - low:end - low]
+
+    def _region(self, stream: IO[bytes], job: _Job, packs: dict[int, Any]
+                ) -> tuple[memoryview, int]:
+        """The packed region of ``job`` (read and, with ``verify``, checked once), and its
+        address in memory."""
+        base, extent = cast(tuple[int, int], job.descriptor.region)
+        found = packs.get(base)
+        if found is not None:
+            return cast(tuple[memoryview, int], found)
+        buffer = bytearray(max(extent, 1))
+        region = memoryview(buffer)[:extent]
+        stream.seek(base)
+        self._read_exactly(stream, region, job, self._where(job.info))
+        if self.verify and hex_digest(region) != job.descriptor.blocks[0]:
+            self._name_damaged_member(job, region)
+        packs.clear()  # members are read in file order: one region at a time
+        address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        packs[base] = (region, address)
+        return region, address
 
     def _name_damaged_member(self, job: _Job, region: memoryview) -> None:
         """Raise for a packed region that fails its checksum, naming the damaged member.

@@ -567,8 +567,11 @@ def files_verified_on_read(
     Returns:
         File names relative to ``directory``.
     """
-    metadata = _make_reader(_directory_str(directory), storage_options).read_metadata()
-    return raw_files(metadata.storage_data or {})
+    reader = _make_reader(_directory_str(directory), storage_options)
+    metadata = reader.read_metadata()
+    found = raw_files(metadata.storage_data or {})
+    reader.hand_over_metadata()  # a load usually follows: it need not unpickle it again
+    return found
 
 
 def iter_full_tensors(
@@ -858,6 +861,13 @@ def _make_writer(
         directory, thread_count=thread_count, storage_options=storage_options))
 
 
+_PARSED: dict[tuple[str, str], Metadata] = {}
+"""Parsed metadata handed from a reader that only looked to the next reader (by file and
+checksum), each taken once."""
+_PARSED_KEPT = 2
+_PARSED_LOCK = threading.Lock()
+
+
 class _SafeReaderMixin:
     """Reads ``.metadata`` with the allow-list unpickler, once, and remembers failures."""
 
@@ -894,9 +904,14 @@ class _SafeReaderMixin:
                 self.metadata_error = found
             raise found from error
         try:
+            digest = checksum_chunks([data])
             if rank is None:
-                self._check_metadata_bytes(data, source)
-            metadata = cast(Metadata, load_dcp_metadata(data, source=source))
+                self._check_metadata_bytes(data, source, digest)
+            with _PARSED_LOCK:
+                metadata = _PARSED.pop((source, digest), None)
+            if metadata is None:
+                with _collection_paused(False):
+                    metadata = cast(Metadata, load_dcp_metadata(data, source=source))
         except ResumekitError as error:
             self.metadata_error = error
             raise
@@ -905,10 +920,27 @@ class _SafeReaderMixin:
         cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
         if rank is None:
             self._metadata = metadata
+            self._metadata_key = (source, digest)
         return metadata
 
+    def hand_over_metadata(self) -> None:
+        """Give the metadata this reader parsed to the next reader of the same bytes.
 
-    def _check_metadata_bytes(self, data: bytes, source: str) -> None:
+        For a caller that only looked at it: the next reader of the same file with the
+        same checksum takes the parsed object instead of unpickling it again (thousands
+        of objects for thousands of tensors). At most a few are kept, each taken once.
+        """
+        key = getattr(self, "_metadata_key", None)
+        if self._metadata is None or key is None:
+            return
+        with _PARSED_LOCK:
+            _PARSED[key] = self._metadata
+            while len(_PARSED) > _PARSED_KEPT:
+                del _PARSED[next(iter(_PARSED))]
+        self._metadata = None
+
+
+    def _check_metadata_bytes(self, data: bytes, source: str, actual: str) -> None:
         """With ``verify`` and a manifest, ``.metadata`` must match its recorded checksum.
 
         The checksums of raw tensor blocks are in it, so it is checked before any is used.
@@ -920,7 +952,6 @@ class _SafeReaderMixin:
             raise CorruptCheckpointError(
                 f"{source} is not listed in the checkpoint's manifest, so it cannot be "
                 "verified", path=os.fspath(self.path), file=source)
-        actual = checksum_chunks([data])
         if actual != expected:
             raise CorruptCheckpointError(
                 f"{source} does not match its checksum in the manifest (expected "

@@ -182,6 +182,8 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
     regions = [(info.relative_path, info.transform_descriptors[0]) for info in infos.values()
                if info.transform_descriptors and
                info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/2;")]
+    leaders = {info.transform_descriptors[0]: info.offset for info in infos.values()
+               if info.transform_descriptors}
     assert regions
     packed = [info for key, info in infos.items() if key != "large"]
     for info in packed:
@@ -190,8 +192,8 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         for name, text in regions:
             if name != info.relative_path:
                 continue
-            head, start, length, checksum = text.split(";")
-            start, length = int(start), int(length)
+            head, length, checksum = text.split(";")
+            start, length = leaders[text], int(length)
             if start <= info.offset and info.offset + info.length <= start + length:
                 holding.append(text)
                 assert checksum == checksum_chunks([data[start:start + length]])
@@ -221,8 +223,8 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
     sharded.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
                  if info.transform_descriptors]
-    _, start, length, _ = leader.transform_descriptors[0].split(";")
-    flip_byte(directory / leader.relative_path, int(start) + int(length) - 20)
+    _, length, _ = leader.transform_descriptors[0].split(";")
+    flip_byte(directory / leader.relative_path, leader.offset + int(length) - 20)
 
     with pytest.raises(CorruptCheckpointError, match="region of packed small items") as caught:
         sharded.load(blank_like(state), directory)
@@ -233,13 +235,13 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
 def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checked_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    state = {f"t{number}": torch.randn(4000) for number in range(200)}  # 16 KB each
+    state = {f"t{number}": torch.randn(8000) for number in range(400)}  # 32 KB each
     sharded.save(state, tmp_path / "ckpt", thread_count=2)
     infos = storage_info(tmp_path / "ckpt")
     regions = {info.transform_descriptors[0] for info in infos.values()
                if info.transform_descriptors}
-    assert len(regions) >= 200 * 16000 // PACK_BYTES
-    assert all(int(text.split(";")[2]) <= PACK_BYTES for text in regions)
+    assert len(regions) >= 400 * 32000 // PACK_BYTES
+    assert all(int(text.split(";")[1]) <= PACK_BYTES for text in regions)
 
     checked: list[int] = []
     original = raw_tensor_files.hex_digest
@@ -686,9 +688,7 @@ def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_co
     state = _big_state()
     written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
     infos = storage_info(tmp_path / "ckpt")
-    starts = [int(info.transform_descriptors[0].split(";")[1])
-              if info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/2;") else info.offset
-              for info in infos.values() if info.transform_descriptors]
+    starts = [info.offset for info in infos.values() if info.transform_descriptors]
     assert len(infos) == 4 and len(starts) == 2  # "big" alone, the rest in one pack
     assert all(start % ALIGNMENT == 0 for start in starts)
     (file,) = [file for file in written if file.name != ".metadata"]
