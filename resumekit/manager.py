@@ -236,6 +236,13 @@ class CheckpointManager:
             a live run's root: no writer-generation claim (a claim would fence the run
             writing there, see ``docs/concepts.md``), no crash recovery or setting aside
             (broken entries are only warned about), and :meth:`save` raises.
+        stage_ahead: With ``async_save``, allocate and touch the CPU staging buffers
+            (one copy of the model and optimizer tensors) when the manager is built and
+            again at the end of :meth:`restore`, so that the first async save blocks no
+            longer than a copy, like the later ones. An optimizer that has not stepped yet
+            has no state to allocate for: its buffers come with the first save. False
+            allocates at the first async save instead (the memory is held from then on
+            either way).
         foreign: What :meth:`restore` does when the root holds no resumekit checkpoint but
             another tool's (plain DCP, torchtitan, Accelerate, Lightning, HF Trainer), or
             is one: ``"error"`` (default) raises
@@ -274,6 +281,7 @@ class CheckpointManager:
         tensor_format: Literal["raw", "dcp"] | None = None,
         read_only: bool = False,
         foreign: ForeignPolicy = "error",
+        stage_ahead: bool = True,
     ) -> None:
         if save_every is not None and save_every < 1:
             raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
@@ -341,6 +349,8 @@ class CheckpointManager:
         # own so they never interleave with the coordination of the main thread.
         self._saver = (self._channel(self._new_group()) if async_save and self._distributed
                        else self._main)
+        self.stage_ahead = stage_ahead
+        self._prepare_staging()
 
     # -- process groups -----------------------------------------------------------------
     @property
@@ -595,7 +605,26 @@ class CheckpointManager:
             self._main.coordinator, lambda: set_aside(self.storage, self.name_format, entry))
         return outcome
 
+    def _prepare_staging(self) -> None:
+        """Allocate the async staging buffers now (``stage_ahead``), not at the first save.
+
+        An optimizer without state yet is left out: building its state would take
+        an optimizer step (``model_and_optimizer_state`` does one, at learning rate 0).
+        """
+        if (not (self.async_save and self.stage_ahead) or self.read_only
+                or self.state.model is None):
+            return
+        if self._stager is None:
+            self._stager = sharded.CpuStager(page_aligned=self.tensor_format == "raw")
+        optimizer = self.state.optimizer
+        if optimizer is None or optimizer.state:
+            tensors = self.state.tensor_state()
+        else:
+            tensors = sharded.model_and_optimizer_state(self.state.model, None)
+        self._stager.prepare(tensors)
+
     def _finish_restore(self, reason: str) -> None:
+        self._prepare_staging()
         if self._distributed:
             distributed.meet(self._main.group, reason=reason)
 
