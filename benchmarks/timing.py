@@ -196,3 +196,75 @@ def machine_facts(bench_dir: str | os.PathLike[str]) -> dict[str, Any]:
             versions[name] = None
     facts["versions"] = versions
     return facts
+
+
+class PeakRss:
+    """The highest resident set size of this process while the ``with`` block ran.
+
+    Linux lets a process reset its high-water mark (``/proc/self/clear_refs`` ``5``) and
+    read it back (``VmHWM``): exact, free. Where that is refused, a thread samples
+    ``/proc/self/statm`` every millisecond (a peak shorter than that can be missed).
+
+    Attributes:
+        before: RSS when the block began (bytes).
+        peak: The highest RSS during the block (bytes).
+        exact: Whether the kernel's high-water mark was used.
+    """
+
+    def __init__(self) -> None:
+        self.before = 0
+        self.peak = 0
+        self.exact = False
+        self._stop: Any = None
+        self._thread: Any = None
+
+    @property
+    def extra(self) -> int:
+        """Bytes above the RSS the block began with."""
+        return max(0, self.peak - self.before)
+
+    def __enter__(self) -> PeakRss:
+        self.before = _statm_rss()
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            self.exact = _high_water_mark() is not None
+        except OSError:
+            self.exact = False
+        if not self.exact:
+            import threading  # noqa: PLC0415 - only for the fallback
+
+            self._stop = threading.Event()
+            self.peak = self.before
+
+            def sample() -> None:
+                while not self._stop.wait(0.001):
+                    self.peak = max(self.peak, _statm_rss())
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.exact:
+            self.peak = max(int(_high_water_mark() or 0), _statm_rss())
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _statm_rss())
+
+
+def _statm_rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _high_water_mark() -> int | None:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
