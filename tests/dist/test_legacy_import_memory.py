@@ -53,6 +53,9 @@ def _import_on_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
+    with torch.no_grad():  # initialised, as a real model is: its own pages are resident
+        for param in model.parameters():
+            param.to_local().zero_()
     dist.barrier()
     with PeakRss() as rss:
         legacy.load_weights_only(Storage(root), NAME, model)
