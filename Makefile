@@ -49,6 +49,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]"
+	@# fio measures the disk's best (save_vs_disk_best, load_vs_disk_best); without it the
+	@# bench skips those two figures and says so.
+	@if ! command -v fio >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null) \
+	      || echo "bench: could not install fio; the disk figures will be skipped"; \
+	  else echo "bench: fio is not installed (apt-get install -y fio); the disk figures will be skipped"; fi; \
+	fi
 	$(PY) -m benchmarks.run
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU

@@ -19,6 +19,7 @@ cut short).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -53,7 +54,7 @@ def schedule(steps: int, sigterms: int, seed: int, min_gap: int = 20
     rng = random.Random(seed)
     while True:
         picked = sorted(rng.sample(range(min_gap, steps - min_gap), count))
-        if all(b - a >= min_gap for a, b in zip(picked, picked[1:])):
+        if all(b - a >= min_gap for a, b in itertools.pairwise(picked)):
             break
     kill = rng.randrange(count)
     return [(step, "sigkill" if number == kill else "sigterm")

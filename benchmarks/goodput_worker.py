@@ -1,11 +1,11 @@
 """``torchrun ... -m benchmarks.goodput_worker <trainer args>``: the LingBot trainer, timed.
 
-Runs ``examples.lingbot.train`` unchanged, with every rank appending an event per line to the
-file named by ``RESUMEKIT_GOODPUT_EVENTS`` (other ranks to ``<that>.rank<N>``): ``launch``, ``restore_begin``/``restore_end``,
-``step`` (after each metrics record), ``blocked_begin``/``blocked_end`` around every call
-of ``CheckpointManager.save``/``wait``/``close`` (the time training waits on
-checkpointing) and ``exit``. Wall-clock seconds (``time.time``), comparable across
-launches on one machine. See :mod:`benchmarks.goodput`.
+Runs ``examples.lingbot.train`` unchanged, with every rank appending an event per line to
+the file named by ``RESUMEKIT_GOODPUT_EVENTS`` (ranks other than 0 to ``<that>.rank<N>``):
+``launch``, ``restore_begin``/``restore_end``, ``step`` (after each metrics record),
+``blocked_begin``/``blocked_end`` around every call of ``CheckpointManager.save``/``wait``/
+``close`` (the time training waits on checkpointing) and ``exit``. Wall-clock seconds
+(``time.time``), comparable across launches on one machine. See :mod:`benchmarks.goodput`.
 """
 
 from __future__ import annotations

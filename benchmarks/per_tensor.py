@@ -22,6 +22,7 @@ from torch import nn
 
 from benchmarks.peers import write_all
 from benchmarks.timing import clock, fsync_tree, interleave, remove
+from resumekit import sharded
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manager import CheckpointManager
 from resumekit.retention import keep_all
@@ -127,25 +128,21 @@ def bench_per_tensor(work: Path, count: int, rounds: int,
     saver.close()
     loader.close()
     step_dir = load_root / loader.name_format.build(1)
-    metadata = {"resumekit": (step_dir / "model" / DCP_METADATA_FILE).stat().st_size
-                if (step_dir / "model" / DCP_METADATA_FILE).exists()
-                else _find_metadata(step_dir),
-                "dcp": (dcp_dir / DCP_METADATA_FILE).stat().st_size}
     bytes_on_disk = {"resumekit": sum(p.stat().st_size for p in step_dir.rglob("*")
                                       if p.is_file()),
                      "dcp": sum(p.stat().st_size for p in dcp_dir.rglob("*") if p.is_file())}
-    for path in (raw_dir, dcp_dir, load_root, save_root):
+    # The metadata of the same state by resumekit's writer and by plain DCP, into
+    # directories of the same name length (the path is recorded in it once).
+    ours, theirs = work / "per-tensor-md-rk", work / "per-tensor-md-dc"
+    sharded.save({"model": model.state_dict()}, ours)
+    _dcp_save(model, theirs)
+    metadata = {"resumekit": (ours / DCP_METADATA_FILE).stat().st_size,
+                "dcp": (theirs / DCP_METADATA_FILE).stat().st_size}
+    for path in (raw_dir, dcp_dir, load_root, save_root, ours, theirs):
         remove(path)
     return {"samples": samples, "count": count, "tensor_bytes": count * ELEMENTS * 4,
             "metadata_bytes": metadata, "checkpoint_bytes": bytes_on_disk,
             "seconds": time.monotonic() - begin}
-
-
-def _find_metadata(step_dir: Path) -> int:
-    found = sorted(step_dir.rglob(DCP_METADATA_FILE))
-    if not found:
-        raise FileNotFoundError(f"no {DCP_METADATA_FILE} under {step_dir}")
-    return found[0].stat().st_size
 
 
 def fixed_costs(section: dict[str, Any]) -> dict[str, Any]:

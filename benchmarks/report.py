@@ -46,6 +46,30 @@ TARGETS: dict[str, dict[str, Any]] = {
     "s3_latest_seconds_at_1000_vs_10": {"better": "lower", "target": 1.1,
                                         "what": "latest() time, 1000 / 10 checkpoints "
                                                 "(loopback S3)"},
+    "per_tensor_save_vs_dcp": {"better": "lower", "target": 0.1,
+                               "what": "fixed save cost per tensor (10k small tensors, "
+                                       "beyond a raw write of their bytes) / plain dcp.save's"},
+    "per_tensor_restore_vs_dcp": {"better": "lower", "target": 0.1,
+                                  "what": "fixed restore cost per tensor (beyond a raw read) "
+                                          "/ plain dcp.load's"},
+    "save_vs_disk_best": {"better": "higher", "target": 0.9,
+                          "what": "sync save throughput / fio direct 4M writes, best of 1 "
+                                  "and 4 jobs"},
+    "load_vs_disk_best": {"better": "higher", "target": 0.9,
+                          "what": "cold restore throughput / fio direct 4M reads, best of 1 "
+                                  "and 4 jobs"},
+    "first_async_block_vs_memcpy": {"better": "lower", "target": 2.0,
+                                    "what": "time the first async save of a new manager "
+                                            "blocks / memcpy of the state"},
+    "peak_rss_sync_vs_state": {"better": "lower", "target": 0.25,
+                               "what": "peak RSS above the RSS before a sync save / state"},
+    "peak_rss_async_vs_state": {"better": "lower", "target": 1.25,
+                                "what": "peak RSS above the RSS before an async manager is "
+                                        "built, through its first save / state"},
+    "goodput_under_preemption": {"better": "higher", "target": 0.95,
+                                 "what": "useful step time / wall time, LingBot tiny, 5 "
+                                         "SIGTERMs + 1 SIGKILL in 600 steps (worse of sync, "
+                                         "async)"},
 }
 
 _PEERS = {"save_vs_torch_save": "torch_save", "save_vs_accelerate": "accelerate",
@@ -59,6 +83,13 @@ def _samples(details: Mapping[str, Any], part: str) -> dict[str, list[float]] | 
 
 def _ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
     return median(paired_ratios(numerator, denominator))
+
+
+def _best_of(samples: Mapping[str, list[float]], names: Sequence[str]) -> list[float] | None:
+    """Per round, the fastest of ``names`` (None when any is missing)."""
+    if not all(name in samples for name in names):
+        return None
+    return [min(values) for values in zip(*(samples[name] for name in names), strict=True)]
 
 
 def dcp_best(saves: Mapping[str, list[float]]) -> str:
@@ -106,6 +137,41 @@ def ratio_details(details: Mapping[str, Any], state_bytes: int) -> dict[str, Any
             loads["raw_read_cold"], loads["restore_cold_no_verify"])
         out["load_vs_raw_read_warm"] = paired_ratios(loads["raw_read_warm"],
                                                      loads["restore_warm"])
+    if saves is not None:
+        best = _best_of(saves, ["fio_write_1", "fio_write_4"])
+        if best is not None:
+            out["save_vs_disk_best"] = paired_ratios(best, saves["resumekit"])
+            out["disk_best_write_gbps_median"] = state_bytes / median(best) / 1e9
+    if loads is not None:
+        best = _best_of(loads, ["fio_read_1", "fio_read_4"])
+        if best is not None:
+            out["load_vs_disk_best"] = paired_ratios(best, loads["restore_cold"])
+            out["disk_best_read_gbps_median"] = state_bytes / median(best) / 1e9
+    per_tensor = details.get("per_tensor")
+    if per_tensor is not None:
+        from benchmarks.per_tensor import fixed_costs  # noqa: PLC0415 - no torch at import
+
+        costs = fixed_costs(per_tensor)
+        out["per_tensor"] = {**costs, **{f"{key}_median": median(values)
+                                          for key, values in costs.items()
+                                          if isinstance(values, list)},
+                             "count": per_tensor["count"],
+                             "checkpoint_bytes": per_tensor["checkpoint_bytes"]}
+    first = _samples(details, "first_async")
+    if first is not None:
+        out["first_async_block_vs_memcpy"] = paired_ratios(first["first_async_blocked"],
+                                                           first["memcpy"])
+        out["first_async_block_lazy_vs_memcpy"] = paired_ratios(
+            first["first_async_blocked_lazy"], first["memcpy"])
+    rss = details.get("rss")
+    if rss is not None and "peak_rss_sync_extra" in rss:
+        out["peak_rss_sync_vs_state"] = [b / state_bytes for b in rss["peak_rss_sync_extra"]]
+        out["peak_rss_async_vs_state"] = [b / state_bytes for b in rss["peak_rss_async_extra"]]
+    goodput = details.get("goodput")
+    if goodput is not None:
+        out["goodput"] = {mode: {key: value for key, value in run.items()
+                                 if key not in ("segments", "schedule")}
+                          for mode, run in goodput.items()}
     ranks = _samples(details, "ranks")
     if ranks is not None:
         out["reshard_2_to_1_vs_1_to_1"] = paired_ratios(ranks["load_2_to_1"],
@@ -153,6 +219,10 @@ def summarise(details: Mapping[str, Any], state_bytes: int) -> dict[str, float |
     if rss is not None:
         summary["rss_growth_frac_20_async_saves"] = \
             (rss["rss_after_all"] - rss["rss_after_first"]) / rss["rss_after_first"]
+        if "peak_rss_sync_extra" in rss:
+            summary["peak_rss_sync_vs_state"] = median(rss["peak_rss_sync_extra"]) / state_bytes
+            summary["peak_rss_async_vs_state"] = \
+                median(rss["peak_rss_async_extra"]) / state_bytes
     roots = details.get("roots")
     if roots is not None:
         for prefix, where in (("", "local"), ("s3_", "s3")):
@@ -161,6 +231,30 @@ def summarise(details: Mapping[str, Any], state_bytes: int) -> dict[str, float |
                 figures.get("save_requests_at_1000_vs_10")
             summary[f"{prefix}latest_seconds_at_1000_vs_10"] = \
                 figures.get("latest_seconds_at_1000_vs_10")
+    if saves is not None:
+        best = _best_of(saves, ["fio_write_1", "fio_write_4"])
+        if best is not None:
+            summary["save_vs_disk_best"] = _ratio(best, saves["resumekit"])
+    if loads is not None:
+        best = _best_of(loads, ["fio_read_1", "fio_read_4"])
+        if best is not None:
+            summary["load_vs_disk_best"] = _ratio(best, loads["restore_cold"])
+    per_tensor = details.get("per_tensor")
+    if per_tensor is not None:
+        from benchmarks.per_tensor import fixed_costs  # noqa: PLC0415 - no torch at import
+
+        costs = fixed_costs(per_tensor)
+        summary["per_tensor_save_vs_dcp"] = median(costs["save_vs_dcp"])
+        summary["per_tensor_restore_vs_dcp"] = median(costs["restore_vs_dcp"])
+    first = _samples(details, "first_async")
+    if first is not None:
+        summary["first_async_block_vs_memcpy"] = _ratio(first["first_async_blocked"],
+                                                        first["memcpy"])
+    goodput = details.get("goodput")
+    if goodput:
+        values = [run["goodput"] for run in goodput.values()]
+        summary["goodput_under_preemption"] = (None if any(v is None for v in values)
+                                               else min(values))
     return summary
 
 
@@ -212,6 +306,29 @@ def markdown(results: Mapping[str, Any]) -> str:
     for where, figures in roots.items():
         if "skipped" in figures:
             lines.append(f"\nRoot cost on {where}: not measured ({figures['skipped']}).")
+    if "per_tensor" in ratios:
+        row = ratios["per_tensor"]
+        metadata = row["metadata_bytes_per_tensor"]
+        lines += ["", f"| per tensor ({row['count']} small tensors) | resumekit | plain DCP |",
+                  "|---|---:|---:|",
+                  f"| save, fixed us per tensor | {row['save_us_median']:.1f} | "
+                  f"{row['dcp_save_us_median']:.1f} |",
+                  f"| restore, fixed us per tensor | {row['restore_us_median']:.1f} | "
+                  f"{row['dcp_load_us_median']:.1f} |",
+                  f"| .metadata bytes per tensor | {metadata['resumekit']:.1f} | "
+                  f"{metadata['dcp']:.1f} |"]
+    if "goodput" in ratios:
+        lines += ["", "| goodput run | goodput | useful s | replayed s (steps) | restore s | "
+                  "blocked by saves s | other s | total s |", "|---|---:|---:|---:|---:|---:|"
+                  "---:|---:|"]
+        for mode, row in ratios["goodput"].items():
+            lines.append(f"| {mode} | {row['goodput']:.3f} | {row['useful_s']:.1f} | "
+                         f"{row['replayed_s']:.1f} ({row['replayed_steps']}) | "
+                         f"{row['restore_s']:.1f} | {row['blocked_by_saves_s']:.1f} | "
+                         f"{row['other_s']:.1f} | {row['total_s']:.1f} |")
+    notes = {**results.get("details", {}).get("saves", {}).get("notes", {})}
+    if "fio" in notes:
+        lines += ["", f"Disk figures skipped: {notes['fio']}."]
     config = results["config"]
     machine = results["machine"]
     lines += ["", f"{config['rounds']} interleaved rounds; state "
@@ -239,7 +356,11 @@ def plot(results: Mapping[str, Any], path: Path) -> bool:
     ratios = results.get("ratios", {})
     saves: dict[str, float] = dict(ratios.get("save_gbps_median", {}))
     loads: dict[str, float] = dict(ratios.get("load_gbps_median", {}))
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=[3, 2])
+    figure, grid = plt.subplots(2, 2, figsize=(12, 9), width_ratios=[3, 2],
+                                height_ratios=[1, 1.1])
+    axes = grid[0]
+    _plot_targets(grid[1][0], results)
+    _plot_goodput(grid[1][1], ratios)
     for axis, data, raw, title in (
         (axes[0], saves, "raw_write", "save (model + AdamW, fsync'd)"),
         (axes[1], loads, "raw_read_cold", "restore"),
@@ -253,6 +374,12 @@ def plot(results: Mapping[str, Any], path: Path) -> bool:
         if raw in data:
             axis.axhline(data[raw], color="tab:red", linestyle="--",
                          label=f"{raw} {data[raw]:.2f} GB/s")
+            axis.legend(fontsize=8)
+        best = ratios.get("disk_best_write_gbps_median" if raw == "raw_write"
+                          else "disk_best_read_gbps_median")
+        if best is not None:
+            axis.axhline(best, color="tab:blue", linestyle="-.",
+                         label=f"disk best (fio) {best:.2f} GB/s")
             axis.legend(fontsize=8)
         if raw == "raw_read_cold" and "raw_read_warm" in data:
             axis.axhline(data["raw_read_warm"], color="tab:orange", linestyle=":",
@@ -268,3 +395,48 @@ def plot(results: Mapping[str, Any], path: Path) -> bool:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return True
+
+
+def _plot_targets(axis: Any, results: Mapping[str, Any]) -> None:
+    """Every summary figure as a multiple of its target (>= 1 meets it)."""
+    summary = results.get("summary", {})
+    names, values, colours = [], [], []
+    for key, goal in TARGETS.items():
+        value = summary.get(key)
+        if value is None or value <= 0:
+            continue
+        score = value / goal["target"] if goal["better"] == "higher" else goal["target"] / value
+        names.append(key)
+        values.append(score)
+        colours.append("tab:green" if score >= 1 else "tab:red")
+    axis.barh(range(len(names)), values, color=colours)
+    axis.set_yticks(range(len(names)), names, fontsize=7)
+    axis.invert_yaxis()
+    axis.axvline(1.0, color="black", linewidth=1)
+    axis.set_xscale("log")
+    axis.set_xlabel("figure / target (higher is better; >= 1 meets)")
+    axis.set_title("every figure against its target")
+
+
+def _plot_goodput(axis: Any, ratios: Mapping[str, Any]) -> None:
+    """Where the wall time of the goodput runs went, per mode."""
+    runs = ratios.get("goodput", {})
+    parts = [("useful_s", "useful steps", "tab:green"), ("replayed_s", "replayed", "tab:red"),
+             ("restore_s", "restore", "tab:orange"),
+             ("blocked_by_saves_s", "blocked by saves", "tab:purple"),
+             ("other_s", "other", "tab:gray")]
+    for row, run in enumerate(runs.values()):
+        left = 0.0
+        for key, label, colour in parts:
+            width = max(0.0, float(run[key]))
+            axis.barh(row, width, left=left, color=colour, label=label if row == 0 else None)
+            left += width
+        axis.text(left, row, f" {run['goodput']:.3f}", va="center", fontsize=8)
+    axis.set_yticks(range(len(runs)), list(runs), fontsize=8)
+    axis.set_xlabel("seconds of wall time (start-up excluded)")
+    axis.set_title("goodput under preemption (LingBot tiny)")
+    if runs:
+        axis.legend(fontsize=7, loc="lower right")
+    else:
+        axis.text(0.5, 0.5, "not measured", ha="center", va="center",
+                  transform=axis.transAxes)

@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from benchmarks import peers, report
+from benchmarks import disk, peers, report, rss_probe
+from benchmarks.per_tensor import bench_per_tensor
 from benchmarks.ranks import spawn_ranks, two_rank_work
 from benchmarks.root_cost import bench_roots
 from benchmarks.timing import (
@@ -50,6 +52,8 @@ from resumekit.retention import keep_all, keep_last
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MB = 1_000_000
+PARTS = ["saves", "overlap", "loads", "rss", "ranks", "roots", "per_tensor", "first_async",
+         "goodput"]
 
 
 _STARTED = time.monotonic()
@@ -140,6 +144,20 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
         "torch_save": timed_write("torch", lambda t: peers.torch_save(model, optimizer, t)),
         "dcp_default": timed_write("dcp", lambda t: peers.dcp_save(model, optimizer, t)),
     }
+    why_no_fio = disk.missing()
+    if why_no_fio is None:
+        state_bytes = tensor_bytes(model, optimizer)
+        for jobs in (1, 4):
+            def fio_write(jobs: int = jobs) -> float:
+                target = fresh(f"fio-write-{jobs}")
+                try:
+                    return float(disk.fio(target, "write", jobs, state_bytes)["seconds"])
+                finally:
+                    remove(target)
+            methods[f"fio_write_{jobs}"] = fio_write
+    else:
+        notes["fio"] = why_no_fio
+        _log(f"disk figures skipped: {why_no_fio}")
     for threads in dcp_threads:
         methods[f"dcp_threads_{threads}"] = timed_write(
             f"dcp{threads}",
@@ -232,17 +250,32 @@ def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
         return method
 
     read_raw = lambda: peers.raw_read(model, optimizer, raw / "raw.bin")  # noqa: E731
-    methods = {
+    methods: dict[str, Callable[[], float]] = {
         "raw_read_cold": cold(raw, "raw", read_raw),
         "restore_cold": cold(root, "resumekit", verified.restore),
         "restore_cold_no_verify": cold(root, "resumekit", unverified.restore),
         "raw_read_warm": warm(read_raw),
         "restore_warm": warm(verified.restore),
     }
+    notes: dict[str, str] = {}
+    why_no_fio = disk.missing()
+    if why_no_fio is None:  # direct reads of the same bytes: never from the page cache
+        state_bytes = tensor_bytes(model, optimizer)
+        for jobs in (1, 4):
+            files = work / f"fio-read-{jobs}"
+            disk.fio(files, "write", jobs, state_bytes)  # lays the files out
+            methods[f"fio_read_{jobs}"] = (
+                lambda files=files, jobs=jobs:
+                float(disk.fio(files, "read", jobs, state_bytes)["seconds"]))
+    else:
+        notes["fio"] = why_no_fio
     samples = interleave(methods, rounds, progress=_log)
     remove(raw)
     remove(root)
-    return {"samples": samples, "resident_fraction_before_cold_reads": residency}
+    for jobs in (1, 4):
+        remove(work / f"fio-read-{jobs}")
+    return {"samples": samples, "resident_fraction_before_cold_reads": residency,
+            "notes": notes}
 
 
 # ------------------------------------------------------------------------------ ranks
@@ -289,8 +322,8 @@ def bench_two_ranks(shape: Shape, work: Path, rounds: int, poll_steps: int,
 
 
 def bench_rss(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
-              saves: int) -> dict[str, Any]:
-    """RSS across ``saves`` async saves after the first (which allocates staging)."""
+              saves: int, state_mb: float, peak_rounds: int) -> dict[str, Any]:
+    """RSS across ``saves`` async saves after the first; then the peaks of one save."""
     root = work / "rss"
     manager = CheckpointManager(root, model=model, optimizer=optimizer,
                                 retention=keep_last(1), async_save=True)
@@ -308,9 +341,119 @@ def bench_rss(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Pa
     gc.collect()
     after_all = rss_bytes()
     manager.close()
+    del manager
     remove(root)
+    peaks = bench_peak_rss(state_mb, work, rounds=peak_rounds)
     return {"rss_before_first": before_first, "rss_after_first": after_first,
-            "rss_after_each": trace, "rss_after_all": after_all, "saves": saves}
+            "rss_after_each": trace, "rss_after_all": after_all, "saves": saves, **peaks}
+
+
+def bench_peak_rss(state_mb: float, work: Path, rounds: int) -> dict[str, Any]:
+    """Peak RSS above the RSS before: a sync save; building an async manager + its save.
+
+    Each measurement runs in a fresh process (:mod:`benchmarks.rss_probe`), sync and async
+    alternating. The async figure starts before the manager exists, so it counts the
+    staging copy (allocated when the manager is built) and whatever the save adds.
+    """
+    measured: dict[str, list[int]] = {"sync": [], "async": []}
+    exact = True
+    env = {**os.environ, **rss_probe.MALLOC_ENV,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    for number in range(rounds):
+        for mode in ("sync", "async") if number % 2 == 0 else ("async", "sync"):
+            done = subprocess.run(
+                [sys.executable, "-m", "benchmarks.rss_probe", "--state-mb", str(state_mb),
+                 "--mode", mode, "--dir", str(work)],
+                capture_output=True, text=True, env=env, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"rss probe ({mode}) failed: {done.stderr[-2000:]}")
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            measured[mode].append(int(result["extra"]))
+            exact = exact and bool(result["exact"])
+            _log(f"peak RSS round {number + 1}/{rounds} {mode}: "
+                 f"+{result['extra'] / result['state_bytes']:.3f} x state")
+    return {"peak_rss_sync_extra": measured["sync"], "peak_rss_async_extra": measured["async"],
+            "peak_rss_exact": exact}
+
+
+# ------------------------------------------------------------------------------ first async
+
+
+def bench_first_async(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
+                      rounds: int) -> dict[str, Any]:
+    """The first async save of a new manager: how long it blocks, against a memcpy.
+
+    ``first_async_blocked``: a manager built with the default ``stage_ahead`` (buffers
+    allocated and touched when it is built, off the clock); ``..._lazy``: with
+    ``stage_ahead=False`` (allocated by the save, as before). Building, waiting for the
+    commit and deleting the checkpoint are off the clock.
+    """
+    sources = state_tensors(model, optimizer)
+    buffers = [torch.zeros_like(t) for t in sources]  # touched: no page faults in rounds
+    counter = [0]
+
+    def first_save(stage_ahead: bool) -> Callable[[], float]:
+        def method() -> float:
+            counter[0] += 1
+            root = work / f"first-async-{counter[0]}"
+            manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                        retention=keep_all(), async_save=True,
+                                        stage_ahead=stage_ahead)
+            try:
+                begin = time.perf_counter()
+                manager.save(1)
+                blocked = time.perf_counter() - begin
+                manager.wait()
+            finally:
+                manager.close()
+                del manager
+                gc.collect()
+                remove(root)
+            return blocked
+        return method
+
+    def memcpy() -> float:
+        def copy() -> None:
+            for target, source in zip(buffers, sources, strict=True):
+                target.copy_(source)
+        return clock(copy)
+
+    samples = interleave({"first_async_blocked": first_save(True), "memcpy": memcpy,
+                          "first_async_blocked_lazy": first_save(False)},
+                         rounds, progress=_log)
+    return {"samples": samples}
+
+
+# ------------------------------------------------------------------------------ per tensor
+
+
+def bench_small_tensors(work: Path, count: int, rounds: int) -> dict[str, Any]:
+    """Fixed cost per tensor: ``count`` small tensors, resumekit against plain DCP."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return bench_per_tensor(work, count, rounds, progress=_log)
+
+
+# ------------------------------------------------------------------------------ goodput
+
+
+def bench_goodput(work: Path, steps: int, save_interval: int, sigterms: int, seed: int,
+                  modes: Sequence[str]) -> dict[str, Any]:
+    """The LingBot tiny trainer under a fixed preemption schedule, sync and async saves."""
+    from benchmarks import goodput  # noqa: PLC0415 - imports the example trainer
+
+    results: dict[str, Any] = {}
+    for mode in modes:
+        target = work / f"goodput-{mode}"
+        target.mkdir()
+        try:
+            results[mode] = goodput.run(target, steps=steps, save_interval=save_interval,
+                                        sigterms=sigterms, seed=seed,
+                                        async_save=mode == "async", progress=_log)
+        finally:
+            remove(target)
+    return results
 
 
 # ------------------------------------------------------------------------------ main
@@ -331,6 +474,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="rounds of the load figures (~6 s each): cold reads on this "
                              "disk take 0.8 s or 2-3 s at random, so the median needs more")
     parser.add_argument("--rss-saves", type=int, default=20)
+    parser.add_argument("--rss-peak-rounds", type=int, default=3,
+                        help="fresh processes per peak-RSS figure (sync, async)")
     parser.add_argument("--poll-steps", type=int, default=100,
                         help="steps per round of the preemption-vote measurement")
     parser.add_argument("--poll-step-ms", type=float, default=10.0)
@@ -345,8 +490,18 @@ def _parser() -> argparse.ArgumentParser:
                              "*_at_1000_vs_10 ratios compare the largest with 10)")
     parser.add_argument("--root-s3", choices=["auto", "off"], default="auto",
                         help="also measure the root cost on a loopback S3 (moto_server)")
-    parser.add_argument("--only", nargs="*", default=None,
-                        choices=["saves", "overlap", "loads", "rss", "ranks", "roots"],
+    parser.add_argument("--per-tensor-rounds", type=int, default=5)
+    parser.add_argument("--first-async-rounds", type=int, default=5)
+    parser.add_argument("--goodput-steps", type=int, default=600,
+                        help="steps of each goodput run (one interruption per 100 by default)")
+    parser.add_argument("--goodput-sigterms", type=int, default=5,
+                        help="SIGTERMs per goodput run (plus one SIGKILL)")
+    parser.add_argument("--goodput-save-interval", type=int, default=25)
+    parser.add_argument("--goodput-seed", type=int, default=16,
+                        help="seed of the interruption schedule")
+    parser.add_argument("--goodput-modes", nargs="+", default=["sync", "async"],
+                        choices=["sync", "async"])
+    parser.add_argument("--only", nargs="*", default=None, choices=PARTS,
                         help="run only these parts (the summary lacks the others)")
     return parser
 
@@ -357,7 +512,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     # resumekit's background saves run DCP off the main thread, where it cannot silence
     # DCP's "assuming single process" notice itself; here single process is the intent.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    parts = set(args.only or ["saves", "overlap", "loads", "rss", "ranks", "roots"])
+    parts = set(args.only if args.only is not None else PARTS)
     # A SIGTERM (timeout, Ctrl-C from make) still cleans the bench directory up.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     base = args.bench_dir or tempfile.gettempdir()
@@ -373,9 +528,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    "load_rounds": max(args.rounds, args.load_rounds),
                    "state_mb": args.state_mb,
                    "dist_state_mb": args.dist_state_mb, "rss_saves": args.rss_saves,
+                   "rss_peak_rounds": args.rss_peak_rounds,
                    "poll_steps": args.poll_steps, "poll_step_ms": args.poll_step_ms,
                    "dcp_threads": [1, *args.dcp_threads], "parts": sorted(parts),
-                   "root_counts": list(args.root_counts), "root_s3": args.root_s3},
+                   "root_counts": list(args.root_counts), "root_s3": args.root_s3,
+                   "per_tensor_count": args.per_tensor_count,
+                   "per_tensor_rounds": args.per_tensor_rounds,
+                   "first_async_rounds": args.first_async_rounds,
+                   "goodput": {"steps": args.goodput_steps, "sigterms": args.goodput_sigterms,
+                               "sigkills": 1, "save_interval": args.goodput_save_interval,
+                               "seed": args.goodput_seed, "modes": args.goodput_modes}},
         "details": {},
     }
     details = results["details"]
@@ -403,7 +565,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                            max(args.rounds, args.load_rounds))
         if "rss" in parts:
             _log("rss")
-            details["rss"] = bench_rss(model, optimizer, work, args.rss_saves)
+            details["rss"] = bench_rss(model, optimizer, work, args.rss_saves, args.state_mb,
+                                     args.rss_peak_rounds)
+        if "first_async" in parts:
+            _log("first async save")
+            details["first_async"] = bench_first_async(model, optimizer, work,
+                                                       args.first_async_rounds)
         del model, optimizer
         gc.collect()
         if "ranks" in parts:
@@ -416,6 +583,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             _log(f"roots: save and latest() at {args.root_counts} checkpoints")
             details["roots"] = bench_roots(work, args.root_counts,
                                            s3=args.root_s3 != "off")
+        if "per_tensor" in parts:
+            _log(f"per tensor: {args.per_tensor_count} small tensors")
+            details["per_tensor"] = bench_small_tensors(work, args.per_tensor_count,
+                                                        args.per_tensor_rounds)
+        if "goodput" in parts:
+            _log("goodput under preemption")
+            details["goodput"] = bench_goodput(
+                work, args.goodput_steps, args.goodput_save_interval, args.goodput_sigterms,
+                args.goodput_seed, args.goodput_modes)
     finally:
         remove(work)
     results["machine"]["load_average_at_end"] = list(os.getloadavg())

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from benchmarks import peers, report
+from benchmarks import goodput, peers, report
 from benchmarks.run import main
 from benchmarks.timing import interleave, paired_ratios
 from benchmarks.workload import (
@@ -28,9 +29,15 @@ from benchmarks.workload import (
 )
 
 TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-rounds", "2",
-        "--load-rounds", "2", "--rss-saves", "3",
+        "--load-rounds", "2", "--rss-saves", "3", "--rss-peak-rounds", "1",
         "--poll-steps", "8", "--poll-step-ms", "2", "--dcp-threads", "2",
-        "--root-counts", "10", "20"]
+        "--root-counts", "10", "20",
+        "--per-tensor-count", "40", "--per-tensor-rounds", "2", "--first-async-rounds", "2",
+        # The goodput part launches the trainer 7 times (~30 s each here): its analysis is
+        # tested below on recorded events instead.
+        "--only", "saves", "overlap", "loads", "rss", "ranks", "roots", "per_tensor",
+        "first_async"]
+FIO = shutil.which("fio") is not None
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,9 @@ def test_the_summary_has_exactly_the_agreed_keys(smoke: dict[str, Any]) -> None:
         "poll_overhead_frac", "rss_growth_frac_20_async_saves",
         "save_requests_at_1000_vs_10", "latest_seconds_at_1000_vs_10",
         "s3_save_requests_at_1000_vs_10", "s3_latest_seconds_at_1000_vs_10",
+        "per_tensor_save_vs_dcp", "per_tensor_restore_vs_dcp", "save_vs_disk_best",
+        "load_vs_disk_best", "first_async_block_vs_memcpy", "peak_rss_sync_vs_state",
+        "peak_rss_async_vs_state", "goodput_under_preemption",
     }
 
 
@@ -62,6 +72,12 @@ def test_every_ratio_is_a_finite_number_or_names_the_missing_peer(
             assert "skipped" in results["details"]["roots"]["s3"], key
             continue
         if value is None:
+            if key == "goodput_under_preemption":  # not in this run's parts
+                assert "goodput" not in results["config"]["parts"]
+                continue
+            if key in ("save_vs_disk_best", "load_vs_disk_best"):
+                assert not FIO and "fio is not installed" in notes["fio"]
+                continue
             peer = key.removeprefix("save_vs_")
             assert key in ("save_vs_accelerate", "save_vs_lightning"), key
             assert "not installed" in notes[peer]
@@ -73,12 +89,60 @@ def test_every_ratio_is_a_finite_number_or_names_the_missing_peer(
 
 def test_every_method_ran_once_per_round(smoke: dict[str, Any]) -> None:
     details = smoke["results"]["details"]
-    for part in ("saves", "overlap", "loads", "ranks"):
+    for part in ("saves", "overlap", "loads", "ranks", "per_tensor", "first_async"):
         for name, samples in details[part]["samples"].items():
             assert len(samples) == 2, (part, name)
             assert all(seconds > 0 for seconds in samples), (part, name)
     assert len(details["rss"]["rss_after_each"]) == 3
     assert {"dcp_default", "dcp_threads_2"} <= set(details["saves"]["samples"])
+    if FIO:
+        assert {"fio_write_1", "fio_write_4"} <= set(details["saves"]["samples"])
+        assert {"fio_read_1", "fio_read_4"} <= set(details["loads"]["samples"])
+    assert len(details["rss"]["peak_rss_sync_extra"]) == 1
+    per_tensor = smoke["results"]["ratios"]["per_tensor"]
+    assert per_tensor["count"] == 40
+    assert set(per_tensor["metadata_bytes_per_tensor"]) == {"resumekit", "dcp"}
+
+
+def test_the_async_peak_counts_the_staging_copy_and_the_sync_peak_does_not(
+        smoke: dict[str, Any]) -> None:
+    rss = smoke["results"]["details"]["rss"]
+    state = smoke["results"]["config"]["shape"]["state_bytes"]
+    # One staging copy of the state is allocated and touched inside the async window.
+    assert all(extra >= 0.9 * state for extra in rss["peak_rss_async_extra"])
+
+
+def test_goodput_counts_each_step_once_and_splits_the_lost_time() -> None:
+    def event(t: float, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"t": t, "kind": kind, **fields}
+
+    first = [event(0, "launch"), event(1, "restore_begin"), event(2, "restore_end"),
+             event(3, "step", step=1), event(3.5, "blocked_begin"), event(4, "blocked_end"),
+             event(5, "step", step=2), event(6, "step", step=3)]  # then killed
+    second = [event(10, "launch"), event(11, "restore_begin"), event(12.5, "restore_end"),
+              event(13.5, "step", step=2), event(14.5, "step", step=3),
+              event(15, "blocked_begin"), event(15.5, "blocked_end"), event(15.6, "exit")]
+    late_rank = [event(0, "launch"), event(1.5, "restore_begin"),
+                 event(10, "launch"), event(11, "restore_begin")]
+    figures = goodput.analyse(first + second, steps=3, other_ranks=[late_rank])
+
+    assert figures["complete"] and figures["launches"] == 2
+    assert figures["total_s"] == pytest.approx((6 - 1.5) + (15.6 - 11))
+    assert figures["restore_s"] == pytest.approx(0.5 + 1.5)
+    assert figures["useful_s"] == pytest.approx(1 + 1 + 1)  # step 1 once, 2 and 3 redone
+    assert figures["replayed_steps"] == 2
+    assert figures["replayed_s"] == pytest.approx(1.5 + 1)  # step 2 minus its 0.5 s wait
+    assert figures["blocked_by_saves_s"] == pytest.approx(0.5 + 0.5)
+    assert figures["goodput"] == pytest.approx(3 / 9.1)
+
+
+def test_the_preemption_schedule_is_fixed_by_its_seed_and_holds_one_kill() -> None:
+    plan = goodput.schedule(600, sigterms=5, seed=16)
+    assert plan == goodput.schedule(600, sigterms=5, seed=16)
+    assert [kind for _, kind in plan].count("sigkill") == 1 and len(plan) == 6
+    steps = [step for step, _ in plan]
+    assert steps == sorted(steps) and all(b - a >= 20 for a, b in zip(steps, steps[1:]))
+    assert 0 < steps[0] and steps[-1] < 600
 
 
 def test_the_json_and_png_are_written_and_the_bench_directory_is_left_empty(
