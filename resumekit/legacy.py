@@ -19,7 +19,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
@@ -255,7 +255,7 @@ def _load_piece(stream: IO[bytes], stored: _Stored, target: torch.Tensor, where:
 
 def _read_range(stream: IO[bytes], begin: int, count: int, where: str) -> torch.Tensor:
     buffer = torch.empty(count, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()).cast("B")
+    view = memoryview(cast(Any, buffer.numpy())).cast("B")
     stream.seek(begin)
     got = 0
     readinto = getattr(stream, "readinto", None)

@@ -1257,8 +1257,10 @@ class RawTensorReading:
 
     def _region(self, stream: IO[bytes], job: _Job, packs: dict[int, Any]
                 ) -> tuple[memoryview, int]:
-        """The packed region of ``job`` (read and, with ``verify``, checked once), and its
-        address in memory."""
+        """The packed region of ``job`` and its address in memory.
+
+        Read (and, with ``verify``, checked) once, then kept in ``packs``.
+        """
         base, extent = cast(tuple[int, int], job.descriptor.region)
         found = packs.get(base)
         if found is not None:
