@@ -116,10 +116,11 @@ def ratio_details(details: Mapping[str, Any], state_bytes: int) -> dict[str, Any
             name: paired_ratios(values, sync) for name, values in saves.items()
             if name not in ("resumekit", "memcpy", "resumekit_async",
                             "resumekit_async_blocked")}
-        best = dcp_best(saves)
-        out["dcp"] = {"default_threads": 1, "best": best,
-                      "save_vs_dcp_default": _ratio(saves["dcp_default"], sync),
-                      "save_vs_dcp_best": _ratio(saves[best], sync)}
+        if "dcp_default" in saves:
+            best = dcp_best(saves)
+            out["dcp"] = {"default_threads": 1, "best": best,
+                          "save_vs_dcp_default": _ratio(saves["dcp_default"], sync),
+                          "save_vs_dcp_best": _ratio(saves[best], sync)}
         out["async_block_vs_memcpy"] = paired_ratios(saves["resumekit_async_blocked"],
                                                      saves["memcpy"])
         out["async_total_vs_sync"] = paired_ratios(saves["resumekit_async"], sync)
@@ -198,7 +199,8 @@ def summarise(details: Mapping[str, Any], state_bytes: int) -> dict[str, float |
         for key, name in _PEERS.items():
             if name in saves:
                 summary[key] = _ratio(saves[name], sync)
-        summary["save_vs_dcp_save"] = _ratio(saves[dcp_best(saves)], sync)
+        if "dcp_default" in saves:
+            summary["save_vs_dcp_save"] = _ratio(saves[dcp_best(saves)], sync)
         summary["async_block_vs_memcpy"] = _ratio(saves["resumekit_async_blocked"],
                                                   saves["memcpy"])
         summary["async_total_vs_sync"] = _ratio(saves["resumekit_async"], sync)

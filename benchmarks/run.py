@@ -78,7 +78,8 @@ class Steps:
 
 
 def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
-                rounds: int, dcp_threads: Sequence[int]) -> dict[str, Any]:
+                rounds: int, dcp_threads: Sequence[int], with_peers: bool = True
+                ) -> dict[str, Any]:
     """Every writer of the same state, interleaved; async block/total and memcpy too."""
     steps = Steps()
     notes: dict[str, str] = {}
@@ -141,9 +142,12 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
         "resumekit": resumekit_sync,
         "resumekit_async": resumekit_async,
         "memcpy": memcpy,
-        "torch_save": timed_write("torch", lambda t: peers.torch_save(model, optimizer, t)),
-        "dcp_default": timed_write("dcp", lambda t: peers.dcp_save(model, optimizer, t)),
     }
+    if with_peers:
+        methods["torch_save"] = timed_write(
+            "torch", lambda t: peers.torch_save(model, optimizer, t))
+        methods["dcp_default"] = timed_write(
+            "dcp", lambda t: peers.dcp_save(model, optimizer, t))
     why_no_fio = disk.missing()
     if why_no_fio is None:
         state_bytes = tensor_bytes(model, optimizer)
@@ -158,6 +162,15 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     else:
         notes["fio"] = why_no_fio
         _log(f"disk figures skipped: {why_no_fio}")
+    if not with_peers:
+        notes["peers"] = "--skip-peers: torch.save, DCP and the trainers' savers not run"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            samples = interleave(methods, rounds, progress=_log)
+        async_manager.close()
+        remove(async_root)
+        samples["resumekit_async_blocked"] = blocked
+        return {"samples": samples, "notes": notes}
     for threads in dcp_threads:
         methods[f"dcp_threads_{threads}"] = timed_write(
             f"dcp{threads}",
@@ -501,6 +514,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="seed of the interruption schedule")
     parser.add_argument("--goodput-modes", nargs="+", default=["sync", "async"],
                         choices=["sync", "async"])
+    parser.add_argument("--skip-peers", action="store_true",
+                        help="saves: only resumekit, the raw write, memcpy and fio (a "
+                             "quicker run; the peer figures are then not measured)")
     parser.add_argument("--only", nargs="*", default=None, choices=PARTS,
                         help="run only these parts (the summary lacks the others)")
     return parser
@@ -554,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if "saves" in parts:
             _log("saves")
             details["saves"] = bench_saves(model, optimizer, work, args.rounds,
-                                           args.dcp_threads)
+                                           args.dcp_threads, with_peers=not args.skip_peers)
         if "overlap" in parts:
             _log("overlap")
             details["overlap"] = bench_overlap(model, optimizer, work,
