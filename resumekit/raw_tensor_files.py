@@ -707,15 +707,15 @@ class _Pack:
 
     Items below :data:`PACK_ITEM_BYTES` lie back to back (each on a
     :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
-    written with one system call and covered by one checksum. The region's first member
-    starts the region and records its descriptor (``resumekit-raw/2;<region length>;
-    xxh3_128:<hex>``); the others record none, as DCP's own items do, and belong to the
-    region of their file that holds their offset (:class:`_FileLayout`). The region ends
-    with a table of its members (offset, length and XXH3-128 of each, then their count and
-    a magic number), read only when the region's checksum fails, to name the damaged
-    member. Each member's
-    dtype and shape are DCP's own metadata entry's: the metadata holds nothing per small
-    item beyond what DCP's own format does.
+    written with one system call and covered, padding included, by one checksum. The
+    region's first member starts the region and records its descriptor
+    (``resumekit-raw/2;<region length>;xxh3_128:<hex>``); the others record none, as
+    DCP's own items do, and belong to the region of their file that holds their offset
+    (:class:`_FileLayout`). The region ends with a table of its members (offset, length
+    and XXH3-128 of each, then their count and a magic number), read only when the
+    region's checksum fails, to name the damaged member. Each member's dtype and shape
+    are DCP's own metadata entry's: the metadata holds nothing per small item beyond what
+    DCP's own format does.
     """
 
     def __init__(self, name: str) -> None:
@@ -728,7 +728,7 @@ class _Pack:
     def fits(self, length: int) -> bool:
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
         table = (len(self.members) + 1) * _MEMBER.size + _FOOTER.size
-        return start + length + table <= PACK_BYTES
+        return _aligned(start + length + table) <= PACK_BYTES
 
     def add(self, item: WriteItem, view: memoryview) -> None:
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
@@ -751,7 +751,11 @@ class _Pack:
         if not self.members:
             return []
         buffer = memoryview(self.buffer)
-        at = self.used
+        # Members, zeros, then the table and its footer, ending on an ALIGNMENT boundary:
+        # the region's checksum covers every byte of it, padding included.
+        table = len(self.members) * _MEMBER.size + _FOOTER.size
+        at = _aligned(self.used + table) - table
+        self.buffer[self.used:at] = bytes(at - self.used)
         for _, start, length in self.members:  # the table that names a damaged member
             _MEMBER.pack_into(self.buffer, at, start, length,
                               xxhash.xxh3_128_digest(buffer[start:start + length]))
@@ -927,6 +931,11 @@ def _bytes_of(data: torch.Tensor | io.BytesIO
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
     return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+
+
+def _aligned(count: int) -> int:
+    """``count`` rounded up to a multiple of :data:`ALIGNMENT`."""
+    return -(-count // ALIGNMENT) * ALIGNMENT
 
 
 def _small_cpu_bytes(data: torch.Tensor | io.BytesIO) -> tuple[int, int] | None:

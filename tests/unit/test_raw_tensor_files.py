@@ -232,6 +232,24 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
     assert caught.value.key in state
 
 
+def test_every_byte_of_a_packed_file_is_covered_so_a_flip_anywhere_is_found(
+    tmp_path: Path,
+) -> None:
+    state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory, thread_count=1)
+    (leader,) = [info for info in storage_info(directory).values()
+                 if info.transform_descriptors]
+    path = directory / leader.relative_path
+    assert path.stat().st_size % ALIGNMENT == 0
+    for offset in range(0, path.stat().st_size, 97):  # members, padding, table, footer
+        flip_byte(path, offset)
+        with pytest.raises(CorruptCheckpointError):
+            sharded.load(blank_like(state), directory)
+        flip_byte(path, offset)  # undone
+    _round_trips(state, directory)
+
+
 def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checked_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
