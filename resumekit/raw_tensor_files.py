@@ -30,12 +30,18 @@ place. This module replaces only that storage layer; planning, resharding and th
   naming the file, the key and the offset. Items in DCP's own format (checkpoints of
   earlier versions, fsspec URLs) go to DCP's reader unchanged.
 
-Format: each stored item's ``_StorageInfo.transform_descriptors`` is one string
+Format: an item of :data:`PACK_ITEM_BYTES` or more is stored alone, and its
+``_StorageInfo.transform_descriptors`` is one string
 ``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``: one checksum
 per block of the item (:func:`block_bytes_for`: about a sixteenth of it, 64 KiB to 4 MiB),
 so a reader that needs a slice verifies it without reading much more (``bytes`` and an
-empty shape for non-tensor values). DCP's stock reader stops at such an item with
-``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it; stock DCP
+empty shape for non-tensor values). Smaller items share packed regions of at most
+:data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose first
+member records ``"resumekit-raw/2;<region length>;xxh3_128:<hex>"`` and the others
+nothing, as DCP's own items; their dtype and shape are DCP's metadata entries. Checkpoints
+written before packing hold every item in format 1 and still load. DCP's stock reader
+stops at a described item with ``ValueError: Unknown extension name='resumekit-raw'``
+instead of misreading it (the first member of every region is described); stock DCP
 reads these checkpoints through :class:`resumekit.StorageReader` (``dcp.load(...,
 storage_reader=resumekit.StorageReader(step_dir))``), and
 ``CheckpointManager(..., tensor_format="dcp")`` writes DCP's own format instead.
