@@ -25,13 +25,9 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
+from resumekit import sharded
 from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -115,7 +111,7 @@ def load_weights_only(storage: Storage, name: str, model: nn.Module) -> None:
         CorruptCheckpointError: A weight file is not a readable safetensors file.
     """
     stored = _stored_tensors(storage, name)
-    expected: dict[str, Any] = dict(get_model_state_dict(model))
+    expected: dict[str, Any] = dict(sharded.model_and_optimizer_state(model, None)["model"])
     differences = [f"missing: {key}" for key in expected if key not in stored]
     differences += [f"unexpected: {key}" for key in stored if key not in expected]
     for key, want in expected.items():
@@ -147,7 +143,7 @@ def load_weights_only(storage: Storage, name: str, model: nn.Module) -> None:
     # The state dict's tensors are the model's own (FSDP2: its sharded parameters), so
     # they hold the weights already; loading it back is a check that they are and copies
     # them in where a module hands out copies.
-    set_model_state_dict(model, expected, options=StateDictOptions(strict=True))
+    sharded.apply_model_and_optimizer_state(model, None, {"model": expected})
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,8 @@ class CheckpointManager:
     # counts on from it; the step of a ``final`` checkpoint restored or written.
     _resume_guard: int | None
     _final_step: int | None
+    _stager: Any = None  # the async staging buffers (sharded.CpuStager), made on demand
+    stage_ahead: bool
 
     def __init__(
         self,
@@ -341,7 +343,6 @@ class CheckpointManager:
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
         self._background = _BackgroundSave()
-        self._stager: Any = None
         self._active_tokens: set[str] = set()
         self._fence = Fence()  # this run's writer generation, shared by both channels
         self._main = self._channel(process_group)
@@ -349,8 +350,7 @@ class CheckpointManager:
         # own so they never interleave with the coordination of the main thread.
         self._saver = (self._channel(self._new_group()) if async_save and self._distributed
                        else self._main)
-        self.stage_ahead = stage_ahead
-        self._prepare_staging()
+        self._prepare_staging(stage_ahead=stage_ahead)
 
     # -- process groups -----------------------------------------------------------------
     @property
@@ -605,12 +605,17 @@ class CheckpointManager:
             self._main.coordinator, lambda: set_aside(self.storage, self.name_format, entry))
         return outcome
 
-    def _prepare_staging(self) -> None:
+    def _prepare_staging(self, *, stage_ahead: bool | None = None) -> None:
         """Allocate the async staging buffers now (``stage_ahead``), not at the first save.
 
         An optimizer without state yet is left out: building its state would take
         an optimizer step (``model_and_optimizer_state`` does one, at learning rate 0).
+
+        Args:
+            stage_ahead: Record this setting first (the constructor's argument).
         """
+        if stage_ahead is not None:
+            self.stage_ahead = stage_ahead
         if (not (self.async_save and self.stage_ahead) or self.read_only
                 or self.state.model is None):
             return
