@@ -503,6 +503,8 @@ def _parser() -> argparse.ArgumentParser:
                              "*_at_1000_vs_10 ratios compare the largest with 10)")
     parser.add_argument("--root-s3", choices=["auto", "off"], default="auto",
                         help="also measure the root cost on a loopback S3 (moto_server)")
+    parser.add_argument("--per-tensor-count", type=int, default=10_000,
+                        help="small tensors of the per-tensor figures")
     parser.add_argument("--per-tensor-rounds", type=int, default=5)
     parser.add_argument("--first-async-rounds", type=int, default=5)
     parser.add_argument("--goodput-steps", type=int, default=600,
