@@ -337,6 +337,8 @@ def _manifest_if_any(storage: Storage, name: str) -> Manifest | None:
                 f"{source} is a directory, not a manifest: {storage.path(name)} is not a "
                 "committed checkpoint", path=source,
             ) from None
+        if storage.is_file(name):
+            return None  # a file squatting on a step name holds no manifest (ENOTDIR)
         raise
     return parse_manifest(raw, source=source)
 
