@@ -189,7 +189,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log to Weights & Biases when wandb is installed; the run id is "
                              "kept in the checkpoint so a resume continues the same run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--poll-every", type=_poll_every, default="auto",
+                        help="steps between the ranks' preemption votes, or 'auto' (default: "
+                             "as often as keeps the votes under 0.5%% of step time)")
     return parser
+
+
+def _poll_every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--poll-every must be >= 1 or auto, not {text}")
+    return value
 
 
 # --------------------------------------------------------------------------- config
@@ -547,7 +559,8 @@ def train(args: argparse.Namespace) -> int:
     dataset = _dataset(config, args.data_dir)
     sampler = ResumableDistributedSampler(dataset, seed=tcfg.seed)
     noise = torch.Generator(device=context.device).manual_seed(tcfg.noise_seed + context.rank)
-    preemption = PreemptionHandler(grace_period=args.grace_period)  # the manager installs it
+    preemption = PreemptionHandler(grace_period=args.grace_period,  # the manager installs it
+                                   poll_every=args.poll_every)
     ckpt = CheckpointManager(
         args.save_root / CHECKPOINT_DIR, model=model, optimizer=optimizer,
         scheduler=scheduler, data=sampler,

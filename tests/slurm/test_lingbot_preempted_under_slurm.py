@@ -67,8 +67,12 @@ KEEP_LAST = 3
 KEEP_EVERY = 8
 #: Seconds torchrun waits for its workers after forwarding SIGTERM (below KillWait = 30).
 GRACE_S = 20
+#: The ranks vote at every step, so a signal that arrived while rank 0 was frozen is acted
+#: on at the next step: with ``poll_every="auto"`` a vote may come up to 1 s of training
+#: later, and this tiny run's steps are fast enough to pass the next interval save by then.
 TRAIN_ARGS = ("--num-steps", str(NUM_STEPS), "--save-interval", str(SAVE_INTERVAL),
-              "--keep-last", str(KEEP_LAST), "--keep-every", str(KEEP_EVERY), "--no-progress")
+              "--keep-last", str(KEEP_LAST), "--keep-every", str(KEEP_EVERY), "--no-progress",
+              "--poll-every", "1")
 
 #: Deadline of any one wait: generous, the 2-core machine may be shared and slow.
 WAIT_S = 240.0
@@ -230,20 +234,29 @@ def _preempt_right_after_a_restore(slurm: SlurmCluster, job_id: int, root: Path,
 
 def _preempt_mid_interval(slurm: SlurmCluster, job_id: int, root: Path, restarts: int
                           ) -> Preemption:
-    """An ordinary preemption, sent once the step after an interval save is logged.
+    """An ordinary preemption, landing once the step after an interval save is logged.
 
-    The preemptor takes ~1 s to reach the job, so the signal lands between saves.
+    Rank 0 is frozen at that step until the SIGTERM reaches it, so the signal lands between
+    saves however fast the steps are (the preemptor takes ~1 s to reach the job).
     """
     output = slurm.wait_for_output(job_id, _RESUMED.pattern, WAIT_S, min_count=restarts)
     resumed_at = int(_RESUMED.findall(output)[-1])
     metrics = root / METRICS_FILE
     trigger = next(s for s in range(resumed_at + 1, NUM_STEPS) if s % SAVE_INTERVAL == 1)
+    rank0 = find_worker(slurm, job_id, module=TRAINER, timeout=WAIT_S)
     wait_while_job_runs(slurm, job_id, lambda: _newest_metric_step(metrics) >= trigger,
                         what=f"step {trigger} in metrics.jsonl", timeout=WAIT_S, poll_s=0.02)
-    cycle = slurm.preempt_and_requeue(job_id, timeout=WAIT_S, release=False)
-    assert cycle.restarts == restarts + 1
+    with frozen(rank0):
+        began = time.monotonic()
+        preemptor = slurm.preempt()
+        how, sigterm_s = wait_for_signal_arrival(rank0, signal.SIGTERM, timeout=WAIT_S)
+        frozen_at = _newest_metric_step(metrics)
+    requeue_s = _requeued(slurm, job_id, restarts, began)
+    assert frozen_at < NUM_STEPS, "the run ended before the preemption reached it"
     return Preemption("mid-interval", {"resumed_at": resumed_at, "triggered_at": trigger,
-                                       "preemptor": cycle.preemptor_id}, cycle.requeue_s)
+                                       "frozen_at": frozen_at, "preemptor": preemptor,
+                                       "signal": how, "signal_after_s": round(sigterm_s, 2)},
+                      requeue_s)
 
 
 def test_a_two_rank_lingbot_job_preempted_three_times_under_slurm_finishes_bit_identical(
@@ -268,7 +281,7 @@ def test_a_two_rank_lingbot_job_preempted_three_times_under_slurm_finishes_bit_i
         env={"CONFIG": "tiny", "NPROC": "2", "SAVE_ROOT": str(root),
              "NUM_STEPS": str(NUM_STEPS), "SAVE_INTERVAL": str(SAVE_INTERVAL),
              "KEEP_LAST": str(KEEP_LAST), "GRACE_S": str(GRACE_S),
-             "TRAIN_ARGS": f"--keep-every {KEEP_EVERY} --no-progress",
+             "TRAIN_ARGS": f"--keep-every {KEEP_EVERY} --no-progress --poll-every 1",
              "PYTHON": sys.executable, "REPO_DIR": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"},
     )
     rounds = [_preempt_during_a_save(slurm, job_id, checkpoints)]
