@@ -45,8 +45,11 @@ SLURMD_TIMEOUT_S = 20
 #: Deadline of any single wait (the 2-core machine is shared; most waits take seconds).
 WAIT_S = 180.0
 
+#: The ranks vote at every step, so a signal that reached the frozen rank 0 is acted on at
+#: the next step (with ``poll_every="auto"`` a vote may come up to 1 s of training later,
+#: and this tiny run can finish before that).
 TRAIN_ARGS = ("--num-steps", str(NUM_STEPS), "--save-interval", str(SAVE_INTERVAL),
-              "--keep-last", "0", "--no-progress")
+              "--keep-last", "0", "--no-progress", "--poll-every", "1")
 
 _HEADER = re.compile(r"^\[batch\] job (\d+) restart (\d+) on (\S+) at \S+ config \S+ (\d+) "
                      r"node\(s\) \[([^\]]*\]?)\]", re.MULTILINE)
@@ -105,7 +108,8 @@ def submit(cluster: NamespaceCluster, root: Path, output: Path, *, nodes: str = 
         "CONFIG": "tiny", "NPROC": "1", "SAVE_ROOT": str(root),
         "NUM_STEPS": str(NUM_STEPS), "SAVE_INTERVAL": str(SAVE_INTERVAL), "KEEP_LAST": "0",
         "GRACE_S": str(GRACE_S), "TIMEOUT_S": str(TRAIN_TIMEOUT_S),
-        "CKPT_TIMEOUT_S": str(CKPT_TIMEOUT_S), "TRAIN_ARGS": "--no-progress",
+        "CKPT_TIMEOUT_S": str(CKPT_TIMEOUT_S),
+        "TRAIN_ARGS": "--no-progress --poll-every 1",
         "PYTHON": sys.executable, "REPO_DIR": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
