@@ -337,7 +337,6 @@ class CheckpointManager:
         self.initialized_from: weights.WeightsSource | None = None
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
-        self._last_commit_time: float | None = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
         self._newest_step: int | None = None
         # Closed yet; where retention after a save goes on into older step directories.
@@ -656,7 +655,6 @@ class CheckpointManager:
         self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
         self.resumed_from = manifest.step
         self.last_saved_step = manifest.step
-        self._last_commit_time = manifest.created_at.timestamp()
         logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
 
     def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
@@ -858,7 +856,6 @@ class CheckpointManager:
         finally:
             self._active_tokens.discard(pending.token)
         self.last_saved_step = job.step
-        self._last_commit_time = time.time()
         self._clock.last_save_seconds = time.monotonic() - job.started
         self._apply_retention(job.step, coordinator)
         logger.info("resumekit: committed step %d in %.2fs", job.step,

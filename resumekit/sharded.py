@@ -447,14 +447,8 @@ def load(
         IncompleteCheckpointError: A shard file is missing.
         CorruptCheckpointError: The checkpoint could not be read.
     """
-    group, no_dist = _resolve_group(process_group)
-    target = _directory_str(directory)
-    reader = _make_reader(target, storage_options, verify=verify)
-    planner = _CheckedLoadPlanner(target, reject_unexpected=True)
-    _run_load(
-        state_dict=state_dict, reader=reader, planner=planner, target=target,
-        group=group, no_dist=no_dist,
-    )
+    _load_checked(state_dict, directory, process_group, storage_options, verify,
+                  reject_unexpected=True)
 
 
 def load_subset(
@@ -470,10 +464,18 @@ def load_subset(
     Every key asked for must still exist with its shape and dtype (weights-only loads:
     the optimizer and any unused model tensor are not read).
     """
+    _load_checked(state_dict, directory, process_group, storage_options, verify,
+                  reject_unexpected=False)
+
+
+def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
+                  process_group: dist.ProcessGroup | None,
+                  storage_options: Mapping[str, Any] | None, verify: bool, *,
+                  reject_unexpected: bool) -> None:
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
     reader = _make_reader(target, storage_options, verify=verify)
-    planner = _CheckedLoadPlanner(target, reject_unexpected=False)
+    planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
         group=group, no_dist=no_dist,
