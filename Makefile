@@ -28,8 +28,11 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs-build
 
+# Unit + property suites, one pytest worker per core (pytest-xdist; each worker starts its own
+# loopback S3 server on a free port). FAST_WORKERS=0 runs them in one process.
+FAST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests/unit tests/property
+	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
 
 # ruff, mypy --strict, and the layer rules of docs/design.md as import-linter contracts
 # ([tool.importlinter] in pyproject.toml).
