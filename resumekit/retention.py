@@ -314,15 +314,7 @@ def _decide_once(storage: Storage, policy: RetentionPolicy, name_format: NameFor
     named = [step for step, _ in step_directories(listing, name_format)]  # highest first
     presumed = policy.keep(named) | protect | set(named[:1])
     lowest = min((step for step in named if step not in presumed), default=None)
-    classified: list[CheckpointEntry] = []
-    newest: int | None = None
-    for step, _ in step_directories(listing, name_format):
-        if newest is not None and (lowest is None or step < lowest):
-            break
-        entry = classify_step(storage, step, name_format)
-        classified.append(entry)
-        if newest is None and entry.status == "committed":
-            newest = entry.step
+    classified, newest = _classify_down_to(storage, listing, name_format, lowest)
     if rolling is not None:
         classified += rolling.next_entries(storage, name_format, listing, classified)
     read = {entry.step for entry in classified}
@@ -332,6 +324,26 @@ def _decide_once(storage: Storage, policy: RetentionPolicy, name_format: NameFor
     report.kept = [step for step in committed if step in keep]
     doomed = [e for e in classified if e.status == "committed" and e.step not in keep]
     return [*hidden_entries(storage, listing, name_format), *classified], doomed
+
+
+def _classify_down_to(storage: Storage, listing: list[tuple[str, bool]],
+                      name_format: NameFormat, lowest: int | None
+                      ) -> tuple[list[CheckpointEntry], int | None]:
+    """Read the step directories from the top down to ``lowest``.
+
+    Always reads down to the newest committed one. Returns the entries read, highest
+    first, and that newest committed step.
+    """
+    classified: list[CheckpointEntry] = []
+    newest: int | None = None
+    for step, _ in step_directories(listing, name_format):
+        if newest is not None and (lowest is None or step < lowest):
+            break
+        entry = classify_step(storage, step, name_format)
+        classified.append(entry)
+        if newest is None and entry.status == "committed":
+            newest = entry.step
+    return classified, newest
 
 
 def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: PruneReport,
