@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -424,6 +425,127 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@dataclass
+class _Drill:
+    """One drill in progress: where its runs live, what they did, what went wrong."""
+
+    out: Path
+    console: Console
+    timeout: float
+    segments: list[Segment] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    def root(self, name: str) -> Path:
+        """Run ``name``'s directory (A, B or C)."""
+        return self.out / name
+
+    def run(self, name: str, index: int, *, nproc: int = 2, interruption: str | None = None,
+            signal_at: int | None = None) -> Segment:
+        """One launch of run ``name`` with the same command as every other, printed."""
+        launch = Launch(self.root(name), nproc=nproc,
+                        train_args=("--keep-last", "0", "--no-progress"))
+        segment = run_segment(name, index, launch, interruption=interruption,
+                              signal_at=signal_at, log_dir=self.root(name) / "logs",
+                              timeout=self.timeout)
+        self.segments.append(segment)
+        self.console.print(
+            f"[bold]{segment.run}{segment.index}[/] nproc={segment.nproc} "
+            f"from step {segment.resumed_from}: "
+            f"{segment.interruption or 'ran to the end'}"
+            f"{'' if segment.signal_at is None else f' at step {segment.signal_at}'} -> "
+            f"exit {segment.returncode}, newest step {segment.last_step}, newest checkpoint "
+            f"{segment.newest_checkpoint} ({segment.newest_reason}) in {segment.seconds:.1f}s")
+        return segment
+
+    def launches(self, name: str) -> list[Segment]:
+        """The launches of run ``name``, in order."""
+        return [s for s in self.segments if s.run == name]
+
+
+def _check_preemption_checkpoint(drill: _Drill, term: Segment) -> None:
+    """After the SIGTERM the newest checkpoint is a preemption save of the last step."""
+    if "emergency save skipped" in Path(term.log).read_text():
+        # resumekit's rule: the last commit was younger than a save takes
+        drill.console.print(f"note: the emergency save was skipped (checkpoint "
+                            f"{term.newest_checkpoint} is recent); the resume replays "
+                            "from there")
+    elif term.newest_reason != "preemption" or term.newest_checkpoint != term.last_step:
+        drill.problems.append(
+            f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
+            f"({term.newest_reason}), expected a preemption checkpoint of the "
+            f"last logged step {term.last_step}")
+
+
+def _run_all(drill: _Drill, args: argparse.Namespace) -> Segment:
+    """Runs A, B (SIGTERM, SIGKILL, to the end) and C (B after the SIGTERM, on 1 rank).
+
+    Returns B's SIGTERM launch.
+    """
+    drill.console.rule("A: uninterrupted")
+    drill.run("A", 1)
+    drill.console.rule("B: SIGTERM, SIGKILL, same command each time")
+    term = drill.run("B", 1, interruption="sigterm", signal_at=args.term_at)
+    _check_preemption_checkpoint(drill, term)
+    if not args.no_world_size_change:
+        shutil.copytree(drill.root("B"), drill.root("C"),
+                        ignore=shutil.ignore_patterns("logs"))
+    drill.run("B", 2, interruption="sigkill", signal_at=args.kill_at)
+    drill.run("B", 3)
+    if not args.no_world_size_change:
+        drill.console.rule("C: resume B's preemption checkpoint on 1 rank")
+        drill.run("C", 2, nproc=1)
+    return term
+
+
+def _replayed(drill: _Drill, term: Segment) -> dict[str, int]:
+    """Steps each interrupted run executed twice."""
+    b_runs = drill.launches("B")
+    replayed = {"B": sum(max(0, earlier.last_step - later.resumed_from)
+                         for earlier, later in itertools.pairwise(b_runs))}
+    if drill.launches("C"):
+        replayed["C"] = max(0, term.last_step - drill.launches("C")[0].resumed_from)
+    return replayed
+
+
+def _verdict(name: str, comparison: RunComparison, switch: int) -> tuple[bool, str]:
+    """Whether run ``name`` matches A as the drill promises, and the table's words."""
+    if name == "B":
+        if comparison.identical:
+            return True, "bit-identical"
+        return False, (f"DIFFERS (step {comparison.first_metric_difference}, "
+                       f"{comparison.different_tensors[:3]})")
+    if comparison.first_metric_difference is None and math.isfinite(comparison.final_loss):
+        return True, f"= A to step {switch}, then close"
+    return False, f"DIFFERS before the switch (step {comparison.first_metric_difference})"
+
+
+def _results_table(drill: _Drill, comparisons: dict[str, RunComparison],
+                   replayed: dict[str, int], switch: int) -> Table:
+    """The table of runs against A; a run that does not match adds a problem."""
+    reference = read_metrics(drill.root("A") / METRICS_FILE)
+    table = Table(title="LingBot-VA tiny: uninterrupted (A) vs interrupted runs")
+    for column in ("run", "launches", "ranks", "steps", "replayed", "final loss",
+                   "max |loss-A|", "tensors = A", "max |weight-A|", "verdict"):
+        table.add_column(column, justify="right" if column != "run" else "left")
+    table.add_row("A", "1", "2", str(len(reference)), "0",
+                  f"{reference[-1]['loss']:.10f}", "-", "-", "-", "reference")
+    for name, comparison in comparisons.items():
+        ok, verdict = _verdict(name, comparison, switch)
+        if not ok:
+            drill.problems.append(f"run {name}: {verdict}")
+        launches = len(drill.launches(name)) + (1 if name == "C" else 0)
+        table.add_row(
+            f"{name} " + ("TERM+KILL" if name == "B" else "1 rank"),
+            str(launches), "2" if name == "B" else f"2, 1 from {switch}",
+            str(comparison.steps), str(replayed[name]),
+            f"{comparison.final_loss:.10f}", f"{comparison.max_loss_difference:.3g}",
+            f"{comparison.tensors_compared - comparison.tensors_different}/"
+            f"{comparison.tensors_compared}",
+            f"{comparison.max_weight_difference:.3g}", verdict,
+        )
+    return table
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the drill; return 0 when the interrupted run is bit-identical, else 1."""
     args = _parser().parse_args(argv)
@@ -434,121 +556,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    train_args = ("--keep-last", "0", "--no-progress")
     started = time.monotonic()
-    roots = {name: out / name for name in ("A", "B", "C")}
-    segments: list[Segment] = []
+    drill = _Drill(out, console, args.timeout)
+    term = _run_all(drill, args)
 
-    def launch(name: str, nproc: int = 2) -> Launch:
-        return Launch(roots[name], nproc=nproc, train_args=train_args)
-
-    def step(segment: Segment) -> Segment:
-        segments.append(segment)
-        console.print(
-            f"[bold]{segment.run}{segment.index}[/] nproc={segment.nproc} "
-            f"from step {segment.resumed_from}: "
-            f"{segment.interruption or 'ran to the end'}"
-            f"{'' if segment.signal_at is None else f' at step {segment.signal_at}'} -> "
-            f"exit {segment.returncode}, newest step {segment.last_step}, newest checkpoint "
-            f"{segment.newest_checkpoint} ({segment.newest_reason}) in {segment.seconds:.1f}s")
-        return segment
-
-    console.rule("A: uninterrupted")
-    step(run_segment("A", 1, launch("A"), log_dir=roots["A"] / "logs", timeout=args.timeout))
-    console.rule("B: SIGTERM, SIGKILL, same command each time")
-    term = step(run_segment("B", 1, launch("B"), interruption="sigterm",
-                            signal_at=args.term_at, log_dir=roots["B"] / "logs",
-                            timeout=args.timeout))
-    problems: list[str] = []
-    skipped = "emergency save skipped" in Path(term.log).read_text()
-    if skipped:  # resumekit's rule: the last commit was younger than a save takes
-        console.print(f"note: the emergency save was skipped (checkpoint "
-                      f"{term.newest_checkpoint} is recent); the resume replays from there")
-    elif term.newest_reason != "preemption" or term.newest_checkpoint != term.last_step:
-        problems.append(f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
-                        f"({term.newest_reason}), expected a preemption checkpoint of the "
-                        f"last logged step {term.last_step}")
-    if not args.no_world_size_change:
-        shutil.copytree(roots["B"], roots["C"], ignore=shutil.ignore_patterns("logs"))
-    step(run_segment("B", 2, launch("B"), interruption="sigkill", signal_at=args.kill_at,
-                     log_dir=roots["B"] / "logs", timeout=args.timeout))
-    step(run_segment("B", 3, launch("B"), log_dir=roots["B"] / "logs", timeout=args.timeout))
-    if not args.no_world_size_change:
-        console.rule("C: resume B's preemption checkpoint on 1 rank")
-        step(run_segment("C", 2, launch("C", nproc=1), log_dir=roots["C"] / "logs",
-                         timeout=args.timeout))
-
-    comparisons = {"B": compare_runs(roots["A"], roots["B"])}
     switch = term.last_step
+    comparisons = {"B": compare_runs(drill.root("A"), drill.root("B"))}
     if not args.no_world_size_change:
-        comparisons["C"] = compare_runs(roots["A"], roots["C"], steps=range(0, switch + 1))
-    replayed: dict[str, int] = {}
-    replayed["B"] = sum(max(0, earlier.last_step - later.resumed_from) for earlier, later in
-                        zip([s for s in segments if s.run == "B"],
-                            [s for s in segments if s.run == "B"][1:], strict=False))
-    if "C" in comparisons:
-        c_launch = next(s for s in segments if s.run == "C")
-        replayed["C"] = max(0, term.last_step - c_launch.resumed_from)
-    reference = read_metrics(roots["A"] / METRICS_FILE)
-
-    table = Table(title="LingBot-VA tiny: uninterrupted (A) vs interrupted runs")
-    for column in ("run", "launches", "ranks", "steps", "replayed", "final loss",
-                   "max |loss-A|", "tensors = A", "max |weight-A|", "verdict"):
-        table.add_column(column, justify="right" if column != "run" else "left")
-    table.add_row("A", "1", "2", str(len(reference)), "0",
-                  f"{reference[-1]['loss']:.10f}", "-", "-", "-", "reference")
-    for name, comparison in comparisons.items():
-        launches = sum(1 for s in segments if s.run == name) + (1 if name == "C" else 0)
-        worlds = "2" if name == "B" else f"2, 1 from {switch}"
-        if name == "B":
-            ok = comparison.identical
-            verdict = "bit-identical" if ok else \
-                f"DIFFERS (step {comparison.first_metric_difference}, " \
-                f"{comparison.different_tensors[:3]})"
-        else:
-            ok = comparison.first_metric_difference is None and \
-                math.isfinite(comparison.final_loss)
-            verdict = f"= A to step {switch}, then close" if ok else \
-                f"DIFFERS before the switch (step {comparison.first_metric_difference})"
-        if not ok:
-            problems.append(f"run {name}: {verdict}")
-        table.add_row(
-            f"{name} " + ("TERM+KILL" if name == "B" else "1 rank"),
-            str(launches), worlds, str(comparison.steps), str(replayed[name]),
-            f"{comparison.final_loss:.10f}", f"{comparison.max_loss_difference:.3g}",
-            f"{comparison.tensors_compared - comparison.tensors_different}/"
-            f"{comparison.tensors_compared}",
-            f"{comparison.max_weight_difference:.3g}", verdict,
-        )
-    console.print(table)
+        comparisons["C"] = compare_runs(drill.root("A"), drill.root("C"),
+                                        steps=range(0, switch + 1))
+    replayed = _replayed(drill, term)
+    console.print(_results_table(drill, comparisons, replayed, switch))
     console.rule("checkpoint chain of run B: resumekit inspect")
-    listing = _resumekit("inspect", str(roots["B"] / CHECKPOINT_DIR))
+    listing = _resumekit("inspect", str(drill.root("B") / CHECKPOINT_DIR))
     console.print(listing.stdout + listing.stderr, markup=False, highlight=False)
-    marks = {"SIGTERM": [term.last_step]}
-    kill = next(s for s in segments if s.run == "B" and s.interruption == "sigkill")
-    marks["SIGKILL"] = [kill.last_step]
-    plot = plot_losses({name: roots[name] for name in ("A", *comparisons)}, out / "loss.png",
-                       marks=marks)
+    kill = next(s for s in drill.launches("B") if s.interruption == "sigkill")
+    plot = plot_losses({name: drill.root(name) for name in ("A", *comparisons)},
+                       out / "loss.png",
+                       marks={"SIGTERM": [term.last_step], "SIGKILL": [kill.last_step]})
     elapsed = time.monotonic() - started
     summary = {
         "seconds": elapsed,
-        "segments": [asdict(s) for s in segments],
+        "segments": [asdict(s) for s in drill.segments],
         "comparisons": {name: asdict(c) for name, c in comparisons.items()},
         "replayed": replayed,
-        "problems": problems,
+        "problems": drill.problems,
         "exit_code_preempted": EXIT_CODE_PREEMPTED,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.print(f"loss curves: {plot}; summary: {out / 'summary.json'}; "
                   f"drill took {elapsed:.0f}s")
-    if problems:
-        for problem in problems:
+    if drill.problems:
+        for problem in drill.problems:
             console.print(f"[bold red]FAIL[/] {problem}")
         return 1
     console.print("[bold green]OK[/] the preempted and crashed run is bit-identical to the "
                   "uninterrupted one")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
