@@ -23,10 +23,11 @@ import logging
 import secrets
 from collections.abc import Iterable
 
-from resumekit.catalog import CheckpointEntry
+from resumekit.catalog import CheckpointEntry, newest_committed
 from resumekit.errors import FencedWriterError, StorageError
 from resumekit.layout import (
     GENERATIONS_DIR,
+    NameFormat,
     generation_record_name,
     parse_generation_record_name,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "claim",
     "fenced_by",
     "newest_generation",
+    "newest_restorable",
     "zombie_commits",
     "zombie_reason",
 ]
@@ -122,6 +124,32 @@ def zombie_reason(manifest: Manifest, current: WriterGeneration | None) -> str |
             else f"step {current.newest_step} as the newest")
     return (f"committed by {written.describe()} after {current.describe()} had claimed the "
             f"root (seeing {seen}): a fenced writer's checkpoint")
+
+
+def newest_restorable(storage: Storage, name_format: NameFormat | None = None
+                      ) -> tuple[CheckpointEntry | None, dict[str, str]]:
+    """The committed checkpoint a restore would start from, and the zombie commits above it.
+
+    The newest committed checkpoint that no fenced writer committed (:func:`zombie_reason`
+    against the root's newest claim), read from the top down like
+    :func:`~resumekit.catalog.newest_committed`. A commit that landed in the race window of
+    a fenced writer is committed on disk but never restored; ``latest()`` and ``resumekit
+    inspect`` name the same checkpoint a restore would, and say which ones they passed.
+
+    Returns:
+        The entry (None when nothing restorable is committed) and ``{path: reason}`` of
+        each fenced writer's commit above it.
+    """
+    current = newest_generation(storage) if storage.is_dir() else None
+    passed: dict[str, str] = {}
+
+    def fenced(entry: CheckpointEntry) -> bool:
+        reason = None if entry.manifest is None else zombie_reason(entry.manifest, current)
+        if reason is not None:
+            passed[entry.path] = reason
+        return reason is not None
+
+    return newest_committed(storage, name_format, skip=fenced), passed
 
 
 def zombie_commits(entries: Iterable[CheckpointEntry], current: WriterGeneration | None

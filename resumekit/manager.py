@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resumekit import distributed, generations, jsonable, legacy, restore_plan, sharded, weights
-from resumekit.catalog import CheckpointEntry, latest_committed, list_checkpoints
+from resumekit.catalog import CheckpointEntry, list_checkpoints
 from resumekit.commit import CommitProtocol, PendingCheckpoint, set_aside
 from resumekit.compatibility import check_compatibility
 from resumekit.coordination import (
@@ -393,9 +393,14 @@ class CheckpointManager:
 
         One listing of the root and the manifests of its newest step directories (from
         the top down until one validates): the cost does not grow with the checkpoints
-        below it.
+        below it. It is the checkpoint :meth:`restore` would start from: a checkpoint a
+        fenced writer committed (inside the race window of the commit) is passed over
+        with a warning naming it, as restore passes it over.
         """
-        entry = latest_committed(self.storage, self.name_format)
+        entry, passed = generations.newest_restorable(self.storage, self.name_format)
+        for path, reason in passed.items():
+            self._warn(f"latest(): passing over {path}: {reason}; restore() never resumes "
+                       "from it", stacklevel=3)
         if entry is None:
             return None
         assert entry.manifest is not None

@@ -21,13 +21,13 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from resumekit import generations
 from resumekit.catalog import (
     CheckpointEntry,
     CheckpointTarget,
     ForeignCheckpoint,
     detect_foreign,
     import_command,
-    newest_committed,
     open_target,
     tensors_url,
 )
@@ -188,7 +188,11 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
     storage = target.storage
     entries = target.entries()
     committed = [entry for entry in entries if entry.status == "committed"]
-    resume = committed[-1] if committed else None
+    # a commit a fenced writer made in the commit's race window is never restored
+    current = generations.newest_generation(storage) if storage.is_dir() else None
+    fenced = generations.zombie_commits(committed, current)
+    restorable = [entry for entry in committed if entry.name not in fenced]
+    resume = restorable[-1] if restorable else None
     previous: datetime | None = None
     rows = []
     for entry in entries:
@@ -197,7 +201,10 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
             created = entry.manifest.created_at
             since = None if previous is None else (created - previous).total_seconds()
             previous = created
-        rows.append(entry_json(storage, entry, resume=resume, since_previous=since))
+        row = entry_json(storage, entry, resume=resume, since_previous=since)
+        if entry.name in fenced:
+            row["problem"] = f"{fenced[entry.name]}; restore never resumes from it"
+        rows.append(row)
     chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
     corrupt = [entry for entry in entries if entry.status == "corrupt"]
     itself = detect_foreign(storage) if not entries else None
@@ -456,7 +463,7 @@ def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
     entry = target.entry
     assert entry is not None
     try:  # the newest, read from the top down: not every manifest of the root
-        resume = newest_committed(storage, target.name_format)
+        resume, _ = generations.newest_restorable(storage, target.name_format)
     except ResumekitError:
         resume = None
     manifest = entry.manifest

@@ -406,3 +406,49 @@ def test_a_read_only_manager_restores_without_fencing_the_run_writing_there(
     trainer.save(20)  # not fenced: the eval job claimed nothing
     with pytest.raises(resumekit.ConfigurationError, match="read_only"):
         evaluator.save(30)
+
+
+def test_latest_and_inspect_name_the_checkpoint_restore_would_start_from_not_a_zombie_commit(
+    tmp_path: Path, slurm: object,
+) -> None:
+    restart = slurm
+    store = Storage(tmp_path)
+    restart(0)  # type: ignore[operator]
+    _manager(tmp_path, 1.0).save(100)
+    claimed: list[CheckpointManager] = []
+
+    def requeue_inside_the_window(phase: str) -> None:
+        if phase == "publish":  # after the last fence check, before the rename
+            restart(1)  # type: ignore[operator]
+            claimed.append(_manager(tmp_path, 0.0))
+            assert claimed[0].restore() == 100
+
+    zombie = CommitProtocol(store, on_phase=requeue_inside_the_window)
+    restart(0)  # type: ignore[operator]
+    pending = zombie.begin(300)
+    store.write_bytes(f"{pending.staging}/model.bin", b"zombie weights")
+    zombie.publish(pending, Manifest(step=300))  # committed on disk by a fenced writer
+    assert latest_committed(store).step == 300  # type: ignore[union-attr]
+
+    with pytest.warns(ResumekitWarning, match=r"passing over .*step_000000300.*fenced"):
+        info = claimed[0].latest()
+    assert info is not None and info.step == 100
+    claimed[0].save(250)
+    with pytest.warns(ResumekitWarning, match=r"passing over .*step_000000300"):
+        info = claimed[0].latest()
+    assert info is not None and info.step == 250
+
+    listing = subprocess.run(
+        [sys.executable, "-m", "resumekit", "inspect", str(tmp_path), "--json"],
+        capture_output=True, text=True, check=True, cwd=REPO)
+    document = json.loads(listing.stdout)
+    assert document["resume_from"] == 250
+    rows = {row["step"]: row for row in document["checkpoints"]}
+    assert rows[300]["status"] == "committed" and not rows[300]["resume_from"]
+    assert "fenced writer" in rows[300]["problem"]
+    assert "restore never resumes from it" in rows[300]["problem"]
+    assert rows[250]["resume_from"]
+    one = subprocess.run(
+        [sys.executable, "-m", "resumekit", "inspect", str(tmp_path / "step_000000300"),
+         "--json"], capture_output=True, text=True, check=True, cwd=REPO)
+    assert json.loads(one.stdout)["resume_from"] == 250
