@@ -20,7 +20,15 @@ import tenacity
 
 from resumekit.errors import ResumekitError, StorageError
 
-__all__ = ["READ_ATTEMPTS", "TRANSIENT_ERRNOS", "is_transient", "read_with_retry"]
+__all__ = [
+    "CONFLICT_ATTEMPTS",
+    "READ_ATTEMPTS",
+    "TRANSIENT_ERRNOS",
+    "create_with_retry",
+    "is_conditional_conflict",
+    "is_transient",
+    "read_with_retry",
+]
 
 logger = logging.getLogger("resumekit")
 
@@ -28,6 +36,9 @@ T = TypeVar("T")
 
 #: How many times one file is read before its error is reported (the first try included).
 READ_ATTEMPTS = 5
+#: How many times one exclusive create is sent while the store answers that another
+#: request on the same key was in flight (S3's 409 ``ConditionalRequestConflict``).
+CONFLICT_ATTEMPTS = 5
 #: Wait between attempts: 0.1, 0.2, 0.4, 0.8 s (exponential, at most 2 s) plus up to 0.1 s
 #: of jitter each, under 2 s in all over the five attempts. Tests may replace it with
 #: ``tenacity.wait_none()``.
@@ -112,4 +123,64 @@ def read_with_retry(what: str, read: Callable[[], T], *,
             f"reading {what} failed {limit} times with transient errors (last: "
             f"{type(last).__name__}: {last}); the checkpoint was left as it is - check the "
             "storage and run again", path=what, operation="read", attempts=limit,
+        ) from last
+
+
+def is_conditional_conflict(error: BaseException) -> bool:
+    """Whether ``error`` (or what it wraps) is an object store's conditional-write conflict.
+
+    S3 answers a ``PUT`` with ``If-None-Match: *`` with 409 ``ConditionalRequestConflict``
+    when another request on the same key is in flight: nothing was written and the
+    request may be sent again; the retry then succeeds, or fails with 412 (the key exists).
+    Recognised by the error code (or HTTP status) of the botocore error it wraps.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "ConditionalRequestConflict" or status == 409:
+                return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def create_with_retry(what: str, create: Callable[[], None], *,
+                      attempts: int | None = None) -> None:
+    """Run ``create()`` (an exclusive create), again after a conditional-write conflict.
+
+    Args:
+        what: The file being created (named in the log and in the error).
+        create: Sends the exclusive create; ``FileExistsError`` when the key exists.
+        attempts: Calls at most (default :data:`CONFLICT_ATTEMPTS`).
+
+    Raises:
+        FileExistsError: Something is already there (from ``create``, unchanged).
+        StorageError: The store answered with a conflict every time (attributes ``path``,
+            ``operation="write"``, ``attempts``); nothing was written.
+        Exception: Any other error of ``create``, unchanged, at once.
+    """
+    limit = CONFLICT_ATTEMPTS if attempts is None else max(1, attempts)
+
+    def log_retry(state: tenacity.RetryCallState) -> None:
+        logger.warning("resumekit: creating %s met a conflicting request on the same key "
+                       "(409 ConditionalRequestConflict), attempt %d of %d; sending it again",
+                       what, state.attempt_number, limit)
+
+    retrying = tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(limit), wait=BACKOFF,
+        retry=tenacity.retry_if_exception(is_conditional_conflict), before_sleep=log_retry,
+        reraise=False)
+    try:
+        retrying(create)
+    except tenacity.RetryError as exhausted:
+        last = exhausted.last_attempt.exception()
+        raise StorageError(
+            f"creating {what} failed {limit} times: the store answered 409 "
+            "ConditionalRequestConflict each time (another request on the same key was in "
+            "flight); nothing was written - run again", path=what, operation="write",
+            attempts=limit,
         ) from last

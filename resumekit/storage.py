@@ -24,6 +24,7 @@ import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
 from resumekit.errors import StorageError
+from resumekit.retry import create_with_retry
 
 __all__ = ["FileInfo", "Storage"]
 
@@ -344,7 +345,10 @@ class Storage:
         try:
             with _storage_errors("write", target, "write", passes=(FileExistsError,)):
                 if self.conditional_create:
-                    self.fs.pipe_file(target, data, mode="create")
+                    # S3 answers 409 while another request on the key is in flight:
+                    # nothing was written, so the create is sent again
+                    create_with_retry(target, lambda: self.fs.pipe_file(
+                        target, data, mode="create"))
                 else:
                     if self.fs.exists(target):
                         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), target)

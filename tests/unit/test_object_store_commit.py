@@ -358,3 +358,62 @@ def test_dcps_own_format_on_a_local_disk_also_fails_on_any_thread_and_reports_ch
         sharded.save(state, tmp_path / "bad", tensor_format="dcp")
     assert failed and caught.value.errno == 28
     assert not (tmp_path / "bad" / ".metadata").exists()
+
+
+def _answer_409_to_conditional_puts(storage: Storage, monkeypatch: pytest.MonkeyPatch,
+                                    times: int) -> list[str]:
+    """The S3 client answers the next ``times`` ``PUT If-None-Match`` with S3's 409."""
+    import botocore.exceptions  # noqa: PLC0415 - the S3 client's own error
+
+    fs: Any = storage.fs
+    fs.connect()
+    client = fs.s3
+    original = client.put_object
+    conflicts: list[str] = []
+
+    async def put_object(**kwargs: Any) -> Any:
+        if kwargs.get("IfNoneMatch") == "*" and len(conflicts) < times:
+            conflicts.append(kwargs["Key"])
+            raise botocore.exceptions.ClientError(
+                {"Error": {"Code": "ConditionalRequestConflict",
+                           "Message": "A conflicting operation occurred. Please retry."},
+                 "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
+        return await original(**kwargs)
+
+    monkeypatch.setattr(client, "put_object", put_object)
+    monkeypatch.setattr("resumekit.retry.BACKOFF", __import__("tenacity").wait_none())
+    return conflicts
+
+
+def test_a_409_conflict_on_an_exclusive_create_is_sent_again_and_then_succeeds_or_exists(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    storage = Storage(f"s3://{s3_endpoint.bucket}/conflict-{uuid.uuid4().hex[:8]}",
+                      storage_options=dict(s3_endpoint.storage_options))
+    conflicts = _answer_409_to_conditional_puts(storage, monkeypatch, times=2)
+
+    with caplog.at_level("WARNING", logger="resumekit"):
+        storage.write_bytes_exclusive("marker.json", b"first")
+    assert storage.read_bytes("marker.json") == b"first"
+    assert len(conflicts) == 2 and conflicts[0].endswith("marker.json")
+    assert "409 ConditionalRequestConflict" in caplog.text and "marker.json" in caplog.text
+
+    conflicts.clear()  # the conflicting request won: the retry is told the key exists
+    with pytest.raises(FileExistsError):
+        storage.write_bytes_exclusive("marker.json", b"second")
+    assert storage.read_bytes("marker.json") == b"first"
+
+
+def test_an_exclusive_create_that_conflicts_every_time_fails_naming_the_key_and_the_409(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    storage = Storage(f"s3://{s3_endpoint.bucket}/conflict-{uuid.uuid4().hex[:8]}",
+                      storage_options=dict(s3_endpoint.storage_options))
+    conflicts = _answer_409_to_conditional_puts(storage, monkeypatch, times=100)
+
+    with pytest.raises(StorageError) as caught:
+        storage.write_bytes_exclusive("manifest.json", b"{}")
+    assert "manifest.json" in str(caught.value)
+    assert "409 ConditionalRequestConflict" in str(caught.value)
+    assert caught.value.attempts == 5 and len(conflicts) == 5
+    assert not storage.exists("manifest.json")
