@@ -401,7 +401,8 @@ class CommitProtocol:
         Raises:
             IncompleteCheckpointError: A required file no rank described, or a described
                 file missing from the store or of another size; nothing is committed.
-            StepCollisionError: Another writer committed this step first (object stores).
+            StepCollisionError: Another writer committed this step first (on object stores
+                the conditional commit marker, on POSIX the rename, tells).
         """
         reports = self.coordinator.all_gather((list(described), list(required)))
         self._phase("hash")
@@ -506,7 +507,12 @@ class CommitProtocol:
             if pending.replaces:
                 self._swap_in(pending)
             else:
-                storage.rename_dir(pending.staging, pending.name)
+                try:
+                    storage.rename_dir(pending.staging, pending.name)
+                except StorageError:
+                    if not storage.exists(pending.name):
+                        raise
+                    raise self._collision(pending) from None  # a writer of this generation
             storage.fsync_dir()
             self._phase("cleanup")
             storage.remove_tree(pending.staging)  # after a swap: the replaced checkpoint
@@ -539,19 +545,24 @@ class CommitProtocol:
         try:
             storage.write_bytes_exclusive(marker, manifest.to_json())
         except FileExistsError:
-            winner = ""
-            try:
-                other = read_manifest(storage, pending.name)
-                winner = (f" (by {other.lineage.hostname} pid {other.lineage.pid}, data in "
-                          f"{other.data_dir})")
-            except Exception:  # noqa: BLE001 - only detail for the message
-                pass
-            raise StepCollisionError(
-                f"cannot commit step {pending.step}: another writer committed "
-                f"{storage.path(pending.name)} first{winner}; this save's data in "
-                f"{storage.path(pending.staging)} is not committed",
-                step=pending.step, newest=pending.step, path=storage.path(pending.name),
-            ) from None
+            raise self._collision(pending) from None
+
+    def _collision(self, pending: PendingCheckpoint) -> StepCollisionError:
+        """The error of a commit another writer beat to ``pending``'s step directory."""
+        storage = self.storage
+        winner = ""
+        try:
+            other = read_manifest(storage, pending.name)
+            winner = (f" (by {other.lineage.hostname} pid {other.lineage.pid}, data in "
+                      f"{other.data_dir})")
+        except Exception:  # noqa: BLE001 - only detail for the message
+            pass
+        return StepCollisionError(
+            f"cannot commit step {pending.step}: another writer committed "
+            f"{storage.path(pending.name)} first{winner}; this save's data in "
+            f"{storage.path(pending.staging)} is not committed",
+            step=pending.step, newest=pending.step, path=storage.path(pending.name),
+        )
 
     def _check_fence(self, pending: PendingCheckpoint) -> None:
         """Refuse the commit of a fenced writer, removing its staging area (rank 0)."""

@@ -304,6 +304,29 @@ def test_the_second_of_two_s3_writers_publishing_one_step_fails_and_the_first_st
     assert not first_store.exists(second_pending.staging)
 
 
+def test_the_second_of_two_posix_writers_of_one_generation_gets_a_collision_not_a_rename_error(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _same_allocation(monkeypatch)
+    first_store, second_store = Storage(tmp_path), Storage(tmp_path)
+    # Both begin before either commits: each sees step 8 as free.
+    first, first_pending = _stage(first_store, 8, b"first writer")
+    second, second_pending = _stage(second_store, 8, b"second writer")
+    first.publish(first_pending, Manifest(step=8))
+
+    with pytest.raises(StepCollisionError) as caught:
+        second.publish(second_pending, Manifest(step=8))
+    second.abort(second_pending)
+
+    assert caught.value.path == first_store.path("step_000000008")
+    assert "another writer committed" in str(caught.value)
+    assert "is not committed" in str(caught.value)
+    manifest = verify_checkpoint(first_store, "step_000000008")
+    assert first_store.read_bytes(
+        f"step_000000008/{manifest.data_path('data.bin')}") == b"first writer"
+    assert not first_store.exists(second_pending.staging)
+
+
 @pytest.mark.s3
 def test_an_s3_exclusive_write_is_refused_by_the_server_not_by_a_prior_check(
     s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch,
