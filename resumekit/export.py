@@ -430,9 +430,8 @@ def _resolve(root_or_dir: str | os.PathLike[str], step: int | None, *,
             verify_checkpoint(target.storage, entry.name, manifest=manifest)
         source, name, path, resolved_step = (tensors_url(target.storage, entry), entry.name,
                                              entry.path, entry.step)
-    reader = sharded._make_reader(source, storage_options)
-    index = sharded.read_tensor_index(source, storage_options=storage_options)
-    names = _model_names(reader.read_metadata(), index)
+    metadata = sharded.read_metadata(source, storage_options)  # read once, for both
+    names = _model_names(metadata, sharded.tensor_index_of(metadata))
     if not names:
         raise CheckpointNotFoundError(
             f"{path} (step {resolved_step}) holds no model tensors to export",

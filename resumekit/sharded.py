@@ -119,10 +119,12 @@ __all__ = [
     "load_subset",
     "model_and_optimizer_state",
     "read_full_state",
+    "read_metadata",
     "read_tensor_index",
     "retie",
     "save",
     "tensor_format_for",
+    "tensor_index_of",
     "untie",
 ]
 
@@ -549,8 +551,31 @@ def read_tensor_index(
         UnsafeCheckpointError: The metadata references a disallowed global.
         CorruptCheckpointError: The metadata is unreadable.
     """
-    target = _directory_str(directory)
-    metadata = _make_reader(target, storage_options).read_metadata()
+    return _tensor_index(read_metadata(directory, storage_options))
+
+
+def read_metadata(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Metadata:
+    """Read a checkpoint's DCP ``.metadata`` with the allow-list unpickler.
+
+    Args:
+        directory: A local path, ``file://`` URL or fsspec URL (the tensors directory).
+        storage_options: fsspec options for URLs.
+
+    Raises:
+        CheckpointNotFoundError: No metadata file.
+        UnsafeCheckpointError: The metadata references a disallowed global.
+        CorruptCheckpointError: The metadata is unreadable.
+    """
+    return _make_reader(_directory_str(directory), storage_options).read_metadata()
+
+
+def tensor_index_of(metadata: Metadata) -> dict[str, TensorInfo]:
+    """Return ``{fqn: TensorInfo}`` of the tensors ``metadata`` describes.
+
+    The index :func:`read_tensor_index` returns, for a caller that also needs the metadata.
+    """
     return _tensor_index(metadata)
 
 
