@@ -37,7 +37,7 @@ test-fast: $(STAMP)
 # ruff, mypy --strict, and the layer rules of docs/design.md as import-linter contracts
 # ([tool.importlinter] in pyproject.toml).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check resumekit
+	$(VENV)/bin/ruff check resumekit tests benchmarks examples
 	$(VENV)/bin/mypy resumekit
 	$(VENV)/bin/lint-imports
 

@@ -106,7 +106,7 @@ def run_ranks(
         try:
             while not context.join():
                 pass
-        except Exception as error:  # a rank died without writing its result
+        except Exception as error:  # noqa: BLE001 - a rank died without writing its result
             failure = error
         results: list[Any] = []
         errors: list[str] = []

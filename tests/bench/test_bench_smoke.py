@@ -7,6 +7,7 @@ the bench directory is cleaned up.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -141,8 +142,8 @@ def test_the_preemption_schedule_is_fixed_by_its_seed_and_holds_one_kill() -> No
     assert plan == goodput.schedule(600, sigterms=5, seed=16)
     assert [kind for _, kind in plan].count("sigkill") == 1 and len(plan) == 6
     steps = [step for step, _ in plan]
-    assert steps == sorted(steps) and all(b - a >= 20 for a, b in zip(steps, steps[1:]))
-    assert 0 < steps[0] and steps[-1] < 600
+    assert steps == sorted(steps) and all(b - a >= 20 for a, b in itertools.pairwise(steps))
+    assert steps[0] > 0 and steps[-1] < 600
 
 
 def test_the_json_and_png_are_written_and_the_bench_directory_is_left_empty(

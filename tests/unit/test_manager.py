@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import random
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -51,10 +50,11 @@ def test_a_fresh_root_restores_to_step_zero(tmp_path: Path) -> None:
     assert _manager(tmp_path, model, opt, sched, gen).restore() == 0
 
 
-def test_restore_brings_back_weights_optimizer_scheduler_step_rng_and_extras(tmp_path: Path) -> None:
+def test_restore_brings_back_weights_optimizer_scheduler_step_rng_and_extras(
+        tmp_path: Path) -> None:
     model, opt, sched, gen = _build()
     ckpt = _manager(tmp_path, model, opt, sched, gen, extras={"wandb_run_id": "abc"})
-    for step in range(1, 4):
+    for _ in range(1, 4):
         _train_step(model, opt, sched, gen)
     ckpt.save(3)
     ckpt.close()
@@ -140,7 +140,7 @@ def test_a_renamed_parameter_is_refused_before_anything_loads(tmp_path: Path) ->
     other.add_module("head", nn.Linear(8, 2))
     before = {k: v.clone() for k, v in other.state_dict().items()}
     opt2 = torch.optim.AdamW(other.parameters())
-    with pytest.raises(IncompatibleCheckpointError, match="head.weight"):
+    with pytest.raises(IncompatibleCheckpointError, match=r"head\.weight"):
         CheckpointManager(tmp_path, model=other, optimizer=opt2).restore()
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
 
@@ -156,14 +156,15 @@ def test_a_changed_shape_is_refused(tmp_path: Path) -> None:
 def test_a_changed_config_is_an_error_by_default_and_a_warning_on_request(tmp_path: Path) -> None:
     model, opt, sched, gen = _build()
     _manager(tmp_path, model, opt, sched, gen, config={"lr": 3e-5, "warmup": 200}).save(1)
-    with pytest.raises(IncompatibleCheckpointError, match="config.warmup"):
+    with pytest.raises(IncompatibleCheckpointError, match=r"config\.warmup"):
         _manager(tmp_path, *_build(), config={"lr": 3e-5, "warmup": 100}).restore()
     with pytest.warns(ResumekitWarning, match="config.warmup"):
         assert _manager(tmp_path, *_build(), config={"lr": 3e-5, "warmup": 100},
                         on_mismatch="warn").restore() == 1
 
 
-def test_restore_falls_back_to_the_previous_checkpoint_when_the_newest_is_corrupt(tmp_path: Path) -> None:
+def test_restore_falls_back_to_the_previous_checkpoint_when_the_newest_is_corrupt(
+        tmp_path: Path) -> None:
     model, opt, sched, gen = _build()
     ckpt = _manager(tmp_path, model, opt, sched, gen)
     ckpt.save(1)

@@ -192,7 +192,7 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         for name, text in regions:
             if name != info.relative_path:
                 continue
-            head, length, checksum = text.split(";")
+            _, length, checksum = text.split(";")
             start, length = leaders[text], int(length)
             if start <= info.offset and info.offset + info.length <= start + length:
                 holding.append(text)
@@ -789,7 +789,7 @@ def test_a_rank_reads_with_at_most_one_thread_per_usable_cpu_and_at_most_four() 
     import resumekit.raw_tensor_files as module
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert module.READ_THREADS == max(1, min(4, cpus or 1))
+    assert max(1, min(4, cpus or 1)) == module.READ_THREADS
 
 
 # --------------------------------------------------------------------------- full disk

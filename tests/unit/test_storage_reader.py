@@ -367,5 +367,6 @@ def test_an_explicit_raw_format_on_an_object_store_warns_and_records_dcp() -> No
 def test_the_default_format_picks_raw_on_local_disks_and_dcp_on_object_stores(
         tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
     assert resumekit.CheckpointManager(tmp_path).tensor_format == "raw"
-    assert resumekit.CheckpointManager(f"memory://default-{uuid.uuid4().hex}").tensor_format == "dcp"
+    memory_root = f"memory://default-{uuid.uuid4().hex}"
+    assert resumekit.CheckpointManager(memory_root).tensor_format == "dcp"
     assert not [w for w in recwarn if "tensor_format" in str(w.message)]
