@@ -700,8 +700,10 @@ class CheckpointManager:
             ("optimizer", self.state.optimizer is not None and not with_optimizer),
             ("RNG", True)) if missing]
 
-    def _fingerprint(self) -> dict[str, Any]:
-        return {"config": self.config, "params": self.state.fingerprint_params()}
+    def _fingerprint(self, params: dict[str, list[Any]] | None = None) -> dict[str, Any]:
+        """This run's fingerprint; ``params`` those of a capture just taken, if any."""
+        return {"config": self.config,
+                "params": self.state.fingerprint_params() if params is None else params}
 
     # -- saving -------------------------------------------------------------------------
     def step_end(self, step: int, *, micro_step: int = 0) -> bool:
@@ -816,7 +818,8 @@ class CheckpointManager:
             step=step, world_size=self.world_size, reason=reason,
             lineage=self._lineage(),
             extras=jsonable.plain_extras(self.extras), state=self.state.contents(),
-            fingerprint=self._fingerprint(), captured_at=captured_at,
+            fingerprint=self._fingerprint(self.state.captured_params),
+            captured_at=captured_at,
             tensor_format=self.tensor_format if tensors else None,
         )
         run_async = self.async_save if blocking is None else not blocking

@@ -18,12 +18,23 @@ import os
 import platform
 import socket
 import sys
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from resumekit._version import __version__
 from resumekit.errors import ManifestError, UnsafeCheckpointError, UnsupportedSchemaError
@@ -259,7 +270,7 @@ class Manifest(BaseModel):
     generation: WriterGeneration | None = None
     extras: dict[str, JsonValue] = Field(default_factory=dict)
     state: dict[str, JsonValue] = Field(default_factory=dict)
-    fingerprint: dict[str, JsonValue] = Field(default_factory=dict)
+    fingerprint: dict[str, Any] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
 
@@ -267,6 +278,20 @@ class Manifest(BaseModel):
     @classmethod
     def _data_dir_stays_inside(cls, value: str) -> str:
         return value if value == "." else safe_relative_path(value)
+
+    @field_validator("fingerprint")
+    @classmethod
+    def _fingerprint_is_json(cls, value: dict[str, Any], info: ValidationInfo
+                             ) -> dict[str, Any]:
+        """The same check as the other JSON fields, skipped for a document JSON just parsed.
+
+        A fingerprint lists every parameter tensor (tens of thousands in a large model);
+        what ``json.loads`` returned is JSON already, so only a manifest built in Python
+        (a save) is walked.
+        """
+        if not (isinstance(info.context, dict) and info.context.get(_FROM_JSON)):
+            _JSON_OBJECT.validate_python(value)
+        return value
 
     @property
     def total_bytes(self) -> int:
@@ -282,14 +307,34 @@ class Manifest(BaseModel):
         return relative if self.data_dir == "." else f"{self.data_dir}/{relative}"
 
 
+_FROM_JSON = "resumekit_from_json"
+_JSON_OBJECT: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
+_PARSED_KEPT = 4
+_parsed: OrderedDict[bytes, Manifest] = OrderedDict()
+_parsed_lock = threading.Lock()
+"""The last few manifests parsed, by XXH3-128 of their bytes: retention, ``begin`` and
+``latest()`` read the same newest manifests again and again (a save reads its own after
+committing it), and one holds a fingerprint entry per parameter tensor."""
+
+
 def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     """Parse and validate manifest bytes read from ``source`` (named in every error).
+
+    Bytes parsed before (one of the last few) are not parsed again: the result is a
+    copy of the same manifest (equal bytes, equal manifest; errors are never remembered).
 
     Raises:
         UnsupportedSchemaError: Written by a newer resumekit.
         UnsafeCheckpointError: A listed path escapes the checkpoint directory.
         ManifestError: Not JSON, or not a valid manifest.
     """
+    key = xxhash.xxh3_128_digest(raw)
+    with _parsed_lock:
+        known = _parsed.get(key)
+        if known is not None:
+            _parsed.move_to_end(key)
+    if known is not None:
+        return known.model_copy()
     try:
         document = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -318,13 +363,18 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
                     f"{source}: {error}", path=source, file=path
                 ) from None
     try:
-        return Manifest.model_validate(document)
+        manifest = Manifest.model_validate(document, context={_FROM_JSON: True})
     except ValidationError as error:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise ManifestError(
             f"{source}: invalid field {where!r}: {first['msg']}", path=source, key=where
         ) from None
+    with _parsed_lock:
+        _parsed[key] = manifest
+        while len(_parsed) > _PARSED_KEPT:
+            _parsed.popitem(last=False)
+    return manifest.model_copy()
 
 
 class Checksum:

@@ -33,7 +33,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from resumekit import rng as _rng
 from resumekit import sharded
@@ -121,6 +120,8 @@ class TrainState:
         step: Optimizer steps taken.
         micro_step: Position inside gradient accumulation (0 at a step boundary).
         tied: Model entries the last capture stored once: ``{alias: kept name}``.
+        captured_params: :meth:`fingerprint_params` of the model as the last
+            :meth:`tensor_state` captured it (taken from that capture, not a second one).
     """
 
     model: nn.Module | None = None
@@ -131,6 +132,7 @@ class TrainState:
     step: int = 0
     micro_step: int = 0
     tied: dict[str, str] = field(default_factory=dict)
+    captured_params: dict[str, list[Any]] = field(default_factory=dict)
 
     # -- capture ------------------------------------------------------------------------
     def tensor_state(self) -> dict[str, Any]:
@@ -142,8 +144,10 @@ class TrainState:
         """
         if self.model is None:
             self.tied = {}
+            self.captured_params = {}
             return {}
         state = sharded.model_and_optimizer_state(self.model, self.optimizer)
+        self.captured_params = _params_of(state["model"])
         self.tied = sharded.find_tied(state["model"])
         return sharded.untie(state, self.tied)
 
@@ -199,11 +203,7 @@ class TrainState:
         """
         if self.model is None:
             return {}
-        return {
-            name: [list(param.shape), str(param.dtype).removeprefix("torch.")]
-            for name, param in get_model_state_dict(self.model).items()
-            if isinstance(param, torch.Tensor)
-        }
+        return _params_of(sharded.model_state_dict(self.model))
 
     # -- apply --------------------------------------------------------------------------
     def apply_tensor_state(self, state: dict[str, Any],
@@ -288,6 +288,20 @@ class TrainState:
                 stacklevel=3,
             )
         self.data.load_state_dict(dict(source["data"]))
+
+
+def _params_of(model_state: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """``{name: [global shape, dtype name]}`` of the tensors of a model state dict."""
+    names: dict[torch.dtype, str] = {}
+    params: dict[str, list[Any]] = {}
+    for name, value in model_state.items():
+        if isinstance(value, torch.Tensor):
+            dtype = value.dtype
+            text = names.get(dtype)
+            if text is None:
+                text = names[dtype] = str(dtype).removeprefix("torch.")
+            params[name] = [list(value.shape), text]
+    return params
 
 
 def _keeps_global_position(data: Any) -> bool:
