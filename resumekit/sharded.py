@@ -256,7 +256,7 @@ def plain_state_dict(model: nn.Module) -> dict[str, Any] | None:
         return None
     if any(isinstance(value, DTensor) for value in state.values()):
         return None
-    return cast(dict[str, Any], state)
+    return state
 
 
 def _loads_in_place(model: nn.Module, state: Mapping[str, Any]) -> bool:

@@ -130,7 +130,7 @@ def test_a_state_that_is_not_the_models_own_tensors_is_applied_by_dcp(
     calls: list[int] = []
     monkeypatch.setattr(sharded, "set_state_dict", lambda *a, **k: calls.append(1))
     if case == "missing":
-        with pytest.raises(Exception, match="missing: model.count"):
+        with pytest.raises(Exception, match=r"missing: model\.count"):
             sharded.apply_model_and_optimizer_state(model, None, state)
         return
     sharded.apply_model_and_optimizer_state(model, None, state)
