@@ -96,8 +96,12 @@ def test_an_older_manifest_whose_fingerprint_has_wrapper_prefixes_still_restores
         return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")]
                 for name, p in self.model.state_dict().items()}
 
+    def old_fingerprint(self: CheckpointManager, params: Any = None) -> dict[str, Any]:
+        return {"config": self.config, "params": wrapper_names(self.state)}
+
     with monkeypatch.context() as patch:
         patch.setattr(state_module.TrainState, "fingerprint_params", wrapper_names)
+        patch.setattr(CheckpointManager, "_fingerprint", old_fingerprint)  # the save's too
         with CheckpointManager(tmp_path, model=compiled) as ckpt:
             ckpt.save(1)
     assert "_orig_mod.0.weight" in _newest(tmp_path).fingerprint["params"]
