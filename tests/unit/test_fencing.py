@@ -128,27 +128,34 @@ def test_a_zombie_that_began_before_the_claim_is_refused_at_the_commit_point(
     assert latest_committed(store).step == 300  # type: ignore[union-attr]
 
 
-def test_a_zombie_commit_inside_the_race_window_is_never_restored_and_never_suggests_replace(
-    tmp_path: Path, slurm: object,
-) -> None:
-    restart = slurm
-    store = Storage(tmp_path)
-    restart(0)  # type: ignore[operator]
-    _manager(tmp_path, 1.0).save(100)
+def _zombie_commit_inside_the_window(root: Path, restart: Any) -> CheckpointManager:
+    """Restart 0 saves 100; restart 1 claims the root (restoring 100) while restart 0,
+    already past its last fence check, renames step 300 in: the one race window.
+    Returns restart 1's manager."""
+    store = Storage(root)
+    restart(0)
+    _manager(root, 1.0).save(100)
     claimed: list[CheckpointManager] = []
 
     def requeue_inside_the_window(phase: str) -> None:
         if phase == "publish":  # after the last fence check, before the rename
-            restart(1)  # type: ignore[operator]
-            claimed.append(_manager(tmp_path, 0.0))
+            restart(1)
+            claimed.append(_manager(root, 0.0))
             assert claimed[0].restore() == 100
 
     zombie = CommitProtocol(store, on_phase=requeue_inside_the_window)
-    restart(0)  # type: ignore[operator]
+    restart(0)
     pending = zombie.begin(300)
     store.write_bytes(f"{pending.staging}/model.bin", b"zombie weights")
     zombie.publish(pending, Manifest(step=300))  # the one window: the rename goes through
-    requeued = claimed[0]
+    return claimed[0]
+
+
+def test_a_zombie_commit_inside_the_race_window_is_never_restored_and_never_suggests_replace(
+    tmp_path: Path, slurm: object,
+) -> None:
+    restart = slurm
+    requeued = _zombie_commit_inside_the_window(tmp_path, restart)
     with pytest.raises(StepCollisionError) as caught:
         requeued.save(300)
     assert "replace=True" not in str(caught.value)
@@ -411,23 +418,8 @@ def test_a_read_only_manager_restores_without_fencing_the_run_writing_there(
 def test_latest_and_inspect_name_the_checkpoint_restore_would_start_from_not_a_zombie_commit(
     tmp_path: Path, slurm: object,
 ) -> None:
-    restart = slurm
     store = Storage(tmp_path)
-    restart(0)  # type: ignore[operator]
-    _manager(tmp_path, 1.0).save(100)
-    claimed: list[CheckpointManager] = []
-
-    def requeue_inside_the_window(phase: str) -> None:
-        if phase == "publish":  # after the last fence check, before the rename
-            restart(1)  # type: ignore[operator]
-            claimed.append(_manager(tmp_path, 0.0))
-            assert claimed[0].restore() == 100
-
-    zombie = CommitProtocol(store, on_phase=requeue_inside_the_window)
-    restart(0)  # type: ignore[operator]
-    pending = zombie.begin(300)
-    store.write_bytes(f"{pending.staging}/model.bin", b"zombie weights")
-    zombie.publish(pending, Manifest(step=300))  # committed on disk by a fenced writer
+    claimed = [_zombie_commit_inside_the_window(tmp_path, slurm)]
     assert latest_committed(store).step == 300  # type: ignore[union-attr]
 
     with pytest.warns(ResumekitWarning, match=r"passing over .*step_000000300.*fenced"):
