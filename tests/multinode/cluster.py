@@ -46,6 +46,7 @@ from tests.slurm.cluster import (
     _node_hardware,
     _tail,
     find_binary,
+    parse_scontrol_record,
 )
 
 __all__ = ["NamespaceCluster"]
@@ -281,9 +282,56 @@ class NamespaceCluster(SlurmCluster):
         return self.network.kill_host(host)
 
     def revive_host(self, host: str, timeout: float = 90.0) -> None:
-        """Start ``host``'s slurmd again (after ``kill_host``) and wait until it is idle."""
+        """Start ``host``'s slurmd again (after ``kill_host``); return once it is idle and
+        the controller has nothing left to deliver (:meth:`wait_agents_idle`).
+
+        When a node fails, slurmctld sends ``REQUEST_TERMINATE_JOB`` for its job to it
+        anyway, from an agent thread that keeps reconnecting for up to ``MessageTimeout``.
+        If the revived slurmd gets that message only after the requeued job (same job id)
+        was started again, its reply counts as the *new* run's epilog on the node: the node
+        turns ``idle`` while still allocated to the job, leaves the job's usable nodes, and
+        the new run's ``srun`` waits for it forever ("Requested nodes are busy", retried
+        every ~2 min). Waiting here until no agent is left makes the old run's terminate
+        land while the job is still pending, where it is harmless.
+        """
         self.start_slurmd(host)
         self.wait_for_nodes("idle", [host], timeout)
+        self.wait_agents_idle(timeout)
+
+    def agents(self) -> dict[str, int]:
+        """slurmctld's RPC agents (``sdiag``): ``queue`` (waiting or to retry), ``count``."""
+        out = self._run(["sdiag"], check=False).stdout
+        found: dict[str, int] = {}
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in {"Agent queue size", "Agent count"} and value.strip().isdigit():
+                found["queue" if "queue" in key else "count"] = int(value)
+        return found
+
+    def wait_agents_idle(self, timeout: float = 90.0) -> None:
+        """Wait until slurmctld has no RPC agent running or queued (``sdiag``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            agents = self.agents()
+            if agents.get("queue") == 0 and agents.get("count") == 0:
+                return
+            if time.monotonic() > deadline:
+                raise SlurmTimeoutError(
+                    f"slurmctld still has RPC agents {agents} {timeout:.0f} s on "
+                    f"(sdiag); slurmctld: {self.daemon_log_tail('slurmctld', 5)}"
+                )
+            time.sleep(_POLL_S)
+
+    def allocated_cpus(self) -> dict[str, int]:
+        """``{host: CPUAlloc}`` as slurmctld reports it (``scontrol show node``)."""
+        out = self._run(["scontrol", "show", "node", "-o"], check=False).stdout
+        cpus: dict[str, int] = {}
+        for line in out.splitlines():
+            record = parse_scontrol_record(line)
+            if record.get("NodeName") and record.get("CPUAlloc", "").isdigit():
+                cpus[record["NodeName"]] = int(record["CPUAlloc"])
+        return cpus
 
     def set_node(self, host: str, state: str, reason: str = "test") -> None:
         """``scontrol update NodeName=host State=state`` (``DRAIN``, ``RESUME`` ...)."""
@@ -369,7 +417,11 @@ class NamespaceCluster(SlurmCluster):
             left, steps = self.job_processes(job_id), self.job_steps(job_id)
             busy = [h for h, st in self.node_states().items()
                     if st.startswith(("alloc", "mix", "comp"))]
-            if not left and not steps and not busy:
+            # A node that says idle while it still holds CPUs is the half-released state
+            # described in revive_host; so is an agent still carrying the old run's RPCs.
+            busy += [h for h, n in self.allocated_cpus().items() if n and h not in busy]
+            agents = self.agents()
+            if not left and not steps and not busy and agents == {"queue": 0, "count": 0}:
                 return
             # A step record of the lost run that the revived host never reports complete
             # keeps its CPUs "busy" for the next run's srun: cancel it (once per step).
@@ -379,6 +431,7 @@ class NamespaceCluster(SlurmCluster):
             if time.monotonic() > deadline:
                 raise SlurmTimeoutError(
                     f"job {job_id}: processes {left}, steps {steps} still there, hosts "
-                    f"{self.node_states()}, {timeout:.0f} s after it was requeued"
+                    f"{self.node_states()}, CPUs allocated {self.allocated_cpus()}, "
+                    f"slurmctld agents {self.agents()}, {timeout:.0f} s after it was requeued"
                 )
             time.sleep(_POLL_S)

@@ -143,13 +143,6 @@ def _staging_with_data(checkpoints: Path) -> Path | None:
     return None
 
 
-@pytest.mark.xfail(
-    run=False, strict=True,
-    reason="unfinished (issue 15, drill 2): passed alone once, but after the second host kill "
-           "the next run's srun sometimes waits forever with 'Requested nodes are busy' (cause "
-           "not found; suspect host2's slurmd revived within the second of the NODE_FAIL "
-           "requeue) - not run in make test until that is fixed, so CI cannot hang on it",
-)
 def test_a_host_that_dies_mid_step_or_mid_save_or_is_cut_off_costs_only_uncommitted_steps(
     cluster: NamespaceCluster, reference: Path, tmp_path: Path
 ) -> None:
