@@ -298,6 +298,22 @@ class NamespaceCluster(SlurmCluster):
         self.wait_for_nodes("idle", [host], timeout)
         self.wait_agents_idle(timeout)
 
+    def heal_host(self, host: str, timeout: float = 90.0) -> None:
+        """Bring ``host``'s link up (after a partition); return once slurmctld hears from it
+        again (``idle``, no ``*``: a node still flagged not-responding makes the next run's
+        first ``srun`` wait ~2 min, "Requested nodes are busy") and no agent is left."""
+        assert self.network is not None
+        self.network.set_link(host, up=True)
+        deadline = time.monotonic() + timeout
+        while (state := self.node_states().get(host, "")) != "idle":
+            if time.monotonic() > deadline:
+                raise SlurmTimeoutError(
+                    f"{host} is {state!r}, not idle and responding, {timeout:.0f} s after its "
+                    f"link came back; slurmctld: {self.daemon_log_tail('slurmctld', 5)}"
+                )
+            time.sleep(_POLL_S)
+        self.wait_agents_idle(max(deadline - time.monotonic(), 1.0))
+
     def agents(self) -> dict[str, int]:
         """slurmctld's RPC agents (``sdiag``): ``queue`` (waiting or to retry), ``count``."""
         out = self._run(["sdiag"], check=False).stdout
@@ -415,8 +431,9 @@ class NamespaceCluster(SlurmCluster):
         cancelled: set[str] = set()
         while True:
             left, steps = self.job_processes(job_id), self.job_steps(job_id)
+            # "*": not responding; the first srun of a run waits for such a node.
             busy = [h for h, st in self.node_states().items()
-                    if st.startswith(("alloc", "mix", "comp"))]
+                    if st.startswith(("alloc", "mix", "comp")) or st.endswith("*")]
             # A node that says idle while it still holds CPUs is the half-released state
             # described in revive_host; so is an agent still carrying the old run's RPCs.
             busy += [h for h, n in self.allocated_cpus().items() if n and h not in busy]

@@ -9,8 +9,10 @@ compared with an uninterrupted single-host 2-rank run of the same command (``ref
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 
@@ -48,6 +50,9 @@ from tests.slurm.job_processes import find_worker, frozen
 #: What a host1 rank prints when its peer on host2 is gone (gloo names the peer's address).
 LOST_PEER = r"\[rank0\]: ([\w.]+(?:Error|Exception)): (.*)"
 _ADDRESS = r"\[(\d+\.\d+\.\d+\.\d+)\]"
+#: Drill 2's checkpoint-coordination timeout: below ``SlurmdTimeout`` (20 s), above the
+#: training timeout, so that a partition during a save is the checkpoint group's to see.
+DRILL2_CKPT_TIMEOUT_S = 15
 pytestmark = [pytest.mark.multinode, pytest.mark.timeout(900)]
 
 
@@ -143,24 +148,71 @@ def _staging_with_data(checkpoints: Path) -> Path | None:
     return None
 
 
+@contextlib.contextmanager
+def _in_a_save(cluster: NamespaceCluster, job_id: int, checkpoints: Path) -> Iterator[int]:
+    """Catch the job's next save with shards written but not published; yield its step.
+
+    Rank 0 publishes, so it is frozen (SIGSTOP) for the block: the staging directory cannot
+    be committed while the block injects its fault, and rank 0 runs on into the rest of
+    the save (its checkpoint-group collectives) once the block ends.
+    """
+    rank0 = find_worker(cluster, job_id, rank=0, module=TRAINER, timeout=WAIT_S)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        assert time.monotonic() < deadline, f"no save of job {job_id} caught in the act"
+        staging = _staging_with_data(checkpoints)
+        if staging is None:
+            time.sleep(0.005)
+            continue
+        with frozen(rank0):
+            if not staging.exists():
+                continue
+            yield int(staging.name.split("_step_")[1].split(".tmp-")[0])
+        return
+
+
+def _whole_or_not_at_all(root: Path, step: int) -> bool:
+    """Step ``step``'s save, cut short by a fault: either committed whole (the manifest lists
+    both ranks' shards) or not at all (no entry, no published directory). Returns which."""
+    published = (root / CHECKPOINT_DIR / CHECKPOINT_NAME_FORMAT.format(step=step)).exists()
+    entries = [e for e in _entries(root) if e.step == step]
+    if not published:
+        assert entries == [], entries  # nothing partial is listed either
+        return False
+    assert [e.status for e in entries] == ["committed"], entries
+    manifest = entries[0].manifest
+    assert manifest is not None
+    files = {f.path for f in manifest.files}
+    assert {"rank_state/rank_00000.pt", "rank_state/rank_00001.pt"} <= files, files
+    return True
+
+
 def test_a_host_that_dies_mid_step_or_mid_save_or_is_cut_off_costs_only_uncommitted_steps(
     cluster: NamespaceCluster, reference: Path, tmp_path: Path
 ) -> None:
     root, output = tmp_path / "run", tmp_path / "job.out"
     checkpoints = root / CHECKPOINT_DIR
-    job_id = submit(cluster, root, output)
+    began_all = time.monotonic()
+    # The checkpoint timeout is set below SlurmdTimeout, so that a partition during a save
+    # is seen by the ranks (the checkpoint group's timeout) before SLURM marks host2 DOWN.
+    job_id = submit(cluster, root, output, env={"CKPT_TIMEOUT_S": str(DRILL2_CKPT_TIMEOUT_S)})
     figures: dict[str, dict[str, object]] = {}
-    host2 = cluster.network.addresses["host2"] if cluster.network else ""
+    assert cluster.network is not None
+    network = cluster.network
+    host2 = network.addresses["host2"]
 
     def lost(kind: str, restarts: int, offset: int, began: float, reached: int,
              **extra: object) -> str:
         match, detect_s = wait_for_output(cluster, output, LOST_PEER, after=offset)
         error = f"{match.group(1)}: {match.group(2)}"
-        state = wait_requeued_or_requeue(cluster, job_id, restarts)
         figures[kind] = {"detect_s": round(detect_s, 2), "reached": reached,
-                         "requeued_after_s": round(time.monotonic() - began, 1),
-                         "requeued_by": state, "error": error[:240], **extra}
+                         "error": error[:200], **extra}
         return error
+
+    def requeued(kind: str, restarts: int, began: float) -> None:
+        state = wait_requeued_or_requeue(cluster, job_id, restarts)
+        figures[kind].update(requeued_after_s=round(time.monotonic() - began, 1),
+                             requeued_by=state)
 
     # --- run 0: every process of host2 SIGKILLed in the middle of a training step --------
     wait_for_run_step(cluster, job_id, root, output, restarts=0, step=5)
@@ -168,62 +220,79 @@ def test_a_host_that_dies_mid_step_or_mid_save_or_is_cut_off_costs_only_uncommit
     killed = cluster.kill_host("host2")
     error = lost("dead host mid-step", 0, offset, began, reached, killed=len(killed))
     assert re.search(_ADDRESS, error) and host2 in error, error  # names the lost peer
+    requeued("dead host mid-step", 0, began)
     cluster.revive_host("host2")
     cluster.wait_job_gone(job_id)
     cluster.release(job_id)
 
     # --- run 1: host2 killed while a checkpoint is being written -----------------------------
     cluster.wait_for_output(job_id, r"lingbot\.train: resumed at step", WAIT_S, min_count=1)
-    rank0 = find_worker(cluster, job_id, rank=0, module=TRAINER, timeout=WAIT_S)
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        assert time.monotonic() < deadline, "no save caught in the act"
-        staging = _staging_with_data(checkpoints)
-        if staging is None:
-            time.sleep(0.005)
-            continue
-        with frozen(rank0):  # rank 0 publishes: frozen, the staging dir cannot be published
-            if not staging.exists():
-                continue
-            save_step = int(staging.name.split("_step_")[1].split(".tmp-")[0])
-            offset, reached = len(output.read_text()), newest_step(root)
-            killed = cluster.kill_host("host2")
-            began = time.monotonic()
-        break
+    with _in_a_save(cluster, job_id, checkpoints) as save_step:
+        offset, reached = len(output.read_text()), newest_step(root)
+        killed = cluster.kill_host("host2")
+        began = time.monotonic()
     error = lost("dead host mid-save", 1, offset, began, reached, killed=len(killed),
                  save_step=save_step)
     assert host2 in error or "rank 1" in error or "host2" in error, error
-    assert not (checkpoints / CHECKPOINT_NAME_FORMAT.format(step=save_step)).exists()
-    assert save_step not in [e.step for e in _entries(root)]  # nothing partial committed
+    requeued("dead host mid-save", 1, began)
+    figures["dead host mid-save"]["committed"] = _whole_or_not_at_all(root, save_step)
     cluster.revive_host("host2")
     cluster.wait_job_gone(job_id)
     cluster.release(job_id)
 
     # --- run 2: host2 cut off (veth down: no RST, no FIN) in the middle of a step -----------
     wait_for_run_step(cluster, job_id, root, output, restarts=2, step=9)
-    assert cluster.network is not None
     offset, reached, began = len(output.read_text()), newest_step(root), time.monotonic()
-    with cluster.network.partitioned("host2"):
-        match, partition_s = wait_for_output(cluster, output, LOST_PEER, after=offset)
-    error = f"{match.group(1)}: {match.group(2)}"
-    state = wait_requeued_or_requeue(cluster, job_id, 2)
-    figures["partition mid-step"] = {"detect_s": round(partition_s, 2), "reached": reached,
-                                     "requeued_by": state, "error": error[:240]}
+    with network.partitioned("host2"):
+        lost("partition mid-step", 2, offset, began, reached)
+    requeued("partition mid-step", 2, began)
+    cluster.heal_host("host2")
+    cluster.wait_job_gone(job_id)
+    cluster.release(job_id)
+
+    # --- run 3: host2 cut off while a checkpoint is being written ----------------------------
+    cluster.wait_for_output(job_id, r"lingbot\.train: resumed at step", WAIT_S, min_count=3)
+    with _in_a_save(cluster, job_id, checkpoints) as save_step:
+        offset, reached = len(output.read_text()), newest_step(root)
+        network.set_link("host2", up=False)
+        began = time.monotonic()
+    try:
+        error = lost("partition mid-save", 3, offset, began, reached, save_step=save_step)
+    finally:
+        network.set_link("host2", up=True)
+    # A timeout fired in host1's rank (the checkpoint group's, unless the save had all it
+    # needed from rank 1 already and the next training step's timed out), before SLURM's.
+    assert re.search("timed out|timeout", error, re.IGNORECASE), error
+    requeued("partition mid-save", 3, began)
+    figures["partition mid-save"]["committed"] = _whole_or_not_at_all(root, save_step)
+    cluster.heal_host("host2")
     cluster.wait_job_gone(job_id)
     cluster.release(job_id)
 
     done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
     assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
     runs = runs_of(output.read_text())
-    assert [r.restart for r in runs] == [0, 1, 2, 3]
+    assert [r.restart for r in runs] == [0, 1, 2, 3, 4]
     _assert_resumes_from_newest_commit(runs)
-    lost_steps = [figures[k]["reached"] - later.resumed_from  # type: ignore[operator]
-                  for k, later in zip(figures, runs[1:], strict=True)]
+    lost_steps = {}
+    for kind, later in zip(figures, runs[1:], strict=True):
+        assert later.resumed_from is not None
+        lost_steps[kind] = figures[kind]["reached"] - later.resumed_from  # type: ignore[operator]
+        figures[kind]["resumed_from"] = later.resumed_from
     assert all(e.status == "committed" for e in _entries(root))
     _assert_bit_identical(reference, root)
-    print(f"\n[drill 2] node loss: job {job_id}; steps lost {lost_steps}; "
-          f"resumed from {[r.resumed_from for r in runs]}; figures {figures}; "
-          "bit-identical: yes")
+    print(f"\n[drill 2] node loss: job {job_id}, {time.monotonic() - began_all:.1f} s; "
+          f"training timeout {TRAIN_TIMEOUT_S} s, checkpoint timeout {DRILL2_CKPT_TIMEOUT_S} s, "
+          f"SlurmdTimeout {cluster.slurmd_timeout_s} s")
+    for kind, figure in figures.items():
+        print(f"[drill 2] {kind}: detected after {figure['detect_s']} s by host1's rank "
+              f"({figure['error'][:160]}); steps lost {lost_steps[kind]} (reached "  # type: ignore[index]
+              f"{figure['reached']}, resumed from {figure['resumed_from']}); requeued after "
+              f"{figure['requeued_after_s']} s by {figure['requeued_by']}"
+              + (f"; the save of step {figure['save_step']} was "
+                 + ("committed whole" if figure["committed"] else "never committed")
+                 if "save_step" in figure else ""))
+    print(f"[drill 2] resumed from {[r.resumed_from for r in runs]}; bit-identical: yes")
 
 
 def wait_requeued_or_requeue(cluster: NamespaceCluster, job_id: int, restarts: int) -> str:
