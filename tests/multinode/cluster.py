@@ -396,6 +396,23 @@ class NamespaceCluster(SlurmCluster):
         """``scontrol update JobId=job_id <settings>`` (e.g. ``NumNodes=1`` while pending)."""
         self._run(["scontrol", "update", f"JobId={job_id}", *settings])
 
+    def resize_pending(self, job_id: int, nodes: int) -> None:
+        """Make the pending (requeued) job need ``nodes`` nodes, one task each, all CPUs.
+
+        A job that ran keeps the node count it was given, and its total CPU count: updating
+        ``NumNodes`` alone leaves ``NumCPUs`` at the old allocation's, which fewer nodes
+        cannot hold, and the job stays pending for good (``Reason=BadConstraints``). So the
+        tasks, the node range (``N-N``: a bare ``N`` keeps the old maximum and a growing
+        count is refused) and the CPUs are set, in an order each step of which is valid.
+        """
+        settings = [f"NumNodes={nodes}-{nodes}", f"NumTasks={nodes}",
+                    f"NumCPUs={nodes * self.cpus}"]
+        current = int(self.job_state(job_id).get("NumTasks", "0") or 0)
+        if nodes < current:  # shrinking: fewer tasks first, then fewer nodes
+            settings = [settings[1], settings[0], settings[2]]
+        for setting in settings:
+            self.update_job(job_id, setting)
+
     def requeue(self, job_id: int) -> None:
         """``scontrol requeue`` a running or finished batch job (keeps its id)."""
         self._run(["scontrol", "requeue", str(job_id)])

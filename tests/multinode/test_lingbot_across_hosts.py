@@ -310,23 +310,19 @@ def wait_requeued_or_requeue(cluster: NamespaceCluster, job_id: int, restarts: i
     return f"scontrol requeue after {state['JobState']}"
 
 
-@pytest.mark.xfail(
-    run=False, strict=True,
-    reason="unfinished (issue 15, drill 3): after `scontrol update JobId=N NumNodes=1 "
-           "NumTasks=1` on the pending requeued job it never restarts, and `--nodes=1-2` got "
-           "1 node on the first run; the shrink needs another way to hand the job one node",
-)
 def test_a_job_requeued_onto_one_host_reshards_and_grows_back_onto_two(
     cluster: NamespaceCluster, reference: Path, tmp_path: Path
 ) -> None:
     root, output = tmp_path / "run", tmp_path / "job.out"
+    began = time.monotonic()
     job_id = submit(cluster, root, output)
-    # The requeued job is given one node instead of two (as after a node loss with
-    # --nodes=1-2), then two again: NumNodes of the pending job is updated before release.
+    # The requeued job is given one node instead of two (as after a node loss, or a smaller
+    # allocation on a busy cluster), then two again: the pending job is resized before its
+    # release (cluster.resize_pending: tasks, node range and total CPUs together).
     preempt_at(cluster, job_id, root, output, restarts=0, step=3,
-               before_release=lambda: cluster.update_job(job_id, "NumNodes=1", "NumTasks=1"))
+               before_release=lambda: cluster.resize_pending(job_id, nodes=1))
     preempt_at(cluster, job_id, root, output, restarts=1, step=7,
-               before_release=lambda: cluster.update_job(job_id, "NumNodes=2", "NumTasks=2"))
+               before_release=lambda: cluster.resize_pending(job_id, nodes=2))
     done = cluster.wait_for_state(job_id, "COMPLETED", "FAILED", "CANCELLED", timeout=WAIT_S)
     assert done["JobState"] == "COMPLETED", cluster.describe(job_id)
     text = output.read_text()
@@ -357,7 +353,8 @@ def test_a_job_requeued_onto_one_host_reshards_and_grows_back_onto_two(
     # is a correct continuation, not a replay (docs/concepts.md, resharding policy).
     comparison = compare_runs(reference, root, steps=range(1, first + 1))
     assert comparison.first_metric_difference is None, comparison
-    print(f"\n[drill 3] world 2 -> 1 -> 2: job {job_id}, resumed at {first} on host1 alone and "
+    print(f"\n[drill 3] world 2 -> 1 -> 2: job {job_id}, {time.monotonic() - began:.1f} s, "
+          f"resumed at {first} on host1 alone and "
           f"at {second} on host[1-2]; world sizes {sizes}; final loss "
           f"{comparison.final_loss:.6f}, largest final weight difference from the reference "
           f"{comparison.max_weight_difference:.3g}")
