@@ -1,7 +1,8 @@
 """What the multi-node drills share: the job's settings, submitting it, reading its runs.
 
-Every drill submits ``examples/lingbot/train_lingbot.sbatch`` once (``--nodes=2`` or
-``--nodes=1-2``, one torchrun per node, ``NPROC=1`` rank per node: world size 2, the same
+Every drill submits ``examples/lingbot/train_lingbot.sbatch`` once (``--nodes=2``; drill 3
+resizes the pending requeued job to 1 node and back, ``NamespaceCluster.resize_pending``), one
+torchrun per node, ``NPROC=1`` rank per node: world size 2, the same
 global batch as the 2-rank single-host reference), interrupts it, and compares the
 finished run with the reference.
 """
