@@ -47,11 +47,13 @@ import json
 import logging
 import math
 import os
+import random
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -414,6 +416,12 @@ def _build_model(config: LingBotConfig, context: DistributedContext) -> LingBotV
         logger.warning("config %s asks for bf16 mixed precision, which needs CUDA: this run "
                        "on %s trains in fp32", config.name, context.device)
     torch.manual_seed(config.train.seed)
+    # Python's and NumPy's global streams are checkpointed per rank like torch's, and the
+    # streams resumekit derives for a rank a grown world adds hash all of rank 0's: seeded
+    # here, they are the same on every rerun instead of drawn from OS entropy (unseeded, a
+    # run regrown 1 -> 2 ranks continued differently on each rerun).
+    random.seed(config.train.seed + context.rank)
+    np.random.seed((config.train.seed + context.rank) % 2**32)
     if context.device.type == "cuda":
         # Real sizes: never materialise the full model on any rank; initialise the shards.
         with torch.device("meta"):
