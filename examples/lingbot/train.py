@@ -410,18 +410,24 @@ def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def _seed_python_and_numpy(seed: int, rank: int) -> None:
+    """Seed Python's and NumPy's global streams per rank (a restore then overwrites them).
+
+    They are checkpointed per rank like torch's, and the streams resumekit derives for a
+    rank that a grown world adds hash all of rank 0's: seeded, they are the same on every
+    rerun instead of drawn from OS entropy (unseeded, a run regrown from 1 to 2 ranks
+    continued differently on each rerun).
+    """
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+
+
 def _build_model(config: LingBotConfig, context: DistributedContext) -> LingBotVA:
     mixed = config.train.mixed_precision and context.device.type == "cuda"
     if config.train.mixed_precision and not mixed:
         logger.warning("config %s asks for bf16 mixed precision, which needs CUDA: this run "
                        "on %s trains in fp32", config.name, context.device)
     torch.manual_seed(config.train.seed)
-    # Python's and NumPy's global streams are checkpointed per rank like torch's, and the
-    # streams resumekit derives for a rank a grown world adds hash all of rank 0's: seeded
-    # here, they are the same on every rerun instead of drawn from OS entropy (unseeded, a
-    # run regrown 1 -> 2 ranks continued differently on each rerun).
-    random.seed(config.train.seed + context.rank)
-    np.random.seed((config.train.seed + context.rank) % 2**32)
     if context.device.type == "cuda":
         # Real sizes: never materialise the full model on any rank; initialise the shards.
         with torch.device("meta"):
@@ -561,6 +567,7 @@ def train(args: argparse.Namespace) -> int:
     tcfg, leader = config.train, context.is_leader
     if leader:
         args.save_root.mkdir(parents=True, exist_ok=True)
+    _seed_python_and_numpy(config.train.seed, context.rank)
     model = _build_model(config, context)
     optimizer = build_optimizer(model, config.optim)
     scheduler = build_scheduler(optimizer, config.optim)

@@ -122,3 +122,22 @@ def test_a_mixed_precision_config_on_cpu_says_it_trains_in_fp32(
         model = _build_model(config, context)  # type: ignore[arg-type]
     assert next(model.parameters()).dtype == torch.float32
     assert "needs CUDA: this run on cpu trains in fp32" in caplog.text
+
+
+def test_the_trainer_seeds_python_and_numpy_per_rank_so_derived_rng_streams_repeat() -> None:
+    # resumekit derives a new rank's streams from a hash of all of rank 0's saved streams:
+    # Python's and NumPy's must not come from OS entropy, or a regrown run differs per rerun.
+    import random
+
+    import numpy as np
+
+    from examples.lingbot.train import _seed_python_and_numpy
+
+    states = []
+    for rank in (0, 0, 1):
+        random.seed()  # OS entropy, as in an unseeded process
+        np.random.seed()
+        _seed_python_and_numpy(1234, rank)
+        states.append((random.getstate(), np.random.get_state()[1].tobytes()))
+    assert states[0] == states[1]  # same seed and rank: the same streams on every rerun
+    assert states[0][0] != states[2][0] and states[0][1] != states[2][1]  # per rank
