@@ -487,7 +487,10 @@ class CheckpointManager:
         if failures:
             raise ResumekitError(
                 f"no checkpoint under {self.storage.path()} could be restored: "
-                + "; ".join(failures), path=self.storage.path(),
+                + "; ".join(failures) + ". Tensors are read into the model and optimizer "
+                "in place, so they may now hold part of a checkpoint: build them again "
+                "before using them (a fresh start from them would not be one)",
+                path=self.storage.path(),
             )
         return None
 

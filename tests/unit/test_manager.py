@@ -180,6 +180,22 @@ def test_restore_falls_back_to_the_previous_checkpoint_when_the_newest_is_corrup
         assert _manager(tmp_path, *_build()).restore() == 1
 
 
+def test_when_every_checkpoint_fails_to_load_restore_raises_and_says_the_model_is_partly_loaded(
+        tmp_path: Path) -> None:
+    model, opt, sched, gen = _build()
+    ckpt = _manager(tmp_path, model, opt, sched, gen)
+    ckpt.save(1)
+    for victim in (tmp_path / "step_000000001" / "tensors").glob("*.distcp"):
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    with pytest.warns(ResumekitWarning), pytest.raises(resumekit.ResumekitError) as caught:
+        _manager(tmp_path, *_build()).restore()
+    assert "no checkpoint under" in str(caught.value) and "step 1" in str(caught.value)
+    assert "may now hold part of a checkpoint" in str(caught.value)
+    assert "build them again" in str(caught.value)
+
+
 def test_the_manifest_records_reason_lineage_and_contents(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "111882")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
