@@ -676,12 +676,13 @@ class CheckpointManager:
         imported = manifest.reason == SaveReason.IMPORTED
         with_optimizer = not imported or manifest.state.get("optimizer") is not False
         tied = _tied_of(manifest)
-        tensors = self.state.load_target(tied, optimizer=with_optimizer)
+        source = self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
+        options = self.storage.storage_options or None
+        tensors = self.state.load_target(tied, optimizer=with_optimizer,
+                                         source=source, storage_options=options)
         if tensors:
-            sharded.load(tensors, self.storage.url_of(
-                             f"{name}/{manifest.data_path(TENSORS_DIR)}"),
-                         process_group=self._main.group, verify=self.verify_on_restore,
-                         storage_options=self.storage.storage_options or None)
+            sharded.load(tensors, source, process_group=self._main.group,
+                         verify=self.verify_on_restore, storage_options=options)
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

@@ -339,6 +339,92 @@ def apply_model_and_optimizer_state(
     )
 
 
+def preallocate_optimizer_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    directory: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+) -> bool:
+    """Give an optimizer that never stepped the state a checkpoint holds, as zeros.
+
+    DCP needs destination tensors for the optimizer state it loads; for an optimizer
+    without state its ``get_state_dict`` makes them by running a whole optimizer step at
+    learning rate 0 on zero gradients. In a relaunched process that step is the first
+    dispatch of every optimizer op on every parameter (for FSDP2's ``DTensor``s: sharding
+    propagation of each), the larger part of a small model's restore. The checkpoint's
+    metadata already says what each parameter's state is: here each stored tensor of a
+    parameter's shape becomes a zero tensor like the parameter (same placement, the
+    stored dtype), each stored scalar a zero scalar, and nothing else runs. The load
+    then overwrites every value, and the first training step does the ops once.
+
+    Only a layout this covers completely is preallocated: every parameter of the
+    optimizer that requires a gradient has stored state, under its canonical name (see
+    :func:`canonical_param_name`), and every stored entry is a tensor of that
+    parameter's shape or a scalar. Anything else (an optimizer keeping state of another
+    shape, a checkpoint without optimizer state, names that do not match) leaves the
+    optimizer untouched, and DCP's own initialisation runs as before: the same result,
+    at the cost of that step.
+
+    Args:
+        model: The module the optimizer updates.
+        optimizer: The optimizer; one that already has state is left as it is.
+        directory: The checkpoint's ``tensors/`` directory (local path or fsspec URL).
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        Whether the state was preallocated.
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` holds no DCP metadata.
+        UnsafeCheckpointError: The metadata would execute code.
+    """
+    if optimizer.state:
+        return False
+    reader = _make_reader(_directory_str(directory), storage_options)
+    metadata = reader.read_metadata()
+    reader.hand_over_metadata()  # the load that follows need not unpickle it again
+    stored: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if len(path) != 4 or tuple(path[:2]) != ("optimizer", "state"):
+            continue
+        entry = metadata.state_dict_metadata.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            return False  # a non-tensor value: DCP's initialisation makes its placeholder
+        stored.setdefault(str(path[2]), {})[str(path[3])] = entry
+    names = {id(param): canonical_param_name(name)
+             for name, param in model.named_parameters(remove_duplicate=False)}
+    plan: list[tuple[torch.Tensor, dict[str, TensorStorageMetadata]]] = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            entries = stored.get(names.get(id(param), ""))
+            if not entries or not all(
+                    tuple(entry.size) in ((), tuple(param.shape)) for entry in entries.values()):
+                return False
+            plan.append((param, entries))
+    if not plan:
+        return False
+    for param, entries in plan:
+        optimizer.state[param] = {
+            name: (torch.zeros((), dtype=entry.properties.dtype) if tuple(entry.size) == ()
+                   else _zeros_like(param, entry.properties.dtype))
+            for name, entry in entries.items()}
+    return True
+
+
+def _zeros_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros shaped and placed like ``param``; a ``DTensor`` without a dispatch."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            local = torch.zeros_like(param.to_local(), dtype=dtype)
+            return DTensor.from_local(local, param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape,
+                                      stride=param.stride())
+        return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+
 def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
     """Name the tensors of a model state dict that are another tensor of it (tied weights).
 

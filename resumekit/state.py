@@ -151,17 +151,26 @@ class TrainState:
         self.tied = sharded.find_tied(state["model"])
         return sharded.untie(state, self.tied)
 
-    def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True
-                    ) -> dict[str, Any]:
+    def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True,
+                    source: str | None = None,
+                    storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Return the destination tensors for loading a checkpoint that stored ``tied`` once.
 
         Args:
             tied: The checkpoint's ``{alias: kept name}`` (its manifest's ``state.tied``).
             optimizer: Include the optimizer (False for a checkpoint that holds none, or
                 for weights only).
+            source: The checkpoint's ``tensors/`` directory: an optimizer that never
+                stepped gets its state shaped from the checkpoint's metadata
+                (:func:`resumekit.sharded.preallocate_optimizer_state`) instead of by
+                DCP's zero-learning-rate step.
+            storage_options: fsspec options for ``source``.
         """
         if self.model is None:
             return {}
+        if optimizer and source is not None and self.optimizer is not None:
+            sharded.preallocate_optimizer_state(self.model, self.optimizer, source,
+                                                storage_options=storage_options)
         state = sharded.model_and_optimizer_state(
             self.model, self.optimizer if optimizer else None)
         return sharded.untie(state, tied)
