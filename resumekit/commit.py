@@ -18,7 +18,9 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          referenced file no rank reported, and for a reported file that is not in the
          store (looked up by name when a listing misses it) or has another size
       4. every rank hashes and fsyncs its share of the files nobody reported (found by
-         listing); rank 0 writes manifest.json (durable), fsyncs the staging directory
+         listing; a second all-gather shares those entries, skipped by every rank alike
+         when rank 0 found none); rank 0 writes manifest.json (durable), fsyncs the
+         staging directory
       5. POSIX : rename staging -> step_000001000, fsync the root (the commit point);
                  replacing an existing step swaps the two atomically (RENAME_EXCHANGE)
          object: create step_000001000/manifest.json last, only if absent (the commit
@@ -408,12 +410,16 @@ class CommitProtocol:
         self._phase("hash")
         known, unknown = run_on_leader(
             self.coordinator, lambda: self._reconcile(pending, reports))
-        mine = [
-            self._describe_file(pending, path)
-            for index, path in enumerate(unknown)
-            if index % self.coordinator.world_size == self.coordinator.rank
-        ]
-        gathered = self.coordinator.all_gather(mine)
+        # Every rank learnt the same ``unknown`` from the leader: when the ranks described
+        # every file (resumekit's own writers always do) there is nothing to share.
+        gathered: list[list[FileEntry]] = []
+        if unknown:
+            mine = [
+                self._describe_file(pending, path)
+                for index, path in enumerate(unknown)
+                if index % self.coordinator.world_size == self.coordinator.rank
+            ]
+            gathered = self.coordinator.all_gather(mine)
         files = sorted([entry for part in gathered for entry in part] + list(known),
                        key=lambda e: e.path)
         final = manifest.model_copy(update={

@@ -1,0 +1,49 @@
+"""The fixed work of one blocking save: what it no longer does twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TypeVar
+
+from resumekit.commit import CommitProtocol
+from resumekit.coordination import SingleProcess
+from resumekit.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.storage import Storage
+
+T = TypeVar("T")
+
+
+class CountingCoordinator(SingleProcess):
+    """One process, counting the collectives a save asks for."""
+
+    def __init__(self) -> None:
+        self.gathers = 0
+
+    def all_gather(self, value: T) -> list[T]:
+        self.gathers += 1
+        return super().all_gather(value)
+
+
+def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    ranks = CountingCoordinator()
+    protocol = CommitProtocol(store, coordinator=ranks)
+    pending = protocol.begin(3)
+    store.write_bytes(f"{pending.staging}/shard.bin", b"abc", durable=True)
+    described = [FileEntry(path="shard.bin", size=3, checksum=checksum_chunks([b"abc"]))]
+    committed = protocol.publish(pending, Manifest(step=3), described=described)
+    assert ranks.gathers == 1  # the reports; no second gather of files nobody described
+    assert [(f.path, f.size) for f in committed.files] == [("shard.bin", 3)]
+
+
+def test_a_publish_still_hashes_and_gathers_the_files_nobody_described(
+        tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    ranks = CountingCoordinator()
+    protocol = CommitProtocol(store, coordinator=ranks)
+    pending = protocol.begin(4)
+    store.write_bytes(f"{pending.staging}/extra.bin", b"12345")
+    committed = protocol.publish(pending, Manifest(step=4))
+    assert ranks.gathers == 2
+    assert [(f.path, f.size, f.checksum) for f in committed.files] == [
+        ("extra.bin", 5, checksum_chunks([b"12345"]))]
