@@ -14,7 +14,9 @@ is torch's and the launcher's, excluded) to the trainer's exit (for the killed l
 last event); and the useful time is, for each step number, its last execution's duration
 minus the time it waited on checkpointing. What is lost is split into replayed steps,
 restore, time blocked by saves, and the rest (the preemption vote, the partial step a kill
-cut short).
+cut short). ``relaunch_first_step_excess_s`` reports, beside them, how much longer than the
+median step each relaunch's first step took (torch's one-time work in a fresh process,
+counted as useful time by the definition above).
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def analyse(events: Sequence[dict[str, Any]], steps: int,
                 for launch in _launches(rank)] for rank in other_ranks]
     total = restore = blocked = 0.0
     executions: list[tuple[int, float]] = []
+    first_steps: list[float] = []  # each relaunch's first step (warm-up included)
     for number, launch in enumerate(launches):
         begin = max([next(e["t"] for e in launch if e["kind"] == "restore_begin"),
                      *(rank[number] for rank in entered if number < len(rank))])
@@ -152,6 +155,8 @@ def analyse(events: Sequence[dict[str, Any]], steps: int,
             if event["kind"] != "step":
                 continue
             waited = sum(max(0.0, min(b, event["t"]) - max(a, previous)) for a, b in spans)
+            if number and previous == ready:
+                first_steps.append(event["t"] - previous - waited)
             executions.append((int(event["step"]), event["t"] - previous - waited))
             previous = event["t"]
     last: dict[int, float] = {}
@@ -160,13 +165,18 @@ def analyse(events: Sequence[dict[str, Any]], steps: int,
     useful = sum(last.values())
     replayed = sum(seconds for seconds in (s for _, s in executions)) - useful
     complete = sorted(last) == list(range(1, steps + 1))
+    median = sorted(last.values())[len(last) // 2] if last else None
     return {
         "goodput": useful / total if total else None,
         "complete": complete, "launches": len(launches),
         "total_s": total, "useful_s": useful, "replayed_steps": len(executions) - len(last),
         "replayed_s": replayed, "restore_s": restore, "blocked_by_saves_s": blocked,
         "other_s": total - useful - replayed - restore - blocked,
-        "step_s_median": sorted(last.values())[len(last) // 2] if last else None,
+        "step_s_median": median,
+        # Counted as useful above, but a cost of the relaunch all the same: a fresh
+        # process's first step does torch's one-time work (first dispatch of each op).
+        "relaunch_first_step_excess_s": (sum(max(0.0, first - median) for first in first_steps)
+                                         if median is not None else None),
     }
 
 

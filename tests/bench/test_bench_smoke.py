@@ -137,6 +137,22 @@ def test_goodput_counts_each_step_once_and_splits_the_lost_time() -> None:
     assert figures["goodput"] == pytest.approx(3 / 9.1)
 
 
+def test_goodput_reports_how_much_longer_each_relaunchs_first_step_took() -> None:
+    def event(t: float, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"t": t, "kind": kind, **fields}
+
+    first = [event(0, "launch"), event(1, "restore_begin"), event(2, "restore_end"),
+             event(5, "step", step=1), event(6, "step", step=2), event(7, "step", step=3),
+             event(7.1, "exit")]  # a fresh start: its slow first step is not a relaunch's
+    second = [event(10, "launch"), event(11, "restore_begin"), event(12, "restore_end"),
+              event(13, "blocked_begin"), event(13.5, "blocked_end"),
+              event(14.5, "step", step=4), event(15.5, "step", step=5), event(15.6, "exit")]
+    figures = goodput.analyse(first + second, steps=5)
+    assert figures["step_s_median"] == pytest.approx(1)
+    # 2.5 s after restore, 0.5 s of it blocked: 2 s, 1 s more than the median step.
+    assert figures["relaunch_first_step_excess_s"] == pytest.approx(1)
+
+
 def test_the_preemption_schedule_is_fixed_by_its_seed_and_holds_one_kill() -> None:
     plan = goodput.schedule(600, sigterms=5, seed=16)
     assert plan == goodput.schedule(600, sigterms=5, seed=16)
