@@ -1445,8 +1445,8 @@ class _ReadAhead:
         if self._done >= position + READ_AHEAD_BYTES // 2:
             return  # still well ahead: one call per half window
         until = position + READ_AHEAD_BYTES
-        for low, high in self._spans:
-            low, high = max(low, self._done), min(high, until)
+        for span_low, span_high in self._spans:
+            low, high = max(span_low, self._done), min(span_high, until)
             if high > low:
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(self._descriptor, low, high - low,
