@@ -1159,15 +1159,10 @@ class RawTensorReading:
         def read() -> list[tuple[_Job, Any]]:
             values: list[tuple[_Job, Any]] = []
             packs: dict[int, Any] = {}  # the packed region read (and verified) last
-            ordered = sorted(jobs, key=lambda j: j.info.offset)
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                _AHEAD.current = _ReadAhead(stream, [_span_of(job) for job in ordered])
-                try:
-                    for job in ordered:
-                        stream.seek(job.info.offset)
-                        values.append((job, self._read_item(stream, job, where, packs)))
-                finally:
-                    _AHEAD.current = None
+                for job in sorted(jobs, key=lambda j: j.info.offset):
+                    stream.seek(job.info.offset)
+                    values.append((job, self._read_item(stream, job, where, packs)))
             return values
 
         return read_with_retry(where, read)
@@ -1259,13 +1254,9 @@ class RawTensorReading:
         if inner_low < inner_high:
             stream.seek(base + inner_low)
             inner = destination[inner_low - start:inner_high - start]
+            self._read_exactly(stream, inner, job, where)
             for at in range(0, len(inner), block):
-                # Each block is hashed right after it is read, while it is still in the
-                # CPU's cache (the kernel reads the next ones ahead meanwhile), and a
-                # damaged block stops the read there.
-                piece = inner[at:at + block]
-                self._read_exactly(stream, piece, job, where)
-                self._check_block(job, (inner_low + at) // block, piece)
+                self._check_block(job, (inner_low + at) // block, inner[at:at + block])
         scratch: memoryview | None = None
         for number in {start // block, (stop - 1) // block} if stop > start else ():
             low, high = number * block, min((number + 1) * block, extent)
@@ -1351,9 +1342,6 @@ class RawTensorReading:
 
     def _read_exactly(self, stream: IO[bytes], destination: memoryview, job: _Job,
                       where: str) -> None:
-        ahead: _ReadAhead | None = getattr(_AHEAD, "current", None)
-        if ahead is not None:
-            ahead.reach(stream.tell() + len(destination))
         for chunk in _chunks(destination):
             got = 0
             while got < len(chunk):
@@ -1395,63 +1383,6 @@ class _Job:
     info: _StorageInfo
     descriptor: _Descriptor
     target: torch.Tensor | None
-
-
-def _span_of(job: _Job) -> tuple[int, int]:
-    """The bytes of the file a job reads at most: its packed region or its item."""
-    return job.descriptor.region or (job.info.offset, job.info.length)
-
-
-READ_AHEAD_BYTES = 256 << 20
-"""How far ahead of the bytes being copied and hashed a reader asks the kernel to read."""
-
-_AHEAD = threading.local()  # the _ReadAhead of the file this reader thread is reading
-
-
-class _ReadAhead:
-    """Asks the kernel to read a file's wanted spans ahead of the reader, in a window.
-
-    ``POSIX_FADV_WILLNEED`` queues the reads at once, so the disk works at its own depth
-    while the reader thread copies and hashes the blocks that have arrived, instead of
-    waiting for each read in turn. At most :data:`READ_AHEAD_BYTES` past the position
-    being read are asked for, so a file larger than memory is not read into the page
-    cache only to be evicted before it is used. Only advice: a stream without a file
-    descriptor (fsspec), or a platform without ``posix_fadvise``, reads the same bytes.
-
-    Args:
-        stream: The open file.
-        spans: ``(offset, length)`` of every range that will be read, in any order.
-    """
-
-    def __init__(self, stream: IO[bytes], spans: Sequence[tuple[int, int]]) -> None:
-        self._descriptor: int | None = None
-        advise = getattr(os, "posix_fadvise", None)
-        if advise is not None:
-            with contextlib.suppress(AttributeError, OSError, io.UnsupportedOperation):
-                self._descriptor = stream.fileno()
-        merged: list[list[int]] = []
-        for offset, length in sorted(spans):
-            if merged and offset <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], offset + length)
-            else:
-                merged.append([offset, offset + length])
-        self._spans = [(low, high) for low, high in merged if high > low]
-        self._done = 0  # every wanted byte below this offset has been asked for
-
-    def reach(self, position: int) -> None:
-        """The reader is about to read up to ``position``: ask for the window past it."""
-        if self._descriptor is None:
-            return
-        if self._done >= position + READ_AHEAD_BYTES // 2:
-            return  # still well ahead: one call per half window
-        until = position + READ_AHEAD_BYTES
-        for span_low, span_high in self._spans:
-            low, high = max(span_low, self._done), min(span_high, until)
-            if high > low:
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(self._descriptor, low, high - low,
-                                     os.POSIX_FADV_WILLNEED)
-        self._done = max(self._done, until)
 
 
 def _chunks(view: memoryview) -> Iterator[memoryview]:
