@@ -67,6 +67,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -330,6 +331,13 @@ def apply_model_and_optimizer_state(
     if differences:
         raise _incompatible("the state to apply", differences)
     strict = options if options is not None else StateDictOptions(strict=True)
+    if options is None and _in_place(state["model"], expected["model"]):
+        # The load wrote into the model's own tensors (the usual restore): copying each
+        # into itself would change nothing, and costs a first dispatch of ``copy_`` per
+        # shape of sharded parameter in a fresh process. Only the optimizer is applied.
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=strict)
+        return
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],
@@ -337,6 +345,34 @@ def apply_model_and_optimizer_state(
         optim_state_dict=state.get("optimizer", {}),
         options=strict,
     )
+
+
+def _in_place(given: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+    """Whether every entry of ``given`` is a tensor over the very memory of ``live``'s.
+
+    Same keys, and for each the same storage address, offset, shape, stride and dtype
+    (for a ``DTensor``, of its local shard, with the same placements): loading ``given``
+    into the model would copy every tensor onto itself.
+    """
+    if given.keys() != live.keys():
+        return False
+    for key, value in given.items():
+        have = live[key]
+        if not (isinstance(value, torch.Tensor) and isinstance(have, torch.Tensor)):
+            return False
+        if isinstance(value, DTensor) != isinstance(have, DTensor):
+            return False
+        if isinstance(value, DTensor):
+            assert isinstance(have, DTensor)
+            if value.placements != have.placements or value.shape != have.shape:
+                return False
+            value, have = value.to_local(), have.to_local()
+        if (value.untyped_storage().data_ptr() != have.untyped_storage().data_ptr()
+                or value.storage_offset() != have.storage_offset()
+                or value.shape != have.shape or value.stride() != have.stride()
+                or value.dtype != have.dtype or value.device != have.device):
+            return False
+    return True
 
 
 def preallocate_optimizer_state(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit import raw_tensor_files, sharded
-from resumekit.errors import CorruptCheckpointError
+from resumekit import sharded
 from resumekit.manager import CheckpointManager
 
 
@@ -127,57 +125,37 @@ def test_preallocated_optimizer_state_takes_the_stored_layout_and_dtype(
     assert not sharded.preallocate_optimizer_state(fresh_model, fresh, tmp_path)  # has state
 
 
-# --------------------------------------------------------------------------- one-pass reads
+# --------------------------------------------------------------------------- applying
 
 
-def _big_checkpoint(directory: Path) -> tuple[torch.Tensor, Any]:
-    from tests.unit.test_raw_tensor_files import storage_info  # noqa: PLC0415
-
-    big = torch.arange((4 << 20) // 4, dtype=torch.float32)  # 4 MiB: 16 blocks of 256 KiB
-    sharded.save({"big": big}, directory)
-    return big, storage_info(directory)["big"]
-
-
-def test_a_damaged_first_block_fails_the_read_before_the_rest_of_the_tensor_is_read(
+def test_a_restore_that_loaded_into_the_model_in_place_copies_nothing_onto_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.unit.test_raw_tensor_files import flip_byte  # noqa: PLC0415
+    model = _model(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _train(model, optimizer, 2)
+    CheckpointManager(tmp_path, model=model, optimizer=optimizer).save(2)
 
-    big, info = _big_checkpoint(tmp_path)
-    flip_byte(tmp_path / info.relative_path, info.offset + 10)
-    asked: list[int] = []
-    read_exactly = raw_tensor_files.RawTensorReading._read_exactly
+    fresh_model = _model(1)
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
+    copies: list[str] = []
+    load_state_dict = nn.Module.load_state_dict
 
-    def counting(self: Any, stream: Any, destination: memoryview, *args: Any) -> None:
-        asked.append(len(destination))
-        read_exactly(self, stream, destination, *args)
+    def recording(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        copies.append(type(self).__name__)
+        return load_state_dict(self, *args, **kwargs)
 
-    monkeypatch.setattr(raw_tensor_files.RawTensorReading, "_read_exactly", counting)
-    with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load({"big": torch.zeros_like(big)}, tmp_path)
-    assert caught.value.key == "big" and info.relative_path in str(caught.value)
-    assert sum(asked) <= info.length // 8  # hashed as read: stopped at the first block
+    monkeypatch.setattr(nn.Module, "load_state_dict", recording)
+    CheckpointManager(tmp_path, model=fresh_model, optimizer=fresh).restore()
+    assert copies == []  # the bytes were read straight into the parameters
+    for kept, restored in zip(model.parameters(), fresh_model.parameters(), strict=True):
+        assert torch.equal(kept, restored)
+    _same_state(optimizer, fresh)
 
 
-def test_the_reader_asks_the_kernel_to_read_ahead_only_the_spans_it_will_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    big, info = _big_checkpoint(tmp_path)
-    advised: list[tuple[int, int]] = []
-    advise = os.posix_fadvise
-
-    def recording(descriptor: int, offset: int, length: int, advice: int) -> None:
-        if advice == os.POSIX_FADV_WILLNEED:
-            advised.append((offset, length))
-        advise(descriptor, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", recording)
-    monkeypatch.setattr(raw_tensor_files, "READ_AHEAD_BYTES", 1 << 20)  # a 1 MiB window
-    loaded = {"big": torch.zeros_like(big)}
-    sharded.load(loaded, tmp_path)
-    assert torch.equal(loaded["big"], big)
-    assert len(advised) > 1  # the window moved along with the reader
-    block = info.length // 16
-    assert all(length <= (1 << 20) + block for _, length in advised)  # window + one block
-    low, high = info.offset, info.offset + info.length
-    assert all(low <= offset and offset + length <= high for offset, length in advised)
-    covered = sorted(advised)
-    assert covered[0][0] == low and max(o + n for o, n in covered) == high
+def test_a_state_held_elsewhere_is_still_copied_into_the_model(tmp_path: Path) -> None:
+    source = _model(0)
+    target = _model(1)
+    state = {"model": {key: value.clone() for key, value in source.state_dict().items()}}
+    sharded.apply_model_and_optimizer_state(target, None, state)
+    for kept, restored in zip(source.parameters(), target.parameters(), strict=True):
+        assert torch.equal(kept, restored)
