@@ -59,6 +59,7 @@ __all__ = [
     "parse_generation_record_name",
     "parse_rank_state_file",
     "rank_state_file",
+    "raw_checksums_file",
 ]
 
 DEFAULT_NAME_FORMAT = "step_{step:09d}"
@@ -69,6 +70,10 @@ LEGACY_NAME_FORMAT = "checkpoint_step_{step}"
 TENSORS_DIR = "tensors"
 #: The file DCP writes last in a checkpoint directory, describing every tensor.
 DCP_METADATA_FILE = ".metadata"
+#: A rank's checksum file among the tensors: the XXH3-128 of each packed region of small
+#: tensors that rank wrote (raw tensor format 3), kept out of ``.metadata`` so that its
+#: bytes depend only on the state's structure.
+RAW_CHECKSUMS_SUFFIX = "checksums.json"
 #: Directory (under the root) of the writer generation records, one file per claim.
 GENERATIONS_DIR = ".resumekit-generations"
 #: Object stores with range listings: the name of the newest committed step directory, a
@@ -252,3 +257,8 @@ def _bad_template(template: str, problem: str) -> ConfigurationError:
     return ConfigurationError(
         f"name format {template!r} {problem}", name="name_format", value=template
     )
+
+
+def raw_checksums_file(prefix: str) -> str:
+    """The checksum file of the rank whose DCP data files start with ``prefix`` (``__0_``)."""
+    return f"{prefix}{RAW_CHECKSUMS_SUFFIX}"

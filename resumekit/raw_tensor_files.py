@@ -56,6 +56,7 @@ import dataclasses
 import errno
 import fcntl
 import io
+import json
 import logging
 import math
 import mmap
@@ -96,8 +97,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
-from resumekit.layout import DCP_METADATA_FILE
-from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, hex_digest
+from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, checksum_chunks, hex_digest
 from resumekit.retry import read_with_retry
 
 __all__ = [
@@ -117,8 +118,17 @@ __all__ = [
 FORMAT_NAME = "resumekit-raw"
 FORMAT_VERSION = 1
 """The descriptor of an item stored alone, with its own blocks (every version reads it)."""
-PACK_FORMAT_VERSION = 2
-"""The descriptor of an item stored in a pack of small items (:class:`_Pack`)."""
+PACK_FORMAT_VERSION = 3
+"""The descriptor of the first item of a pack of small items (:class:`_Pack`), as written
+now: ``resumekit-raw/3;<region length>;<checksum file>``, the region's checksum kept in
+that rank's small checksum file (:func:`resumekit.layout.raw_checksums_file`), so the
+``.metadata`` of an unchanged structure is the same bytes at every save."""
+INLINE_PACK_FORMAT_VERSION = 2
+"""Packs written before version 3: the region's checksum inside its descriptor
+(``resumekit-raw/2;<region length>;xxh3_128:<hex>``); still read."""
+CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
+"""The ``format`` of a checksum file: ``{"format": ..., "regions": {data file: [[offset,
+length, hex XXH3-128], ...]}}``."""
 CHUNK_BYTES = 4 << 20
 """The largest checksummed block, hashed and written per system call: small enough to stay
 in cache between the hash and the copy into the page cache, large enough to keep system
@@ -226,7 +236,7 @@ class _Descriptor:
         """
         try:
             head, length_text, checksum = text.split(";")
-            if head != f"{FORMAT_NAME}/{PACK_FORMAT_VERSION}":
+            if head != f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION}":
                 raise ValueError(f"unknown format {head!r}")
             length = int(length_text)
             if length < 0:
@@ -241,8 +251,28 @@ class _Descriptor:
             ) from None
         return offset, length, digest
 
+    @staticmethod
+    def decode_sidecar_region(text: str, *, where: str) -> tuple[int, str]:
+        """``(length, checksum file)`` of a packed region of format 3."""
+        try:
+            head, length_text, sidecar = text.split(";")
+            if head != f"{FORMAT_NAME}/{PACK_FORMAT_VERSION}":
+                raise ValueError(f"unknown format {head!r}")
+            length = int(length_text)
+            if length < 0:
+                raise ValueError(f"region length {length}")
+            if not sidecar or "/" in sidecar or sidecar.startswith("."):
+                raise ValueError(f"checksum file {sidecar!r}")
+        except ValueError as error:
+            raise CorruptCheckpointError(
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
+            ) from None
+        return length, sidecar
+
 
 _PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
+_INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
 
 
 def is_raw(info: _StorageInfo) -> bool:
@@ -264,10 +294,29 @@ def raw_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
     return {info.relative_path for info in storage_data.values() if is_raw(info)}
 
 
-class _FileLayout:
-    """Where the raw items of one checkpoint lie: raw files, packed regions by file."""
+def checksum_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
+    """The checksum files (format 3) the packed regions of ``storage_data`` name."""
+    found: set[str] = set()
+    for info in storage_data.values():
+        descriptors = info.transform_descriptors
+        if descriptors and len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX):
+            found.add(descriptors[0].rsplit(";", 1)[1])
+    return found
 
-    def __init__(self, storage_data: Mapping[Any, _StorageInfo], where: Any) -> None:
+
+class _FileLayout:
+    """Where the raw items of one checkpoint lie: raw files, packed regions by file.
+
+    Args:
+        storage_data: The metadata's ``storage_data``.
+        where: The path of an item's file, for errors.
+        checksums: ``checksums(checksum file)`` gives ``{(data file, offset): (length,
+            hex)}`` of the regions a checksum file (format 3) lists; None: not verified
+            (the regions' checksums are then empty).
+    """
+
+    def __init__(self, storage_data: Mapping[Any, _StorageInfo], where: Any,
+                 checksums: Any = None) -> None:
         self.raw: set[str] = set()
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for info in storage_data.values():
@@ -276,6 +325,20 @@ class _FileLayout:
             self.raw.add(info.relative_path)
             text = cast(Sequence[str], info.transform_descriptors)[0]
             if text.startswith(_PACK_PREFIX):
+                length, sidecar = _Descriptor.decode_sidecar_region(text, where=where(info))
+                digest = ""
+                if checksums is not None:
+                    listed = checksums(sidecar).get((info.relative_path, info.offset))
+                    if listed is None or listed[0] != length:
+                        place = where(info)
+                        raise CorruptCheckpointError(
+                            f"{place}: the packed region at offset {info.offset} "
+                            f"({length} bytes) is not listed with that length in its "
+                            f"checksum file {sidecar}", path=place, file=place)
+                    digest = listed[1]
+                regions.setdefault(info.relative_path, []).append(
+                    (info.offset, length, digest))
+            elif text.startswith(_INLINE_PACK_PREFIX):
                 regions.setdefault(info.relative_path, []).append(
                     _Descriptor.decode_region(text, info.offset, where=where(info)))
         self.regions = {name: sorted(found) for name, found in regions.items()}
@@ -292,6 +355,60 @@ class _FileLayout:
             return None
         region = self.regions[info.relative_path][number]
         return region if info.offset < region[0] + max(region[1], 1) else None
+
+
+def check_listed_checksum(listed: Mapping[str, str] | None, name: str, data: bytes,
+                          where: str) -> None:
+    """With a manifest's ``{file: checksum}``, ``data`` (file ``name``) must match its entry.
+
+    Raises:
+        CorruptCheckpointError: Not listed, or another checksum.
+    """
+    if listed is None:
+        return
+    expected = listed.get(name)
+    if expected is None:
+        raise CorruptCheckpointError(
+            f"{where} is not listed in the checkpoint's manifest, so it cannot be verified",
+            path=where, file=where)
+    actual = checksum_chunks([data])
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where} does not match its checksum in the manifest (expected {expected}, "
+            f"got {actual})", path=where, file=where)
+
+
+def encode_checksums(regions: Mapping[str, Sequence[tuple[int, int, str]]]) -> bytes:
+    """The bytes of a checksum file listing ``{data file: [(offset, length, hex)]}``."""
+    body = {"format": CHECKSUMS_FORMAT,
+            "regions": {name: [list(region) for region in found]
+                        for name, found in sorted(regions.items())}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[int, str]]:
+    """Parse a checksum file: ``{(data file, offset): (length, hex)}``.
+
+    Raises:
+        CorruptCheckpointError: Not a checksum file of a known format (naming it).
+    """
+    try:
+        body = json.loads(data)
+        if not isinstance(body, dict) or body.get("format") != CHECKSUMS_FORMAT:
+            found = body.get("format") if isinstance(body, dict) else None
+            raise ValueError(f"unknown format {found!r}")
+        parsed: dict[tuple[str, int], tuple[int, str]] = {}
+        for name, found in body["regions"].items():
+            for offset, length, digest in found:
+                if not (isinstance(offset, int) and isinstance(length, int)
+                        and isinstance(digest, str)):
+                    raise ValueError(f"bad entry {[offset, length, digest]!r}")
+                parsed[(str(name), offset)] = (length, digest)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"{where}: unreadable checksum file ({error})", path=where, file=where,
+        ) from None
+    return parsed
 
 
 # ------------------------------------------------------------------------------- writing
@@ -469,8 +586,10 @@ class _ReportingWriter:
         with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
             recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
-        references = tuple(sorted({result.storage_data.relative_path
-                                   for part in results for result in part}))
+        references = tuple(sorted(
+            {result.storage_data.relative_path for part in results for result in part}
+            | checksum_files({id(result): result.storage_data
+                              for part in results for result in part})))
         for name, entry in recorded:
             self.written.append(WrittenFile(name.removesuffix(".tmp"), entry.size,
                                             entry.checksum, references))
@@ -636,41 +755,57 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         ]
         self.written = []
         results: list[WriteResult] = []
+        sidecar = raw_checksums_file(prefix)
         with ThreadPoolExecutor(max_workers=max(len(jobs), 1),
                                 thread_name_prefix="resumekit-writer") as pool:
-            futures = [pool.submit(self._write_file, name, items) for name, items in jobs]
+            futures = [pool.submit(self._write_file, name, items, sidecar)
+                       for name, items in jobs]
         errors = [error for error in (future.exception() for future in futures)
                   if error is not None]
         if errors:
             for extra in errors[1:]:
                 errors[0].add_note(f"another writer thread failed too: {extra}")
             raise errors[0]
-        for future in futures:
-            file_results, written = future.result()
+        regions: dict[str, list[tuple[int, int, str]]] = {}
+        for (name, _), future in zip(jobs, futures, strict=True):
+            file_results, written, packed = future.result()
             results.extend(file_results)
             self.written.append(written)
+            if packed:
+                regions[name] = packed
+        if regions:
+            self.written.append(write_checksums(
+                os.path.join(os.fspath(self.path), sidecar), sidecar, regions,
+                sync=self.sync_files))
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
+    def storage_meta(self) -> None:
+        """None: no path or save id in ``.metadata``, whose bytes then depend only on the
+        state's structure (DCP reads nothing from it; the step directory's manifest
+        records the save)."""
+        return None
+
     def _write_file(
-        self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]
-    ) -> tuple[list[WriteResult], WrittenFile]:
+        self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
+        sidecar: str,
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
         if self.background:
             _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
         try:
-            return self._write_items(path, name, items)
+            return self._write_items(path, name, items, sidecar)
         except OSError as error:
             raise _write_failure(path, error, "write") from error
 
     def _write_items(
         self, path: str, name: str,
-        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
-    ) -> tuple[list[WriteResult], WrittenFile]:
+        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], sidecar: str,
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
         results: list[WriteResult] = []
         with _AlignedFile(path) as handle:
-            pack = _Pack(name)
+            pack = _Pack(name, sidecar)
             for item, data in items:
                 small = _small_cpu_bytes(data)
                 if small is not None:  # the common small tensor: copied, no view objects
@@ -705,7 +840,32 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             if self.sync_files:
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
-        return results, written
+        return results, written, pack.regions
+
+
+def write_checksums(path: str, name: str,
+                    regions: Mapping[str, Sequence[tuple[int, int, str]]], *,
+                    sync: bool) -> WrittenFile:
+    """Write a checksum file (new, exclusively created) and describe it.
+
+    Raises:
+        StorageError: It could not be written (naming it).
+    """
+    data = encode_checksums(regions)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        raise _write_failure(path, error, "write") from error
+    return WrittenFile(name, len(data), checksum_chunks([data]))
 
 
 class _Pack:
@@ -724,8 +884,10 @@ class _Pack:
     DCP's own format does.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, sidecar: str) -> None:
         self.name = name
+        self.sidecar = sidecar
+        self.regions: list[tuple[int, int, str]] = []  # (offset, length, hex) written
         self.buffer = bytearray(PACK_BYTES)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         self.used = 0
@@ -769,8 +931,8 @@ class _Pack:
         _FOOTER.pack_into(self.buffer, at, len(self.members), _PACK_MAGIC)
         region = buffer[:at + _FOOTER.size]
         base = handle.offset
-        descriptor = (f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};"
-                      f"{CHECKSUM_ALGORITHM}:{hex_digest(region)}")
+        descriptor = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};{self.sidecar}"
+        self.regions.append((base, len(region), hex_digest(region)))
         handle.write(region, None)
         handle.pad()
         results = [WriteResult(index=item.index, size_in_bytes=length,
@@ -1085,7 +1247,7 @@ class RawTensorReading:
         for request in requests:
             info: _StorageInfo = self.storage_data[request.storage_index]
             text = (info.transform_descriptors or ("",))[0]
-            if not text or text.startswith(_PACK_PREFIX):  # a packed item
+            if not text or text.startswith((_PACK_PREFIX, _INLINE_PACK_PREFIX)):  # packed
                 region = layout.region_of(info)
                 if region is None:
                     where = self._where(info)
@@ -1125,9 +1287,40 @@ class RawTensorReading:
         cached = self.__dict__.get("_raw_layout")
         if cached is not None and cached[0] is self.storage_data:
             return cast(_FileLayout, cached[1])
-        layout = _FileLayout(self.storage_data, self._where)
+        layout = _FileLayout(self.storage_data, self._where,
+                             self._read_checksums if self.verify else None)
         self.__dict__["_raw_layout"] = (self.storage_data, layout)
         return layout
+
+    def _read_checksums(self, name: str) -> dict[tuple[str, int], tuple[int, str]]:
+        """Read (once per layout) and parse checksum file ``name``, checked first.
+
+        With a manifest (``file_checksums``) the file must be listed in it and match its
+        recorded checksum, as ``.metadata`` must: the regions' checksums come from it.
+        """
+        cache: dict[str, Any] = self.__dict__.setdefault("_checksum_files", {})
+        key = (id(self.storage_data), name)
+        found = cache.get(key)
+        if found is not None:
+            return cast(dict[tuple[str, int], tuple[int, str]], found)
+        where = str(os.fspath(self.fs.concat_path(self.path, name)))
+
+        def read() -> bytes:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                return cast(bytes, stream.read())
+
+        try:
+            data = read_with_retry(where, read)
+        except FileNotFoundError as error:
+            raise IncompleteCheckpointError(
+                f"checkpoint {os.fspath(self.path)} is missing its checksum file {where}, "
+                "which the checksums of its packed small tensors are in",
+                path=os.fspath(self.path), file=where) from error
+        check_listed_checksum(self.file_checksums, name, data, where)
+        parsed = decode_checksums(data, where=where)
+        cache.clear()
+        cache[key] = parsed
+        return parsed
 
     def _stored_form(self, request: ReadItem, info: _StorageInfo
                      ) -> tuple[torch.dtype | None, tuple[int, ...]]:

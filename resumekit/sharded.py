@@ -99,6 +99,7 @@ from resumekit.raw_tensor_files import (
     RawTensorWriter,
     WrittenFile,
     aligned_empty,
+    checksum_files,
     raw_files,
 )
 from resumekit.retry import read_with_retry
@@ -810,7 +811,8 @@ def files_verified_on_read(
 ) -> set[str]:
     """Name the data files whose every byte :func:`load` checks against a checksum.
 
-    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`); files in DCP's own
+    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`) and their ranks'
+    checksum files (checked against the manifest before use); files in DCP's own
     format (earlier versions, fsspec URLs) are not listed. Reads only the metadata.
 
     Args:
@@ -822,7 +824,7 @@ def files_verified_on_read(
     """
     reader = _make_reader(_directory_str(directory), storage_options)
     metadata = reader.read_metadata()
-    found = raw_files(metadata.storage_data or {})
+    found = raw_files(metadata.storage_data or {}) | checksum_files(metadata.storage_data or {})
     reader.hand_over_metadata()  # a load usually follows: it need not unpickle it again
     return found
 

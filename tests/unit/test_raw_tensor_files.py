@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import threading
 from pathlib import Path
@@ -178,10 +179,10 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
             continue
         # a small item lies in a packed region whose one checksum covers its bytes; the
         # region's first member names it, the others record nothing, as DCP's items do
-        assert descriptor is None or descriptor.startswith(f"{FORMAT_NAME}/2;"), key
+        assert descriptor is None or descriptor.startswith(f"{FORMAT_NAME}/3;"), key
     regions = [(info.relative_path, info.transform_descriptors[0]) for info in infos.values()
                if info.transform_descriptors and
-               info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/2;")]
+               info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/3;")]
     leaders = {info.transform_descriptors[0]: info.offset for info in infos.values()
                if info.transform_descriptors}
     assert regions
@@ -192,11 +193,14 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         for name, text in regions:
             if name != info.relative_path:
                 continue
-            _, length, checksum = text.split(";")
+            _, length, sidecar = text.split(";")
             start, length = leaders[text], int(length)
             if start <= info.offset and info.offset + info.length <= start + length:
                 holding.append(text)
-                assert checksum == checksum_chunks([data[start:start + length]])
+                # the region's checksum is in the rank's checksum file, not in .metadata
+                listed = json.loads((directory / sidecar).read_bytes())["regions"][name]
+                assert [start, length, checksum_chunks([data[start:start + length]])
+                        .split(":")[1]] in listed
         assert len(holding) == 1
 
 
@@ -256,10 +260,10 @@ def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checke
     state = {f"t{number}": torch.randn(8000) for number in range(400)}  # 32 KB each
     sharded.save(state, tmp_path / "ckpt", thread_count=2)
     infos = storage_info(tmp_path / "ckpt")
-    regions = {info.transform_descriptors[0] for info in infos.values()
-               if info.transform_descriptors}
+    regions = {(info.relative_path, info.offset): info.transform_descriptors[0]
+               for info in infos.values() if info.transform_descriptors}
     assert len(regions) >= 400 * 32000 // PACK_BYTES
-    assert all(int(text.split(";")[1]) <= PACK_BYTES for text in regions)
+    assert all(int(text.split(";")[1]) <= PACK_BYTES for text in regions.values())
 
     checked: list[int] = []
     original = raw_tensor_files.hex_digest
@@ -614,8 +618,8 @@ def _record_writer_policies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, 
     seen: list[tuple[str, int]] = []
     original = RawTensorWriter._write_file
 
-    def recording(self: RawTensorWriter, name: str, items: Any) -> Any:
-        result = original(self, name, items)
+    def recording(self: RawTensorWriter, name: str, items: Any, *rest: Any) -> Any:
+        result = original(self, name, items, *rest)
         seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
         return result
 
