@@ -713,7 +713,7 @@ def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_co
     starts = [info.offset for info in infos.values() if info.transform_descriptors]
     assert len(infos) == 4 and len(starts) == 2  # "big" alone, the rest in one pack
     assert all(start % ALIGNMENT == 0 for start in starts)
-    (file,) = [file for file in written if file.name != ".metadata"]
+    (file,) = [file for file in written if file.name.endswith(".distcp")]
     on_disk = (tmp_path / "ckpt" / file.name).read_bytes()
     assert len(on_disk) % ALIGNMENT == 0 and file.size == len(on_disk)
     assert file.checksum == checksum_chunks([on_disk])
@@ -776,7 +776,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
     written = sharded.save(_big_state(), tmp_path / "ckpt", thread_count=1)
     monkeypatch.undo()
     assert refused, "the first direct write should have been refused"
-    (file,) = [file for file in written if file.name != ".metadata"]
+    (file,) = [file for file in written if file.name.endswith(".distcp")]
     assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()])
     _round_trips(_big_state(), tmp_path / "ckpt")
 
