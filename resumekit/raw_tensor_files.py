@@ -294,6 +294,11 @@ def raw_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
     return {info.relative_path for info in storage_data.values() if is_raw(info)}
 
 
+def is_described_pack(descriptors: Sequence[str]) -> bool:
+    """Whether ``descriptors`` are those of a format-3 region's first member."""
+    return len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX)
+
+
 def checksum_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
     """The checksum files (format 3) the packed regions of ``storage_data`` name."""
     found: set[str] = set()
@@ -564,6 +569,10 @@ class _ReportingWriter:
     fs: Any
     path: Any
     written: list[WrittenFile]
+    last_metadata: Metadata | None = None
+    """The ``Metadata`` the last :meth:`finish` wrote (coordinating rank)."""
+    last_jobs: list[tuple[str, list[WriteItem]]] | None = None
+    """The files the last ``write_data`` wrote, each with its items in file order."""
 
     def _start_reporting(self) -> None:
         self.written = []
@@ -582,6 +591,7 @@ class _ReportingWriter:
         where = os.fspath(self.path)
         _check_every_item_stored(metadata, results, where)
         super().finish(metadata, results)  # type: ignore[misc]
+        self.last_metadata = metadata
         recorder = cast(_RecordingFileSystem, self.fs)
         with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
@@ -766,6 +776,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             for extra in errors[1:]:
                 errors[0].add_note(f"another writer thread failed too: {extra}")
             raise errors[0]
+        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for (name, _), future in zip(jobs, futures, strict=True):
             file_results, written, packed = future.result()
@@ -842,6 +853,40 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             written = WrittenFile(name, handle.offset, handle.checksum.value())
         return results, written, pack.regions
 
+    def write_small(self, name: str, tensors: Sequence[torch.Tensor], sidecar: str
+                    ) -> tuple[list[int], WrittenFile, list[tuple[int, int, str]]]:
+        """Write small contiguous CPU tensors into data file ``name`` as packed regions.
+
+        The same bytes :meth:`write_data` writes for the same items in this order (a
+        replayed plan, :func:`resumekit.sharded.save`), without DCP's plan objects.
+
+        Returns:
+            Each tensor's offset in the file, the file, and its regions ``(offset,
+            length, hex)``.
+
+        Raises:
+            StorageError: The file could not be written (naming it).
+        """
+        if self.background:
+            _lower_thread_priority()
+        path = os.path.join(os.fspath(self.path), name)
+        offsets: list[int] = []
+        try:
+            with _AlignedFile(path) as handle:
+                pack = _Pack(name, sidecar)
+                for tensor in tensors:
+                    length = tensor.numel() * tensor.element_size()
+                    if not pack.fits(length):
+                        offsets.extend(pack.flush_offsets(handle))
+                    pack.add_from(None, tensor.data_ptr(), length)
+                offsets.extend(pack.flush_offsets(handle))
+                if self.sync_files:
+                    os.fsync(handle.fd)
+                written = WrittenFile(name, handle.offset, handle.checksum.value())
+        except OSError as error:
+            raise _write_failure(path, error, "write") from error
+        return offsets, written, pack.regions
+
 
 def write_checksums(path: str, name: str,
                     regions: Mapping[str, Sequence[tuple[int, int, str]]], *,
@@ -891,7 +936,7 @@ class _Pack:
         self.buffer = bytearray(PACK_BYTES)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         self.used = 0
-        self.members: list[tuple[WriteItem, int, int]] = []  # item, offset in pack, length
+        self.members: list[tuple[WriteItem | None, int, int]] = []  # item, offset, length
 
     def fits(self, length: int) -> bool:
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
@@ -905,7 +950,7 @@ class _Pack:
         self.used = start + len(view)
         self.members.append((item, start, len(view)))
 
-    def add_from(self, item: WriteItem, address: int, length: int) -> None:
+    def add_from(self, item: WriteItem | None, address: int, length: int) -> None:
         """Add ``length`` bytes at ``address`` in memory (a contiguous CPU tensor's)."""
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
         self.buffer[self.used:start] = bytes(start - self.used)
@@ -918,6 +963,26 @@ class _Pack:
         """Write the region (padded to the next boundary); one result per member."""
         if not self.members:
             return []
+        base, descriptor = self._write_region(handle)
+        results = [WriteResult(index=item.index, size_in_bytes=length,
+                               storage_data=_StorageInfo(
+                                   self.name, base + start, length,
+                                   transform_descriptors=None if number else [descriptor]))
+                   for number, (item, start, length) in enumerate(self.members)]
+        self.members, self.used = [], 0
+        return results
+
+    def flush_offsets(self, handle: _AlignedFile) -> list[int]:
+        """Write the region as :meth:`flush` does; the members' file offsets only."""
+        if not self.members:
+            return []
+        base, _ = self._write_region(handle)
+        offsets = [base + start for _, start, _ in self.members]
+        self.members, self.used = [], 0
+        return offsets
+
+    def _write_region(self, handle: _AlignedFile) -> tuple[int, str]:
+        """Write the members, the table and the footer; the region's offset, descriptor."""
         buffer = memoryview(self.buffer)
         # Members, zeros, then the table and its footer, ending on an ALIGNMENT boundary:
         # the region's checksum covers every byte of it, padding included.
@@ -935,13 +1000,7 @@ class _Pack:
         self.regions.append((base, len(region), hex_digest(region)))
         handle.write(region, None)
         handle.pad()
-        results = [WriteResult(index=item.index, size_in_bytes=length,
-                               storage_data=_StorageInfo(
-                                   self.name, base + start, length,
-                                   transform_descriptors=None if number else [descriptor]))
-                   for number, (item, start, length) in enumerate(self.members)]
-        self.members, self.used = [], 0
-        return results
+        return base, descriptor
 
 
 class _AlignedFile:

@@ -37,8 +37,10 @@ import sys
 import threading
 import warnings
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -91,6 +93,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from resumekit import raw_tensor_files
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import (
@@ -477,7 +480,21 @@ def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
     """
     seen: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
+    plain = (torch.Tensor, nn.Parameter)
     for name, value in model_state.items():
+        if type(value) in plain:
+            # The address of its first element stands for (storage, offset): the same
+            # memory viewed the same way, without a storage object per tensor.
+            if value.numel() == 0:
+                continue
+            key = (value.data_ptr(), value.shape, value.stride(), value.dtype,
+                   value.device)
+            kept = seen.get(key)
+            if kept is None:
+                seen[key] = name
+            else:
+                tied[name] = kept
+            continue
         if not isinstance(value, torch.Tensor):
             continue
         local = value.to_local() if isinstance(value, DTensor) else value
@@ -624,7 +641,13 @@ def save(
     target = _directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format)
+    leaves = (_plain_leaves(state_dict)
+              if no_dist and isinstance(writer, RawTensorWriter) else None)
+    key = None if leaves is None else (thread_count, _structure(leaves))
+    plan = None if key is None else _SAVE_PLANS.get(key)
     try:
+        if plan is not None:
+            return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
         with _quiet_no_dist(no_dist), _without_zip_crc32(), _collection_paused(background):
             dcp_save(
                 dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
@@ -639,7 +662,218 @@ def save(
             path=target,
             operation="save",
         ) from error
+    if key is not None and leaves is not None:
+        _SAVE_PLANS.remember(key, leaves, cast(RawTensorWriter, writer))
     return list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
+
+
+# --------------------------------------------------------------------------- cached plans
+
+
+_Leaves = list[tuple[tuple[str, ...], torch.Tensor]]
+
+
+def _plain_leaves(state_dict: Mapping[str, Any]) -> _Leaves | None:
+    """``[(path, tensor)]`` of a state whose every leaf a cached save plan can write, else None.
+
+    Nested ``dict``s of ``str`` keys down to plain CPU tensors (``torch.Tensor`` or
+    ``nn.Parameter``, no subclass such as ``DTensor``), contiguous, not lazily conjugated
+    or negated, each smaller than the packing limit (so every one lies in a packed region
+    whose checksum is outside ``.metadata``). In DCP's flattening order.
+    """
+    leaves: _Leaves = []
+    plain = (torch.Tensor, nn.Parameter)
+    limit = raw_tensor_files.PACK_ITEM_BYTES
+
+    def walk(tree: Mapping[str, Any], path: tuple[str, ...]) -> bool:
+        for key, value in tree.items():
+            if type(key) is not str:
+                return False
+            if type(value) in plain:
+                if (value.device.type != "cpu" or not value.is_contiguous()
+                        or value.is_conj() or value.is_neg()
+                        or value.numel() * value.element_size() >= limit):
+                    return False
+                leaves.append(((*path, key), value))
+            elif isinstance(value, dict):
+                if not value or not walk(value, (*path, key)):
+                    return False
+            else:
+                return False
+        return True
+
+    return leaves if state_dict and walk(state_dict, ()) else None
+
+
+def _structure(leaves: _Leaves) -> tuple[Any, ...]:
+    """What a save plan depends on: every leaf's path, shape and dtype, in order."""
+    return tuple((path, value.shape, value.dtype) for path, value in leaves)
+
+
+@dataclass(frozen=True)
+class _SavePlan:
+    """A single-process raw save, as DCP planned it for one structure.
+
+    Attributes:
+        files: Per data file, its name and the leaves written to it (their numbers in
+            :func:`_plain_leaves` order), in file order.
+        offsets: Per data file, every item's offset in it, as that save wrote them.
+        metadata: The ``.metadata`` bytes DCP pickled (no checksum, path or save id in
+            them: the same bytes for every save of this structure).
+        metadata_checksum: Their ``"xxh3_128:<hex>"``.
+        references: The data files and checksum file ``.metadata`` references.
+        checksums_file: The name of that checksum file.
+    """
+
+    files: tuple[tuple[str, tuple[int, ...]], ...]
+    offsets: tuple[tuple[int, ...], ...]
+    metadata: bytes
+    metadata_checksum: str
+    references: tuple[str, ...]
+    checksums_file: str
+
+
+class _SavePlans:
+    """The last few :class:`_SavePlan`s, by thread count and structure (process-wide).
+
+    A plan is taken only for a state of exactly the structure it was made for (every
+    path, shape and dtype equal, in order: :func:`_structure`), the same writer thread
+    count and one process; any change makes DCP plan again and the result is
+    remembered in its place.
+    """
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Any, ...], _SavePlan] = {}
+        self._lock = threading.Lock()
+        self.built = 0  # plans made (for tests and benchmarks)
+
+    def get(self, key: tuple[Any, ...]) -> _SavePlan | None:
+        with self._lock:
+            return self._plans.get(key)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def remember(self, key: tuple[Any, ...], leaves: _Leaves, writer: RawTensorWriter) -> None:
+        """Keep the plan of the save ``writer`` just made, where it can be replayed."""
+        plan = _plan_of(leaves, writer)
+        if plan is None:
+            return
+        with self._lock:
+            self._plans.pop(key, None)
+            self._plans[key] = plan
+            while len(self._plans) > self.KEPT:
+                del self._plans[next(iter(self._plans))]
+            self.built += 1
+
+
+_SAVE_PLANS = _SavePlans()
+
+
+def _plan_of(leaves: _Leaves, writer: RawTensorWriter) -> _SavePlan | None:
+    """The replayable plan of a save ``writer`` made of ``leaves``, or None.
+
+    Only a plan whose every item is one leaf's whole tensor, packed (its region's
+    checksum outside ``.metadata``), with DCP's keys and nesting exactly the leaves'.
+    """
+    metadata, jobs = writer.last_metadata, writer.last_jobs
+    if metadata is None or jobs is None or metadata.storage_meta is not None:
+        return None
+    number_of = {".".join(path): number for number, (path, _) in enumerate(leaves)}
+    if len(number_of) != len(leaves) or metadata.planner_data != {
+            ".".join(path): path for path, _ in leaves}:
+        return None
+    if set(metadata.state_dict_metadata) != set(number_of):
+        return None
+    storage = metadata.storage_data or {}
+    files: list[tuple[str, tuple[int, ...]]] = []
+    offsets: list[tuple[int, ...]] = []
+    for name, items in jobs:
+        members: list[int] = []
+        where: list[int] = []
+        for item in items:
+            number = number_of.get(item.index.fqn)
+            info = storage.get(item.index)
+            if (number is None or item.tensor_data is None or info is None
+                    or any(item.index.offset or ())
+                    or tuple(item.tensor_data.size) != tuple(leaves[number][1].shape)):
+                return None
+            descriptors = info.transform_descriptors or ()
+            if descriptors and not raw_tensor_files.is_described_pack(descriptors):
+                return None  # a format-1 item: its blocks' checksums are in .metadata
+            members.append(number)
+            where.append(info.offset)
+        files.append((name, tuple(members)))
+        offsets.append(tuple(where))
+    if sum(len(members) for _, members in files) != len(leaves):
+        return None
+    (entry,) = [file for file in writer.written if file.name == DCP_METADATA_FILE]
+    data = (Path(os.fspath(writer.path)) / DCP_METADATA_FILE).read_bytes()
+    if checksum_chunks([data]) != entry.checksum:
+        return None
+    sidecars = checksum_files(storage)
+    if len(sidecars) != 1:
+        return None
+    return _SavePlan(tuple(files), tuple(offsets), data, entry.checksum, entry.references,
+                     sidecars.pop())
+
+
+def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
+                  ) -> list[WrittenFile]:
+    """Write ``leaves`` as ``plan`` says, without DCP's planning or its metadata pickle.
+
+    The bytes of every file are what DCP's path through :class:`RawTensorWriter` writes
+    for the same state: the same items in the same files at the same offsets (checked),
+    the regions' checksums in the rank's checksum file, ``.metadata`` the plan's bytes.
+    """
+    directory = os.fspath(writer.path)
+    os.makedirs(directory, exist_ok=True)
+    writer.written = []
+    sidecar = plan.checksums_file
+    with ThreadPoolExecutor(max_workers=max(len(plan.files), 1),
+                            thread_name_prefix="resumekit-writer") as pool:
+        futures = [pool.submit(writer.write_small, name,
+                               [leaves[number][1] for number in members], sidecar)
+                   for name, members in plan.files]
+    errors = [error for error in (future.exception() for future in futures)
+              if error is not None]
+    if errors:
+        for extra in errors[1:]:
+            errors[0].add_note(f"another writer thread failed too: {extra}")
+        raise errors[0]
+    regions: dict[str, list[tuple[int, int, str]]] = {}
+    for (name, _), expected, future in zip(plan.files, plan.offsets, futures, strict=True):
+        written_at, written, packed = future.result()
+        if tuple(written_at) != expected:
+            raise StorageError(  # cannot happen: the same items, sizes and order
+                f"writing checkpoint {directory}: {name} came out unlike its plan; "
+                "nothing was written as .metadata", path=directory, operation="save",
+                file=name)
+        writer.written.append(written)
+        if packed:
+            regions[name] = packed
+    if regions:
+        writer.written.append(raw_tensor_files.write_checksums(
+            os.path.join(directory, sidecar), sidecar, regions, sync=writer.sync_files))
+    temporary = os.path.join(directory, f"{DCP_METADATA_FILE}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                 0o644)
+    try:
+        view = memoryview(plan.metadata)
+        while view:
+            view = view[os.write(fd, view):]
+        if writer.sync_files:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
+    writer.written.append(WrittenFile(DCP_METADATA_FILE, len(plan.metadata),
+                                      plan.metadata_checksum, plan.references))
+    return list(writer.written)
+
 
 
 def load(

@@ -309,7 +309,7 @@ def _params_of(model_state: Mapping[str, Any]) -> dict[str, list[Any]]:
             text = names.get(dtype)
             if text is None:
                 text = names[dtype] = str(dtype).removeprefix("torch.")
-            params[name] = [list(value.shape), text]
+            params[name] = [[*value.shape], text]
     return params
 
 
