@@ -1358,7 +1358,7 @@ class RawTensorReading:
         recorded checksum, as ``.metadata`` must: the regions' checksums come from it.
         """
         cache: dict[str, Any] = self.__dict__.setdefault("_checksum_files", {})
-        key = (id(self.storage_data), name)
+        key = (id(getattr(self, "storage_data", None)), name)
         found = cache.get(key)
         if found is not None:
             return cast(dict[tuple[str, int], tuple[int, str]], found)

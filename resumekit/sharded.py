@@ -29,6 +29,7 @@ shares the training thread's NCCL communicator (NCCL communicators are not threa
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 import io
 import os
@@ -938,6 +939,22 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
     reader = _make_reader(target, storage_options, verify=verify)
+    leaves = (_plain_leaves(state_dict)
+              if no_dist and isinstance(reader, _SafeFileSystemReader) else None)
+    if leaves is not None:
+        try:
+            layout = _layout_for(reader)
+            if layout is not None and layout.fits(leaves, reject_unexpected):
+                _read_laid_out(reader, layout, leaves)
+                return
+        except _ReadItTheLongWay:
+            pass  # damaged or short: DCP's path below reads it again and names what
+        except ResumekitError:
+            raise
+        except OSError as error:
+            raise _load_error(error, target, reader, rank=None) from error
+        reader.hand_over_metadata()  # parsed above: DCP's path takes it, not a second parse
+        reader = _make_reader(target, storage_options, verify=verify)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
@@ -969,6 +986,211 @@ def _run_load(
         raise
     except Exception as error:
         raise _load_error(error, target, reader, rank=None) from error
+
+
+class _ReadItTheLongWay(Exception):
+    """A laid-out read found a region that fails its checksum or ends early."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where every tensor of a checkpoint of small packed tensors lies (from ``.metadata``).
+
+    Attributes:
+        items: ``{fqn: (path, shape, dtype)}``: DCP's nesting, global shape and dtype.
+        regions: Per data file, its packed regions in file order: ``(offset, length,
+            members)``, each member ``(fqn, offset in the region, length)``.
+        per_top: Items per top-level key of the state (``"model"``, ``"optimizer"``).
+        raw: The raw tensor files.
+        checksums: The checksum files the regions' checksums are in.
+    """
+
+    items: dict[str, tuple[tuple[str, ...], tuple[int, ...], torch.dtype]]
+    regions: dict[str, tuple[tuple[int, int, tuple[tuple[str, int, int], ...]], ...]]
+    per_top: dict[str, int]
+    raw: frozenset[str]
+    checksums: frozenset[str]
+
+    def fits(self, leaves: _Leaves, reject_unexpected: bool) -> bool:
+        """Whether ``leaves`` are destinations for items of this layout, as DCP would check.
+
+        Every leaf must be an item with the same nesting, shape and dtype; for a full
+        load (``reject_unexpected``) every item under a top-level key of the state must
+        be a leaf too. Anything else is left to DCP's path, which says what differs.
+        """
+        items = self.items
+        for path, value in leaves:
+            found = items.get(".".join(path))
+            if found is None or found[0] != path or found[2] != value.dtype or \
+                    found[1] != value.shape:
+                return False
+        if reject_unexpected:
+            tops = {path[0] for path, _ in leaves}
+            return sum(self.per_top.get(top, 0) for top in tops) == len(leaves)
+        return True
+
+
+class _Layouts:
+    """The layouts of the last few ``.metadata`` files read, by their checksum."""
+
+    KEPT = 4
+
+    def __init__(self) -> None:
+        self._layouts: dict[str, _Layout | None] = {}
+        self._lock = threading.Lock()
+        self.built = 0  # layouts worked out (for tests and benchmarks)
+
+    def get(self, digest: str) -> tuple[bool, _Layout | None]:
+        with self._lock:
+            if digest in self._layouts:
+                return True, self._layouts[digest]
+            return False, None
+
+    def put(self, digest: str, layout: _Layout | None) -> None:
+        with self._lock:
+            self._layouts.pop(digest, None)
+            self._layouts[digest] = layout
+            while len(self._layouts) > self.KEPT:
+                del self._layouts[next(iter(self._layouts))]
+            self.built += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._layouts.clear()
+
+
+_LAYOUTS = _Layouts()
+
+
+def _layout_for(reader: _SafeReaderMixin) -> _Layout | None:
+    """The layout of the checkpoint ``reader`` reads, or None when it has none.
+
+    The bytes of ``.metadata`` are read (and, with a manifest, checked) every time; they
+    are parsed only when no layout of the same bytes is known. The parsed metadata is
+    kept by the reader for DCP's path.
+    """
+    data, source, digest = reader.metadata_bytes()
+    known, layout = _LAYOUTS.get(digest)
+    if known:
+        return layout
+    metadata = reader._parse_metadata(data, source, digest, None)
+    layout = _layout_of(metadata)
+    _LAYOUTS.put(digest, layout)
+    return layout
+
+
+def _layout_of(metadata: Metadata) -> _Layout | None:
+    """The layout of ``metadata`` when every item is one small tensor, whole, packed in
+    format 3 (its region's checksum in a checksum file); else None."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else None
+    storage = metadata.storage_data or {}
+    if paths is None or not storage:
+        return None
+    items: dict[str, tuple[tuple[str, ...], tuple[int, ...], torch.dtype]] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        path = paths.get(fqn)
+        if (not isinstance(entry, TensorStorageMetadata) or len(entry.chunks) != 1
+                or not isinstance(path, tuple) or ".".join(map(str, path)) != fqn
+                or not all(type(atom) is str for atom in path)):
+            return None
+        chunk = entry.chunks[0]
+        shape = torch.Size(entry.size)
+        if any(chunk.offsets) or torch.Size(chunk.sizes) != shape:
+            return None
+        items[fqn] = (path, shape, entry.properties.dtype)
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    leaders: dict[str, list[tuple[int, int]]] = {}
+    for index, info in storage.items():
+        descriptors = info.transform_descriptors
+        if descriptors:
+            if not raw_tensor_files.is_described_pack(descriptors):
+                return None
+            length = int(descriptors[0].split(";")[1])
+            leaders.setdefault(info.relative_path, []).append((info.offset, length))
+        if index.fqn not in items or any(index.offset or ()):
+            return None
+        by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
+    if sum(len(found) for found in by_file.values()) != len(items):
+        return None
+    regions: dict[str, tuple[tuple[int, int, tuple[tuple[str, int, int], ...]], ...]] = {}
+    for name, members in by_file.items():
+        starts = sorted(leaders.get(name, []))
+        laid: list[tuple[int, int, tuple[tuple[str, int, int], ...]]] = []
+        members.sort()
+        at = 0
+        for start, length in starts:
+            inside: list[tuple[str, int, int]] = []
+            while at < len(members) and members[at][0] < start + max(length, 1):
+                offset, size, fqn = members[at]
+                if offset < start or offset + size > start + length:
+                    return None  # the reader's long way names this
+                inside.append((fqn, offset - start, size))
+                at += 1
+            laid.append((start, length, tuple(inside)))
+        if at != len(members):
+            return None
+        regions[name] = tuple(laid)
+    per_top: dict[str, int] = {}
+    for path, _, _ in items.values():
+        per_top[path[0]] = per_top.get(path[0], 0) + 1
+    return _Layout(items, regions, per_top, frozenset(by_file),
+                   frozenset(checksum_files(storage)))
+
+
+def _read_laid_out(reader: _SafeReaderMixin, layout: _Layout, leaves: _Leaves) -> None:
+    """Read every packed region once, check it, copy each member into its destination.
+
+    With ``verify`` each region is checked against its checksum (from the rank's
+    checksum file, itself checked against the manifest when the reader has one) before
+    any of its bytes is copied out.
+
+    Raises:
+        _ReadItTheLongWay: A region fails its checksum or a file ends early: the caller
+            reads through DCP's path, whose reader names the damaged tensor.
+    """
+    reading = cast(RawTensorReading, reader)
+    destinations = {".".join(path): value for path, value in leaves}
+    sums: dict[tuple[str, int], tuple[int, str]] = {}
+    if reader.verify:
+        for name in sorted(layout.checksums):
+            sums.update(reading._read_checksums(name))
+    root = os.fspath(reader.path)
+
+    def read_file(name: str) -> None:
+        where = os.path.join(root, name)
+
+        def read() -> None:
+            with open(where, "rb", buffering=0) as handle:
+                for start, length, members in layout.regions[name]:
+                    if not any(fqn in destinations for fqn, _, _ in members):
+                        continue  # a subset load that wants none of this region
+                    buffer = bytearray(max(length, 1))
+                    view = memoryview(buffer)[:length]
+                    handle.seek(start)
+                    got = 0
+                    while got < length:
+                        count = handle.readinto(view[got:])
+                        if not count:
+                            raise _ReadItTheLongWay(where)
+                        got += count
+                    if reader.verify:
+                        listed = sums.get((name, start))
+                        if listed is None or listed[0] != length or \
+                                raw_tensor_files.hex_digest(view) != listed[1]:
+                            raise _ReadItTheLongWay(where)
+                    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+                    for fqn, shift, size in members:
+                        target = destinations.get(fqn)
+                        if target is not None and size:
+                            ctypes.memmove(target.data_ptr(), address + shift, size)
+
+        read_with_retry(where, read)
+
+    names = sorted(layout.regions)
+    threads = max(1, min(reading.read_threads, len(names)))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="resumekit-reader") as pool:
+        for future in [pool.submit(read_file, name) for name in names]:
+            future.result()
 
 
 # --------------------------------------------------------------------------- index / export
@@ -1045,9 +1267,9 @@ def files_verified_on_read(
 ) -> set[str]:
     """Name the data files whose every byte :func:`load` checks against a checksum.
 
-    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`) and their ranks'
-    checksum files (checked against the manifest before use); files in DCP's own
-    format (earlier versions, fsspec URLs) are not listed. Reads only the metadata.
+    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`); their ranks'
+    small checksum files are not (they are hashed whole like any other file), nor are
+    files in DCP's own format (earlier versions, fsspec URLs). Reads only the metadata.
 
     Args:
         directory: A local path, ``file://`` URL or fsspec URL.
@@ -1057,8 +1279,12 @@ def files_verified_on_read(
         File names relative to ``directory``.
     """
     reader = _make_reader(_directory_str(directory), storage_options)
+    layout = _layout_for(reader)  # a known layout: no unpickling at all
+    if layout is not None:
+        reader.hand_over_metadata()
+        return set(layout.raw)
     metadata = reader.read_metadata()
-    found = raw_files(metadata.storage_data or {}) | checksum_files(metadata.storage_data or {})
+    found = raw_files(metadata.storage_data or {})
     reader.hand_over_metadata()  # a load usually follows: it need not unpickle it again
     return found
 
@@ -1422,6 +1648,16 @@ class _SafeReaderMixin:
         rank = kwargs.get("rank")
         if self._metadata is not None and rank is None:
             return self._metadata
+        data, source, digest = self.metadata_bytes(rank)
+        return self._parse_metadata(data, source, digest, rank)
+
+    def metadata_bytes(self, rank: int | None = None) -> tuple[bytes, str, str]:
+        """``.metadata``'s bytes, path and checksum; with a manifest, checked against it.
+
+        Raises:
+            CheckpointNotFoundError: No metadata file.
+            CorruptCheckpointError: It does not match the manifest.
+        """
         source = os.fspath(self._get_metadata_path(rank))
 
         def read() -> bytes:
@@ -1441,6 +1677,14 @@ class _SafeReaderMixin:
             digest = checksum_chunks([data])
             if rank is None:
                 self._check_metadata_bytes(data, source, digest)
+        except ResumekitError as error:
+            self.metadata_error = error
+            raise
+        return data, source, digest
+
+    def _parse_metadata(self, data: bytes, source: str, digest: str,
+                        rank: int | None) -> Metadata:
+        try:
             with _PARSED_LOCK:
                 metadata = _PARSED.pop((source, digest), None)
             if metadata is None:

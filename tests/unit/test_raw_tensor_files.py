@@ -360,7 +360,7 @@ def test_a_checkpoint_of_torchs_stock_writer_still_loads_and_is_not_verified_on_
     assert loaded["count"] == 3
     assert sharded.files_verified_on_read(stock) == set()
     assert sharded.files_verified_on_read(ours) == {
-        file.name for file in written if file.name != ".metadata"}
+        file.name for file in written if file.name.endswith(".distcp")}
 
 
 # --------------------------------------------------------------------------- damage

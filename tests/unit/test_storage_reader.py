@@ -326,9 +326,8 @@ def test_restore_of_a_dcp_format_checkpoint_is_bit_identical_and_records_the_for
 def test_the_default_tensor_format_is_raw_and_recorded_so(tmp_path: Path) -> None:
     _, step_dir = saved(tmp_path)
     assert read_manifest(Storage(tmp_path), STEP).tensor_format == "raw"
-    # the data files, and the checksum file their packed regions' checksums are in
-    assert {p.name for p in data_files(step_dir)} | {"__0_checksums.json"} == \
-        sharded.files_verified_on_read(f"{step_dir}/tensors")
+    assert {p.name for p in data_files(step_dir)} == sharded.files_verified_on_read(
+        f"{step_dir}/tensors")
 
 
 def test_restore_of_a_dcp_format_checkpoint_verifies_it_against_the_manifest(
