@@ -111,8 +111,14 @@ __all__ = [
     "WrittenFile",
     "aligned_empty",
     "block_bytes_for",
+    "checksum_files",
+    "decode_checksums",
+    "encode_checksums",
+    "hex_digest",
+    "is_described_pack",
     "is_raw",
     "raw_files",
+    "write_checksums",
 ]
 
 FORMAT_NAME = "resumekit-raw"
@@ -793,9 +799,11 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         return done
 
     def storage_meta(self) -> None:
-        """None: no path or save id in ``.metadata``, whose bytes then depend only on the
-        state's structure (DCP reads nothing from it; the step directory's manifest
-        records the save)."""
+        """None: no path or save id in ``.metadata``.
+
+        Its bytes then depend only on the state's structure (DCP reads nothing from it;
+        the step directory's manifest records the save).
+        """
         return None
 
     def _write_file(
@@ -964,7 +972,7 @@ class _Pack:
         if not self.members:
             return []
         base, descriptor = self._write_region(handle)
-        results = [WriteResult(index=item.index, size_in_bytes=length,
+        results = [WriteResult(index=cast(WriteItem, item).index, size_in_bytes=length,
                                storage_data=_StorageInfo(
                                    self.name, base + start, length,
                                    transform_descriptors=None if number else [descriptor]))
@@ -1357,7 +1365,7 @@ class RawTensorReading:
         With a manifest (``file_checksums``) the file must be listed in it and match its
         recorded checksum, as ``.metadata`` must: the regions' checksums come from it.
         """
-        cache: dict[str, Any] = self.__dict__.setdefault("_checksum_files", {})
+        cache: dict[tuple[int, str], Any] = self.__dict__.setdefault("_checksum_files", {})
         key = (id(getattr(self, "storage_data", None)), name)
         found = cache.get(key)
         if found is not None:

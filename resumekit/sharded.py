@@ -82,6 +82,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.serialization import get_crc32_options, set_crc32_options
 
+from resumekit import raw_tensor_files
 from resumekit._tree import flatten
 from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
@@ -94,7 +95,6 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit import raw_tensor_files
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import (
@@ -482,6 +482,7 @@ def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
     seen: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
     plain = (torch.Tensor, nn.Parameter)
+    key: tuple[Any, ...]
     for name, value in model_state.items():
         if type(value) in plain:
             # The address of its first element stands for (storage, offset): the same
@@ -757,6 +758,7 @@ class _SavePlans:
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self.built = 0
 
     def remember(self, key: tuple[Any, ...], leaves: _Leaves, writer: RawTensorWriter) -> None:
         """Keep the plan of the save ``writer`` just made, where it can be replayed."""
@@ -774,7 +776,8 @@ class _SavePlans:
 _SAVE_PLANS = _SavePlans()
 
 
-def _plan_of(leaves: _Leaves, writer: RawTensorWriter) -> _SavePlan | None:
+def _plan_of(leaves: _Leaves,  # noqa: PLR0911 - one return per reason it cannot replay
+             writer: RawTensorWriter) -> _SavePlan | None:
     """The replayable plan of a save ``writer`` made of ``leaves``, or None.
 
     Only a plan whose every item is one leaf's whole tensor, packed (its region's
@@ -1057,6 +1060,7 @@ class _Layouts:
     def clear(self) -> None:
         with self._lock:
             self._layouts.clear()
+            self.built = 0
 
 
 _LAYOUTS = _Layouts()
@@ -1079,9 +1083,12 @@ def _layout_for(reader: _SafeReaderMixin) -> _Layout | None:
     return layout
 
 
-def _layout_of(metadata: Metadata) -> _Layout | None:
-    """The layout of ``metadata`` when every item is one small tensor, whole, packed in
-    format 3 (its region's checksum in a checksum file); else None."""
+def _layout_of(metadata: Metadata) -> _Layout | None:  # noqa: PLR0911, PLR0912 - one check each
+    """The layout of ``metadata``, or None unless every item can be read from one.
+
+    That is: every item one small tensor, whole, packed in format 3 (its region's
+    checksum in a checksum file), its nesting DCP's plain one of ``str`` keys.
+    """
     paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else None
     storage = metadata.storage_data or {}
     if paths is None or not storage:

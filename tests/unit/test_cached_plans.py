@@ -1,0 +1,280 @@
+"""Cached save plans and load layouts (issue 16, item 2): used only for the structure they
+were made for, and writing and reading exactly what DCP's own path does."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from resumekit import raw_tensor_files, sharded
+from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.manager import CheckpointManager
+from resumekit.raw_tensor_files import FORMAT_NAME, _Descriptor
+from resumekit.retention import keep_all
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches() -> None:
+    sharded._SAVE_PLANS.clear()
+    sharded._LAYOUTS.clear()
+
+
+def small_state(count: int = 40, seed: int = 0, size: int = 24) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"model": {f"layer{n}.weight": torch.randn(size, generator=generator)
+                      for n in range(count)},
+            "extra": {"scale": torch.ones(3, dtype=torch.float64)}}
+
+
+def blank(state: dict[str, Any]) -> dict[str, Any]:
+    return {top: {key: torch.zeros_like(value) for key, value in part.items()}
+            for top, part in state.items()}
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+class _Calls:
+    """Counts calls of a module function, still calling it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> None:
+        self.count = 0
+        real = getattr(module, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+
+
+def test_a_second_save_of_the_same_structure_replays_its_plan_and_writes_dcps_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    planned = _Calls(monkeypatch, sharded, "dcp_save")
+    sharded.save(small_state(seed=1), tmp_path / "first")
+    assert planned.count == 1 and sharded._SAVE_PLANS.built == 1
+    second = small_state(seed=2)
+    written = sharded.save(second, tmp_path / "replayed")
+    assert planned.count == 1  # no DCP planning, no metadata pickle
+
+    sharded._SAVE_PLANS.clear()  # the same state the long way: every byte the same
+    again = sharded.save(second, tmp_path / "planned")
+    assert planned.count == 2
+    assert files_of(tmp_path / "replayed") == files_of(tmp_path / "planned")
+    assert written == again  # names, sizes, checksums and references as reported
+    loaded = blank(second)
+    sharded.load(loaded, tmp_path / "replayed")
+    for top, part in second.items():
+        for key, value in part.items():
+            assert torch.equal(loaded[top][key], value), key
+
+
+def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_own_file(
+    tmp_path: Path,
+) -> None:
+    sharded.save(small_state(seed=1), tmp_path / "a")
+    sharded._SAVE_PLANS.clear()
+    sharded.save(small_state(seed=2), tmp_path / "b")
+    a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
+    assert a[DCP_METADATA_FILE] == b[DCP_METADATA_FILE]
+    sidecar = raw_checksums_file("__0_")
+    assert a[sidecar] != b[sidecar]
+    assert json.loads(a[sidecar])["format"] == raw_tensor_files.CHECKSUMS_FORMAT
+    assert str(tmp_path) not in a[DCP_METADATA_FILE].decode("latin-1")  # no path in it
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "key", "nesting", "threads", "large"])
+def test_a_changed_structure_is_planned_again_never_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str,
+) -> None:
+    sharded.save(small_state(), tmp_path / "first")
+    planned = _Calls(monkeypatch, sharded, "dcp_save")
+    state = small_state(seed=3)
+    threads = sharded.DEFAULT_THREAD_COUNT
+    model = state["model"]
+    if change == "shape":
+        model["layer7.weight"] = torch.randn(25)
+    elif change == "dtype":
+        model["layer7.weight"] = model["layer7.weight"].to(torch.bfloat16)
+    elif change == "key":
+        model["layer99.weight"] = model.pop("layer7.weight")
+    elif change == "nesting":  # the same dotted key from another nesting
+        state["extra"] = {"scale": {}}
+        del state["extra"]
+        state["extra.scale"] = torch.ones(3, dtype=torch.float64)
+    elif change == "threads":
+        threads = 2
+    elif change == "large":  # stored alone: its blocks' checksums are in .metadata
+        model["layer7.weight"] = torch.randn(raw_tensor_files.PACK_ITEM_BYTES // 4)
+    sharded.save(state, tmp_path / "changed", thread_count=threads)
+    assert planned.count == 1
+    loaded = {top: ({k: torch.zeros_like(v) for k, v in part.items()}
+                    if isinstance(part, dict) else torch.zeros_like(part))
+              for top, part in state.items()}
+    sharded.load(loaded, tmp_path / "changed")
+    assert torch.equal(loaded["model"]["layer0.weight"], model["layer0.weight"])
+
+
+def test_a_save_of_more_than_one_rank_never_replays_a_single_process_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sharded.save(small_state(), tmp_path / "first")
+    seen: list[Any] = []
+
+    def two_ranks(group: Any) -> tuple[Any, bool]:
+        return "a group of two", False
+
+    def recording(state: Any, **kwargs: Any) -> None:
+        seen.append(kwargs["process_group"])
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(sharded, "_resolve_group", two_ranks)
+    monkeypatch.setattr(sharded, "dcp_save", recording)
+    with pytest.raises(Exception, match="stop here"):
+        sharded.save(small_state(seed=4), tmp_path / "world")
+    assert seen == ["a group of two"]
+
+
+def test_a_load_of_a_known_layout_neither_plans_nor_unpickles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state = small_state(seed=5)
+    sharded.save(state, tmp_path / "ckpt")
+    sharded.load(blank(state), tmp_path / "ckpt")  # the layout is worked out once
+    assert sharded._LAYOUTS.built == 1
+    planned = _Calls(monkeypatch, sharded, "dcp_load")
+    unpickled = _Calls(monkeypatch, sharded, "load_dcp_metadata")
+    loaded = blank(state)
+    sharded.load(loaded, tmp_path / "ckpt")
+    assert sharded.files_verified_on_read(tmp_path / "ckpt") == {
+        path.name for path in (tmp_path / "ckpt").glob("*.distcp")}
+    assert (planned.count, unpickled.count) == (0, 0)
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    subset = {"model": {"layer3.weight": torch.zeros(24)}}
+    sharded.load_subset(subset, tmp_path / "ckpt")
+    assert torch.equal(subset["model"]["layer3.weight"], state["model"]["layer3.weight"])
+    assert planned.count == 0
+
+
+def test_a_destination_that_differs_from_a_known_layout_is_refused_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    state = small_state()
+    sharded.save(state, tmp_path / "ckpt")
+    sharded.load(blank(state), tmp_path / "ckpt")
+    wrong = blank(state)
+    wrong["model"]["layer2.weight"] = torch.zeros(23)
+    with pytest.raises(IncompatibleCheckpointError, match=r"layer2\.weight"):
+        sharded.load(wrong, tmp_path / "ckpt")
+    fewer = blank(state)
+    del fewer["model"]["layer5.weight"]
+    with pytest.raises(IncompatibleCheckpointError, match="unexpected in checkpoint"):
+        sharded.load(fewer, tmp_path / "ckpt")
+
+
+def test_a_flipped_byte_under_a_known_layout_still_names_the_damaged_tensor(
+    tmp_path: Path,
+) -> None:
+    state = small_state(seed=6)
+    sharded.save(state, tmp_path / "ckpt")
+    sharded.load(blank(state), tmp_path / "ckpt")
+    metadata = sharded.read_metadata(tmp_path / "ckpt")
+    info = next(info for index, info in (metadata.storage_data or {}).items()
+                if index.fqn == "model.layer9.weight")
+    path = tmp_path / "ckpt" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank(state), tmp_path / "ckpt")
+    assert caught.value.key == "model.layer9.weight"
+
+
+def test_a_damaged_checksum_file_fails_the_restore_naming_it(tmp_path: Path) -> None:
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(8)])
+    CheckpointManager(tmp_path, model=model, retention=keep_all()).save(1)
+    sidecar = next(tmp_path.glob(f"step_*/tensors/{raw_checksums_file('__0_')}"))
+    text = sidecar.read_text()
+    sidecar.write_text(text.replace("a", "b", 1) if "a" in text else text.replace("1", "2", 1))
+    with pytest.raises(CorruptCheckpointError, match=sidecar.name):
+        CheckpointManager(tmp_path, model=model, fallback=False).restore()
+
+
+def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
+    tmp_path: Path,
+) -> None:
+    # Format 2 (before the checksum files): "resumekit-raw/2;<length>;xxh3_128:<hex>".
+    state = small_state(seed=7)
+    directory = tmp_path / "ckpt"
+    sharded.save(state, directory)
+    sidecar = directory / raw_checksums_file("__0_")
+    listed = json.loads(sidecar.read_bytes())["regions"]
+    sums = {(name, offset): digest for name, found in listed.items()
+            for offset, _, digest in found}
+    with open(directory / DCP_METADATA_FILE, "rb") as handle:
+        metadata = pickle.load(handle)  # our own file, written just now
+    for info in metadata.storage_data.values():
+        if info.transform_descriptors:
+            _, length, _ = info.transform_descriptors[0].split(";")
+            digest = sums[(info.relative_path, info.offset)]
+            info.transform_descriptors = [f"{FORMAT_NAME}/2;{length};xxh3_128:{digest}"]
+    (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    sidecar.unlink()
+    loaded = blank(state)
+    sharded.load(loaded, directory)
+    for key, value in state["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    info = next(iter(metadata.storage_data.values()))
+    path = directory / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        sharded.load(blank(state), directory)
+
+
+def test_readers_of_earlier_formats_refuse_format_3_by_its_name() -> None:
+    # What a resumekit before format 3 does with a region's descriptor: decode it as an
+    # item of format 1, or as a region of format 2; both refuse, naming the format.
+    text = f"{FORMAT_NAME}/3;4096;__0_checksums.json"
+    with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
+        _Descriptor.decode(text, where="x.distcp")
+    with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
+        _Descriptor.decode_region(text, 0, where="x.distcp")
+
+
+def test_a_manager_saves_and_restores_many_small_tensors_through_the_cached_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])
+    manager = CheckpointManager(tmp_path, model=model, retention=keep_all())
+    manager.save(1)
+    planned = _Calls(monkeypatch, sharded, "dcp_save")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    saved = {key: value.clone() for key, value in model.state_dict().items()}
+    manager.save(2)
+    manager.close()
+    assert planned.count == 0
+    other = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])
+    loader = CheckpointManager(tmp_path, model=other)
+    loader.restore()
+    loaded = _Calls(monkeypatch, sharded, "dcp_load")
+    loader.restore()
+    assert loaded.count == 0 and loader.resumed_from == 2
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    loader.close()
