@@ -835,6 +835,10 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
     """
     directory = os.fspath(writer.path)
     os.makedirs(directory, exist_ok=True)
+    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):  # as DCP's writer
+        raise StorageError(
+            f"writing checkpoint {directory} failed: a checkpoint already exists there "
+            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
     writer.written = []
     sidecar = plan.checksums_file
     with ThreadPoolExecutor(max_workers=max(len(plan.files), 1),
