@@ -28,6 +28,7 @@ shares the training thread's NCCL communicator (NCCL communicators are not threa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import gc
@@ -121,6 +122,7 @@ __all__ = [
     "apply_full_model_state",
     "apply_model_and_optimizer_state",
     "canonical_param_name",
+    "collection_paused",
     "files_verified_on_read",
     "find_tied",
     "flatten_state",
@@ -643,13 +645,16 @@ def save(
     target = _directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format)
-    leaves = (_plain_leaves(state_dict)
-              if no_dist and isinstance(writer, RawTensorWriter) else None)
-    key = None if leaves is None else (thread_count, _structure(leaves))
-    plan = None if key is None else _SAVE_PLANS.get(key)
+    leaves, key, plan = None, None, None
+    if no_dist and isinstance(writer, RawTensorWriter):
+        with _collection_paused(background):
+            leaves = _plain_leaves(state_dict)
+            key = None if leaves is None else (thread_count, _structure(leaves))
+            plan = None if key is None else _SAVE_PLANS.get(key)
     try:
         if plan is not None:
-            return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
+            with _collection_paused(background):
+                return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
         with _quiet_no_dist(no_dist), _without_zip_crc32(), _collection_paused(background):
             dcp_save(
                 dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
@@ -946,22 +951,24 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
     reader = _make_reader(target, storage_options, verify=verify)
-    leaves = (_plain_leaves(state_dict)
-              if no_dist and isinstance(reader, _SafeFileSystemReader) else None)
-    if leaves is not None:
+    leaves: _Leaves | None = None
+    if no_dist and isinstance(reader, _SafeFileSystemReader):
         try:
-            layout = _layout_for(reader)
-            if layout is not None and layout.fits(leaves, reject_unexpected):
-                _read_laid_out(reader, layout, leaves)
-                return
+            with _collection_paused(False):
+                leaves = _plain_leaves(state_dict)
+                layout = None if leaves is None else _layout_for(reader)
+                if layout is not None and layout.fits(leaves or [], reject_unexpected):
+                    _read_laid_out(reader, layout, leaves or [])
+                    return
         except _ReadItTheLongWay:
             pass  # damaged or short: DCP's path below reads it again and names what
         except ResumekitError:
             raise
         except OSError as error:
             raise _load_error(error, target, reader, rank=None) from error
-        reader.hand_over_metadata()  # parsed above: DCP's path takes it, not a second parse
-        reader = _make_reader(target, storage_options, verify=verify)
+        if leaves is not None:  # parsed above: DCP's path takes it, not a second parse
+            reader.hand_over_metadata()
+            reader = _make_reader(target, storage_options, verify=verify)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
@@ -1546,6 +1553,17 @@ def _collection_paused(background: bool) -> Generator[None, None, None]:
         yield
     finally:
         gc.enable()
+
+
+def collection_paused() -> contextlib.AbstractContextManager[None]:
+    """Pause Python's cyclic garbage collector here, on the main thread only.
+
+    For foreground work that allocates a few objects per tensor (captures, fingerprints):
+    as :func:`save` and :func:`load` do for DCP's plan objects. Never on another thread
+    (a background save's pause would cover the training loop); the previous setting is
+    restored.
+    """
+    return _collection_paused(False)
 
 
 def _resolve_group(

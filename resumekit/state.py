@@ -146,10 +146,11 @@ class TrainState:
             self.tied = {}
             self.captured_params = {}
             return {}
-        state = sharded.model_and_optimizer_state(self.model, self.optimizer)
-        self.captured_params = _params_of(state["model"])
-        self.tied = sharded.find_tied(state["model"])
-        return sharded.untie(state, self.tied)
+        with sharded.collection_paused():  # as in fingerprint_params
+            state = sharded.model_and_optimizer_state(self.model, self.optimizer)
+            self.captured_params = _params_of(state["model"])
+            self.tied = sharded.find_tied(state["model"])
+            return sharded.untie(state, self.tied)
 
     def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True,
                     source: str | None = None,
@@ -171,9 +172,10 @@ class TrainState:
         if optimizer and source is not None and self.optimizer is not None:
             sharded.preallocate_optimizer_state(self.model, self.optimizer, source,
                                                 storage_options=storage_options)
-        state = sharded.model_and_optimizer_state(
-            self.model, self.optimizer if optimizer else None)
-        return sharded.untie(state, tied)
+        with sharded.collection_paused():  # as in fingerprint_params
+            state = sharded.model_and_optimizer_state(
+                self.model, self.optimizer if optimizer else None)
+            return sharded.untie(state, tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""
@@ -212,7 +214,10 @@ class TrainState:
         """
         if self.model is None:
             return {}
-        return _params_of(sharded.model_state_dict(self.model))
+        # Two lists per tensor: without the pause, the collector's passes over the
+        # process (triggered by those allocations) cost more than building them.
+        with sharded.collection_paused():
+            return _params_of(sharded.model_state_dict(self.model))
 
     # -- apply --------------------------------------------------------------------------
     def apply_tensor_state(self, state: dict[str, Any],
@@ -226,8 +231,9 @@ class TrainState:
         """
         if self.model is not None:
             optimizer = self.optimizer if "optimizer" in state else None
-            sharded.apply_model_and_optimizer_state(self.model, optimizer,
-                                                    sharded.retie(state, tied or {}))
+            with sharded.collection_paused():  # as in fingerprint_params
+                sharded.apply_model_and_optimizer_state(self.model, optimizer,
+                                                        sharded.retie(state, tied or {}))
 
     def apply_train_state(self, state: Mapping[str, Any], *, source: str,
                           scheduler: bool = True) -> None:

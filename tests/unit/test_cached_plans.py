@@ -278,3 +278,25 @@ def test_a_manager_saves_and_restores_many_small_tensors_through_the_cached_path
     for key, value in other.state_dict().items():
         assert torch.equal(value, saved[key]), key
     loader.close()
+
+
+def test_captures_and_fingerprints_run_with_the_collector_paused_on_the_main_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc  # noqa: PLC0415 - this test only
+
+    from resumekit import state as state_module  # noqa: PLC0415 - this test only
+
+    seen: list[bool] = []
+    real = state_module._params_of
+
+    def spy(model_state: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real(model_state)
+
+    monkeypatch.setattr(state_module, "_params_of", spy)
+    train = state_module.TrainState(model=nn.Linear(2, 2))
+    train.fingerprint_params()
+    train.tensor_state()
+    assert seen == [False, False]
+    assert gc.isenabled()  # restored
