@@ -37,9 +37,13 @@ per block of the item (:func:`block_bytes_for`: about a sixteenth of it, 64 KiB 
 so a reader that needs a slice verifies it without reading much more (``bytes`` and an
 empty shape for non-tensor values). Smaller items share packed regions of at most
 :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose first
-member records ``"resumekit-raw/2;<region length>;xxh3_128:<hex>"`` and the others
-nothing, as DCP's own items; their dtype and shape are DCP's metadata entries. Checkpoints
-written before packing hold every item in format 1 and still load. DCP's stock reader
+member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
+nothing, as DCP's own items; their dtype and shape are DCP's metadata entries. The
+region's checksum is in the rank's checksum file (``__<rank>_checksums.json``, listed in
+the manifest, checked against it before use), so ``.metadata`` holds no checksum of a
+packed region and its bytes depend only on the state's structure. Checkpoints written
+before that (format 2: ``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and before
+packing (every item in format 1) still load. DCP's stock reader
 stops at a described item with ``ValueError: Unknown extension name='resumekit-raw'``
 instead of misreading it (the first member of every region is described); stock DCP
 reads these checkpoints through :class:`resumekit.StorageReader` (``dcp.load(...,
