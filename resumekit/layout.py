@@ -18,6 +18,7 @@ What a committed step directory holds (every name is a constant of this module):
       tensors/                   TENSORS_DIR: model + optimizer, a DCP directory
         .metadata                DCP_METADATA_FILE: DCP's index of every tensor
         __0_0.distcp ...         the ranks' tensor data (named by DCP)
+        __0_checksums.json ...   raw_checksums_file(prefix): a rank's packed regions' checksums
       train_state.pt             TRAIN_STATE_FILE: step, micro_step, scheduler (rank 0)
       rank_state/rank_00000.pt   RANK_STATE_DIR, rank_state_file(rank): RNG, data position
 
