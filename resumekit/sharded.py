@@ -697,7 +697,8 @@ def _plain_leaves(state_dict: Mapping[str, Any]) -> _Leaves | None:
             if type(key) is not str:
                 return False
             if type(value) in plain:
-                if (value.device.type != "cpu" or not value.is_contiguous()
+                if (value.device.type != "cpu" or value.layout is not torch.strided
+                        or not value.is_contiguous()
                         or value.is_conj() or value.is_neg()
                         or value.numel() * value.element_size() >= limit):
                     return False
