@@ -198,7 +198,8 @@ def model_and_optimizer_state(
         ``{"model": ...}`` plus ``"optimizer"`` when an optimizer is given.
     """
     if optimizer is None:
-        return {"model": model_state_dict(model, options=options)}
+        with _collection_paused(False):  # see collection_paused
+            return {"model": model_state_dict(model, options=options)}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
 

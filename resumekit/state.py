@@ -172,10 +172,9 @@ class TrainState:
         if optimizer and source is not None and self.optimizer is not None:
             sharded.preallocate_optimizer_state(self.model, self.optimizer, source,
                                                 storage_options=storage_options)
-        with sharded.collection_paused():  # as in fingerprint_params
-            state = sharded.model_and_optimizer_state(
-                self.model, self.optimizer if optimizer else None)
-            return sharded.untie(state, tied)
+        state = sharded.model_and_optimizer_state(
+            self.model, self.optimizer if optimizer else None)
+        return sharded.untie(state, tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""
