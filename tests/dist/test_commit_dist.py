@@ -16,13 +16,15 @@ from resumekit.catalog import list_checkpoints, verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.coordination import ProcessGroupCoordinator
 from resumekit.errors import StepCollisionError
+from resumekit.layout import GENERATIONS_DIR
 from resumekit.manifest import Manifest
 from resumekit.storage import Storage
 from tests.distributed_harness import run_ranks
 
 
 def _entries(root: Path) -> list[str]:
-    return sorted(os.listdir(root))
+    """The root's entries besides the writer-generation records the first begin claims."""
+    return sorted(name for name in os.listdir(root) if name != GENERATIONS_DIR)
 
 
 def _two_rank_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
