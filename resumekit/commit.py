@@ -312,19 +312,49 @@ class CommitProtocol:
         self.storage.make_dirs()
         held, zombies, top, reference = self._claim_on_leader(
             f"begin saving step {step}", step, claim=False)
-        newest = top.newest.step if top.newest is not None else None
         name = self.name_format.build(step)
-        present = name in top.names
-        known = {entry.name: entry for entry in
-                 (*top.above, *([top.newest] if top.newest is not None else []))}
-        # A step below the newest was not read from the top: read its manifest alone.
-        extra = classify_step(self.storage, step, self.name_format) \
-            if present and name not in known else None
-        own = known.get(name, extra)
-        if extra is not None and extra.manifest is not None and extra.status == "committed":
+        extra = self._entry_below_the_top(step, name, top, reference, zombies)
+        replaces = self._refuse_unless_free(step, name, top, extra=extra, zombies=zombies,
+                                            replace=replace)
+        # A writer that never restored claims the root now, as its first save starts
+        # (not on a save refused above: that one neither restored nor committed).
+        generation = held or self._claim_now(top)
+        # The sweep looks at the top of the root (where a crashed or fenced writer's
+        # staging is: its step was newer than every committed one), not at every entry.
+        sweep_dead_writers(self.storage, [*top.entries(), *([extra] if extra else [])],
+                           generation, active_tokens=active_tokens)
+        return self._stage(step, name, token, replaces, generation)
+
+    def _entry_below_the_top(self, step: int, name: str, top: RootTop,
+                             reference: WriterGeneration | None, zombies: dict[str, str]
+                             ) -> CheckpointEntry | None:
+        """The entry ``name`` when it exists below the top read (its manifest read alone).
+
+        A fenced writer's commit there joins ``zombies``.
+        """
+        known = {entry.name for entry in top.entries()}
+        if name not in top.names or name in known:
+            return None
+        extra = classify_step(self.storage, step, self.name_format)
+        if extra.manifest is not None and extra.status == "committed":
             reason = generations.zombie_reason(extra.manifest, reference)
             if reason is not None:
                 zombies[name] = reason
+        return extra
+
+    def _refuse_unless_free(self, step: int, name: str, top: RootTop, *,
+                            extra: CheckpointEntry | None, zombies: dict[str, str],
+                            replace: bool) -> bool:
+        """Raise unless ``step`` may be saved now; return whether it replaces a commit.
+
+        Raises:
+            StepCollisionError: A fenced writer's commit holds the step (and ``replace``
+                is not set), the step is not above the newest committed one (and is not
+                replaced), or a directory that is not a checkpoint holds its name.
+        """
+        newest = top.newest.step if top.newest is not None else None
+        known = {entry.name: entry for entry in top.entries()}
+        own = known.get(name, extra)
         replaces = own is not None and own.status == "committed" and name not in zombies
         if name in zombies and not replace:
             raise StepCollisionError(
@@ -342,20 +372,18 @@ class CommitProtocol:
                 f"checkpoint is step {newest}{hint}",
                 step=step, newest=newest, path=self.storage.path(),
             )
-        if self.storage.atomic_rename and not replaces and present:
+        if self.storage.atomic_rename and not replaces and name in top.names:
             raise StepCollisionError(
                 f"cannot save step {step}: {self.storage.path(name)} already exists and is "
                 "not a committed checkpoint (a weights-only legacy or foreign directory); "
                 "move it out of the root first",
                 step=step, newest=newest, path=self.storage.path(name),
             )
-        # A writer that never restored claims the root now, as its first save starts
-        # (not on a save refused above: that one neither restored nor committed).
-        generation = held or self._claim_now(top)
-        # The sweep looks at the top of the root (where a crashed or fenced writer's
-        # staging is: its step was newer than every committed one), not at every entry.
-        sweep_dead_writers(self.storage, [*top.entries(), *([extra] if extra else [])],
-                           generation, active_tokens=active_tokens)
+        return replaces
+
+    def _stage(self, step: int, name: str, token: str, replaces: bool,
+               generation: WriterGeneration) -> PendingCheckpoint:
+        """Create the staging area of ``step`` and its writer record."""
         if self.storage.atomic_rename:
             staging = self.name_format.staging_name(step, token)
             data_dir = "."
