@@ -268,34 +268,24 @@ def plain_state_dict(model: nn.Module) -> dict[str, Any] | None:
     return state
 
 
-def _loads_in_place(model: nn.Module, state: Mapping[str, Any]) -> bool:
-    """Whether ``state`` is ``model``'s own tensors, so loading it into the model is a no-op.
+def _loads_by_itself(model: nn.Module) -> bool:
+    """Whether ``model.load_state_dict`` would only copy each value into its tensor.
 
-    True when the model is plain (:func:`plain_state_dict`), loads with nn.Module's own
-    code (no load hooks, no overridden ``_load_from_state_dict`` or ``set_extra_state``:
-    ``load_state_dict`` then only copies each value into its tensor) and every value of
-    ``state`` views exactly the memory its key's tensor does (same storage, offset,
-    shape, stride, dtype): every copy would be of a tensor onto itself. DCP loads into
-    the destination tensors in place, so a state read into
-    :func:`model_and_optimizer_state`'s tensors is applied by the read itself.
+    True when every module loads with nn.Module's own code (no overridden
+    ``_load_from_state_dict`` or ``set_extra_state``), has no load pre-hook, and no load
+    post-hook but FSDP2's own (``FSDPParam`` re-derives its sharded views from the
+    parameter: nothing to do when the values already are that memory). A hook of anyone
+    else may do more than copy, so it is never skipped.
     """
     for module in model.modules():
         kind = type(module)
-        if (module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks
+        if (module._load_state_dict_pre_hooks
                 or kind._load_from_state_dict is not nn.Module._load_from_state_dict
                 or kind.set_extra_state is not nn.Module.set_extra_state):
             return False
-    own = plain_state_dict(model)
-    if own is None or own.keys() != state.keys():
-        return False
-    for key, want in own.items():
-        have = state[key]
-        if not (isinstance(want, torch.Tensor) and isinstance(have, torch.Tensor)):
-            return False
-        if (have.data_ptr() != want.data_ptr() or have.dtype != want.dtype
-                or have.shape != want.shape or have.stride() != want.stride()
-                or have.device != want.device):
-            return False
+        for hook in module._load_state_dict_post_hooks.values():
+            if not getattr(hook, "__qualname__", "").startswith("FSDPParam."):
+                return False
     return True
 
 
@@ -322,9 +312,10 @@ def apply_model_and_optimizer_state(
             or dtype differs; ``differences`` lists every problem, by key.
     """
     if (optimizer is None and options is None and set(state) == {"model"}
-            and isinstance(state["model"], Mapping)
-            and _loads_in_place(model, state["model"])):
-        return  # read into the model's own tensors: nothing left to copy
+            and isinstance(state["model"], Mapping) and _loads_by_itself(model)):
+        own = plain_state_dict(model)  # a plain module: no capture through DCP needed
+        if own is not None and _same_memory(state["model"], own):
+            return  # read into the model's own tensors: nothing left to copy
     expected = model_and_optimizer_state(model, optimizer, options=options)
     for part in expected:
         if part not in state:
@@ -339,7 +330,8 @@ def apply_model_and_optimizer_state(
     if differences:
         raise _incompatible("the state to apply", differences)
     strict = options if options is not None else StateDictOptions(strict=True)
-    if options is None and _in_place(state["model"], expected["model"]):
+    if (options is None and _loads_by_itself(model)
+            and _same_memory(state["model"], expected["model"])):
         # The load wrote into the model's own tensors (the usual restore): copying each
         # into itself would change nothing, and costs a first dispatch of ``copy_`` per
         # shape of sharded parameter in a fresh process. Only the optimizer is applied.
@@ -355,7 +347,7 @@ def apply_model_and_optimizer_state(
     )
 
 
-def _in_place(given: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
+def _same_memory(given: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
     """Whether every entry of ``given`` is a tensor over the very memory of ``live``'s.
 
     Same keys, and for each the same storage address, offset, shape, stride and dtype
@@ -800,6 +792,30 @@ def _plan_of(leaves: _Leaves,  # noqa: PLR0911 - one return per reason it cannot
     if set(metadata.state_dict_metadata) != set(number_of):
         return None
     storage = metadata.storage_data or {}
+    placed = _placed_members(jobs, storage, number_of, leaves)
+    if placed is None:
+        return None
+    files, offsets = placed
+    if sum(len(members) for _, members in files) != len(leaves):
+        return None
+    (entry,) = [file for file in writer.written if file.name == DCP_METADATA_FILE]
+    data = (Path(os.fspath(writer.path)) / DCP_METADATA_FILE).read_bytes()
+    if checksum_chunks([data]) != entry.checksum:
+        return None
+    sidecars = checksum_files(storage)
+    if len(sidecars) != 1:
+        return None
+    return _SavePlan(tuple(files), tuple(offsets), data, entry.checksum, entry.references,
+                     sidecars.pop())
+
+
+def _placed_members(jobs: Any, storage: Mapping[Any, Any], number_of: Mapping[str, int],
+                    leaves: _Leaves
+                    ) -> tuple[list[tuple[str, tuple[int, ...]]], list[tuple[int, ...]]] | None:
+    """Each written file's leaf numbers and their offsets, in the writer's order.
+
+    None unless every item is one leaf's whole tensor, packed in format 3.
+    """
     files: list[tuple[str, tuple[int, ...]]] = []
     offsets: list[tuple[int, ...]] = []
     for name, items in jobs:
@@ -819,17 +835,7 @@ def _plan_of(leaves: _Leaves,  # noqa: PLR0911 - one return per reason it cannot
             where.append(info.offset)
         files.append((name, tuple(members)))
         offsets.append(tuple(where))
-    if sum(len(members) for _, members in files) != len(leaves):
-        return None
-    (entry,) = [file for file in writer.written if file.name == DCP_METADATA_FILE]
-    data = (Path(os.fspath(writer.path)) / DCP_METADATA_FILE).read_bytes()
-    if checksum_chunks([data]) != entry.checksum:
-        return None
-    sidecars = checksum_files(storage)
-    if len(sidecars) != 1:
-        return None
-    return _SavePlan(tuple(files), tuple(offsets), data, entry.checksum, entry.references,
-                     sidecars.pop())
+    return files, offsets
 
 
 def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
@@ -1096,7 +1102,11 @@ def _layout_for(reader: _SafeReaderMixin) -> _Layout | None:
     return layout
 
 
-def _layout_of(metadata: Metadata) -> _Layout | None:  # noqa: PLR0911, PLR0912 - one check each
+_LayoutItems = dict[str, tuple[tuple[str, ...], tuple[int, ...], torch.dtype]]
+_Region = tuple[int, int, tuple[tuple[str, int, int], ...]]
+
+
+def _layout_of(metadata: Metadata) -> _Layout | None:
     """The layout of ``metadata``, or None unless every item can be read from one.
 
     That is: every item one small tensor, whole, packed in format 3 (its region's
@@ -1106,7 +1116,30 @@ def _layout_of(metadata: Metadata) -> _Layout | None:  # noqa: PLR0911, PLR0912 
     storage = metadata.storage_data or {}
     if paths is None or not storage:
         return None
-    items: dict[str, tuple[tuple[str, ...], tuple[int, ...], torch.dtype]] = {}
+    items = _layout_items(metadata, paths)
+    found = None if items is None else _members_by_file(storage, items)
+    if items is None or found is None:
+        return None
+    by_file, leaders = found
+    regions: dict[str, tuple[_Region, ...]] = {}
+    for name, members in by_file.items():
+        laid = _regions_of(sorted(members), sorted(leaders.get(name, [])))
+        if laid is None:
+            return None  # the reader's long way names this
+        regions[name] = laid
+    per_top: dict[str, int] = {}
+    for path, _, _ in items.values():
+        per_top[path[0]] = per_top.get(path[0], 0) + 1
+    return _Layout(items, regions, per_top, frozenset(by_file),
+                   frozenset(checksum_files(storage)))
+
+
+def _layout_items(metadata: Metadata, paths: Mapping[str, Any]) -> _LayoutItems | None:
+    """Return ``{fqn: (path, shape, dtype)}``, or None.
+
+    None unless every item is one whole tensor under plain ``str`` keys.
+    """
+    items: _LayoutItems = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         path = paths.get(fqn)
         if (not isinstance(entry, TensorStorageMetadata) or len(entry.chunks) != 1
@@ -1118,6 +1151,17 @@ def _layout_of(metadata: Metadata) -> _Layout | None:  # noqa: PLR0911, PLR0912 
         if any(chunk.offsets) or torch.Size(chunk.sizes) != shape:
             return None
         items[fqn] = (path, shape, entry.properties.dtype)
+    return items
+
+
+def _members_by_file(storage: Mapping[Any, Any], items: _LayoutItems
+                     ) -> tuple[dict[str, list[tuple[int, int, str]]],
+                                dict[str, list[tuple[int, int]]]] | None:
+    """Each file's ``(offset, length, fqn)`` members and ``(start, length)`` regions.
+
+    None when an item is not a whole packed tensor of ``items`` (format 3), or an item
+    has no storage.
+    """
     by_file: dict[str, list[tuple[int, int, str]]] = {}
     leaders: dict[str, list[tuple[int, int]]] = {}
     for index, info in storage.items():
@@ -1132,29 +1176,27 @@ def _layout_of(metadata: Metadata) -> _Layout | None:  # noqa: PLR0911, PLR0912 
         by_file.setdefault(info.relative_path, []).append((info.offset, info.length, index.fqn))
     if sum(len(found) for found in by_file.values()) != len(items):
         return None
-    regions: dict[str, tuple[tuple[int, int, tuple[tuple[str, int, int], ...]], ...]] = {}
-    for name, members in by_file.items():
-        starts = sorted(leaders.get(name, []))
-        laid: list[tuple[int, int, tuple[tuple[str, int, int], ...]]] = []
-        members.sort()
-        at = 0
-        for start, length in starts:
-            inside: list[tuple[str, int, int]] = []
-            while at < len(members) and members[at][0] < start + max(length, 1):
-                offset, size, fqn = members[at]
-                if offset < start or offset + size > start + length:
-                    return None  # the reader's long way names this
-                inside.append((fqn, offset - start, size))
-                at += 1
-            laid.append((start, length, tuple(inside)))
-        if at != len(members):
-            return None
-        regions[name] = tuple(laid)
-    per_top: dict[str, int] = {}
-    for path, _, _ in items.values():
-        per_top[path[0]] = per_top.get(path[0], 0) + 1
-    return _Layout(items, regions, per_top, frozenset(by_file),
-                   frozenset(checksum_files(storage)))
+    return by_file, leaders
+
+
+def _regions_of(members: list[tuple[int, int, str]], starts: list[tuple[int, int]]
+                ) -> tuple[_Region, ...] | None:
+    """Return one file's regions with their members (inputs sorted), or None.
+
+    None unless each member lies inside one region and every member is in one.
+    """
+    laid: list[_Region] = []
+    at = 0
+    for start, length in starts:
+        inside: list[tuple[str, int, int]] = []
+        while at < len(members) and members[at][0] < start + max(length, 1):
+            offset, size, fqn = members[at]
+            if offset < start or offset + size > start + length:
+                return None
+            inside.append((fqn, offset - start, size))
+            at += 1
+        laid.append((start, length, tuple(inside)))
+    return tuple(laid) if at == len(members) else None
 
 
 def _read_laid_out(reader: _SafeReaderMixin, layout: _Layout, leaves: _Leaves) -> None:

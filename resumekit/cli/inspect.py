@@ -184,11 +184,14 @@ def chain_of(manifests: list[Manifest]) -> list[dict[str, Any]]:
     return [item.to_json() for item in runs]
 
 
-def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
-    storage = target.storage
-    entries = target.entries()
-    committed = [entry for entry in entries if entry.status == "committed"]
-    # a commit a fenced writer made in the commit's race window is never restored
+def _root_rows(storage: Storage, entries: list[CheckpointEntry],
+               committed: list[CheckpointEntry]
+               ) -> tuple[list[dict[str, Any]], CheckpointEntry | None]:
+    """The JSON rows of a root's entries and the checkpoint the next run resumes from.
+
+    A commit a fenced writer made in the commit's race window is never restored: its row
+    says so, and the resume mark goes to the newest checkpoint below it.
+    """
     current = generations.newest_generation(storage) if storage.is_dir() else None
     fenced = generations.zombie_commits(committed, current)
     restorable = [entry for entry in committed if entry.name not in fenced]
@@ -205,6 +208,14 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
         if entry.name in fenced:
             row["problem"] = f"{fenced[entry.name]}; restore never resumes from it"
         rows.append(row)
+    return rows, resume
+
+
+def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
+    storage = target.storage
+    entries = target.entries()
+    committed = [entry for entry in entries if entry.status == "committed"]
+    rows, resume = _root_rows(storage, entries, committed)
     chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
     corrupt = [entry for entry in entries if entry.status == "corrupt"]
     itself = detect_foreign(storage) if not entries else None

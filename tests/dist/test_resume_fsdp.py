@@ -179,3 +179,37 @@ def test_a_checkpoint_reshards_across_world_sizes_with_no_sample_repeated_or_ski
     else:
         rests = run_ranks(_load_and_check, loaded, args=(root, saved))
     _check_partition(tmp_path, saved, rests)
+
+
+def _restore_counting_copies(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, opt, *_ = _objects()
+    loss = model(DATASET[:BATCH]).sum()
+    loss.backward()
+    opt.step()
+    CheckpointManager(root, model=model, optimizer=opt).save(1)
+    fresh, fresh_opt, *_ = _objects(with_optimizer_state=False)
+    calls: list[str] = []
+    real = nn.Module.load_state_dict
+
+    def counting(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        calls.append(type(self).__name__)
+        return real(self, *args, **kwargs)
+
+    nn.Module.load_state_dict = counting  # type: ignore[method-assign]
+    try:
+        CheckpointManager(root, model=fresh, optimizer=fresh_opt).restore()
+    finally:
+        nn.Module.load_state_dict = real  # type: ignore[method-assign]
+    same = all(torch.equal(a.to_local(), b.to_local())
+               for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    hooks = sum(len(m._load_state_dict_post_hooks) for m in fresh.modules())
+    return {"calls": calls, "same": same, "fsdp_hooks": hooks}
+
+
+def test_an_fsdp2_restore_read_into_the_sharded_parameters_copies_nothing_onto_them(
+    tmp_path: Path,
+) -> None:
+    for result in run_ranks(_restore_counting_copies, 2, args=(str(tmp_path),)):
+        assert result["fsdp_hooks"] > 0  # FSDP2's own post-hooks do not block the shortcut
+        assert result["calls"] == []
+        assert result["same"]
