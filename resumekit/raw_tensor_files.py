@@ -59,6 +59,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import io
 import json
 import logging
@@ -68,9 +69,9 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any, NamedTuple, cast
+from typing import IO, Any, NamedTuple, TypeVar, cast
 
 import torch
 import xxhash
@@ -707,21 +708,12 @@ class CheckedDcpWriter(_ReportingWriter, FsspecWriter):
         buckets = [bucket for bucket in _balance(plan.items, self.file_count) if bucket]
         self.written = []
         results: list[WriteResult] = []
-        with ThreadPoolExecutor(max_workers=max(len(buckets), 1),
-                                thread_name_prefix="resumekit-writer") as pool:
-            futures = [pool.submit(self._write_one, f"{prefix}{number}{DATA_SUFFIX}", bucket,
-                                   planner) for number, bucket in enumerate(buckets)]
-        errors = [error for error in (future.exception() for future in futures)
-                  if error is not None]
-        if errors:
-            for extra in errors[1:]:
-                logger.error("resumekit: another writer thread failed too: %s: %s",
-                             type(extra).__name__, extra)
-                errors[0].add_note(f"another writer thread failed too: {extra}")
-            raise errors[0]
+        outcomes = run_writer_threads([
+            functools.partial(self._write_one, f"{prefix}{number}{DATA_SUFFIX}", bucket,
+                              planner) for number, bucket in enumerate(buckets)])
         recorder = cast(_RecordingFileSystem, self.fs)
-        for future in futures:
-            results.extend(future.result())
+        for outcome in outcomes:
+            results.extend(outcome)
         for name in sorted({cast(_StorageInfo, r.storage_data).relative_path
                             for r in results}):
             entry = recorder.recorded[name]
@@ -776,20 +768,11 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         self.written = []
         results: list[WriteResult] = []
         sidecar = raw_checksums_file(prefix)
-        with ThreadPoolExecutor(max_workers=max(len(jobs), 1),
-                                thread_name_prefix="resumekit-writer") as pool:
-            futures = [pool.submit(self._write_file, name, items, sidecar)
-                       for name, items in jobs]
-        errors = [error for error in (future.exception() for future in futures)
-                  if error is not None]
-        if errors:
-            for extra in errors[1:]:
-                errors[0].add_note(f"another writer thread failed too: {extra}")
-            raise errors[0]
+        outcomes = run_writer_threads([
+            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs])
         self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
         regions: dict[str, list[tuple[int, int, str]]] = {}
-        for (name, _), future in zip(jobs, futures, strict=True):
-            file_results, written, packed = future.result()
+        for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
             results.extend(file_results)
             self.written.append(written)
             if packed:
@@ -1652,3 +1635,26 @@ class _Job:
 def _chunks(view: memoryview) -> Iterator[memoryview]:
     for start in range(0, len(view), CHUNK_BYTES):
         yield view[start:start + CHUNK_BYTES]
+
+
+_T = TypeVar("_T")
+
+
+def run_writer_threads(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Run each call on a writer thread of its own; return their results in order.
+
+    The one owner of a save's writer threads: every thread's error fails the save. The
+    first is raised once all have ended, with the others attached to it as notes.
+    """
+    with ThreadPoolExecutor(max_workers=max(len(calls), 1),
+                            thread_name_prefix="resumekit-writer") as pool:
+        futures = [pool.submit(call) for call in calls]
+    errors = [error for error in (future.exception() for future in futures)
+              if error is not None]
+    if errors:
+        for extra in errors[1:]:
+            logger.error("resumekit: another writer thread failed too: %s: %s",
+                         type(extra).__name__, extra)
+            errors[0].add_note(f"another writer thread failed too: {extra}")
+        raise errors[0]
+    return [future.result() for future in futures]

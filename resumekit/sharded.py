@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 import gc
 import io
 import os
@@ -854,20 +855,13 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
             "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
     writer.written = []
     sidecar = plan.checksums_file
-    with ThreadPoolExecutor(max_workers=max(len(plan.files), 1),
-                            thread_name_prefix="resumekit-writer") as pool:
-        futures = [pool.submit(writer.write_small, name,
-                               [leaves[number][1] for number in members], sidecar)
-                   for name, members in plan.files]
-    errors = [error for error in (future.exception() for future in futures)
-              if error is not None]
-    if errors:
-        for extra in errors[1:]:
-            errors[0].add_note(f"another writer thread failed too: {extra}")
-        raise errors[0]
+    outcomes = raw_tensor_files.run_writer_threads([
+        functools.partial(writer.write_small, name, [leaves[number][1] for number in members],
+                          sidecar)
+        for name, members in plan.files])
     regions: dict[str, list[tuple[int, int, str]]] = {}
-    for (name, _), expected, future in zip(plan.files, plan.offsets, futures, strict=True):
-        written_at, written, packed = future.result()
+    for (name, _), expected, (written_at, written, packed) in zip(
+            plan.files, plan.offsets, outcomes, strict=True):
         if tuple(written_at) != expected:
             raise StorageError(  # cannot happen: the same items, sizes and order
                 f"writing checkpoint {directory}: {name} came out unlike its plan; "
