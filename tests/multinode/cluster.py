@@ -124,28 +124,11 @@ class NamespaceCluster(SlurmCluster):
         return cluster
 
     def _boot(self, hardware: Mapping[str, str], timeout_s: float) -> None:
-        for sub in ("state", "spool", "log", "jobs", "run", "scratch"):
-            (self.root / sub).mkdir(mode=0o700)
-        for host in self.hosts:
+        deadline = self._start_controller(
+            hardware, timeout_s, ("state", "spool", "log", "jobs", "run", "scratch"))
+        for host in self.hosts:  # node-local disk and a spool of its own per host
             (self.root / "scratch" / host).mkdir()
             (self.root / "spool" / host).mkdir()
-        key = self.root / "munge.key"
-        key.write_bytes(os.urandom(1024))
-        key.chmod(0o400)
-        self.conf_path.write_text(self.render_conf(hardware))
-        deadline = time.monotonic() + timeout_s
-        munge_socket = self.root / "munge.socket"
-        self._spawn(
-            "munged",
-            [self.bins["munged"], "--foreground", "--force",
-             f"--socket={munge_socket}", f"--key-file={key}",
-             f"--pid-file={self.root / 'munged.pid'}",
-             f"--log-file={self.root / 'log' / 'munged.log'}",
-             f"--seed-file={self.root / 'munge.seed'}"],
-        )
-        self._poll(munge_socket.exists, deadline, "munged to create its socket",
-                   watch=("munged",))
-        self._spawn("slurmctld", [self.bins["slurmctld"], "-D", "-i", "-f", str(self.conf_path)])
         for host in self.hosts:
             self.start_slurmd(host)
         self._poll(self.all_idle, deadline, f"sinfo to report {', '.join(self.hosts)} idle",

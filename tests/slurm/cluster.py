@@ -273,14 +273,30 @@ class SlurmCluster:
         return cluster
 
     def _boot(self, hardware: Mapping[str, str], timeout_s: float) -> None:
-        for sub in ("state", "spool", "log", "jobs"):
+        deadline = self._start_controller(hardware, timeout_s, ("state", "spool", "log", "jobs"))
+        self._spawn("slurmd", [self.bins["slurmd"], "-D", "-f", str(self.conf_path)])
+
+        def node_idle() -> bool:
+            result = self._run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], check=False)
+            states = result.stdout.split()
+            return result.returncode == 0 and bool(states) and all(s == "idle" for s in states)
+
+        self._poll(node_idle, deadline, f"sinfo to report node {self.node} idle",
+                   watch=DAEMONS)
+
+    def _start_controller(self, hardware: Mapping[str, str], timeout_s: float,
+                          subdirs: tuple[str, ...]) -> float:
+        """Create ``subdirs``, the munge key and ``slurm.conf``; start munged and slurmctld.
+
+        Returns the deadline of the whole start-up (``timeout_s`` from now).
+        """
+        for sub in subdirs:
             (self.root / sub).mkdir(mode=0o700)
         key = self.root / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         self.conf_path.write_text(self.render_conf(hardware))
         deadline = time.monotonic() + timeout_s
-
         munge_socket = self.root / "munge.socket"
         self._spawn(
             "munged",
@@ -292,17 +308,8 @@ class SlurmCluster:
         )
         self._poll(munge_socket.exists, deadline, "munged to create its socket",
                    watch=("munged",))
-
         self._spawn("slurmctld", [self.bins["slurmctld"], "-D", "-i", "-f", str(self.conf_path)])
-        self._spawn("slurmd", [self.bins["slurmd"], "-D", "-f", str(self.conf_path)])
-
-        def node_idle() -> bool:
-            result = self._run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], check=False)
-            states = result.stdout.split()
-            return result.returncode == 0 and bool(states) and all(s == "idle" for s in states)
-
-        self._poll(node_idle, deadline, f"sinfo to report node {self.node} idle",
-                   watch=DAEMONS)
+        return deadline
 
     def render_conf(self, hardware: Mapping[str, str]) -> str:
         """The ``slurm.conf`` text of this cluster (ports are picked free at call time)."""
