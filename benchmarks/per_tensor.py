@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from benchmarks.peers import write_all
-from benchmarks.timing import clock, fsync_tree, interleave, remove
+from benchmarks.timing import FreshDirs, clock, fsync_tree, interleave, remove
 from resumekit import sharded
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manager import CheckpointManager
@@ -79,20 +79,7 @@ def bench_per_tensor(work: Path, count: int, rounds: int,
     """Interleaved saves and restores of ``count`` small tensors; every sample."""
     model = ManySmall(count)
     step = [0]
-    counter = [0]
-
-    def fresh(name: str) -> Path:
-        counter[0] += 1
-        return work / f"per-tensor-{name}-{counter[0]}"
-
-    def timed(name: str, write: Callable[[Path], None]) -> Callable[[], float]:
-        def method() -> float:
-            target = fresh(name)
-            try:
-                return clock(lambda: write(target))
-            finally:
-                remove(target)
-        return method
+    timed = FreshDirs(work, "per-tensor-").timed_write
 
     save_root = work / "per-tensor-resumekit"
     saver = CheckpointManager(save_root, model=model, retention=keep_all())

@@ -30,6 +30,7 @@ from benchmarks.per_tensor import bench_per_tensor
 from benchmarks.ranks import spawn_ranks, two_rank_work
 from benchmarks.root_cost import bench_roots
 from benchmarks.timing import (
+    FreshDirs,
     clock,
     evict,
     interleave,
@@ -83,20 +84,8 @@ def bench_saves(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     """Every writer of the same state, interleaved; async block/total and memcpy too."""
     steps = Steps()
     notes: dict[str, str] = {}
-    counter = [0]
-
-    def fresh(name: str) -> Path:
-        counter[0] += 1
-        return work / f"{name}-{counter[0]}"
-
-    def timed_write(name: str, write: Callable[[Path], None]) -> Callable[[], float]:
-        def method() -> float:
-            target = fresh(name)
-            try:
-                return clock(lambda: write(target))
-            finally:
-                remove(target)
-        return method
+    dirs = FreshDirs(work)
+    fresh, timed_write = dirs.path, dirs.timed_write
 
     def resumekit_sync() -> float:
         root = fresh("resumekit")

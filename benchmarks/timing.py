@@ -127,6 +127,28 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     return resident / total if total else None
 
 
+class FreshDirs:
+    """Directories under ``work`` with a new name each time (``<prefix><name>-<n>``)."""
+
+    def __init__(self, work: Path, prefix: str = "") -> None:
+        self.work, self.prefix, self.count = work, prefix, 0
+
+    def path(self, name: str) -> Path:
+        """The next unused path for ``name``."""
+        self.count += 1
+        return self.work / f"{self.prefix}{name}-{self.count}"
+
+    def timed_write(self, name: str, write: Callable[[Path], None]) -> Callable[[], float]:
+        """A timed method: ``write`` into a fresh directory, which is removed afterwards."""
+        def method() -> float:
+            target = self.path(name)
+            try:
+                return clock(lambda: write(target))
+            finally:
+                remove(target)
+        return method
+
+
 def remove(path: str | os.PathLike[str]) -> None:
     """Delete a file or directory tree if it exists."""
     target = Path(path)
