@@ -45,7 +45,8 @@ from resumekit.storage import Storage
 COUNTED = ("exists", "is_dir", "is_file", "list_dir", "list_names", "walk_files", "size",
            "mtime", "open", "read_bytes", "read_small", "iter_chunks", "write_bytes",
            "write_bytes_exclusive", "make_dirs", "make_dir_exclusive", "remove_tree",
-           "remove_file", "fsync_file", "fsync_dir", "rename_dir", "exchange_dirs")
+           "remove_file", "fsync_file", "fsync_dir", "rename_dir", "exchange_dirs",
+           "root_stamp")
 #: Checkpoints of a populated root are multiples of this step (``keep_every`` keeps them).
 MILESTONE = 100
 #: Saves between milestones (the last few of them are kept by ``keep_last``).

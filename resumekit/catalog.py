@@ -52,11 +52,13 @@ from resumekit.layout import (
     ATTEMPT_PREFIX,
     DCP_METADATA_FILE,
     DEFAULT_NAME_FORMAT,
+    GENERATIONS_DIR,
     LEGACY_NAME_FORMAT,
     MANIFEST_NAME,
     NEWEST_HINT_FILE,
     TENSORS_DIR,
     NameFormat,
+    parse_generation_record_name,
 )
 from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
 from resumekit.retry import read_with_retry
@@ -81,6 +83,7 @@ __all__ = [
     "classify_step",
     "detect_foreign",
     "entries_from_top",
+    "forget_newest_hint",
     "hidden_entries",
     "import_command",
     "latest_committed",
@@ -101,6 +104,7 @@ __all__ = [
     "tensors_url",
     "verify_checkpoint",
     "write_newest_hint",
+    "write_stamped_hint",
 ]
 
 Status = Literal["committed", "partial", "corrupt", "legacy", "foreign"]
@@ -668,7 +672,9 @@ def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
     On S3 (:attr:`Storage.range_listing`) the listing starts at the newest-step hint
     (:func:`write_newest_hint`) and holds only the names after it: the hint's own
     manifest, and every step directory above it, are then read as always, so a stale or
-    wrong hint costs a full listing, never a wrong answer.
+    wrong hint costs a full listing, never a wrong answer. On a local root the stamped
+    hint (:func:`write_stamped_hint`) is taken without any listing while the root
+    directory's stat is still the one stamped in it (:func:`_newest_from_stamp`).
 
     Args:
         storage: The checkpoint root.
@@ -682,6 +688,10 @@ def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
     """
     if listing is None and below is None and storage.range_listing:
         found = _newest_from_hint(storage, name_format or NameFormat(), skip)
+        if found is not None:
+            return found
+    elif listing is None and below is None and storage.atomic_rename:
+        found = _newest_from_stamp(storage, name_format or NameFormat(), skip)
         if found is not None:
             return found
     for entry in entries_from_top(storage, name_format, below=below, listing=listing):
@@ -728,16 +738,25 @@ def read_newest_hint(storage: Storage, name_format: NameFormat | None = None) ->
 
     A hint only: a committed manifest always decides (:func:`newest_committed`).
     """
-    name_format = name_format or NameFormat()
+    found = _hint_document(storage, name_format or NameFormat())
+    return None if isinstance(found, str) else found[0]
+
+
+def _hint_document(storage: Storage, name_format: NameFormat
+                   ) -> tuple[int, dict[str, Any]] | str:
+    """The newest-step hint's step and document, or why there is none to use."""
     try:
         hint = json.loads(storage.read_small(NEWEST_HINT_FILE))
-    except (FileNotFoundError, ValueError, OSError):
-        return None
+    except FileNotFoundError:
+        return "no newest-step hint"
+    except (ValueError, OSError) as error:
+        return f"unreadable newest-step hint ({error})"
     step = hint.get("step") if isinstance(hint, dict) else None
-    if not isinstance(step, int) or step < 0 or hint.get("name_format") != \
-            name_format.template or hint.get("name") != name_format.build(step):
-        return None
-    return step
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or \
+            hint.get("name_format") != name_format.template or \
+            hint.get("name") != name_format.build(step):
+        return "the newest-step hint names no step of this root's name format"
+    return step, hint
 
 
 def write_newest_hint(storage: Storage, name_format: NameFormat, step: int) -> None:
@@ -759,6 +778,131 @@ def write_newest_hint(storage: Storage, name_format: NameFormat, step: int) -> N
                    "readers list the whole root to find it")
         logger.warning(message)
         warnings.warn(message, ResumekitWarning, stacklevel=3)
+
+
+# ------------------------------------------------ the stamped hint of a local root
+#
+# On a local root ``latest()`` need not list the root: the writer of the newest checkpoint
+# stamps the hint with the root directory's stat (:meth:`Storage.root_stamp`) and its
+# generation; while the root's stat is still that stamp, no entry was created, removed or
+# renamed in the root since, so the listing's answer is still the hinted step. Every
+# resumekit operation that changes the root's entries removes the hint first
+# (:func:`forget_newest_hint`), so its own changes never depend on timestamps. The hint
+# lives in ``.resumekit-generations/``: writing or removing it leaves the root's stat as is.
+
+
+def forget_newest_hint(storage: Storage) -> None:
+    """Remove the stamped hint of a local root, before changing the root's entries.
+
+    Called before a save stages, a commit renames, a prune deletes, a restore sets aside
+    or puts back: a crash anywhere after it leaves no hint, so readers list the root.
+    A no-op on object stores (their hint is never trusted over a listing of the names
+    after it).
+
+    Raises:
+        StorageError: The hint exists and cannot be removed (nothing was changed).
+    """
+    if storage.atomic_rename:
+        storage.remove_file(NEWEST_HINT_FILE)
+
+
+def write_stamped_hint(storage: Storage, name_format: NameFormat, step: int,
+                       generation: int) -> bool:
+    """Stamp ``step`` as the newest checkpoint of a local root (after commit and prune).
+
+    The root's stat is taken first, then the root is listed once: the hint is written
+    only when the highest step directory of that listing is ``step``, so it names what
+    the listing at the stamp's instant answered. A failure to write it is logged and
+    warned about; the checkpoint is committed either way, and readers list the root.
+
+    Args:
+        storage: The checkpoint root (a no-op unless :attr:`Storage.atomic_rename`).
+        name_format: How step directories are named.
+        step: The step just committed.
+        generation: The writer generation that committed it (readers trust the hint
+            only while it is the root's newest).
+
+    Returns:
+        Whether the hint was written.
+    """
+    if not storage.atomic_rename:
+        return False
+    where = storage.path(NEWEST_HINT_FILE)
+    try:
+        storage.make_dirs(GENERATIONS_DIR)  # made before the stamp, never after it
+        stamp = storage.root_stamp()
+        why = None
+        if stamp is None or stamp[4] < 2:
+            why = "the root has no stat with a subdirectory count"
+        else:
+            top = step_directories(list_root(storage), name_format)[:1]
+            if not top or top[0][0] != step:
+                why = (f"{top[0][1]} is the highest step directory" if top
+                       else f"{name_format.build(step)} is not listed")
+        if why is not None or stamp is None:
+            logger.debug("resumekit: no stamped newest-step hint for step %d in %s: %s",
+                         step, storage.path(), why)
+            return False
+        document = {"step": step, "name": name_format.build(step),
+                    "name_format": name_format.template, "generation": generation,
+                    "root_stamp": list(stamp)}
+        storage.write_bytes(NEWEST_HINT_FILE, json.dumps(document).encode())
+    except OSError as error:
+        message = (f"resumekit: cannot write the newest-step hint {where} ({error}); "
+                   f"step {step} is committed, latest() lists the whole root to find it")
+        logger.warning(message)
+        warnings.warn(message, ResumekitWarning, stacklevel=3)
+        return False
+    return True
+
+
+def _newest_from_stamp(storage: Storage, name_format: NameFormat,
+                       skip: Callable[[CheckpointEntry], bool] | None
+                       ) -> CheckpointEntry | None:
+    """The hinted checkpoint while the root is as its writer stamped it; else None.
+
+    None (the caller lists the root; same answer, logged at DEBUG) unless the root's stat
+    equals the hint's stamp exactly and counts subdirectories (``st_nlink >= 2``), the
+    hint's generation is the root's newest, and the hinted step is committed and not
+    skipped. The root is stat'ed before the hint is read: a writer removes the hint
+    before it changes the root, so a hint still there was valid at that stat.
+    """
+    stamp = storage.root_stamp()
+    found = _hint_document(storage, name_format)
+    why = found if isinstance(found, str) else _stamp_doubt(storage, found[1], stamp)
+    if why is None and not isinstance(found, str):
+        entry = _step_entry(storage, name_format.build(found[0]), found[0],
+                            NameFormat(LEGACY_NAME_FORMAT))
+        if entry.status == "committed" and (skip is None or not skip(entry)):
+            return entry
+        why = (f"the hinted {entry.name} is {entry.status}" if entry.status != "committed"
+               else f"the hinted {entry.name} is passed over")
+    logger.debug("resumekit: listing %s to find the newest checkpoint: %s",
+                 storage.path(), why)
+    return None
+
+
+def _stamp_doubt(storage: Storage, hint: Mapping[str, Any],
+                 stamp: tuple[int, int, int, int, int] | None) -> str | None:
+    """Why a stamped hint cannot stand for the root's listing now (None: it can)."""
+    recorded = hint.get("root_stamp")
+    if not isinstance(recorded, list) or len(recorded) != 5:
+        return "the newest-step hint has no root stamp"
+    if stamp is None:
+        return "the root has no stat"
+    if tuple(recorded) != stamp:
+        return "the root changed since the newest-step hint was stamped"
+    if stamp[4] < 2:
+        return "the root's filesystem reports no subdirectory count (st_nlink < 2)"
+    generation = hint.get("generation")
+    numbers = [parse_generation_record_name(name)
+               for name, is_dir in storage.list_names(GENERATIONS_DIR) if not is_dir]
+    newest = max((number for number in numbers if number is not None), default=None)
+    if not isinstance(generation, int) or isinstance(generation, bool) or \
+            generation != newest:
+        return (f"the newest-step hint is of generation {generation}, the root's newest "
+                f"is {newest}")
+    return None
 
 
 def other_name_checkpoints(storage: Storage, name_format: NameFormat) -> list[str]:

@@ -94,10 +94,12 @@ from resumekit.catalog import (
     Listing,
     RootTop,
     classify_step,
+    forget_newest_hint,
     list_root,
     read_manifest,
     read_top,
     write_newest_hint,
+    write_stamped_hint,
 )
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
@@ -319,6 +321,7 @@ class CommitProtocol:
         # A writer that never restored claims the root now, as its first save starts
         # (not on a save refused above: that one neither restored nor committed).
         generation = held or self._claim_now(top)
+        forget_newest_hint(self.storage)  # before the sweep and the staging change the root
         # The sweep looks at the top of the root (where a crashed or fenced writer's
         # staging is: its step was newer than every committed one), not at every entry.
         sweep_dead_writers(self.storage, [*top.entries(), *([extra] if extra else [])],
@@ -396,6 +399,23 @@ class CommitProtocol:
                   "generation": generation.number, "generation_token": generation.token}
         self.storage.write_bytes(f"{staging}/{WRITER_FILE}", json.dumps(writer).encode())
         return PendingCheckpoint(step, name, staging, token, replaces, data_dir, generation)
+
+    def record_newest(self, pending: PendingCheckpoint) -> bool:
+        """Stamp the newest-step hint of a local root after ``pending`` committed (rank 0).
+
+        Call after the commit and after whatever the save then deletes (retention), so
+        that the stamp is the root's stat with those deletions: the hint is written only
+        when ``pending``'s step is the root's highest step directory
+        (:func:`~resumekit.catalog.write_stamped_hint`). Object stores get their hint at
+        the commit instead. A failure is a warning, never the save's failure.
+
+        Returns:
+            Whether a stamped hint was written (False on other ranks).
+        """
+        if self.coordinator.rank != 0 or pending.generation is None:
+            return False
+        return write_stamped_hint(self.storage, self.name_format, pending.step,
+                                  pending.generation.number)
 
     def staging_url(self, pending: PendingCheckpoint) -> str:
         """Return the path/URL data writers (e.g. DCP) should write into."""
@@ -691,6 +711,8 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
             read_manifest(storage, name)
         except Exception:  # noqa: BLE001 - not restorable: left for the sweep
             continue
+        if not restored:
+            forget_newest_hint(storage)
         storage.rename_dir(name, parsed[1].name)
         restored.append(parsed[1].name)
     if restored:
@@ -720,6 +742,7 @@ def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
                       f"be renamed atomically: move or delete {entry.path} by hand")
     aside = name_format.quarantine_name(entry.step, os.urandom(6).hex())
     try:
+        forget_newest_hint(storage)
         storage.rename_dir(entry.name, aside)
     except OSError as error:  # read-only root, another user's root, gone
         return None, f"renaming it failed: {error}"

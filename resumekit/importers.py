@@ -299,6 +299,7 @@ def _write(storage: Storage, name_format: NameFormat, source: _Source, step: int
     except BaseException:
         protocol.abort(pending)
         raise
+    protocol.record_newest(pending)
     return storage.path(pending.name)
 
 

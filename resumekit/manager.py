@@ -870,6 +870,7 @@ class CheckpointManager:
         self.last_saved_step = job.step
         self._clock.last_save_seconds = time.monotonic() - job.started
         self._apply_retention(job.step, coordinator)
+        protocol.record_newest(pending)  # after retention: its stamp sees the deletions
         logger.info("resumekit: committed step %d in %.2fs", job.step,
                     self._clock.last_save_seconds)
 

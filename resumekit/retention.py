@@ -27,6 +27,7 @@ from resumekit.catalog import (
     CheckpointEntry,
     Listing,
     classify_step,
+    forget_newest_hint,
     hidden_entries,
     list_checkpoints,
     list_root,
@@ -403,6 +404,7 @@ def _attempt(storage: Storage, report: PruneReport, name: str, what: str,
     Returns whether it succeeded.
     """
     try:
+        forget_newest_hint(storage)  # before the root changes (see catalog)
         action()
     except _Vanished as vanished:
         report.notes.append(str(vanished))

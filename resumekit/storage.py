@@ -14,6 +14,7 @@ import errno
 import os
 import posixpath
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -108,6 +109,26 @@ class Storage:
     def atomic_rename(self) -> bool:
         """True when a directory can be published with one atomic rename (POSIX)."""
         return self.is_local
+
+    def root_stamp(self) -> tuple[int, int, int, int, int] | None:
+        """The root directory's ``(st_dev, st_ino, st_mtime_ns, st_ctime_ns, st_nlink)``.
+
+        One ``stat`` of the root: any entry created, removed or renamed in it changes its
+        times (one kernel tick apart at least) and a subdirectory made or removed changes
+        its link count; another directory put in its place changes the inode. None where
+        there is no such directory: object stores, ``memory://``, a root that is absent
+        or not a directory.
+        """
+        if not self.is_local:
+            return None
+        try:
+            found = os.stat(self.root)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(found.st_mode):
+            return None
+        return (found.st_dev, found.st_ino, found.st_mtime_ns, found.st_ctime_ns,
+                found.st_nlink)
 
     @property
     def conditional_create(self) -> bool:
