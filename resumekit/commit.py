@@ -30,6 +30,9 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
       6. rank 0 removes what the new checkpoint replaced; on S3 it writes the
          newest-step hint (<root>/.resumekit-generations/newest-step.json; after the
          commit point, a hint only: see "Finding the newest" below); all ranks learn the outcome
+      7. POSIX, after retention (``record_newest``): rank 0 stamps the newest-step hint
+         with the root's stat, taken before one listing, if the step is the highest step
+         directory there (see "The stamped hint" below)
     abort: rank 0 removes the staging area (a crash leaves it for the sweep instead)
 
 Writer generations (fencing). Every writer holds a generation of the root
@@ -69,6 +72,25 @@ committed) falls back to the full listing; it is never taken over a manifest. Th
 manager's retention after a save (``prune(scope="top")``) decides from names and reads the
 manifests from the top down to the lowest step it would delete; it deletes only what a
 manifest read then says is committed.
+
+The stamped hint (POSIX roots: ``catalog.write_stamped_hint``, ``catalog._newest_from_stamp``).
+``latest()`` (``catalog.newest_committed`` without a listing) does not list a local root
+while the root directory's stat (``Storage.root_stamp``: st_dev, st_ino, st_mtime_ns,
+st_ctime_ns, st_nlink) still equals the stamp in the hint, st_nlink >= 2, the hint's
+generation is the root's newest and the hinted manifest validates (and is not a fenced
+writer's); anything else lists, with the same answer. The writer takes the stamp first,
+then lists the root once, and writes the hint only when the step it committed is the
+highest step directory of that listing, after the save's own prune (so the stamp includes
+its deletions). The reader stats the root before it reads the hint. Every resumekit
+operation that creates, removes or renames entries of the root removes the hint first
+(``catalog.forget_newest_hint``): ``begin`` before it sweeps and stages, ``prune`` before
+each deletion or sweep, ``set_aside`` and ``recover_interrupted`` before they rename; a
+crash anywhere after that leaves no hint. So resumekit's own changes never depend on
+timestamps. Caveat: directory timestamps are coarse on Linux before 6.13 (one tick, 1-4 ms);
+a change by something that is not a resumekit writer within the same tick as the writer's
+stamp (a hand rename giving a committed directory a higher step name) can go unseen by
+``latest()`` until the next save; a hand copy or deletion of a directory changes st_nlink
+and is always seen. ``restore()`` always lists the whole root.
 
 Retention (``resumekit.retention``) runs only after publish; its failures do not undo the
 commit (the manager reports them as warnings on every rank).
