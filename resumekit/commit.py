@@ -723,7 +723,7 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
         if not storage.is_dir():
             return []
         listing = storage.list_names()
-    restored = []
+    restored: list[str] = []
     names = {name for name, _ in listing}
     for name in sorted(names):
         parsed = name_format.parse_hidden(name)

@@ -169,14 +169,19 @@ def _corrupt_hint(root: Path, manager: CheckpointManager,
     (root / NEWEST_HINT_FILE).write_bytes(b'{"step": 30, "root_st')
 
 
-def _no_subdirectory_count(root: Path, manager: CheckpointManager,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Storage.root_stamp
+def _one_link(real: Callable[[Storage], tuple[int, int, int, int, int] | None]
+              ) -> Callable[[Storage], tuple[int, int, int, int, int] | None]:
+    """``Storage.root_stamp`` on a filesystem that reports one link for directories."""
 
     def one_link(self: Storage) -> tuple[int, int, int, int, int] | None:
         stamp = real(self)
         return None if stamp is None else (*stamp[:4], 1)
+    return one_link
 
+
+def _no_subdirectory_count(root: Path, manager: CheckpointManager,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    one_link = _one_link(Storage.root_stamp)
     monkeypatch.setattr(Storage, "root_stamp", one_link)
     document = hint(root)  # the stamp as such a filesystem would have it, exactly
     document["root_stamp"] = list(one_link(manager.storage) or ())
@@ -263,9 +268,7 @@ def test_no_resumekit_operation_changes_the_root_while_the_hint_is_there(
 
 def test_a_root_without_a_subdirectory_count_gets_no_stamped_hint(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = Storage.root_stamp
-    monkeypatch.setattr(Storage, "root_stamp", lambda self: None if real(self) is None
-                        else (*real(self)[:4], 1))  # type: ignore[misc]
+    monkeypatch.setattr(Storage, "root_stamp", _one_link(Storage.root_stamp))
     manager = CheckpointManager(tmp_path / "root", retention=None)
     manager.save(10)
     assert not (tmp_path / "root" / NEWEST_HINT_FILE).exists()
@@ -346,7 +349,7 @@ def test_a_step_directory_above_the_committed_step_leaves_no_stamped_hint(
 
 def test_restore_setting_a_broken_newest_aside_removes_the_hint_and_still_lists_the_root(
         saved: tuple[Path, CheckpointManager]) -> None:
-    root, manager = saved
+    root, _ = saved
     assert hint(root)["step"] == 30
     (root / NAMES.build(30) / MANIFEST_NAME).write_bytes(b"{garbage")
     restorer = CheckpointManager(root, retention=None)
@@ -409,18 +412,14 @@ class StampedHintMachine(RuleBasedStateMachine):
 
     @rule()
     def crash_before_the_hint(self) -> None:
-        real = commit.write_stamped_hint
-
         def killed(*args: Any, **kwargs: Any) -> bool:
             raise _Killed
 
-        commit.write_stamped_hint = killed  # type: ignore[assignment]
-        try:
-            with pytest.raises(_Killed), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.manager.save(self._next_step())
-        finally:
-            commit.write_stamped_hint = real
+        with pytest.MonkeyPatch.context() as patch, pytest.raises(_Killed), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            patch.setattr(commit, "write_stamped_hint", killed)
+            self.manager.save(self._next_step())
         self._fresh_manager()  # the process died
 
     @precondition(lambda self: self.root.exists())
@@ -479,6 +478,6 @@ class StampedHintMachine(RuleBasedStateMachine):
 
 
 StampedHintMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=15, deadline=None,
+    max_examples=30, stateful_step_count=15, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_latest_with_a_stamped_hint_always_gives_the_listings_answer = StampedHintMachine.TestCase
