@@ -829,7 +829,8 @@ def write_stamped_hint(storage: Storage, name_format: NameFormat, step: int,
         return False
     where = storage.path(NEWEST_HINT_FILE)
     try:
-        storage.make_dirs(GENERATIONS_DIR)  # made before the stamp, never after it
+        # (.resumekit-generations/ exists: the writer's claim is there. Were it made by
+        # the write below, the root's stat would change and no reader would trust it.)
         stamp = storage.root_stamp()
         why = None
         if stamp is None or stamp[4] < 2:

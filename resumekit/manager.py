@@ -393,7 +393,9 @@ class CheckpointManager:
 
         One listing of the root and the manifests of its newest step directories (from
         the top down until one validates): the cost does not grow with the checkpoints
-        below it. It is the checkpoint :meth:`restore` would start from: a checkpoint a
+        below it. On a local root nothing changed since the last save (its stat is the
+        one stamped in the newest-step hint), it is one ``stat``, the hint and the newest
+        manifest, with no listing (:mod:`resumekit.commit`). It is the checkpoint :meth:`restore` would start from: a checkpoint a
         fenced writer committed (inside the race window of the commit) is passed over
         with a warning naming it, as restore passes it over.
         """
