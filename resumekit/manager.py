@@ -395,9 +395,10 @@ class CheckpointManager:
         the top down until one validates): the cost does not grow with the checkpoints
         below it. On a local root nothing changed since the last save (its stat is the
         one stamped in the newest-step hint), it is one ``stat``, the hint and the newest
-        manifest, with no listing (:mod:`resumekit.commit`). It is the checkpoint :meth:`restore` would start from: a checkpoint a
-        fenced writer committed (inside the race window of the commit) is passed over
-        with a warning naming it, as restore passes it over.
+        manifest, with no listing (:mod:`resumekit.commit`). It is the checkpoint
+        :meth:`restore` would start from: a checkpoint a fenced writer committed
+        (inside the race window of the commit) is passed over with a warning naming it,
+        as restore passes it over.
         """
         entry, passed = generations.newest_restorable(self.storage, self.name_format)
         for path, reason in passed.items():
