@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,25 @@ class Steps:
     def next(self) -> int:
         self.value += 1
         return self.value
+
+
+def _run_probe(module: str, args: Sequence[str],
+               extra_env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run ``python -m module *args`` in a fresh process; return the JSON it printed last.
+
+    The child imports this tree's ``benchmarks`` and ``resumekit`` (``PYTHONPATH``); a
+    non-zero exit raises with the end of its stderr.
+    """
+    env = {**os.environ, **(extra_env or {}),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                          text=True, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{module} {' '.join(args)} failed ({done.returncode}): "
+                           f"{done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 # ------------------------------------------------------------------------------ saves
@@ -227,8 +246,16 @@ def bench_overlap(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work
 
 
 def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: Path,
-                rounds: int) -> dict[str, Any]:
-    """Restore against a single-stream raw read of the same bytes, cold and warm cache."""
+                rounds: int, shape: Shape) -> dict[str, Any]:
+    """Restore against a single-stream raw read of the same bytes, cold and warm cache.
+
+    ``restore_cold`` restores again and again in this long-lived process;
+    ``restore_cold_fresh_process`` is the same cold, verified restore in a new process each
+    round (:mod:`benchmarks.restore_probe`, which builds the model of ``shape`` itself) of
+    a second checkpoint of the same state (its claim of the root would fence the managers
+    here), as a restore after a preemption always is and as fio is each sample:
+    ``load_vs_disk_best`` compares fio with the latter.
+    """
     raw = work / "load-raw"
     _raw_file(model, optimizer, raw)
     root = work / "load-resumekit"
@@ -236,7 +263,19 @@ def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     verified = CheckpointManager(root, model=model, optimizer=optimizer)
     unverified = CheckpointManager(root, model=model, optimizer=optimizer,
                                    verify_on_restore=False)
-    residency: dict[str, list[float | None]] = {"raw": [], "resumekit": []}
+    residency: dict[str, list[float | None]] = {"raw": [], "resumekit": [],
+                                                "resumekit_fresh_process": []}
+    # Its own copy of the same checkpoint: each restore claims its root, and a fresh
+    # process's claim would fence ``verified`` and ``unverified`` (a newer run took over).
+    fresh_root = work / "load-resumekit-fresh-process"
+    CheckpointManager(fresh_root, model=model, optimizer=optimizer).save(1)
+    probe_args = ["--layers", str(shape.layers), "--width", str(shape.width),
+                  "--root", str(fresh_root)]
+
+    def fresh_process() -> float:
+        result = _run_probe("benchmarks.restore_probe", probe_args)
+        residency["resumekit_fresh_process"].append(result["resident_fraction_before"])
+        return float(result["seconds"])
 
     def cold(path: Path, key: str, action: Callable[[], Any]) -> Callable[[], float]:
         def method() -> float:
@@ -255,6 +294,7 @@ def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     methods: dict[str, Callable[[], float]] = {
         "raw_read_cold": cold(raw, "raw", read_raw),
         "restore_cold": cold(root, "resumekit", verified.restore),
+        "restore_cold_fresh_process": fresh_process,
         "restore_cold_no_verify": cold(root, "resumekit", unverified.restore),
         "raw_read_warm": warm(read_raw),
         "restore_warm": warm(verified.restore),
@@ -274,6 +314,7 @@ def bench_loads(model: torch.nn.Module, optimizer: torch.optim.Optimizer, work: 
     samples = interleave(methods, rounds, progress=_log)
     remove(raw)
     remove(root)
+    remove(fresh_root)
     for jobs in (1, 4):
         remove(work / f"fio-read-{jobs}")
     return {"samples": samples, "resident_fraction_before_cold_reads": residency,
@@ -359,18 +400,11 @@ def bench_peak_rss(state_mb: float, work: Path, rounds: int) -> dict[str, Any]:
     """
     measured: dict[str, list[int]] = {"sync": [], "async": []}
     exact = True
-    env = {**os.environ, **rss_probe.MALLOC_ENV,
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
-                                          os.environ.get("PYTHONPATH", "")])}
     for number in range(rounds):
         for mode in ("sync", "async") if number % 2 == 0 else ("async", "sync"):
-            done = subprocess.run(
-                [sys.executable, "-m", "benchmarks.rss_probe", "--state-mb", str(state_mb),
-                 "--mode", mode, "--dir", str(work)],
-                capture_output=True, text=True, env=env, check=False)
-            if done.returncode != 0:
-                raise RuntimeError(f"rss probe ({mode}) failed: {done.stderr[-2000:]}")
-            result = json.loads(done.stdout.strip().splitlines()[-1])
+            result = _run_probe("benchmarks.rss_probe",
+                                ["--state-mb", str(state_mb), "--mode", mode,
+                                 "--dir", str(work)], extra_env=rss_probe.MALLOC_ENV)
             measured[mode].append(int(result["extra"]))
             exact = exact and bool(result["exact"])
             _log(f"peak RSS round {number + 1}/{rounds} {mode}: "
@@ -569,7 +603,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if "loads" in parts:
             _log("loads")
             details["loads"] = bench_loads(model, optimizer, work,
-                                           max(args.rounds, args.load_rounds))
+                                           max(args.rounds, args.load_rounds), shape)
         if "rss" in parts:
             _log("rss")
             details["rss"] = bench_rss(model, optimizer, work, args.rss_saves, args.state_mb,
