@@ -920,7 +920,7 @@ class CheckpointManager:
                     job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                     process_group=group, background=job.background,
                     storage_options=self.storage.storage_options or None,
-                    tensor_format=self.tensor_format)
+                    tensor_format=self.tensor_format, plan_owner=self.storage.path())
             entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
                                  checksum=file.checksum) for file in written]
             required = [f"{TENSORS_DIR}/{name}" for file in written

@@ -110,6 +110,7 @@ from resumekit.raw_tensor_files import (
 )
 from resumekit.retry import read_with_retry
 from resumekit.safe_pickle import load_dcp_metadata
+from resumekit.save_planner import StructureCachingSavePlanner
 
 __all__ = [
     "DEFAULT_SYNC_FILES",
@@ -601,6 +602,7 @@ def save(
     sync_files: bool = DEFAULT_SYNC_FILES,
     background: bool = False,
     tensor_format: TensorFormat = "raw",
+    plan_owner: str | None = None,
 ) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
@@ -622,6 +624,10 @@ def save(
         sync_files: fsync every written file before returning (local paths only).
         background: The save overlaps training: writer threads lower their CPU priority.
         tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
+        plan_owner: Names a writer whose saves never run at the same time (the same on
+            every rank, e.g. a manager's root URL): its saves on different groups of the
+            same ranks share remembered plans (:mod:`resumekit.save_planner`). None:
+            plans are remembered per group.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -651,7 +657,8 @@ def save(
                 return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
         with _quiet_no_dist(no_dist), _without_zip_crc32(), _collection_paused(background):
             dcp_save(
-                dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist
+                dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist,
+                planner=StructureCachingSavePlanner(None if no_dist else group, plan_owner),
             )
     except CheckpointException as error:
         raise _from_failures(error, "save", target, None) from None

@@ -1,0 +1,165 @@
+"""DCP's save planner, planning a save of an unchanged structure only once per process.
+
+A steady-state save of a sharded run writes the same structure every time: the same
+keys, shapes, dtypes and DTensor placements, only other values. Planning it is most of a
+small save's cost (on 2 gloo ranks, of a ~100 ms save of the LingBot tiny trainer: each
+rank's local plan ~20 ms, the coordinator's global plan ~16 ms, pickling the plans to and
+from it ~10 ms). :class:`StructureCachingSavePlanner` is DCP's :class:`DefaultSavePlanner`
+with DCP's own plan caching turned on (unchanged local plans travel as empty plans, the
+coordinator reuses its global plan and metadata), plus one step DCP does not cache: a rank
+whose state has the structure of its previous successful save reuses that save's local
+plan instead of building one write item per tensor again.
+
+What "the same structure" means is :func:`structure_key`: every flattened key with its
+nesting path, and per value its kind (plain tensor, DTensor, anything else pickled as
+bytes), shape, dtype, layout, ``requires_grad``, pinning, and for DTensors the placements,
+the mesh and this rank's coordinate in it — every input of DCP's local plan. A value of
+any other tensor subclass, or one that plans its own writes, makes the key None: such a
+save is planned as DCP always does.
+
+The cache has one slot per process group (its name and ranks), or per named owner whose
+saves never overlap (a manager: its background and foreground saves run one at a time on
+two groups of the same ranks), and keeps one structure per slot: two states saved in turn
+in one slot are each planned in full, which is correct, only not faster. DCP's caches are
+class-level dicts without locks, so saves that can run at the same time must never share
+a slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import (
+    DefaultSavePlanner,
+    create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
+
+__all__ = ["StructureCachingSavePlanner", "forget_plans", "structure_key"]
+
+#: ``slot -> (structure key, local plan)`` of each group's last successful save on this rank.
+_LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan]] = {}
+
+
+def forget_plans() -> None:
+    """Drop every remembered plan (this process's), DCP's cached ones included."""
+    _LOCAL_PLANS.clear()
+    for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+                  "_cached_metadata", "_cached_final_save_plan"):
+        store = getattr(DefaultSavePlanner, cache, None)
+        if isinstance(store, dict):
+            for slot in [slot for slot in store if str(slot).startswith(_SLOT_PREFIX)]:
+                del store[slot]
+
+
+_SLOT_PREFIX = "resumekit-structure-cached:"
+
+
+def _slot(group: dist.ProcessGroup | None, owner: str | None) -> str:
+    """The cache slot of saves on ``group``: the same string on every rank of it.
+
+    ``owner`` names one writer whose saves never overlap (a manager's root): its saves
+    on two groups of the same ranks (its background group and its main one) share plans.
+    Without it, each group has its own slot.
+    """
+    if not dist.is_initialized():
+        return f"{_SLOT_PREFIX}{owner or ''}:no-dist"
+    group = group if group is not None else dist.group.WORLD
+    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
+    return f"{_SLOT_PREFIX}{owner if owner is not None else group.group_name}:{ranks}"
+
+
+def _tensor_key(value: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(value.shape), value.dtype, value.layout, value.requires_grad,
+            value.device.type == "cpu" and value.is_pinned())
+
+
+def _mesh_key(value: DTensor, meshes: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+    mesh = value.device_mesh
+    found = meshes.get(id(mesh))
+    if found is None:
+        coordinate = mesh.get_coordinate()
+        found = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()),
+                 tuple(mesh.mesh.shape), mesh.mesh_dim_names,
+                 None if coordinate is None else tuple(coordinate))
+        meshes[id(mesh)] = found
+    return found
+
+
+def structure_key(state_dict: dict[str, Any], mappings: dict[str, Any] | None,
+                  is_coordinator: bool) -> Hashable | None:
+    """Everything DCP's local save plan of the flattened ``state_dict`` depends on.
+
+    Args:
+        state_dict: The flattened state (DCP's ``flatten_state_dict``).
+        mappings: Its flattening map (each key's nesting path), part of the plan.
+        is_coordinator: Whether this rank coordinates (part of the plan's inputs).
+
+    Returns:
+        A hashable key, or None when some value is a tensor subclass other than
+        DTensor or plans its own writes (``__create_write_items__``): then nothing is
+        cached.
+    """
+    meshes: dict[int, tuple[Any, ...]] = {}
+    leaves: list[tuple[Any, ...]] = []
+    for fqn, value in state_dict.items():
+        kind = type(value)
+        if kind is DTensor:
+            local = value._local_tensor
+            leaves.append((fqn, "dtensor", tuple(value.shape), _tensor_key(local),
+                           tuple(value.placements), _mesh_key(value, meshes)))
+        elif kind is torch.Tensor or kind is torch.nn.Parameter:
+            leaves.append((fqn, "tensor", _tensor_key(value)))
+        elif isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+            return None
+        else:
+            leaves.append((fqn, "bytes"))
+    paths = () if mappings is None else tuple(sorted(mappings.items()))
+    return (is_coordinator, tuple(leaves), paths)
+
+
+class StructureCachingSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, with DCP's plan caching and a remembered local plan.
+
+    Args:
+        group: The process group the save runs on (None: the default group or none).
+        owner: Names a writer whose saves never run at the same time (see
+            :func:`resumekit.sharded.save`'s ``plan_owner``); None: plans are the group's.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, owner: str | None = None
+                 ) -> None:
+        super().__init__(enable_plan_caching=True)
+        self._cached_plans_key = _slot(group, owner)
+        self._structure: Hashable | None = None
+        self._planned: SavePlan | None = None
+
+    def create_local_plan(self) -> SavePlan:
+        """This rank's plan: an empty one when the structure is that of its last save."""
+        key = structure_key(self.state_dict, getattr(self, "mappings", None),
+                            self.is_coordinator)
+        remembered = _LOCAL_PLANS.get(self._cached_plans_key)
+        if key is not None and remembered is not None and remembered[0] == key:
+            self.plan = remembered[1]
+            return SavePlan([], usable=False)  # DCP: "unchanged, use the cached plans"
+        plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
+        if self.flatten_state_dict:
+            plan = dataclasses.replace(plan, planner_data=self.mappings)
+        self.plan = plan
+        self._structure, self._planned = key, plan
+        return plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """DCP's final plan (its cached one when unchanged); remember this rank's plan."""
+        finished = super().finish_plan(new_plan)
+        if self._planned is not None:
+            _LOCAL_PLANS.pop(self._cached_plans_key, None)
+            if self._structure is not None:
+                _LOCAL_PLANS[self._cached_plans_key] = (self._structure, self._planned)
+            self._planned = None
+        return finished

@@ -1,0 +1,51 @@
+"""resumekit.save_planner.structure_key: every input of DCP's local save plan is in the key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from resumekit.save_planner import structure_key
+
+
+def _key(state: dict[str, Any], mappings: dict[str, Any] | None = None,
+         coordinator: bool = True) -> Any:
+    return structure_key(state, mappings if mappings is not None else
+                         {name: (name,) for name in state}, coordinator)
+
+
+def test_the_same_structure_with_other_values_has_the_same_key() -> None:
+    assert _key({"w": torch.zeros(3), "lr": 0.1, "note": "a"}) == \
+        _key({"w": torch.ones(3), "lr": 0.2, "note": "a longer note"})
+
+
+@pytest.mark.parametrize("other", [
+    {"w": torch.zeros(4), "lr": 0.1},  # shape
+    {"w": torch.zeros(3, dtype=torch.float64), "lr": 0.1},  # dtype
+    {"w": torch.zeros(3, requires_grad=True), "lr": 0.1},  # requires_grad
+    {"w": torch.zeros(3), "lr": 0.1, "new": 1},  # a key more
+    {"w": torch.zeros(3), "lr": torch.tensor(0.1)},  # a value turned into a tensor
+    {"w2": torch.zeros(3), "lr": 0.1},  # a key renamed
+], ids=["shape", "dtype", "requires_grad", "key added", "bytes to tensor", "key renamed"])
+def test_any_change_a_local_plan_depends_on_changes_the_key(other: dict[str, Any]) -> None:
+    assert _key({"w": torch.zeros(3), "lr": 0.1}) != _key(other)
+
+
+def test_the_nesting_path_and_the_coordinator_role_are_part_of_the_key() -> None:
+    state = {"a.b": torch.zeros(2)}
+    assert _key(state, {"a.b": ("a", "b")}) != _key(state, {"a.b": ("a.b",)})
+    assert _key(state, coordinator=True) != _key(state, coordinator=False)
+
+
+def test_a_tensor_subclass_or_a_self_planning_value_is_never_cached() -> None:
+    class Marked(torch.Tensor):
+        pass
+
+    class PlansItself:
+        def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+            return []
+
+    assert _key({"w": torch.zeros(2).as_subclass(Marked)}) is None
+    assert _key({"w": PlansItself()}) is None
