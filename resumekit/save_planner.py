@@ -70,6 +70,8 @@ def _slot(group: dist.ProcessGroup | None, owner: str | None) -> str:
     if not dist.is_initialized():
         return f"{_SLOT_PREFIX}{owner or ''}:no-dist"
     group = group if group is not None else dist.group.WORLD
+    if group is None:
+        return f"{_SLOT_PREFIX}{owner or ''}:no-group"
     ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
     return f"{_SLOT_PREFIX}{owner if owner is not None else group.group_name}:{ranks}"
 
