@@ -147,6 +147,9 @@ calls rare."""
 ALIGNMENT = 4096
 """Items start on this boundary in a data file, and direct I/O moves whole multiples of it."""
 MIN_BLOCK_BYTES = 64 << 10
+#: A rank's files of fewer tensor bytes than this are written one after another on the
+#: saving thread: starting and joining threads costs more than such writes gain from them.
+SMALL_SAVE_BYTES = 16 << 20
 """The smallest checksummed block (items below it are one block)."""
 PACK_ITEM_BYTES = MIN_BLOCK_BYTES
 """Items smaller than this share a packed, singly checksummed region with their neighbours."""
@@ -769,7 +772,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         results: list[WriteResult] = []
         sidecar = raw_checksums_file(prefix)
         outcomes = run_writer_threads([
-            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs])
+            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs],
+            on_caller=not self.background and _is_small(plan.items))
         self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
@@ -1135,6 +1139,11 @@ def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
         buckets[lightest].append(item)
         loads[lightest] += _item_bytes(item)
     return buckets
+
+
+def _is_small(items: Sequence[WriteItem]) -> bool:
+    """Whether ``items`` hold fewer tensor bytes than :data:`SMALL_SAVE_BYTES`."""
+    return sum(_item_bytes(item) for item in items) < SMALL_SAVE_BYTES
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -1640,12 +1649,21 @@ def _chunks(view: memoryview) -> Iterator[memoryview]:
 _T = TypeVar("_T")
 
 
-def run_writer_threads(calls: Sequence[Callable[[], _T]]) -> list[_T]:
+def run_writer_threads(calls: Sequence[Callable[[], _T]], *,
+                       on_caller: bool = False) -> list[_T]:
     """Run each call on a writer thread of its own; return their results in order.
 
     The one owner of a save's writer threads: every thread's error fails the save. The
     first is raised once all have ended, with the others attached to it as notes.
+
+    Args:
+        calls: One per file.
+        on_caller: Run the calls one after another on the calling thread instead (a
+            small state's save: no thread to start; the first error is raised at once).
+            Never for a background save, whose writers lower their thread's priority.
     """
+    if on_caller:
+        return [call() for call in calls]
     with ThreadPoolExecutor(max_workers=max(len(calls), 1),
                             thread_name_prefix="resumekit-writer") as pool:
         futures = [pool.submit(call) for call in calls]

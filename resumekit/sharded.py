@@ -865,7 +865,8 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
     outcomes = raw_tensor_files.run_writer_threads([
         functools.partial(writer.write_small, name, [leaves[number][1] for number in members],
                           sidecar)
-        for name, members in plan.files])
+        for name, members in plan.files], on_caller=not writer.background and sum(
+            tensor.nbytes for _, tensor in leaves) < raw_tensor_files.SMALL_SAVE_BYTES)
     regions: dict[str, list[tuple[int, int, str]]] = {}
     for (name, _), expected, (written_at, written, packed) in zip(
             plan.files, plan.offsets, outcomes, strict=True):

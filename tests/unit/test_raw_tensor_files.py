@@ -837,3 +837,33 @@ def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_spa
     assert [e.name for e in tmp_path.iterdir() if e.name != GENERATIONS_DIR] == ["step_000000001"]
     model, optimizer = _build()
     assert CheckpointManager(tmp_path, model=model, optimizer=optimizer).restore() == 1
+
+
+def _writer_threads_started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    started: list[int] = []
+    original = raw_tensor_files.ThreadPoolExecutor
+
+    class Counting(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            started.append(kwargs.get("max_workers", 0))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(raw_tensor_files, "ThreadPoolExecutor", Counting)
+    return started
+
+
+def test_a_small_sync_save_writes_on_its_own_thread_a_large_or_background_one_on_writers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started = _writer_threads_started(monkeypatch)
+    small = {f"w{number}": torch.full((1000,), float(number)) for number in range(8)}
+    sharded.save(small, tmp_path / "small")
+    assert started == []
+    sharded.save(small, tmp_path / "small-background", background=True)
+    assert len(started) == 1
+    large = {f"w{number}": torch.full((1 << 20,), float(number)) for number in range(8)}
+    sharded.save(large, tmp_path / "large")  # 32 MiB: above SMALL_SAVE_BYTES
+    assert len(started) == 2
+    for name, state in (("small", small), ("small-background", small), ("large", large)):
+        loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+        sharded.load(loaded, tmp_path / name)
+        assert all(torch.equal(loaded[key], state[key]) for key in state), name
