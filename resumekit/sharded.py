@@ -133,6 +133,7 @@ __all__ = [
     "load_subset",
     "model_and_optimizer_state",
     "model_state_dict",
+    "named_state",
     "plain_state_dict",
     "read_full_state",
     "read_metadata",
@@ -202,8 +203,59 @@ def model_and_optimizer_state(
     if optimizer is None:
         with _collection_paused(False):  # see collection_paused
             return {"model": model_state_dict(model, options=options)}
+    if options is None:
+        with _collection_paused(False):
+            named = named_state(model, optimizer)
+        if named is not None:
+            return {"model": named[0], "optimizer": named[1]}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
+
+
+def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
+                ) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """DCP's ``get_state_dict(model, optimizer)``, without its walks, where it is the same.
+
+    With default options DCP's function builds a name map of the whole module tree (one
+    walk per parameter) on every call, then returns ``model.state_dict()`` under
+    canonical names without meta tensors, and the optimizer's ``state_dict()`` with each
+    parameter id replaced by the canonical name ``model.named_parameters()`` gives it
+    (only ``state`` and ``param_groups``); ~14 ms for the 77 parameters of the LingBot
+    tiny model on FSDP2. Where every canonical name is the module's own name, that is
+    what this returns directly: no module renames (no DDP, FSDP1, ``torch.compile`` or
+    ``_fqn_modifiers``; FSDP2's ``fully_shard`` renames nothing), no activation
+    checkpointing prefix or ``_flat_param`` key, no ``state_dict`` replaced on the
+    instances, every parameter's name a key of the state dict (activation
+    checkpointing's wrapper names its parameters with a prefix its state dict strips),
+    an optimizer that has state (DCP would initialise it by a step) and whose every
+    parameter is one of the model's. Anything else: None (ask DCP).
+    """
+    types = tuple(kind for kind in _wrapper_types() if kind is not FSDPModule)
+    if "state_dict" in vars(model) or "state_dict" in vars(optimizer) or not optimizer.state:
+        return None
+    if any(_is_wrapper(module, types) for module in model.modules()):
+        return None
+    with torch.no_grad():
+        state = model.state_dict()
+    if not state or any(_CHECKPOINT_PREFIX in key or _FLAT_PARAM in key for key in state):
+        return None
+    for key in [key for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.is_meta]:
+        del state[key]
+    names = {id(param): name for name, param in model.named_parameters()}
+    if any(name not in state for name in names.values()):
+        return None  # a name the state dict renames (activation checkpointing's wrapper)
+    stored = optimizer.state_dict()
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if any(id(param) not in names for param in params):
+        return None
+    name_of = {number: names[id(param)] for number, param in enumerate(params)}
+    optimizer_state = {
+        "state": {name_of[number]: value for number, value in stored["state"].items()},
+        "param_groups": [{**group, "params": [name_of[number] for number in group["params"]]}
+                         for group in stored["param_groups"]],
+    }
+    return state, optimizer_state
 
 
 def model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None

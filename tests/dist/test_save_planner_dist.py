@@ -92,3 +92,20 @@ def test_an_unchanged_structure_is_planned_once_and_every_save_reloads_exactly(
         # save 2: only rank 1's structure changed, only rank 1 plans again
         assert result["planned2"] == (1 if rank == 1 else 0), (rank, result)
         assert result["planned3"] == 1, (rank, result)
+
+
+def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:
+    from tests.unit.test_named_state import _same  # noqa: PLC0415 - in the rank's process
+
+    model, optimizer = build("transformer", seed=0, world_size=world_size)
+    train_step(model, optimizer, "transformer", seed=1)
+    found = sharded.named_state(model, optimizer)
+    dcp_model, dcp_optimizer = get_state_dict(model, optimizer)
+    return {"fast": found is not None,
+            "same": found is not None and _same(found[0], dcp_model)
+            and _same(found[1], dcp_optimizer)}
+
+
+def test_named_state_of_an_fsdp2_model_is_exactly_dcps_get_state_dict() -> None:
+    for result in run_ranks(_named_state_against_dcp, world_size=2):
+        assert result == {"fast": True, "same": True}
