@@ -140,7 +140,8 @@ def newest_restorable(storage: Storage, name_format: NameFormat | None = None
         The entry (None when nothing restorable is committed) and ``{path: reason}`` of
         each fenced writer's commit above it.
     """
-    current = newest_generation(storage) if storage.is_dir() else None
+    # An absent root lists as empty: no generation (no is_dir() first, one request less)
+    current = newest_generation(storage)
     passed: dict[str, str] = {}
 
     def fenced(entry: CheckpointEntry) -> bool:

@@ -153,11 +153,34 @@ class Storage:
             return bool(self.fs.exists(target))
 
     def is_dir(self, relative: str = "") -> bool:
-        """Return whether ``relative`` is a directory (or a non-empty object prefix)."""
+        """Return whether ``relative`` is a directory (or a non-empty object prefix).
+
+        On S3 one ``ListObjectsV2`` request for at most one key under the prefix: s3fs's
+        ``isdir`` lists the whole directory (every page of it), which in a checkpoint root
+        grows with the checkpoints in it.
+        """
         self._forget(relative)
         target = self.path(relative)
         with _storage_errors("isdir", target, "isdir", passes=(FileNotFoundError,)):
+            if self.range_listing and not getattr(self.fs, "version_aware", False):
+                return self._s3_has_keys_under(target)
             return bool(self.fs.isdir(target))
+
+    def _s3_has_keys_under(self, target: str) -> bool:
+        """Whether any key starts with ``<target>/`` (a bucket: whether it exists).
+
+        What s3fs's ``isdir`` answers (its listing of the prefix is non-empty), asked for
+        one key instead of all of them.
+        """
+        bucket, _, key = target.strip("/").partition("/")
+        prefix = f"{key}/" if key else ""
+        try:
+            page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2",
+                                    Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        except FileNotFoundError:  # no such bucket
+            return False
+        return bool(page.get("KeyCount") or page.get("Contents")
+                    or page.get("CommonPrefixes"))
 
     def is_file(self, relative: str) -> bool:
         """Return whether ``relative`` is a regular file."""
