@@ -144,6 +144,8 @@ def _save_stage_and_reload(rank: int, world_size: int, directory: str) -> dict[s
         == staged["model"][weight].to_local().data_ptr()
     )
     staged_is_dtensor = type(staged["model"][weight]).__name__ == "DTensor"
+    # the second staging reuses the first's DTensor wrappers too (no per-tensor rebuild)
+    reused = reused and first["model"][weight] is staged["model"][weight]
 
     train_step(model, optimizer, "transformer", seed=2)  # training mutates the originals
     mutated = full_state(model, optimizer)
