@@ -37,13 +37,15 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_save_plan,
 )
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 __all__ = ["StructureCachingSavePlanner", "forget_plans", "structure_key"]
 
-#: ``slot -> (structure key, local plan)`` of each group's last successful save on this rank.
-_LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan]] = {}
+#: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
+#: last successful save on this rank.
+_LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan, dict[str, Any]]] = {}
 
 
 def forget_plans() -> None:
@@ -140,6 +142,7 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         self._cached_plans_key = _slot(group, owner)
         self._structure: Hashable | None = None
         self._planned: SavePlan | None = None
+        self._shards: dict[str, Any] = {}
 
     def create_local_plan(self) -> SavePlan:
         """This rank's plan: an empty one when the structure is that of its last save."""
@@ -147,14 +150,29 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
                             self.is_coordinator)
         remembered = _LOCAL_PLANS.get(self._cached_plans_key)
         if key is not None and remembered is not None and remembered[0] == key:
-            self.plan = remembered[1]
+            self.plan, self._shards = remembered[1], remembered[2]
             return SavePlan([], usable=False)  # DCP: "unchanged, use the cached plans"
         plan = create_default_local_save_plan(self.state_dict, self.is_coordinator)
         if self.flatten_state_dict:
             plan = dataclasses.replace(plan, planner_data=self.mappings)
         self.plan = plan
         self._structure, self._planned = key, plan
+        self._shards = {item.index.fqn: item.index.offset for item in plan.items
+                        if type(self.state_dict.get(item.index.fqn)) is DTensor}
         return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """The value ``index`` names; this rank's shard of a DTensor without a dispatch.
+
+        DCP finds a DTensor's shard by computing its chunk list and returning
+        ``to_local()`` (an autograd call) when the offsets match; the plan was made from
+        this structure, so the shard it names is the local tensor itself.
+        """
+        value = self.state_dict.get(index.fqn)
+        if type(value) is DTensor and index.offset is not None and \
+                self._shards.get(index.fqn) == index.offset:
+            return value._local_tensor
+        return super().lookup_object(index)
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """DCP's final plan (its cached one when unchanged); remember this rank's plan."""
@@ -162,6 +180,7 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         if self._planned is not None:
             _LOCAL_PLANS.pop(self._cached_plans_key, None)
             if self._structure is not None:
-                _LOCAL_PLANS[self._cached_plans_key] = (self._structure, self._planned)
+                _LOCAL_PLANS[self._cached_plans_key] = (self._structure, self._planned,
+                                                        self._shards)
             self._planned = None
         return finished
