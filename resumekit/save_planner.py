@@ -41,22 +41,55 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StructureCachingSavePlanner", "forget_plans", "structure_key"]
+__all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "forget_plans", "structure_key"]
 
 #: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
 #: last successful save on this rank.
 _LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan, dict[str, Any]]] = {}
 
 
-def forget_plans() -> None:
-    """Drop every remembered plan (this process's), DCP's cached ones included."""
-    _LOCAL_PLANS.clear()
-    for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
-                  "_cached_metadata", "_cached_final_save_plan"):
+#: Slots remembered at most (a process saving to many roots keeps the newest ones).
+SLOTS_KEPT = 8
+
+_DCP_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+               "_cached_metadata", "_cached_final_save_plan")
+
+
+def forget_plans(slots: list[str] | None = None) -> None:
+    """Drop remembered plans (this process's), DCP's cached ones included.
+
+    Args:
+        slots: Only these slots; None: every slot of this module.
+    """
+    chosen = None if slots is None else set(slots)
+    for slot in [slot for slot in _LOCAL_PLANS if chosen is None or slot in chosen]:
+        del _LOCAL_PLANS[slot]
+    for cache in _DCP_CACHES:
         store = getattr(DefaultSavePlanner, cache, None)
         if isinstance(store, dict):
-            for slot in [slot for slot in store if str(slot).startswith(_SLOT_PREFIX)]:
+            for slot in [slot for slot in store if str(slot).startswith(_SLOT_PREFIX)
+                         and (chosen is None or slot in chosen)]:
                 del store[slot]
+
+
+def _touch(slot: str) -> None:
+    """Make ``slot`` the newest used; forget the oldest slots beyond :data:`SLOTS_KEPT`.
+
+    Every rank of a group runs the same saves in the same order, so every rank forgets
+    the same slots at the same save: no rank ever sends an "unchanged" plan for a slot
+    its coordinator has forgotten.
+    """
+    _SLOTS_USED.pop(slot, None)
+    _SLOTS_USED[slot] = None
+    if len(_SLOTS_USED) > SLOTS_KEPT:
+        oldest = list(_SLOTS_USED)[:len(_SLOTS_USED) - SLOTS_KEPT]
+        for name in oldest:
+            del _SLOTS_USED[name]
+        forget_plans(oldest)
+
+
+#: The slots in the order they were last used (oldest first).
+_SLOTS_USED: dict[str, None] = {}
 
 
 _SLOT_PREFIX = "resumekit-structure-cached:"
@@ -183,4 +216,5 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
                 _LOCAL_PLANS[self._cached_plans_key] = (self._structure, self._planned,
                                                         self._shards)
             self._planned = None
+        _touch(self._cached_plans_key)
         return finished

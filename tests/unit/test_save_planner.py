@@ -49,3 +49,24 @@ def test_a_tensor_subclass_or_a_self_planning_value_is_never_cached() -> None:
 
     assert _key({"w": torch.zeros(2).as_subclass(Marked)}) is None
     assert _key({"w": PlansItself()}) is None
+
+
+def test_a_process_saving_to_many_roots_remembers_the_plans_of_the_newest_few(
+        tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from resumekit import save_planner, sharded
+
+    save_planner.forget_plans()
+    state = {"w": torch.arange(4.0), "step": 3}  # a non-tensor value: DCP's own path
+    for number in range(save_planner.SLOTS_KEPT + 3):
+        sharded.save(state, tmp_path / f"save{number}", plan_owner=f"root{number}")
+    slots = [slot for slot in DefaultSavePlanner._cached_metadata  # noqa: SLF001
+             if slot.startswith("resumekit-structure-cached:")]
+    assert len(slots) == save_planner.SLOTS_KEPT
+    assert not any(slot.startswith("resumekit-structure-cached:root0:") for slot in slots)
+    assert len(save_planner._LOCAL_PLANS) == save_planner.SLOTS_KEPT  # noqa: SLF001
+    sharded.save(state, tmp_path / "again", plan_owner="root0")  # planned afresh, fine
+    loaded = {"w": torch.zeros(4), "step": 0}
+    sharded.load(loaded, tmp_path / "again")
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
