@@ -234,6 +234,25 @@ def test_rounds_alternate_direction_so_no_method_always_goes_first() -> None:
     assert paired_ratios([2.0, 6.0], [1.0, 3.0]) == [2.0, 2.0]
 
 
+def test_no_sample_starts_with_the_garbage_the_method_before_it_left() -> None:
+    import gc  # noqa: PLC0415
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    left_over: list[int] = []
+
+    def litter() -> float:
+        left_over.append(gc.get_count()[0])
+        for _ in range(500):
+            Cycle()  # unreachable cycles: only a collection frees them
+        return 1.0
+
+    interleave({"a": litter, "b": litter}, 2)
+    assert max(left_over) < 100, left_over  # each sample began right after a collection
+
+
 def test_the_model_is_sized_to_the_requested_state(tmp_path: Path) -> None:
     shape = shape_for(1_500_000_000)
     assert abs(shape.state_bytes - 1_500_000_000) / 1_500_000_000 < 0.05
