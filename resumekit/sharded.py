@@ -230,18 +230,12 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
     an optimizer that has state (DCP would initialise it by a step) and whose every
     parameter is one of the model's. Anything else: None (ask DCP).
     """
-    types = tuple(kind for kind in _wrapper_types() if kind is not FSDPModule)
     if "state_dict" in vars(model) or "state_dict" in vars(optimizer) or not optimizer.state:
         return None
-    if any(_is_wrapper(module, types) for module in model.modules()):
+    state = _state_under_own_names(
+        model, tuple(kind for kind in _wrapper_types() if kind is not FSDPModule))
+    if state is None:
         return None
-    with torch.no_grad():
-        state = model.state_dict()
-    if not state or any(_CHECKPOINT_PREFIX in key or _FLAT_PARAM in key for key in state):
-        return None
-    for key in [key for key, value in state.items()
-                if isinstance(value, torch.Tensor) and value.is_meta]:
-        del state[key]
     names = {id(param): name for name, param in model.named_parameters()}
     if any(name not in state for name in names.values()):
         return None  # a name the state dict renames (activation checkpointing's wrapper)
@@ -306,19 +300,33 @@ def plain_state_dict(model: nn.Module) -> dict[str, Any] | None:
     state or a ``_flat_param`` key. The canonical name differs from the key only through
     DDP's ``module``, FSDP1's wrapper, ``torch.compile``'s ``_orig_mod``, activation
     checkpointing's prefix or a module's ``_fqn_modifiers``; FSDP2 is left to DCP too.
-    So the state is returned as it is when no module is any of these, no key carries
-    the checkpointing prefix or ``_flat_param``, no value is a ``DTensor`` and the state
-    is not empty; otherwise None (the caller asks DCP).
+    So the state is returned (without meta tensors, which DCP drops) when no module is
+    any of these, no key carries the checkpointing prefix or ``_flat_param``, no value is
+    a ``DTensor`` and the state is not empty; otherwise None (the caller asks DCP).
     """
-    types = _wrapper_types()
-    if any(_is_wrapper(module, types) for module in model.modules()):
+    state = _state_under_own_names(model, _wrapper_types())
+    if state is None or any(isinstance(value, DTensor) for value in state.values()):
+        return None
+    return state
+
+
+def _state_under_own_names(model: nn.Module, renamers: tuple[type, ...]
+                           ) -> dict[str, Any] | None:
+    """``model.state_dict()`` as DCP's ``get_model_state_dict`` returns it, or None.
+
+    None when some module is one of ``renamers`` or has ``_fqn_modifiers``, the state is
+    empty, or a key carries activation checkpointing's prefix or ``_flat_param`` (DCP
+    renames or refuses those); otherwise the state without meta tensors (DCP drops them).
+    """
+    if any(_is_wrapper(module, renamers) for module in model.modules()):
         return None
     with torch.no_grad():
         state = model.state_dict()
     if not state or any(_CHECKPOINT_PREFIX in key or _FLAT_PARAM in key for key in state):
         return None
-    if any(isinstance(value, DTensor) for value in state.values()):
-        return None
+    for key in [key for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.is_meta]:
+        del state[key]
     return state
 
 
