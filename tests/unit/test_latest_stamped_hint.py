@@ -47,27 +47,34 @@ NAMES = NameFormat()
 
 
 @contextmanager
+def storage_methods_wrapped(names: tuple[str, ...],
+                            wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]]
+                            ) -> Iterator[None]:
+    """Replace each named ``Storage`` method by ``wrap(name, original)``; put them back."""
+    originals = {name: getattr(Storage, name) for name in names}
+    try:
+        for name, method in originals.items():
+            setattr(Storage, name, wrap(name, method))
+        yield
+    finally:
+        for name, method in originals.items():
+            setattr(Storage, name, method)
+
+
+@contextmanager
 def root_listings() -> Iterator[collections.Counter[str]]:
     """Count the listings of a checkpoint root itself (not of its subdirectories)."""
     counts: collections.Counter[str] = collections.Counter()
-    originals = {name: getattr(Storage, name) for name in ("list_names", "list_dir")}
 
-    def wrap(name: str) -> Callable[..., Any]:
-        method = originals[name]
-
+    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def counted(self: Storage, relative: str = "", *args: Any, **kwargs: Any) -> Any:
             if not relative:
                 counts[name] += 1
             return method(self, relative, *args, **kwargs)
         return counted
 
-    try:
-        for name in originals:
-            setattr(Storage, name, wrap(name))
+    with storage_methods_wrapped(("list_names", "list_dir"), wrap):
         yield counts
-    finally:
-        for name, method in originals.items():
-            setattr(Storage, name, method)
 
 
 def listing_answer(storage: Storage) -> str | None:
@@ -219,12 +226,8 @@ def test_latest_lists_the_root_and_gives_the_listings_answer_when_the_hint_is_in
 def root_changes_while_a_hint_exists(root: Path) -> Iterator[list[str]]:
     """Record each change of the root's entries made while the hint file exists."""
     seen: list[str] = []
-    names = ("rename_dir", "exchange_dirs", "remove_tree", "make_dir_exclusive")
-    originals = {name: getattr(Storage, name) for name in names}
 
-    def wrap(name: str) -> Callable[..., Any]:
-        method = originals[name]
-
+    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
         def watched(self: Storage, *relatives: str) -> Any:
             if Path(self.root) == root and any("/" not in path for path in relatives) \
                     and (root / NEWEST_HINT_FILE).exists():
@@ -232,13 +235,9 @@ def root_changes_while_a_hint_exists(root: Path) -> Iterator[list[str]]:
             return method(self, *relatives)
         return watched
 
-    try:
-        for name in names:
-            setattr(Storage, name, wrap(name))
+    with storage_methods_wrapped(
+            ("rename_dir", "exchange_dirs", "remove_tree", "make_dir_exclusive"), wrap):
         yield seen
-    finally:
-        for name, method in originals.items():
-            setattr(Storage, name, method)
 
 
 def test_no_resumekit_operation_changes_the_root_while_the_hint_is_there(
