@@ -71,6 +71,7 @@ __all__ = [
     "BROKEN",
     "DEFAULT_NAME_FORMATS",
     "FOREIGN_FORMATS",
+    "UNLISTED",
     "CheckpointEntry",
     "CheckpointTarget",
     "Defect",
@@ -84,6 +85,7 @@ __all__ = [
     "detect_foreign",
     "entries_from_top",
     "forget_newest_hint",
+    "generation_record_numbers",
     "hidden_entries",
     "import_command",
     "latest_committed",
@@ -91,6 +93,7 @@ __all__ = [
     "list_root",
     "locate_tensor_data",
     "newest_committed",
+    "newest_generation_record",
     "open_target",
     "other_entries",
     "other_name_checkpoints",
@@ -108,6 +111,9 @@ __all__ = [
 ]
 
 Status = Literal["committed", "partial", "corrupt", "legacy", "foreign"]
+
+#: ``newest_committed``'s ``newest_record`` when the caller has not listed the records.
+UNLISTED = object()
 ForeignFormat = Literal["dcp", "torchtitan", "accelerate", "lightning", "hf-trainer"]
 #: What is wrong with an entry that is not committed:
 #:
@@ -664,7 +670,9 @@ def read_top(storage: Storage, name_format: NameFormat | None = None, *,
 def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
                      below: int | None = None,
                      skip: Callable[[CheckpointEntry], bool] | None = None,
-                     listing: Listing | None = None) -> CheckpointEntry | None:
+                     listing: Listing | None = None,
+                     newest_record: int | object | None = UNLISTED
+                     ) -> CheckpointEntry | None:
     """Return the newest committed checkpoint (below ``below``), reading from the top down.
 
     One listing of the root, then the manifests of the highest-numbered step directories
@@ -682,6 +690,9 @@ def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
         below: Only steps below this one.
         skip: Committed entries not to return (the search goes on below them).
         listing: The root's listing, if already made (:func:`list_root`).
+        newest_record: The highest generation record number of the root (None: none),
+            if the caller listed them already; :data:`UNLISTED`: list them here when the
+            stamped hint needs it.
 
     Returns:
         The entry, or None when no committed checkpoint is there.
@@ -691,7 +702,7 @@ def newest_committed(storage: Storage, name_format: NameFormat | None = None, *,
         if found is not None:
             return found
     elif listing is None and below is None and storage.atomic_rename:
-        found = _newest_from_stamp(storage, name_format or NameFormat(), skip)
+        found = _newest_from_stamp(storage, name_format or NameFormat(), skip, newest_record)
         if found is not None:
             return found
     for entry in entries_from_top(storage, name_format, below=below, listing=listing):
@@ -858,8 +869,8 @@ def write_stamped_hint(storage: Storage, name_format: NameFormat, step: int,
 
 
 def _newest_from_stamp(storage: Storage, name_format: NameFormat,
-                       skip: Callable[[CheckpointEntry], bool] | None
-                       ) -> CheckpointEntry | None:
+                       skip: Callable[[CheckpointEntry], bool] | None,
+                       newest_record: int | object | None = None) -> CheckpointEntry | None:
     """The hinted checkpoint while the root is as its writer stamped it; else None.
 
     None (the caller lists the root; same answer, logged at DEBUG) unless the root's stat
@@ -870,7 +881,8 @@ def _newest_from_stamp(storage: Storage, name_format: NameFormat,
     """
     stamp = storage.root_stamp()
     found = _hint_document(storage, name_format)
-    why = found if isinstance(found, str) else _stamp_doubt(storage, found[1], stamp)
+    why = found if isinstance(found, str) else _stamp_doubt(storage, found[1], stamp,
+                                                            newest_record)
     if why is None and not isinstance(found, str):
         entry = _step_entry(storage, name_format.build(found[0]), found[0],
                             NameFormat(LEGACY_NAME_FORMAT))
@@ -884,7 +896,8 @@ def _newest_from_stamp(storage: Storage, name_format: NameFormat,
 
 
 def _stamp_doubt(storage: Storage, hint: Mapping[str, Any],
-                 stamp: tuple[int, int, int, int, int] | None) -> str | None:
+                 stamp: tuple[int, int, int, int, int] | None,
+                 newest_record: int | object | None) -> str | None:
     """Why a stamped hint cannot stand for the root's listing now (None: it can)."""
     recorded = hint.get("root_stamp")
     if not isinstance(recorded, list) or len(recorded) != 5:
@@ -896,14 +909,26 @@ def _stamp_doubt(storage: Storage, hint: Mapping[str, Any],
     if stamp[4] < 2:
         return "the root's filesystem reports no subdirectory count (st_nlink < 2)"
     generation = hint.get("generation")
-    numbers = [parse_generation_record_name(name)
-               for name, is_dir in storage.list_names(GENERATIONS_DIR) if not is_dir]
-    newest = max((number for number in numbers if number is not None), default=None)
+    newest = (newest_generation_record(storage) if newest_record is UNLISTED
+              else newest_record)
     if not isinstance(generation, int) or isinstance(generation, bool) or \
             generation != newest:
         return (f"the newest-step hint is of generation {generation}, the root's newest "
                 f"is {newest}")
     return None
+
+
+def generation_record_numbers(storage: Storage) -> list[int]:
+    """The numbers of the root's generation records, sorted (one listing)."""
+    numbers = [parse_generation_record_name(name)
+               for name, is_dir in storage.list_names(GENERATIONS_DIR) if not is_dir]
+    return sorted(number for number in numbers if number is not None)
+
+
+def newest_generation_record(storage: Storage) -> int | None:
+    """The highest generation record number of the root (None: no record)."""
+    numbers = generation_record_numbers(storage)
+    return numbers[-1] if numbers else None
 
 
 def other_name_checkpoints(storage: Storage, name_format: NameFormat) -> list[str]:

@@ -23,13 +23,12 @@ import logging
 import secrets
 from collections.abc import Iterable
 
-from resumekit.catalog import CheckpointEntry, newest_committed
+from resumekit.catalog import CheckpointEntry, generation_record_numbers, newest_committed
 from resumekit.errors import FencedWriterError, StorageError
 from resumekit.layout import (
     GENERATIONS_DIR,
     NameFormat,
     generation_record_name,
-    parse_generation_record_name,
 )
 from resumekit.manifest import Lineage, Manifest, WriterGeneration
 from resumekit.storage import Storage
@@ -65,9 +64,7 @@ class Fence:
 
 
 def _numbers(storage: Storage) -> list[int]:
-    numbers = [parse_generation_record_name(info.name)
-               for info in storage.list_dir(GENERATIONS_DIR) if not info.is_dir]
-    return sorted(number for number in numbers if number is not None)
+    return generation_record_numbers(storage)
 
 
 def _read(storage: Storage, number: int) -> WriterGeneration | None:
@@ -90,7 +87,11 @@ def _records(storage: Storage) -> list[WriterGeneration]:
 
 def newest_generation(storage: Storage) -> WriterGeneration | None:
     """Return the newest readable generation record of the root (None if there is none)."""
-    for number in reversed(_numbers(storage)):
+    return _newest_readable(storage, _numbers(storage))
+
+
+def _newest_readable(storage: Storage, numbers: list[int]) -> WriterGeneration | None:
+    for number in reversed(numbers):
         record = _read(storage, number)
         if record is not None:
             return record
@@ -140,8 +141,10 @@ def newest_restorable(storage: Storage, name_format: NameFormat | None = None
         The entry (None when nothing restorable is committed) and ``{path: reason}`` of
         each fenced writer's commit above it.
     """
-    # An absent root lists as empty: no generation (no is_dir() first, one request less)
-    current = newest_generation(storage)
+    # An absent root lists as empty: no generation (no is_dir() first, one request less).
+    # The records are listed once: for the zombie check and for the stamped hint's.
+    numbers = _numbers(storage)
+    current = _newest_readable(storage, numbers)
     passed: dict[str, str] = {}
 
     def fenced(entry: CheckpointEntry) -> bool:
@@ -150,7 +153,8 @@ def newest_restorable(storage: Storage, name_format: NameFormat | None = None
             passed[entry.path] = reason
         return reason is not None
 
-    return newest_committed(storage, name_format, skip=fenced), passed
+    return newest_committed(storage, name_format, skip=fenced,
+                            newest_record=numbers[-1] if numbers else None), passed
 
 
 def zombie_commits(entries: Iterable[CheckpointEntry], current: WriterGeneration | None

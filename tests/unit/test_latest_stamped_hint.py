@@ -36,7 +36,7 @@ from resumekit.catalog import (
     step_directories,
 )
 from resumekit.commit import CommitProtocol, recover_interrupted, set_aside
-from resumekit.layout import MANIFEST_NAME, NEWEST_HINT_FILE, NameFormat
+from resumekit.layout import GENERATIONS_DIR, MANIFEST_NAME, NEWEST_HINT_FILE, NameFormat
 from resumekit.manager import CheckpointManager
 from resumekit.manifest import Lineage, Manifest
 from resumekit.retention import keep_last, prune
@@ -138,6 +138,23 @@ def test_latest_on_a_local_root_with_a_stamped_hint_lists_nothing_and_returns_th
                                         NAMES.build(30)]
     assert_fast(manager, 30)
     assert latest_path(manager) == listing_answer(manager.storage)
+
+
+def test_latest_lists_the_generation_records_once_for_the_zombie_and_the_hint_checks(
+        saved: tuple[Path, CheckpointManager]) -> None:
+    _, manager = saved
+    listed: list[str] = []
+
+    def wrap(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: Storage, relative: str = "", *args: Any, **kwargs: Any) -> Any:
+            if relative == GENERATIONS_DIR:
+                listed.append(name)
+            return method(self, relative, *args, **kwargs)
+        return counted
+
+    with storage_methods_wrapped(("list_names", "list_dir"), wrap):
+        assert_fast(manager, 30)
+    assert len(listed) == 1, listed
 
 
 def _hand_copy(root: Path, manager: CheckpointManager,
