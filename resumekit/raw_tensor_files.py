@@ -587,6 +587,10 @@ class _ReportingWriter:
     """The ``Metadata`` the last :meth:`finish` wrote (coordinating rank)."""
     last_jobs: list[tuple[str, list[WriteItem]]] | None = None
     """The files the last ``write_data`` wrote, each with its items in file order."""
+    last_prefix: str | None = None
+    """The file-name prefix DCP's final plan gave the last ``write_data`` (raw writer)."""
+    last_results: list[WriteResult] | None = None
+    """What the last ``write_data`` stored for each of its items (raw writer)."""
 
     def _start_reporting(self) -> None:
         self.written = []
@@ -768,13 +772,36 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
              [(item, planner.resolve_data(item)) for item in bucket])
             for number, bucket in enumerate(buckets)
         ]
+        results = self.write_jobs(jobs, prefix)
+        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
+        self.last_prefix = prefix
+        self.last_results = results
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def write_jobs(self, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem,
+                                                                   torch.Tensor | io.BytesIO]]]],
+                   prefix: str) -> list[WriteResult]:
+        """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
+
+        :meth:`write_data` writes DCP's plan with it, and a replayed plan
+        (:mod:`resumekit.replayed_save`) the same files in the same order with it: the
+        same bytes. Resets and fills :attr:`written`.
+
+        Returns:
+            Every item's result, file by file in ``jobs`` order.
+
+        Raises:
+            StorageError: A file could not be written (naming it).
+        """
         self.written = []
         results: list[WriteResult] = []
         sidecar = raw_checksums_file(prefix)
         outcomes = run_writer_threads([
             functools.partial(self._write_file, name, items, sidecar) for name, items in jobs],
-            on_caller=not self.background and _is_small(plan.items))
-        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
+            on_caller=not self.background and _is_small(
+                [item for _, items in jobs for item, _ in items]))
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
             results.extend(file_results)
@@ -785,9 +812,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             self.written.append(write_checksums(
                 os.path.join(os.fspath(self.path), sidecar), sidecar, regions,
                 sync=self.sync_files))
-        done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
-        return done
+        return results
 
     def storage_meta(self) -> None:
         """None: no path or save id in ``.metadata``.

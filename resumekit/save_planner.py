@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
-__all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "forget_plans", "structure_key"]
+__all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "completed_saves", "forget_plans",
+           "replay_record", "slot_of", "structure_key", "touch"]
 
 #: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
 #: last successful save on this rank.
@@ -50,6 +51,14 @@ _LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan, dict[str, Any]]] = {}
 
 #: Slots remembered at most (a process saving to many roots keeps the newest ones).
 SLOTS_KEPT = 8
+
+#: ``slot -> record`` of the last planned save, as :mod:`resumekit.replayed_save` replays it
+#: (that module's record type; kept here so that forgetting a slot forgets it too).
+_REPLAYS: dict[str, Any] = {}
+
+#: ``slot -> planned saves completed in it`` (never reset: the same on every rank of a
+#: group, which runs the same saves in the same order).
+_COMPLETED: dict[str, int] = {}
 
 _DCP_CACHES = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
                "_cached_metadata", "_cached_final_save_plan")
@@ -64,12 +73,43 @@ def forget_plans(slots: list[str] | None = None) -> None:
     chosen = None if slots is None else set(slots)
     for slot in [slot for slot in _LOCAL_PLANS if chosen is None or slot in chosen]:
         del _LOCAL_PLANS[slot]
+    for slot in [slot for slot in _REPLAYS if chosen is None or slot in chosen]:
+        del _REPLAYS[slot]
     for cache in _DCP_CACHES:
         store = getattr(DefaultSavePlanner, cache, None)
         if isinstance(store, dict):
             for slot in [slot for slot in store if str(slot).startswith(_SLOT_PREFIX)
                          and (chosen is None or slot in chosen)]:
                 del store[slot]
+
+
+def completed_saves(slot: str) -> int:
+    """How many planned saves completed in ``slot`` in this process (the same on every rank)."""
+    return _COMPLETED.get(slot, 0)
+
+
+def replay_record(slot: str) -> Any:
+    """The replay record :func:`set_replay_record` left for ``slot``, or None."""
+    return _REPLAYS.get(slot)
+
+
+def set_replay_record(slot: str, record: Any) -> None:
+    """Count a completed planned save in ``slot``; keep ``record`` (None: forget it)."""
+    _COMPLETED[slot] = _COMPLETED.get(slot, 0) + 1
+    if record is None:
+        _REPLAYS.pop(slot, None)
+    else:
+        _REPLAYS[slot] = record
+
+
+def forget_replay_record(slot: str) -> None:
+    """Forget ``slot``'s replay record (a replayed save failed: plan the next in full)."""
+    _REPLAYS.pop(slot, None)
+
+
+def touch(slot: str) -> None:
+    """Mark ``slot`` used by a save that did not plan (see :func:`_touch`)."""
+    _touch(slot)
 
 
 def _touch(slot: str) -> None:
@@ -93,6 +133,11 @@ _SLOTS_USED: dict[str, None] = {}
 
 
 _SLOT_PREFIX = "resumekit-structure-cached:"
+
+
+def slot_of(group: dist.ProcessGroup | None, owner: str | None) -> str:
+    """The cache slot of saves on ``group`` by ``owner`` (see :func:`_slot`)."""
+    return _slot(group, owner)
 
 
 def _slot(group: dist.ProcessGroup | None, owner: str | None) -> str:
@@ -174,6 +219,8 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         super().__init__(enable_plan_caching=True)
         self._cached_plans_key = _slot(group, owner)
         self._structure: Hashable | None = None
+        self.structure: Hashable | None = None
+        """The structure key of the state this planner planned (None: not cacheable)."""
         self._planned: SavePlan | None = None
         self._shards: dict[str, Any] = {}
 
@@ -181,6 +228,7 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         """This rank's plan: an empty one when the structure is that of its last save."""
         key = structure_key(self.state_dict, getattr(self, "mappings", None),
                             self.is_coordinator)
+        self.structure = key
         remembered = _LOCAL_PLANS.get(self._cached_plans_key)
         if key is not None and remembered is not None and remembered[0] == key:
             self.plan, self._shards = remembered[1], remembered[2]
@@ -193,6 +241,20 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         self._shards = {item.index.fqn: item.index.offset for item in plan.items
                         if type(self.state_dict.get(item.index.fqn)) is DTensor}
         return plan
+
+    @property
+    def slot(self) -> str:
+        """The cache slot this planner's saves use."""
+        return self._cached_plans_key
+
+    @property
+    def shards(self) -> dict[str, Any]:
+        """This rank's DTensor shard offsets by key, of the plan in use."""
+        return self._shards
+
+    @shards.setter
+    def shards(self, shards: dict[str, Any]) -> None:
+        self._shards = shards
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         """The value ``index`` names; this rank's shard of a DTensor without a dispatch.

@@ -84,7 +84,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.serialization import get_crc32_options, set_crc32_options
 
-from resumekit import raw_tensor_files
+from resumekit import raw_tensor_files, replayed_save
 from resumekit._tree import flatten
 from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
@@ -711,15 +711,20 @@ def save(
             leaves = _plain_leaves(state_dict)
             key = None if leaves is None else (thread_count, _structure(leaves))
             plan = None if key is None else _SAVE_PLANS.get(key)
+    planner = StructureCachingSavePlanner(None if no_dist else group, plan_owner)
     try:
         if plan is not None:
             with _collection_paused(background):
                 return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
+        if not no_dist and isinstance(writer, RawTensorWriter):
+            with _without_zip_crc32(), _collection_paused(background):  # as DCP's below
+                replayed = replayed_save.save_replayed(state_dict, writer, group, plan_owner,
+                                                       thread_count)
+            if replayed is not None:
+                return replayed
         with _quiet_no_dist(no_dist), _without_zip_crc32(), _collection_paused(background):
-            dcp_save(
-                dict(state_dict), storage_writer=writer, process_group=group, no_dist=no_dist,
-                planner=StructureCachingSavePlanner(None if no_dist else group, plan_owner),
-            )
+            dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
+                     no_dist=no_dist, planner=planner)
     except CheckpointException as error:
         raise _from_failures(error, "save", target, None) from None
     except ResumekitError:
@@ -732,6 +737,8 @@ def save(
         ) from error
     if key is not None and leaves is not None:
         _SAVE_PLANS.remember(key, leaves, cast(RawTensorWriter, writer))
+    if not no_dist and isinstance(writer, RawTensorWriter):
+        replayed_save.remember(planner, writer, thread_count)
     return list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
 
 
