@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import pickle
 from collections.abc import Hashable, Mapping, Sequence
@@ -54,6 +55,8 @@ from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import RawTensorWriter, WrittenFile, is_described_pack
 
 __all__ = ["Replay", "remember", "save_replayed"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +108,13 @@ def remember(planner: save_planner.StructureCachingSavePlanner, writer: RawTenso
     cannot be replayed (a value the structure key does not cover, a ``.metadata`` that
     names the save) keeps no record and votes against replaying the next one.
     """
-    save_planner.set_replay_record(planner.slot, _record_of(planner, writer, thread_count))
+    try:
+        record = _record_of(planner, writer, thread_count)
+    except Exception as error:  # noqa: BLE001 - counted all the same: ranks vote in step
+        logger.debug("resumekit: the save in %s will not be replayed: %s: %s",
+                     os.fspath(writer.path), type(error).__name__, error)
+        record = None
+    save_planner.set_replay_record(planner.slot, record)
 
 
 def _record_of(planner: save_planner.StructureCachingSavePlanner, writer: RawTensorWriter,

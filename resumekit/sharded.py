@@ -671,7 +671,10 @@ def save(
     never overwritten. With ``tensor_format="raw"`` local directories get raw tensor
     files, checksummed while written (:mod:`resumekit.raw_tensor_files`); fsspec URLs, and
     every directory with ``tensor_format="dcp"``, get DCP's own format
-    (:func:`tensor_format_for`).
+    (:func:`tensor_format_for`). A raw save whose structure every rank of the group saved
+    before, in the same slot, is written without DCP's planning and object collectives,
+    byte for byte as DCP would (:mod:`resumekit.replayed_save`; one process:
+    :func:`_save_planned`).
 
     Args:
         state_dict: Nested dicts of tensors, ``DTensor``s, primitives and ``Stateful``s.
@@ -686,8 +689,8 @@ def save(
         tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
         plan_owner: Names a writer whose saves never run at the same time (the same on
             every rank, e.g. a manager's root URL): its saves on different groups of the
-            same ranks share remembered plans (:mod:`resumekit.save_planner`). None:
-            plans are remembered per group.
+            same ranks share remembered plans (:mod:`resumekit.save_planner`) and
+            replay records (:mod:`resumekit.replayed_save`). None: per group.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it

@@ -151,3 +151,39 @@ def test_one_rank_failing_a_replayed_save_fails_it_on_every_rank_and_the_next_sa
     assert results[1]["errno"] == errno.ENOSPC  # the failing rank: its own error
     assert "the disk is full" in results[1]["error"]
     assert "rank 1" in results[0]["error"] and "second" in results[0]["error"]
+
+
+def _one_rank_cannot_keep_its_record(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from resumekit import replayed_save  # noqa: PLC0415 - patched in this rank's process
+
+    forget_plans()
+    dcp_calls = _counting_dcp_saves()
+    original = replayed_save._record_of
+    broken = [rank == 0]
+
+    def record_of(*args: Any) -> Any:
+        if broken[0]:
+            broken[0] = False
+            raise OSError(errno.EIO, "Input/output error")
+        return original(*args)
+
+    replayed_save._record_of = record_of  # type: ignore[assignment]
+    model, optimizer = build("transformer", seed=0, world_size=world_size)
+    counts, reloads = [], []
+    for number in range(3):
+        train_step(model, optimizer, "transformer", seed=number)
+        state = _state(model, optimizer)
+        before = dcp_calls[0]
+        sharded.save(state, Path(root) / f"save{number}")
+        counts.append(dcp_calls[0] - before)
+        reloads.append(_reload_matches(Path(root) / f"save{number}", _flat(state), {}))
+    return {"dcp_calls": counts, "reloads": reloads}
+
+
+def test_a_rank_that_cannot_keep_its_record_votes_to_plan_and_no_rank_waits_for_it(
+        tmp_path: Path) -> None:
+    for rank, result in enumerate(run_ranks(_one_rank_cannot_keep_its_record, world_size=2,
+                                            args=(str(tmp_path),), group_timeout_s=60)):
+        # save 0 plans, rank 0 keeps no record; save 1 plans on both; save 2 replays.
+        assert result["dcp_calls"] == [1, 1, 0], (rank, result)
+        assert result["reloads"] == [True] * 3, (rank, result)
