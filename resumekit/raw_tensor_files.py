@@ -124,6 +124,7 @@ __all__ = [
     "is_raw",
     "raw_files",
     "write_checksums",
+    "write_new_file",
 ]
 
 FORMAT_NAME = "resumekit-raw"
@@ -921,6 +922,17 @@ def write_checksums(path: str, name: str,
         StorageError: It could not be written (naming it).
     """
     data = encode_checksums(regions)
+    write_new_file(path, data, sync=sync)
+    return WrittenFile(name, len(data), checksum_chunks([data]))
+
+
+def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
+    """Create ``path`` (never an existing file: ``O_EXCL``), write ``data``, fsync if asked.
+
+    Raises:
+        StorageError: It could not be written (naming it; a full disk also names the free
+            space).
+    """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
                      0o644)
@@ -934,7 +946,6 @@ def write_checksums(path: str, name: str,
             os.close(fd)
     except OSError as error:
         raise _write_failure(path, error, "write") from error
-    return WrittenFile(name, len(data), checksum_chunks([data]))
 
 
 class _Pack:

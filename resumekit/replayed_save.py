@@ -52,7 +52,12 @@ from resumekit import save_planner
 from resumekit.errors import ResumekitError, StorageError
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import checksum_chunks
-from resumekit.raw_tensor_files import RawTensorWriter, WrittenFile, is_described_pack
+from resumekit.raw_tensor_files import (
+    RawTensorWriter,
+    WrittenFile,
+    is_described_pack,
+    write_new_file,
+)
 
 __all__ = ["Replay", "remember", "save_replayed"]
 
@@ -314,20 +319,11 @@ def _write_metadata(record: Replay, gathered: Sequence[_Outcome], directory: str
     else:
         data, checksum = record.metadata_bytes, str(record.metadata_checksum)
     temporary = os.path.join(directory, f"{DCP_METADATA_FILE}.tmp")
+    write_new_file(temporary, data, sync=sync)
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                     | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
         os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
     except OSError as error:
-        raise StorageError(f"cannot write {temporary}: {type(error).__name__}: {error}",
+        raise StorageError(f"cannot rename {temporary}: {type(error).__name__}: {error}",
                            path=directory, operation="save", file=DCP_METADATA_FILE,
                            errno=error.errno) from error
     return WrittenFile(DCP_METADATA_FILE, len(data), str(checksum), record.references)

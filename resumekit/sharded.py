@@ -952,16 +952,7 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
         writer.written.append(raw_tensor_files.write_checksums(
             os.path.join(directory, sidecar), sidecar, regions, sync=writer.sync_files))
     temporary = os.path.join(directory, f"{DCP_METADATA_FILE}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
-                 0o644)
-    try:
-        view = memoryview(plan.metadata)
-        while view:
-            view = view[os.write(fd, view):]
-        if writer.sync_files:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    raw_tensor_files.write_new_file(temporary, plan.metadata, sync=writer.sync_files)
     os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
     writer.written.append(WrittenFile(DCP_METADATA_FILE, len(plan.metadata),
                                       plan.metadata_checksum, plan.references))

@@ -60,7 +60,7 @@ def _import_on_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
     with PeakRss() as rss:
         legacy.load_weights_only(Storage(root), NAME, model)
     exact = True
-    for number, (key, param) in enumerate(model.state_dict().items()):
+    for number, param in enumerate(model.state_dict().values()):
         full = param.full_tensor()
         exact = exact and torch.equal(full, _reference(number, tuple(full.shape)))
     return {"extra": rss.extra, "exact": exact, "measured_exactly": rss.exact}

@@ -18,21 +18,13 @@ from resumekit import sharded
 from resumekit.errors import StorageError
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.save_planner import forget_plans
-from tests.dist.test_save_planner_dist import _flat, _reload_matches, _state
+from tests.dist.test_save_planner_dist import _flat, _reload_matches, _state, counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
 
 def _counting_dcp_saves() -> list[int]:
-    calls = [0]
-    original = sharded.dcp_save
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    sharded.dcp_save = counted  # type: ignore[assignment]
-    return calls
+    return counting_calls(sharded, "dcp_save")
 
 
 def _files(directory: Path) -> dict[str, bytes]:

@@ -84,7 +84,8 @@ def _train_factory(drop_optimizer: bool, async_save: bool):
 
 def _equivalence(rank: int, world: int, workdir: str, drop_optimizer: bool,
                  async_save: bool) -> tuple[bool, int | None, str | None, list[int], str]:
-    sub = Path(workdir) / ("drop" if drop_optimizer else "full") / ("async" if async_save else "sync")
+    sub = (Path(workdir) / ("drop" if drop_optimizer else "full")
+           / ("async" if async_save else "sync"))
     if rank == 0:
         sub.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -109,7 +110,8 @@ def test_fsdp2_async_saves_resume_bit_identically_without_deadlock(tmp_path: Pat
         assert equivalent, description
 
 
-def test_the_harness_reports_the_divergence_when_optimizer_state_is_not_saved(tmp_path: Path) -> None:
+def test_the_harness_reports_the_divergence_when_optimizer_state_is_not_saved(
+        tmp_path: Path) -> None:
     results = run_ranks(_equivalence, 2, args=(str(tmp_path), True, False))
     for equivalent, first_step, first_key, _, description in results:
         assert not equivalent

@@ -1,4 +1,4 @@
-"""resumekit.save_planner on 2 real FSDP2 ranks: a save of an unchanged structure is planned once."""
+"""resumekit.save_planner on 2 real FSDP2 ranks: an unchanged structure is planned once."""
 
 from __future__ import annotations
 
@@ -14,18 +14,23 @@ from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
 
-def _counting_local_plans() -> list[int]:
-    from resumekit import save_planner  # noqa: PLC0415 - patched in this rank's process
-
+def counting_calls(module: Any, name: str) -> list[int]:
+    """Patch ``module.name`` (in this rank's process) to count its calls; ``[count]``."""
     calls = [0]
-    original = save_planner.create_default_local_save_plan
+    original = getattr(module, name)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         return original(*args, **kwargs)
 
-    save_planner.create_default_local_save_plan = counted  # type: ignore[assignment]
+    setattr(module, name, counted)
     return calls
+
+
+def _counting_local_plans() -> list[int]:
+    from resumekit import save_planner  # noqa: PLC0415 - patched in this rank's process
+
+    return counting_calls(save_planner, "create_default_local_save_plan")
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **more: Any

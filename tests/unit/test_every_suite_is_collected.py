@@ -1,28 +1,37 @@
-"""`make test` runs `pytest tests`: no suite directory under tests/ may be left out of it.
+"""`make test` runs `pytest tests` and `ruff check tests`: no suite directory may be left out.
 
-pytest skips directories matching ``norecursedirs`` while it walks ``tests/``, and its
-default list names ``dist``: the multi-rank suite in ``tests/dist`` was silently never run
-by `pytest tests` until ``pyproject.toml`` set the list without it.
+pytest skips directories matching ``norecursedirs`` while it walks ``tests/``, and ruff
+skips its ``exclude`` list; both defaults name ``dist``, so the multi-rank suite in
+``tests/dist`` was silently never run by `pytest tests` nor linted by `ruff check tests`
+until ``pyproject.toml`` set both lists without it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import tomllib
 from pathlib import Path
 
-import tomllib
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
 
 
-def test_no_test_directory_matches_a_pattern_pytest_does_not_recurse_into() -> None:
-    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"][
-        "ini_options"]
-    patterns = options.get("norecursedirs")
-    assert patterns is not None, "pytest's default norecursedirs would skip tests/dist"
-    suites = [path for path in (ROOT / "tests").rglob("*") if path.is_dir()
-              and path.name != "__pycache__" and any(path.glob("test_*.py"))]
+def _suites() -> list[Path]:
+    return [path for path in (ROOT / "tests").rglob("*") if path.is_dir()
+            and path.name != "__pycache__" and any(path.glob("test_*.py"))]
+
+
+@pytest.mark.parametrize(("tool", "patterns"), [
+    ("pytest norecursedirs", SETTINGS["pytest"]["ini_options"].get("norecursedirs")),
+    ("ruff exclude", SETTINGS["ruff"].get("exclude")),
+])
+def test_no_test_directory_matches_a_pattern_the_tool_skips(
+        tool: str, patterns: list[str] | None) -> None:
+    assert patterns is not None, f"{tool}'s default list would skip tests/dist"
+    suites = _suites()
     assert any(path.name == "dist" for path in suites)
     skipped = [str(path.relative_to(ROOT)) for path in suites
                if any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns)]
-    assert skipped == []
+    assert skipped == [], tool
