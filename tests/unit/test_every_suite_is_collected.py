@@ -9,10 +9,10 @@ until ``pyproject.toml`` set both lists without it.
 from __future__ import annotations
 
 import fnmatch
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
