@@ -122,9 +122,12 @@ __all__ = [
     "hex_digest",
     "is_described_pack",
     "is_raw",
+    "publish_metadata",
     "raw_files",
+    "refuse_existing_checkpoint",
     "write_checksums",
     "write_new_file",
+    "written_metadata",
 ]
 
 FORMAT_NAME = "resumekit-raw"
@@ -947,6 +950,49 @@ def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
     except OSError as error:
         raise _write_failure(path, error, "write") from error
 
+
+
+def refuse_existing_checkpoint(directory: str) -> None:
+    """Create ``directory`` if needed; raise if it already holds a ``.metadata``.
+
+    What DCP's writer refuses (``overwrite=False``), for the saves that write without it.
+
+    Raises:
+        StorageError: A checkpoint is already there (it is never overwritten).
+    """
+    os.makedirs(directory, exist_ok=True)
+    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):
+        raise StorageError(
+            f"writing checkpoint {directory} failed: a checkpoint already exists there "
+            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
+
+
+def publish_metadata(directory: str, data: bytes, *, sync: bool) -> None:
+    """Write ``.metadata`` as DCP's writer does: to ``.metadata.tmp``, then renamed.
+
+    Raises:
+        StorageError: It could not be written or renamed (naming it).
+    """
+    temporary = os.path.join(directory, _METADATA_TMP)
+    write_new_file(temporary, data, sync=sync)
+    try:
+        os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
+    except OSError as error:
+        raise _write_failure(temporary, error, "rename") from error
+
+
+def written_metadata(writer: _ReportingWriter) -> tuple[bytes, WrittenFile] | None:
+    """The ``.metadata`` bytes ``writer``'s last save wrote, read back, and their entry.
+
+    None unless exactly one ``.metadata`` was reported and the file's bytes still have the
+    checksum computed while it was written.
+    """
+    entries = [file for file in writer.written if file.name == DCP_METADATA_FILE]
+    if len(entries) != 1:
+        return None
+    with open(os.path.join(os.fspath(writer.path), DCP_METADATA_FILE), "rb") as handle:
+        data = handle.read()
+    return (data, entries[0]) if checksum_chunks([data]) == entries[0].checksum else None
 
 class _Pack:
     """Small items gathered into one region of a data file, written and hashed as one.

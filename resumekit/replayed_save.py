@@ -56,7 +56,9 @@ from resumekit.raw_tensor_files import (
     RawTensorWriter,
     WrittenFile,
     is_described_pack,
-    write_new_file,
+    publish_metadata,
+    refuse_existing_checkpoint,
+    written_metadata,
 )
 
 __all__ = ["Replay", "remember", "save_replayed"]
@@ -141,15 +143,12 @@ def _record_of(planner: save_planner.StructureCachingSavePlanner, writer: RawTen
     references: tuple[str, ...] = ()
     if planner.is_coordinator:
         metadata = writer.last_metadata
-        entry = [file for file in writer.written if file.name == DCP_METADATA_FILE]
-        if metadata is None or metadata.storage_meta is not None or len(entry) != 1:
+        read_back = written_metadata(writer)
+        if metadata is None or metadata.storage_meta is not None or read_back is None:
             return None
-        with open(os.path.join(os.fspath(writer.path), DCP_METADATA_FILE), "rb") as handle:
-            data = handle.read()
-        if checksum_chunks([data]) != entry[0].checksum:
-            return None
+        data, entry = read_back
         metadata = dataclasses.replace(metadata, storage_data=dict(metadata.storage_data))
-        checksum, references = entry[0].checksum, entry[0].references
+        checksum, references = entry.checksum, entry.references
     return Replay(
         number=save_planner.completed_saves(planner.slot) + 1,
         key=(thread_count, planner.structure), prefix=prefix,
@@ -159,12 +158,16 @@ def _record_of(planner: save_planner.StructureCachingSavePlanner, writer: RawTen
         metadata_bytes=data, metadata_checksum=checksum, references=references)
 
 
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where ``group``'s tensor collectives take their tensors (NCCL: this rank's GPU)."""
+    if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU machines only
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _agree(vote: int, group: dist.ProcessGroup | None) -> bool:
     """Whether every rank of ``group`` voted the same record number (>= 0)."""
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU machines only
-        device = torch.device("cuda", torch.cuda.current_device())
-    votes = torch.tensor([vote, -vote], dtype=torch.int64, device=device)
+    votes = torch.tensor([vote, -vote], dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
     low, high = int(votes[0]), -int(votes[1])
     return low == high and low >= 0
@@ -247,11 +250,7 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
 def _write(record: Replay, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem, Any]]]],
            writer: RawTensorWriter, directory: str, rank: int) -> _Outcome:
     """This rank's files; what changed in their stored entries."""
-    os.makedirs(directory, exist_ok=True)
-    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):  # as DCP's writer
-        raise StorageError(
-            f"writing checkpoint {directory} failed: a checkpoint already exists there "
-            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
+    refuse_existing_checkpoint(directory)  # as DCP's writer
     results: list[WriteResult] = writer.write_jobs(jobs, record.prefix)
     changed: dict[MetadataIndex, _StorageInfo] = {}
     for result in results:
@@ -294,10 +293,8 @@ def _finish(record: Replay, outcome: _Outcome, writer: RawTensorWriter,  # noqa:
                                                       writer.sync_files))
             except Exception as error:  # noqa: BLE001 - reported to every rank below
                 failure = f"rank 0: {type(error).__name__}: {error}"
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU machines only
-        device = torch.device("cuda", torch.cuda.current_device())
-    status = torch.tensor([0 if failure is None else 1], dtype=torch.int64, device=device)
+    status = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
+                          device=_collective_device(group))
     dist.broadcast(status, src=root, group=group)
     if int(status[0]) == 0:
         return None
@@ -318,12 +315,5 @@ def _write_metadata(record: Replay, gathered: Sequence[_Outcome], directory: str
         checksum = checksum_chunks([data])
     else:
         data, checksum = record.metadata_bytes, str(record.metadata_checksum)
-    temporary = os.path.join(directory, f"{DCP_METADATA_FILE}.tmp")
-    write_new_file(temporary, data, sync=sync)
-    try:
-        os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
-    except OSError as error:
-        raise StorageError(f"cannot rename {temporary}: {type(error).__name__}: {error}",
-                           path=directory, operation="save", file=DCP_METADATA_FILE,
-                           errno=error.errno) from error
+    publish_metadata(directory, data, sync=sync)
     return WrittenFile(DCP_METADATA_FILE, len(data), str(checksum), record.references)

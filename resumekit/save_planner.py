@@ -42,7 +42,8 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 __all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "completed_saves", "forget_plans",
-           "replay_record", "slot_of", "structure_key", "touch"]
+           "forget_replay_record", "replay_record", "set_replay_record", "slot_of",
+           "structure_key", "touch"]
 
 #: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
 #: last successful save on this rank.
@@ -108,11 +109,6 @@ def forget_replay_record(slot: str) -> None:
 
 
 def touch(slot: str) -> None:
-    """Mark ``slot`` used by a save that did not plan (see :func:`_touch`)."""
-    _touch(slot)
-
-
-def _touch(slot: str) -> None:
     """Make ``slot`` the newest used; forget the oldest slots beyond :data:`SLOTS_KEPT`.
 
     Every rank of a group runs the same saves in the same order, so every rank forgets
@@ -278,5 +274,5 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
                 _LOCAL_PLANS[self._cached_plans_key] = (self._structure, self._planned,
                                                         self._shards)
             self._planned = None
-        _touch(self._cached_plans_key)
+        touch(self._cached_plans_key)
         return finished

@@ -43,7 +43,6 @@ from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
@@ -876,10 +875,10 @@ def _plan_of(leaves: _Leaves,  # noqa: PLR0911 - one return per reason it cannot
     files, offsets = placed
     if sum(len(members) for _, members in files) != len(leaves):
         return None
-    (entry,) = [file for file in writer.written if file.name == DCP_METADATA_FILE]
-    data = (Path(os.fspath(writer.path)) / DCP_METADATA_FILE).read_bytes()
-    if checksum_chunks([data]) != entry.checksum:
+    read_back = raw_tensor_files.written_metadata(writer)
+    if read_back is None:
         return None
+    data, entry = read_back
     sidecars = checksum_files(storage)
     if len(sidecars) != 1:
         return None
@@ -925,11 +924,7 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
     the regions' checksums in the rank's checksum file, ``.metadata`` the plan's bytes.
     """
     directory = os.fspath(writer.path)
-    os.makedirs(directory, exist_ok=True)
-    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):  # as DCP's writer
-        raise StorageError(
-            f"writing checkpoint {directory} failed: a checkpoint already exists there "
-            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
+    raw_tensor_files.refuse_existing_checkpoint(directory)  # as DCP's writer
     writer.written = []
     sidecar = plan.checksums_file
     outcomes = raw_tensor_files.run_writer_threads([
@@ -951,9 +946,7 @@ def _save_planned(plan: _SavePlan, leaves: _Leaves, writer: RawTensorWriter
     if regions:
         writer.written.append(raw_tensor_files.write_checksums(
             os.path.join(directory, sidecar), sidecar, regions, sync=writer.sync_files))
-    temporary = os.path.join(directory, f"{DCP_METADATA_FILE}.tmp")
-    raw_tensor_files.write_new_file(temporary, plan.metadata, sync=writer.sync_files)
-    os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
+    raw_tensor_files.publish_metadata(directory, plan.metadata, sync=writer.sync_files)
     writer.written.append(WrittenFile(DCP_METADATA_FILE, len(plan.metadata),
                                       plan.metadata_checksum, plan.references))
     return list(writer.written)
