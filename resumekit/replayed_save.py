@@ -16,7 +16,8 @@ same slot (:func:`resumekit.save_planner.slot_of`) replays it:
    record's and that every non-tensor value pickles to the length it had (a changed length
    would move the items after it);
 2. one collective (an all-reduce of each rank's record number, or -1) agrees that every
-   rank replays the same record; any disagreement and every rank plans in full, as before;
+   rank replays the same record; any disagreement and every rank plans in full, as before
+   (logged at DEBUG with the directory and this rank's reason);
 3. each rank writes its files with the raw writer's own code (the same items, order and
    offsets: the same bytes), and checks that every item stored where the record says;
 4. one gather brings each rank's outcome and the storage entries that change from save to
@@ -174,8 +175,8 @@ def _agree(vote: int, group: dist.ProcessGroup | None) -> bool:
 
 
 def _resolved(record: Replay, planner: save_planner.StructureCachingSavePlanner
-              ) -> list[tuple[str, list[tuple[WriteItem, torch.Tensor | io.BytesIO]]]] | None:
-    """The record's files with this state's data; None if a value's pickled length changed."""
+              ) -> list[tuple[str, list[tuple[WriteItem, torch.Tensor | io.BytesIO]]]] | str:
+    """The record's files with this state's data, or why not (a pickled length changed)."""
     planner.shards = record.shards
     jobs: list[tuple[str, list[tuple[WriteItem, torch.Tensor | io.BytesIO]]]] = []
     for name, items in record.jobs:
@@ -184,7 +185,8 @@ def _resolved(record: Replay, planner: save_planner.StructureCachingSavePlanner
             data = planner.resolve_data(item)
             if isinstance(data, io.BytesIO) and \
                     data.getbuffer().nbytes != record.byte_lengths.get(item.index):
-                return None
+                return (f"the value of {item.index.fqn} pickles to {data.getbuffer().nbytes} "
+                        f"bytes, not {record.byte_lengths.get(item.index)}")
             resolved.append((item, data))
         jobs.append((name, resolved))
     return jobs
@@ -217,19 +219,26 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
     rank = dist.get_rank(group)
     coordinator = rank == 0
     planner = save_planner.StructureCachingSavePlanner(group, owner)
-    jobs = None
+    directory = os.fspath(writer.path)
+    jobs: Any = "this rank kept no record of the last planned save"
     try:
         planner.set_up_planner(_stateful_to_state_dict(dict(state_dict)), None, coordinator)
-        if record is not None and record.key == (thread_count, save_planner.structure_key(
-                planner.state_dict, getattr(planner, "mappings", None), coordinator)):
-            jobs = _resolved(record, planner)
-    except Exception:  # noqa: BLE001 - vote to plan in full: DCP's path reports it
-        jobs = None
-    if not _agree(record.number if record is not None and jobs is not None else -1, group):
+        if record is not None:
+            jobs = _resolved(record, planner) if record.key == (
+                thread_count, save_planner.structure_key(
+                    planner.state_dict, getattr(planner, "mappings", None), coordinator)) \
+                else "the state's structure (keys, shapes, dtypes, placements) changed"
+    except Exception as error:  # noqa: BLE001 - vote to plan in full: DCP's path reports it
+        jobs = f"{type(error).__name__}: {error}"
+    if not _agree(record.number if record is not None and not isinstance(jobs, str) else -1,
+                  group):
+        # Not a skip: DCP plans the same files in full. Said at DEBUG, with the reason.
+        logger.debug("resumekit: the save in %s is planned in full, not replayed: %s",
+                     directory, jobs if isinstance(jobs, str) else "another rank cannot "
+                     "replay its record")
         return None
-    assert record is not None and jobs is not None  # every rank voted its record's number
+    assert record is not None and not isinstance(jobs, str)  # every rank voted its number
     save_planner.touch(slot)
-    directory = os.fspath(writer.path)
     own_error: BaseException | None = None
     outcome = _Outcome(None, {})
     try:

@@ -68,6 +68,17 @@ def test_a_replayed_save_writes_every_byte_dcps_planned_save_writes(tmp_path: Pa
 
 
 def _lengths_decide(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import logging  # noqa: PLC0415 - the rank's own logger
+
+    said: list[str] = []
+
+    class _Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("resumekit.replayed_save")
+    logger.addHandler(_Said())
+    logger.setLevel(logging.DEBUG)
     forget_plans()
     dcp_calls = _counting_dcp_saves()
     model, optimizer = build("transformer", seed=0, world_size=world_size)
@@ -82,7 +93,7 @@ def _lengths_decide(rank: int, world_size: int, root: str) -> dict[str, Any]:
         sharded.save(state, Path(root) / f"save{number}")
         counts.append(dcp_calls[0] - before)
         reloads.append(_reload_matches(Path(root) / f"save{number}", _flat(state), more))
-    return {"dcp_calls": counts, "reloads": reloads}
+    return {"dcp_calls": counts, "reloads": reloads, "said": said}
 
 
 def test_a_value_whose_pickled_length_changes_on_one_rank_makes_every_rank_plan_in_full(
@@ -93,6 +104,11 @@ def test_a_value_whose_pickled_length_changes_on_one_rank_makes_every_rank_plan_
         # grew, so both ranks plan; save 3 replays the plan of save 2.
         assert result["dcp_calls"] == [1, 0, 1, 0], (rank, result)
         assert result["reloads"] == [True] * 4, (rank, result)
+        # The one save planned in full says so, with this rank's reason, naming the save.
+        (said,) = result["said"]
+        assert "save2" in said and "planned in full, not replayed" in said, said
+        assert ("label1 pickles to" in said) if rank == 1 else \
+            ("another rank cannot replay" in said), said
 
 
 def _one_rank_cannot_write(rank: int, world_size: int, root: str) -> dict[str, Any]:
