@@ -10,7 +10,7 @@ a ~40 ms write of the LingBot tiny trainer's 2.6 MB).
 After a planned save of raw tensor files completes, each rank keeps a :class:`Replay`
 record: its files in order with their write items, what each item stored, and (the
 coordinator) the checkpoint's ``Metadata`` and ``.metadata`` bytes. A later save in the
-same slot (:func:`resumekit.save_planner.slot_of`) replays it:
+same slot (:attr:`resumekit.save_planner.StructureCachingSavePlanner.slot`) replays it:
 
 1. each rank flattens its state as DCP does and checks that its structure key is the
    record's and that every non-tensor value pickles to the length it had (a changed length
@@ -201,7 +201,8 @@ class _Outcome:
 
 
 def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
-                  group: dist.ProcessGroup | None, owner: str | None, thread_count: int
+                  planner: save_planner.StructureCachingSavePlanner,
+                  group: dist.ProcessGroup | None, thread_count: int
                   ) -> list[WrittenFile] | None:
     """Write ``state_dict`` by replaying the slot's record, or None: plan it in full.
 
@@ -212,13 +213,12 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
         StorageError: A rank failed to write (the failing rank raises its own error, the
             others one naming it); nothing was written as ``.metadata``.
     """
-    slot = save_planner.slot_of(group, owner)
+    slot = planner.slot
     if save_planner.completed_saves(slot) == 0:  # no rank has a record yet: no vote
         return None
     record: Replay | None = save_planner.replay_record(slot)
     rank = dist.get_rank(group)
     coordinator = rank == 0
-    planner = save_planner.StructureCachingSavePlanner(group, owner)
     directory = os.fspath(writer.path)
     jobs: Any = "this rank kept no record of the last planned save"
     try:

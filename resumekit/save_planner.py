@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 __all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "completed_saves", "forget_plans",
-           "forget_replay_record", "replay_record", "set_replay_record", "slot_of",
+           "forget_replay_record", "replay_record", "set_replay_record",
            "structure_key", "touch"]
 
 #: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
@@ -129,11 +129,6 @@ _SLOTS_USED: dict[str, None] = {}
 
 
 _SLOT_PREFIX = "resumekit-structure-cached:"
-
-
-def slot_of(group: dist.ProcessGroup | None, owner: str | None) -> str:
-    """The cache slot of saves on ``group`` by ``owner`` (see :func:`_slot`)."""
-    return _slot(group, owner)
 
 
 def _slot(group: dist.ProcessGroup | None, owner: str | None) -> str:

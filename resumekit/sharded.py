@@ -720,7 +720,7 @@ def save(
                 return _save_planned(plan, leaves or [], cast(RawTensorWriter, writer))
         if not no_dist and isinstance(writer, RawTensorWriter):
             with _without_zip_crc32(), _collection_paused(background):  # as DCP's below
-                replayed = replayed_save.save_replayed(state_dict, writer, group, plan_owner,
+                replayed = replayed_save.save_replayed(state_dict, writer, planner, group,
                                                        thread_count)
             if replayed is not None:
                 return replayed
