@@ -22,7 +22,12 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          when rank 0 found none); rank 0 writes manifest.json (durable), fsyncs the
          staging directory
       5. POSIX : rename staging -> step_000001000, fsync the root (the commit point);
-                 replacing an existing step swaps the two atomically (RENAME_EXCHANGE)
+                 replacing an existing step swaps the two atomically (RENAME_EXCHANGE);
+                 without it, two renames: step -> .step_....old-<token>, staging -> step
+                 (a crash between them is undone: ``recover_interrupted``), then the
+                 retired copy loses its manifest (fsynced) before its files go, so that
+                 a crash inside its deletion never leaves a half-deleted directory that
+                 still looks restorable
          object: create step_000001000/manifest.json last, only if absent (the commit
                  point): S3 If-None-Match: *, so of two writers of a step one commits and
                  the other gets StepCollisionError; stores without conditional writes
@@ -120,6 +125,7 @@ from resumekit.catalog import (
     list_root,
     read_manifest,
     read_top,
+    verify_checkpoint,
     write_newest_hint,
     write_stamped_hint,
 )
@@ -665,7 +671,7 @@ class CommitProtocol:
         retired = self.name_format.retired_name(pending.step, pending.token)
         self.storage.rename_dir(pending.name, retired)
         self.storage.rename_dir(pending.staging, pending.name)
-        self.storage.remove_tree(retired)
+        _remove_retired(self.storage, retired)
 
     def abort(self, pending: PendingCheckpoint) -> None:
         """Remove the staging area of a save that will not be published (rank 0 only)."""
@@ -704,13 +710,35 @@ def _directories_of(manifest: Manifest) -> set[str]:
     return directories
 
 
+def _remove_retired(storage: Storage, retired: str) -> None:
+    """Delete a retired step directory: its manifest first (durably), then its files.
+
+    Without its manifest a directory is never restorable (``recover_interrupted`` reads
+    it first), so a crash part-way through the deletion leaves only files for the sweep.
+    A concurrent ``recover_interrupted`` may remove the same directory: its vanishing is
+    not an error.
+    """
+    storage.remove_file(f"{retired}/{MANIFEST_NAME}")
+    try:
+        storage.fsync_dir(retired)
+    except StorageError:
+        if storage.exists(retired):
+            raise
+    storage.remove_tree(retired)
+
+
 def recover_interrupted(storage: Storage, name_format: NameFormat, *,
                         listing: Listing | None = None) -> list[str]:
     """Undo a replacement or deletion that a crash cut between its two renames.
 
     A hidden ``.<name>.old-<token>`` directory that still holds a valid manifest while
-    ``<name>`` is absent is renamed back (the operation did not happen). Returns the names
-    restored. Only POSIX roots can be in this state.
+    ``<name>`` is absent is renamed back (the operation did not happen), once every file
+    its manifest lists is there at its size. Two other retired copies with a manifest are
+    deleted, each with a warning naming it and why: one whose ``<name>`` is committed
+    again (a replacement that a crash cut after its second rename: the new copy is the
+    checkpoint; left alone, it would come back once retention deleted the new one), and
+    one that misses files (a deletion cut part-way: restoring it would publish a broken
+    checkpoint). Returns the names restored. Only POSIX roots can be in these states.
 
     Args:
         storage: The checkpoint root.
@@ -727,11 +755,24 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
     names = {name for name, _ in listing}
     for name in sorted(names):
         parsed = name_format.parse_hidden(name)
-        if parsed is None or parsed[1].kind != "old" or parsed[1].name in names:
+        if parsed is None or parsed[1].kind != "old":
             continue
         try:
-            read_manifest(storage, name)
+            manifest = read_manifest(storage, name)
         except Exception:  # noqa: BLE001 - not restorable: left for the sweep
+            continue
+        reason = None
+        if parsed[1].name in names:
+            reason = (f"the retired copy of step {parsed[0]} left by an interrupted "
+                      f"replacement; {storage.path(parsed[1].name)} is the checkpoint")
+        else:
+            try:
+                verify_checkpoint(storage, name, manifest=manifest,
+                                  sizes_only=[entry.path for entry in manifest.files])
+            except IncompleteCheckpointError as error:
+                reason = f"it cannot be restored as step {parsed[0]}: {error}"
+        if reason is not None:
+            _remove_abandoned_retired(storage, name, reason)
             continue
         if not restored:
             forget_newest_hint(storage)
@@ -740,6 +781,19 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
     if restored:
         storage.fsync_dir()
     return restored
+
+
+def _remove_abandoned_retired(storage: Storage, name: str, reason: str) -> None:
+    """Delete a retired copy that must never be restored, warning with the reason."""
+    where = storage.path(name)
+    try:
+        _remove_retired(storage, name)
+    except OSError as error:
+        message = f"cannot delete {where} ({reason}): {error}"
+    else:
+        message = f"deleted {where}: {reason}"
+    logger.warning("resumekit: %s", message)
+    warnings.warn(message, ResumekitWarning, stacklevel=3)
 
 
 def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry

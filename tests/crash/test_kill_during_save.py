@@ -400,6 +400,30 @@ def test_kills_inside_real_fsyncs_and_renames_on_disk_never_lose_a_checkpoint(
     print(f"\ndisk: {summary}")
 
 
+def test_a_kill_after_the_second_rename_never_lets_the_retired_copy_come_back(
+    rig: CrashRig,
+) -> None:
+    # Die just after rename 2 of the replacement of step 3, before the retired copy loses
+    # its manifest: the new version is committed and the old one is still whole beside it.
+    kill = {"cycle": 2, "category": "publish", "operation": "remove_file", "occurrence": 0}
+    result = rig.run({"seed": 3, "cycles": 3, "exchange": False, "kill": kill})
+    assert result.killed and result.in_replace
+    rig.check("killed after the second rename")
+    hidden = [info.name for info in rig.storage.list_dir() if ".old-" in info.name]
+    assert len(hidden) == 1 and rig.storage.exists(f"{hidden[0]}/{MANIFEST_NAME}")
+    assert rig.model.required == {1: {0}, 2: {0}, 3: {1}}
+
+    # The next writer deletes it before it saves; the one after prunes step 3 (the
+    # first protects the step it resumed from), and nothing of step 3 may come back.
+    rig.run({"seed": 4, "cycles": 3, "exchange": False})
+    rig.check("after the next writer")
+    assert not [info.name for info in rig.storage.list_dir() if ".old-" in info.name]
+    rig.run({"seed": 5, "cycles": 3, "exchange": False})
+    rig.check("after the writer that pruned step 3")
+    assert 3 not in rig.model.required
+    assert sorted(rig.model.required) == [5, 6, 8, 9]  # 6: protected as resumed
+
+
 def test_a_kill_between_the_two_renames_of_a_replacement_keeps_the_old_version(
     rig: CrashRig,
 ) -> None:

@@ -13,6 +13,7 @@ from resumekit.errors import StepCollisionError, StorageError
 from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
 from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import save_checkpoint
 
 NAME_1 = "step_000000001"
@@ -147,12 +148,68 @@ def test_a_crash_between_the_two_renames_of_a_replacement_is_undone(tmp_path: Pa
     assert verify_checkpoint(store, NAME_1) == old
 
 
-def test_a_retired_directory_is_not_restored_over_a_live_one(tmp_path: Path) -> None:
+def test_a_retired_copy_next_to_its_committed_replacement_is_deleted_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    # A replacement cut after its second rename leaves the old copy, manifest and all.
+    # Kept, it would come back as step 1 the day retention deletes the new copy.
     store = Storage(tmp_path)
-    save_checkpoint(store, 1)
+    new = save_checkpoint(store, 1, {"model.bin": b"new"})
     retired = NameFormat().retired_name(1, "cafe01")
     (tmp_path / retired).mkdir()
+    (tmp_path / retired / "model.bin").write_bytes(b"old")
     (tmp_path / retired / MANIFEST_NAME).write_bytes((tmp_path / NAME_1 / MANIFEST_NAME)
                                                       .read_bytes())
-    assert recover_interrupted(store, NameFormat()) == []
-    assert _entries(tmp_path) == sorted([NAME_1, retired])
+    with pytest.warns(ResumekitWarning, match=rf"deleted {tmp_path / retired}: the retired "
+                      rf"copy of step 1 .*{tmp_path / NAME_1} is the checkpoint"):
+        assert recover_interrupted(store, NameFormat()) == []
+    assert _entries(tmp_path) == [NAME_1]
+    assert verify_checkpoint(store, NAME_1) == new
+
+
+def test_a_retired_copy_missing_a_file_is_deleted_not_restored_naming_the_file(
+    tmp_path: Path,
+) -> None:
+    # What a deletion cut part-way leaves when the manifest outlives the files: never a
+    # checkpoint again (resumekit removes the manifest first; older writers did not).
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1, {"model.bin": b"weights", "optim.bin": b"moments"})
+    retired = NameFormat().retired_name(1, "cafe02")
+    os.rename(tmp_path / NAME_1, tmp_path / retired)
+    os.remove(tmp_path / retired / "optim.bin")
+    with pytest.warns(ResumekitWarning, match=rf"deleted {tmp_path / retired}: it cannot be "
+                      r"restored as step 1: .*optim\.bin is missing"):
+        assert recover_interrupted(store, NameFormat()) == []
+    assert _entries(tmp_path) == []
+    assert latest_committed(store) is None
+
+
+def test_a_replacement_without_exchange_removes_the_retired_manifest_before_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1, {"model.bin": b"old"})
+    calls: list[tuple[str, str]] = []
+
+    def no_exchange(first: str, second: str) -> None:
+        raise StorageError(f"no RENAME_EXCHANGE for {first}", path=first, operation="exchange")
+
+    def recording(operation: str):  # type: ignore[no-untyped-def]
+        original = getattr(store, operation)
+
+        def call(relative: str = "", *args: object, **kwargs: object) -> object:
+            calls.append((operation, relative))
+            return original(relative, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(store, "exchange_dirs", no_exchange)
+    for operation in ("remove_file", "fsync_dir", "remove_tree"):
+        monkeypatch.setattr(store, operation, recording(operation))
+    save_checkpoint(store, 1, {"model.bin": b"new"}, replace=True)
+    retired = [relative for operation, relative in calls
+               if operation == "remove_tree" and ".old-" in relative]
+    assert len(retired) == 1
+    at = calls.index(("remove_tree", retired[0]))
+    assert calls[at - 2:at] == [("remove_file", f"{retired[0]}/{MANIFEST_NAME}"),
+                                ("fsync_dir", retired[0])]
+    assert _entries(tmp_path) == [NAME_1]
