@@ -686,6 +686,12 @@ class CheckpointManager:
         if tensors:
             sharded.load(tensors, source, process_group=self._main.group,
                          verify=self.verify_on_restore, storage_options=options)
+            # Every rank loaded: the next save can replay this checkpoint's layout.
+            sharded.remember_restored(
+                source, process_group=self._main.group, plan_owner=self.storage.path(),
+                metadata_checksum=next(
+                    (entry.checksum for entry in manifest.files
+                     if entry.path == f"{TENSORS_DIR}/{sharded.METADATA_FILE}"), None))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

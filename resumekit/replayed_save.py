@@ -29,10 +29,25 @@ same slot (:attr:`resumekit.save_planner.StructureCachingSavePlanner.slot`) repl
 
 The files are byte for byte those DCP's path writes for the same state (tested against
 it, ``.metadata`` included), so readers cannot tell the two apart.
+
+A fresh process has no planned save to remember, so its first save would be planned in
+full (on 2 gloo ranks ~85 ms more than a replay: a relaunch after every preemption pays
+it). :func:`seed` makes the record from the checkpoint the process just restored instead:
+its ``.metadata`` is what the coordinator kept, and each rank's files (named by rank), in
+the order of their entries, are that rank's jobs. Such a record knows no structure key; the
+first save that replays it checks its state against the checkpoint's metadata (every key,
+shape, dtype, tensor properties, nesting, and that every chunk a rank is to write is one
+it holds) and adopts the key, or votes to plan in full. A checkpoint of another world
+size, of DCP's own format or written by another writer is not used.
+
+A replay whose files come out unlike the record (an item stored elsewhere: a record made
+from a checkpoint of an older layout) writes no ``.metadata``: every rank removes the files
+it wrote and the save is planned in full instead, said at DEBUG.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -44,25 +59,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
 
 from resumekit import save_planner
 from resumekit.errors import ResumekitError, StorageError
 from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manifest import checksum_chunks
 from resumekit.raw_tensor_files import (
+    DATA_SUFFIX,
     RawTensorWriter,
     WrittenFile,
+    checksum_files,
     is_described_pack,
     publish_metadata,
     refuse_existing_checkpoint,
     written_metadata,
 )
 
-__all__ = ["Replay", "remember", "save_replayed"]
+__all__ = ["Replay", "remember", "save_replayed", "seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +99,8 @@ class Replay:
     Attributes:
         number: Planned saves completed in the slot when it was made (the same on every
             rank that made its record at the same save).
-        key: The writer's thread count and the state's structure key.
+        key: The writer's thread count and the state's structure key; None for a record
+            made from a restored checkpoint, until a save's state was checked against it.
         prefix: The file-name prefix of this rank's files.
         jobs: Per data file, its name and its write items, in file order.
         stored: What each item stored (``relative_path``, offset, length, descriptors).
@@ -86,6 +112,9 @@ class Replay:
         metadata_bytes: Its ``.metadata`` bytes (coordinator).
         metadata_checksum: Their checksum (coordinator).
         references: The files ``.metadata`` references (coordinator).
+        expected: For a record made from a restored checkpoint: its metadata's entries
+            (``state_dict_metadata``) and nesting (``planner_data``), what a save's state
+            is checked against before the record is replayed.
     """
 
     number: int
@@ -100,6 +129,7 @@ class Replay:
     metadata_bytes: bytes | None
     metadata_checksum: str | None
     references: tuple[str, ...]
+    expected: tuple[Mapping[str, Any], Any] | None = None
 
 
 def _varies(info: _StorageInfo) -> bool:
@@ -159,6 +189,166 @@ def _record_of(planner: save_planner.StructureCachingSavePlanner, writer: RawTen
         metadata_bytes=data, metadata_checksum=checksum, references=references)
 
 
+class _NotSeedable(Exception):
+    """Why a restored checkpoint cannot be replayed as it lies."""
+
+
+def seed(slot: str, metadata: Metadata, data: bytes, *, rank: int, world_size: int) -> None:
+    """Count a restored checkpoint in ``slot``; keep the record it makes, if it can.
+
+    Every rank of the group calls this once for the same restore, as after a planned
+    save (:func:`remember`): a rank whose record cannot be made keeps none and votes
+    against replaying, so the next save is planned in full on every rank.
+
+    Args:
+        slot: The cache slot the restored run's saves use.
+        metadata: The checkpoint's ``.metadata``, as read.
+        data: Its bytes.
+        rank: This rank in the group.
+        world_size: The group's size.
+    """
+    try:
+        record: Replay | None = _record_from(metadata, data, rank, world_size,
+                                             save_planner.completed_saves(slot) + 1)
+    except Exception as error:  # noqa: BLE001 - counted all the same: ranks vote in step
+        logger.debug("resumekit: the first save after restoring will be planned in full: "
+                     "%s: %s", type(error).__name__, error)
+        record = None
+    save_planner.set_replay_record(slot, record)
+
+
+def _rank_of(name: str) -> int | None:
+    """The rank a raw data file ``__<rank>_<n>.distcp`` belongs to, or None."""
+    if not (name.startswith("__") and name.endswith(DATA_SUFFIX)):
+        return None
+    rank, _, number = name[2:-len(DATA_SUFFIX)].partition("_")
+    return int(rank) if rank.isdigit() and number.isdigit() else None
+
+
+def _record_from(metadata: Metadata, data: bytes, rank: int, world_size: int,
+                 number: int) -> Replay:
+    """This rank's record of the save that wrote ``metadata`` (see :func:`seed`)."""
+    if metadata.storage_meta is not None:
+        raise _NotSeedable("its .metadata names the save that wrote it")
+    entries = metadata.state_dict_metadata
+    files: dict[str, list[WriteItem]] = {}
+    stored: dict[MetadataIndex, _StorageInfo] = {}
+    if not any(isinstance(info, _StorageInfo) and info.transform_descriptors
+               for info in metadata.storage_data.values()):
+        raise _NotSeedable("it is not stored as raw tensor files (DCP's own format)")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise _NotSeedable(f"{index.fqn} is not stored in a file")
+        owner = _rank_of(info.relative_path)
+        if owner is None or owner >= world_size:
+            raise _NotSeedable(f"{info.relative_path} is not a data file of one of this "
+                               f"group's {world_size} ranks")
+        if owner == rank:
+            files.setdefault(info.relative_path, []).append(_item_of(index, entries))
+            stored[index] = info
+    jobs = tuple((name, tuple(files[name]))
+                 for name in sorted(files, key=lambda name: int(name.rsplit("_", 1)[1]
+                                                               .removesuffix(DATA_SUFFIX))))
+    coordinator = rank == 0
+    checksum = checksum_chunks([data]) if coordinator else None
+    references = tuple(sorted({info.relative_path for info in metadata.storage_data.values()}
+                              | checksum_files(metadata.storage_data))) if coordinator else ()
+    return Replay(
+        number=number, key=None, prefix=f"__{rank}_", jobs=jobs, stored=stored,
+        varying=frozenset(i for i, info in stored.items() if _varies(info)),
+        byte_lengths={index: stored[index].length for _, items in jobs for index in
+                      (item.index for item in items if item.type == WriteItemType.BYTE_IO)},
+        shards={item.index.fqn: item.index.offset for _, items in jobs for item in items
+                if item.type != WriteItemType.BYTE_IO},
+        metadata=dataclasses.replace(metadata, storage_data=dict(metadata.storage_data))
+        if coordinator else None,
+        metadata_bytes=data if coordinator else None, metadata_checksum=checksum,
+        references=references, expected=(entries, metadata.planner_data))
+
+
+def _item_of(index: MetadataIndex, entries: Mapping[str, Any]) -> WriteItem:
+    """The write item DCP's plan made for the stored entry ``index``."""
+    entry = entries.get(index.fqn)
+    if isinstance(entry, BytesStorageMetadata):
+        return WriteItem(index=index, type=WriteItemType.BYTE_IO)
+    if not isinstance(entry, TensorStorageMetadata):
+        raise _NotSeedable(f"{index.fqn} has no entry in the checkpoint's metadata")
+    chunk = next((chunk for chunk in entry.chunks if chunk.offsets == index.offset), None)
+    if chunk is None:
+        raise _NotSeedable(f"{index.fqn} has no chunk at {index.offset}")
+    whole = not any(chunk.offsets) and chunk.sizes == entry.size
+    return WriteItem(index=index, type=WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(
+                         chunk=ChunkStorageMetadata(offsets=chunk.offsets, sizes=chunk.sizes),
+                         properties=entry.properties, size=entry.size))
+
+
+def _unlike_restored(record: Replay, planner: save_planner.StructureCachingSavePlanner
+                     ) -> str | None:
+    """Why this rank's state is not the one a seeded record was made from, or None."""
+    assert record.expected is not None
+    entries, nesting = record.expected
+    state = planner.state_dict
+    if nesting != getattr(planner, "mappings", None):
+        return "the state's nesting is not the restored checkpoint's"
+    if len(state) != len(entries):
+        return (f"the state has {len(state)} entries, the restored checkpoint "
+                f"{len(entries)}")
+    held: dict[str, list[ChunkStorageMetadata]] = {}
+    chunks_by_layout: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
+    for fqn, value in state.items():
+        unlike = _unlike_entry(fqn, value, entries.get(fqn), held, chunks_by_layout)
+        if unlike is not None:
+            return unlike
+    for _, items in record.jobs:
+        for item in items:
+            if item.tensor_data is not None and item.tensor_data.chunk not in \
+                    held.get(item.index.fqn, ()):
+                return f"this rank does not hold {item.index.fqn} at {item.index.offset}"
+    return None
+
+
+def _unlike_entry(fqn: str, value: Any, entry: Any,
+                  held: dict[str, list[ChunkStorageMetadata]],
+                  chunks_by_layout: dict[tuple[Any, ...], list[ChunkStorageMetadata]]
+                  ) -> str | None:
+    """Why ``value`` is not what the checkpoint's ``entry`` describes; note its chunks.
+
+    The properties and chunks are those DCP's plan would record for ``value`` (a
+    DTensor: of ``to_local()``, and its ``__create_chunk_list__``), computed without
+    DCP's per-tensor autograd call, and once per global shape and placement.
+    """
+    kind = type(value)
+    if kind is DTensor or kind is torch.Tensor or kind is torch.nn.Parameter:
+        if kind is DTensor:
+            local = value._local_tensor
+            layout = (tuple(value.shape), tuple(value.placements), id(value.device_mesh))
+            chunks = chunks_by_layout.get(layout)
+            if chunks is None:
+                chunks = chunks_by_layout[layout] = value.__create_chunk_list__()
+            # to_local() is the local tensor itself without grad mode, else an autograd
+            # view that requires grad exactly when the DTensor does.
+            grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad
+        else:
+            local, grad = value, value.requires_grad
+            chunks = [ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()),
+                                           sizes=value.size())]
+        properties = TensorProperties(
+            dtype=local.dtype, layout=local.layout, requires_grad=grad,
+            memory_format=torch.contiguous_format, pin_memory=local.is_pinned())
+        if not isinstance(entry, TensorStorageMetadata) or entry.size != value.size() \
+                or entry.properties != properties \
+                or any(chunk not in entry.chunks for chunk in chunks):
+            return f"{fqn} is not the restored checkpoint's tensor"
+        held[fqn] = chunks
+        return None
+    if isinstance(value, torch.Tensor) or hasattr(value, "__create_write_items__"):
+        return f"{fqn} is a {kind.__name__}, which plans its own writes"
+    if not isinstance(entry, BytesStorageMetadata):
+        return f"{fqn} is not the restored checkpoint's non-tensor value"
+    return None
+
+
 def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where ``group``'s tensor collectives take their tensors (NCCL: this rank's GPU)."""
     if dist.get_backend(group) == "nccl":  # pragma: no cover - GPU machines only
@@ -198,6 +388,7 @@ class _Outcome:
 
     failure: str | None
     changed: dict[MetadataIndex, _StorageInfo]
+    unlike: bool = False
 
 
 def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
@@ -224,10 +415,7 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
     try:
         planner.set_up_planner(_stateful_to_state_dict(dict(state_dict)), None, coordinator)
         if record is not None:
-            jobs = _resolved(record, planner) if record.key == (
-                thread_count, save_planner.structure_key(
-                    planner.state_dict, getattr(planner, "mappings", None), coordinator)) \
-                else "the state's structure (keys, shapes, dtypes, placements) changed"
+            record, jobs = _checked(record, planner, thread_count, coordinator)
     except Exception as error:  # noqa: BLE001 - vote to plan in full: DCP's path reports it
         jobs = f"{type(error).__name__}: {error}"
     if not _agree(record.number if record is not None and not isinstance(jobs, str) else -1,
@@ -246,7 +434,13 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
     except Exception as error:  # noqa: BLE001 - every rank must hear of it; re-raised below
         own_error = error
         outcome = _Outcome(f"{type(error).__name__}: {error}", {})
-    failure = _finish(record, outcome, writer, group, coordinator, directory)
+    failure, replan = _finish(record, outcome, writer, group, coordinator, directory)
+    if failure is not None and replan:
+        save_planner.forget_replay_record(slot)
+        _remove_written(writer, directory)
+        logger.debug("resumekit: the save in %s is planned in full, not replayed: its files "
+                     "came out unlike the record (%s)", directory, failure)
+        return None
     if failure is not None:
         save_planner.forget_replay_record(slot)
         if isinstance(own_error, ResumekitError):
@@ -256,9 +450,30 @@ def save_replayed(state_dict: Mapping[str, Any], writer: RawTensorWriter,
     return list(writer.written)
 
 
+def _checked(record: Replay, planner: save_planner.StructureCachingSavePlanner,
+             thread_count: int, coordinator: bool) -> tuple[Replay, Any]:
+    """The record to replay for the planner's state and its resolved jobs, or why not.
+
+    A record made from a restored checkpoint is checked against the state once, and
+    then keeps the state's structure key like any other.
+    """
+    key = (thread_count, save_planner.structure_key(
+        planner.state_dict, getattr(planner, "mappings", None), coordinator))
+    if record.key is None:  # made from the restored checkpoint
+        unlike = "the state's structure cannot be cached" if key[1] is None \
+            else _unlike_restored(record, planner)
+        if unlike is not None:
+            return record, unlike
+        record = dataclasses.replace(record, key=key)
+        save_planner.set_replay_record(planner.slot, record, count=False)
+    if record.key != key:
+        return record, "the state's structure (keys, shapes, dtypes, placements) changed"
+    return record, _resolved(record, planner)
+
+
 def _write(record: Replay, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem, Any]]]],
            writer: RawTensorWriter, directory: str, rank: int) -> _Outcome:
-    """This rank's files; what changed in their stored entries."""
+    """This rank's files; what changed in their stored entries (or how they are unlike)."""
     refuse_existing_checkpoint(directory)  # as DCP's writer
     results: list[WriteResult] = writer.write_jobs(jobs, record.prefix)
     changed: dict[MetadataIndex, _StorageInfo] = {}
@@ -268,48 +483,57 @@ def _write(record: Replay, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem, A
                 now.relative_path, now.offset, now.length) == (
                 was.relative_path, was.offset, was.length):
             changed[result.index] = now
-        elif now != was:  # cannot happen: the same items, sizes and order
-            raise StorageError(
-                f"writing checkpoint {directory}: rank {rank}'s item "
-                f"{result.index.fqn} came out unlike its remembered plan ({now} instead "
-                f"of {was}); nothing was written as .metadata", path=directory,
-                operation="save", file=now.relative_path)
+        elif now != was:  # the same items, sizes and order, but another layout
+            return _Outcome(f"rank {rank}'s item {result.index.fqn} was stored as {now}, "
+                            f"the record says {was}", {}, unlike=True)
     return _Outcome(None, changed)
 
 
+def _remove_written(writer: RawTensorWriter, directory: str) -> None:
+    """Remove the files this rank's replay wrote (its save is planned in full instead)."""
+    for file in writer.written:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, file.name))
+    writer.written = []
+
+
 def _finish(record: Replay, outcome: _Outcome, writer: RawTensorWriter,  # noqa: PLR0917
-            group: dist.ProcessGroup | None, coordinator: bool, directory: str) -> str | None:
+            group: dist.ProcessGroup | None, coordinator: bool, directory: str
+            ) -> tuple[str | None, bool]:
     """Gather every rank's outcome, write ``.metadata`` (coordinator), agree on the result.
 
     Returns:
-        None when every rank wrote and ``.metadata`` is in place, else what failed (the
-        same text on every rank).
+        ``(None, False)`` when every rank wrote and ``.metadata`` is in place, else what
+        failed (the same text on every rank) and whether only layouts were unlike the
+        record (nothing failed: the save can be planned in full instead).
     """
     root = dist.get_global_rank(group, 0) if group is not None else 0
     gathered: list[_Outcome] | None = [outcome] * dist.get_world_size(group) \
         if coordinator else None
     dist.gather_object(outcome, gathered if coordinator else None, dst=root, group=group)
     failure: str | None = None
+    replan = False
     if coordinator:
         assert gathered is not None and record.metadata is not None
         failures = [f"rank {number}: {each.failure}" for number, each in enumerate(gathered)
                     if each.failure is not None]
         if failures:
             failure = "; ".join(failures)
+            replan = all(each.unlike for each in gathered if each.failure is not None)
         else:
             try:
                 writer.written.append(_write_metadata(record, gathered, directory,
                                                       writer.sync_files))
             except Exception as error:  # noqa: BLE001 - reported to every rank below
                 failure = f"rank 0: {type(error).__name__}: {error}"
-    status = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
+    status = torch.tensor([0 if failure is None else 2 if replan else 1], dtype=torch.int64,
                           device=_collective_device(group))
     dist.broadcast(status, src=root, group=group)
     if int(status[0]) == 0:
-        return None
+        return None, False
     message = [failure]
     dist.broadcast_object_list(message, src=root, group=group)
-    return str(message[0])
+    return str(message[0]), int(status[0]) == 2
 
 
 def _write_metadata(record: Replay, gathered: Sequence[_Outcome], directory: str,

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 __all__ = ["SLOTS_KEPT", "StructureCachingSavePlanner", "completed_saves", "forget_plans",
-           "forget_replay_record", "replay_record", "set_replay_record",
+           "forget_replay_record", "replay_record", "set_replay_record", "slot_of",
            "structure_key", "touch"]
 
 #: ``slot -> (structure key, local plan, DTensor shard offsets by key)`` of each group's
@@ -94,9 +94,17 @@ def replay_record(slot: str) -> Any:
     return _REPLAYS.get(slot)
 
 
-def set_replay_record(slot: str, record: Any) -> None:
-    """Count a completed planned save in ``slot``; keep ``record`` (None: forget it)."""
-    _COMPLETED[slot] = _COMPLETED.get(slot, 0) + 1
+def set_replay_record(slot: str, record: Any, *, count: bool = True) -> None:
+    """Count a completed planned save in ``slot``; keep ``record`` (None: forget it).
+
+    Args:
+        slot: The cache slot.
+        record: The record to keep, or None.
+        count: Count a completed planned save (or a restored checkpoint the record was
+            made from); False only updates the record kept (every rank must count alike).
+    """
+    if count:
+        _COMPLETED[slot] = _COMPLETED.get(slot, 0) + 1
     if record is None:
         _REPLAYS.pop(slot, None)
     else:
@@ -129,6 +137,11 @@ _SLOTS_USED: dict[str, None] = {}
 
 
 _SLOT_PREFIX = "resumekit-structure-cached:"
+
+
+def slot_of(group: dist.ProcessGroup | None, owner: str | None) -> str:
+    """The cache slot of saves on ``group`` by ``owner`` (see :func:`_slot`)."""
+    return _slot(group, owner)
 
 
 def _slot(group: dist.ProcessGroup | None, owner: str | None) -> str:

@@ -83,7 +83,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.serialization import get_crc32_options, set_crc32_options
 
-from resumekit import raw_tensor_files, replayed_save
+from resumekit import raw_tensor_files, replayed_save, save_planner
 from resumekit._tree import flatten
 from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
@@ -137,6 +137,7 @@ __all__ = [
     "read_full_state",
     "read_metadata",
     "read_tensor_index",
+    "remember_restored",
     "retie",
     "save",
     "tensor_format_for",
@@ -742,6 +743,54 @@ def save(
     if not no_dist and isinstance(writer, RawTensorWriter):
         replayed_save.remember(planner, writer, thread_count)
     return list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
+
+
+def remember_restored(
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    plan_owner: str | None = None,
+    metadata_checksum: str | None = None,
+) -> None:
+    """Let the next save on ``process_group`` replay the checkpoint just restored.
+
+    A fresh process remembers no planned save, so its first save would be planned in
+    full; after this, when the run saves the same structure on the same ranks, it is
+    written as the checkpoint in ``directory`` was laid out, without DCP's planning
+    (:func:`resumekit.replayed_save.seed`; the save checks its state against the
+    checkpoint first). Every rank of the group must call it once, after the same
+    successful :func:`load`; a checkpoint that cannot be replayed (another world size,
+    DCP's own format, an object store) only makes the next save plan in full.
+
+    Args:
+        directory: The restored checkpoint's tensor directory (a local path).
+        process_group: The group the run's saves use (None: the default group).
+        plan_owner: As for :func:`save`: the same string the run's saves pass.
+        metadata_checksum: ``.metadata``'s checksum in the checkpoint's manifest: bytes
+            that differ from it are not used.
+    """
+    group, no_dist = _resolve_group(process_group)
+    if no_dist:
+        return
+    slot = save_planner.slot_of(group, plan_owner)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    local = _local_path(_directory_str(directory))
+    metadata: Metadata | None = None
+    data = b""
+    try:
+        if local is not None:
+            source = os.path.join(local, DCP_METADATA_FILE)
+            with open(source, "rb") as handle:
+                data = handle.read()
+            if metadata_checksum is None or checksum_chunks([data]) == metadata_checksum:
+                with _collection_paused(False):
+                    metadata = cast(Metadata, load_dcp_metadata(data, source=source))
+    except Exception:  # noqa: BLE001 - not replayable; every rank must still count it
+        metadata = None
+    if metadata is None:  # counted all the same: every rank votes in step
+        save_planner.set_replay_record(slot, None)
+        return
+    replayed_save.seed(slot, metadata, data, rank=rank, world_size=world_size)
 
 
 # --------------------------------------------------------------------------- cached plans
