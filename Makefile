@@ -23,8 +23,11 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
+# The unit and property suites run one worker per core (as test-fast), the rest (multi-rank,
+# crash, SLURM, end-to-end: each test already runs several processes) one test at a time.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
+	$(PY) -m pytest -q tests --ignore=tests/unit --ignore=tests/property
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs-build
 

@@ -35,3 +35,21 @@ def test_no_test_directory_matches_a_pattern_the_tool_skips(
     skipped = [str(path.relative_to(ROOT)) for path in suites
                if any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns)]
     assert skipped == [], tool
+
+
+def test_the_two_pytest_runs_of_make_test_cover_every_suite_once() -> None:
+    recipe, inside = [], False
+    for line in (ROOT / "Makefile").read_text().splitlines():
+        if line.startswith("test:"):
+            inside = True
+        elif inside and not line.startswith("\t"):
+            break
+        elif inside and "-m pytest" in line:
+            recipe.append(line.split())
+    assert len(recipe) == 2, recipe
+    first, second = recipe
+    parallel = {word for word in first if word.startswith("tests/")}
+    assert "-n" in first and parallel == {"tests/unit", "tests/property"}
+    assert "tests" in second
+    ignored = {word.removeprefix("--ignore=") for word in second if word.startswith("--ignore=")}
+    assert ignored == parallel  # the rest of tests/ runs in the second run, nothing twice
