@@ -22,6 +22,7 @@ checksums, spread over ranks) -> check compatibility (``compatibility``) -> read
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -684,8 +685,11 @@ class CheckpointManager:
         tensors = self.state.load_target(tied, optimizer=with_optimizer,
                                          source=source, storage_options=options)
         if tensors:
-            sharded.load(tensors, source, process_group=self._main.group,
-                         verify=self.verify_on_restore, storage_options=options)
+            # Each rank plans its own reads (DCP's load plans need no coordination); one
+            # all-gather of the outcome replaces DCP's three, and every rank raises alike.
+            run_on_every_rank(self._main.coordinator, functools.partial(
+                sharded.load, tensors, source, process_group=self._main.group,
+                verify=self.verify_on_restore, storage_options=options, plan_locally=True))
             # Every rank loaded: the next save can replay this checkpoint's layout.
             sharded.remember_restored(
                 source, process_group=self._main.group, plan_owner=self.storage.path(),

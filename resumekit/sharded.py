@@ -1009,6 +1009,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
+    plan_locally: bool = False,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -1028,6 +1029,11 @@ def load(
         verify: Check every byte read from raw tensor files against the checksum recorded
             when it was written. A mismatch may be found after other tensors were already
             read into ``state_dict``.
+        plan_locally: Each rank plans and reads its own part alone, without DCP's plan
+            gather, scatter and final all-gather (DCP's load plans need no coordination:
+            its global load plan is the local plans). The caller then agrees on the
+            outcome, since an error raises on the failing rank only (the manager runs it
+            under :func:`resumekit.coordination.run_on_every_rank`).
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -1037,7 +1043,7 @@ def load(
         CorruptCheckpointError: The checkpoint could not be read.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
-                  reject_unexpected=True)
+                  reject_unexpected=True, plan_locally=plan_locally)
 
 
 def load_subset(
@@ -1060,7 +1066,7 @@ def load_subset(
 def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   process_group: dist.ProcessGroup | None,
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
-                  reject_unexpected: bool) -> None:
+                  reject_unexpected: bool, plan_locally: bool = False) -> None:
     group, no_dist = _resolve_group(process_group)
     target = _directory_str(directory)
     reader = _make_reader(target, storage_options, verify=verify)
@@ -1085,7 +1091,7 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     _run_load(
         state_dict=state_dict, reader=reader, planner=planner, target=target,
-        group=group, no_dist=no_dist,
+        group=group, no_dist=no_dist or plan_locally,
     )
 
 
