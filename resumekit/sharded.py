@@ -34,6 +34,7 @@ import ctypes
 import functools
 import gc
 import io
+import logging
 import os
 import pickle
 import sys
@@ -144,6 +145,8 @@ __all__ = [
     "tensor_index_of",
     "untie",
 ]
+
+logger = logging.getLogger("resumekit")
 
 METADATA_FILE = DCP_METADATA_FILE
 """The file DCP writes last, describing every tensor and where its chunks live."""
@@ -785,9 +788,14 @@ def remember_restored(
             if metadata_checksum is None or checksum_chunks([data]) == metadata_checksum:
                 with _collection_paused(False):
                     metadata = cast(Metadata, load_dcp_metadata(data, source=source))
-    except Exception:  # noqa: BLE001 - not replayable; every rank must still count it
-        metadata = None
+    except Exception as error:  # noqa: BLE001 - not replayable; every rank still counts it
+        why = f"{type(error).__name__}: {error}"
+    else:
+        why = "not a local directory" if local is None else \
+            "its .metadata does not match the manifest's checksum"
     if metadata is None:  # counted all the same: every rank votes in step
+        logger.debug("resumekit: the first save after restoring %s will be planned in "
+                     "full: %s", directory, why)
         save_planner.set_replay_record(slot, None)
         return
     replayed_save.seed(slot, metadata, data, rank=rank, world_size=world_size)

@@ -180,3 +180,34 @@ def test_a_relaunched_manager_replays_its_first_save_from_the_checkpoint_it_rest
     for rank, result in enumerate(run_ranks(_manager_relaunch, world_size=2,
                                             args=(str(tmp_path),))):
         assert result == {"restored": 1, "dcp_calls": 0}, (rank, result)
+
+
+def _checksum_mismatch(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    said: list[str] = []
+
+    class _Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logger = logging.getLogger("resumekit")
+    logger.addHandler(_Said())
+    logger.setLevel(logging.DEBUG)
+    dcp_calls = _counting_dcp_saves()
+    model, optimizer = build("transformer", seed=0, world_size=world_size)
+    train_step(model, optimizer, "transformer", seed=0)
+    sharded.save(_state(model, optimizer), Path(root) / "restored")
+    _fresh_process()
+    sharded.remember_restored(Path(root) / "restored", metadata_checksum="xxh3_128:00")
+    before = dcp_calls[0]
+    sharded.save(_state(model, optimizer), Path(root) / "next")
+    return {"dcp_calls": dcp_calls[0] - before,
+            "said": [line for line in said if "after restoring" in line]}
+
+
+def test_metadata_unlike_the_manifests_checksum_is_not_replayed_and_says_so(
+        tmp_path: Path) -> None:
+    for rank, result in enumerate(run_ranks(_checksum_mismatch, world_size=2,
+                                            args=(str(tmp_path),))):
+        assert result["dcp_calls"] == 1, (rank, result)  # planned in full, on both ranks
+        (said,) = result["said"]
+        assert "restored" in said and "does not match the manifest's checksum" in said, said
