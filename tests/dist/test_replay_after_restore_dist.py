@@ -10,7 +10,6 @@ files come out unlike the record.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from resumekit import save_planner, sharded
-from tests.dist.test_replayed_save_dist import _counting_dcp_saves, _files, _more
+from tests.dist.test_replayed_save_dist import _counting_dcp_saves, _files, _more, _said
 from tests.dist.test_save_planner_dist import _flat, _reload_matches, _state, counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -28,19 +27,6 @@ def _fresh_process() -> None:
     """Forget every plan and record, and every count: as a relaunched process starts."""
     save_planner.forget_plans()
     save_planner._COMPLETED.clear()
-
-
-def _said() -> list[str]:
-    said: list[str] = []
-
-    class _Said(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-
-    logger = logging.getLogger("resumekit.replayed_save")
-    logger.addHandler(_Said())
-    logger.setLevel(logging.DEBUG)
-    return said
 
 
 def _restored(root: str, name: str, world_size: int, **more: Any
@@ -183,15 +169,7 @@ def test_a_relaunched_manager_replays_its_first_save_from_the_checkpoint_it_rest
 
 
 def _checksum_mismatch(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    said: list[str] = []
-
-    class _Said(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-
-    logger = logging.getLogger("resumekit")
-    logger.addHandler(_Said())
-    logger.setLevel(logging.DEBUG)
+    said = _said("resumekit")
     dcp_calls = _counting_dcp_saves()
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     train_step(model, optimizer, "transformer", seed=0)

@@ -8,6 +8,7 @@ back to DCP's path on every rank whenever any rank cannot replay, and fail on ev
 from __future__ import annotations
 
 import errno
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,20 @@ def _more(number: int) -> dict[str, Any]:
     # change with its values) and a non-tensor value of constant pickled length.
     generator = torch.Generator().manual_seed(number)
     return {"big": torch.randn(40_000, generator=generator), "label": f"save-{number:04d}"}
+
+
+def _said(name: str = "resumekit.replayed_save") -> list[str]:
+    """Every message logger ``name`` logs from now on in this rank, DEBUG included."""
+    said: list[str] = []
+
+    class _Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logger = logging.getLogger(name)
+    logger.addHandler(_Said())
+    logger.setLevel(logging.DEBUG)
+    return said
 
 
 def _replayed_against_planned(rank: int, world_size: int, root: str) -> dict[str, Any]:
@@ -68,17 +83,7 @@ def test_a_replayed_save_writes_every_byte_dcps_planned_save_writes(tmp_path: Pa
 
 
 def _lengths_decide(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    import logging  # noqa: PLC0415 - the rank's own logger
-
-    said: list[str] = []
-
-    class _Said(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            said.append(record.getMessage())
-
-    logger = logging.getLogger("resumekit.replayed_save")
-    logger.addHandler(_Said())
-    logger.setLevel(logging.DEBUG)
+    said = _said()
     forget_plans()
     dcp_calls = _counting_dcp_saves()
     model, optimizer = build("transformer", seed=0, world_size=world_size)
