@@ -217,12 +217,12 @@ def seed(slot: str, metadata: Metadata, data: bytes, *, rank: int, world_size: i
     save_planner.set_replay_record(slot, record)
 
 
-def _rank_of(name: str) -> int | None:
-    """The rank a raw data file ``__<rank>_<n>.distcp`` belongs to, or None."""
+def _rank_and_number(name: str) -> tuple[int, int] | None:
+    """``(rank, n)`` of a raw data file ``__<rank>_<n>.distcp``, or None."""
     if not (name.startswith("__") and name.endswith(DATA_SUFFIX)):
         return None
     rank, _, number = name[2:-len(DATA_SUFFIX)].partition("_")
-    return int(rank) if rank.isdigit() and number.isdigit() else None
+    return (int(rank), int(number)) if rank.isdigit() and number.isdigit() else None
 
 
 def _record_from(metadata: Metadata, data: bytes, rank: int, world_size: int,
@@ -232,6 +232,7 @@ def _record_from(metadata: Metadata, data: bytes, rank: int, world_size: int,
         raise _NotSeedable("its .metadata names the save that wrote it")
     entries = metadata.state_dict_metadata
     files: dict[str, list[WriteItem]] = {}
+    numbers: dict[str, int] = {}  # file name -> its n in __<rank>_<n>.distcp
     stored: dict[MetadataIndex, _StorageInfo] = {}
     if not any(isinstance(info, _StorageInfo) and info.transform_descriptors
                for info in metadata.storage_data.values()):
@@ -239,16 +240,16 @@ def _record_from(metadata: Metadata, data: bytes, rank: int, world_size: int,
     for index, info in metadata.storage_data.items():
         if not isinstance(info, _StorageInfo):
             raise _NotSeedable(f"{index.fqn} is not stored in a file")
-        owner = _rank_of(info.relative_path)
+        parsed = _rank_and_number(info.relative_path)
+        owner = parsed[0] if parsed is not None else None
         if owner is None or owner >= world_size:
             raise _NotSeedable(f"{info.relative_path} is not a data file of one of this "
                                f"group's {world_size} ranks")
-        if owner == rank:
+        if owner == rank and parsed is not None:
+            numbers[info.relative_path] = parsed[1]
             files.setdefault(info.relative_path, []).append(_item_of(index, entries))
             stored[index] = info
-    jobs = tuple((name, tuple(files[name]))
-                 for name in sorted(files, key=lambda name: int(name.rsplit("_", 1)[1]
-                                                               .removesuffix(DATA_SUFFIX))))
+    jobs = tuple((name, tuple(files[name])) for name in sorted(files, key=numbers.__getitem__))
     coordinator = rank == 0
     checksum = checksum_chunks([data]) if coordinator else None
     references = tuple(sorted({info.relative_path for info in metadata.storage_data.values()}
