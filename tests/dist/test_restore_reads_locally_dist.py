@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from resumekit import CheckpointManager
+from resumekit import CheckpointManager, sharded
 from tests.dist.test_save_planner_dist import counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -63,3 +64,27 @@ def test_a_shard_damaged_for_one_rank_fails_the_checkpoint_on_every_rank_which_f
         assert result["scatters"] == 0, (rank, result)  # no DCP plan scatter
         assert any("step_000000002" in said and "__1_0.distcp" in said
                    for said in result["said"]), (rank, result["said"])
+
+
+def _local_plan_against_dcps(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, optimizer = build("transformer", seed=0, world_size=world_size)
+    train_step(model, optimizer, "transformer", seed=0)
+    sharded.save(sharded.model_and_optimizer_state(model, optimizer), root)
+    metadata = sharded._make_reader(root, None).read_metadata()
+    plans = []
+    for planner in (sharded._CheckedLoadPlanner(root, reject_unexpected=True),
+                    DefaultLoadPlanner(flatten_state_dict=True, allow_partial_load=False)):
+        planner.set_up_planner(sharded.model_and_optimizer_state(model, optimizer), metadata,
+                               is_coordinator=rank == 0)
+        plans.append(planner.create_local_plan().items)
+    ours, dcps = plans
+    return {"same": ours == dcps, "items": len(ours),
+            "dtensors": sum(isinstance(value, torch.distributed.tensor.DTensor)
+                            for value in sharded.flatten_state(
+                                sharded.model_and_optimizer_state(model, optimizer)).values())}
+
+
+def test_a_restores_local_plan_is_exactly_dcps_default_local_load_plan(tmp_path: Path) -> None:
+    for result in run_ranks(_local_plan_against_dcps, world_size=2, args=(str(tmp_path),)):
+        assert result["same"], result
+        assert result["dtensors"] > 20, result  # the memoized chunks were used, many times

@@ -6,7 +6,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+)
 
 from resumekit import sharded
 from resumekit.save_planner import forget_plans
@@ -106,11 +111,87 @@ def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:
     train_step(model, optimizer, "transformer", seed=1)
     found = sharded.named_state(model, optimizer)
     dcp_model, dcp_optimizer = get_state_dict(model, optimizer)
+    # loading a state of other values (a step more, half the learning rate) two ways
+    source_model, source = build("transformer", seed=0, world_size=world_size)
+    for seed in (1, 2):
+        train_step(source_model, source, "transformer", seed=seed)
+    for group in source.param_groups:
+        group["lr"] *= 0.5
+    stored = sharded.named_state(source_model, source)
+    assert stored is not None
+    dcps_model, dcps = build("transformer", seed=0, world_size=world_size)
+    train_step(dcps_model, dcps, "transformer", seed=1)
+    set_optimizer_state_dict(dcps_model, dcps, stored[1], options=StateDictOptions(strict=True))
+    loaded = sharded.load_named_optimizer_state(model, optimizer, stored[1])
     return {"fast": found is not None,
             "same": found is not None and _same(found[0], dcp_model)
-            and _same(found[1], dcp_optimizer)}
+            and _same(found[1], dcp_optimizer),
+            "model alone": _same(sharded.model_state_dict(model), get_model_state_dict(model)),
+            "loaded": loaded,
+            "loads as DCP": _same(optimizer.state_dict(), dcps.state_dict())
+            and _same(optimizer.state_dict(), source.state_dict())}
 
 
-def test_named_state_of_an_fsdp2_model_is_exactly_dcps_get_state_dict() -> None:
+def test_named_state_of_an_fsdp2_model_is_exactly_dcps_get_state_dict_and_loads_as_dcps_set(
+        ) -> None:
     for result in run_ranks(_named_state_against_dcp, world_size=2):
-        assert result == {"fast": True, "same": True}
+        assert result == {"fast": True, "same": True, "model alone": True, "loaded": True,
+                          "loads as DCP": True}
+
+
+def _zeros_against_from_local(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415 - in the rank's process
+
+    model, _ = build("transformer", seed=0, world_size=world_size)
+    unlike = []
+    for name, param in model.named_parameters():
+        for dtype in (torch.float32, torch.bfloat16):
+            ours = sharded._zeros_like(param, dtype)
+            local = torch.zeros_like(param.to_local(), dtype=dtype)
+            public = DTensor.from_local(local, param.device_mesh, param.placements,
+                                        run_check=False, shape=param.shape,
+                                        stride=param.stride())
+            assert isinstance(ours, DTensor)
+            if not (ours._spec == public._spec and ours.shape == public.shape
+                    and ours.stride() == public.stride() and ours.dtype == dtype
+                    and not ours.requires_grad and torch.equal(ours.to_local(), local)
+                    and ours.to_local().stride() == local.stride()):
+                unlike.append(f"{name} {dtype}")
+    return unlike
+
+
+def test_preallocated_zeros_of_an_fsdp2_parameter_are_what_dtensor_from_local_builds(
+        ) -> None:
+    for unlike in run_ranks(_zeros_against_from_local, world_size=2):
+        assert unlike == []
+
+
+def _tied_of_an_fsdp2_model(rank: int, world_size: int) -> dict[str, Any]:
+    from torch import nn  # noqa: PLC0415 - in the rank's process
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.embed = nn.Embedding(10, 8)
+    model.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # same shapes, not tied
+    model.head = nn.Linear(8, 10, bias=False)
+    model.head.weight = model.embed.weight
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    state = sharded.model_state_dict(model)
+    with torch.no_grad():
+        no_grad = sharded.find_tied(state)
+    return {"grad mode": sharded.find_tied(state), "no grad": no_grad,
+            "dtensors": sorted(name for name, value in state.items()
+                               if type(value).__name__ == "DTensor")}
+
+
+def test_tied_weights_of_an_fsdp2_model_are_found_and_same_shaped_layers_are_not(
+        ) -> None:
+    for result in run_ranks(_tied_of_an_fsdp2_model, world_size=2):
+        assert "head.weight" in result["dtensors"], result
+        assert result["grad mode"] == {"head.weight": "embed.weight"}, result
+        assert result["no grad"] == result["grad mode"], result

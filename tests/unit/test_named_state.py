@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_optimizer_state_dict,
+)
 
 from resumekit import sharded
 
@@ -105,3 +110,83 @@ def test_named_state_leaves_to_dcp_what_dcp_renames_or_initialises() -> None:
     _stepped(model, optimizer)
     model.state_dict = lambda *a, **k: {}  # type: ignore[method-assign, assignment]
     assert sharded.named_state(model, optimizer) is None  # an instance's own state_dict
+
+
+class Untied(nn.Module):
+    """Tied's layout without the tie (and with a frozen layer): one name per parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(4, 7, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(self.body(self.embed(tokens))))
+
+
+def _trained(optimizer_of: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Untied()
+    optimizer = optimizer_of(model)
+    torch.manual_seed(seed)
+    for _ in range(seed):
+        _stepped(model, optimizer)
+    return model, optimizer
+
+
+def test_model_state_dict_is_exactly_dcps_get_model_state_dict_for_a_plain_module() -> None:
+    model = Tied()
+    assert _same(sharded.model_state_dict(model), get_model_state_dict(model))
+
+
+@pytest.mark.parametrize("optimizer_of", [
+    lambda model: torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-3),
+    _two_groups,
+    lambda model: torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
+], ids=["adamw", "two param groups", "sgd momentum"])
+def test_load_named_optimizer_state_loads_exactly_what_dcps_set_optimizer_state_dict_does(
+        optimizer_of: Any) -> None:
+    source_model, source = _trained(optimizer_of, seed=3)
+    for group in source.param_groups:
+        group["lr"] *= 0.5  # a stored group entry the load must bring over
+    named = sharded.named_state(source_model, source)
+    assert named is not None
+    ours_model, ours = _trained(optimizer_of, seed=1)
+    dcps_model, dcps = _trained(optimizer_of, seed=1)
+    assert sharded.load_named_optimizer_state(ours_model, ours, named[1])
+    set_optimizer_state_dict(dcps_model, dcps, named[1],
+                             options=StateDictOptions(strict=True))
+    assert _same(ours.state_dict(), dcps.state_dict())
+    assert _same(ours.state_dict(), source.state_dict())
+    # the loaded tensors are the stored ones (no copy), as DCP's load leaves them
+    first = next(iter(ours.state.values()))
+    stored = next(iter(named[1]["state"].values()))
+    assert all(first[key] is stored[key] for key in first if torch.is_tensor(first[key]))
+
+
+def test_load_named_optimizer_state_leaves_to_dcp_what_it_does_not_build_the_same() -> None:
+    torch.manual_seed(0)
+    model = Tied()  # head.weight is embed.weight: two names for one parameter
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    _stepped(model, optimizer)
+    named = sharded.named_state(model, optimizer)
+    assert named is not None
+    before = optimizer.state_dict()
+    assert not sharded.load_named_optimizer_state(model, optimizer, named[1])
+
+    model, optimizer = _trained(lambda m: torch.optim.AdamW(
+        [p for p in m.parameters() if p.requires_grad]), seed=1)
+    named = sharded.named_state(model, optimizer)
+    assert named is not None
+    missing = {"state": dict(named[1]["state"]), "param_groups": named[1]["param_groups"]}
+    del missing["state"]["body.0.weight"]  # DCP's strict load names it
+    by_index = optimizer.state_dict()  # keyed by parameter number, not by name
+    before = optimizer.state_dict()
+    for odd in (missing, by_index, {**named[1], "extra": 1}):
+        assert not sharded.load_named_optimizer_state(model, optimizer, odd)
+    assert _same(optimizer.state_dict(), before)  # nothing was loaded
