@@ -82,10 +82,17 @@ def read_plain(storage: Storage, name: str, manifest: Manifest, path: str) -> An
 
 
 def dump_plain(value: Any, *, what: str) -> bytes:
-    """Serialise plain data (tensors, numbers, strings, containers) with ``torch.save``."""
+    """Serialise plain data (tensors, numbers, strings, containers) with ``torch.save``.
+
+    What could not be read back safely is refused at save time: a value made only of
+    :func:`_surely_safe` types is (``torch.load(weights_only=True)`` reads each of them
+    back); anything else is read back once here, as the restore would.
+    """
     buffer = io.BytesIO()
     torch.save(value, buffer)
     data = buffer.getvalue()
+    if _surely_safe(value, depth=0):
+        return data
     try:  # refuse, at save time, what could not be read back safely
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as error:
@@ -94,6 +101,35 @@ def dump_plain(value: Any, *, what: str) -> bytes:
             f"strings and containers are allowed): {error}"
         ) from error
     return data
+
+
+_SAFE_ATOMS = (str, int, float, bool, type(None), bytes)
+_SAFE_DEPTH = 32
+
+
+def _surely_safe(value: Any, *, depth: int) -> bool:
+    """Whether ``value`` is built only of what ``weights_only`` loading always accepts.
+
+    Exactly ``dict`` (``str``/``int`` keys), ``list``, ``tuple``, ``str``, ``int``,
+    ``float``, ``bool``, ``None``, ``bytes`` and plain CPU ``torch.Tensor`` (no
+    subclass), nested at most 32 deep: a short list, far inside the types the
+    ``weights_only`` unpickler allows. False means only "not sure"; the caller then
+    reads the bytes back to decide.
+    """
+    kind = type(value)
+    if kind in _SAFE_ATOMS:
+        return True
+    if depth > _SAFE_DEPTH:
+        return False
+    if kind is torch.Tensor:
+        return (value.device.type == "cpu" and value.layout is torch.strided
+                and not value.is_quantized and not vars(value))  # no attributes of its own
+    if kind is list or kind is tuple:
+        return all(_surely_safe(item, depth=depth + 1) for item in value)
+    if kind is dict:
+        return all(type(key) in (str, int) and _surely_safe(item, depth=depth + 1)
+                   for key, item in value.items())
+    return False
 
 
 def load_plain(data: bytes, *, source: str) -> Any:
