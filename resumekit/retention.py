@@ -316,7 +316,9 @@ def _decide_once(storage: Storage, policy: RetentionPolicy, name_format: NameFor
     presumed = policy.keep(named) | protect | set(named[:1])
     lowest = min((step for step in named if step not in presumed), default=None)
     classified, newest = _classify_down_to(storage, listing, name_format, lowest)
-    if rolling is not None:
+    if rolling is not None and not storage.atomic_rename:
+        # POSIX staging is a hidden entry of the root itself (the listing shows it);
+        # only an object store's sits under a step directory.
         classified += rolling.next_entries(storage, name_format, listing, classified)
     read = {entry.step for entry in classified}
     committed = sorted({e.step for e in classified if e.status == "committed"}

@@ -233,6 +233,20 @@ def test_retention_after_saves_reaches_staging_abandoned_under_an_old_checkpoint
     assert read_top(storage).newest.step == 200  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("backend", ["local", "file"])
+def test_retention_on_a_posix_root_reads_no_older_step_directory_for_staging(
+        storage_factory: StorageFactory) -> None:
+    storage = storage_factory()
+    populate(storage, [10 * (i + 1) for i in range(20)])
+    rolling = RollingSweep(per_prune=2)
+    for _ in range(3):  # staging on POSIX is a hidden entry of the root: the listing has it
+        with count_storage_calls() as calls:
+            report = prune(storage, keep_all(), scope="top", rolling=rolling,
+                           sweep_after=0.0, errors="report")
+        assert report.deleted == [] and _reads(calls) <= 1, calls
+    assert rolling.below is None  # never moved down
+
+
 def test_opening_one_checkpoint_and_choosing_the_newest_do_not_read_the_whole_root(
         storage_factory: StorageFactory) -> None:
     # What `resumekit inspect ROOT/step_X`, `verify ROOT` and `export ROOT` do first.
