@@ -33,11 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_save_plan,
 )
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
@@ -227,6 +230,24 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
         """The structure key of the state this planner planned (None: not cacheable)."""
         self._planned: SavePlan | None = None
         self._shards: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        """DCP's, without rebuilding a flattened state that holds no ``ShardedTensor``.
+
+        DCP flattens the state, then walks the flattened state once more to split
+        ``ShardedTensor`` values, building a new dictionary of the very same entries when
+        there is none (a third of a small save's planning); that walk runs only for a
+        state that has one.
+        """
+        if not (self.flatten_state_dict and self.flatten_sharded_tensors):
+            super().set_up_planner(state_dict, storage_meta, is_coordinator)
+            return
+        flat, self.mappings = flatten_state_dict(state_dict)
+        if any(isinstance(value, ShardedTensor) for value in flat.values()):
+            flat = _flatten_sharded_tensors(flat)
+        self.state_dict = flat
+        self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> SavePlan:
         """This rank's plan: an empty one when the structure is that of its last save."""

@@ -70,3 +70,49 @@ def test_a_process_saving_to_many_roots_remembers_the_plans_of_the_newest_few(
     loaded = {"w": torch.zeros(4), "step": 0}
     sharded.load(loaded, tmp_path / "again")
     assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+
+
+def _nested_state() -> dict[str, Any]:
+    return {"model": {"w": torch.ones(2, 3), "b": torch.zeros(3)},
+            "optimizer": {"state": {"w": {"step": torch.tensor(2.0), "exp_avg": torch.ones(2, 3)}},
+                          "param_groups": [{"lr": 0.1, "params": ["w", "b"]}]},
+            "extras": {"names": ["a", "b"], "pair": (1, torch.ones(1)), "empty": {}},
+            "count": 3}
+
+
+def test_a_planners_flattened_state_is_exactly_dcps_default_save_planners() -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: PLC0415
+
+    from resumekit.save_planner import StructureCachingSavePlanner  # noqa: PLC0415
+
+    ours, dcps = StructureCachingSavePlanner(), DefaultSavePlanner()
+    for planner in (ours, dcps):
+        planner.set_up_planner(_nested_state(), None, True)
+    assert list(ours.state_dict) == list(dcps.state_dict)
+    assert ours.mappings == dcps.mappings and ours.is_coordinator
+    for key, value in dcps.state_dict.items():
+        mine = ours.state_dict[key]
+        assert type(mine) is type(value)
+        assert torch.equal(mine, value) if isinstance(value, torch.Tensor) else mine == value
+
+
+def test_a_planner_splits_sharded_tensors_as_dcp_does_when_the_state_holds_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit import save_planner  # noqa: PLC0415
+
+    class Sharded:
+        """Stands for a ShardedTensor (one needs a process group to exist)."""
+
+    split: list[list[str]] = []
+
+    def flatten(state: dict[str, Any]) -> dict[str, Any]:
+        split.append(sorted(state))
+        return dict(state)
+
+    monkeypatch.setattr(save_planner, "ShardedTensor", Sharded)
+    monkeypatch.setattr(save_planner, "_flatten_sharded_tensors", flatten)
+    planner = save_planner.StructureCachingSavePlanner()
+    planner.set_up_planner(_nested_state(), None, False)
+    assert split == []  # none: the flattened state is kept as it is
+    planner.set_up_planner({**_nested_state(), "table": Sharded()}, None, False)
+    assert split == [sorted([*planner.state_dict])]  # one: DCP's split runs
