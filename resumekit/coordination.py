@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
 
@@ -35,6 +36,10 @@ T = TypeVar("T")
 
 _activity: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = \
     contextvars.ContextVar("resumekit_coordination_activity", default=None)
+
+#: Pickled bytes an object may have to be sent in one collective (the frame's payload).
+FRAME_BYTES = 16 << 10
+_SIZE_BYTES = 8
 
 #: Words of a gloo error that mean "the peer did not answer in time" (else: it went away).
 _TIMEOUT_WORDS = ("timeout", "timed out")
@@ -122,12 +127,16 @@ class ProcessGroupCoordinator:
     def __init__(self, group: Any = None) -> None:
         # Imported here: the store (commit, catalog, CLI) must import without
         # torch.distributed, which costs seconds (crash tests fork writers by the hundred).
+        import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
+        self._torch = torch
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        # gloo moves CPU tensors: a small object then takes one collective (see _framed)
+        self._framed = dist.get_backend(group) == "gloo"
 
     def barrier(self) -> None:
         """Block until every rank of the group arrives.
@@ -143,8 +152,10 @@ class ProcessGroupCoordinator:
         Raises:
             CoordinationError: A peer died or did not answer within the group's timeout.
         """
-        box = [value]
         source = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        if self._framed:
+            return self._broadcast_framed(value, source)
+        box = [value]
         self._run("broadcast", lambda: self._dist.broadcast_object_list(
             box, src=source, group=self.group))
         return box[0]
@@ -155,10 +166,66 @@ class ProcessGroupCoordinator:
         Raises:
             CoordinationError: A peer died or did not answer within the group's timeout.
         """
+        if self._framed:
+            return self._all_gather_framed(value)
         boxes: list[Any] = [None] * self.world_size
         self._run("all_gather", lambda: self._dist.all_gather_object(
             boxes, value, group=self.group))
         return boxes
+
+    # The object collectives of torch.distributed send each object's size first, then
+    # its bytes: two collectives. Here a fixed frame carries the size and the first
+    # FRAME_BYTES of the pickle, so an object that fits (every one a save or a restore
+    # sends, on the LingBot models) takes one; a longer one sends the rest in a second.
+
+    def _frame(self, data: bytes, length: int) -> Any:
+        """``length`` bytes: ``data``'s size (8 bytes, little-endian), then ``data``."""
+        frame = self._torch.zeros(length, dtype=self._torch.uint8)
+        head = len(data).to_bytes(_SIZE_BYTES, "little") + data[:length - _SIZE_BYTES]
+        frame[:len(head)] = self._torch.frombuffer(bytearray(head), dtype=self._torch.uint8)
+        return frame
+
+    def _broadcast_framed(self, value: T, source: int) -> T:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        frame = self._frame(data, _SIZE_BYTES + FRAME_BYTES)
+        self._run("broadcast", lambda: self._dist.broadcast(frame, src=source, group=self.group))
+        received = frame.numpy().tobytes()
+        size = int.from_bytes(received[:_SIZE_BYTES], "little")
+        if size > FRAME_BYTES:
+            rest = self._torch.zeros(size - FRAME_BYTES, dtype=self._torch.uint8)
+            if self.rank == 0:
+                rest.copy_(self._torch.frombuffer(bytearray(data[FRAME_BYTES:]),
+                                                  dtype=self._torch.uint8))
+            self._run("broadcast", lambda: self._dist.broadcast(rest, src=source,
+                                                                group=self.group))
+            received += rest.numpy().tobytes()
+        if self.rank == 0:
+            return value
+        return cast(T, pickle.loads(received[_SIZE_BYTES:_SIZE_BYTES + size]))
+
+    def _all_gather_framed(self, value: T) -> list[T]:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        frames = [self._torch.zeros(_SIZE_BYTES + FRAME_BYTES, dtype=self._torch.uint8)
+                  for _ in range(self.world_size)]
+        mine = self._frame(data, _SIZE_BYTES + FRAME_BYTES)
+        self._run("all_gather", lambda: self._dist.all_gather(frames, mine, group=self.group))
+        received = [frame.numpy().tobytes() for frame in frames]
+        sizes = [int.from_bytes(got[:_SIZE_BYTES], "little") for got in received]
+        longest = max(sizes)
+        if longest > FRAME_BYTES:
+            rests = [self._torch.zeros(longest - FRAME_BYTES, dtype=self._torch.uint8)
+                     for _ in range(self.world_size)]
+            tail = data[FRAME_BYTES:]
+            own = self._torch.zeros(longest - FRAME_BYTES, dtype=self._torch.uint8)
+            if tail:
+                own[:len(tail)] = self._torch.frombuffer(bytearray(tail),
+                                                         dtype=self._torch.uint8)
+            self._run("all_gather", lambda: self._dist.all_gather(rests, own,
+                                                                  group=self.group))
+            received = [got + rest.numpy().tobytes() for got, rest in zip(
+                received, rests, strict=True)]
+        return [cast(T, pickle.loads(got[_SIZE_BYTES:_SIZE_BYTES + size]))
+                for got, size in zip(received, sizes, strict=True)]
 
     def _run(self, collective: str, call: Callable[[], object]) -> None:
         try:
