@@ -296,7 +296,7 @@ def _unlike_restored(record: Replay, planner: save_planner.StructureCachingSaveP
         return (f"the state has {len(state)} entries, the restored checkpoint "
                 f"{len(entries)}")
     held: dict[str, list[ChunkStorageMetadata]] = {}
-    chunks_by_layout: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
+    chunks_by_layout: save_planner.ChunksByLayout = {}
     for fqn, value in state.items():
         unlike = _unlike_entry(fqn, value, entries.get(fqn), held, chunks_by_layout)
         if unlike is not None:
@@ -311,7 +311,7 @@ def _unlike_restored(record: Replay, planner: save_planner.StructureCachingSaveP
 
 def _unlike_entry(fqn: str, value: Any, entry: Any,
                   held: dict[str, list[ChunkStorageMetadata]],
-                  chunks_by_layout: dict[tuple[Any, ...], list[ChunkStorageMetadata]]
+                  chunks_by_layout: save_planner.ChunksByLayout
                   ) -> str | None:
     """Why ``value`` is not what the checkpoint's ``entry`` describes; note its chunks.
 
@@ -323,10 +323,7 @@ def _unlike_entry(fqn: str, value: Any, entry: Any,
     if kind is DTensor or kind is torch.Tensor or kind is torch.nn.Parameter:
         if kind is DTensor:
             local = value._local_tensor
-            layout = (tuple(value.shape), tuple(value.placements), id(value.device_mesh))
-            chunks = chunks_by_layout.get(layout)
-            if chunks is None:
-                chunks = chunks_by_layout[layout] = value.__create_chunk_list__()
+            chunks = save_planner.dtensor_chunks(value, chunks_by_layout)
             # to_local() is the local tensor itself without grad mode, else an autograd
             # view that requires grad exactly when the DTensor does.
             grad = value.requires_grad if torch.is_grad_enabled() else local.requires_grad

@@ -40,7 +40,11 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_save_plan,
 )
-from torch.distributed.checkpoint.metadata import MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
@@ -178,6 +182,23 @@ def _mesh_key(value: DTensor, meshes: dict[int, tuple[Any, ...]]) -> tuple[Any, 
                  None if coordinate is None else tuple(coordinate))
         meshes[id(mesh)] = found
     return found
+
+
+ChunksByLayout = dict[tuple[Any, ...], list[ChunkStorageMetadata]]
+
+
+def dtensor_chunks(value: DTensor, memo: ChunksByLayout) -> list[ChunkStorageMetadata]:
+    """``value.__create_chunk_list__()``, worked out once per layout in ``memo``.
+
+    A ``DTensor``'s local chunk depends only on its global shape, its placements and
+    its mesh (this rank's coordinate in it): tensors that share those share it, and DCP's
+    ~45 µs per tensor is paid once per layout.
+    """
+    layout = (tuple(value.shape), tuple(value.placements), id(value.device_mesh))
+    chunks = memo.get(layout)
+    if chunks is None:
+        chunks = memo[layout] = value.__create_chunk_list__()
+    return chunks
 
 
 def structure_key(state_dict: dict[str, Any], mappings: dict[str, Any] | None,

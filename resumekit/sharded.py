@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     StorageMeta,
     TensorStorageMetadata,
@@ -2186,10 +2185,10 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
         if metadata is None or not metadata.state_dict_metadata.keys() <= self.state_dict.keys():
             return super().create_local_plan()
         stored = metadata.state_dict_metadata
-        chunks_by_layout: dict[tuple[Any, ...], list[ChunkStorageMetadata]] = {}
+        chunks_by_layout: save_planner.ChunksByLayout = {}
         requests: list[ReadItem] = []
         for fqn, value in self.state_dict.items():
-            entry = stored[fqn]
+            entry = stored.get(fqn)
             if (type(value) is not DTensor or type(value._local_tensor) is not torch.Tensor
                     or not isinstance(entry, TensorStorageMetadata)
                     or entry.size != value.size()
@@ -2197,11 +2196,8 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
                 requests += create_default_local_load_plan(
                     {fqn: value}, metadata, not self.allow_partial_load).items
                 continue
-            layout = (tuple(value.shape), tuple(value.placements), id(value.device_mesh))
-            chunks = chunks_by_layout.get(layout)
-            if chunks is None:
-                chunks = chunks_by_layout[layout] = value.__create_chunk_list__()
-            requests += create_read_items_for_chunk_list(fqn, entry, chunks)
+            requests += create_read_items_for_chunk_list(
+                fqn, entry, save_planner.dtensor_chunks(value, chunks_by_layout))
         return LoadPlan(requests)
 
     def set_up_planner(

@@ -18,7 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
 from resumekit import sharded
 
 
-class Tied(nn.Module):
+class Untied(nn.Module):
+    """One name per parameter, a frozen layer among them."""
+
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(7, 4)
@@ -26,6 +28,16 @@ class Tied(nn.Module):
         self.frozen = nn.Linear(4, 4)
         self.frozen.requires_grad_(False)
         self.head = nn.Linear(4, 7, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(self.body(self.embed(tokens))))
+
+
+class Tied(Untied):
+    """Untied's layout with the head tied to the embedding, and buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.head.weight = self.embed.weight  # tied, as nanoGPT's lm_head
         self.register_buffer("scale", torch.ones(4))
         self.register_buffer("scratch", torch.zeros(2), persistent=False)
@@ -110,21 +122,6 @@ def test_named_state_leaves_to_dcp_what_dcp_renames_or_initialises() -> None:
     _stepped(model, optimizer)
     model.state_dict = lambda *a, **k: {}  # type: ignore[method-assign, assignment]
     assert sharded.named_state(model, optimizer) is None  # an instance's own state_dict
-
-
-class Untied(nn.Module):
-    """Tied's layout without the tie (and with a frozen layer): one name per parameter."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(7, 4)
-        self.body = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-        self.frozen = nn.Linear(4, 4)
-        self.frozen.requires_grad_(False)
-        self.head = nn.Linear(4, 7, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(self.frozen(self.body(self.embed(tokens))))
 
 
 def _trained(optimizer_of: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
