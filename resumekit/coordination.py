@@ -178,24 +178,27 @@ class ProcessGroupCoordinator:
     # FRAME_BYTES of the pickle, so an object that fits (every one a save or a restore
     # sends, on the LingBot models) takes one; a longer one sends the rest in a second.
 
-    def _frame(self, data: bytes, length: int) -> Any:
-        """``length`` bytes: ``data``'s size (8 bytes, little-endian), then ``data``."""
-        frame = self._torch.zeros(length, dtype=self._torch.uint8)
-        head = len(data).to_bytes(_SIZE_BYTES, "little") + data[:length - _SIZE_BYTES]
-        frame[:len(head)] = self._torch.frombuffer(bytearray(head), dtype=self._torch.uint8)
-        return frame
+    def _padded(self, data: bytes, length: int) -> Any:
+        """A uint8 tensor of ``length`` bytes: ``data``, then zeros."""
+        tensor = self._torch.zeros(length, dtype=self._torch.uint8)
+        if data:
+            tensor[:len(data)] = self._torch.frombuffer(bytearray(data),
+                                                        dtype=self._torch.uint8)
+        return tensor
+
+    def _frame(self, data: bytes) -> Any:
+        """``data``'s size (8 bytes, little-endian), then its first FRAME_BYTES."""
+        return self._padded(len(data).to_bytes(_SIZE_BYTES, "little") + data[:FRAME_BYTES],
+                            _SIZE_BYTES + FRAME_BYTES)
 
     def _broadcast_framed(self, value: T, source: int) -> T:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
-        frame = self._frame(data, _SIZE_BYTES + FRAME_BYTES)
+        frame = self._frame(data)
         self._run("broadcast", lambda: self._dist.broadcast(frame, src=source, group=self.group))
         received = frame.numpy().tobytes()
         size = int.from_bytes(received[:_SIZE_BYTES], "little")
         if size > FRAME_BYTES:
-            rest = self._torch.zeros(size - FRAME_BYTES, dtype=self._torch.uint8)
-            if self.rank == 0:
-                rest.copy_(self._torch.frombuffer(bytearray(data[FRAME_BYTES:]),
-                                                  dtype=self._torch.uint8))
+            rest = self._padded(data[FRAME_BYTES:], size - FRAME_BYTES)
             self._run("broadcast", lambda: self._dist.broadcast(rest, src=source,
                                                                 group=self.group))
             received += rest.numpy().tobytes()
@@ -207,7 +210,7 @@ class ProcessGroupCoordinator:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         frames = [self._torch.zeros(_SIZE_BYTES + FRAME_BYTES, dtype=self._torch.uint8)
                   for _ in range(self.world_size)]
-        mine = self._frame(data, _SIZE_BYTES + FRAME_BYTES)
+        mine = self._frame(data)
         self._run("all_gather", lambda: self._dist.all_gather(frames, mine, group=self.group))
         received = [frame.numpy().tobytes() for frame in frames]
         sizes = [int.from_bytes(got[:_SIZE_BYTES], "little") for got in received]
@@ -215,11 +218,7 @@ class ProcessGroupCoordinator:
         if longest > FRAME_BYTES:
             rests = [self._torch.zeros(longest - FRAME_BYTES, dtype=self._torch.uint8)
                      for _ in range(self.world_size)]
-            tail = data[FRAME_BYTES:]
-            own = self._torch.zeros(longest - FRAME_BYTES, dtype=self._torch.uint8)
-            if tail:
-                own[:len(tail)] = self._torch.frombuffer(bytearray(tail),
-                                                         dtype=self._torch.uint8)
+            own = self._padded(data[FRAME_BYTES:], longest - FRAME_BYTES)
             self._run("all_gather", lambda: self._dist.all_gather(rests, own,
                                                                   group=self.group))
             received = [got + rest.numpy().tobytes() for got, rest in zip(

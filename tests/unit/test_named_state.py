@@ -74,13 +74,17 @@ def _same(ours: Any, dcp: Any) -> bool:
     return bool(ours == dcp)
 
 
-@pytest.mark.parametrize("optimizer_of", [
+#: Each test runs with each of these optimizers.
+EVERY_OPTIMIZER = pytest.mark.parametrize("optimizer_of", [
     lambda model: torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=1e-3),
     _two_groups,
     lambda model: torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
 ], ids=["adamw", "two param groups", "sgd momentum"])
+
+
+@EVERY_OPTIMIZER
 def test_named_state_is_exactly_dcps_get_state_dict_for_a_plain_module(
         optimizer_of: Any) -> None:
     torch.manual_seed(0)
@@ -139,13 +143,7 @@ def test_model_state_dict_is_exactly_dcps_get_model_state_dict_for_a_plain_modul
     assert _same(sharded.model_state_dict(model), get_model_state_dict(model))
 
 
-@pytest.mark.parametrize("optimizer_of", [
-    lambda model: torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=1e-3),
-    _two_groups,
-    lambda model: torch.optim.SGD(
-        [p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9),
-], ids=["adamw", "two param groups", "sgd momentum"])
+@EVERY_OPTIMIZER
 def test_load_named_optimizer_state_loads_exactly_what_dcps_set_optimizer_state_dict_does(
         optimizer_of: Any) -> None:
     source_model, source = _trained(optimizer_of, seed=3)
