@@ -8,13 +8,17 @@ it with the run's own:
 * **parameters** always: a name or a shape that differs is an
   :class:`~resumekit.errors.IncompatibleCheckpointError` whatever ``on_mismatch`` says
   (a checkpoint never loads partially);
-* **configuration and world size** per ``on_mismatch``: ``"error"`` raises for a
-  configuration difference, ``"warn"`` warns, ``"ignore"`` says nothing. A different world
-  size alone only warns (the state is resharded), and not at all with ``"ignore"``.
+* **configuration** per ``on_mismatch``: ``"error"`` raises, ``"warn"`` warns,
+  ``"ignore"`` says nothing;
+* **world size** is never an error: the state is resharded and training continues
+  correctly, but it is not a bit-exact replay of an uninterrupted run, and one
+  :class:`~resumekit.warnings.ResumekitWarning` says exactly that (none with
+  ``on_mismatch="ignore"``). Next to a configuration difference it is one more line of
+  that error or warning.
 
 A checkpoint converted by ``resumekit import`` records no configuration unless it was
-given one: there is nothing to compare it with (restore's warning about the import says
-so).
+given one, and a world size that says nothing about a run (the converter's): there is
+nothing to compare them with (restore's warning about the import says so).
 """
 
 from __future__ import annotations
@@ -119,20 +123,27 @@ def check_compatibility(
             f"{where} does not fit the model (nothing was loaded):\n  "
             + "\n  ".join(problems), path=where, differences=problems,
         )
-    unrecorded = manifest.reason == SaveReason.IMPORTED and not saved.get("config")
-    differences = [] if unrecorded else \
+    imported = manifest.reason == SaveReason.IMPORTED
+    differences = [] if imported and not saved.get("config") else \
         config_differences(saved.get("config") or {}, fingerprint["config"])
-    if manifest.world_size != world_size:
-        differences.append(f"world_size: checkpoint {manifest.world_size}, "
-                           f"now {world_size} (state is resharded)")
-    if not differences or on_mismatch == "ignore":
+    resized = manifest.world_size != world_size and not imported
+    if on_mismatch == "ignore" or not (differences or resized):
         return
-    message = f"{where} was written by a different configuration:\n  " + \
-        "\n  ".join(differences)
-    if on_mismatch == "error" and any(not d.startswith("world_size") for d in differences):
-        raise IncompatibleCheckpointError(
-            message + "\n(pass on_mismatch='warn' to resume anyway)",
-            path=where, differences=differences,
-        )
+    if differences:
+        if resized:
+            differences.append(f"world_size: checkpoint {manifest.world_size}, now "
+                               f"{world_size} (state is resharded)")
+        message = f"{where} was written by a different configuration:\n  " + \
+            "\n  ".join(differences)
+        if on_mismatch == "error":
+            raise IncompatibleCheckpointError(
+                message + "\n(pass on_mismatch='warn' to resume anyway)",
+                path=where, differences=differences,
+            )
+    else:
+        message = (f"{where} was written by {manifest.world_size} rank(s), this run has "
+                   f"{world_size} (world_size: checkpoint {manifest.world_size}, now "
+                   f"{world_size} (state is resharded)): training continues correctly, "
+                   "but this is not a bit-exact replay of an uninterrupted run")
     logger.warning("resumekit: %s", message)
     warnings.warn(message, ResumekitWarning, stacklevel=stacklevel + 1)

@@ -207,9 +207,11 @@ class CheckpointManager:
             little CPU, so the save takes longer, and a step that needs the GIL while such
             a thread holds it waits until the thread runs again.
         config: Configuration that must match on resume (recorded as a fingerprint).
-        on_mismatch: What a configuration or world-size mismatch does on restore:
-            ``"error"`` (default), ``"warn"`` or ``"ignore"``. Parameter names and shapes
-            must always match: a checkpoint never loads partially.
+        on_mismatch: What a configuration mismatch does on restore: ``"error"``
+            (default), ``"warn"`` or ``"ignore"``. A world-size change is never an error:
+            it warns that the run continues correctly but is not a bit-exact replay
+            (``"ignore"`` silences that too). Parameter names and shapes must always
+            match: a checkpoint never loads partially.
         fallback: If the newest checkpoint fails verification or loading, restore the
             previous one (logged). False raises instead.
         verify_on_restore: Check every byte loaded against its checksum: the small files

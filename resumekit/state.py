@@ -33,14 +33,19 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, Sampler
 
 from resumekit import rng as _rng
 from resumekit import sharded
-from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.errors import (
+    ConfigurationError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
 from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
 from resumekit.manifest import Manifest
 from resumekit.retry import read_with_retry
-from resumekit.sampler import ResumableDistributedSampler
+from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
@@ -169,6 +174,15 @@ class TrainState:
     micro_step: int = 0
     tied: dict[str, str] = field(default_factory=dict)
     captured_params: dict[str, list[Any]] = field(default_factory=dict)
+    # (step, data position) when the position was last seen to move (or was restored or
+    # taken at construction); None once the "position never moves" warning was given.
+    _data_mark: tuple[int, tuple[int, int]] | None = field(default=None, init=False,
+                                                            repr=False)
+
+    def __post_init__(self) -> None:
+        for what, value in (("scheduler", self.scheduler), ("data", self.data)):
+            _refuse_unsaveable(what, value)
+        self._data_mark = _marked(self.step, self.data)
 
     # -- capture ------------------------------------------------------------------------
     def tensor_state(self) -> dict[str, Any]:
@@ -222,7 +236,14 @@ class TrainState:
         }
 
     def rank_state(self) -> dict[str, Any]:
-        """Return this rank's part: RNG streams and data position."""
+        """Return this rank's part: RNG streams and data position.
+
+        Warns once (:class:`~resumekit.warnings.ResumekitWarning`) when a resumable
+        sampler's position has not moved while steps have since it was last seen moving
+        (built, restored or saved): the loop does not call ``sampler.advance()``, and a
+        resume would retrain the data it already consumed.
+        """
+        self._watch_data_position()
         return {
             "rng": _rng.capture_rng(self.generators),
             "data": None if self.data is None else self.data.state_dict(),
@@ -338,6 +359,56 @@ class TrainState:
                 stacklevel=3,
             )
         self.data.load_state_dict(dict(source["data"]))
+        self._data_mark = _marked(self.step, self.data)
+
+    def _watch_data_position(self) -> None:
+        mark, now = self._data_mark, _position_of(self.data)
+        if mark is None or now is None:
+            return
+        since, position = mark
+        if now != position or self.step <= since:
+            self._data_mark = (self.step, now)
+            return
+        self._data_mark = None
+        warnings.warn(
+            f"the data position has not moved from step {since} to step {self.step} "
+            f"(epoch {now[0]}, {now[1]} samples consumed): the loop does not call "
+            f"{type(self.data).__name__}.advance() after each batch, so this checkpoint "
+            "records the old position and a resume retrains the data since it",
+            ResumekitWarning, stacklevel=4)
+
+
+def _refuse_unsaveable(what: str, value: Any) -> None:
+    """Refuse a scheduler or data object that a save could not capture."""
+    if value is None or isinstance(value, Stateful):
+        return
+    kind = type(value).__name__
+    if what == "data" and isinstance(value, DataLoader):
+        hint = ("pass its sampler instead, made resumable: ResumableDistributedSampler"
+                "(dataset, ...) as the DataLoader's sampler, or wrap_sampler(sampler); "
+                "build the DataLoader with generator=torch.Generator() so that iter() "
+                "draws no seed from the global RNG the checkpoint restores")
+    elif what == "data" and isinstance(value, Sampler):
+        hint = ("use resumekit.ResumableDistributedSampler(dataset, ...) in place of "
+                "torch's DistributedSampler (same epoch order, a position that survives "
+                "a resume), or resumekit.wrap_sampler(sampler) for any other sampler")
+    else:
+        hint = "give it state_dict() and load_state_dict() methods"
+    raise ConfigurationError(
+        f"{what}={kind} cannot be checkpointed: it has no state_dict()/load_state_dict(); "
+        f"{hint}", name=what, value=kind)
+
+
+def _position_of(data: Any) -> tuple[int, int] | None:
+    """``(epoch, consumed)`` of one of resumekit's samplers; None for other objects."""
+    if isinstance(data, (ResumableDistributedSampler, SkipAheadSampler)):
+        return (data.epoch, data.consumed)
+    return None
+
+
+def _marked(step: int, data: Any) -> tuple[int, tuple[int, int]] | None:
+    position = _position_of(data)
+    return None if position is None else (step, position)
 
 
 def _params_of(model_state: Mapping[str, Any]) -> dict[str, list[Any]]:

@@ -80,3 +80,28 @@ def test_an_imported_checkpoint_without_a_configuration_is_not_compared() -> Non
         _check(_manifest(reason=SaveReason.IMPORTED), {"lr": 2})
     with pytest.raises(IncompatibleCheckpointError):  # one of ours records {} and differs
         _check(_manifest(), {"lr": 2})
+
+
+def test_another_world_size_alone_is_a_correct_continuation_not_a_bit_exact_replay() -> None:
+    with pytest.warns(ResumekitWarning) as seen:
+        _check(_manifest({"lr": 1}, world_size=2), {"lr": 1}, world_size=4, on_mismatch="error")
+    (warning,) = seen
+    text = str(warning.message)
+    assert "written by 2 rank(s), this run has 4" in text
+    assert "not a bit-exact replay" in text
+    assert "different configuration" not in text
+
+
+def test_a_world_size_change_beside_a_config_change_is_one_more_line_of_that_error() -> None:
+    with pytest.raises(IncompatibleCheckpointError) as caught:
+        _check(_manifest({"lr": 1}, world_size=2), {"lr": 2}, world_size=4)
+    assert caught.value.differences == [
+        "config.lr: checkpoint 1, now 2",
+        "world_size: checkpoint 2, now 4 (state is resharded)",
+    ]
+
+
+def test_an_imported_checkpoint_records_the_converters_world_size_and_is_not_compared() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _check(_manifest(reason=SaveReason.IMPORTED, world_size=1), {"lr": 2}, world_size=2)
