@@ -356,9 +356,9 @@ def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
         who = (f"it was written by torch {writer} (resumekit "
                f"{written.get('resumekit', '?')}) and this process runs torch "
                f"{now.get('torch', '?')} (resumekit {now.get('resumekit', '?')})")
-        then = (f"install torch {writer.split('+')[0]} to restore it (or to export it: "
-                "resumekit export writes safetensors any torch reads), or move it out of "
-                "the root to resume from an older checkpoint without it")
+        then = (f"install torch {writer.split('+')[0]} to restore it (or to export its "
+                "weights: resumekit export writes safetensors any torch reads), or move it "
+                "out of the root to resume from an older checkpoint without it")
     raise IncompatibleVersionError(
         f"{entry.path} (step {entry.step}) cannot be read by this process: {error}. "
         f"Not treating it as damaged: {who}. It is kept as it is (nothing was set "
