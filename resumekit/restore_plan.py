@@ -323,14 +323,15 @@ def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
                         running: Mapping[str, str] | None = None) -> None:
     """Never set aside, as if damaged, a checkpoint another torch or resumekit wrote.
 
-    A failure to interpret a checkpoint's files (:class:`~resumekit.errors.
-    UnreadableFormatError`: a ``.metadata`` pickle whose objects do not build, a storage
-    descriptor or checksum file of an unknown format, DCP's reading failing; or a torch
-    global the metadata names that this torch does not allow) can be a format this
-    process's torch or resumekit does not know. When the versions the checkpoint records
-    differ from this process's (:func:`resumekit.manifest.version_skew`), or it records
-    none, restore stops here: setting it aside would hide it from the version that can
-    read it, and the run would then resume from an older step or step 0.
+    A failure to interpret a checkpoint's files
+    (:class:`~resumekit.errors.UnreadableFormatError`: a ``.metadata`` pickle whose
+    objects do not build, a storage descriptor or checksum file of an unknown format,
+    DCP's reading failing; or a torch global the metadata names that this torch does not
+    allow) can be a format this process's torch or resumekit does not know. When the
+    versions the checkpoint records differ from this process's
+    (:func:`resumekit.manifest.version_skew`), or it records none, restore stops here:
+    setting it aside would hide it from the version that can read it, and the run would
+    then resume from an older step or step 0.
 
     Raises:
         IncompatibleVersionError: Such a failure, and the versions differ or are unknown;
