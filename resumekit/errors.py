@@ -20,6 +20,7 @@ __all__ = [
     "FencedWriterError",
     "ForeignCheckpointError",
     "IncompatibleCheckpointError",
+    "IncompatibleVersionError",
     "IncompleteCheckpointError",
     "ManifestError",
     "PreemptionError",
@@ -27,6 +28,7 @@ __all__ = [
     "ResumekitError",
     "StepCollisionError",
     "StorageError",
+    "UnreadableFormatError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
 ]
@@ -79,6 +81,18 @@ class CorruptCheckpointError(ResumekitError, ValueError):
     """A file's bytes do not match its recorded checksum (``path``, ``file``)."""
 
 
+class UnreadableFormatError(CorruptCheckpointError):
+    """A checkpoint file whose bytes this reader cannot interpret (``path``, ``file``).
+
+    Not a checksum or size failure: a pickle whose objects do not build here (a field,
+    class or constructor signature this torch does not have), a storage descriptor or
+    checksum file of a format this resumekit does not know, DCP's own reading failing on
+    what it was given. It can be damage, or a format written by another torch or
+    resumekit version: restore refuses it as an :class:`IncompatibleVersionError` when
+    the writer's versions differ from this process's, and sets nothing aside.
+    """
+
+
 class ManifestError(CorruptCheckpointError):
     """``manifest.json`` is missing, unreadable or invalid (``path``)."""
 
@@ -107,6 +121,17 @@ class ForeignCheckpointError(ResumekitError, FileExistsError):
 
 class IncompatibleCheckpointError(ResumekitError, ValueError):
     """The checkpoint does not fit the run restoring it (``path``, ``differences``)."""
+
+
+class IncompatibleVersionError(IncompatibleCheckpointError):
+    """A checkpoint that another torch (or resumekit) version wrote and this one cannot read.
+
+    Raised by restore instead of setting the checkpoint aside as corrupt: it is kept as it
+    is, and restore stops (it does not fall back past it, nor start from step 0).
+    Attributes ``path`` and ``step`` (the checkpoint), ``written_by`` (the writer's
+    recorded ``{"torch": ..., "resumekit": ...}``; empty when its manifest records none),
+    ``running`` (this process's) and ``differences`` (one line per library that differs).
+    """
 
 
 class AsyncSaveError(ResumekitError, RuntimeError):

@@ -20,7 +20,7 @@ import socket
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -53,7 +53,9 @@ __all__ = [
     "checksum_chunks",
     "hex_digest",
     "parse_manifest",
+    "running_versions",
     "safe_relative_path",
+    "version_skew",
 ]
 
 SCHEMA_VERSION = 1
@@ -220,12 +222,49 @@ class WriterGeneration(BaseModel):
                 f"claimed {self.claimed_at.isoformat(timespec='seconds')})")
 
 
-def _versions() -> dict[str, str]:
+def running_versions() -> dict[str, str]:
+    """This process's resumekit, python and (once imported) torch versions."""
     versions = {"resumekit": __version__, "python": platform.python_version()}
     torch = sys.modules.get("torch")
     if torch is not None:
         versions["torch"] = str(torch.__version__)
     return versions
+
+
+#: The libraries whose versions decide whether a process can read a checkpoint's files.
+_FORMAT_LIBRARIES = ("torch", "resumekit")
+
+
+def version_skew(written: Mapping[str, str], running: Mapping[str, str] | None = None
+                 ) -> list[str]:
+    """Each library whose version differs between a checkpoint's writer and this process.
+
+    The one comparison of versions: restore asks it when a checkpoint's files could not
+    be interpreted, to tell a format of another torch or resumekit from damage. Releases
+    are compared without their local part (``2.13.0+cpu`` and ``2.13.0`` are one
+    release); a version the writer did not record counts as a difference (it may have
+    been another). Python's version is not compared.
+
+    Args:
+        written: The checkpoint's :attr:`Manifest.versions`.
+        running: The reader's; :func:`running_versions` by default.
+
+    Returns:
+        One line per library that differs, e.g. ``"torch: checkpoint 2.15.0, now
+        2.13.0+cpu"``; empty when they agree.
+    """
+    now = running_versions() if running is None else running
+    differences = []
+    for library in _FORMAT_LIBRARIES:
+        if library not in now:
+            continue
+        theirs = written.get(library)
+        if theirs is None:
+            differences.append(f"{library}: not recorded by the checkpoint, now "
+                               f"{now[library]}")
+        elif theirs.split("+")[0] != now[library].split("+")[0]:
+            differences.append(f"{library}: checkpoint {theirs}, now {now[library]}")
+    return differences
 
 
 class Manifest(BaseModel):
@@ -249,7 +288,10 @@ class Manifest(BaseModel):
         extras: JSON user data (e.g. a wandb run id).
         state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
         fingerprint: Configuration fingerprint compared on restore.
-        versions: Library, torch and python versions of the writer.
+        versions: Library, torch and python versions of the writer
+            (``{"resumekit": ..., "python": ..., "torch": ...}``; torch is absent when
+            the writer had not imported it). Empty in a manifest that records none: a
+            parsed manifest never takes the reader's versions for the writer's.
         tensor_format: How ``tensors/`` was written: ``"raw"`` (resumekit's raw tensor
             files) or ``"dcp"`` (DCP's own format); ``None`` when the checkpoint has no
             tensors or was written before this field existed. Readers detect the format
@@ -271,7 +313,7 @@ class Manifest(BaseModel):
     extras: dict[str, JsonValue] = Field(default_factory=dict)
     state: dict[str, JsonValue] = Field(default_factory=dict)
     fingerprint: dict[str, Any] = Field(default_factory=dict)
-    versions: dict[str, str] = Field(default_factory=_versions)
+    versions: dict[str, str] = Field(default_factory=running_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
 
     @field_validator("data_dir")
@@ -350,6 +392,9 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
             f"({SCHEMA_VERSION}); upgrade resumekit to read it",
             path=source, schema_version=version,
         )
+    # Defaults to the running process's versions in a manifest built here (a save);
+    # one read from disk that records none must not claim to be this process's.
+    document.setdefault("versions", {})
     files = document.get("files")
     listed = [entry.get("path") for entry in files if isinstance(entry, dict)] \
         if isinstance(files, list) else []

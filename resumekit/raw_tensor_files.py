@@ -101,7 +101,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError, StorageError
+from resumekit.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+    UnreadableFormatError,
+)
 from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, checksum_chunks, hex_digest
 from resumekit.retry import read_with_retry
@@ -237,7 +242,7 @@ class _Descriptor:
                 raise ValueError(f"unknown checksum {algorithm!r}")
             blocks = tuple(digests.split(",")) if digests else ()
         except (ValueError, AttributeError) as error:
-            raise CorruptCheckpointError(
+            raise UnreadableFormatError(
                 f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
                 path=where, file=where,
             ) from None
@@ -263,7 +268,7 @@ class _Descriptor:
             if algorithm != CHECKSUM_ALGORITHM or not digest:
                 raise ValueError(f"unknown checksum {algorithm!r}")
         except ValueError as error:
-            raise CorruptCheckpointError(
+            raise UnreadableFormatError(
                 f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
                 path=where, file=where,
             ) from None
@@ -282,7 +287,7 @@ class _Descriptor:
             if not sidecar or "/" in sidecar or sidecar.startswith("."):
                 raise ValueError(f"checksum file {sidecar!r}")
         except ValueError as error:
-            raise CorruptCheckpointError(
+            raise UnreadableFormatError(
                 f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
                 path=where, file=where,
             ) from None
@@ -413,7 +418,7 @@ def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[
     """Parse a checksum file: ``{(data file, offset): (length, hex)}``.
 
     Raises:
-        CorruptCheckpointError: Not a checksum file of a known format (naming it).
+        UnreadableFormatError: Not a checksum file of a known format (naming it).
     """
     try:
         body = json.loads(data)
@@ -428,7 +433,7 @@ def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[
                     raise ValueError(f"bad entry {[offset, length, digest]!r}")
                 parsed[(str(name), offset)] = (length, digest)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CorruptCheckpointError(
+        raise UnreadableFormatError(
             f"{where}: unreadable checksum file ({error})", path=where, file=where,
         ) from None
     return parsed

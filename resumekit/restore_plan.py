@@ -12,7 +12,8 @@ through :func:`resumekit.commit.set_aside`, warns and logs):
 3. refuse what must never be restored past: :func:`refuse_broken_newest` (with
    ``fallback=False``), :func:`refuse_newer_schema` (a newer resumekit's checkpoint);
 4. load the newest candidate; :func:`judge_failure` says whether a failed one may be
-   fallen back from, and whether it is set aside;
+   fallen back from, and whether it is set aside (never one that another torch or
+   resumekit version wrote and this one cannot read: :func:`refuse_version_skew`);
 5. :func:`leftovers`: every entry newer than the step restored that is not usable, and
    every newer foreign checkpoint, is warned about (broken ones set aside); older ones
    are logged;
@@ -25,7 +26,7 @@ Nothing here runs a collective or touches torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,13 +50,16 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignCheckpointError,
+    IncompatibleVersionError,
     IncompleteCheckpointError,
     ManifestError,
     ResumekitError,
+    UnreadableFormatError,
+    UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
 from resumekit.layout import GENERATIONS_DIR, NameFormat
-from resumekit.manifest import WriterGeneration
+from resumekit.manifest import WriterGeneration, running_versions, version_skew
 from resumekit.storage import Storage
 
 __all__ = [
@@ -72,6 +76,7 @@ __all__ = [
     "new_root_for",
     "refuse_broken_newest",
     "refuse_newer_schema",
+    "refuse_version_skew",
     "survey",
     "survey_below",
 ]
@@ -272,23 +277,28 @@ def _deleted(entry: CheckpointEntry, error: BaseException) -> str:
 
 
 def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
-                  may_fall_back: bool) -> Unusable:
+                  may_fall_back: bool, running: Mapping[str, str] | None = None
+                  ) -> Unusable:
     """Decide what a committed checkpoint that failed to restore means.
 
     Restore may fall back to the previous checkpoint only when the step is free again:
     the entry was deleted while it was read (another job's retention), or it failed a
-    checksum or a size (it is then set aside). Anything else (a storage failure that
-    outlived its retries, unsafe content) is raised: falling back past a checkpoint that
-    stays committed would only collide with it on the next save.
+    checksum or a size, or its files could not be interpreted by the versions that wrote
+    them (it is then set aside). Anything else (a storage failure that outlived its
+    retries, unsafe content, files another torch or resumekit version wrote:
+    :func:`refuse_version_skew`) is raised: falling back past a checkpoint that stays
+    committed would only collide with it on the next save.
 
     Args:
         entry: The checkpoint.
         error: Why loading it failed.
         gone: Its manifest no longer exists.
         may_fall_back: ``fallback`` is on and no explicit step was asked for.
+        running: This process's library versions (default: read from it).
 
     Raises:
         CheckpointNotFoundError: It was deleted and restore may not fall back.
+        IncompatibleVersionError: See :func:`refuse_version_skew`.
         ResumekitError: ``error`` itself (a bare ``FileNotFoundError`` as an
             :class:`~resumekit.errors.IncompleteCheckpointError` naming the file), when
             restore may not fall back past it.
@@ -298,6 +308,7 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
             raise CheckpointNotFoundError(_deleted(entry, error), path=entry.path,
                                           step=entry.step) from error
         return Unusable(entry, error, deleted=True)
+    refuse_version_skew(entry, error, running=running)
     if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
         error = IncompleteCheckpointError(
             f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
@@ -306,6 +317,56 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
             not may_fall_back:
         raise error
     return Unusable(entry, error, deleted=False)
+
+
+def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
+                        running: Mapping[str, str] | None = None) -> None:
+    """Never set aside, as if damaged, a checkpoint another torch or resumekit wrote.
+
+    A failure to interpret a checkpoint's files
+    (:class:`~resumekit.errors.UnreadableFormatError`: a ``.metadata`` pickle whose
+    objects do not build, a storage descriptor or checksum file of an unknown format,
+    DCP's reading failing; or a torch global the metadata names that this torch does not
+    allow) can be a format this process's torch or resumekit does not know. When the
+    versions the checkpoint records differ from this process's
+    (:func:`resumekit.manifest.version_skew`), or it records none, restore stops here:
+    setting it aside would hide it from the version that can read it, and the run would
+    then resume from an older step or step 0.
+
+    Raises:
+        IncompatibleVersionError: Such a failure, and the versions differ or are unknown;
+            the message names the checkpoint, both torch versions and what to do.
+    """
+    refused = getattr(error, "refused", None) if isinstance(error, UnsafeCheckpointError) \
+        else None
+    if not (isinstance(error, UnreadableFormatError)
+            or (isinstance(refused, str) and refused.startswith("torch."))):
+        return
+    written = {} if entry.manifest is None else dict(entry.manifest.versions)
+    now = running_versions() if running is None else dict(running)
+    differences = version_skew(written, now)
+    if not differences:
+        return
+    writer = written.get("torch")
+    if writer is None:
+        who = (f"its manifest does not record which torch wrote it, so it may be another "
+               f"version than this torch {now.get('torch', '?')}")
+        then = ("restore it with the torch that wrote it, or move it out of the root (to "
+                "resume from an older checkpoint, or start fresh without it)")
+    else:
+        who = (f"it was written by torch {writer} (resumekit "
+               f"{written.get('resumekit', '?')}) and this process runs torch "
+               f"{now.get('torch', '?')} (resumekit {now.get('resumekit', '?')})")
+        then = (f"install torch {writer.split('+')[0]} to restore it (or to export its "
+                "weights: resumekit export writes safetensors any torch reads), or move it "
+                "out of the root to resume from an older checkpoint without it")
+    raise IncompatibleVersionError(
+        f"{entry.path} (step {entry.step}) cannot be read by this process: {error}. "
+        f"Not treating it as damaged: {who}. It is kept as it is (nothing was set "
+        f"aside) and restore stops here: {then}",
+        path=entry.path, step=entry.step, written_by=written, running=now,
+        differences=differences,
+    ) from error
 
 
 @dataclass(frozen=True)

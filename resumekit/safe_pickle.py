@@ -21,7 +21,11 @@ from typing import IO, Any
 
 import torch
 
-from resumekit.errors import CorruptCheckpointError, UnsafeCheckpointError
+from resumekit.errors import (
+    CorruptCheckpointError,
+    UnreadableFormatError,
+    UnsafeCheckpointError,
+)
 
 __all__ = [
     "DCP_METADATA_GLOBALS",
@@ -135,6 +139,8 @@ def restricted_loads(
 
     Raises:
         UnsafeCheckpointError: The pickle references a global that is not allowed.
+        UnreadableFormatError: A well-formed pickle whose objects do not build here (a
+            field, class or constructor signature of another torch version).
         CorruptCheckpointError: The bytes are not a valid pickle of allowed objects.
     """
     stream: IO[bytes] = io.BytesIO(data) if isinstance(data, bytes) else data
@@ -142,9 +148,16 @@ def restricted_loads(
         value = RestrictedUnpickler(stream, allowed=allowed, source=source).load()
     except UnsafeCheckpointError:
         raise
-    except Exception as error:  # any malformed pickle: truncated, bad opcode, bad state
+    except (pickle.UnpicklingError, EOFError) as error:  # truncated, bad opcode
         raise CorruptCheckpointError(
             f"{source}: not a readable pickle ({type(error).__name__}: {error})",
+            path=source,
+            file=source,
+        ) from error
+    except Exception as error:  # an object's constructor or __setstate__ refused its state
+        raise UnreadableFormatError(
+            f"{source}: a pickle whose objects do not build here "
+            f"({type(error).__name__}: {error})",
             path=source,
             file=source,
         ) from error

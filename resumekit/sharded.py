@@ -98,6 +98,7 @@ from resumekit.errors import (
     IncompleteCheckpointError,
     ResumekitError,
     StorageError,
+    UnreadableFormatError,
     UnsafeCheckpointError,
 )
 from resumekit.layout import DCP_METADATA_FILE
@@ -2337,7 +2338,9 @@ def _load_error(
             path=target,
             operation="load",
         )
-    return CorruptCheckpointError(
+    # Not a checksum (those raise our own errors): DCP's reading failed on what it was
+    # given, which is damage or what another torch version wrote.
+    return UnreadableFormatError(
         f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",
         path=target,
         file=None,

@@ -41,6 +41,7 @@ from resumekit.errors import (
     ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    UnreadableFormatError,
 )
 from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
 from resumekit.manifest import Manifest
@@ -138,11 +139,16 @@ def _surely_safe(value: Any, *, depth: int) -> bool:
 
 
 def load_plain(data: bytes, *, source: str) -> Any:
-    """Read data written by :func:`dump_plain` without executing code from it."""
+    """Read data written by :func:`dump_plain` without executing code from it.
+
+    Raises:
+        UnreadableFormatError: ``torch.load`` refused or failed on it (damage, or what
+            another torch version wrote: restore tells them apart by the versions).
+    """
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as error:
-        raise CorruptCheckpointError(
+        raise UnreadableFormatError(
             f"{source} cannot be read safely: {error}", path=source, file=source
         ) from error
 

@@ -1,12 +1,12 @@
 """``resumekit inspect``: what a checkpoint root, or one checkpoint, holds.
 
 On a root: one row per checkpoint (committed, partial, corrupt, legacy, foreign) with
-size, world size, time, reason and lineage; the checkpoint the next run resumes from; and
-the requeue chain (which job and restart wrote which steps). On one checkpoint: its
-manifest, the state it holds, its files and, with ``--tensors``, every tensor from the
-metadata alone. Another tool's checkpoint (``foreign``, with its format) is never taken
-for an empty root: a root holding only such entries, or a directory that is one, exits 1
-with the ``resumekit import`` command that converts it.
+size, world size, time, reason, lineage and the torch that wrote it; the checkpoint the
+next run resumes from; and the requeue chain (which job and restart wrote which steps).
+On one checkpoint: its manifest, the state it holds, its files and, with ``--tensors``,
+every tensor from the metadata alone. Another tool's checkpoint (``foreign``, with its
+format) is never taken for an empty root: a root holding only such entries, or a
+directory that is one, exits 1 with the ``resumekit import`` command that converts it.
 """
 
 from __future__ import annotations
@@ -121,6 +121,11 @@ def entry_json(
         "created_at": None if manifest is None else manifest.created_at.isoformat(),
         "reason": None if manifest is None else manifest.reason.value,
         "lineage": _lineage_json(None if manifest is None else manifest.lineage),
+        # The writer's versions (restore refuses a format another version wrote that
+        # this one cannot read); None where the manifest records none.
+        "torch_version": None if manifest is None else manifest.versions.get("torch"),
+        "resumekit_version": None if manifest is None
+        else manifest.versions.get("resumekit"),
         "problem": entry.problem,
         "resume_from": resume is not None and entry.name == resume.name,
         "seconds_since_previous": since_previous,
@@ -294,7 +299,7 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
         out.print("No checkpoints: the next run starts fresh.")
         return
     grid = table("", "step", "status", "size", "world", "created (UTC)", "reason",
-                 "slurm job", "restart", "resumed from", "since prev", "note")
+                 "slurm job", "restart", "resumed from", "since prev", "torch", "note")
     for row in rows:
         lineage = row["lineage"] or {}
         created = row["created_at"]
@@ -310,6 +315,7 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
             or_dash(lineage.get("slurm_restart_count")),
             or_dash(lineage.get("resumed_from_step")),
             format_seconds(row["seconds_since_previous"]),
+            or_dash(row["torch_version"]),
             row["problem"] or "",
         )
     out.print(grid)
@@ -543,7 +549,8 @@ def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
                       f"{or_dash(lineage.slurm_restart_count)}, resumed from step "
                       f"{or_dash(lineage.resumed_from_step)}, launcher "
                       f"{or_dash(lineage.launcher)}")
-        facts.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items()))
+        facts.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items())
+                      or "- (not recorded)")
         facts.add_row("schema", str(manifest.schema_version))
         if manifest.data_dir != ".":
             facts.add_row("data dir", manifest.data_dir)

@@ -14,12 +14,16 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignCheckpointError,
+    IncompatibleVersionError,
     IncompleteCheckpointError,
     ManifestError,
     StorageError,
+    UnreadableFormatError,
+    UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
 from resumekit.layout import NameFormat
+from resumekit.manifest import Manifest
 from resumekit.storage import Storage
 
 FORMAT = NameFormat("step_{step:09d}")
@@ -180,3 +184,33 @@ def test_a_broken_step_directory_is_set_aside_under_a_hidden_name_and_its_step_f
     assert after.defect == "set-aside"  # hidden: step 5 can be saved again
     again, why_not = set_aside(storage, FORMAT, entry)  # gone now: the reason comes back
     assert again is None and why_not is not None and "renaming it failed" in why_not
+
+
+def test_an_unreadable_checkpoint_of_other_versions_is_refused_not_fallen_back_from() -> None:
+    here = {"torch": "2.13.0+cpu", "resumekit": "0.1.0"}
+    newer = CheckpointEntry(7, FORMAT.build(7), "/root/step_000000007", "committed",
+                            manifest=Manifest(step=7, versions={"torch": "2.15.0+cu132",
+                                                                "resumekit": "0.1.0"}))
+    unreadable = UnreadableFormatError("/root/step_000000007/tensors/.metadata: a pickle "
+                                       "whose objects do not build here")
+    for may_fall_back in (True, False):
+        with pytest.raises(IncompatibleVersionError, match=r"step_000000007 \(step 7\) .*"
+                           r"written by torch 2\.15\.0\+cu132 .* runs torch 2\.13\.0\+cpu"
+                           ) as refused:
+            restore_plan.judge_failure(newer, unreadable, gone=False,
+                                       may_fall_back=may_fall_back, running=here)
+        assert refused.value.differences == ["torch: checkpoint 2.15.0+cu132, now 2.13.0+cpu"]
+    refused_global = UnsafeCheckpointError(
+        "refused to unpickle global torch.distributed.checkpoint.metadata.New",
+        refused="torch.distributed.checkpoint.metadata.New")
+    with pytest.raises(IncompatibleVersionError):
+        restore_plan.judge_failure(newer, refused_global, gone=False, may_fall_back=True,
+                                   running=here)
+    corrupt = CorruptCheckpointError("checksum of train_state.pt differs")  # damage: as ever
+    assert not restore_plan.judge_failure(newer, corrupt, gone=False, may_fall_back=True,
+                                          running=here).deleted
+    same = CheckpointEntry(7, FORMAT.build(7), "/root/step_000000007", "committed",
+                           manifest=Manifest(step=7, versions={"torch": "2.13.0",
+                                                               "resumekit": "0.1.0"}))
+    assert restore_plan.judge_failure(same, unreadable, gone=False, may_fall_back=True,
+                                      running=here).error is unreadable
