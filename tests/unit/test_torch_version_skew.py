@@ -8,20 +8,15 @@ torch 2.15.0's DCP pickles a sixth value in ``TensorProperties`` (``strides``); 
 refused, restore set the checkpoint aside as corrupt (``.step_000000003.bad-<id>``), and
 the run, back on 2.15.0, started from step 0.
 
-With ``RESUMEKIT_OTHER_TORCH_PYTHON`` naming the python of an environment with a torch
-whose checkpoints this one cannot read (2.15.0 for 2.14 and older; with resumekit's
-dependencies, not resumekit: it runs from this checkout), the last test writes the
-checkpoint there, is refused here, and resumes from it there.
+The same round trip with the other torch really installed (written there, refused here,
+resumed there) is ``tests/fixtures/torch_skew/cross_version_check.py``: it needs a second
+environment, so it is a release step, not part of the suite (which must skip nothing).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -46,7 +41,6 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "torch_skew" / "root-2.15.0"
 STEP = "step_000000003"
 WRITER_TORCH = "2.15.0+cu132"
-OTHER_PYTHON = os.environ.get("RESUMEKIT_OTHER_TORCH_PYTHON")
 
 pytestmark = pytest.mark.skipif(
     torch.__version__.startswith("2.15."),
@@ -223,42 +217,3 @@ def test_inspect_shows_the_torch_and_resumekit_that_wrote_each_checkpoint(
     assert document["checkpoints"][0]["torch_version"] == WRITER_TORCH
     code, out, _ = run_cli(capsys, "inspect", str(FIXTURE / STEP))
     assert code == 0 and f"torch {WRITER_TORCH}" in out
-
-
-def _other(*argv: str) -> str:
-    assert OTHER_PYTHON is not None
-    done = subprocess.run([OTHER_PYTHON, *argv], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
-
-_RESTORE = """
-import sys, torch
-from torch import nn
-from resumekit import CheckpointManager
-model = nn.Linear(2, 2)
-manager = CheckpointManager(sys.argv[1], model=model, optimizer=torch.optim.SGD(
-    model.parameters(), lr=0.1), config={"fixture": "torch_skew"}, retention=None)
-print(torch.__version__, manager.restore())
-manager.close()
-"""
-
-
-@pytest.mark.skipif(OTHER_PYTHON is None, reason="RESUMEKIT_OTHER_TORCH_PYTHON not set")
-def test_across_two_installed_torches_the_reader_refuses_and_the_writer_resumes(
-        tmp_path: Path) -> None:
-    root = tmp_path / "run"
-    _other(str(REPO / "tests" / "fixtures" / "torch_skew" / "make_fixture.py"), str(root))
-    writer = json.loads((root / STEP / "manifest.json").read_text())["versions"]["torch"]
-    assert writer.split("+")[0] != torch.__version__.split("+")[0]
-    before = _tree(root)
-    manager = _manager(root)
-    with pytest.raises(IncompatibleVersionError, match=re.escape(f"written by torch {writer}")):
-        manager.restore()
-    manager.close()
-    assert _tree(root) == before
-    assert _other("-c", _RESTORE, str(root)).split() == [writer, "3"]
-    print(f"written and resumed by torch {writer}, refused by {torch.__version__}",
-          file=sys.stderr)
