@@ -137,9 +137,11 @@ def _committed(root: Path) -> dict[int, Any]:
             if e.status == "committed"}
 
 
-@pytest.mark.parametrize("same_plugin", [True, False], ids=["same-plugin", "new-plugin"])
+@pytest.mark.parametrize(("same_plugin", "ckpt_path"), [(True, None), (False, None),
+                                                       (False, "last")],
+                         ids=["same-plugin", "new-plugin", "new-plugin-last"])
 def test_a_run_that_starts_over_on_a_root_with_checkpoints_is_refused_and_replaces_nothing(
-    tmp_path: Path, same_plugin: bool
+    tmp_path: Path, same_plugin: bool, ckpt_path: str | None
 ) -> None:
     root = tmp_path / "root"
     first_io = ResumekitCheckpointIO(root)
@@ -150,7 +152,7 @@ def test_a_run_that_starts_over_on_a_root_with_checkpoints_is_refused_and_replac
     again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
     io = first_io if same_plugin else ResumekitCheckpointIO(root)
     with pytest.raises(StepCollisionError) as refused:
-        _trainer(tmp_path, 12, [again], [io]).fit(Module(), _data())  # ckpt_path=None
+        _trainer(tmp_path, 12, [again], [io]).fit(Module(), _data(), ckpt_path=ckpt_path)
     message = str(refused.value)
     assert f"cannot save step 4 under {root}" in message
     assert "earlier run, the newest step 4" in message
@@ -241,3 +243,22 @@ def test_keep_best_ranks_lightning_checkpoints_by_the_score_model_checkpoint_rec
     report = prune(Storage(root), keep_best(2, metric="score") | keep_last(1))
     assert report.deleted == [1, 2, 3]  # of the equal scores of 3 and 5, 5 is newer
     assert list(_committed(root)) == [4, 5, 6]
+
+
+def test_a_file_model_checkpoint_removes_is_kept_with_a_warning_while_another_name_holds_it(
+    tmp_path: Path
+) -> None:
+    io = ResumekitCheckpointIO(tmp_path / "root", retention=None)
+
+    def states(best_of_a: int) -> dict[str, Any]:
+        return {"A": {"best_k_models": {f"/a/epoch=0-step={best_of_a}.ckpt": 1.0},
+                      "best_model_path": f"/a/epoch=0-step={best_of_a}.ckpt"},
+                "B": {"best_k_models": {"/b/b-step=3.ckpt": 0.5},
+                      "best_model_path": "/b/b-step=3.ckpt"}}
+
+    io.save_checkpoint({"global_step": 3, "callbacks": states(3)}, "/a/epoch=0-step=3.ckpt")
+    io.save_checkpoint({"global_step": 5, "callbacks": states(5)}, "/a/epoch=0-step=5.ckpt")
+    with pytest.warns(ResumekitWarning, match=r"\(step 3\) as epoch=0-step=3.ckpt; it is kept: "
+                                              r"the trainer still names it \(.*b-step=3.ckpt"):
+        io.remove_checkpoint("/a/epoch=0-step=3.ckpt")
+    assert list(_committed(tmp_path / "root")) == [3, 5]
