@@ -188,7 +188,8 @@ class ResumekitCheckpointIO(CheckpointIO):
         logger.info("resumekit: committed Lightning checkpoint %s as step %d under %s",
                     name, step, self.storage.path())
         if self.retention is not None:
-            named = self._steps_named(self._named, self._committed())
+            # ``committed`` was listed before this save: its own name stands for ``step``.
+            named = self._steps_named(self._named - {name}, committed)
             prune(self.storage, self.retention, name_format=self.name_format,
                   protect=named | {step})
 
