@@ -153,9 +153,9 @@ class ResumekitCheckpointIO(CheckpointIO):
                             "not in save_checkpoint")
         step = int(checkpoint.get("global_step", 0))
         name = os.path.basename(os.fspath(path))
-        data = dump_plain(checkpoint, what=f"Lightning checkpoint {name} (step {step})")
         committed = self._committed()
         self._refuse_an_earlier_runs_step(step, committed)
+        data = dump_plain(checkpoint, what=f"Lightning checkpoint {name} (step {step})")
         replaced = next((e for e in committed if e.step == step), None)
         protocol = self._protocol
         pending = protocol.begin(step, replace=replaced is not None)

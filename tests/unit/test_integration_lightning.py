@@ -262,3 +262,15 @@ def test_a_file_model_checkpoint_removes_is_kept_with_a_warning_while_another_na
                                               r"the trainer still names it \(.*b-step=3.ckpt"):
         io.remove_checkpoint("/a/epoch=0-step=3.ckpt")
     assert list(_committed(tmp_path / "root")) == [3, 5]
+
+
+def test_a_score_that_is_not_a_finite_number_is_left_out_of_the_manifest_with_a_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    io = ResumekitCheckpointIO(tmp_path / "root", retention=None)
+    state = {"monitor": "val_loss", "best_k_models": {"/a/epoch=0-step=2.ckpt": float("nan")}}
+    with caplog.at_level("WARNING", logger="resumekit"):
+        io.save_checkpoint({"global_step": 2, "callbacks": {"A": state}},
+                           "/a/epoch=0-step=2.ckpt")
+    assert "val_loss of step 2 is nan: not recorded in its manifest" in caplog.text
+    assert _committed(tmp_path / "root")[2].metrics == {}
