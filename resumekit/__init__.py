@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from resumekit.retention import (
         RetentionPolicy,
         keep_all,
+        keep_best,
         keep_every,
         keep_last,
         keep_steps,
@@ -146,6 +147,7 @@ _EXPORTS: dict[str, str] = {
     "import_checkpoint": "resumekit.importers",
     "init_distributed": "resumekit.distributed",
     "keep_all": "resumekit.retention",
+    "keep_best": "resumekit.retention",
     "keep_every": "resumekit.retention",
     "keep_last": "resumekit.retention",
     "keep_steps": "resumekit.retention",
@@ -207,6 +209,7 @@ __all__ = [
     "import_checkpoint",
     "init_distributed",
     "keep_all",
+    "keep_best",
     "keep_every",
     "keep_last",
     "keep_steps",

@@ -71,6 +71,7 @@ from resumekit.export import NOT_MODEL_KEYS
 from resumekit.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
+    LIGHTNING_CHECKPOINT_FILE,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
@@ -128,6 +129,10 @@ class _Source:
     scheduler: dict[str, Any] | None = None
     step: int | None = None
     not_carried: list[str] = field(default_factory=list)
+    lightning: dict[str, Any] | None = None
+    """A Lightning ``.ckpt``'s dict without its weights and optimizer states: kept as
+    ``lightning.ckpt`` so that ``ResumekitCheckpointIO`` resumes the run (loops,
+    callbacks) where Lightning left it."""
 
 
 # --------------------------------------------------------------------------- entry point
@@ -283,7 +288,9 @@ def _write(storage: Storage, name_format: NameFormat, source: _Source, step: int
         extras=json.loads(json.dumps(dict(extras or {}))),
         state={"model": True, "optimizer": source.optimizer is not None,
                "scheduler": source.scheduler is not None, "data": False,
-               "generators": [], "micro_step": 0},
+               "generators": [], "micro_step": 0,
+               **({"lightning_file": LIGHTNING_CHECKPOINT_FILE}
+                  if source.lightning is not None else {})},
         fingerprint={"config": json.loads(json.dumps(dict(config or {}))), "params": params},
     )
     protocol = CommitProtocol(storage, name_format)
@@ -293,6 +300,9 @@ def _write(storage: Storage, name_format: NameFormat, source: _Source, step: int
                                storage_options=storage.storage_options or None)
         storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", train)
         storage.write_bytes(f"{pending.staging}/{rank_state_file(0)}", ranks)
+        if source.lightning is not None:
+            storage.write_bytes(f"{pending.staging}/{LIGHTNING_CHECKPOINT_FILE}", dump_plain(
+                source.lightning, what=f"Lightning trainer state of imported step {step}"))
         described = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
                                checksum=file.checksum) for file in written]
         protocol.publish(pending, manifest, described=described)
@@ -613,9 +623,12 @@ def _from_lightning(storage: Storage, name: str, model: nn.Module | None) -> _So
                                where=where) if optimizers else None
     step = checkpoint.get("global_step")
     not_carried = ["epoch and batch position (loops: the epoch's data restarts)",
-                   "callbacks' state"]
+                   "callbacks' state (both kept in lightning.ckpt for a resume through "
+                   "resumekit.integrations.lightning.ResumekitCheckpointIO)"]
+    rest = {key: value for key, value in checkpoint.items() if key not in
+            ("state_dict", "optimizer_states")}
     return _Source(weights, optimizer, schedulers[0] if schedulers else None,
-                   int(step) if isinstance(step, int) else None, not_carried)
+                   int(step) if isinstance(step, int) else None, not_carried, rest)
 
 
 def _from_hf_trainer(storage: Storage, name: str, model: nn.Module | None) -> _Source:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import platform
 import socket
@@ -286,6 +287,10 @@ class Manifest(BaseModel):
         generation: The writer generation that committed it (None in manifests written
             before generations existed).
         extras: JSON user data (e.g. a wandb run id).
+        metrics: Finite numbers the trainer recorded for this checkpoint at save time,
+            by name (e.g. ``{"val_loss": 0.31}``); what
+            :func:`~resumekit.retention.keep_best` ranks by. Empty in manifests written
+            before resumekit recorded them.
         state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
         fingerprint: Configuration fingerprint compared on restore.
         versions: Library, torch and python versions of the writer
@@ -311,6 +316,7 @@ class Manifest(BaseModel):
     lineage: Lineage = Field(default_factory=Lineage.current)
     generation: WriterGeneration | None = None
     extras: dict[str, JsonValue] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict)
     state: dict[str, JsonValue] = Field(default_factory=dict)
     fingerprint: dict[str, Any] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=running_versions)
@@ -320,6 +326,15 @@ class Manifest(BaseModel):
     @classmethod
     def _data_dir_stays_inside(cls, value: str) -> str:
         return value if value == "." else safe_relative_path(value)
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_are_finite(cls, value: dict[str, float]) -> dict[str, float]:
+        """NaN and infinities have no JSON form: refused before anything is written."""
+        for name, number in value.items():
+            if not math.isfinite(number):
+                raise ValueError(f"metric {name!r} is {number}, not a finite number")
+        return value
 
     @field_validator("fingerprint")
     @classmethod

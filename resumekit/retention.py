@@ -4,7 +4,9 @@
     >>> sorted(policy.keep([500, 1000, 1500, 2000, 2500]))
     [1000, 2000, 2500]
 
-``a | b`` keeps what either keeps; ``a & b`` keeps what both keep. :func:`prune` applies a
+``a | b`` keeps what either keeps; ``a & b`` keeps what both keep. :func:`keep_best` ranks
+checkpoints by a metric recorded in their manifests at save time (``Manifest.metrics``).
+:func:`prune` applies a
 policy after a publish and never deletes the newest committed checkpoint, the one the run
 resumed from (``protect``), or anything being written. It also sweeps staging directories
 abandoned by dead writers. Entries that vanish under it are skipped with a note; a
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -44,6 +47,7 @@ __all__ = [
     "RetentionPolicy",
     "RollingSweep",
     "keep_all",
+    "keep_best",
     "keep_every",
     "keep_last",
     "keep_steps",
@@ -53,25 +57,55 @@ __all__ = [
 logger = logging.getLogger("resumekit")
 
 
+Scores = Mapping[int, Mapping[str, float]]
+"""Metrics recorded per committed step (``Manifest.metrics``), as policies read them."""
+
+_NO_SCORES: Scores = {}
+
+
 class RetentionPolicy:
-    """A rule choosing, from the committed steps, those to keep."""
+    """A rule choosing, from the committed steps, those to keep.
+
+    Args:
+        select: Given the committed steps in ascending order, the steps to keep.
+        description: How the policy prints.
+    """
 
     def __init__(self, select: Callable[[Sequence[int]], set[int]], description: str) -> None:
-        self._select = select
+        self._select: Callable[[Sequence[int], Scores], set[int]] = (
+            lambda steps, _scores: select(steps))
         self.description = description
+        self.metrics: frozenset[str] = frozenset()
+        """Names of the metrics the policy reads (empty: it decides on steps alone)."""
 
-    def keep(self, steps: Iterable[int]) -> set[int]:
-        """Return the subset of ``steps`` this policy keeps."""
+    @classmethod
+    def _ranked(cls, select: Callable[[Sequence[int], Scores], set[int]], description: str,
+                metrics: frozenset[str]) -> RetentionPolicy:
+        policy = cls(set, description)
+        policy._select = select
+        policy.metrics = metrics
+        return policy
+
+    def keep(self, steps: Iterable[int], scores: Scores | None = None) -> set[int]:
+        """Return the subset of ``steps`` this policy keeps.
+
+        Args:
+            steps: Committed steps.
+            scores: Metrics recorded per step (read by :func:`keep_best`); a step missing
+                here has none.
+        """
         ordered = sorted(set(steps))
-        return self._select(ordered) & set(ordered)
+        return self._select(ordered, scores or _NO_SCORES) & set(ordered)
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
-        return RetentionPolicy(lambda s: self._select(s) | other._select(s),
-                               f"({self.description} | {other.description})")
+        return RetentionPolicy._ranked(
+            lambda s, m: self._select(s, m) | other._select(s, m),
+            f"({self.description} | {other.description})", self.metrics | other.metrics)
 
     def __and__(self, other: RetentionPolicy) -> RetentionPolicy:
-        return RetentionPolicy(lambda s: self._select(s) & other._select(s),
-                               f"({self.description} & {other.description})")
+        return RetentionPolicy._ranked(
+            lambda s, m: self._select(s, m) & other._select(s, m),
+            f"({self.description} & {other.description})", self.metrics | other.metrics)
 
     def __repr__(self) -> str:
         return self.description
@@ -98,6 +132,40 @@ def keep_steps(*steps: int) -> RetentionPolicy:
     """Keep exactly the listed steps (when present)."""
     wanted = frozenset(steps)
     return RetentionPolicy(lambda have: set(have) & wanted, f"keep_steps{tuple(sorted(wanted))}")
+
+
+def keep_best(count: int, *, metric: str, mode: Literal["min", "max"] = "min"
+              ) -> RetentionPolicy:
+    """Keep the ``count`` checkpoints with the best ``metric`` (lowest for ``"min"``).
+
+    The metric is the one recorded in each checkpoint's manifest at save time
+    (``Manifest.metrics``; the Lightning integration records the score ``ModelCheckpoint``
+    gave the checkpoint under its ``monitor`` name). Checkpoints without it (saved before
+    it was logged, or by a writer that records none) are not ranked, so this policy alone
+    does not keep them: combine it with :func:`keep_last` or :func:`keep_every` for those.
+    Of equal scores the newer step ranks first.
+
+    Raises:
+        ConfigurationError: ``count`` below 1, an empty ``metric`` or an unknown ``mode``.
+    """
+    if count < 1:
+        raise ConfigurationError(f"keep_best needs count >= 1, got {count}", name="count",
+                                 value=count)
+    if not metric:
+        raise ConfigurationError("keep_best needs a metric name", name="metric", value=metric)
+    if mode not in ("min", "max"):
+        raise ConfigurationError(f"keep_best mode must be 'min' or 'max', got {mode!r}",
+                                 name="mode", value=mode)
+    sign = 1.0 if mode == "min" else -1.0
+
+    def best(steps: Sequence[int], scores: Scores) -> set[int]:
+        ranked = [(sign * float(scores[step][metric]), -step) for step in steps
+                  if metric in scores.get(step, {})
+                  and not math.isnan(float(scores[step][metric]))]
+        return {-negated for _, negated in sorted(ranked)[:count]}
+
+    return RetentionPolicy._ranked(best, f"keep_best({count}, metric={metric!r}, "
+                                         f"mode={mode!r})", frozenset({metric}))
 
 
 def keep_all() -> RetentionPolicy:
@@ -254,7 +322,8 @@ def prune(
             recover_interrupted(storage, name_format)
         entries = _listing(storage, name_format, report)
         committed = [e.step for e in entries if e.status == "committed"]
-        keep = policy.keep(committed) | set(protect) | set(committed[-1:])
+        keep = (policy.keep(committed, _scores(entries)) | set(protect)
+                | set(committed[-1:]))
         report.kept = [s for s in committed if s in keep]
         doomed = [e for e in entries if e.status == "committed" and e.step not in keep]
     else:
@@ -288,7 +357,9 @@ def _decide_from_names(storage: Storage, policy: RetentionPolicy, name_format: N
     (and always down to the newest committed one), and the policy runs again on what they
     say, the steps below that lowest one counted by name (a rule that keeps a step on
     the steps above it, as every built-in policy does, keeps at least as much that way).
-    Only entries whose committed manifest was read are deleted.
+    Only entries whose committed manifest was read are deleted. A policy ranking by a
+    metric (:func:`keep_best`) keeps nothing on names alone, so the manifests it ranks are
+    all read; a step counted by name has no metric and only makes the others rank higher.
 
     Returns:
         The entries classified (the hidden ones included: the sweep's candidates) and the
@@ -323,10 +394,17 @@ def _decide_once(storage: Storage, policy: RetentionPolicy, name_format: NameFor
     read = {entry.step for entry in classified}
     committed = sorted({e.step for e in classified if e.status == "committed"}
                        | {step for step in named if step not in read})
-    keep = policy.keep(committed) | protect | ({newest} if newest is not None else set())
+    keep = (policy.keep(committed, _scores(classified)) | protect
+            | ({newest} if newest is not None else set()))
     report.kept = [step for step in committed if step in keep]
     doomed = [e for e in classified if e.status == "committed" and e.step not in keep]
     return [*hidden_entries(storage, listing, name_format), *classified], doomed
+
+
+def _scores(entries: Iterable[CheckpointEntry]) -> Scores:
+    """The metrics each committed entry's manifest recorded."""
+    return {entry.step: entry.manifest.metrics for entry in entries
+            if entry.manifest is not None and entry.status == "committed"}
 
 
 def _classify_down_to(storage: Storage, listing: list[tuple[str, bool]],

@@ -15,9 +15,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
 from resumekit.catalog import list_checkpoints, verify_checkpoint
+from resumekit.errors import StepCollisionError
+from resumekit.importers import import_checkpoint
 from resumekit.integrations.lightning import ResumekitCheckpointIO
 from resumekit.manifest import SaveReason
+from resumekit.retention import keep_best, keep_last, prune
 from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
 
 
 class Module(L.LightningModule):
@@ -122,3 +126,151 @@ def test_importing_resumekit_and_its_integrations_package_imports_no_framework()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=120)
     assert done.stdout.strip() == "[]"
+
+
+# -- a run that starts over, a fresh root, an imported .ckpt, what the trainer names ----
+
+
+def _committed(root: Path) -> dict[int, Any]:
+    """Committed step -> its manifest."""
+    return {e.step: e.manifest for e in list_checkpoints(Storage(root))
+            if e.status == "committed"}
+
+
+@pytest.mark.parametrize(("same_plugin", "ckpt_path"), [(True, None), (False, None),
+                                                       (False, "last")],
+                         ids=["same-plugin", "new-plugin", "new-plugin-last"])
+def test_a_run_that_starts_over_on_a_root_with_checkpoints_is_refused_and_replaces_nothing(
+    tmp_path: Path, same_plugin: bool, ckpt_path: str | None
+) -> None:
+    root = tmp_path / "root"
+    first_io = ResumekitCheckpointIO(root)
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _trainer(tmp_path, 12, [every, Interrupt(6)], [first_io]).fit(Module(), _data())
+    before = (root / "step_000000004" / "manifest.json").read_bytes()
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    io = first_io if same_plugin else ResumekitCheckpointIO(root)
+    with pytest.raises(StepCollisionError) as refused:
+        _trainer(tmp_path, 12, [again], [io]).fit(Module(), _data(), ckpt_path=ckpt_path)
+    message = str(refused.value)
+    assert f"cannot save step 4 under {root}" in message
+    assert "earlier run, the newest step 4" in message
+    assert f"ckpt_path={str(root)!r}" in message
+    assert (root / "step_000000004" / "manifest.json").read_bytes() == before
+    assert list(_committed(root)) == [4]
+
+
+def test_fit_with_ckpt_path_the_root_starts_fresh_on_an_empty_root_and_says_so(
+    tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    every = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    with pytest.warns(ResumekitWarning, match=f"no committed checkpoint under {root}: "
+                                              "Lightning starts fresh"):
+        _trainer(tmp_path, 8, [every], [ResumekitCheckpointIO(root)]).fit(
+            Module(), _data(), ckpt_path=root)
+    assert list(_committed(root)) == [4, 8]
+    # The next job of the same command line resumes from step 8.
+    resumed = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4,
+                              save_top_k=-1)
+    trainer = _trainer(tmp_path, 12, [resumed], [ResumekitCheckpointIO(root)])
+    trainer.fit(Module(), _data(), ckpt_path=root)
+    assert list(_committed(root)) == [4, 8, 12]
+    assert _committed(root)[12].lineage.resumed_from_step == 8
+
+
+def test_a_lightning_ckpt_imported_by_resumekit_resumes_on_lightning_as_the_ckpt_would(
+    tmp_path: Path
+) -> None:
+    own = _interrupted_then_resumed(tmp_path / "own", [],
+                                    lambda tmp: tmp / "ckpt" / "epoch=0-step=4.ckpt")
+    root = tmp_path / "root"
+    with pytest.warns(ResumekitWarning, match="imported lightning checkpoint"):
+        import_checkpoint(tmp_path / "own" / "ckpt" / "epoch=0-step=4.ckpt", root)
+    L.seed_everything(0, verbose=False)
+    ours = Module()
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _trainer(tmp_path, 12, [again], [ResumekitCheckpointIO(root)]).fit(
+        ours, _data(), ckpt_path=root)
+    expected = own.state_dict()
+    got = ours.state_dict()
+    assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+    assert list(_committed(root)) == [4, 8, 12]
+
+
+class Scored(Module):
+    """Logs ``score``: ``scores[k]`` at the optimizer step that makes ``global_step`` k+1."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def training_step(self, batch: Any, index: int) -> torch.Tensor:
+        self.log("score", self.scores[self.global_step])
+        return super().training_step(batch, index)
+
+
+def test_retention_never_deletes_the_checkpoint_model_checkpoint_names_as_best(
+    tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    io = ResumekitCheckpointIO(root)  # keep_last(3)
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="score", mode="min",
+                           save_top_k=1, every_n_train_steps=1, save_last=True)
+    _trainer(tmp_path, 6, [best], [io]).fit(Scored([0.0, 5, 4, 3, 2, 1]), _data())
+    assert best.best_model_path.endswith("step=1.ckpt")
+    assert list(_committed(root)) == [1, 4, 5, 6]
+    assert io.load_checkpoint(best.best_model_path)["global_step"] == 1
+    assert io.load_checkpoint(best.last_model_path)["global_step"] == 6
+    # The score ModelCheckpoint gave step 1 survived the save of last.ckpt at step 1.
+    assert _committed(root)[1].metrics == {"score": 0.0}
+
+
+def test_keep_best_ranks_lightning_checkpoints_by_the_score_model_checkpoint_recorded(
+    tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    scored = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="score", mode="min",
+                             save_top_k=-1, every_n_train_steps=1)
+    _trainer(tmp_path, 6, [scored], [ResumekitCheckpointIO(root, retention=None)]).fit(
+        Scored([9.0, 4, 1, 0, 1, 4]), _data())
+    assert {step: m.metrics for step, m in _committed(root).items()} == {
+        1: {"score": 9.0}, 2: {"score": 4.0}, 3: {"score": 1.0}, 4: {"score": 0.0},
+        5: {"score": 1.0}, 6: {"score": 4.0}}
+    report = prune(Storage(root), keep_best(2, metric="score") | keep_last(1))
+    assert report.deleted == [1, 2, 3]  # of the equal scores of 3 and 5, 5 is newer
+    assert list(_committed(root)) == [4, 5, 6]
+
+
+def test_a_file_model_checkpoint_removes_is_kept_with_a_warning_while_another_name_holds_it(
+    tmp_path: Path
+) -> None:
+    io = ResumekitCheckpointIO(tmp_path / "root", retention=None)
+
+    def states(best_of_a: int) -> dict[str, Any]:
+        return {"A": {"best_k_models": {f"/a/epoch=0-step={best_of_a}.ckpt": 1.0},
+                      "best_model_path": f"/a/epoch=0-step={best_of_a}.ckpt"},
+                "B": {"best_k_models": {"/b/b-step=3.ckpt": 0.5},
+                      "best_model_path": "/b/b-step=3.ckpt"}}
+
+    io.save_checkpoint({"global_step": 3, "callbacks": states(3)}, "/a/epoch=0-step=3.ckpt")
+    io.save_checkpoint({"global_step": 5, "callbacks": states(5)}, "/a/epoch=0-step=5.ckpt")
+    with pytest.warns(ResumekitWarning, match=r"\(step 3\) as epoch=0-step=3.ckpt; it is kept: "
+                                              r"the trainer still names it \(.*b-step=3.ckpt"):
+        io.remove_checkpoint("/a/epoch=0-step=3.ckpt")
+    assert list(_committed(tmp_path / "root")) == [3, 5]
+
+
+def test_a_score_that_is_not_a_finite_number_is_left_out_of_the_manifest_with_a_log_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    io = ResumekitCheckpointIO(tmp_path / "root", retention=None)
+    state = {"monitor": "val_loss", "best_k_models": {"/a/epoch=0-step=2.ckpt": float("nan")}}
+    with caplog.at_level("WARNING", logger="resumekit"):
+        io.save_checkpoint({"global_step": 2, "callbacks": {"A": state}},
+                           "/a/epoch=0-step=2.ckpt")
+    assert "val_loss of step 2 is nan: not recorded in its manifest" in caplog.text
+    assert _committed(tmp_path / "root")[2].metrics == {}

@@ -14,8 +14,8 @@ import pytest
 from resumekit.catalog import list_checkpoints, verify_checkpoint
 from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.layout import GENERATIONS_DIR, NameFormat
-from resumekit.manifest import MANIFEST_NAME
-from resumekit.retention import keep_all, keep_every, keep_last, keep_steps, prune
+from resumekit.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resumekit.retention import keep_all, keep_best, keep_every, keep_last, keep_steps, prune
 from resumekit.storage import Storage
 from tests.storage_backends import save_checkpoint
 
@@ -58,8 +58,47 @@ def test_or_keeps_what_either_keeps_and_and_what_both_keep() -> None:
     assert repr(nested) == "((keep_last(1) | keep_steps(500,)) & keep_every(500))"
 
 
+def test_keep_best_keeps_the_best_scored_steps_and_ranks_no_step_without_the_metric() -> None:
+    scores = {500: {"val_loss": 0.5}, 1000: {"val_loss": 0.2}, 1500: {"acc": 0.9},
+              2000: {"val_loss": 0.9}, 2500: {"val_loss": 0.2}, 3000: {"val_loss": 0.4}}
+    assert keep_best(2, metric="val_loss").keep(STEPS, scores) == {1000, 2500}
+    assert keep_best(1, metric="val_loss", mode="max").keep(STEPS, scores) == {2000}
+    assert keep_best(2, metric="val_loss").keep(STEPS) == set()
+    assert (keep_best(1, metric="val_loss") | keep_last(1)).keep(STEPS, scores) == {2500, 3000}
+    combined = keep_best(3, metric="val_loss") & keep_every(1000)
+    assert combined.keep(STEPS, scores) == {1000, 3000}
+    assert combined.metrics == {"val_loss"}
+    assert repr(combined) == "(keep_best(3, metric='val_loss', mode='min') & keep_every(1000))"
+
+
+def test_a_manifest_records_finite_metrics_and_one_without_them_still_parses() -> None:
+    recorded = parse_manifest(Manifest(step=1, metrics={"val_loss": 0.25}).to_json(),
+                              source="m")
+    assert recorded.metrics == {"val_loss": 0.25}
+    document = json.loads(Manifest(step=2).to_json())
+    del document["metrics"]  # written before metrics existed
+    assert parse_manifest(json.dumps(document).encode(), source="old").metrics == {}
+    with pytest.raises(ValueError, match="'val_loss' is nan, not a finite number"):
+        Manifest(step=3, metrics={"val_loss": float("nan")})
+
+
+@pytest.mark.parametrize("scope", ["all", "top"])
+def test_prune_with_keep_best_reads_the_metric_each_manifest_recorded(
+    tmp_path: Path, scope: str
+) -> None:
+    store = Storage(tmp_path)
+    losses = {1: 0.9, 2: 0.1, 3: 0.5, 4: 0.3, 5: 0.7, 6: 0.8}
+    for step, loss in losses.items():
+        save_checkpoint(store, step, manifest=Manifest(step=step, metrics={"loss": loss}))
+    report = prune(store, keep_best(2, metric="loss") | keep_last(1),
+                   scope=scope)  # type: ignore[arg-type]
+    assert report.deleted == [1, 3, 5]
+    assert _committed(tmp_path) == [2, 4, 6]
+
+
 @pytest.mark.parametrize("make", [lambda: keep_last(0), lambda: keep_every(0),
-                                  lambda: keep_last(-1)])
+                                  lambda: keep_last(-1), lambda: keep_best(0, metric="m"),
+                                  lambda: keep_best(1, metric="m", mode="low")])
 def test_nonsense_policy_arguments_are_refused(make: object) -> None:
     with pytest.raises(ValueError, match="got"):
         make()  # type: ignore[operator]
