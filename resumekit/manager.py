@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -725,12 +726,16 @@ class CheckpointManager:
                 "params": self.state.fingerprint_params() if params is None else params}
 
     # -- saving -------------------------------------------------------------------------
-    def step_end(self, step: int, *, micro_step: int = 0) -> bool:
+    def step_end(self, step: int, *, micro_step: int = 0,
+                 metrics: Mapping[str, float] | None = None) -> bool:
         """Call once per optimizer step, after it; saves when due.
 
         Args:
             step: Optimizer steps completed (the step a resume would start from).
             micro_step: Position inside gradient accumulation, if not at a boundary.
+            metrics: Numbers to record with a checkpoint this call saves (e.g.
+                ``{"val_loss": 0.31}``), what :func:`~resumekit.retention.keep_best` ranks
+                by; ignored when it saves nothing.
 
         Returns:
             True when the run must stop now: every rank agreed on a preemption signal and
@@ -744,10 +749,11 @@ class CheckpointManager:
         self._clock.step_started(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):
-                self._save_for_preemption(step, micro_step)
+                self._save_for_preemption(step, micro_step, metrics)
                 return True
             if self._scheduled(step) and step != self.last_saved_step:
-                self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step)
+                self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step,
+                          metrics=metrics)
             return False
         finally:
             self._clock.step_returned(step)
@@ -768,7 +774,8 @@ class CheckpointManager:
     def _scheduled(self, step: int) -> bool:
         return self.save_every is not None and step % self.save_every == 0
 
-    def _save_for_preemption(self, step: int, micro_step: int) -> None:
+    def _save_for_preemption(self, step: int, micro_step: int,
+                             metrics: Mapping[str, float] | None) -> None:
         self.wait()  # an interval save in flight commits first
         newest = self.last_saved_step
         if step == newest:
@@ -785,7 +792,8 @@ class CheckpointManager:
             steps_since_last_commit=None if newest is None else step - newest,
         ):
             return
-        self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True)
+        self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True,
+                  metrics=metrics)
 
     def save(
         self,
@@ -795,6 +803,7 @@ class CheckpointManager:
         replace: bool = False,
         micro_step: int = 0,
         blocking: bool | None = None,
+        metrics: Mapping[str, float] | None = None,
     ) -> None:
         """Save the full state as checkpoint ``step``.
 
@@ -804,13 +813,17 @@ class CheckpointManager:
             replace: Atomically replace an existing committed checkpoint of this step.
             micro_step: Position inside gradient accumulation.
             blocking: Override ``async_save`` for this save.
+            metrics: Finite numbers recorded in the manifest (``Manifest.metrics``), what
+                :func:`~resumekit.retention.keep_best` ranks by.
 
         Raises:
             StepCollisionError: ``step`` is not newer than the newest committed step.
             AsyncSaveError: The previous background save failed.
-            ConfigurationError: The manager is ``read_only``.
+            ConfigurationError: The manager is ``read_only``, or a metric is not a finite
+                number.
         """
         self._check_open()
+        recorded = _finite_metrics(metrics, step)
         if self.read_only:
             raise ConfigurationError(
                 f"cannot save step {step} under {self.storage.path()}: this manager is "
@@ -836,7 +849,8 @@ class CheckpointManager:
         manifest = Manifest(
             step=step, world_size=self.world_size, reason=reason,
             lineage=self._lineage(),
-            extras=jsonable.plain_extras(self.extras), state=self.state.contents(),
+            extras=jsonable.plain_extras(self.extras), metrics=recorded,
+            state=self.state.contents(),
             fingerprint=self._fingerprint(self.state.captured_params),
             captured_at=captured_at,
             tensor_format=self.tensor_format if tensors else None,
@@ -1148,6 +1162,21 @@ def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
+
+
+def _finite_metrics(metrics: Mapping[str, float] | None, step: int) -> dict[str, float]:
+    """``metrics`` as the manifest records them; a name or value it cannot is refused."""
+    recorded: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        number = float(value) if isinstance(value, (int, float)) and \
+            not isinstance(value, bool) else math.nan
+        if not isinstance(name, str) or not math.isfinite(number):
+            raise ConfigurationError(
+                f"metrics of step {step}: {name!r} = {value!r} is not a finite number "
+                "under a string name (a manifest records only those)",
+                name="metrics", value=value)
+        recorded[name] = number
+    return recorded
 
 
 def _live_extras(extras: Mapping[str, Any] | None) -> MutableMapping[str, Any]:

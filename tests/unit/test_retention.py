@@ -276,3 +276,27 @@ def test_prune_sweeps_abandoned_attempts_on_an_object_store(dead_pid: int) -> No
         assert not store.exists(f"{old.staging}/model.bin")
     finally:
         store.remove_tree("")
+
+
+def test_a_plain_managers_saves_record_metrics_and_keep_best_prunes_by_them(tmp_path) -> None:
+    import torch
+    from torch import nn
+
+    from resumekit import CheckpointManager, ConfigurationError, keep_best, keep_last
+    from resumekit.catalog import list_checkpoints
+    from resumekit.storage import Storage
+
+    model = nn.Linear(2, 2)
+    manager = CheckpointManager(tmp_path, model=model,
+                                optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                                save_every=1, retention=keep_best(1, metric="val_loss")
+                                | keep_last(1))
+    manager.restore()
+    for step, loss in ((1, 0.5), (2, 0.2), (3, 0.9), (4, 0.7)):
+        manager.step_end(step, metrics={"val_loss": loss})
+    with pytest.raises(ConfigurationError, match=r"metrics of step 5: 'val_loss' = nan"):
+        manager.save(5, metrics={"val_loss": float("nan")})
+    manager.close()
+    kept = {e.step: e.manifest.metrics for e in list_checkpoints(Storage(tmp_path))
+            if e.status == "committed"}
+    assert kept == {2: {"val_loss": 0.2}, 4: {"val_loss": 0.7}}
