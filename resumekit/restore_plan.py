@@ -78,7 +78,7 @@ __all__ = [
 
 #: Defects that :func:`leftovers` reports on their own (and the fresh-start account
 #: leaves out).
-_REPORTED = BROKEN | {"newer-schema", "unfinished"}
+_REPORTED = BROKEN | {"newer-schema", "unfinished", "symlink"}
 
 
 @dataclass(frozen=True)
@@ -341,7 +341,9 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
     Every own step directory newer than ``above`` that is not usable is warned about;
     what is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
     resumed run can save its step again instead of colliding with it on every requeue;
-    older ones are only logged (they block nothing: steps only increase). Then (with
+    older ones are only logged (they block nothing: steps only increase). A symbolic link
+    in a checkpoint's place is warned about whatever its step, and never set aside (it
+    is left as it is: restore neither used it nor touches it). Then (with
     ``foreign``) every foreign checkpoint of a newer step is warned about (it may hold
     the run's newest state), the others logged.
 
@@ -360,6 +362,9 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
 
 
 def _own_leftover(entry: CheckpointEntry, above: int) -> Leftover:
+    if entry.defect == "symlink":
+        return Leftover(entry, "warn", f"ignoring {entry.path} (step {entry.step}): "
+                        f"{entry.problem}")
     if entry.step <= above:
         return Leftover(entry, "log", f"ignoring {entry.path}, older than the step resumed "
                         f"from: {entry.problem}")
