@@ -301,6 +301,7 @@ class Storage:
         One call, like :meth:`list_dir`, but without sizes and times: on a local disk the
         entries' types come from the directory itself (no ``stat`` per entry), so listing
         a root of thousands of checkpoints stays cheap. An absent directory lists as empty.
+        A symbolic link lists as no directory, whatever it points to (as :meth:`list_dir`).
 
         Args:
             relative: The directory.
@@ -318,7 +319,10 @@ class Storage:
         with _storage_errors("list", target, "list",
                              ignores=(FileNotFoundError, NotADirectoryError)), \
                 os.scandir(target) as found:
-            names = sorted((entry.name, entry.is_dir()) for entry in found)
+            # a link is never a directory here, as in list_dir (a loop would not even
+            # stat): what it is, is the catalog's to say
+            names = sorted((entry.name, entry.is_dir(follow_symlinks=False))
+                           for entry in found)
         return names
 
     def _s3_names_after(self, relative: str, after: str) -> list[tuple[str, bool]]:
