@@ -123,12 +123,13 @@ def test_retention_and_prune_of_a_root_never_delete_what_a_link_in_it_points_to(
     code, _, err = run_cli(capsys, "prune", str(root_b), "--keep-last", "1")
     step, said = _restore(_url(root_b, kind))
 
+    assert _snapshot(root_a) == before  # A's bytes, every file
+    assert link.is_symlink()
+    assert _restore(root_a)[0] == 100
     assert code == 0, err
     assert report.deleted == [] and report.failures == []
     assert any(str(link) in note and "symbolic link" in note for note in report.notes)
     assert step == 400 and any(str(link) in line for line in said), said
-    assert link.is_symlink() and _snapshot(root_a) == before
-    assert _restore(root_a)[0] == 100
     verify_checkpoint(Storage(root_a), STEP_100)  # byte for byte, every file
 
 
