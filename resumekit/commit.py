@@ -779,7 +779,8 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
             continue
         step, target = parsed[0], parsed[1].name
         holder = classify_step(storage, step, name_format) if target in names else None
-        if holder is not None and holder.status == "committed":
+        problem, broken = (None, False) if holder is None else _what_holds(storage, holder)
+        if holder is not None and problem is None:
             _remove_abandoned_retired(
                 storage, name, f"the retired copy of step {step} left by an interrupted "
                 f"replacement; {storage.path(target)} is the checkpoint")
@@ -795,7 +796,8 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
             _warn(f"left {storage.path(name)} as it is (the retired copy of step {step}): "
                   f"{error}")
             continue
-        if holder is not None and not _clear_name_for(storage, name_format, name, holder):
+        if holder is not None and not _clear_name_for(
+                storage, name_format, name, holder, problem=problem, broken=broken):
             continue
         if not restored:
             forget_newest_hint(storage)
@@ -806,32 +808,48 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
     return restored
 
 
+def _what_holds(storage: Storage, holder: CheckpointEntry) -> tuple[str | None, bool]:
+    """Why ``holder`` is no checkpoint (None: a complete one), and whether it is broken.
+
+    A committed entry is checked for every file at its size (nothing is hashed); one
+    missing a file is provably broken, one with a linked file is not (it is left).
+    """
+    if holder.status != "committed" or holder.manifest is None:
+        return holder.problem or holder.status, holder.defect in BROKEN
+    try:
+        verify_checkpoint(storage, holder.name, manifest=holder.manifest,
+                          sizes_only=[entry.path for entry in holder.manifest.files])
+    except IncompleteCheckpointError as error:
+        return str(error), True
+    except UnsafeCheckpointError as error:
+        return str(error), False
+    return None, False
+
+
 def _clear_name_for(storage: Storage, name_format: NameFormat, retired: str,
-                    holder: CheckpointEntry) -> bool:
+                    holder: CheckpointEntry, *, problem: str | None, broken: bool) -> bool:
     """Free the name a complete retired copy goes back to, if what holds it is broken.
 
-    ``holder`` holds the step name and is not a checkpoint. A provably broken directory
-    is set aside (renamed, nothing deleted); anything else is left, and so is the copy.
-    Both paths are named in a warning either way.
+    ``holder`` holds the step name and is no checkpoint (``problem``). A provably
+    ``broken`` one is set aside (renamed, nothing deleted); anything else is left, and
+    so is the copy. A warning names both paths either way.
 
     Returns:
         Whether the name is free now.
     """
     copy = (f"{storage.path(retired)} holds a complete copy of step {holder.step} (retired "
             "by a replacement or deletion cut short)")
-    why_not = (f"it is {holder.status} ({holder.defect}), not provably broken"
-               if holder.defect not in BROKEN else None)
+    why_not = None if broken else f"it is {holder.status}, not provably broken"
     aside = None
     if why_not is None:
         aside, why_not = set_aside(storage, name_format, holder)
     if aside is None:
         _warn(f"{copy}, but {holder.path} holds its name and is no checkpoint "
-              f"({holder.problem}); both are left as they are ({why_not}): move "
+              f"({problem}); both are left as they are ({why_not}): move "
               f"{holder.path} out of the root and the next restore puts the copy back")
         return False
-    _warn(f"{copy}, but {holder.path} held its name and is no checkpoint "
-          f"({holder.problem}): set it aside as {storage.path(aside)} and put the copy "
-          f"back as {holder.path}")
+    _warn(f"{copy}, but {holder.path} held its name and is no checkpoint ({problem}): "
+          f"set it aside as {storage.path(aside)} and put the copy back as {holder.path}")
     return True
 
 

@@ -29,6 +29,7 @@ from resumekit.catalog import (
     detect_foreign,
     import_command,
     open_target,
+    refuse_links,
     tensors_url,
 )
 from resumekit.cli._common import (
@@ -496,6 +497,8 @@ def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
         ],
     }
     if entry.status == "committed":
+        assert manifest is not None
+        refuse_links(storage, entry.name, manifest)  # nothing is read through a link
         document["state"] = _state_json(storage, entry)
     if args.tensors and entry.status in ("committed", "legacy"):
         document["tensors"] = _tensors_json(storage, entry, options)

@@ -136,13 +136,18 @@ def test_retention_and_prune_of_a_root_never_delete_what_a_link_in_it_points_to(
 # --------------------------------------------------- finding 2: nothing lost inside the root
 
 
-def test_restore_never_deletes_a_complete_retired_copy_beside_an_empty_directory_of_its_name(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("holder", ["empty", "committed-missing-a-file"])
+def test_restore_never_deletes_a_complete_retired_copy_beside_a_directory_of_its_name(
+        tmp_path: Path, holder: str) -> None:
     _saved(tmp_path, 100, 200)
     retired = tmp_path / f".{STEP_200}.old-0123456789ab"
     original = _snapshot(tmp_path / STEP_200)
-    (tmp_path / STEP_200).rename(retired)
-    (tmp_path / STEP_200).mkdir()  # the name is taken, by no checkpoint
+    if holder == "empty":
+        (tmp_path / STEP_200).rename(retired)
+        (tmp_path / STEP_200).mkdir()  # the name is taken, by no checkpoint
+    else:  # its manifest says committed; a file of it is gone
+        shutil.copytree(tmp_path / STEP_200, retired)
+        (tmp_path / STEP_200 / "train_state.pt").unlink()
 
     step, said = _restore(tmp_path)
 
@@ -151,8 +156,7 @@ def test_restore_never_deletes_a_complete_retired_copy_beside_an_empty_directory
     warned = [line for line in said if str(retired) in line]
     assert warned and str(tmp_path / STEP_200) in warned[0] and "set it aside" in warned[0]
     assert not retired.exists()
-    aside = list(tmp_path.glob(f".{STEP_200}.bad-*"))
-    assert len(aside) == 1 and not any(aside[0].iterdir())  # the empty one, kept
+    assert len(list(tmp_path.glob(f".{STEP_200}.bad-*"))) == 1  # the other one, kept
 
 
 def test_a_complete_retired_copy_and_a_link_holding_its_name_are_both_left_alone(
@@ -207,8 +211,9 @@ def test_a_symlinked_file_inside_a_committed_step_is_never_read_and_restore_name
         with pytest.raises(UnsafeCheckpointError, match="symbolic link") as caught:
             _restore(root, verify_on_restore=verify)
         assert str(state) in str(caught.value)
-    code, _, err = run_cli(capsys, "verify", str(root / STEP_200))
-    assert code != 0 and str(state) in err
+    for command in ("verify", "inspect"):
+        code, _, err = run_cli(capsys, command, str(root / STEP_200))
+        assert code != 0 and str(state) in err, (command, err)
     assert state.is_symlink() and outside.read_bytes()
 
 
