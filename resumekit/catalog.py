@@ -14,6 +14,12 @@ Statuses of an entry:
   (``optimizer.bin``, ``random_states_*.pkl``), HF Trainer (``trainer_state.json``),
   Lightning (``*.ckpt``) — never loaded as ours; ``resumekit import`` converts it.
 
+A symbolic link is never a checkpoint, whatever it points to and whatever its name: a
+step, staging, retired or set-aside name that is a link, or a step directory whose
+``manifest.json`` is one, is ``corrupt`` with the defect ``symlink`` and is never read
+through, set aside, swept or deleted (:func:`link_problem`); a file a manifest lists that
+is (or lies below) a link fails :func:`verify_checkpoint` and :func:`refuse_links`.
+
 An entry that is not committed also says what is wrong with it (:data:`Defect`), so a
 restore can tell what is provably broken (:data:`BROKEN`: set aside) from what is merely
 newer (``newer-schema``: refused) or still being written (``unfinished``, ``staging``).
@@ -89,6 +95,7 @@ __all__ = [
     "hidden_entries",
     "import_command",
     "latest_committed",
+    "link_problem",
     "list_checkpoints",
     "list_root",
     "locate_tensor_data",
@@ -100,6 +107,7 @@ __all__ = [
     "read_manifest",
     "read_newest_hint",
     "read_top",
+    "refuse_links",
     "select_committed",
     "sort_entries",
     "split_parent",
@@ -127,9 +135,12 @@ ForeignFormat = Literal["dcp", "torchtitan", "accelerate", "lightning", "hf-trai
 #: * ``unfinished``: an object-store step directory whose save has not written its
 #:   manifest (yet: the manifest is written last);
 #: * ``set-aside``, ``staging``, ``retiring``: hidden ``.bad-``, ``.tmp-`` and ``.old-``
-#:   directories.
+#:   directories;
+#: * ``symlink``: the entry (or its ``manifest.json``) is a symbolic link: never read
+#:   through, never set aside, swept or deleted, whatever it points to.
 Defect = Literal["newer-schema", "bad-manifest", "unsafe-manifest", "wrong-step",
-                 "no-manifest", "empty", "unfinished", "set-aside", "staging", "retiring"]
+                 "no-manifest", "empty", "unfinished", "set-aside", "staging", "retiring",
+                 "symlink"]
 #: Defects no save of resumekit leaves behind: such a directory can never become a
 #: checkpoint, and it blocks a new save of its step until it is moved away.
 BROKEN: frozenset[Defect] = frozenset(
@@ -327,8 +338,13 @@ def _manifest_if_any(storage: Storage, name: str) -> Manifest | None:
 
     Raises:
         ManifestError: It is unreadable, invalid, a directory or of a future version.
+        UnsafeCheckpointError: ``name`` or its manifest is a symbolic link (``link``
+            set): nothing was read through it.
     """
     source = storage.path(f"{name}/{MANIFEST_NAME}")
+    problem = link_problem(storage, name)
+    if problem is not None:
+        raise UnsafeCheckpointError(problem, path=storage.path(name), link=True)
     try:
         raw = read_with_retry(source, lambda: storage.read_small(f"{name}/{MANIFEST_NAME}"))
     except FileNotFoundError:
@@ -351,6 +367,72 @@ def _manifest_if_any(storage: Storage, name: str) -> Manifest | None:
             return None  # a file squatting on a step name holds no manifest (ENOTDIR)
         raise
     return parse_manifest(raw, source=source)
+
+
+def link_problem(storage: Storage, name: str) -> str | None:
+    """Why the entry ``name`` of a root is not to be read, if it or its manifest is a link.
+
+    The one test of the catalog for links (``lstat``s; never a request on object stores):
+    the entry itself is checked, then its ``manifest.json``.
+
+    Returns:
+        One line naming the link and its target, or None when neither is a link.
+    """
+    link = storage.link_on_path(f"{name}/{MANIFEST_NAME}")
+    if link is None:
+        return None
+    return (f"{storage.path(link)} is a symbolic link (to {storage.link_target(link)}), not "
+            f"{'a directory' if link == name else 'a file'} of this root: resumekit never "
+            "reads, sets aside or deletes anything through a link, so it is no checkpoint "
+            "and is left as it is")
+
+
+def _link_entry(storage: Storage, name: str, name_format: NameFormat,
+                legacy_format: NameFormat) -> CheckpointEntry | None:
+    """The entry of the link ``name`` (a ``symlink`` one), from its name alone.
+
+    None unless it has a step, staging, retired, set-aside or legacy name: any other
+    link is ignored, like any other name that is not checkpoint-like.
+    """
+    hidden = name_format.parse_hidden(name)
+    step = hidden[0] if hidden is not None else name_format.parse(name)
+    if step is None:
+        step = legacy_format.parse(name)
+    problem = link_problem(storage, name)
+    if step is None or problem is None:
+        return None
+    return CheckpointEntry(step, name, storage.path(name), "corrupt", problem=problem,
+                           defect="symlink")
+
+
+def refuse_links(storage: Storage, name: str, manifest: Manifest) -> None:
+    """Refuse a checkpoint a file of which is (or lies below) a symbolic link.
+
+    Every file ``manifest`` lists, and each directory on its way, is ``lstat``-ed once
+    (nothing is opened): what restore, verify and export would read must be the step
+    directory's own, never what a link points to, in or out of the root.
+
+    Raises:
+        UnsafeCheckpointError: The first link, named with its target (``link`` set).
+    """
+    if not storage.is_local:
+        return
+    seen: set[str] = set()
+    for entry in manifest.files:
+        parts = f"{name}/{manifest.data_path(entry.path)}".split("/")
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            if storage.is_link(prefix):
+                where = storage.path(prefix)
+                raise UnsafeCheckpointError(
+                    f"{where} is a symbolic link (to {storage.link_target(prefix)}) in "
+                    f"checkpoint step {manifest.step} ({storage.path(name)}), which lists "
+                    f"{entry.path}: resumekit never reads a checkpoint through a link; "
+                    "put the file itself there, or move the step directory out of the root",
+                    path=storage.path(name), file=entry.path, step=manifest.step, link=True)
 
 
 def _classify_without_manifest(storage: Storage, name: str) -> tuple[Status, str]:
@@ -390,7 +472,7 @@ def list_checkpoints(
     entries = []
     for info in storage.list_dir():
         nested = _foreign_entries_in(storage, info.name) \
-            if info.is_dir and info.name in _FOREIGN_CONTAINERS else []
+            if info.is_dir and not info.is_link and info.name in _FOREIGN_CONTAINERS else []
         entry = None if nested else _entry_of(storage, info, name_format, legacy_format)
         entries.extend(nested if entry is None else [entry])
     return sorted(entries, key=_entry_order)
@@ -410,7 +492,20 @@ def _foreign_entries_in(storage: Storage, folder: str) -> list[CheckpointEntry]:
 
 def _entry_of(storage: Storage, info: FileInfo, name_format: NameFormat,
               legacy_format: NameFormat) -> CheckpointEntry | None:
-    """Classify one entry of the root (None: not checkpoint-like, ignored)."""
+    """Classify one entry of the root (None: not checkpoint-like, ignored).
+
+    A symbolic link is classified first, from its name alone (nothing is read through
+    it): a step, staging, retired, set-aside or legacy name is a ``symlink`` entry, any
+    other link is ignored like any name that is not checkpoint-like.
+    """
+    if info.is_link or storage.is_link(info.name):
+        return _link_entry(storage, info.name, name_format, legacy_format)
+    return _own_entry_of(storage, info, name_format, legacy_format)
+
+
+def _own_entry_of(storage: Storage, info: FileInfo, name_format: NameFormat,
+                  legacy_format: NameFormat) -> CheckpointEntry | None:
+    """Classify one entry of the root that is not a link (:func:`_entry_of`)."""
     if not info.is_dir:
         return _foreign_entry(storage, info.name, None) if info.name.endswith(".ckpt") \
             else None
@@ -472,7 +567,7 @@ def _manifest_defect(error: ResumekitError) -> Defect:
     if isinstance(error, UnsupportedSchemaError):
         return "newer-schema"
     if isinstance(error, UnsafeCheckpointError):
-        return "unsafe-manifest"
+        return "symlink" if getattr(error, "link", False) else "unsafe-manifest"
     return "bad-manifest"
 
 
@@ -595,7 +690,7 @@ def other_entries(storage: Storage, listing: Listing, name_format: NameFormat | 
         if is_dir and name_format.parse(name) is not None:
             continue
         nested = _foreign_entries_in(storage, name) \
-            if is_dir and name in _FOREIGN_CONTAINERS else []
+            if is_dir and name in _FOREIGN_CONTAINERS and not storage.is_link(name) else []
         entry = None if nested else _entry_of(
             storage, FileInfo(name, storage.path(name), is_dir, 0, None), name_format,
             legacy_format)
@@ -972,8 +1067,11 @@ def verify_checkpoint(
     Raises:
         IncompleteCheckpointError: The first file that is missing or has the wrong size.
         CorruptCheckpointError: The first file whose checksum differs.
+        UnsafeCheckpointError: A file (or a directory on its way) is a symbolic link
+            (:func:`refuse_links`); nothing was read through it.
     """
     manifest = manifest or read_manifest(storage, name)
+    refuse_links(storage, name, manifest)
     for entry in manifest.files:
         relative = f"{name}/{manifest.data_path(entry.path)}"
         where = storage.path(relative)

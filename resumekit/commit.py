@@ -117,6 +117,7 @@ from typing import Any
 
 from resumekit import generations
 from resumekit.catalog import (
+    BROKEN,
     CheckpointEntry,
     Listing,
     RootTop,
@@ -130,7 +131,12 @@ from resumekit.catalog import (
     write_stamped_hint,
 )
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
-from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
+from resumekit.errors import (
+    IncompleteCheckpointError,
+    StepCollisionError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from resumekit.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
 from resumekit.manifest import (
     FileEntry,
@@ -406,8 +412,10 @@ class CommitProtocol:
         if self.storage.atomic_rename and not replaces and name in top.names:
             raise StepCollisionError(
                 f"cannot save step {step}: {self.storage.path(name)} already exists and is "
-                "not a committed checkpoint (a weights-only legacy or foreign directory); "
-                "move it out of the root first",
+                "not a committed checkpoint ("
+                + (own.problem if own is not None and own.defect == "symlink" and own.problem
+                   else "a weights-only legacy or foreign directory")
+                + "); move it out of the root first",
                 step=step, newest=newest, path=self.storage.path(name),
             )
         return replaces
@@ -740,6 +748,14 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
     one that misses files (a deletion cut part-way: restoring it would publish a broken
     checkpoint). Returns the names restored. Only POSIX roots can be in these states.
 
+    A name is no proof of content: a ``<name>`` that is not a committed checkpoint never
+    gets a complete retired copy deleted. When it is provably broken (empty, no or a bad
+    manifest: :data:`~resumekit.catalog.BROKEN`) it is set aside (``.bad-``, nothing
+    deleted) and the copy put back; anything else there (a symbolic link, a newer
+    resumekit's checkpoint, another tool's) is left as it is, and so is the copy. Either
+    way a warning names both paths. A retired name that is a link, or whose manifest is
+    one, is never read through nor renamed (the catalog reports it).
+
     Args:
         storage: The checkpoint root.
         name_format: How step directories are named.
@@ -758,29 +774,88 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
         if parsed is None or parsed[1].kind != "old":
             continue
         try:
-            manifest = read_manifest(storage, name)
+            manifest = read_manifest(storage, name)  # a link raises: never read through
         except Exception:  # noqa: BLE001 - not restorable: left for the sweep
             continue
-        reason = None
-        if parsed[1].name in names:
-            reason = (f"the retired copy of step {parsed[0]} left by an interrupted "
-                      f"replacement; {storage.path(parsed[1].name)} is the checkpoint")
-        else:
-            try:
-                verify_checkpoint(storage, name, manifest=manifest,
-                                  sizes_only=[entry.path for entry in manifest.files])
-            except IncompleteCheckpointError as error:
-                reason = f"it cannot be restored as step {parsed[0]}: {error}"
-        if reason is not None:
-            _remove_abandoned_retired(storage, name, reason)
+        step, target = parsed[0], parsed[1].name
+        holder = classify_step(storage, step, name_format) if target in names else None
+        problem, broken = (None, False) if holder is None else _what_holds(storage, holder)
+        if holder is not None and problem is None:
+            _remove_abandoned_retired(
+                storage, name, f"the retired copy of step {step} left by an interrupted "
+                f"replacement; {storage.path(target)} is the checkpoint")
+            continue
+        try:
+            verify_checkpoint(storage, name, manifest=manifest,
+                              sizes_only=[entry.path for entry in manifest.files])
+        except IncompleteCheckpointError as error:
+            _remove_abandoned_retired(
+                storage, name, f"it cannot be restored as step {step}: {error}")
+            continue
+        except UnsafeCheckpointError as error:
+            _warn(f"left {storage.path(name)} as it is (the retired copy of step {step}): "
+                  f"{error}")
+            continue
+        if holder is not None and not _clear_name_for(
+                storage, name_format, name, holder, problem=problem, broken=broken):
             continue
         if not restored:
             forget_newest_hint(storage)
-        storage.rename_dir(name, parsed[1].name)
-        restored.append(parsed[1].name)
+        storage.rename_dir(name, target)
+        restored.append(target)
     if restored:
         storage.fsync_dir()
     return restored
+
+
+def _what_holds(storage: Storage, holder: CheckpointEntry) -> tuple[str | None, bool]:
+    """Why ``holder`` is no checkpoint (None: a complete one), and whether it is broken.
+
+    A committed entry is checked for every file at its size (nothing is hashed); one
+    missing a file is provably broken, one with a linked file is not (it is left).
+    """
+    if holder.status != "committed" or holder.manifest is None:
+        return holder.problem or holder.status, holder.defect in BROKEN
+    try:
+        verify_checkpoint(storage, holder.name, manifest=holder.manifest,
+                          sizes_only=[entry.path for entry in holder.manifest.files])
+    except IncompleteCheckpointError as error:
+        return str(error), True
+    except UnsafeCheckpointError as error:
+        return str(error), False
+    return None, False
+
+
+def _clear_name_for(storage: Storage, name_format: NameFormat, retired: str,
+                    holder: CheckpointEntry, *, problem: str | None, broken: bool) -> bool:
+    """Free the name a complete retired copy goes back to, if what holds it is broken.
+
+    ``holder`` holds the step name and is no checkpoint (``problem``). A provably
+    ``broken`` one is set aside (renamed, nothing deleted); anything else is left, and
+    so is the copy. A warning names both paths either way.
+
+    Returns:
+        Whether the name is free now.
+    """
+    copy = (f"{storage.path(retired)} holds a complete copy of step {holder.step} (retired "
+            "by a replacement or deletion cut short)")
+    why_not = None if broken else f"it is {holder.status}, not provably broken"
+    aside = None
+    if why_not is None:
+        aside, why_not = set_aside(storage, name_format, holder)
+    if aside is None:
+        _warn(f"{copy}, but {holder.path} holds its name and is no checkpoint "
+              f"({problem}); both are left as they are ({why_not}): move "
+              f"{holder.path} out of the root and the next restore puts the copy back")
+        return False
+    _warn(f"{copy}, but {holder.path} held its name and is no checkpoint ({problem}): "
+          f"set it aside as {storage.path(aside)} and put the copy back as {holder.path}")
+    return True
+
+
+def _warn(message: str) -> None:
+    logger.warning("resumekit: %s", message)
+    warnings.warn(message, ResumekitWarning, stacklevel=4)
 
 
 def _remove_abandoned_retired(storage: Storage, name: str, reason: str) -> None:

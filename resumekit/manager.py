@@ -83,7 +83,7 @@ from resumekit.restore_plan import Survey
 from resumekit.retention import RetentionPolicy, RollingSweep, keep_last, prune
 from resumekit.state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.storage import Storage
-from resumekit.verification import verify_share
+from resumekit.verification import refuse_links_share, verify_share
 from resumekit.warnings import ResumekitWarning
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
@@ -652,10 +652,10 @@ class CheckpointManager:
         manifest = entry.manifest
         assert manifest is not None
         ranks = self._main.coordinator
-        if self.verify_on_restore:
-            run_on_every_rank(ranks, lambda: verify_share(
-                self.storage, entry.name, manifest, rank=ranks.rank,
-                world_size=ranks.world_size))
+        check = verify_share if self.verify_on_restore else refuse_links_share
+        run_on_every_rank(ranks, lambda: check(
+            self.storage, entry.name, manifest, rank=ranks.rank,
+            world_size=ranks.world_size))
         check_compatibility(manifest, entry.path, fingerprint=self._fingerprint(),
                             world_size=self.world_size, on_mismatch=self.on_mismatch,
                             stacklevel=4)

@@ -83,7 +83,7 @@ __all__ = [
 
 #: Defects that :func:`leftovers` reports on their own (and the fresh-start account
 #: leaves out).
-_REPORTED = BROKEN | {"newer-schema", "unfinished"}
+_REPORTED = BROKEN | {"newer-schema", "unfinished", "symlink"}
 
 
 @dataclass(frozen=True)
@@ -402,7 +402,10 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
     Every own step directory newer than ``above`` that is not usable is warned about;
     what is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
     resumed run can save its step again instead of colliding with it on every requeue;
-    older ones are only logged (they block nothing: steps only increase). Then (with
+    older ones are only logged (they block nothing: steps only increase); a set-aside
+    copy of the same step is named in the warning (it is kept). A symbolic link
+    in a checkpoint's place is warned about whatever its step, and never set aside (it
+    is left as it is: restore neither used it nor touches it). Then (with
     ``foreign``) every foreign checkpoint of a newer step is warned about (it may hold
     the run's newest state), the others logged.
 
@@ -412,7 +415,11 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
         above: The step restored (-1: none).
         foreign: Also report foreign checkpoints.
     """
-    found = [_own_leftover(entry, above) for entry in entries
+    aside: dict[int, list[str]] = {}
+    for entry in entries:
+        if entry.defect == "set-aside":
+            aside.setdefault(entry.step, []).append(entry.path)
+    found = [_own_leftover(entry, above, aside.get(entry.step, [])) for entry in entries
              if entry.defect in _REPORTED]
     if foreign:
         found.extend(_foreign_leftover(entry, above, storage) for entry in entries
@@ -420,7 +427,11 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
     return found
 
 
-def _own_leftover(entry: CheckpointEntry, above: int) -> Leftover:
+def _own_leftover(entry: CheckpointEntry, above: int, aside: Sequence[str] = ()
+                  ) -> Leftover:
+    if entry.defect == "symlink":
+        return Leftover(entry, "warn", f"ignoring {entry.path} (step {entry.step}): "
+                        f"{entry.problem}")
     if entry.step <= above:
         return Leftover(entry, "log", f"ignoring {entry.path}, older than the step resumed "
                         f"from: {entry.problem}")
@@ -432,8 +443,10 @@ def _own_leftover(entry: CheckpointEntry, above: int) -> Leftover:
         return Leftover(entry, "warn", f"ignoring {entry.path} (step {entry.step}), written "
                         f"by a newer resumekit ({entry.problem}), because an older step was "
                         "asked for; it is kept")
+    earlier = (f" ({', '.join(aside)}, set aside earlier with the same step, is kept as "
+               "it is: restore never loads a set-aside copy, nor deletes it)" if aside else "")
     return Leftover(entry, "set-aside", f"{entry.path} (step {entry.step}) is not a usable "
-                    f"checkpoint: {entry.problem}")
+                    f"checkpoint: {entry.problem}{earlier}")
 
 
 def _foreign_leftover(entry: CheckpointEntry, restored: int, storage: Storage) -> Leftover:

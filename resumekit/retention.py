@@ -10,7 +10,9 @@ checkpoints by a metric recorded in their manifests at save time (``Manifest.met
 policy after a publish and never deletes the newest committed checkpoint, the one the run
 resumed from (``protect``), or anything being written. It also sweeps staging directories
 abandoned by dead writers. Entries that vanish under it are skipped with a note; a
-deletion that fails is reported and the rest goes on (:class:`PruneReport`).
+deletion that fails is reported and the rest goes on (:class:`PruneReport`). A symbolic
+link is never a checkpoint (:mod:`resumekit.catalog`): it is never deleted nor swept, and
+nothing is deleted through one (:class:`~resumekit.storage.Storage` refuses it).
 """
 
 from __future__ import annotations
@@ -183,7 +185,8 @@ class PruneReport:
         swept: Names of abandoned staging directories removed.
         dry_run: True when nothing was actually deleted.
         notes: Entries skipped because they vanished (or were renamed back) under the
-            prune: another process removed or restored them. One line each.
+            prune: another process removed or restored them; with ``scope="all"`` also
+            every symbolic link in a checkpoint's place, left alone. One line each.
         failures: Deletions or sweeps that failed (e.g. ``EBUSY`` from NFS ``.nfsXXXX``
             files), one line each naming the directory and the error; the prune went on
             with the other entries.
@@ -326,6 +329,8 @@ def prune(
                 | set(committed[-1:]))
         report.kept = [s for s in committed if s in keep]
         doomed = [e for e in entries if e.status == "committed" and e.step not in keep]
+        report.notes.extend(f"left {e.path} alone: {e.problem}" for e in entries
+                            if e.defect == "symlink")
     else:
         entries, doomed = _decide_from_names(storage, policy, name_format, set(protect),
                                              report, rolling=rolling)

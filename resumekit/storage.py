@@ -4,6 +4,15 @@ A :class:`Storage` is a filesystem plus a root. Local paths, ``file://``, ``memo
 ``s3://`` (with ``s3fs`` installed) all go through the same methods, so the commit protocol
 is written once. Local storage adds what fsspec does not give: ``fsync`` of files and
 directories and an atomic directory rename (POSIX ``rename``, Linux ``RENAME_EXCHANGE``).
+
+Symbolic links (local roots, plain paths and ``file://`` alike): nothing below the root is
+ever deleted, renamed or written through a link. :meth:`Storage.link_on_path` finds the
+first link on a path below the root (``lstat`` of each part; the root itself may be a
+link: the user chose it), :meth:`Storage.is_link` tells whether one entry is a link, and
+every deletion, rename and write here refuses a path with a link on it
+(:class:`~resumekit.errors.StorageError` naming the link and where it points). Deciding
+what a link in a root *is* (never a checkpoint) is the catalog's job; this is the net
+under it. Object stores and ``memory://`` have no links.
 """
 
 from __future__ import annotations
@@ -44,6 +53,8 @@ class FileInfo:
         is_dir: True for a directory (or an object-store prefix).
         size: Size in bytes (0 for directories).
         mtime: Modification time (seconds since the epoch) when the backend reports one.
+        is_link: True for a symbolic link (local only; ``is_dir`` is then False, as fsspec
+            reports a link without following it).
     """
 
     name: str
@@ -51,6 +62,7 @@ class FileInfo:
     is_dir: bool
     size: int
     mtime: float | None
+    is_link: bool = False
 
 
 def _mtime_of(info: dict[str, Any]) -> float | None:
@@ -189,6 +201,63 @@ class Storage:
         with _storage_errors("isfile", target, "isfile", passes=(FileNotFoundError,)):
             return bool(self.fs.isfile(target))
 
+    def is_link(self, relative: str) -> bool:
+        """Return whether the entry ``relative`` itself is a symbolic link (``lstat``).
+
+        Always False on object stores and ``memory://`` (they have no links); a dangling
+        link or a loop is a link too. Costs one ``lstat``, no request.
+        """
+        if not self.is_local or not relative:
+            return False
+        try:
+            return stat.S_ISLNK(os.lstat(self.path(relative)).st_mode)
+        except OSError:
+            return False
+
+    def link_on_path(self, relative: str) -> str | None:
+        """The first part of ``relative`` (below the root) that is a symbolic link, or None.
+
+        ``a/b/c`` is checked as ``a``, ``a/b``, ``a/b/c`` (one ``lstat`` each, stopping at
+        the first link or missing part). The root itself is not checked. Always None on
+        object stores.
+        """
+        if not self.is_local:
+            return None
+        parts = [part for part in relative.split("/") if part]
+        for depth in range(1, len(parts) + 1):
+            prefix = "/".join(parts[:depth])
+            try:
+                mode = os.lstat(self.path(prefix)).st_mode
+            except OSError:
+                return None
+            if stat.S_ISLNK(mode):
+                return prefix
+        return None
+
+    def link_target(self, relative: str) -> str:
+        """Where the link ``relative`` points, as it is written (``?`` if unreadable)."""
+        try:
+            return os.readlink(self.path(relative))
+        except OSError:
+            return "?"
+
+    def _refuse_links(self, verb: str, operation: str, *relatives: str) -> None:
+        """Raise before ``verb`` touches a path with a symbolic link on it (local only).
+
+        Raises:
+            StorageError: One of ``relatives`` is, or lies below, a link in the root;
+                the message names the link and its target. Nothing was done.
+        """
+        for relative in relatives:
+            link = self.link_on_path(relative)
+            if link is not None:
+                where = self.path(link)
+                raise StorageError(
+                    f"refusing to {verb} {self.path(relative)}: {where} is a symbolic link "
+                    f"(to {self.link_target(link)}); resumekit never deletes, renames or "
+                    "writes through a link in its root",
+                    path=where, operation=operation, link=where)
+
     def list_dir(self, relative: str = "") -> list[FileInfo]:
         """List the direct children of ``relative``; an absent directory lists as empty."""
         target = self.path(relative)
@@ -211,6 +280,7 @@ class Storage:
                     is_dir=is_dir,
                     size=0 if is_dir else int(entry.get("size") or 0),
                     mtime=_mtime_of(entry),
+                    is_link=bool(entry.get("islink")),
                 )
             )
         return sorted(infos, key=lambda info: info.name)
@@ -231,6 +301,7 @@ class Storage:
         One call, like :meth:`list_dir`, but without sizes and times: on a local disk the
         entries' types come from the directory itself (no ``stat`` per entry), so listing
         a root of thousands of checkpoints stays cheap. An absent directory lists as empty.
+        A symbolic link lists as no directory, whatever it points to (as :meth:`list_dir`).
 
         Args:
             relative: The directory.
@@ -248,7 +319,10 @@ class Storage:
         with _storage_errors("list", target, "list",
                              ignores=(FileNotFoundError, NotADirectoryError)), \
                 os.scandir(target) as found:
-            names = sorted((entry.name, entry.is_dir()) for entry in found)
+            # a link is never a directory here, as in list_dir (a loop would not even
+            # stat): what it is, is the catalog's to say
+            names = sorted((entry.name, entry.is_dir(follow_symlinks=False))
+                           for entry in found)
         return names
 
     def _s3_names_after(self, relative: str, after: str) -> list[tuple[str, bool]]:
@@ -354,6 +428,7 @@ class Storage:
         """Write ``data`` to ``relative``; with ``durable`` it is fsynced before returning."""
         target = self.path(relative)
         if self.is_local:
+            self._refuse_links("write", "write", relative)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with _storage_errors("write", target, "write"), open(target, "wb") as handle:
                 handle.write(data)
@@ -378,6 +453,7 @@ class Storage:
         """
         target = self.path(relative)
         if self.is_local:
+            self._refuse_links("write", "write", relative)
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with _storage_errors("write", target, "write", passes=(FileExistsError,)), \
                     open(target, "xb") as handle:
@@ -415,8 +491,13 @@ class Storage:
                 os.mkdir(target)
 
     def remove_tree(self, relative: str) -> None:
-        """Delete ``relative`` and everything below it; an absent path is not an error."""
+        """Delete ``relative`` and everything below it; an absent path is not an error.
+
+        Links below it are removed as links (their targets are never followed); a path
+        that is itself a link, or lies below one, is refused (:meth:`link_on_path`).
+        """
         target = self.path(relative)
+        self._refuse_links("delete", "delete", relative)
         with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             if self.is_local:
                 if os.path.isdir(target):
@@ -429,8 +510,12 @@ class Storage:
                 self.fs.rm(target, recursive=True)
 
     def remove_file(self, relative: str) -> None:
-        """Delete the file ``relative``; an absent file is not an error."""
+        """Delete the file ``relative``; an absent file is not an error.
+
+        A path that is, or lies below, a link in the root is refused (:meth:`link_on_path`).
+        """
         target = self.path(relative)
+        self._refuse_links("delete", "delete", relative)
         with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             self.fs.rm_file(target)
 
@@ -454,6 +539,7 @@ class Storage:
     def rename_dir(self, source: str, target: str) -> None:
         """Atomically rename directory ``source`` to ``target``, which must not exist."""
         self._require_local("rename")
+        self._refuse_links("rename", "rename", source, target)
         src, dst = self.path(source), self.path(target)
         if os.path.lexists(dst):
             raise StorageError(
@@ -469,6 +555,7 @@ class Storage:
             StorageError: When the filesystem cannot exchange atomically.
         """
         self._require_local("exchange")
+        self._refuse_links("exchange", "exchange", first, second)
         a, b = os.fsencode(self.path(first)), os.fsencode(self.path(second))
         renameat2 = _renameat2()
         if renameat2 is None:

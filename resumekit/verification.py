@@ -10,18 +10,20 @@ is split so that no rank reads a file twice and no rank waits long for the other
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
    by exactly one rank: rank ``r`` of ``n`` takes the manifest's files ``r, r + n, ...``.
 
-The checks themselves are :func:`resumekit.catalog.verify_checkpoint`'s.
+The checks themselves are :func:`resumekit.catalog.verify_checkpoint`'s. Without
+``verify_on_restore`` each rank still ``lstat``-s its share of the files
+(:func:`refuse_links_share`): nothing is ever read through a symbolic link.
 """
 
 from __future__ import annotations
 
 from resumekit import sharded
-from resumekit.catalog import verify_checkpoint
+from resumekit.catalog import refuse_links, verify_checkpoint
 from resumekit.layout import DCP_METADATA_FILE, TENSORS_DIR
 from resumekit.manifest import Manifest
 from resumekit.storage import Storage
 
-__all__ = ["verify_share"]
+__all__ = ["refuse_links_share", "verify_share"]
 
 
 def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,
@@ -40,6 +42,7 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int =
     Raises:
         CorruptCheckpointError: A checksum or a size differs.
         IncompleteCheckpointError: A file the manifest lists is missing.
+        UnsafeCheckpointError: A file of the share is a symbolic link (nothing was read).
     """
     if under is not None:
         manifest = manifest.model_copy(update={"files": [
@@ -55,3 +58,17 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int =
             storage_options=storage.storage_options or None)}
     mine = manifest.model_copy(update={"files": rest[rank::world_size]})
     verify_checkpoint(storage, name, manifest=mine, sizes_only=sizes_only)
+
+
+def refuse_links_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,
+                       world_size: int = 1) -> None:
+    """Refuse rank ``rank``'s share of the files of ``name`` that are symbolic links.
+
+    What :func:`verify_share` checks first, without reading a byte: the restore without
+    ``verify_on_restore`` runs it (on every rank, the same share of files).
+
+    Raises:
+        UnsafeCheckpointError: A file of the share, or a directory on its way, is a link.
+    """
+    refuse_links(storage, name, manifest.model_copy(
+        update={"files": manifest.files[rank::world_size]}))

@@ -29,6 +29,7 @@ from resumekit.catalog import (
     detect_foreign,
     import_command,
     open_target,
+    refuse_links,
     tensors_url,
 )
 from resumekit.cli._common import (
@@ -107,9 +108,9 @@ def entry_json(
 ) -> dict[str, Any]:
     """The JSON object of one checkpoint entry (the ``checkpoints`` items)."""
     manifest = entry.manifest
-    walked = None if manifest is not None else sum(
+    walked = None if manifest is not None or entry.defect == "symlink" else sum(
         size for _, size in storage.walk_files(entry.name)
-    )
+    )  # (a link is never walked: what it points to is not the root's)
     return {
         "step": entry.step,
         "name": entry.name,
@@ -496,12 +497,14 @@ def _inspect_one(target: CheckpointTarget, args: argparse.Namespace,
         "files": [
             {"path": item.path, "bytes": item.size, "checksum": item.checksum}
             for item in manifest.files
-        ] if manifest is not None else [
+        ] if manifest is not None else [] if entry.defect == "symlink" else [
             {"path": path, "bytes": size, "checksum": None}
             for path, size in storage.walk_files(entry.name)
         ],
     }
     if entry.status == "committed":
+        assert manifest is not None
+        refuse_links(storage, entry.name, manifest)  # nothing is read through a link
         document["state"] = _state_json(storage, entry)
     if args.tensors and entry.status in ("committed", "legacy"):
         document["tensors"] = _tensors_json(storage, entry, options)
