@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -197,3 +200,68 @@ def test_a_record_that_stays_unreadable_is_a_storage_error_saying_fencing_was_no
     monkeypatch.undo()
     only.save(200)  # once the storage answers again, the same writer goes on
     assert latest_committed(Storage(tmp_path)).step == 200  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------------- own scenarios
+
+
+def test_a_torn_record_of_a_killed_claimer_is_skipped_with_a_warning_and_still_fences_below(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = Storage(tmp_path)
+    below = generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=1))
+    torn = tmp_path / generation_record_name(2)
+    torn.write_bytes(b'{"number": 2, "token": "5f0e')  # an older resumekit, killed mid-write
+    with caplog.at_level(logging.WARNING, "resumekit"):
+        with pytest.raises(FencedWriterError, match="refusing to commit step 5"):
+            generations.check(store, below, action="commit step 5", step=5)
+        above = generations.claim(store, newest_step=None,
+                                  identity=Lineage(hostname="h", pid=3))
+    assert above.number == 3  # the torn record's number stays taken
+    assert any("000000000002.json" in r.getMessage() and "do not parse" in r.getMessage()
+               for r in caplog.records)
+    generations.check(store, above, action="commit step 5", step=5)
+
+
+def test_a_transient_error_reading_the_successor_record_does_not_hide_the_newer_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Storage(tmp_path)
+    zombie = generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=1))
+    generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=2))
+    failed = _eio_reading(monkeypatch, generation_record_name(2), times=1)
+    with pytest.raises(FencedWriterError, match="fenced by generation 2"):
+        generations.check(store, zombie, action="commit step 5", step=5)
+    assert failed == [generation_record_name(2)]
+    _eio_reading(monkeypatch, generation_record_name(2), times=10**6)
+    with pytest.raises(StorageError, match="could not check"):  # never "not fenced"
+        generations.check(store, zombie, action="commit step 5", step=5)
+
+
+_KILLED_BEFORE_THE_LINK = """
+import os, signal, sys
+from resumekit import generations
+from resumekit.manifest import Lineage
+from resumekit.storage import Storage
+os.link = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+generations.claim(Storage(sys.argv[1]), newest_step=None,
+                  identity=Lineage(hostname="h", pid=2))
+"""
+
+
+def test_a_claimer_killed_while_creating_its_record_leaves_no_record_at_all(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    held = generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=1))
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BEFORE_THE_LINK, str(tmp_path)],
+                            check=False, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()
+    aside, record = sorted(p.name for p in (tmp_path / GENERATIONS_DIR).iterdir())
+    assert record == "000000000001.json"
+    assert aside.startswith(".000000000002.json.tmp-")  # written aside, never linked in
+    generations.check(store, held, action="commit step 5", step=5)  # no half-made claim
+    after = generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=3))
+    assert after.number == 2
+    with pytest.raises(FencedWriterError):
+        generations.check(store, held, action="commit step 5", step=5)
