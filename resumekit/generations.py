@@ -50,7 +50,7 @@ from resumekit.layout import (
     generation_record_name,
 )
 from resumekit.manifest import Lineage, Manifest, WriterGeneration
-from resumekit.retry import read_with_retry
+from resumekit.retry import READ_ATTEMPTS, is_transient, read_with_retry
 from resumekit.storage import Storage
 
 __all__ = [
@@ -104,10 +104,19 @@ def _fetch(storage: Storage, number: int) -> WriterGeneration | str | None:
     name = generation_record_name(number)
     where = storage.path(name)
     try:
-        data = read_with_retry(where, lambda: storage.read_small(name))
+        try:
+            data = storage.read_small(name)  # the first try without the retry machinery
+        except Exception as error:
+            if isinstance(error, FileNotFoundError) or not is_transient(error):
+                raise
+            logger.warning("resumekit: reading %s failed (%s: %s); retrying it up to %d "
+                           "times", where, type(error).__name__, error, READ_ATTEMPTS)
+            data = read_with_retry(where, lambda: storage.read_small(name))
     except FileNotFoundError:
         return None
-    except StorageError as error:
+    except Exception as error:
+        if not isinstance(error, StorageError) and not is_transient(error):
+            raise
         raise StorageError(
             f"could not check the writer generations of {storage.path()}: reading "
             f"generation record {where} failed ({error}). This is a storage error, not "
