@@ -243,7 +243,8 @@ def claim(storage: Storage, *, newest_step: int | None,
 
     Raises:
         FencedWriterError: A newer restart of this SLURM job already claimed the root.
-        StorageError: The root cannot be written.
+        StorageError: The root cannot be written, or a record cannot be read (its
+            transient errors outlived their retries): nothing was claimed.
     """
     me = identity or Lineage.current()
     taken: set[int] = set()  # numbers a create found taken although no listing had them
@@ -348,7 +349,10 @@ def check(storage: Storage, generation: WriterGeneration, *, action: str,
         )
     if isinstance(own, WriterGeneration) and own.token == generation.token and not successor:
         return
-    newer = newest_generation(storage)
+    try:
+        newer = newest_generation(storage)  # only to name it: fenced either way
+    except StorageError:
+        newer = None
     newer_text = newer.describe() if newer is not None and newer.token != generation.token \
         else f"a newer claim (record {generation.number} or {generation.number + 1} of " \
              f"{storage.path(GENERATIONS_DIR)})"
