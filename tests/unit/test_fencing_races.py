@@ -125,9 +125,9 @@ def test_a_requeued_restart_claiming_between_a_zombies_reads_wins_and_the_zombie
 
 
 def test_a_claim_that_loses_the_number_to_a_racing_claimer_reads_that_claimer_before_it_claims(
-    tmp_path: Path,
+    storage: Storage,
 ) -> None:
-    store = Storage(tmp_path)
+    store = storage  # on every backend: local, file://, memory://, S3
     generations.claim(store, newest_step=None, identity=Lineage(hostname="h", pid=1))
     newer = Lineage(hostname="h", pid=3, slurm_job_id=JOB, slurm_restart_count=1)
     zombie = Lineage(hostname="h", pid=2, slurm_job_id=JOB, slurm_restart_count=0)
@@ -138,7 +138,8 @@ def test_a_claim_that_loses_the_number_to_a_racing_claimer_reads_that_claimer_be
         names = real_list(self, relative, **kwargs)
         if relative == GENERATIONS_DIR and not listings:
             listings.append(1)  # the zombie lists; the requeued run claims right after
-            generations.claim(Storage(tmp_path), newest_step=None, identity=newer)
+            generations.claim(Storage(store.url, store.storage_options), newest_step=None,
+                              identity=newer)
         return names
 
     with pytest.MonkeyPatch.context() as patch:
