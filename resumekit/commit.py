@@ -132,6 +132,7 @@ from resumekit.catalog import (
 )
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import (
+    FencedWriterError,
     IncompleteCheckpointError,
     StepCollisionError,
     StorageError,
@@ -661,9 +662,11 @@ class CommitProtocol:
         try:
             generations.check(self.storage, pending.generation,
                               action=f"commit step {pending.step}", step=pending.step)
-        except Exception:
-            logger.warning("resumekit: a fenced writer's save of step %d is abandoned; "
-                           "removing its staging area %s", pending.step,
+        except Exception as error:
+            why = ("a fenced writer's" if isinstance(error, FencedWriterError)
+                   else "the fence could not be checked (not fenced), so this")
+            logger.warning("resumekit: %s save of step %d is abandoned; "
+                           "removing its staging area %s", why, pending.step,
                            self.storage.path(pending.staging))
             self.storage.remove_tree(pending.staging)
             raise

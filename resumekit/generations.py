@@ -11,10 +11,29 @@ allocation (same job id and restart count), or outside SLURM of one process (sam
 and pid — a zombie is always another process than the run that replaced it); a claim
 from an older restart of a job whose newer restart already claimed is refused.
 
+The order of two racing claims is decided by the exclusive create, never by when each
+claimer happened to read: a claim lists the records once, reads every record listed,
+and creates the number after the highest one listed. A record appears whole (locally
+written aside and hard-linked in; one ``PUT`` on S3), so a record that is listed is read
+complete. A claimer whose listing missed a newer record (it was created after the
+listing, or the listing was stale) asks for a number that record already holds: the
+create fails, and the claimer reads that number before it tries again. So a claim that
+succeeds has read every record below its own, and an older restart that raced a newer
+one of its job is refused, whichever read first. Where the store cannot create
+exclusively the claimer reads its record back once (the record that stays decides).
+
 A writer holding generation ``n`` may commit while record ``n`` still holds its token and
 no record ``n + 1`` exists. Records are pruned oldest first, keeping the newest
 :data:`RECORDS_KEPT`, so a writer whose successor's record was pruned lost its own record
 too and is still fenced.
+
+Reading a record is retried after transient errors
+(:func:`~resumekit.retry.read_with_retry`); a record that still cannot be read raises
+:class:`~resumekit.errors.StorageError` saying the generations could not be checked: an
+I/O error is never taken for a newer claim (fencing), nor skipped as if the record were
+not there. Only a record whose bytes do not parse (torn by a claimer of an older
+resumekit killed while writing it) is skipped when read, with a warning; its number
+still fences the generations below it.
 """
 
 from __future__ import annotations
@@ -31,6 +50,7 @@ from resumekit.layout import (
     generation_record_name,
 )
 from resumekit.manifest import Lineage, Manifest, WriterGeneration
+from resumekit.retry import READ_ATTEMPTS, is_transient, read_with_retry
 from resumekit.storage import Storage
 
 __all__ = [
@@ -67,22 +87,60 @@ def _numbers(storage: Storage) -> list[int]:
     return generation_record_numbers(storage)
 
 
-def _read(storage: Storage, number: int) -> WriterGeneration | None:
-    """Read record ``number``; None when absent or unreadable (the latter logged)."""
+#: What :func:`_fetch` returns for a record whose bytes do not parse.
+_TORN = "torn"
+
+
+def _fetch(storage: Storage, number: int) -> WriterGeneration | str | None:
+    """Read record ``number``: the record, None when absent, :data:`_TORN` when torn.
+
+    Transient errors are retried; an error that outlives the retries (or one that is
+    not transient, such as ``EACCES``) raises: it says nothing about the record.
+
+    Raises:
+        StorageError: The record could not be read; the message says the generations
+            could not be checked and that this is not fencing.
+    """
     name = generation_record_name(number)
+    where = storage.path(name)
     try:
-        return WriterGeneration.model_validate_json(storage.read_bytes(name))
+        try:
+            data = storage.read_small(name)  # the first try without the retry machinery
+        except Exception as error:
+            if isinstance(error, FileNotFoundError) or not is_transient(error):
+                raise
+            logger.warning("resumekit: reading %s failed (%s: %s); retrying it up to %d "
+                           "times", where, type(error).__name__, error, READ_ATTEMPTS)
+            data = read_with_retry(where, lambda: storage.read_small(name))
     except FileNotFoundError:
         return None
-    except (ValueError, StorageError) as error:
-        logger.warning("resumekit: ignoring unreadable generation record %s: %s",
-                       storage.path(name), error)
-        return None
+    except Exception as error:
+        if not isinstance(error, StorageError) and not is_transient(error):
+            raise
+        raise StorageError(
+            f"could not check the writer generations of {storage.path()}: reading "
+            f"generation record {where} failed ({error}). This is a storage error, not "
+            "fencing: no newer claim was seen, so this writer is not fenced by it; "
+            "nothing was set aside or deleted - check the storage and run again",
+            path=where, operation="read", attempts=getattr(error, "attempts", None),
+        ) from error
+    try:
+        return WriterGeneration.model_validate_json(data)
+    except ValueError as error:
+        logger.warning("resumekit: ignoring unreadable generation record %s (its bytes do "
+                       "not parse; its number still fences the generations below it): %s",
+                       where, error)
+        return _TORN
 
 
-def _records(storage: Storage) -> list[WriterGeneration]:
-    records = [_read(storage, number) for number in _numbers(storage)]
-    return [record for record in records if record is not None]
+def _read(storage: Storage, number: int) -> WriterGeneration | None:
+    """Read record ``number``; None when absent or torn (the latter logged).
+
+    Raises:
+        StorageError: It could not be read (see :func:`_fetch`).
+    """
+    record = _fetch(storage, number)
+    return record if isinstance(record, WriterGeneration) else None
 
 
 def newest_generation(storage: Storage) -> WriterGeneration | None:
@@ -185,39 +243,40 @@ def claim(storage: Storage, *, newest_step: int | None,
 
     Raises:
         FencedWriterError: A newer restart of this SLURM job already claimed the root.
-        StorageError: The root cannot be written.
+        StorageError: The root cannot be written, or a record cannot be read (its
+            transient errors outlived their retries): nothing was claimed.
     """
     me = identity or Lineage.current()
+    taken: set[int] = set()  # numbers a create found taken although no listing had them
     for _ in range(_CLAIM_ATTEMPTS):
-        records = _records(storage)
-        numbers = _numbers(storage)
-        for record in records:
-            if me.slurm_job_id is not None and record.slurm_job_id == me.slurm_job_id \
-                    and (record.slurm_restart_count or 0) > (me.slurm_restart_count or 0):
-                raise FencedWriterError(
-                    f"cannot claim {storage.path()}: this process is SLURM job "
-                    f"{me.slurm_job_id} restart {me.slurm_restart_count}, and "
-                    f"{record.describe()} of a later restart of the same job already "
-                    "claimed it (this process is a zombie of the requeued job: stop it)",
-                    path=storage.path(), step=None,
-                    generation=f"SLURM job {me.slurm_job_id} restart "
-                               f"{me.slurm_restart_count}",
-                    newer=record.describe(),
-                )
-        newest = max(records, key=lambda record: record.number, default=None)
+        # One listing, and every record it holds read whole: what decides this claim.
+        numbers = sorted(set(_numbers(storage)) | taken)
+        found = {number: _fetch(storage, number) for number in numbers}
+        records = [record for record in found.values() if isinstance(record, WriterGeneration)]
+        _refuse_an_older_restart(storage, me, records)
+        top = numbers[-1] if numbers else 0
+        newest = found.get(top)
         mine = WriterGeneration(
-            number=(numbers[-1] if numbers else 0) + 1, token=secrets.token_hex(8),
+            number=top + 1, token=secrets.token_hex(8),
             slurm_job_id=me.slurm_job_id, slurm_restart_count=me.slurm_restart_count,
             hostname=me.hostname, pid=me.pid, newest_step=newest_step,
         )
-        if newest is not None and numbers[-1] == newest.number and newest.same_run(mine):
+        if isinstance(newest, WriterGeneration) and newest.same_run(mine):
             return newest
         storage.make_dirs()
+        name = generation_record_name(mine.number)
         try:
-            storage.write_bytes_exclusive(generation_record_name(mine.number),
-                                          mine.model_dump_json(indent=2).encode())
+            storage.write_bytes_exclusive(name, mine.model_dump_json(indent=2).encode())
         except FileExistsError:
-            continue  # another claimer took this number first: try the next one
+            taken.add(mine.number)  # another claimer took it first: read it, try the next
+            continue
+        if not storage.conditional_create:
+            # A check-then-write store: a racing claim of this number may have replaced
+            # the record. Read it back; the record that stays decides.
+            stayed = _read(storage, mine.number)
+            if stayed is None or stayed.token != mine.token:
+                taken.add(mine.number)
+                continue
         _prune_records(storage, mine.number)
         logger.info("resumekit: %s claimed %s", mine.describe(), storage.path())
         return mine
@@ -225,6 +284,26 @@ def claim(storage: Storage, *, newest_step: int | None,
         f"cannot claim a writer generation in {storage.path()}: {_CLAIM_ATTEMPTS} claims "
         "raced with others and lost", path=storage.path(), operation="claim",
     )
+
+
+def _refuse_an_older_restart(storage: Storage, me: Lineage,
+                             records: Iterable[WriterGeneration]) -> None:
+    """Raise when a newer restart of ``me``'s SLURM job holds one of ``records``."""
+    if me.slurm_job_id is None:
+        return
+    for record in records:
+        if record.slurm_job_id == me.slurm_job_id \
+                and (record.slurm_restart_count or 0) > (me.slurm_restart_count or 0):
+            raise FencedWriterError(
+                f"cannot claim {storage.path()}: this process is SLURM job "
+                f"{me.slurm_job_id} restart {me.slurm_restart_count}, and "
+                f"{record.describe()} of a later restart of the same job already "
+                "claimed it (this process is a zombie of the requeued job: stop it)",
+                path=storage.path(), step=None,
+                generation=f"SLURM job {me.slurm_job_id} restart "
+                           f"{me.slurm_restart_count}",
+                newer=record.describe(),
+            )
 
 
 def _prune_records(storage: Storage, newest: int) -> None:
@@ -242,7 +321,8 @@ def check(storage: Storage, generation: WriterGeneration, *, action: str,
     """Raise unless ``generation`` is still the root's newest claim.
 
     Reads two names: the writer's own record (it must still hold its token) and its
-    successor's (it must not exist).
+    successor's (it must not exist; a torn one counts). Both reads are retried after
+    transient errors; an error that outlives them is not taken for a newer claim.
 
     Args:
         storage: The checkpoint root.
@@ -252,12 +332,27 @@ def check(storage: Storage, generation: WriterGeneration, *, action: str,
 
     Raises:
         FencedWriterError: A newer generation has claimed the root.
+        StorageError: A record could not be read, or the writer's own record is torn:
+            whether a newer generation claimed the root is not known (and not assumed).
     """
-    own = _read(storage, generation.number)
-    successor = storage.exists(generation_record_name(generation.number + 1))
-    if own is not None and own.token == generation.token and not successor:
+    own = _fetch(storage, generation.number)
+    successor = _fetch(storage, generation.number + 1) is not None
+    if own == _TORN and not successor:
+        where = storage.path(generation_record_name(generation.number))
+        raise StorageError(
+            f"could not check the writer generations of {storage.path()} before this "
+            f"writer's attempt to {action}: its own generation record {where} does not "
+            "parse (damaged after it was written). This is not fencing: no newer claim was "
+            "seen, so this writer is not fenced by it; nothing was set aside or deleted. "
+            "A new claim (a restarted run's restore) writes a new record",
+            path=where, operation="read", step=step,
+        )
+    if isinstance(own, WriterGeneration) and own.token == generation.token and not successor:
         return
-    newer = newest_generation(storage)
+    try:
+        newer = newest_generation(storage)  # only to name it: fenced either way
+    except StorageError:
+        newer = None
     newer_text = newer.describe() if newer is not None and newer.token != generation.token \
         else f"a newer claim (record {generation.number} or {generation.number + 1} of " \
              f"{storage.path(GENERATIONS_DIR)})"

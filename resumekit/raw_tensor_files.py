@@ -1350,8 +1350,7 @@ class RawTensorReading:
         if stock:
             if self.verify and self.file_checksums is not None:
                 self._verify_stock_files(stock)
-            super().read_data(  # type: ignore[misc]
-                dataclasses.replace(plan, items=stock), planner).wait()
+            self._read_stock(plan, stock, planner)
         if raw:
             self._read_raw(raw, planner)
         done: Future[None] = Future()
@@ -1379,17 +1378,44 @@ class RawTensorReading:
                     f"cannot be verified (it holds {held})",
                     path=where, file=where, key=names[0],
                 )
-            digest = Checksum()
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                while chunk := stream.read(CHUNK_BYTES):
-                    digest.update(chunk)
-            if digest.value() != expected:
+
+            def hashed(name: str = name) -> str:
+                digest = Checksum()
+                with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                    while chunk := stream.read(CHUNK_BYTES):
+                        digest.update(chunk)
+                return digest.value()
+
+            actual = read_with_retry(where, hashed)  # a transient error hashes it again
+            if actual != expected:
                 raise CorruptCheckpointError(
                     f"{where} does not match its checksum in the manifest (expected "
-                    f"{expected}, got {digest.value()}); it holds {held}",
+                    f"{expected}, got {actual}); it holds {held}",
                     path=where, file=where, key=names[0],
                 )
             verified.add(name)
+
+    def _read_stock(self, plan: LoadPlan, requests: list[ReadItem],
+                    planner: LoadPlanner) -> None:
+        """DCP's own read of the items in its format, file by file.
+
+        A transient error (a dropped connection, ``EIO``) reads that file's items again
+        (:func:`~resumekit.retry.read_with_retry`; loading an item twice writes the same
+        values); one that outlives the retries is a
+        :class:`~resumekit.errors.StorageError` naming the file, never corruption.
+        """
+        read = super().read_data  # type: ignore[misc]
+        per_file: dict[str, list[ReadItem]] = {}
+        for request in requests:
+            info: _StorageInfo = self.storage_data[request.storage_index]
+            per_file.setdefault(info.relative_path, []).append(request)
+        for name, items in per_file.items():
+            where = str(os.fspath(self.fs.concat_path(self.path, name)))
+
+            def read_file(items: list[ReadItem] = items) -> None:
+                read(dataclasses.replace(plan, items=items), planner).wait()
+
+            read_with_retry(where, read_file)
 
     def _read_raw(self, requests: list[ReadItem], planner: LoadPlanner) -> None:
         per_file: dict[str, list[_Job]] = {}

@@ -54,12 +54,14 @@ from resumekit.errors import (
     IncompleteCheckpointError,
     ManifestError,
     ResumekitError,
+    StorageError,
     UnreadableFormatError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
 from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manifest import WriterGeneration, running_versions, version_skew
+from resumekit.retry import is_transient
 from resumekit.storage import Storage
 
 __all__ = [
@@ -287,7 +289,10 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     them (it is then set aside). Anything else (a storage failure that outlived its
     retries, unsafe content, files another torch or resumekit version wrote:
     :func:`refuse_version_skew`) is raised: falling back past a checkpoint that stays
-    committed would only collide with it on the next save.
+    committed would only collide with it on the next save. A transient storage failure
+    (retried, or one :func:`~resumekit.retry.is_transient` names) is raised even when the
+    manifest looks gone: a lookup on a failing mount answers "absent" for an ``EIO``
+    (``os.path.exists``), and a deleted file reads as missing, not as a connection error.
 
     Args:
         entry: The checkpoint.
@@ -303,6 +308,9 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
             :class:`~resumekit.errors.IncompleteCheckpointError` naming the file), when
             restore may not fall back past it.
     """
+    if isinstance(error, StorageError) and (getattr(error, "attempts", None)
+                                            or is_transient(error)):
+        raise error  # the storage failed, not the checkpoint: nothing says it is gone
     if gone:
         if not may_fall_back:
             raise CheckpointNotFoundError(_deleted(entry, error), path=entry.path,

@@ -121,8 +121,9 @@ def read_with_retry(what: str, read: Callable[[], T], *,
         last = exhausted.last_attempt.exception()
         raise StorageError(
             f"reading {what} failed {limit} times with transient errors (last: "
-            f"{type(last).__name__}: {last}); the checkpoint was left as it is - check the "
-            "storage and run again", path=what, operation="read", attempts=limit,
+            f"{type(last).__name__}: {last}); a transient storage error, not corruption: "
+            "nothing was set aside, the checkpoint was left as it is - check the storage "
+            "and run again", path=what, operation="read", attempts=limit,
         ) from last
 
 

@@ -112,7 +112,7 @@ from resumekit.raw_tensor_files import (
     checksum_files,
     raw_files,
 )
-from resumekit.retry import read_with_retry
+from resumekit.retry import is_transient, read_with_retry
 from resumekit.safe_pickle import load_dcp_metadata
 from resumekit.save_planner import StructureCachingSavePlanner
 
@@ -2332,9 +2332,12 @@ def _load_error(
             path=target,
             file=missing,
         )
-    if isinstance(error, OSError):  # the storage failed, not the bytes: never corruption
+    if isinstance(error, OSError) or is_transient(error):
+        # the storage failed (an I/O error, a dropped connection), not the bytes: never
+        # corruption, never a reason to set the checkpoint aside
         return StorageError(
-            f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",
+            f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error} "
+            "(a storage error, not corruption: nothing was set aside)",
             path=target,
             operation="load",
         )

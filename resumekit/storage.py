@@ -17,11 +17,13 @@ under it. Object stores and ``memory://`` have no links.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import posixpath
+import secrets
 import shutil
 import stat
 from collections.abc import Iterator
@@ -41,6 +43,9 @@ __all__ = ["FileInfo", "Storage"]
 _READ_CHUNK = 8 << 20
 #: fsspec protocols whose ``pipe_file(mode="create")`` is an atomic create-if-absent.
 _CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
+#: ``link(2)`` errors of a filesystem without hard links (vfat, some FUSE mounts).
+_NO_HARD_LINKS = frozenset(getattr(errno, name) for name in ("EPERM", "ENOTSUP", "EOPNOTSUPP")
+                           if hasattr(errno, name))
 
 
 @dataclass(frozen=True)
@@ -443,9 +448,14 @@ class Storage:
         """Create ``relative`` holding ``data``, only if nothing is there yet.
 
         Where :attr:`conditional_create` is true the check and the write are one atomic
-        operation of the store (``O_CREAT | O_EXCL`` plus ``fsync`` locally, a PUT with
-        ``If-None-Match: *`` on S3): of two writers, exactly one succeeds. Elsewhere the
-        file is checked for, then written (a race window of one round trip).
+        operation of the store (a hard link locally, a PUT with ``If-None-Match: *`` on
+        S3): of two writers, exactly one succeeds, and the file appears with all of its
+        bytes: a reader never sees it empty or half-written. Locally the bytes are written
+        and fsynced under a hidden name beside ``relative`` first (``.<name>.tmp-<hex>``,
+        removed afterwards; a kill in between leaves only that), then linked in; where
+        the filesystem has no hard links it is created with ``O_CREAT | O_EXCL`` and then
+        written. Elsewhere the file is checked for, then written (a race window of one
+        round trip).
 
         Raises:
             FileExistsError: Something is already at ``relative``; nothing was written.
@@ -454,12 +464,22 @@ class Storage:
         target = self.path(relative)
         if self.is_local:
             self._refuse_links("write", "write", relative)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with _storage_errors("write", target, "write", passes=(FileExistsError,)), \
-                    open(target, "xb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
+            directory, base = os.path.split(target)
+            os.makedirs(directory, exist_ok=True)
+            aside = os.path.join(directory, f".{base}.tmp-{secrets.token_hex(6)}")
+            with _storage_errors("write", target, "write", passes=(FileExistsError,)):
+                try:
+                    _write_durably(aside, data)
+                    try:
+                        os.link(aside, target)  # atomic, and EEXIST if anything is there
+                    except OSError as error:
+                        if error.errno not in _NO_HARD_LINKS:
+                            raise
+                        _write_durably(target, data)  # no hard links: O_EXCL, then write
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(aside)
+            self.fsync_dir(posixpath.dirname(relative))  # the name, durable
             return
         self._forget(relative)
         try:
@@ -633,6 +653,14 @@ def _storage_errors(
             raise
         raise StorageError(f"cannot {verb} {target}: {error}", path=path or target,
                            operation=operation) from error
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Create ``path`` (``O_EXCL``: FileExistsError if it exists), write ``data``, fsync."""
+    with open(path, "xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def _renameat2() -> Any:

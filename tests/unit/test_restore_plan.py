@@ -113,6 +113,18 @@ def test_a_failed_checkpoint_is_fallen_back_from_only_when_its_step_is_free_agai
                                    may_fall_back=True)
 
 
+def test_a_transient_storage_error_is_raised_even_when_the_manifest_looks_gone() -> None:
+    # os.path.exists answers False for an EIO: a failing mount is not a deletion
+    retried = StorageError("reading tensors/__0_0.distcp failed 5 times with transient errors",
+                           path="tensors/__0_0.distcp", operation="read", attempts=5)
+    with pytest.raises(StorageError, match="5 times"):
+        restore_plan.judge_failure(_entry(7), retried, gone=True, may_fall_back=True)
+    dropped = StorageError("reading checkpoint step_7 failed", path="step_7")
+    dropped.__cause__ = ConnectionResetError(104, "Connection reset by peer")
+    with pytest.raises(StorageError, match="step_7"):
+        restore_plan.judge_failure(_entry(7), dropped, gone=True, may_fall_back=True)
+
+
 def _hf_trainer_checkpoint(root: Path, step: int) -> None:
     folder = root / f"checkpoint-{step}"
     folder.mkdir(parents=True)
