@@ -98,6 +98,7 @@ __all__ = [
     "link_problem",
     "list_checkpoints",
     "list_root",
+    "listing_with_hinted_step",
     "locate_tensor_data",
     "newest_committed",
     "newest_generation_record",
@@ -823,6 +824,42 @@ def _newest_from_hint(storage: Storage, name_format: NameFormat,
         if entry.status == "committed" and (skip is None or not skip(entry)):
             return entry
     return None
+
+
+def listing_with_hinted_step(storage: Storage, name_format: NameFormat,
+                             listing: Listing) -> Listing:
+    """``listing`` of an S3 root, with the committed step the newest-step hint names.
+
+    :func:`newest_committed` on S3 (``latest()``) reads the hinted checkpoint's manifest
+    by name and the names listed after it, so it finds a commit that a lagging listing
+    of the whole root does not show yet. A caller that lists the whole root (restore)
+    passes its listing here to see that checkpoint too: when the hint names a step above
+    every step directory of ``listing`` and that step's manifest is committed, its
+    directory and the names listed after it are added, with a warning naming it (the
+    listing lagged). Otherwise (another store, no usable hint, a hint at or below the
+    listing's newest, a hinted step that is not committed any more) ``listing`` is
+    returned as it is: a hint never stands in for a manifest.
+    """
+    if not storage.range_listing:
+        return listing
+    hinted = read_newest_hint(storage, name_format)
+    if hinted is None or not _sorts_by_name(name_format, hinted):
+        return listing
+    steps = step_directories(listing, name_format)
+    if steps and steps[0][0] >= hinted:
+        return listing
+    name = name_format.build(hinted)
+    entry = _step_entry(storage, name, hinted, NameFormat(LEGACY_NAME_FORMAT))
+    if entry.status != "committed":
+        return listing
+    logger.warning(
+        "resumekit: the listing of %s does not show %s yet, although the newest-step hint "
+        "names it and its manifest is committed (an eventually consistent listing lagging "
+        "behind the commit); reading it by name, as latest() does, so that restore does not "
+        "resume an older step", storage.path(), storage.path(name))
+    merged = {item[0]: item for item in listing}
+    merged.update({item[0]: item for item in [*storage.list_names(after=name), (name, True)]})
+    return sorted(merged.values())
 
 
 def _sorts_by_name(name_format: NameFormat, step: int) -> bool:

@@ -49,13 +49,16 @@ are re-exported here for code that imported them from this module.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import posixpath
 import secrets
-from collections.abc import Callable, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, Literal, cast
 
 import torch
 
@@ -74,6 +77,8 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
+    ResumekitError,
+    StorageError,
 )
 from resumekit.layout import MANIFEST_NAME, NameFormat
 from resumekit.manifest import Manifest
@@ -522,6 +527,10 @@ def export_checkpoint(
             ``model_config``; ``layout="diffusers"`` without any model config; or ``out``
             already holds an export and ``overwrite`` is False (nothing is written).
         CorruptCheckpointError: A shard is unreadable, or fails verification.
+        StorageError: An output file could not be written (naming it and the cause; a
+            full disk also the free space and the bytes the export needs,
+            ``needed_bytes``). Whatever the export wrote is removed first, whatever the
+            error.
     """
     if out is None:
         raise ConfigurationError("export needs an output directory (out)", name="out",
@@ -571,22 +580,28 @@ def export_checkpoint(
         if progress is not None:
             progress(written, total)
 
-    for planned, name in zip(files, names, strict=True):
-        _write_file(out_store, name, planned, metadata=metadata, stream=stream,
-                    progress=advance)
-        weight_map.update({tensor.name: name for tensor in planned.tensors})
     index_name: str | None = None
-    if len(files) > 1:
-        index_name = f"{stem}.safetensors.index.json"
-        document = {"metadata": {"total_size": total, "resumekit_step": source.step},
-                    "weight_map": weight_map}
-        out_store.write_bytes(index_name, _json_bytes(document))
     config_name: str | None = None
-    if config_source is not None:
-        config["_resumekit"] = {"step": source.step, "source": source.name,
-                                "config_source": config_source}
-        config_name = _CONFIG_NAME
-        out_store.write_bytes(config_name, _json_bytes(config))
+    with _removed_if_failed(out_store, sum(
+            len(_header(planned, metadata)) + planned.nbytes for planned in files),
+    ) as written_names:
+        for planned, name in zip(files, names, strict=True):
+            written_names.append(name)
+            _write_file(out_store, name, planned, metadata=metadata, stream=stream,
+                        progress=advance)
+            weight_map.update({tensor.name: name for tensor in planned.tensors})
+        if len(files) > 1:
+            index_name = f"{stem}.safetensors.index.json"
+            document = {"metadata": {"total_size": total, "resumekit_step": source.step},
+                        "weight_map": weight_map}
+            written_names.append(index_name)
+            out_store.write_bytes(index_name, _json_bytes(document))
+        if config_source is not None:
+            config["_resumekit"] = {"step": source.step, "source": source.name,
+                                    "config_source": config_source}
+            config_name = _CONFIG_NAME
+            written_names.append(config_name)
+            out_store.write_bytes(config_name, _json_bytes(config))
     return ExportResult(
         step=source.step, source=source.path, out=out_store.path(), files=names,
         index=index_name, config=config_name, config_source=config_source,
@@ -627,6 +642,9 @@ def export_torch(
     Raises:
         ConfigurationError: No ``out``, or it exists and ``overwrite`` is False.
         CheckpointNotFoundError: No committed checkpoint of ``step``.
+        StorageError: ``out`` could not be written (naming it and the cause; a full disk
+            also the free space and at least the bytes it needs, its tensors',
+            ``needed_bytes``). The partial file is removed first.
     """
     if out is None:
         raise ConfigurationError("export --format torch needs an output file (--out FILE.pt)",
@@ -652,19 +670,119 @@ def export_torch(
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f".{os.path.basename(target)}.tmp-"
                                         f"{secrets.token_hex(4)}")
+    store = Storage(directory)
     try:
-        torch.save(state, temporary)
+        with store.open(os.path.basename(temporary), "wb") as handle:
+            kept = _KeptWriteError(handle)
+            try:
+                torch.save(state, cast(IO[bytes], kept))
+            except RuntimeError as error:
+                if kept.error is None:
+                    raise
+                raise kept.error from error  # torch's report drops the write's cause
         os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
+    except BaseException as error:
+        left = _remove_written(store, [os.path.basename(temporary)])
+        failure = _export_failure(error, target, directory, sum(sizes), left, at_least=True)
+        if failure is error:
+            raise
+        raise failure from error
     return ExportResult(
         step=source.step, source=source.path, out=directory,
         files=[os.path.basename(target)], index=None, config=None, config_source=None,
         tensors=len(sizes), total_bytes=sum(sizes), largest_tensor_bytes=max(sizes, default=0),
         weight_map={},
     )
+
+
+class _KeptWriteError:
+    """A file for ``torch.save`` that keeps the ``OSError`` of a failed write.
+
+    torch's archive writer reports a failed write as a ``RuntimeError`` of its own
+    (``[enforce fail at inline_container.cc] ...``) without the cause, such as ``ENOSPC``.
+    """
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+@contextlib.contextmanager
+def _removed_if_failed(store: Storage, needed: int) -> Iterator[list[str]]:
+    """Track the files an export writes to ``store``; if it fails, remove them.
+
+    The block appends each name before writing it; the error raised names the last one
+    (see :func:`_export_failure`).
+    """
+    names: list[str] = []
+    try:
+        yield names
+    except BaseException as error:
+        left = _remove_written(store, names)
+        where = store.path(names[-1]) if names else store.path()
+        failure = _export_failure(error, where, store.path(), needed, left, at_least=False)
+        if failure is error:
+            raise
+        raise failure from error
+
+
+def _remove_written(store: Storage, names: list[str]) -> list[str]:
+    """Remove what a failed export wrote (``names``, and their temporaries' leftovers).
+
+    Returns:
+        The paths that could not be removed (each also logged by the error it names).
+    """
+    left: list[str] = []
+    for name in names:
+        try:
+            store.remove_file(name)
+        except StorageError:
+            left.append(store.path(name))
+    return left
+
+
+def _export_failure(error: BaseException, where: str, out: str, needed: int,
+                    left: list[str], *, at_least: bool) -> BaseException:
+    """The error to raise for an export that failed writing ``where`` (and cleaned up).
+
+    An ``OSError`` becomes a :class:`StorageError` naming the file, the cause and, for a
+    full disk (``ENOSPC``, ``EDQUOT``, ``EFBIG``), the free space and the bytes the export
+    needs; any other error is returned unchanged, with a note of files it could not remove.
+    """
+    remains = (f"; could not remove {', '.join(left)}" if left else
+               f"; nothing of it was left in {out}")
+    if not isinstance(error, OSError) or isinstance(error, ResumekitError):
+        if left:
+            error.add_note(f"the export{remains}")
+        return error
+    code = error.errno
+    detail = f"{type(error).__name__}: {error}"
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file is too large "
+                  "for the filesystem", errno.EDQUOT: "the disk quota is exhausted"}[code]
+        free = ""
+        if "://" not in out:
+            with contextlib.suppress(OSError):
+                free = f"; {shutil.disk_usage(out).free} bytes free"
+        detail = f"{reason} ({os.strerror(code)}{free}) [errno {code}]"
+    amount = f"at least {needed}" if at_least else f"{needed}"
+    failure = StorageError(
+        f"cannot export to {where}: {detail}; the export needs {amount} bytes{remains}",
+        path=where, file=os.path.basename(where), operation="export", errno=code,
+        needed_bytes=needed, left=left)
+    failure.strerror = os.strerror(code) if isinstance(code, int) else None
+    failure.filename = where
+    return failure
 
 
 def _join(url: str, name: str) -> str:

@@ -38,14 +38,16 @@ so a reader that needs a slice verifies it without reading much more (``bytes`` 
 empty shape for non-tensor values). Smaller items share packed regions of at most
 :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose first
 member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
-nothing, as DCP's own items; their dtype and shape are DCP's metadata entries. The
+``"resumekit-raw/member"`` (:data:`MEMBER_DESCRIPTORS`: nothing of their own; written
+since issue 29, members written before record nothing); their dtype and shape are DCP's
+metadata entries. The
 region's checksum is in the rank's checksum file (``__<rank>_checksums.json``, listed in
 the manifest, checked against it before use), so ``.metadata`` holds no checksum of a
 packed region and its bytes depend only on the state's structure. Checkpoints written
 before that (format 2: ``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and before
 packing (every item in format 1) still load. DCP's stock reader
-stops at a described item with ``ValueError: Unknown extension name='resumekit-raw'``
-instead of misreading it (the first member of every region is described); stock DCP
+stops at the first item it reads with ``ValueError: Unknown extension
+name='resumekit-raw'`` instead of misreading it (every item is described); stock DCP
 reads these checkpoints through :class:`resumekit.StorageReader` (``dcp.load(...,
 storage_reader=resumekit.StorageReader(step_dir))``), and
 ``CheckpointManager(..., tensor_format="dcp")`` writes DCP's own format instead.
@@ -115,6 +117,7 @@ __all__ = [
     "ALIGNMENT",
     "CHUNK_BYTES",
     "FORMAT_NAME",
+    "MEMBER_DESCRIPTORS",
     "CheckedDcpWriter",
     "RawTensorReading",
     "RawTensorWriter",
@@ -126,6 +129,7 @@ __all__ = [
     "encode_checksums",
     "hex_digest",
     "is_described_pack",
+    "is_packed_member",
     "is_raw",
     "publish_metadata",
     "raw_files",
@@ -146,6 +150,13 @@ that rank's small checksum file (:func:`resumekit.layout.raw_checksums_file`), s
 INLINE_PACK_FORMAT_VERSION = 2
 """Packs written before version 3: the region's checksum inside its descriptor
 (``resumekit-raw/2;<region length>;xxh3_128:<hex>``); still read."""
+MEMBER_DESCRIPTORS: tuple[str] = (f"{FORMAT_NAME}/member",)
+"""The descriptors of a packed region's members after its first (written since issue 29):
+no content of their own (the member lies in the region of its file that holds its
+offset), but DCP's stock reader, whatever item of a file it reads first, stops at
+``Unknown extension name='resumekit-raw'`` instead of ``torch.load``-ing raw bytes. One
+shared tuple, so the pickled ``.metadata`` refers back to it per item. Members written
+before carry none (:func:`is_packed_member`); both are read."""
 CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
 """The ``format`` of a checksum file: ``{"format": ..., "regions": {data file: [[offset,
 length, hex XXH3-128], ...]}}``."""
@@ -301,8 +312,9 @@ _INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
 def is_raw(info: _StorageInfo) -> bool:
     """Whether a stored item carries a descriptor of :class:`RawTensorWriter`.
 
-    The members of a packed region after its first carry none: which files are raw
-    tensor files is :func:`raw_files`'s answer.
+    The members of a packed region after its first carry :data:`MEMBER_DESCRIPTORS`, or
+    none in checkpoints written before it: which files are raw tensor files is
+    :func:`raw_files`'s answer.
     """
     descriptors = info.transform_descriptors or ()
     return len(descriptors) == 1 and descriptors[0].startswith(f"{FORMAT_NAME}/")
@@ -315,6 +327,15 @@ def raw_files(storage_data: Mapping[Any, _StorageInfo]) -> set[str]:
     writes every item of it, and DCP's own writer records no resumekit descriptor.
     """
     return {info.relative_path for info in storage_data.values() if is_raw(info)}
+
+
+def is_packed_member(descriptors: Sequence[str] | None) -> bool:
+    """Whether ``descriptors`` are those of a packed region's member after its first.
+
+    That is :data:`MEMBER_DESCRIPTORS`, or none at all (written before it; in a raw file,
+    see :func:`raw_files`).
+    """
+    return not descriptors or tuple(descriptors) == MEMBER_DESCRIPTORS
 
 
 def is_described_pack(descriptors: Sequence[str]) -> bool:
@@ -1006,8 +1027,9 @@ class _Pack:
     :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
     written with one system call and covered, padding included, by one checksum. The
     region's first member starts the region and records its descriptor
-    (``resumekit-raw/2;<region length>;xxh3_128:<hex>``); the others record none, as
-    DCP's own items do, and belong to the region of their file that holds their offset
+    (``resumekit-raw/3;<region length>;<checksum file>``); the others record
+    :data:`MEMBER_DESCRIPTORS` (no content: DCP's stock reader refuses them by name) and
+    belong to the region of their file that holds their offset
     (:class:`_FileLayout`). The region ends with a table of its members (offset, length
     and XXH3-128 of each, then their count and a magic number), read only when the
     region's checksum fails, to name the damaged member. Each member's dtype and shape
@@ -1053,7 +1075,8 @@ class _Pack:
         results = [WriteResult(index=cast(WriteItem, item).index, size_in_bytes=length,
                                storage_data=_StorageInfo(
                                    self.name, base + start, length,
-                                   transform_descriptors=None if number else [descriptor]))
+                                   transform_descriptors=MEMBER_DESCRIPTORS
+                                   if number else [descriptor]))
                    for number, (item, start, length) in enumerate(self.members)]
         self.members, self.used = [], 0
         return results
@@ -1423,7 +1446,8 @@ class RawTensorReading:
         for request in requests:
             info: _StorageInfo = self.storage_data[request.storage_index]
             text = (info.transform_descriptors or ("",))[0]
-            if not text or text.startswith((_PACK_PREFIX, _INLINE_PACK_PREFIX)):  # packed
+            if (is_packed_member(info.transform_descriptors)
+                    or text.startswith((_PACK_PREFIX, _INLINE_PACK_PREFIX))):  # packed
                 region = layout.region_of(info)
                 if region is None:
                     where = self._where(info)

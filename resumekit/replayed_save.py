@@ -82,6 +82,7 @@ from resumekit.raw_tensor_files import (
     WrittenFile,
     checksum_files,
     is_described_pack,
+    is_packed_member,
     publish_metadata,
     refuse_existing_checkpoint,
     written_metadata,
@@ -135,7 +136,7 @@ class Replay:
 def _varies(info: _StorageInfo) -> bool:
     """Whether an item's stored entry carries per-save content (block checksums)."""
     descriptors = info.transform_descriptors or ()
-    return bool(descriptors) and not is_described_pack(descriptors)
+    return not is_packed_member(descriptors) and not is_described_pack(descriptors)
 
 
 def remember(planner: save_planner.StructureCachingSavePlanner, writer: RawTensorWriter,
@@ -240,6 +241,9 @@ def _record_from(metadata: Metadata, data: bytes, rank: int, world_size: int,
     for index, info in metadata.storage_data.items():
         if not isinstance(info, _StorageInfo):
             raise _NotSeedable(f"{index.fqn} is not stored in a file")
+        if not info.transform_descriptors:
+            raise _NotSeedable(f"{index.fqn} is a packed member without a descriptor "
+                               "(written before they had one); a save in full adds them")
         parsed = _rank_and_number(info.relative_path)
         owner = parsed[0] if parsed is not None else None
         if owner is None or owner >= world_size:

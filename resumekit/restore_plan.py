@@ -40,6 +40,7 @@ from resumekit.catalog import (
     import_command,
     list_checkpoints,
     list_root,
+    listing_with_hinted_step,
     other_entries,
     other_name_checkpoints,
     read_top,
@@ -137,6 +138,9 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
         listing = list_root(storage)
         if recover and recover_interrupted(storage, name_format, listing=listing):
             listing = list_root(storage)
+        # latest() on S3 finds a commit by the newest-step hint; a lagging listing must not
+        # make restore resume an older step than that one
+        listing = list(listing_with_hinted_step(storage, name_format, listing))
 
         def fenced(entry: CheckpointEntry) -> bool:
             return entry.manifest is not None and \

@@ -1073,7 +1073,8 @@ def _placed_members(jobs: Any, storage: Mapping[Any, Any], number_of: Mapping[st
                     or tuple(item.tensor_data.size) != tuple(leaves[number][1].shape)):
                 return None
             descriptors = info.transform_descriptors or ()
-            if descriptors and not raw_tensor_files.is_described_pack(descriptors):
+            if not (raw_tensor_files.is_packed_member(descriptors)
+                    or raw_tensor_files.is_described_pack(descriptors)):
                 return None  # a format-1 item: its blocks' checksums are in .metadata
             members.append(number)
             where.append(info.offset)
@@ -1395,7 +1396,7 @@ def _members_by_file(storage: Mapping[Any, Any], items: _LayoutItems
     leaders: dict[str, list[tuple[int, int]]] = {}
     for index, info in storage.items():
         descriptors = info.transform_descriptors
-        if descriptors:
+        if not raw_tensor_files.is_packed_member(descriptors):
             if not raw_tensor_files.is_described_pack(descriptors):
                 return None
             length = int(descriptors[0].split(";")[1])

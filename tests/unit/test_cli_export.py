@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import tracemalloc
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +20,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from resumekit import legacy, sharded
+from resumekit.errors import ResumekitError, StorageError
 from resumekit.export import export_checkpoint
 from resumekit.manager import CheckpointManager
 from resumekit.storage import Storage
@@ -178,3 +183,96 @@ def test_export_holds_one_tensor_at_a_time_so_memory_is_bounded_by_the_largest(
     # the model: torch's own tensor storage is covered by the count above.
     assert result.largest_tensor_bytes == largest
     assert peak < 2 * largest < model_bytes // 8
+
+
+class _FullDisk:
+    """Files opened for writing through ``Storage.open`` take ``budget`` bytes in all, then
+    fail with ``ENOSPC`` as a full disk does (after writing what still fit)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
+        self.left = budget
+        self.failures = 0
+        real = Storage.open
+
+        @contextmanager
+        def open_on_a_small_disk(store: Storage, relative: str, mode: str = "rb"
+                                 ) -> Iterator[Any]:
+            with real(store, relative, mode) as handle:
+                yield handle if "w" not in mode else _Limited(handle, self)
+
+        monkeypatch.setattr(Storage, "open", open_on_a_small_disk)
+
+
+class _Limited:
+    def __init__(self, handle: Any, disk: _FullDisk) -> None:
+        self.handle, self.disk = handle, disk
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        fits = min(len(view), self.disk.left)
+        self.handle.write(view[:fits])
+        self.disk.left -= fits
+        if fits < len(view):
+            self.disk.failures += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return fits
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _exported_bytes(root: Path, tmp_path: Path, max_shard_bytes: int) -> int:
+    """What the same export writes on a disk with room."""
+    roomy = tmp_path / "roomy"
+    export_checkpoint(root, out=roomy, max_shard_bytes=max_shard_bytes)
+    return sum(path.stat().st_size for path in roomy.rglob("*") if path.is_file())
+
+
+@pytest.mark.parametrize("max_shard_bytes", [1 << 30, 64],
+                         ids=["one file", "three shards and an index"])
+def test_export_on_a_full_disk_names_the_file_and_the_bytes_needed_and_leaves_nothing(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], max_shard_bytes: int,
+) -> None:
+    root, _ = trained
+    needed = _exported_bytes(root, tmp_path, max_shard_bytes)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    disk = _FullDisk(monkeypatch, budget=needed // 2)  # the first shards fit, not all
+    code, _, err = run_cli(capsys, "export", str(root), "--out", str(out),
+                           "--max-shard-size", f"{max_shard_bytes}B")
+    assert code == 1 and disk.failures == 1
+    assert_one_error_line(err, "the disk is full")
+    line = err.strip()
+    assert "[Errno 28]" not in line and "errno 28" in line
+    assert str(out) in line and re.search(r"needs (at least )?\d+ bytes", line)
+    # nothing of the export is left, not even the shards written before the disk filled
+    assert sorted(path.name for path in out.iterdir()) == ["notes.txt"]
+    disk.left = needed // 2  # the API raises a StorageError with the numbers as attributes
+    with pytest.raises(StorageError) as caught:
+        export_checkpoint(root, out=out, max_shard_bytes=max_shard_bytes)
+    assert isinstance(caught.value, ResumekitError) and caught.value.errno == errno.ENOSPC
+    assert caught.value.needed_bytes >= needed - 4096
+    assert sorted(path.name for path in out.iterdir()) == ["notes.txt"]
+
+
+def test_export_format_torch_on_a_full_disk_names_the_file_and_the_bytes_needed(
+    trained: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    root, _ = trained
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "full.pt"
+    disk = _FullDisk(monkeypatch, budget=600)  # torch's archive header fits, a tensor not
+    code, _, err = run_cli(capsys, "export", str(root), "--format", "torch",
+                           "--out", str(target))
+    assert code == 1 and disk.failures == 1
+    assert_one_error_line(err, "the disk is full")
+    line = err.strip()
+    # torch's own report of it is "[enforce fail at inline_container.cc] ... file write
+    # failed": the cause is the write's OSError, named, with the file and the size
+    assert "inline_container" not in line and "errno 28" in line
+    assert str(target) in line and re.search(r"needs at least \d+ bytes", line)
+    assert list(out.iterdir()) == []

@@ -34,6 +34,7 @@ from resumekit.raw_tensor_files import (
     ALIGNMENT,
     CHUNK_BYTES,
     FORMAT_NAME,
+    MEMBER_DESCRIPTORS,
     PACK_BYTES,
     PACK_ITEM_BYTES,
     RawTensorWriter,
@@ -86,6 +87,13 @@ def storage_info(directory: Path) -> dict[str, Any]:
     """``{fqn: _StorageInfo}`` from the checkpoint's DCP metadata."""
     metadata = sharded._make_reader(str(directory), None).read_metadata()
     return {index.fqn: info for index, info in metadata.storage_data.items()}
+
+
+def leads(info: Any) -> bool:
+    """Whether a stored item carries content in its descriptor: stored alone, or the first
+    member of a packed region (the others carry ``MEMBER_DESCRIPTORS``)."""
+    return bool(info.transform_descriptors) and \
+        tuple(info.transform_descriptors) != MEMBER_DESCRIPTORS
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -178,13 +186,14 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
                 f"{FORMAT_NAME}/1", "float32", str(tensor.numel())]
             continue
         # a small item lies in a packed region whose one checksum covers its bytes; the
-        # region's first member names it, the others record nothing, as DCP's items do
-        assert descriptor is None or descriptor.startswith(f"{FORMAT_NAME}/3;"), key
+        # region's first member names it, the others record only that they are members
+        assert (tuple(info.transform_descriptors) == MEMBER_DESCRIPTORS
+                or descriptor.startswith(f"{FORMAT_NAME}/3;")), key
     regions = [(info.relative_path, info.transform_descriptors[0]) for info in infos.values()
                if info.transform_descriptors and
                info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/3;")]
     leaders = {info.transform_descriptors[0]: info.offset for info in infos.values()
-               if info.transform_descriptors}
+               if leads(info)}
     assert regions
     packed = [info for key, info in infos.items() if key != "large"]
     for info in packed:
@@ -204,16 +213,19 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         assert len(holding) == 1
 
 
-def test_packed_items_cost_no_more_metadata_than_dcps_own_format(tmp_path: Path) -> None:
+def test_packed_items_cost_dcps_metadata_plus_a_shared_member_descriptor(tmp_path: Path) -> None:
     state = {f"t{number}": torch.full((50,), float(number)) for number in range(300)}
     sharded.save(state, tmp_path / "ours", thread_count=1)
     sharded.save(state, tmp_path / "dcp", thread_count=1, tensor_format="dcp")
     infos = storage_info(tmp_path / "ours")
 
-    described = [info for info in infos.values() if info.transform_descriptors]
+    described = [info for info in infos.values() if leads(info)]
     assert len(described) == 1  # 300 x 200 bytes fit in one region, named once
     ours, theirs = ((tmp_path / name / ".metadata").stat().st_size for name in ("ours", "dcp"))
-    assert ours <= theirs + 200  # the one region descriptor, nothing per item
+    # the one region descriptor, and per item its descriptor field: the key and a reference
+    # (pickle's LONG_BINGET, 5 bytes each) to the one shared member descriptor that makes
+    # DCP's stock reader refuse the item by name
+    assert ours <= theirs + 200 + 10 * len(state)
     (data_file,) = {info.relative_path for info in infos.values()}
     assert (tmp_path / "ours" / data_file).stat().st_size <= PACK_BYTES
     _round_trips(state, tmp_path / "ours")
@@ -226,7 +238,7 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
     directory = tmp_path / "ckpt"
     sharded.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
-                 if info.transform_descriptors]
+                 if leads(info)]
     _, length, _ = leader.transform_descriptors[0].split(";")
     flip_byte(directory / leader.relative_path, leader.offset + int(length) - 20)
 
@@ -243,7 +255,7 @@ def test_every_byte_of_a_packed_file_is_covered_so_a_flip_anywhere_is_found(
     directory = tmp_path / "ckpt"
     sharded.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
-                 if info.transform_descriptors]
+                 if leads(info)]
     path = directory / leader.relative_path
     assert path.stat().st_size % ALIGNMENT == 0
     for offset in range(0, path.stat().st_size, 97):  # members, padding, table, footer
@@ -261,7 +273,7 @@ def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checke
     sharded.save(state, tmp_path / "ckpt", thread_count=2)
     infos = storage_info(tmp_path / "ckpt")
     regions = {(info.relative_path, info.offset): info.transform_descriptors[0]
-               for info in infos.values() if info.transform_descriptors}
+               for info in infos.values() if leads(info)}
     assert len(regions) >= 400 * 32000 // PACK_BYTES
     assert all(int(text.split(";")[1]) <= PACK_BYTES for text in regions.values())
 
@@ -710,7 +722,7 @@ def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_co
     state = _big_state()
     written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
     infos = storage_info(tmp_path / "ckpt")
-    starts = [info.offset for info in infos.values() if info.transform_descriptors]
+    starts = [info.offset for info in infos.values() if leads(info)]
     assert len(infos) == 4 and len(starts) == 2  # "big" alone, the rest in one pack
     assert all(start % ALIGNMENT == 0 for start in starts)
     (file,) = [file for file in written if file.name.endswith(".distcp")]

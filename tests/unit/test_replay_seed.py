@@ -19,13 +19,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from resumekit import replayed_save, save_planner
+from resumekit.raw_tensor_files import MEMBER_DESCRIPTORS
 
 PROPERTIES = TensorProperties.create_from_tensor(torch.zeros(2))
 DESCRIPTOR = "resumekit-raw/3;4096;__0_checksums"  # any non-empty descriptor list
 
 
-def _metadata(*, second_rank: int = 1, descriptors: list[str] | None = None) -> Metadata:
-    """``w`` (4 floats) sharded over two ranks, ``step`` (bytes) on rank 0."""
+def _metadata(*, second_rank: int = 1, descriptors: list[str] | None = None,
+              member: tuple[str, ...] | None = MEMBER_DESCRIPTORS) -> Metadata:
+    """``w`` (4 floats) sharded over two ranks, ``step`` (bytes) on rank 0.
+
+    ``step`` is a packed member after the first, described by ``member``.
+    """
     chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([2])),
               ChunkStorageMetadata(offsets=torch.Size([2]), sizes=torch.Size([2]))]
     described = [DESCRIPTOR] if descriptors is None else descriptors
@@ -36,7 +41,7 @@ def _metadata(*, second_rank: int = 1, descriptors: list[str] | None = None) -> 
         storage_data={
             MetadataIndex("w", torch.Size([0]), 0): _StorageInfo("__0_0.distcp", 0, 8,
                                                                  described),
-            MetadataIndex("step"): _StorageInfo("__0_0.distcp", 4096, 40),
+            MetadataIndex("step"): _StorageInfo("__0_0.distcp", 4096, 40, member),
             MetadataIndex("w", torch.Size([2]), 1): _StorageInfo(
                 f"__{second_rank}_0.distcp", 0, 8, described),
         })
@@ -68,7 +73,9 @@ def test_each_rank_gets_its_own_files_items_in_order_and_the_coordinator_the_met
 @pytest.mark.parametrize(("metadata", "reason"), [
     (_metadata(second_rank=2), "__2_0.distcp is not a data file of one of this group's 2 "
                                "ranks"),
-    (_metadata(descriptors=[]), "not stored as raw tensor files"),
+    (_metadata(descriptors=[], member=None), "not stored as raw tensor files"),
+    # written before packed members were described: a save in full writes them described
+    (_metadata(member=None), "step is a packed member without a descriptor"),
 ])
 def test_a_checkpoint_the_group_cannot_replay_is_counted_but_keeps_no_record(
         metadata: Metadata, reason: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -6,6 +6,8 @@ One process. The two-rank FSDP2 cases (resharding) are in tests/dist/test_storag
 from __future__ import annotations
 
 import copy
+import json
+import pickle
 import subprocess
 import sys
 import uuid
@@ -26,7 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import resumekit
-from resumekit import sharded
+from resumekit import raw_tensor_files, sharded
 from resumekit.catalog import read_manifest
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -34,7 +36,9 @@ from resumekit.errors import (
     CorruptCheckpointError,
     ResumekitError,
 )
+from resumekit.layout import MANIFEST_NAME
 from resumekit.manager import CheckpointManager
+from resumekit.manifest import checksum_chunks
 from resumekit.storage import Storage
 
 STEP = "step_000000003"
@@ -204,6 +208,99 @@ def test_stock_dcp_cannot_read_a_raw_checkpoint_but_the_reader_can(tmp_path: Pat
     state = fresh_state()
     dcp.load(state, storage_reader=resumekit.StorageReader(step_dir))
     assert_bit_identical(state, expected)
+
+
+def _small_then_large() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A model whose first tensors are small (packed) and later ones large (stored alone).
+
+    The writer puts the largest items first in each file, so the item DCP's stock reader
+    asks for first (in the state's own order) is a packed member, not a region's first.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1024), nn.LayerNorm(1024),
+                          nn.Linear(1024, 512))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("reads", ["model and optimizer", "model only", "optimizer only",
+                                   "dcp_to_torch_save"])
+def test_stock_dcp_refuses_a_raw_checkpoint_naming_the_format_whatever_it_reads_first(
+    tmp_path: Path, reads: str
+) -> None:
+    model, optimizer = _small_then_large()
+    with CheckpointManager(tmp_path, model=model, optimizer=optimizer) as manager:
+        manager.save(3)
+    tensors = f"{tmp_path}/{STEP}/tensors"
+    state = sharded.model_and_optimizer_state(model, optimizer)
+    with pytest.raises(CheckpointException) as caught:
+        if reads == "dcp_to_torch_save":
+            dcp_to_torch_save(tensors, tmp_path / "full.pt")
+        else:
+            wanted = {"model and optimizer": state, "model only": {"model": state["model"]},
+                      "optimizer only": {"optimizer": state["optimizer"]}}[reads]
+            dcp.load(wanted, storage_reader=FileSystemReader(tensors))
+    causes = [str(cause) for cause, _ in caught.value.failures.values()]
+    assert causes and all("Unknown extension name='resumekit-raw'" in cause
+                          for cause in causes), causes
+    assert not any("weights_only" in cause for cause in causes), causes
+    assert not (tmp_path / "full.pt").exists()
+
+
+def test_a_raw_checkpoint_with_undescribed_packed_members_as_main_wrote_still_restores(
+    tmp_path: Path,
+) -> None:
+    model, optimizer = _small_then_large()
+    expected = copy.deepcopy(sharded.model_and_optimizer_state(model, optimizer))
+    with CheckpointManager(tmp_path, model=model, optimizer=optimizer) as manager:
+        manager.save(3)
+    step_dir = f"{tmp_path}/{STEP}"
+    _strip_member_descriptors(Path(step_dir))
+    state = fresh_state_of(_small_then_large)
+    dcp.load(state, storage_reader=resumekit.StorageReader(step_dir))
+    assert_bit_identical(state, expected)
+    fresh_model, fresh_optimizer = _small_then_large()
+    with torch.no_grad():
+        for parameter in fresh_model.parameters():
+            parameter.zero_()
+    with CheckpointManager(tmp_path, model=fresh_model,
+                           optimizer=fresh_optimizer) as manager:
+        assert manager.restore() == 3
+    assert_bit_identical(sharded.model_and_optimizer_state(fresh_model, fresh_optimizer),
+                         expected)
+
+
+def fresh_state_of(build_it: Any) -> dict[str, Any]:
+    model, optimizer = build_it()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1)
+    return sharded.model_and_optimizer_state(model, optimizer)
+
+
+def _strip_member_descriptors(step_dir: Path) -> None:
+    """Rewrite ``tensors/.metadata`` as main wrote it: packed members carry no descriptor.
+
+    The manifest's checksum of ``.metadata`` is updated to match (what main recorded).
+    """
+    path = step_dir / "tensors" / ".metadata"
+    metadata = pickle.loads(path.read_bytes())  # noqa: S301 - written by this test's save
+    stripped = 0
+    for info in metadata.storage_data.values():
+        descriptors = tuple(info.transform_descriptors or ())
+        if descriptors == raw_tensor_files.MEMBER_DESCRIPTORS:
+            info.transform_descriptors = None
+            stripped += 1
+    assert stripped  # the checkpoint has packed members after a region's first
+    data = pickle.dumps(metadata)
+    path.write_bytes(data)
+    manifest_path = step_dir / MANIFEST_NAME
+    document = json.loads(manifest_path.read_text())
+    (entry,) = [entry for entry in document["files"] if entry["path"] == "tensors/.metadata"]
+    entry["size"], entry["checksum"] = len(data), checksum_chunks([data])
+    manifest_path.write_text(json.dumps(document))
 
 
 def test_a_flipped_byte_in_a_raw_file_is_corrupt_naming_the_file_and_key(
