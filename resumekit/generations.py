@@ -31,7 +31,7 @@ from resumekit.layout import (
     generation_record_name,
 )
 from resumekit.manifest import Lineage, Manifest, WriterGeneration
-from resumekit.storage import Storage
+from resumekit.storage import RECORD_LIMIT, Storage
 
 __all__ = [
     "RECORDS_KEPT",
@@ -71,7 +71,7 @@ def _read(storage: Storage, number: int) -> WriterGeneration | None:
     """Read record ``number``; None when absent or unreadable (the latter logged)."""
     name = generation_record_name(number)
     try:
-        return WriterGeneration.model_validate_json(storage.read_bytes(name))
+        return WriterGeneration.model_validate(storage.read_json(name, limit=RECORD_LIMIT))
     except FileNotFoundError:
         return None
     except (ValueError, StorageError) as error:

@@ -46,10 +46,15 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.errors import CorruptCheckpointError, ForeignCheckpointError, ResumekitError
+from resumekit.errors import (
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    ResumekitError,
+    UnsafeCheckpointError,
+)
 from resumekit.layout import TRAIN_STATE_FILE, parse_rank_state_file
 from resumekit.manifest import Lineage, Manifest, describe
-from resumekit.storage import Storage
+from resumekit.storage import Storage, parse_json
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
 
@@ -452,7 +457,11 @@ def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, 
                     path=entry.path, file=relative,
                 )
             try:
-                header = json.loads(handle.read(size))
+                header = parse_json(handle.read(size), source=storage.path(relative))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except UnsafeCheckpointError:
+                raise
             except ValueError as error:
                 raise CorruptCheckpointError(
                     f"{storage.path(relative)}: unreadable safetensors header ({error})",
