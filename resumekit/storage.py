@@ -396,7 +396,14 @@ class Storage:
                 _require_regular(target, found)
                 if found.st_size > limit:
                     raise _too_large(target, limit)
-                data = handle.read(limit + 1)
+                # Its size, not the limit: a read allocates the count it is asked for. A
+                # file that grew since shows a byte past its size and is read on in chunks.
+                data = handle.read(found.st_size + 1)
+                while found.st_size < len(data) <= limit:
+                    more = handle.read(min(_READ_CHUNK, limit + 1 - len(data)))
+                    if not more:
+                        break
+                    data += more
         if len(data) > limit:
             raise _too_large(target, limit)
         return data
