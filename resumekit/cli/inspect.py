@@ -470,9 +470,15 @@ def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, 
         for name, spec in header.items():
             if name == "__metadata__" or not isinstance(spec, dict):
                 continue
-            begin, end = spec.get("data_offsets", [0, 0])
+            try:
+                begin, end = spec.get("data_offsets", [0, 0])
+                count = int(end) - int(begin)
+            except (TypeError, ValueError) as error:
+                raise CorruptCheckpointError(
+                    f"{storage.path(relative)}: tensor {name!r} has no readable data_offsets "
+                    f"({error})", path=entry.path, file=relative) from error
             tensors.append({"name": name, "shape": spec.get("shape"),
-                            "dtype": spec.get("dtype"), "bytes": int(end) - int(begin),
+                            "dtype": spec.get("dtype"), "bytes": count,
                             "file": relative.split("/", 1)[1]})
     return tensors
 

@@ -269,6 +269,20 @@ def test_inspect_tensors_refuses_an_index_entry_out_of_its_folder(
     assert "weight" not in out
 
 
+@pytest.mark.parametrize("offsets", [5, [1, 2, 3], ["a", "b"]])
+def test_inspect_tensors_names_the_file_of_a_safetensors_header_with_bad_offsets(
+    tmp_path: Path, offsets: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "up" / "checkpoint_step_5" / "transformer"
+    folder.mkdir(parents=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}})
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(len(header).to_bytes(8, "little") + header.encode() + bytes(4))
+    code, _, err = run_cli(capsys, "inspect", str(folder.parent), "--tensors")
+    assert code == 1
+    assert_one_error_line(err, str(weights), "'w'", "data_offsets")
+
+
 # ------------------------------------------------------------- foreign config, steps
 
 
