@@ -252,7 +252,7 @@ def _final_step(recorded: int | None, given: int | None, where: str, form: str) 
                 "after with --step N (import_checkpoint(..., step=N))",
                 name="step", value=None, path=where,
             )
-        return recorded
+        return checked_step(recorded, source=where, key="step")  # the name's, too
     if recorded is not None and recorded != given:
         message = (f"{where} records step {recorded}; importing it as step {given} as "
                    "asked (--step)")

@@ -361,6 +361,20 @@ def test_a_lightning_global_step_that_is_no_step_number_is_refused_naming_the_fi
     assert str(ckpt) in str(caught.value) and repr(global_step) in str(caught.value)
 
 
+def test_a_lingbot_directory_named_for_a_step_out_of_range_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "up" / f"checkpoint_step_{10**13}"
+    (source / "transformer").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)},
+              str(source / "transformer" / "diffusion_pytorch_model.safetensors"))
+    code, _, err = run_cli(capsys, "import", str(source), str(tmp_path / "root"),
+                           "--format", "lingbot")
+    assert code == 1
+    assert_one_error_line(err, str(source), str(10**13), "not a step number")
+    assert not list((tmp_path / "root").glob("step_*"))
+
+
 # -------------------------------------------------------------- more hostile files
 
 
