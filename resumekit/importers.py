@@ -57,7 +57,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
-from resumekit import legacy, rng, sharded
+from resumekit import jsonable, legacy, rng, sharded
 from resumekit.catalog import FOREIGN_FORMATS, detect_foreign
 from resumekit.commit import CommitProtocol
 from resumekit.errors import (
@@ -189,6 +189,8 @@ def import_checkpoint(
         )
     if step is not None and step < 0:
         raise ConfigurationError(f"step must be >= 0, got {step}", name="step", value=step)
+    jsonable.check_depth(config or {}, what="config")
+    jsonable.check_depth(extras or {}, what="extras")
     parent, name = _split(given, options)
     if not parent.exists(name):
         raise CheckpointNotFoundError(f"{parent.path(name)} does not exist",

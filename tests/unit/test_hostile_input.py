@@ -414,11 +414,24 @@ def test_a_checksum_file_nested_too_deep_is_refused_naming_it(
     trainer.close()
 
 
-def test_extras_nested_deeper_than_a_manifest_can_be_read_back_are_refused_up_front(
-    tmp_path: Path,
-) -> None:
+def _deep(levels: int = 80) -> Any:
     deep: Any = 0
-    for _ in range(80):
+    for _ in range(levels):
         deep = [deep]
-    with pytest.raises(ConfigurationError, match=r"extras is nested more than \d+ levels"):
-        CheckpointManager(tmp_path / "root", model=nn.Linear(2, 2), extras={"deep": deep})
+    return deep
+
+
+@pytest.mark.parametrize("what", ["extras", "config"])
+def test_user_data_nested_deeper_than_a_manifest_can_be_read_back_is_refused_up_front(
+    tmp_path: Path, what: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=rf"{what} is nested more than \d+ levels"):
+        CheckpointManager(tmp_path / "root", model=nn.Linear(2, 2), **{what: {"x": _deep()}})
+    source = tmp_path / "up" / "checkpoint_step_3"
+    (source / "transformer").mkdir(parents=True)
+    save_file({"w": torch.zeros(2)},
+              str(source / "transformer" / "diffusion_pytorch_model.safetensors"))
+    with pytest.raises(ConfigurationError, match=rf"{what} is nested more than \d+ levels"):
+        resumekit.import_checkpoint(source, tmp_path / "root", format="lingbot",
+                                    **{what: {"x": _deep()}})
+    assert not (tmp_path / "root").exists()
