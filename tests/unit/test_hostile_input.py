@@ -182,6 +182,19 @@ def test_a_nul_byte_in_a_manifest_path_makes_the_step_corrupt_never_committed(
     _restore_falls_back_to_10(root, "NUL byte")
 
 
+def test_a_manifest_whose_step_is_true_is_corrupt_not_step_1(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    step_1 = root / "step_000000001"
+    shutil.copytree(root / STEP_10, step_1)
+    rewrite_manifest(step_1, {"step": True})
+    code, document, _ = run_json(capsys, "inspect", str(root))
+    assert code == 1
+    (entry,) = [e for e in document["checkpoints"] if e["step"] == 1]
+    assert entry["status"] == "corrupt"
+    assert "step is True, not a step number" in entry["problem"]
+
+
 # ---------------------------------------------------------- FIFOs and devices
 
 
