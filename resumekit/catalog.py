@@ -64,11 +64,12 @@ from resumekit.layout import (
     NEWEST_HINT_FILE,
     TENSORS_DIR,
     NameFormat,
+    checked_step,
     parse_generation_record_name,
 )
 from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
 from resumekit.retry import read_with_retry
-from resumekit.storage import FileInfo, Storage
+from resumekit.storage import RECORD_LIMIT, FileInfo, Storage
 from resumekit.warnings import ResumekitWarning
 
 logger = logging.getLogger("resumekit")
@@ -219,11 +220,17 @@ def _step_in_name(form: ForeignFormat, name: str) -> int | None:
 
 
 def _hf_trainer_step(storage: Storage, state_file: str) -> int | None:
+    """The ``global_step`` of ``trainer_state.json``; None when it records none to use.
+
+    Only for recognising the checkpoint: importing it reads the file again and refuses
+    what is not a step number, naming the file.
+    """
     try:
-        step = json.loads(storage.read_bytes(state_file)).get("global_step")
+        source = storage.path(state_file)
+        return checked_step(storage.read_json(state_file).get("global_step"),
+                            source=source, key="global_step")
     except (OSError, ValueError, AttributeError):
         return None
-    return step if isinstance(step, int) and step >= 0 else None
 
 
 def detect_foreign(storage: Storage, name: str = "") -> ForeignCheckpoint | None:
@@ -889,7 +896,7 @@ def _hint_document(storage: Storage, name_format: NameFormat
                    ) -> tuple[int, dict[str, Any]] | str:
     """The newest-step hint's step and document, or why there is none to use."""
     try:
-        hint = json.loads(storage.read_small(NEWEST_HINT_FILE))
+        hint = storage.read_json(NEWEST_HINT_FILE, limit=RECORD_LIMIT)
     except FileNotFoundError:
         return "no newest-step hint"
     except (ValueError, OSError) as error:
@@ -1208,7 +1215,7 @@ def locate_tensor_data(
         if not step_dir.is_file(MANIFEST_NAME):
             continue
         source = step_dir.path(MANIFEST_NAME)
-        manifest = parse_manifest(step_dir.read_bytes(MANIFEST_NAME), source=source)
+        manifest = parse_manifest(step_dir.read_small(MANIFEST_NAME), source=source)
         data = manifest.data_path(TENSORS_DIR)
         if below and below != data:
             continue  # a manifest above, but not of this directory

@@ -145,7 +145,7 @@ from resumekit.manifest import (
     WriterGeneration,
     checksum_chunks,
 )
-from resumekit.storage import Storage
+from resumekit.storage import RECORD_LIMIT, Storage
 from resumekit.warnings import ResumekitWarning
 
 __all__ = [
@@ -911,7 +911,7 @@ def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
 def read_writer(storage: Storage, staging: str) -> dict[str, Any] | None:
     """Return the writer record (``.writer.json``) of a staging area, None if unreadable."""
     try:
-        writer = json.loads(storage.read_bytes(f"{staging}/{WRITER_FILE}"))
+        writer = storage.read_json(f"{staging}/{WRITER_FILE}", limit=RECORD_LIMIT)
     except (FileNotFoundError, ValueError, OSError):
         return None
     return writer if isinstance(writer, dict) else None

@@ -43,7 +43,7 @@ import secrets
 from collections.abc import Iterable
 
 from resumekit.catalog import CheckpointEntry, generation_record_numbers, newest_committed
-from resumekit.errors import FencedWriterError, StorageError
+from resumekit.errors import FencedWriterError, StorageError, UnsafeCheckpointError
 from resumekit.layout import (
     GENERATIONS_DIR,
     NameFormat,
@@ -51,7 +51,7 @@ from resumekit.layout import (
 )
 from resumekit.manifest import Lineage, Manifest, WriterGeneration
 from resumekit.retry import READ_ATTEMPTS, is_transient, read_with_retry
-from resumekit.storage import Storage
+from resumekit.storage import RECORD_LIMIT, Storage, parse_json
 
 __all__ = [
     "RECORDS_KEPT",
@@ -105,15 +105,21 @@ def _fetch(storage: Storage, number: int) -> WriterGeneration | str | None:
     where = storage.path(name)
     try:
         try:
-            data = storage.read_small(name)  # the first try without the retry machinery
+            # the first try without the retry machinery
+            data = storage.read_small(name, limit=RECORD_LIMIT)
         except Exception as error:
-            if isinstance(error, FileNotFoundError) or not is_transient(error):
+            if isinstance(error, (FileNotFoundError, UnsafeCheckpointError)) or \
+                    not is_transient(error):
                 raise
             logger.warning("resumekit: reading %s failed (%s: %s); retrying it up to %d "
                            "times", where, type(error).__name__, error, READ_ATTEMPTS)
-            data = read_with_retry(where, lambda: storage.read_small(name))
+            data = read_with_retry(where, lambda: storage.read_small(name, limit=RECORD_LIMIT))
     except FileNotFoundError:
         return None
+    except UnsafeCheckpointError as error:  # not a regular file, or far too large
+        logger.warning("resumekit: ignoring generation record %s (its number still fences "
+                       "the generations below it): %s", where, error)
+        return _TORN
     except Exception as error:
         if not isinstance(error, StorageError) and not is_transient(error):
             raise
@@ -125,7 +131,7 @@ def _fetch(storage: Storage, number: int) -> WriterGeneration | str | None:
             path=where, operation="read", attempts=getattr(error, "attempts", None),
         ) from error
     try:
-        return WriterGeneration.model_validate_json(data)
+        return WriterGeneration.model_validate(parse_json(data, source=where))
     except ValueError as error:
         logger.warning("resumekit: ignoring unreadable generation record %s (its bytes do "
                        "not parse; its number still fences the generations below it): %s",

@@ -57,7 +57,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
-from resumekit import legacy, rng, sharded
+from resumekit import jsonable, legacy, rng, sharded
 from resumekit.catalog import FOREIGN_FORMATS, detect_foreign
 from resumekit.commit import CommitProtocol
 from resumekit.errors import (
@@ -75,6 +75,7 @@ from resumekit.layout import (
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
+    checked_step,
     rank_state_file,
 )
 from resumekit.manifest import FileEntry, Lineage, Manifest, SaveReason
@@ -193,6 +194,8 @@ def import_checkpoint(
         )
     if step is not None and step < 0:
         raise ConfigurationError(f"step must be >= 0, got {step}", name="step", value=step)
+    jsonable.check_depth(config or {}, what="config")
+    jsonable.check_depth(extras or {}, what="extras")
     parent, name = _split(given, options)
     if not parent.exists(name):
         raise CheckpointNotFoundError(f"{parent.path(name)} does not exist",
@@ -256,7 +259,7 @@ def _final_step(recorded: int | None, given: int | None, where: str, form: str) 
                 "after with --step N (import_checkpoint(..., step=N))",
                 name="step", value=None, path=where,
             )
-        return recorded
+        return checked_step(recorded, source=where, key="step")  # the name's, too
     if recorded is not None and recorded != given:
         message = (f"{where} records step {recorded}; importing it as step {given} as "
                    "asked (--step)")
@@ -628,7 +631,8 @@ def _from_lightning(storage: Storage, name: str, model: nn.Module | None) -> _So
     rest = {key: value for key, value in checkpoint.items() if key not in
             ("state_dict", "optimizer_states")}
     return _Source(weights, optimizer, schedulers[0] if schedulers else None,
-                   int(step) if isinstance(step, int) else None, not_carried, rest)
+                   None if step is None else checked_step(step, source=where, key="global_step"),
+                   not_carried, rest)
 
 
 def _from_hf_trainer(storage: Storage, name: str, model: nn.Module | None) -> _Source:
@@ -639,34 +643,85 @@ def _from_hf_trainer(storage: Storage, name: str, model: nn.Module | None) -> _S
     optimizer = None
     if "optimizer.pt" in files:
         raw = _load_pickle(storage, f"{name}/optimizer.pt")
-        reference = model if model is not None else _hf_meta_model(storage, name)
+        reference = model if model is not None \
+            else _hf_meta_model(storage, name, weights)
         optimizer = _hf_optimizer(raw, weights, reference, ordered=ordered,
                                   where=storage.path(f"{name}/optimizer.pt"))
     scheduler = _load_pickle(storage, f"{name}/scheduler.pt") \
         if "scheduler.pt" in files else None
     step = None
     if "trainer_state.json" in files:
+        state_file = f"{name}/trainer_state.json"
         try:
-            step = json.loads(storage.read_bytes(f"{name}/trainer_state.json"))["global_step"]
+            recorded = storage.read_json(state_file)["global_step"]
+        except UnsafeCheckpointError:
+            raise
         except (ValueError, KeyError, TypeError) as error:
             raise CorruptCheckpointError(
                 f"{where}/trainer_state.json: no readable global_step ({error})",
                 path=where, file="trainer_state.json") from error
+        step = checked_step(recorded, source=storage.path(state_file), key="global_step")
     not_carried = ["trainer_state.json (epoch, log history, best metric)"]
     return _Source(weights, optimizer, scheduler, step, not_carried)
 
 
-def _hf_meta_model(storage: Storage, name: str) -> nn.Module | None:
+#: Keys of a model config that count modules to build (layers, experts): each one stored
+#: holds at least one tensor, so the count cannot exceed the tensors of the weight files.
+_MODULE_COUNT = re.compile(r"^(n|num|encoder|decoder)_(\w+_)?(layers?|experts)$")
+#: Keys that size a tensor dimension: it cannot exceed the elements of the weight files.
+_DIMENSION = re.compile(r"_size$")
+
+
+def _check_config_sizes(config: Mapping[str, Any], weights: Mapping[str, Any],
+                        source: str) -> None:
+    """Refuse a ``config.json`` that declares more than its weight files hold.
+
+    Building the architecture on the meta device costs no memory, but time grows with
+    the modules it declares; a config of a million layers would build for hours before
+    anything is checked. Declared layer and expert counts must not exceed the number
+    of stored tensors, declared dimensions (``*_size``) not their elements.
+
+    Raises:
+        CorruptCheckpointError: Naming the config file, the key, its value and what the
+            weights hold.
+    """
+    tensors = [value for value in weights.values() if isinstance(value, torch.Tensor)]
+    elements = sum(value.numel() for value in tensors)
+    pending: list[tuple[str, Any]] = list(config.items())
+    while pending:
+        key, value = pending.pop()
+        if isinstance(value, Mapping):  # sub-configs (text_config, vision_config)
+            pending.extend((f"{key}.{k}", v) for k, v in value.items())
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        last = key.rsplit(".", 1)[-1]
+        if _MODULE_COUNT.search(last) and value > len(tensors):
+            held = f"{len(tensors)} tensors"
+        elif _DIMENSION.search(last) and value > elements:
+            held = f"{elements} elements"
+        else:
+            continue
+        raise CorruptCheckpointError(
+            f"{source}: {key} is {value}, more than the weight files hold ({held}); "
+            "refused before building the model", path=source, key=key, value=value)
+
+
+def _hf_meta_model(storage: Storage, name: str, weights: Mapping[str, Any]
+                   ) -> nn.Module | None:
     """The architecture of ``config.json`` built on the meta device, for its names only."""
     try:
-        config = json.loads(storage.read_bytes(f"{name}/config.json"))
+        config = storage.read_json(f"{name}/config.json")
         import transformers  # noqa: PLC0415 - optional
 
         architecture = getattr(transformers, str(config["architectures"][0]))
+    except UnsafeCheckpointError:
+        raise
     except Exception:  # noqa: BLE001 - then shapes are all there is
         return None
     if "auto_map" in config:  # remote code: never run code from a checkpoint
         return None
+    _check_config_sizes(config, weights, storage.path(f"{name}/config.json"))
     parsed = architecture.config_class.from_dict(config)
     with torch.device("meta"):
         built: nn.Module = architecture(parsed)

@@ -17,9 +17,17 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["plain_extras"]
+from resumekit.errors import ConfigurationError
+from resumekit.storage import JSON_DEPTH_LIMIT, json_depth
+
+__all__ = ["USER_JSON_DEPTH", "check_depth", "plain_extras"]
 
 logger = logging.getLogger("resumekit")
+
+#: The deepest nesting of user data (extras, config) a manifest holds: it sits a few levels
+#: down in the manifest, whose reader refuses documents deeper than
+#: :data:`~resumekit.storage.JSON_DEPTH_LIMIT`.
+USER_JSON_DEPTH = JSON_DEPTH_LIMIT - 8
 
 
 def plain_extras(value: Mapping[str, Any], *, what: str = "extras") -> dict[str, Any]:
@@ -35,13 +43,28 @@ def plain_extras(value: Mapping[str, Any], *, what: str = "extras") -> dict[str,
     Raises:
         TypeError: A value JSON cannot hold (a tensor of several elements, an object),
             named by its key path.
+        ConfigurationError: Nested deeper than :data:`USER_JSON_DEPTH`.
     """
+    check_depth(value, what=what)
     converted = _convert(dict(value), what)
     try:
         plain: dict[str, Any] = json.loads(json.dumps(converted, allow_nan=True))
     except (TypeError, ValueError) as error:
         raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
     return plain
+
+
+def check_depth(value: Any, *, what: str) -> None:
+    """Refuse user data nested deeper than a manifest can be read back with.
+
+    Raises:
+        ConfigurationError: Naming ``what`` and the limit.
+    """
+    depth = json_depth(value, stop=USER_JSON_DEPTH)
+    if depth > USER_JSON_DEPTH:
+        raise ConfigurationError(
+            f"{what} is nested more than {USER_JSON_DEPTH} levels deep, the most a "
+            "checkpoint holds (its manifest could not be read back)", name=what, value=depth)
 
 
 def _convert(value: Any, where: str) -> Any:

@@ -39,7 +39,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Literal
 
-from resumekit.errors import ConfigurationError
+from resumekit.errors import ConfigurationError, CorruptCheckpointError
 
 __all__ = [
     "ATTEMPT_PREFIX",
@@ -49,6 +49,7 @@ __all__ = [
     "LEGACY_NAME_FORMAT",
     "LIGHTNING_CHECKPOINT_FILE",
     "MANIFEST_NAME",
+    "MAX_STEP",
     "NEWEST_HINT_FILE",
     "RANK_STATE_DIR",
     "TENSORS_DIR",
@@ -56,6 +57,7 @@ __all__ = [
     "WRITER_FILE",
     "HiddenName",
     "NameFormat",
+    "checked_step",
     "generation_record_name",
     "parse_generation_record_name",
     "parse_rank_state_file",
@@ -212,6 +214,32 @@ class NameFormat:
             return None
         kind: Literal["tmp", "old", "bad"] = match.group("kind")  # type: ignore[assignment]
         return step, HiddenName(match.group("name"), kind, match.group("token"))
+
+
+#: The highest step a step number read from a file may name: every :class:`NameFormat` is
+#: checked to build names that parse back up to it.
+MAX_STEP = 10**12
+
+
+def checked_step(value: object, *, source: str, key: str) -> int:
+    """Return ``value``, a step number read from the file ``source``, if it is one.
+
+    Args:
+        value: What the file holds under ``key``.
+        source: The file, named in the error.
+        key: Where in the file (``global_step``).
+
+    Raises:
+        CorruptCheckpointError: Not an integer (a JSON ``true`` is not step 1), negative
+            or above :data:`MAX_STEP`; names the file, the key and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_STEP:
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else f"{shown[:40]}..."
+        raise CorruptCheckpointError(
+            f"{source}: {key} {shown} is not a step number (an integer from 0 to "
+            f"{MAX_STEP})", path=source, key=key)
+    return value
 
 
 def generation_record_name(number: int) -> str:

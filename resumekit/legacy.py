@@ -15,7 +15,6 @@ tensor at a time, so a rank's memory grows by about one tensor's piece, not by t
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from dataclasses import dataclass
@@ -32,8 +31,10 @@ from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    UnsafeCheckpointError,
 )
-from resumekit.storage import Storage
+from resumekit.manifest import safe_relative_path
+from resumekit.storage import Storage, parse_json
 
 __all__ = ["find_weight_files", "load_weights_only", "read_full_weights"]
 
@@ -55,13 +56,17 @@ def find_weight_files(storage: Storage, name: str) -> list[str]:
         if indexes:
             index_path = f"{name}/{indexes[0]}"
             try:
-                index = json.loads(storage.read_bytes(index_path))
+                index = storage.read_json(index_path)
                 shards = sorted(set(index["weight_map"].values()))
-            except (ValueError, KeyError, TypeError) as error:
+            except UnsafeCheckpointError:
+                raise
+            except (ValueError, KeyError, TypeError, AttributeError) as error:
                 raise CorruptCheckpointError(
                     f"{storage.path(index_path)}: unreadable safetensors index ({error})",
                     path=storage.path(index_path), file=indexes[0],
                 ) from error
+            for shard in shards:
+                _check_shard_name(storage.path(index_path), shard)
             base = indexes[0].rsplit("/", 1)[0] + "/" if "/" in indexes[0] else ""
             return [f"{name}/{base}{shard}" for shard in shards]
         weights = sorted(p for p in files if p.startswith(folder) and
@@ -72,6 +77,23 @@ def find_weight_files(storage: Storage, name: str) -> list[str]:
         f"{storage.path(name)} holds no *.safetensors weights to import",
         path=storage.path(name),
     )
+
+
+def _check_shard_name(index: str, shard: object) -> None:
+    """Refuse a weight file an index names outside its folder (``..``, absolute, NUL).
+
+    Raises:
+        UnsafeCheckpointError: Naming the index file and the entry.
+    """
+    try:
+        if not isinstance(shard, str):
+            raise UnsafeCheckpointError(f"{shard!r} is not a file name", path=index)
+        safe_relative_path(shard)
+    except UnsafeCheckpointError:
+        raise UnsafeCheckpointError(
+            f"{index}: the safetensors index names the weight file {shard!r}, which is not "
+            "a file beside it (absolute, '..', a backslash or a NUL byte); nothing was read",
+            path=index, file=shard) from None
 
 
 def read_full_weights(storage: Storage, name: str) -> dict[str, torch.Tensor]:
@@ -191,7 +213,7 @@ def _read_header(storage: Storage, relative: str) -> dict[str, _Stored]:
             (length,) = struct.unpack("<Q", head)
             if not 2 <= length <= min(_MAX_HEADER, size - 8):
                 raise ValueError(f"header length {length} in a file of {size} bytes")
-            header = json.loads(stream.read(length))
+            header = parse_json(stream.read(length), source=where)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
         entries: dict[str, _Stored] = {}
@@ -207,6 +229,8 @@ def _read_header(storage: Storage, relative: str) -> dict[str, _Stored]:
                     end - begin != math.prod(shape) * dtype.itemsize:
                 raise ValueError(f"{key}: bytes {begin}-{end} do not hold {shape} of {dtype}")
             entries[key] = _Stored(relative, dtype, shape, begin, end)
+    except UnsafeCheckpointError:
+        raise
     except (ValueError, KeyError, TypeError, struct.error) as error:
         raise CorruptCheckpointError(
             f"{where}: not a readable safetensors file ({error})", path=where, file=relative,

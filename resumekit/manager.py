@@ -1157,6 +1157,7 @@ def _save_failure(step: int, storage: Storage, error: OSError) -> StorageError:
 
 def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
     """Return ``value`` as it will read back from JSON (tuples become lists)."""
+    jsonable.check_depth(value, what=what)
     try:
         plain: dict[str, Any] = json.loads(json.dumps(dict(value)))
     except (TypeError, ValueError) as error:

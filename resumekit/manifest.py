@@ -38,8 +38,14 @@ from pydantic import (
 )
 
 from resumekit._version import __version__
-from resumekit.errors import ManifestError, UnsafeCheckpointError, UnsupportedSchemaError
+from resumekit.errors import (
+    CorruptCheckpointError,
+    ManifestError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
 from resumekit.layout import MANIFEST_NAME
+from resumekit.storage import parse_json
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -77,10 +83,13 @@ def safe_relative_path(path: str) -> str:
     """Return ``path`` if it stays inside its checkpoint directory, else raise.
 
     Raises:
-        UnsafeCheckpointError: For absolute paths, ``..`` components, backslashes or
-            drive letters.
+        UnsafeCheckpointError: For absolute paths, ``..`` components, backslashes, drive
+            letters or NUL bytes.
     """
     parts = path.split("/")
+    if "\0" in path:
+        raise UnsafeCheckpointError(
+            f"manifest lists an unsafe path {path!r} (it holds a NUL byte)", path=path)
     if (
         not path
         or path.startswith("/")
@@ -382,7 +391,8 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
 
     Raises:
         UnsupportedSchemaError: Written by a newer resumekit.
-        UnsafeCheckpointError: A listed path escapes the checkpoint directory.
+        UnsafeCheckpointError: A listed path escapes the checkpoint directory or holds a
+            NUL byte, or the document is nested too deep.
         ManifestError: Not JSON, or not a valid manifest.
     """
     key = xxhash.xxh3_128_digest(raw)
@@ -393,9 +403,11 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     if known is not None:
         return known.model_copy()
     try:
-        document = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ManifestError(f"{source}: not valid JSON ({error})", path=source) from error
+        document = parse_json(raw, source=source)
+    except UnsafeCheckpointError:
+        raise
+    except CorruptCheckpointError as error:
+        raise ManifestError(str(error), path=source) from error
     if not isinstance(document, dict):
         raise ManifestError(f"{source}: expected a JSON object", path=source)
     version = document.get("schema_version")
@@ -410,18 +422,7 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     # Defaults to the running process's versions in a manifest built here (a save);
     # one read from disk that records none must not claim to be this process's.
     document.setdefault("versions", {})
-    files = document.get("files")
-    listed = [entry.get("path") for entry in files if isinstance(entry, dict)] \
-        if isinstance(files, list) else []
-    data_dir = document.get("data_dir", ".")
-    for path in [*listed, None if data_dir == "." else data_dir]:
-        if isinstance(path, str):
-            try:
-                safe_relative_path(path)
-            except UnsafeCheckpointError as error:
-                raise UnsafeCheckpointError(
-                    f"{source}: {error}", path=source, file=path
-                ) from None
+    _check_step_and_paths(document, source)
     try:
         manifest = Manifest.model_validate(document, context={_FROM_JSON: True})
     except ValidationError as error:
@@ -435,6 +436,32 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
         while len(_parsed) > _PARSED_KEPT:
             _parsed.popitem(last=False)
     return manifest.model_copy()
+
+
+def _check_step_and_paths(document: dict[str, Any], source: str) -> None:
+    """Refuse a ``true`` step and every listed path that escapes, before validation.
+
+    Raises:
+        ManifestError: ``step`` is a JSON boolean (which pydantic would take for 0 or 1).
+        UnsafeCheckpointError: A path escapes the directory or holds a NUL byte, named
+            with ``source``.
+    """
+    step = document.get("step")
+    if isinstance(step, bool):
+        raise ManifestError(f"{source}: step is {step!r}, not a step number", path=source,
+                            key="step")
+    files = document.get("files")
+    listed = [entry.get("path") for entry in files if isinstance(entry, dict)] \
+        if isinstance(files, list) else []
+    data_dir = document.get("data_dir", ".")
+    for path in [*listed, None if data_dir == "." else data_dir]:
+        if isinstance(path, str):
+            try:
+                safe_relative_path(path)
+            except UnsafeCheckpointError as error:
+                raise UnsafeCheckpointError(
+                    f"{source}: {error}", path=source, file=path
+                ) from None
 
 
 class Checksum:

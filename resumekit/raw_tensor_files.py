@@ -112,6 +112,7 @@ from resumekit.errors import (
 from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, checksum_chunks, hex_digest
 from resumekit.retry import read_with_retry
+from resumekit.storage import parse_json
 
 __all__ = [
     "ALIGNMENT",
@@ -442,7 +443,7 @@ def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[
         UnreadableFormatError: Not a checksum file of a known format (naming it).
     """
     try:
-        body = json.loads(data)
+        body = parse_json(data, source=where)
         if not isinstance(body, dict) or body.get("format") != CHECKSUMS_FORMAT:
             found = body.get("format") if isinstance(body, dict) else None
             raise ValueError(f"unknown format {found!r}")

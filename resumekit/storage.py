@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import json
 import os
 import posixpath
 import secrets
@@ -35,12 +36,21 @@ import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
-from resumekit.errors import StorageError
+from resumekit.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
 from resumekit.retry import create_with_retry
 
-__all__ = ["FileInfo", "Storage"]
+__all__ = ["JSON_DEPTH_LIMIT", "RECORD_LIMIT", "SMALL_FILE_LIMIT", "FileInfo", "Storage",
+           "json_depth", "parse_json"]
 
 _READ_CHUNK = 8 << 20
+#: The most bytes :meth:`Storage.read_small` reads (a manifest listing every parameter
+#: tensor of a large model is a few MB).
+SMALL_FILE_LIMIT = 256 << 20
+#: The most bytes of a record resumekit writes itself (a generation or writer record, the
+#: newest-step hint): a few hundred bytes each.
+RECORD_LIMIT = 1 << 20
+#: The deepest nesting of arrays and objects :func:`parse_json` accepts.
+JSON_DEPTH_LIMIT = 64
 #: fsspec protocols whose ``pipe_file(mode="create")`` is an atomic create-if-absent.
 _CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
 #: ``link(2)`` errors of a filesystem without hard links (vfat, some FUSE mounts).
@@ -386,12 +396,19 @@ class Storage:
     # -- reading and writing ----------------------------------------------------------
     @contextmanager
     def open(self, relative: str, mode: str = "rb") -> Iterator[IO[bytes]]:
-        """Open ``relative`` (binary modes only); parent directories are created on write."""
+        """Open ``relative`` (binary modes only); parent directories are created on write.
+
+        A local file to read must be a regular file: a FIFO, device or socket in its place
+        (or a symlink to one) is refused from its ``stat`` with
+        :class:`~resumekit.errors.UnsafeCheckpointError`, never opened (that could block).
+        """
         target = self.path(relative)
         if "w" in mode and self.is_local:
             os.makedirs(os.path.dirname(target), exist_ok=True)
         self._forget(relative)
         with _storage_errors("open", target, "open", passes=(FileNotFoundError,)):
+            if self.is_local and "r" in mode:
+                _require_regular(target, os.stat(target))  # a FIFO's open would block
             handle = self.fs.open(target, mode)
         with handle:
             yield handle
@@ -403,15 +420,72 @@ class Storage:
         """
         return self._cat(relative)
 
-    def read_small(self, relative: str) -> bytes:
+    def read_small(self, relative: str, *, limit: int = SMALL_FILE_LIMIT) -> bytes:
         """Return the content of a small file (a manifest, a record) in one request.
 
-        On S3 one GET without the HEAD s3fs sends first to split a large download into
-        concurrent ranges; elsewhere the same as :meth:`read_bytes`.
+        Every small file resumekit parses (manifests, generation and writer records,
+        checksum files, hints, other tools' JSON) is read here, bounded: only a regular
+        file is opened (a FIFO, device or socket in its place, or a symlink to one, is
+        refused from its ``stat``, never opened, so the read cannot block or run on
+        forever), and one larger than ``limit`` is refused. On S3 one GET without the
+        HEAD s3fs sends first to split a large download into concurrent ranges.
+
+        Args:
+            relative: The file.
+            limit: The most bytes it may hold.
+
+        Raises:
+            UnsafeCheckpointError: Not a regular file, or larger than ``limit``; names
+                the file.
+            FileNotFoundError: It does not exist.
         """
-        if not self.is_local and self._protocol() in _CONDITIONAL_PROTOCOLS:
-            return self._cat(relative, max_concurrency=1)
-        return self._cat(relative)
+        if self.is_local:
+            return self._read_regular(relative, limit)
+        options: dict[str, Any] = {"start": 0, "end": limit + 1}
+        if self._protocol() in _CONDITIONAL_PROTOCOLS:
+            options["max_concurrency"] = 1
+        data = self._cat(relative, **options)
+        if len(data) > limit:
+            raise _too_large(self.path(relative), limit)
+        return data
+
+    def read_json(self, relative: str, *, limit: int = SMALL_FILE_LIMIT) -> Any:
+        """Return the JSON document in the small file ``relative``, read and parsed bounded.
+
+        :meth:`read_small` then :func:`parse_json`: the one way resumekit reads a JSON file
+        it did not just write itself.
+
+        Raises:
+            UnsafeCheckpointError: Not a regular file, too large or nested too deep.
+            CorruptCheckpointError: Not JSON.
+            FileNotFoundError: It does not exist.
+        """
+        return parse_json(self.read_small(relative, limit=limit), source=self.path(relative))
+
+    def _read_regular(self, relative: str, limit: int) -> bytes:
+        """Read a local file that ``stat`` shows to be regular, at most ``limit`` bytes."""
+        target = self.path(relative)
+        with _storage_errors("open", target, "open", passes=(FileNotFoundError,)):
+            _require_regular(target, os.stat(target))
+            # O_NONBLOCK: should the name be swapped for a FIFO after the stat, the open
+            # returns at once and the fstat below refuses it.
+            fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with os.fdopen(fd, "rb") as handle:
+                found = os.fstat(handle.fileno())
+                _require_regular(target, found)
+                if found.st_size > limit:
+                    raise _too_large(target, limit)
+                # Its size, not the limit: a read allocates the count it is asked for. A
+                # file that grew since shows a byte past its size and is read on in chunks.
+                data = handle.read(found.st_size + 1)
+                while found.st_size < len(data) <= limit:
+                    more = handle.read(min(_READ_CHUNK, limit + 1 - len(data)))
+                    if not more:
+                        break
+                    data += more
+        if len(data) > limit:
+            raise _too_large(target, limit)
+        return data
 
     def _cat(self, relative: str, **options: Any) -> bytes:
         if self.is_local:
@@ -613,6 +687,80 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+
+def _require_regular(target: str, found: os.stat_result) -> None:
+    """Refuse what is not a regular file, from its ``stat`` (a directory: as ``open`` would)."""
+    if stat.S_ISDIR(found.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+    if not stat.S_ISREG(found.st_mode):
+        kind = ("a FIFO" if stat.S_ISFIFO(found.st_mode) else
+                "a device" if stat.S_ISCHR(found.st_mode) or stat.S_ISBLK(found.st_mode) else
+                "a socket" if stat.S_ISSOCK(found.st_mode) else "not a file")
+        raise UnsafeCheckpointError(
+            f"{target} is {kind}, not a regular file: refused unread", path=target)
+
+
+def _too_large(target: str, limit: int) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{target} is larger than {limit} bytes, the most resumekit reads of such a file: "
+        "refused", path=target, limit=limit)
+
+
+def parse_json(raw: bytes, *, source: str, max_depth: int = JSON_DEPTH_LIMIT) -> Any:
+    """Parse the JSON document ``raw`` read from ``source``, its nesting bounded.
+
+    Args:
+        raw: The bytes (UTF-8).
+        source: The file they came from, named in every error.
+        max_depth: The deepest nesting of arrays and objects accepted.
+
+    Raises:
+        CorruptCheckpointError: Not UTF-8 JSON.
+        UnsafeCheckpointError: Nested deeper than ``max_depth``.
+    """
+    try:
+        document = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise _too_deep(source, max_depth) from None
+    except ValueError as error:  # not UTF-8, not JSON, an integer of too many digits
+        raise CorruptCheckpointError(f"{source}: not valid JSON ({error})",
+                                     path=source) from error
+    if json_depth(document, stop=max_depth) > max_depth:
+        raise _too_deep(source, max_depth)
+    return document
+
+
+def json_depth(value: Any, *, stop: int | None = None) -> int:
+    """The deepest nesting of lists and dicts in ``value`` (0 for a scalar), no recursion.
+
+    Args:
+        value: Parsed JSON, or data to be saved as JSON.
+        stop: Return as soon as the nesting is found deeper than this (so a structure
+            that contains itself ends the walk too).
+    """
+    deepest = 0
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if stop is not None and deepest > stop:
+            return deepest
+        pending.extend((child, depth + 1) for child in children
+                       if isinstance(child, (dict, list, tuple)))
+    return deepest
+
+
+def _too_deep(source: str, max_depth: int) -> UnsafeCheckpointError:
+    return UnsafeCheckpointError(
+        f"{source}: JSON nested deeper than {max_depth} levels: refused", path=source,
+        max_depth=max_depth)
 
 
 _RENAMEAT2: Any = None

@@ -47,10 +47,15 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.errors import CorruptCheckpointError, ForeignCheckpointError, ResumekitError
+from resumekit.errors import (
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    ResumekitError,
+    UnsafeCheckpointError,
+)
 from resumekit.layout import TRAIN_STATE_FILE, parse_rank_state_file
 from resumekit.manifest import Lineage, Manifest, describe
-from resumekit.storage import Storage
+from resumekit.storage import Storage, parse_json
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
 
@@ -459,7 +464,11 @@ def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, 
                     path=entry.path, file=relative,
                 )
             try:
-                header = json.loads(handle.read(size))
+                header = parse_json(handle.read(size), source=storage.path(relative))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except UnsafeCheckpointError:
+                raise
             except ValueError as error:
                 raise CorruptCheckpointError(
                     f"{storage.path(relative)}: unreadable safetensors header ({error})",
@@ -468,9 +477,15 @@ def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, 
         for name, spec in header.items():
             if name == "__metadata__" or not isinstance(spec, dict):
                 continue
-            begin, end = spec.get("data_offsets", [0, 0])
+            try:
+                begin, end = spec.get("data_offsets", [0, 0])
+                count = int(end) - int(begin)
+            except (TypeError, ValueError) as error:
+                raise CorruptCheckpointError(
+                    f"{storage.path(relative)}: tensor {name!r} has no readable data_offsets "
+                    f"({error})", path=entry.path, file=relative) from error
             tensors.append({"name": name, "shape": spec.get("shape"),
-                            "dtype": spec.get("dtype"), "bytes": int(end) - int(begin),
+                            "dtype": spec.get("dtype"), "bytes": count,
                             "file": relative.split("/", 1)[1]})
     return tensors
 

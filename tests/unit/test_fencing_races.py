@@ -69,7 +69,7 @@ def _on_first_record_read_inside_claim(monkeypatch: pytest.MonkeyPatch,
     inside: list[bool] = []
     done: list[str] = []
     real_claim = generations.claim
-    real_cat = Storage._cat
+    real_read = Storage.read_small
 
     def claim(*args: Any, **kwargs: Any) -> Any:
         inside.append(True)
@@ -78,15 +78,15 @@ def _on_first_record_read_inside_claim(monkeypatch: pytest.MonkeyPatch,
         finally:
             inside.pop()
 
-    def cat(self: Storage, relative: str, **options: Any) -> bytes:
-        data = real_cat(self, relative, **options)
+    def read_small(self: Storage, relative: str, **options: Any) -> bytes:
+        data = real_read(self, relative, **options)
         if inside and not done and _is_record(relative):
             done.append(relative)
             action()  # the other claimer runs between this read and the next one
         return data
 
     monkeypatch.setattr(generations, "claim", claim)
-    monkeypatch.setattr(Storage, "_cat", cat)
+    monkeypatch.setattr(Storage, "read_small", read_small)
     return done
 
 
@@ -156,18 +156,18 @@ def test_a_claim_that_loses_the_number_to_a_racing_claimer_reads_that_claimer_be
 
 def _eio_reading(monkeypatch: pytest.MonkeyPatch, relative: str, times: int) -> list[str]:
     """Fail reads of ``relative`` with EIO ``times`` times."""
-    real_cat = Storage._cat
+    real_read = Storage.read_small
     failed: list[str] = []
 
-    def cat(self: Storage, name: str, **options: Any) -> bytes:
+    def read_small(self: Storage, name: str, **options: Any) -> bytes:
         if name == relative and len(failed) < times:
             failed.append(name)
             raise StorageError(f"cannot open {self.path(name)}: [Errno 5] Input/output error",
                                path=self.path(name), operation="open") from OSError(
                 errno.EIO, "Input/output error", self.path(name))
-        return real_cat(self, name, **options)
+        return real_read(self, name, **options)
 
-    monkeypatch.setattr(Storage, "_cat", cat)
+    monkeypatch.setattr(Storage, "read_small", read_small)
     return failed
 
 
