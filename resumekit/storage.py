@@ -415,12 +415,17 @@ class Storage:
                 os.mkdir(target)
 
     def remove_tree(self, relative: str) -> None:
-        """Delete ``relative`` and everything below it; an absent path is not an error."""
+        """Delete ``relative`` and everything below it; an absent path is not an error.
+
+        Entries another process deletes meanwhile (two sweeps of one directory) are
+        skipped, not the end of the deletion: each caller goes on to the end, so the
+        directory is gone once either returns.
+        """
         target = self.path(relative)
         with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             if self.is_local:
                 if os.path.isdir(target):
-                    shutil.rmtree(target)
+                    shutil.rmtree(target, onerror=_unless_gone)
                 elif os.path.lexists(target):
                     os.unlink(target)
                 return
@@ -509,6 +514,13 @@ class Storage:
 
 
 _RENAMEAT2: Any = None
+
+
+def _unless_gone(function: Any, path: str, exc_info: Any) -> None:
+    """``shutil.rmtree``'s error handler: an entry already deleted is skipped."""
+    if isinstance(exc_info[1], FileNotFoundError):
+        return
+    raise exc_info[1]
 
 
 @contextmanager
