@@ -403,9 +403,10 @@ def test_kills_inside_real_fsyncs_and_renames_on_disk_never_lose_a_checkpoint(
 def test_a_kill_after_the_second_rename_never_lets_the_retired_copy_come_back(
     rig: CrashRig,
 ) -> None:
-    # Die just after rename 2 of the replacement of step 3, before the retired copy loses
-    # its manifest: the new version is committed and the old one is still whole beside it.
-    kill = {"cycle": 2, "category": "publish", "operation": "remove_file", "occurrence": 0}
+    # Die just after rename 2 of the replacement of step 3 (and the root's fsync: the old
+    # copy goes only once the new one is durable), before the retired copy loses its
+    # manifest: the new version is committed and the old one is still whole beside it.
+    kill = {"cycle": 2, "category": "cleanup", "operation": "remove_file", "occurrence": 0}
     result = rig.run({"seed": 3, "cycles": 3, "exchange": False, "kill": kill})
     assert result.killed and result.in_replace
     rig.check("killed after the second rename")
