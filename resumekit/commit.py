@@ -27,15 +27,17 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
                  durability unconfirmed: never a failed save, whose retry would collide);
                  replacing an existing step swaps the two atomically (RENAME_EXCHANGE);
                  without it, two renames: step -> .step_....old-<token>, staging -> step
-                 (a crash between them is undone: ``recover_interrupted``), then the
-                 retired copy loses its manifest (fsynced) before its files go, so that
-                 a crash inside its deletion never leaves a half-deleted directory that
-                 still looks restorable
+                 (a crash between them is undone: ``recover_interrupted``), then, once
+                 the root's fsync succeeded, the retired copy loses its manifest
+                 (fsynced) before its files go, so that a crash inside its deletion
+                 never leaves a half-deleted directory that still looks restorable (the
+                 next begin or prune finishes such a deletion)
          object: create step_000001000/manifest.json last, only if absent (the commit
                  point): S3 If-None-Match: *, so of two writers of a step one commits and
                  the other gets StepCollisionError; stores without conditional writes
                  check, then write (warned once per root: a one-round-trip race window)
-      6. rank 0 removes what the new checkpoint replaced; on S3 it writes the
+      6. rank 0 removes what the new checkpoint replaced (kept when the root's fsync
+         failed; a failure to remove it is a warning too); on S3 it writes the
          newest-step hint (<root>/.resumekit-generations/newest-step.json; after the
          commit point, a hint only: see "Finding the newest" below); all ranks learn the outcome
       7. POSIX, after retention (``record_newest``): rank 0 stamps the newest-step hint
