@@ -19,20 +19,25 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          store (looked up by name when a listing misses it) or has another size
       4. every rank hashes and fsyncs its share of the files nobody reported (found by
          listing; a second all-gather shares those entries, skipped by every rank alike
-         when rank 0 found none); rank 0 writes manifest.json (durable), fsyncs the
-         staging directory
-      5. POSIX : rename staging -> step_000001000, fsync the root (the commit point);
+         when rank 0 found none); rank 0 writes manifest.json (durable), then removes
+         the writer record (POSIX: a staging area holding neither is a crashed writer's),
+         fsyncs the staging directory
+      5. POSIX : rename staging -> step_000001000 (the commit point), fsync the root (a
+                 failure from here on is a warning that the step IS committed, its
+                 durability unconfirmed: never a failed save, whose retry would collide);
                  replacing an existing step swaps the two atomically (RENAME_EXCHANGE);
                  without it, two renames: step -> .step_....old-<token>, staging -> step
-                 (a crash between them is undone: ``recover_interrupted``), then the
-                 retired copy loses its manifest (fsynced) before its files go, so that
-                 a crash inside its deletion never leaves a half-deleted directory that
-                 still looks restorable
+                 (a crash between them is undone: ``recover_interrupted``), then, once
+                 the root's fsync succeeded, the retired copy loses its manifest
+                 (fsynced) before its files go, so that a crash inside its deletion
+                 never leaves a half-deleted directory that still looks restorable (the
+                 next begin or prune finishes such a deletion)
          object: create step_000001000/manifest.json last, only if absent (the commit
                  point): S3 If-None-Match: *, so of two writers of a step one commits and
                  the other gets StepCollisionError; stores without conditional writes
                  check, then write (warned once per root: a one-round-trip race window)
-      6. rank 0 removes what the new checkpoint replaced; on S3 it writes the
+      6. rank 0 removes what the new checkpoint replaced (kept when the root's fsync
+         failed; a failure to remove it is a warning too); on S3 it writes the
          newest-step hint (<root>/.resumekit-generations/newest-step.json; after the
          commit point, a hint only: see "Finding the newest" below); all ranks learn the outcome
       7. POSIX, after retention (``record_newest``): rank 0 stamps the newest-step hint
@@ -61,8 +66,11 @@ share a generation; an older restart of a job cannot claim after a newer one did
   - the manifest records the generation that committed it.
 
 Before a save writes (step 2), rank 0 sweeps staging areas whose writer is provably dead:
-on this host with its pid gone, or of a fenced generation; writers on other hosts are left
-to retention's age rule. Each sweep is logged and warned about, naming the directory.
+on this host with its pid gone, or of a fenced generation (read from its writer record,
+else from its manifest), or cut while writing its manifest (files, but neither a writer
+record nor a valid manifest), and retired copies that lost their manifest (a deletion cut
+part-way); writers on other hosts are left to retention's age rule, which measures age on
+the storage's own clock. Each sweep is logged and warned about, naming the directory.
 
 Finding the newest (what begin, restore, ``latest()`` and retention read). The commit
 marker is the truth: a step directory is a checkpoint exactly when its manifest validates.
@@ -132,11 +140,13 @@ from resumekit.catalog import (
 )
 from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
 from resumekit.errors import (
+    CorruptCheckpointError,
     FencedWriterError,
     IncompleteCheckpointError,
     StepCollisionError,
     StorageError,
     UnsafeCheckpointError,
+    UnsupportedSchemaError,
 )
 from resumekit.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
 from resumekit.manifest import (
@@ -152,6 +162,7 @@ __all__ = [
     "WRITER_FILE",
     "CommitProtocol",
     "PendingCheckpoint",
+    "cut_short_reason",
     "dead_writer_reason",
     "pid_gone",
     "read_writer",
@@ -159,6 +170,7 @@ __all__ = [
     "set_aside",
     "staging_areas",
     "sweep_dead_writers",
+    "writer_of",
 ]
 
 logger = logging.getLogger("resumekit")
@@ -512,9 +524,13 @@ class CommitProtocol:
             "world_size": max(manifest.world_size, 1), "generation": pending.generation,
             "created_at": datetime.now(timezone.utc),  # publication, not capture
         })
-        committed: Manifest = run_on_leader(self.coordinator,
-                                            lambda: self._publish_on_leader(pending, final))
-        return committed
+        committed, doubt = run_on_leader(self.coordinator,
+                                         lambda: self._publish_on_leader(pending, final))
+        if doubt is not None:  # after the commit point: the step is committed
+            logger.warning("resumekit: %s", doubt)
+            warnings.warn(doubt, ResumekitWarning, stacklevel=2)
+        result: Manifest = committed
+        return result
 
     def _reconcile(self, pending: PendingCheckpoint,
                    reports: Sequence[tuple[Sequence[FileEntry], Sequence[str]]]
@@ -582,21 +598,30 @@ class CommitProtocol:
         self.storage.fsync_file(relative)
         return FileEntry(path=path, size=size, checksum=checksum)
 
-    def _publish_on_leader(self, pending: PendingCheckpoint, manifest: Manifest) -> Manifest:
+    def _publish_on_leader(self, pending: PendingCheckpoint, manifest: Manifest
+                           ) -> tuple[Manifest, str | None]:
+        """Write the manifest and commit (rank 0).
+
+        Returns the manifest and, when something after the commit point failed (the
+        fsync of the root, removing a replaced copy), what: the step is committed then.
+        """
         self._phase("manifest")
         storage = self.storage
         self._check_fence(pending)  # before the manifest: a fenced writer describes nothing
-        storage.remove_file(f"{pending.staging}/{WRITER_FILE}")
         if storage.atomic_rename:
+            # The writer record goes only once the manifest is whole: staging without
+            # either (data, or a cut manifest) is then provably a crashed writer's.
             storage.write_bytes(f"{pending.staging}/{MANIFEST_NAME}", manifest.to_json(),
                                 durable=True)
+            storage.remove_file(f"{pending.staging}/{WRITER_FILE}")
             for directory in _directories_of(manifest):
                 storage.fsync_dir(f"{pending.staging}/{directory}")
             storage.fsync_dir(pending.staging)
             self._check_fence(pending)  # the last check: the race window starts here
             self._phase("publish")
+            retired = None
             if pending.replaces:
-                self._swap_in(pending)
+                retired = self._swap_in(pending)
             else:
                 try:
                     storage.rename_dir(pending.staging, pending.name)
@@ -604,10 +629,8 @@ class CommitProtocol:
                     if not storage.exists(pending.name):
                         raise
                     raise self._collision(pending) from None  # a writer of this generation
-            storage.fsync_dir()
-            self._phase("cleanup")
-            storage.remove_tree(pending.staging)  # after a swap: the replaced checkpoint
-            return manifest
+            return manifest, self._after_rename(pending, retired)
+        storage.remove_file(f"{pending.staging}/{WRITER_FILE}")
         previous = read_manifest(storage, pending.name) if pending.replaces else None
         self._check_fence(pending)  # the last check: the race window starts here
         self._phase("publish")
@@ -619,8 +642,54 @@ class CommitProtocol:
         if not pending.replaces:  # a hint, after the commit point (see catalog)
             write_newest_hint(storage, self.name_format, pending.step)
         if previous is not None and previous.data_dir not in (".", manifest.data_dir):
-            storage.remove_tree(f"{pending.name}/{previous.data_dir}")
-        return manifest
+            old_data = f"{pending.name}/{previous.data_dir}"
+            try:
+                storage.remove_tree(old_data)
+            except OSError as error:
+                return manifest, (
+                    f"step {pending.step} is committed as {storage.path(pending.name)}, but "
+                    f"the replaced copy's data {storage.path(old_data)} could not be "
+                    f"removed: {error}; the sweep of abandoned attempts removes it later")
+        return manifest, None
+
+    def _after_rename(self, pending: PendingCheckpoint, retired: str | None) -> str | None:
+        """Make the commit durable and remove what it replaced (POSIX, after the rename).
+
+        The step is committed once renamed: a failure here is returned as what to warn
+        about (never raised as a failed save, which would say nothing was committed and
+        send the caller to save a step that now exists). When the root's fsync fails,
+        the replaced copy is kept (the sweeps remove it once the root is durable).
+
+        Args:
+            pending: The save just committed.
+            retired: The replaced copy's retired name (two-rename replacement), else None
+                (an exchange left the replaced copy at the staging name).
+        """
+        storage = self.storage
+        where = storage.path(pending.name)
+        leftover = retired if retired is not None else pending.staging
+        try:
+            storage.fsync_dir()
+        except OSError as error:
+            kept = (f"; the replaced copy stays in {storage.path(leftover)} until a later "
+                    "save or prune removes it") if pending.replaces else ""
+            return (f"step {pending.step} IS committed as {where} (renamed into place), but "
+                    f"its durability could not be confirmed: the fsync of the root "
+                    f"{storage.path()} failed: {error}. It can be restored and a save of "
+                    f"step {pending.step} again collides with it; a power loss before the "
+                    f"root's next successful fsync (the next save's) could undo it, "
+                    f"leaving the previous newest checkpoint{kept}")
+        self._phase("cleanup")
+        try:
+            if retired is not None:
+                _remove_retired(storage, retired)
+            else:
+                storage.remove_tree(pending.staging)  # after a swap: the replaced checkpoint
+        except OSError as error:
+            return (f"step {pending.step} is committed as {where}, but the copy it replaced "
+                    f"could not be removed from {storage.path(leftover)}: {error}; the next "
+                    "save or prune removes it")
+        return None
 
     def _create_commit_marker(self, pending: PendingCheckpoint, manifest: Manifest) -> None:
         """Write ``<name>/manifest.json`` only if no other writer has (object stores).
@@ -671,10 +740,15 @@ class CommitProtocol:
             self.storage.remove_tree(pending.staging)
             raise
 
-    def _swap_in(self, pending: PendingCheckpoint) -> None:
+    def _swap_in(self, pending: PendingCheckpoint) -> str | None:
+        """Put the staging area in place of the step's committed copy (the commit point).
+
+        Returns the retired name of the replaced copy when two renames did it (removed
+        by the caller), None after an exchange (the replaced copy is at the staging name).
+        """
         try:
             self.storage.exchange_dirs(pending.staging, pending.name)
-            return
+            return None
         except StorageError:
             pass
         # No RENAME_EXCHANGE on this filesystem: retire the old directory, then rename.
@@ -682,7 +756,7 @@ class CommitProtocol:
         retired = self.name_format.retired_name(pending.step, pending.token)
         self.storage.rename_dir(pending.name, retired)
         self.storage.rename_dir(pending.staging, pending.name)
-        _remove_retired(self.storage, retired)
+        return retired
 
     def abort(self, pending: PendingCheckpoint) -> None:
         """Remove the staging area of a save that will not be published (rank 0 only)."""
@@ -948,6 +1022,65 @@ def dead_writer_reason(writer: dict[str, Any] | None,
     return None
 
 
+def writer_of(storage: Storage, staging: str, writer: dict[str, Any] | None
+              ) -> dict[str, Any] | None:
+    """The writer record of ``staging``, else one made from its manifest (POSIX), or None.
+
+    A POSIX writer removes its record only once its manifest is whole, so a staging area
+    without a record but with a valid manifest names its writer there (lineage and
+    generation): it was about to rename, or died just before.
+    """
+    if writer is not None or not storage.atomic_rename:
+        return writer
+    try:
+        manifest = read_manifest(storage, staging)
+    except (CorruptCheckpointError, UnsafeCheckpointError, FileNotFoundError):
+        return None
+    made: dict[str, Any] = {"host": manifest.lineage.hostname, "pid": manifest.lineage.pid}
+    if manifest.generation is not None:
+        made.update(generation=manifest.generation.number,
+                    generation_token=manifest.generation.token)
+    return made
+
+
+def cut_short_reason(storage: Storage, name: str, *, retiring: bool) -> str | None:
+    """Why the hidden entry ``name`` is provably left by a cut operation, else None.
+
+    Decided from what it holds, not from anyone's clock (POSIX roots only):
+
+    * a retired copy (``.old-``) without a valid manifest: a deletion lost its manifest
+      first, so this is a deletion cut part-way (or another process's, in progress:
+      finishing it is what that process does too);
+    * a staging area (``.tmp-``) holding files but neither a readable writer record nor
+      a valid manifest: a live writer keeps its record until its manifest is whole, so
+      its writer was cut while writing the manifest (or its record), and is gone.
+
+    A staging area with a valid or newer-schema manifest, or holding nothing but a
+    (possibly half-written) writer record, is not decided here.
+
+    Raises:
+        FileNotFoundError: ``name`` vanished meanwhile.
+    """
+    if not storage.atomic_rename:
+        return None
+    try:
+        read_manifest(storage, name)
+        return None
+    except UnsupportedSchemaError:
+        return None  # a newer resumekit's manifest: not ours to judge
+    except (CorruptCheckpointError, UnsafeCheckpointError) as error:
+        problem = str(error)
+    if retiring:
+        return (f"a retired copy without a valid manifest ({problem}): a deletion cut "
+                "part-way, finished now")
+    if read_writer(storage, name) is not None or not any(
+            path != WRITER_FILE for path, _ in storage.walk_files(name)):
+        return None  # its writer may live, or has only just created it
+    return (f"it holds files but neither a writer record nor a valid manifest ({problem}): "
+            "its writer was cut while writing its manifest (a live writer keeps its record "
+            "until the manifest is whole)")
+
+
 def staging_areas(storage: Storage, entries: Iterable[CheckpointEntry]) -> list[str]:
     """Names of the root's unpublished staging areas (relative to the root).
 
@@ -975,15 +1108,25 @@ def sweep_dead_writers(storage: Storage, entries: Iterable[CheckpointEntry],
     """Remove staging areas whose writer is provably dead or fenced; return their names.
 
     Runs in ``begin`` (rank 0), before the new save writes, so the space a crashed writer
-    left is free again. Each sweep is logged and warned about, naming the directory and
-    the reason; a sweep that fails is warned about and the save goes on.
+    left is free again. Provably abandoned: what :func:`cut_short_reason` finds (a cut
+    manifest write, a half-deleted retired copy), or a writer (its record, else its
+    manifest's lineage) that :func:`dead_writer_reason` finds dead or fenced. Each sweep
+    is logged and warned about, naming the directory and the reason; a sweep that fails
+    is warned about and the save goes on.
     """
     swept = []
+    entries = list(entries)
+    retiring = {entry.name for entry in entries if entry.defect == "retiring"}
     for name in staging_areas(storage, entries):
         writer = read_writer(storage, name)
         if writer is not None and writer.get("token") in active_tokens:
             continue
-        reason = dead_writer_reason(writer, current)
+        try:
+            reason = cut_short_reason(storage, name, retiring=name in retiring)
+            if reason is None and name not in retiring:
+                reason = dead_writer_reason(writer_of(storage, name, writer), current)
+        except FileNotFoundError:
+            continue  # vanished: its writer renamed or removed it meanwhile
         if reason is None:
             continue
         where = storage.path(name)

@@ -9,20 +9,24 @@ checkpoints by a metric recorded in their manifests at save time (``Manifest.met
 :func:`prune` applies a
 policy after a publish and never deletes the newest committed checkpoint, the one the run
 resumed from (``protect``), or anything being written. It also sweeps staging directories
-abandoned by dead writers. Entries that vanish under it are skipped with a note; a
-deletion that fails is reported and the rest goes on (:class:`PruneReport`). A symbolic
-link is never a checkpoint (:mod:`resumekit.catalog`): it is never deleted nor swept, and
-nothing is deleted through one (:class:`~resumekit.storage.Storage` refuses it).
+abandoned by dead writers (each with a warning naming it and why): at once what a cut
+operation provably left (a manifest write or a deletion cut part-way), otherwise only
+what has not changed for ``sweep_after`` seconds on the storage's own clock (the mtimes
+the storage recorded, against a probe file's) and whose writer is not a live process of
+this host; no host's clock is trusted. Entries that vanish under it are skipped with a
+note; a deletion that fails is reported and the rest goes on (:class:`PruneReport`). A
+symbolic link is never a checkpoint (:mod:`resumekit.catalog`): it is never deleted nor
+swept, and nothing is deleted through one (:class:`~resumekit.storage.Storage` refuses it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import socket
-import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,9 +42,16 @@ from resumekit.catalog import (
     list_root,
     step_directories,
 )
-from resumekit.commit import pid_gone, read_writer, recover_interrupted, staging_areas
+from resumekit.commit import (
+    cut_short_reason,
+    pid_gone,
+    read_writer,
+    recover_interrupted,
+    staging_areas,
+    writer_of,
+)
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from resumekit.layout import MANIFEST_NAME, NameFormat
+from resumekit.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
@@ -205,31 +216,95 @@ class PruneReport:
         return [*self.notes, *self.failures]
 
 
-def _abandoned(storage: Storage, name: str, now: float, sweep_after: float,
-               active_tokens: Iterable[str]) -> bool:
-    """Whether the staging area ``name`` may be swept: old enough, and its writer gone.
+class _StorageClock:
+    """The storage's own "now": the mtime it gives a probe file written when first asked.
 
-    The writer record (``.writer.json``: host, pid, token, start time) is read once. A
-    writer on another host cannot be checked, so there its age alone decides; a missing or
-    unreadable record counts as a dead writer, dated by the directory's mtime.
+    Ages of staging areas are differences of two times the storage itself recorded (the
+    mtimes of their entries, and this probe's), so neither the writer's host clock nor
+    this host's counts: a writer whose clock runs behind is not taken for an old one.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._now: float | None = None
+        self._asked = False
+        self.problem: str | None = None
+
+    def now(self) -> float | None:
+        """The storage's time now (read once), None when it cannot be read."""
+        if self._asked:
+            return self._now
+        self._asked = True
+        probe = f"{GENERATIONS_DIR}/clock-probe-{os.urandom(6).hex()}"
+        try:
+            self.storage.write_bytes(probe, b"")
+            self._now = self.storage.mtime(probe)
+        except OSError as error:
+            self.problem = f"cannot read the storage's clock (writing {probe}): {error}"
+        else:
+            if self._now is None:
+                self.problem = f"{self.storage.url} reports no modification times"
+        finally:
+            # (left behind, it is an empty file in .resumekit-generations/, never read)
+            with contextlib.suppress(OSError):
+                self.storage.remove_file(probe)
+        return self._now
+
+
+def _last_change(storage: Storage, name: str) -> float | None:
+    """The newest modification time the storage recorded for ``name`` or anything below.
+
+    Raises:
+        FileNotFoundError: ``name`` vanished meanwhile.
+    """
+    newest = storage.mtime(name)
+    folders = [name]
+    while folders:
+        folder = folders.pop()
+        for info in storage.list_dir(folder):
+            if info.mtime is not None:
+                newest = info.mtime if newest is None else max(newest, info.mtime)
+            if info.is_dir:
+                folders.append(f"{folder}/{info.name}")
+    return newest
+
+
+def _abandoned(storage: Storage, name: str, clock: _StorageClock, sweep_after: float,
+               active_tokens: Iterable[str], *, retiring: bool) -> str | None:
+    """Why the staging area ``name`` may be swept, else None.
+
+    At once when it is provably left by a cut operation
+    (:func:`~resumekit.commit.cut_short_reason`). Otherwise never while its writer (its
+    record, else its manifest's lineage) is a live process of this host or a save of
+    this process (``active_tokens``); else once nothing in it changed for
+    ``sweep_after`` seconds, measured on the storage's own clock (:class:`_StorageClock`):
+    the writer record's start time, taken on the writer's host, is not trusted.
 
     Raises:
         FileNotFoundError: ``name`` vanished meanwhile.
     """
     writer = read_writer(storage, name)
-    try:
-        started = float(writer["started"]) if writer is not None else None
-    except (KeyError, TypeError, ValueError):
-        started = None
-    if started is None:
-        writer, started = None, storage.mtime(name) or now
-    if now - started < sweep_after:
-        return False
     if writer is not None and writer.get("token") in set(active_tokens):
-        return False  # a save of this process, in flight
-    if writer is None or writer.get("host") != socket.gethostname():
-        return True
-    return pid_gone(writer.get("pid", -1))
+        return None  # a save of this process, in flight
+    reason = cut_short_reason(storage, name, retiring=retiring)
+    if reason is not None:
+        return reason
+    if not retiring:
+        writer = writer_of(storage, name, writer)
+    if writer is None:
+        who = "it has no writer record"
+    elif writer.get("host") != socket.gethostname():
+        who = f"its writer is on another host ({writer.get('host')}), unknowable from here"
+    elif pid_gone(writer.get("pid", -1)):
+        who = f"its writer, pid {writer.get('pid')} on this host, is gone"
+    else:
+        return None  # a live writer of this host
+    if sweep_after <= 0:
+        return who
+    changed, now = _last_change(storage, name), clock.now()
+    if changed is None or now is None or now - changed < sweep_after:
+        return None
+    return f"unchanged for {now - changed:.0f}s by the storage's clock and {who}"
 
 
 _LISTING_ATTEMPTS = 3
@@ -293,8 +368,9 @@ def prune(
         name_format: How step directories are named.
         protect: Steps never deleted (e.g. the step this run resumed from).
         active_tokens: Tokens of saves in flight in this process (never swept).
-        sweep_after: Seconds after which a staging directory whose writer is gone (or
-            unknowable, on another host) is swept.
+        sweep_after: Seconds a staging directory whose writer is gone (or unknowable,
+            on another host) must have stayed unchanged before it is swept, measured on
+            the storage's clock (``0``: at once).
         dry_run: Report without deleting.
         errors: What failures do once every entry was handled: ``"raise"`` a
             :class:`~resumekit.errors.StorageError` listing them (notes are warned about),
@@ -334,7 +410,6 @@ def prune(
     else:
         entries, doomed = _decide_from_names(storage, policy, name_format, set(protect),
                                              report, rolling=rolling)
-    now = time.time()
     token = os.urandom(6).hex()
     for entry in doomed:
         if dry_run:
@@ -345,7 +420,7 @@ def prune(
                                       entry.step, entry.name, token)):
             report.deleted.append(entry.step)
     report.deleted.sort()
-    _sweep_abandoned(storage, entries, report, now=now, sweep_after=sweep_after,
+    _sweep_abandoned(storage, entries, report, sweep_after=sweep_after,
                      active_tokens=active_tokens)
     _report(storage, report, errors)
     return report
@@ -433,22 +508,35 @@ def _classify_down_to(storage: Storage, listing: list[tuple[str, bool]],
 
 
 def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: PruneReport,
-                     *, now: float, sweep_after: float, active_tokens: Iterable[str]) -> None:
-    """Sweep (or, on a dry run, list) the staging areas abandoned by dead writers."""
+                     *, sweep_after: float, active_tokens: Iterable[str]) -> None:
+    """Sweep (or, on a dry run, list) the staging areas abandoned by dead writers.
+
+    Each sweep is logged and warned about, naming the directory and why.
+    """
+    clock = _StorageClock(storage)
+    retiring = {entry.name for entry in entries if entry.defect == "retiring"}
     for name in staging_areas(storage, entries):
         # (set-aside corrupt checkpoints, ".<name>.bad-<token>", are never swept)
         try:
-            abandoned = _abandoned(storage, name, now, sweep_after, active_tokens)
+            reason = _abandoned(storage, name, clock, sweep_after, active_tokens,
+                                retiring=name in retiring)
         except FileNotFoundError:
             report.notes.append(f"{storage.path(name)} vanished while pruning (another "
                                 "process removed it): skipped")
             continue
-        if not abandoned:
+        if reason is None:
             continue
-        if report.dry_run or _attempt(storage, report, name,
-                                      "sweep the abandoned staging area",
-                                      functools.partial(storage.remove_tree, name)):
+        if report.dry_run:
             report.swept.append(name)
+        elif _attempt(storage, report, name, "sweep the abandoned staging area",
+                      functools.partial(storage.remove_tree, name)):
+            report.swept.append(name)
+            message = f"swept the abandoned staging area {storage.path(name)}: {reason}"
+            logger.warning("resumekit: retention: %s", message)
+            warnings.warn(f"retention: {message}", ResumekitWarning, stacklevel=3)
+    if clock.problem is not None:
+        report.notes.append(f"{clock.problem}: staging areas of writers that cannot be "
+                            "checked from here were kept (their age is unknown)")
 
 
 def _report(storage: Storage, report: PruneReport,

@@ -589,13 +589,16 @@ class Storage:
 
         Links below it are removed as links (their targets are never followed); a path
         that is itself a link, or lies below one, is refused (:meth:`link_on_path`).
+        Entries another process deletes meanwhile (two sweeps of one directory) are
+        skipped, not the end of the deletion: each caller goes on to the end, so the
+        directory is gone once either returns.
         """
         target = self.path(relative)
         self._refuse_links("delete", "delete", relative)
         with _storage_errors("delete", target, "delete", ignores=(FileNotFoundError,)):
             if self.is_local:
                 if os.path.isdir(target):
-                    shutil.rmtree(target)
+                    shutil.rmtree(target, onerror=_unless_gone)
                 elif os.path.lexists(target):
                     os.unlink(target)
                 return
@@ -764,6 +767,13 @@ def _too_deep(source: str, max_depth: int) -> UnsafeCheckpointError:
 
 
 _RENAMEAT2: Any = None
+
+
+def _unless_gone(function: Any, path: str, exc_info: Any) -> None:
+    """``shutil.rmtree``'s error handler: an entry already deleted is skipped."""
+    if isinstance(exc_info[1], FileNotFoundError):
+        return
+    raise exc_info[1]
 
 
 @contextmanager

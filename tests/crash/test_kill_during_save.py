@@ -403,9 +403,10 @@ def test_kills_inside_real_fsyncs_and_renames_on_disk_never_lose_a_checkpoint(
 def test_a_kill_after_the_second_rename_never_lets_the_retired_copy_come_back(
     rig: CrashRig,
 ) -> None:
-    # Die just after rename 2 of the replacement of step 3, before the retired copy loses
-    # its manifest: the new version is committed and the old one is still whole beside it.
-    kill = {"cycle": 2, "category": "publish", "operation": "remove_file", "occurrence": 0}
+    # Die just after rename 2 of the replacement of step 3 (and the root's fsync: the old
+    # copy goes only once the new one is durable), before the retired copy loses its
+    # manifest: the new version is committed and the old one is still whole beside it.
+    kill = {"cycle": 2, "category": "cleanup", "operation": "remove_file", "occurrence": 0}
     result = rig.run({"seed": 3, "cycles": 3, "exchange": False, "kill": kill})
     assert result.killed and result.in_replace
     rig.check("killed after the second rename")
@@ -442,3 +443,24 @@ def test_a_kill_between_the_two_renames_of_a_replacement_keeps_the_old_version(
     rig.run({"seed": 2, "cycles": 1, "exchange": False})
     rig.check("after the next writer recovered")
     assert rig.model.required == {3: {0}, 4: {0}}
+
+
+def test_a_prune_killed_inside_the_deletion_of_a_retired_copy_leaves_it_to_the_next_start(
+    rig: CrashRig,
+) -> None:
+    # Cycle 2's prune deletes step 1: it renames it to .step_000000001.old-<token>, removes
+    # its manifest, then its files one by one; die after the first file went.
+    kill = {"cycle": 2, "category": "prune", "operation": "unlink", "occurrence": 1}
+    result = rig.run({"seed": 6, "cycles": 3, "exchange": False, "kill": kill})
+    assert result.killed
+    rig.check("killed inside the deletion of a retired copy")
+    hidden = [info.name for info in rig.storage.list_dir() if ".old-" in info.name]
+    assert len(hidden) == 1 and hidden[0].startswith(".step_000000001.old-")
+    assert not rig.storage.exists(f"{hidden[0]}/{MANIFEST_NAME}")
+    assert rig.storage.walk_files(hidden[0])  # half deleted
+
+    # The next writer finishes the deletion before it saves: its prune's age rule would
+    # wait an hour (sweep_after), so only the start can have removed it.
+    rig.run({"seed": 7, "cycles": 1, "exchange": False, "sweep_after": 3600.0})
+    rig.check("after the next writer started")
+    assert not [info.name for info in rig.storage.list_dir() if ".old-" in info.name]

@@ -42,7 +42,7 @@ from resumekit.catalog import (
 )
 from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.errors import StepCollisionError
-from resumekit.manifest import MANIFEST_NAME, Manifest
+from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest
 from resumekit.retention import RetentionPolicy, keep_every, keep_last, prune
 from resumekit.storage import Storage
 
@@ -252,8 +252,10 @@ class StoreMachine(RuleBasedStateMachine):
 
         dying = CommitProtocol(self.storage, on_phase=die)
         self._write(pending, files)
+        dead = Lineage.current().model_copy(update={"pid": DEAD_PID})  # its manifest too
         with pytest.raises(_Crash):
-            dying.publish(pending, Manifest(step=step, extras={"v": self.versions}))
+            dying.publish(pending, Manifest(step=step, extras={"v": self.versions},
+                                            lineage=dead))
         if phase == "cleanup":  # past the commit point: the new version is committed
             if not replace:
                 assert not self.history or step > self.history[-1], "steps went backwards"
@@ -264,8 +266,10 @@ class StoreMachine(RuleBasedStateMachine):
             elif replace:
                 self.abandoned[f"{pending.name}/{previous}"] = step  # the replaced data
             return
-        # The writer record goes just before the manifest is written (phase "manifest").
-        self._abandon(pending, with_writer_record=phase in ("hash", "manifest"))
+        # The writer record goes once the manifest is written (phase "manifest"); on a
+        # local root the manifest in the staging area then names the (dead) writer.
+        self._abandon(pending, with_writer_record=phase in ("hash", "manifest") or (
+            phase == "publish" and self.storage.atomic_rename))
 
     def _abandon(self, pending: PendingCheckpoint, *, with_writer_record: bool) -> None:
         self.abandoned[pending.staging] = pending.step

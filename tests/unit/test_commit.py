@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 from resumekit.catalog import latest_committed, read_manifest, verify_checkpoint
 from resumekit.commit import WRITER_FILE, CommitProtocol, recover_interrupted
 from resumekit.errors import StepCollisionError, StorageError
 from resumekit.layout import GENERATIONS_DIR, NameFormat
+from resumekit.manager import CheckpointManager
 from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
@@ -213,3 +216,60 @@ def test_a_replacement_without_exchange_removes_the_retired_manifest_before_its_
     assert calls[at - 2:at] == [("remove_file", f"{retired[0]}/{MANIFEST_NAME}"),
                                 ("fsync_dir", retired[0])]
     assert _entries(tmp_path) == [NAME_1]
+
+
+# -- issue 29, finding 7b: a failure after the rename says the step IS committed --------
+
+
+def _root_fsync_fails_once_renamed(monkeypatch: pytest.MonkeyPatch, root: Path,
+                                   name: str) -> list[str]:
+    """Make the fsync of the root fail (EIO) once ``name`` is in it: after the rename."""
+    failed: list[str] = []
+    original = Storage.fsync_dir
+
+    def fsync_dir(self: Storage, relative: str = "") -> None:
+        if relative == "" and (root / name).is_dir():
+            failed.append(name)
+            error = OSError(errno.EIO, os.strerror(errno.EIO), str(root))
+            raise StorageError(f"cannot fsync {root}: {error}", path=str(root),
+                               operation="fsync") from error
+        original(self, relative)
+
+    monkeypatch.setattr(Storage, "fsync_dir", fsync_dir)
+    return failed
+
+
+def test_a_root_fsync_failing_after_the_rename_says_the_step_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ckpt = CheckpointManager(tmp_path, model=nn.Linear(2, 2))
+    ckpt.save(1)
+    failed = _root_fsync_fails_once_renamed(monkeypatch, tmp_path, "step_000000002")
+    with pytest.warns(ResumekitWarning) as seen:
+        ckpt.save(2)  # returns: the step exists and verifies
+    assert failed
+    messages = [str(w.message) for w in seen if "durability" in str(w.message)]
+    assert len(messages) == 1, [str(w.message) for w in seen]
+    assert f"step 2 IS committed as {tmp_path / 'step_000000002'}" in messages[0]
+    assert "Input/output error" in messages[0]
+    assert "nothing was committed" not in messages[0]
+    monkeypatch.undo()
+    verify_checkpoint(Storage(tmp_path), "step_000000002")
+    assert ckpt.last_saved_step == 2
+    with pytest.raises(StepCollisionError):
+        ckpt.save(2)
+    ckpt.save(3)
+
+
+def test_a_root_fsync_failing_after_a_replacement_keeps_the_replaced_copy_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1, {"model.bin": b"old"})
+    _root_fsync_fails_once_renamed(monkeypatch, tmp_path, NAME_1)
+    with pytest.warns(ResumekitWarning, match=r"step 1 IS committed .*durability could not "
+                                              r"be confirmed.*the replaced copy stays in "):
+        save_checkpoint(store, 1, {"model.bin": b"new"}, replace=True)
+    monkeypatch.undo()
+    assert (tmp_path / NAME_1 / "model.bin").read_bytes() == b"new"
+    verify_checkpoint(store, NAME_1)

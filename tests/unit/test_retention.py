@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,25 @@ def _rewrite_writer(store: Storage, pending: PendingCheckpoint, **changes: objec
     store.write_bytes(path, json.dumps(writer).encode())
 
 
+def untouched_for(store: Storage, name: str, seconds: float) -> None:
+    """Date every entry of ``name`` ``seconds`` back, as the storage itself records times.
+
+    What a staging area looks like when nothing in it changed for that long (its writer's
+    own clock, in the writer record, plays no part).
+    """
+    then = time.time() - seconds
+    if store.is_local:
+        root = Path(store.path(name))
+        for path in [*root.rglob("*"), root]:
+            os.utime(path, (then, then))
+        return
+    memory = store.fs.store  # memory:// (the object store of the unit tests)
+    prefix = store.path(name).lstrip("/")
+    for key, item in memory.items():
+        if key.lstrip("/").startswith(prefix):
+            item.created = datetime.fromtimestamp(then, tz=timezone.utc)
+
+
 @pytest.fixture(scope="module")
 def dead_pid() -> int:
     """The pid of a process that has exited and been reaped."""
@@ -188,6 +208,7 @@ def test_prune_never_sweeps_the_staging_of_a_live_writer(tmp_path: Path) -> None
     save_checkpoint(store, 1)
     pending = _stage(store, 2)  # written by this (live) process
     _rewrite_writer(store, pending, started=time.time() - 10 * HOUR)
+    untouched_for(store, pending.staging, 10 * HOUR)
     report = prune(store, keep_last(1), sweep_after=HOUR)
     assert report.swept == []
     assert store.exists(f"{pending.staging}/model.bin")
@@ -197,6 +218,7 @@ def test_prune_never_sweeps_a_save_in_flight_named_by_its_token(tmp_path: Path) 
     store = Storage(tmp_path)
     pending = _stage(store, 2)
     _rewrite_writer(store, pending, host="another-host", started=time.time() - 10 * HOUR)
+    untouched_for(store, pending.staging, 10 * HOUR)
     report = prune(store, keep_all(), sweep_after=HOUR, active_tokens=[pending.token])
     assert report.swept == []
     assert store.exists(f"{pending.staging}/model.bin")
@@ -208,7 +230,8 @@ def test_prune_sweeps_abandoned_staging_of_a_dead_writer_after_the_threshold(
     store = Storage(tmp_path)
     save_checkpoint(store, 1)
     old = _stage(store, 2)
-    _rewrite_writer(store, old, pid=dead_pid, started=time.time() - 2 * HOUR)
+    _rewrite_writer(store, old, pid=dead_pid)
+    untouched_for(store, old.staging, 2 * HOUR)
     report = prune(store, keep_all(), sweep_after=HOUR)
     assert report.swept == [old.staging]
     assert _listing(tmp_path) == ["step_000000001"]
@@ -229,8 +252,9 @@ def test_staging_from_another_host_is_swept_by_age_alone(tmp_path: Path) -> None
     writer = CommitProtocol(store)  # one writer: a newer one would fence (and sweep) it
     old = _stage(store, 2, writer)
     young = _stage(store, 3, writer)
-    _rewrite_writer(store, old, host="elsewhere", started=time.time() - 2 * HOUR)
-    _rewrite_writer(store, young, host="elsewhere", started=time.time())
+    _rewrite_writer(store, old, host="elsewhere")
+    _rewrite_writer(store, young, host="elsewhere")
+    untouched_for(store, old.staging, 2 * HOUR)
     report = prune(store, keep_all(), sweep_after=HOUR)
     assert report.swept == [old.staging]
     assert _listing(tmp_path) == [young.staging]
@@ -256,7 +280,8 @@ def test_a_dry_run_reports_deletions_and_sweeps_but_deletes_nothing(
     for step in (1, 2, 3):
         save_checkpoint(store, step)
     abandoned = _stage(store, 4)
-    _rewrite_writer(store, abandoned, pid=dead_pid, started=time.time() - 2 * HOUR)
+    _rewrite_writer(store, abandoned, pid=dead_pid)
+    untouched_for(store, abandoned.staging, 2 * HOUR)
     before = store.walk_files()
     report = prune(store, keep_last(1), sweep_after=HOUR, dry_run=True)
     assert report.dry_run
@@ -270,7 +295,8 @@ def test_prune_sweeps_abandoned_attempts_on_an_object_store(dead_pid: int) -> No
     try:
         save_checkpoint(store, 1)
         old = _stage(store, 2)
-        _rewrite_writer(store, old, pid=dead_pid, started=time.time() - 2 * HOUR)
+        _rewrite_writer(store, old, pid=dead_pid)
+        untouched_for(store, old.staging, 2 * HOUR)
         report = prune(store, keep_all(), sweep_after=HOUR)
         assert report.swept
         assert not store.exists(f"{old.staging}/model.bin")

@@ -27,6 +27,7 @@ from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import save_checkpoint
 from tests.unit.test_bad_input import small_disk  # noqa: F401 - a fixture
 from tests.unit.test_cli_support import run_cli
+from tests.unit.test_retention import untouched_for
 
 HOUR = 3600.0
 
@@ -94,7 +95,7 @@ def test_begin_leaves_other_hosts_and_live_writers_to_the_age_rule(tmp_path: Pat
     alive = writer.begin(2)  # this process, same generation: alive
     writer.begin(3)
     assert store.exists(elsewhere.staging) and store.exists(alive.staging)
-    _rewrite_writer(store, elsewhere, started=time.time() - 2 * HOUR)
+    untouched_for(store, elsewhere.staging, 2 * HOUR)
     assert prune(store, keep_last(1), sweep_after=HOUR).swept == [elsewhere.staging]
 
 
@@ -231,7 +232,13 @@ def test_prune_goes_on_after_a_busy_entry_and_raises_listing_it(
     assert "Device or resource busy" in str(caught.value)
     assert _committed(store) == [3]  # both were de-committed; their files wait
     report = prune(store, keep_last(1), errors="report")
-    assert report.failures == [] and report.deleted == []
+    assert report.deleted == []  # nothing committed is deleted twice
+    assert len(report.failures) == 2  # the sweep finishes the deletions; still busy
+    assert all("cannot sweep" in line and ".old-" in line for line in report.failures)
+    monkeypatch.undo()
+    report = prune(store, keep_last(1), errors="report")
+    assert report.failures == [] and report.deleted == [] and len(report.swept) == 2
+    assert [e.name for e in list_checkpoints(store)] == ["step_000000003"]
 
 
 def test_the_prune_command_prints_vanished_entries_and_exits_0(
@@ -251,3 +258,180 @@ def test_the_prune_command_prints_vanished_entries_and_exits_0(
     code, out, _ = run_cli(capsys, "prune", str(tmp_path), "--keep-last", "1")
     assert code == 0
     assert "note:" in out and "step_000000001 vanished" in out
+
+
+# -- issue 29, finding 6: others' in-flight work, and what cut operations leave ----------
+
+
+def test_prune_never_sweeps_a_live_writers_fresh_staging_though_its_hosts_clock_runs_behind(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    live = CommitProtocol(store).begin(2)
+    store.write_bytes(f"{live.staging}/model.bin", b"being written right now")
+    # Its host's clock runs ten hours behind: the start time it recorded looks old.
+    _rewrite_writer(store, live, host="slow-clock-host", started=time.time() - 10 * HOUR)
+    report = prune(store, keep_last(1), sweep_after=HOUR)
+    assert report.swept == []
+    assert store.exists(f"{live.staging}/model.bin")
+
+
+def test_staging_unchanged_for_longer_than_sweep_after_on_the_storages_clock_is_swept(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    gone = CommitProtocol(store).begin(2)
+    store.write_bytes(f"{gone.staging}/model.bin", b"left behind")
+    # Its host's clock ran ten hours ahead: its start time lies in the future.
+    _rewrite_writer(store, gone, host="fast-clock-host", started=time.time() + 10 * HOUR)
+    untouched_for(store, gone.staging, 2 * HOUR)
+    with pytest.warns(ResumekitWarning, match=f"swept .*{gone.staging}: unchanged for "
+                                              r"\d+s by the storage's clock.*fast-clock-host"):
+        report = prune(store, keep_last(1), sweep_after=HOUR)
+    assert report.swept == [gone.staging]
+    assert not store.exists(gone.staging)
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: nothing of the writer runs after it (no abort, no cleanup)."""
+
+
+def test_a_writer_killed_while_writing_its_manifest_leaves_staging_the_next_start_sweeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, another_process: Any,
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    writer = CommitProtocol(store)
+    pending = writer.begin(2)
+    store.write_bytes(f"{pending.staging}/model.bin", b"\1" * 4096)
+    original = Storage.write_bytes
+
+    def killed_halfway(self: Storage, relative: str, data: bytes, **kwargs: Any) -> None:
+        if relative == f"{pending.staging}/manifest.json":
+            original(self, relative, data[: len(data) // 2])
+            raise _Killed
+        original(self, relative, data, **kwargs)
+
+    monkeypatch.setattr(Storage, "write_bytes", killed_halfway)
+    with pytest.raises(_Killed):
+        writer.publish(pending, Manifest(step=2))
+    monkeypatch.setattr(Storage, "write_bytes", original)
+    assert store.exists(f"{pending.staging}/manifest.json")  # cut short
+    another_process(1)  # the requeued run
+    restarted = CommitProtocol(store)
+    restarted.claim()
+    with pytest.warns(ResumekitWarning, match=f"swept the abandoned staging area .*"
+                                              f"{pending.staging}"):
+        again = restarted.begin(2)
+    assert not store.exists(pending.staging)
+    store.write_bytes(f"{again.staging}/model.bin", b"\2" * 4096)
+    restarted.publish(again, Manifest(step=2))
+    verify_checkpoint(store, "step_000000002")
+
+
+def _cut_manifest_write(store: Storage, step: int) -> str:
+    """What an earlier version's writer killed while writing its manifest left.
+
+    Data and half a manifest, and no writer record (it was removed before the manifest).
+    """
+    pending = CommitProtocol(store).begin(step)
+    store.write_bytes(f"{pending.staging}/model.bin", b"\1" * 4096)
+    store.remove_file(f"{pending.staging}/{WRITER_FILE}")
+    whole = Manifest(step=step).to_json()
+    store.write_bytes(f"{pending.staging}/manifest.json", whole[: len(whole) // 2])
+    return pending.staging
+
+
+def test_staging_with_a_cut_manifest_and_no_writer_record_is_swept_at_the_next_begin(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    staging = _cut_manifest_write(store, 2)
+    with pytest.warns(ResumekitWarning, match=f"swept the abandoned staging area .*"
+                                              f"{staging}: it holds files but neither a "
+                                              "writer record nor a valid manifest"):
+        CommitProtocol(store).begin(2)
+    assert not store.exists(staging)
+
+
+def test_staging_with_a_cut_manifest_and_no_writer_record_is_swept_by_prune_at_once(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    staging = _cut_manifest_write(store, 2)  # fresh: far younger than sweep_after
+    with pytest.warns(ResumekitWarning, match=f"swept the abandoned staging area .*"
+                                              f"{staging}: it holds files but neither"):
+        report = prune(store, keep_last(1), sweep_after=HOUR)
+    assert report.swept == [staging]
+    assert not store.exists(staging)
+
+
+def _half_deleted_retired_copy(tmp_path: Path, step: int) -> str:
+    """A prune killed inside the recursive delete of a retired copy of ``step``."""
+    retired = f".step_{step:09d}.old-feed01"
+    os.rename(tmp_path / f"step_{step:09d}", tmp_path / retired)
+    os.remove(tmp_path / retired / "manifest.json")  # de-committed first
+    files = sorted(path for path in (tmp_path / retired).rglob("*") if path.is_file())
+    for path in files[: len(files) // 2 + 1]:
+        path.unlink()
+    assert (tmp_path / retired).exists()
+    return retired
+
+
+def test_a_retired_copy_a_killed_prune_half_deleted_is_removed_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    with CheckpointManager(tmp_path, model=nn.Linear(2, 2)) as first:
+        first.save(1)
+        first.save(2)
+    retired = _half_deleted_retired_copy(tmp_path, 1)
+    ckpt = CheckpointManager(tmp_path, model=nn.Linear(2, 2))  # the next start
+    assert ckpt.restore() == 2
+    with pytest.warns(ResumekitWarning, match=f"swept the abandoned staging area .*"
+                                              f"{retired}: a retired copy without a valid "
+                                              "manifest.*a deletion cut part-way"):
+        ckpt.save(3)
+    assert not (tmp_path / retired).exists()
+    assert _committed(store) == [2, 3]
+
+
+def test_a_retired_copy_two_prunes_race_to_delete_is_gone_when_either_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store = Storage(tmp_path)
+    for step in (1, 2):
+        save_checkpoint(store, step, {"a.bin": b"a", "b.bin": b"b", "c.bin": b"c"})
+    retired = _half_deleted_retired_copy(tmp_path, 1)
+    real_unlink = os.unlink
+    raced: list[str] = []
+
+    def the_other_prune_got_there_first(path: Any, *, dir_fd: Any = None) -> None:
+        if not raced:  # the other prune deletes this very file, then is killed
+            raced.append(str(path))
+            real_unlink(path, dir_fd=dir_fd)
+        real_unlink(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, "unlink", the_other_prune_got_there_first)
+    report = prune(store, keep_last(5), sweep_after=0)
+    monkeypatch.undo()
+    assert raced and report.swept == [retired]
+    assert not (tmp_path / retired).exists()
+
+
+def test_an_empty_staging_area_without_writer_record_waits_for_the_age_rule(
+    tmp_path: Path,
+) -> None:
+    store = Storage(tmp_path)
+    save_checkpoint(store, 1)
+    pending = CommitProtocol(store).begin(2)
+    store.remove_file(f"{pending.staging}/{WRITER_FILE}")  # as if cut before its record
+    CommitProtocol(store).begin(3)  # a writer may have only just created it: kept
+    assert prune(store, keep_last(1), sweep_after=HOUR).swept == []
+    assert store.exists(pending.staging)
+    untouched_for(store, pending.staging, 2 * HOUR)
+    with pytest.warns(ResumekitWarning, match=f"{pending.staging}: unchanged for .* it has "
+                                              "no writer record"):
+        assert prune(store, keep_last(1), sweep_after=HOUR).swept == [pending.staging]
