@@ -39,7 +39,6 @@ import os
 import posixpath
 import re
 import shlex
-import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -70,7 +69,7 @@ from resumekit.layout import (
 from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
 from resumekit.retry import read_with_retry
 from resumekit.storage import RECORD_LIMIT, FileInfo, Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 logger = logging.getLogger("resumekit")
 
@@ -926,8 +925,7 @@ def write_newest_hint(storage: Storage, name_format: NameFormat, step: int) -> N
         message = (f"resumekit: cannot write the newest-step hint "
                    f"{storage.path(NEWEST_HINT_FILE)} ({error}); step {step} is committed, "
                    "readers list the whole root to find it")
-        logger.warning(message)
-        warnings.warn(message, ResumekitWarning, stacklevel=3)
+        warn(message, ResumekitWarning, stacklevel=3)
 
 
 # ------------------------------------------------ the stamped hint of a local root
@@ -1001,8 +999,7 @@ def write_stamped_hint(storage: Storage, name_format: NameFormat, step: int,
     except OSError as error:
         message = (f"resumekit: cannot write the newest-step hint {where} ({error}); "
                    f"step {step} is committed, latest() lists the whole root to find it")
-        logger.warning(message)
-        warnings.warn(message, ResumekitWarning, stacklevel=3)
+        warn(message, ResumekitWarning, stacklevel=3)
         return False
     return True
 

@@ -117,7 +117,6 @@ import os
 import secrets
 import socket
 import time
-import warnings
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -156,7 +155,7 @@ from resumekit.manifest import (
     checksum_chunks,
 )
 from resumekit.storage import RECORD_LIMIT, Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
     "WRITER_FILE",
@@ -527,8 +526,7 @@ class CommitProtocol:
         committed, doubt = run_on_leader(self.coordinator,
                                          lambda: self._publish_on_leader(pending, final))
         if doubt is not None:  # after the commit point: the step is committed
-            logger.warning("resumekit: %s", doubt)
-            warnings.warn(doubt, ResumekitWarning, stacklevel=2)
+            warn(doubt, ResumekitWarning, stacklevel=2)
         result: Manifest = committed
         return result
 
@@ -563,8 +561,7 @@ class CommitProtocol:
                 message = (f"resumekit: the listing of {self.storage.path(pending.staging)} "
                            f"missed {path}, which rank {rank} wrote; found by name "
                            f"({size} bytes) and committed (a stale directory cache?)")
-                logger.warning(message)
-                warnings.warn(message, ResumekitWarning, stacklevel=5)
+                warn(message, ResumekitWarning, stacklevel=5)
             if size != entry.size:
                 raise self._incomplete(pending, path, f"rank {rank} wrote {entry.size} "
                                        f"bytes but the store holds {size}")
@@ -782,8 +779,7 @@ def _warn_weak_commit(storage: Storage) -> None:
         "within one round trip of each other can both succeed (the later manifest wins). "
         "Use a local/NAS path or s3:// for an atomic commit"
     )
-    logger.warning(message)
-    warnings.warn(message, ResumekitWarning, stacklevel=4)
+    warn(message, ResumekitWarning, stacklevel=4)
 
 
 def _directories_of(manifest: Manifest) -> set[str]:
@@ -931,8 +927,7 @@ def _clear_name_for(storage: Storage, name_format: NameFormat, retired: str,
 
 
 def _warn(message: str) -> None:
-    logger.warning("resumekit: %s", message)
-    warnings.warn(message, ResumekitWarning, stacklevel=4)
+    warn(message, ResumekitWarning, stacklevel=4)
 
 
 def _remove_abandoned_retired(storage: Storage, name: str, reason: str) -> None:
@@ -944,8 +939,7 @@ def _remove_abandoned_retired(storage: Storage, name: str, reason: str) -> None:
         message = f"cannot delete {where} ({reason}): {error}"
     else:
         message = f"deleted {where}: {reason}"
-    logger.warning("resumekit: %s", message)
-    warnings.warn(message, ResumekitWarning, stacklevel=3)
+    warn(message, ResumekitWarning, stacklevel=3)
 
 
 def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
@@ -1137,6 +1131,5 @@ def sweep_dead_writers(storage: Storage, entries: Iterable[CheckpointEntry],
         else:
             swept.append(name)
             message = f"swept the abandoned staging area {where}: {reason}"
-        logger.warning("resumekit: %s", message)
-        warnings.warn(message, ResumekitWarning, stacklevel=2)
+        warn(message, ResumekitWarning, stacklevel=2)
     return swept

@@ -24,14 +24,13 @@ nothing to compare them with (restore's warning about the import says so).
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from resumekit.errors import IncompatibleCheckpointError
 from resumekit.manifest import Manifest, SaveReason
 from resumekit.sharded import canonical_param_name
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["check_compatibility", "config_differences", "param_differences"]
 
@@ -145,5 +144,4 @@ def check_compatibility(
                    f"{world_size} (world_size: checkpoint {manifest.world_size}, now "
                    f"{world_size} (state is resharded)): training continues correctly, "
                    "but this is not a bit-exact replay of an uninterrupted run")
-    logger.warning("resumekit: %s", message)
-    warnings.warn(message, ResumekitWarning, stacklevel=stacklevel + 1)
+    warn(message, ResumekitWarning, stacklevel=stacklevel + 1)

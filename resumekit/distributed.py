@@ -32,7 +32,6 @@ import os
 import re
 import socket
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore
 
 from resumekit.errors import CoordinationError, DistributedSetupError
+from resumekit.warnings import warn
 
 __all__ = [
     "DEFAULT_CHECKPOINT_TIMEOUT",
@@ -841,7 +841,7 @@ def meet(group: dist.ProcessGroup | None = None, *, reason: str) -> None:
     if target is None:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        warnings.warn(
+        warn(
             f"meet({reason!r}) without init_distributed(): meeting on the default group, "
             "whose (short) timeout now bounds how far apart ranks may arrive",
             RuntimeWarning,

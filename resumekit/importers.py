@@ -46,7 +46,6 @@ import logging
 import os
 import random
 import re
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,7 +80,7 @@ from resumekit.layout import (
 from resumekit.manifest import FileEntry, Lineage, Manifest, SaveReason
 from resumekit.state import dump_plain
 from resumekit.storage import Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["IMPORT_FORMATS", "ImportFormat", "ImportResult", "import_checkpoint"]
 
@@ -219,8 +218,7 @@ def import_checkpoint(
         f"over {', '.join(carried)}; NOT carried over: {', '.join(not_carried)} - a resume "
         "from it continues training but does not replay the source run exactly"
     )
-    logger.warning("resumekit: %s", message)
-    warnings.warn(message, ResumekitWarning, stacklevel=2)
+    warn(message, ResumekitWarning, stacklevel=2)
     tensors = len(sharded.flatten_state({"model": source.model,
                                     "optimizer": source.optimizer or {}}))
     return ImportResult(step=final_step, path=committed, source=given, format=form,
@@ -263,8 +261,7 @@ def _final_step(recorded: int | None, given: int | None, where: str, form: str) 
     if recorded is not None and recorded != given:
         message = (f"{where} records step {recorded}; importing it as step {given} as "
                    "asked (--step)")
-        logger.warning("resumekit: %s", message)
-        warnings.warn(message, ResumekitWarning, stacklevel=3)
+        warn(message, ResumekitWarning, stacklevel=3)
     return given
 
 

@@ -29,7 +29,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -84,7 +83,7 @@ from resumekit.retention import RetentionPolicy, RollingSweep, keep_last, prune
 from resumekit.state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.storage import Storage
 from resumekit.verification import refuse_links_share, verify_share
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
 
@@ -575,8 +574,7 @@ class CheckpointManager:
                            stacklevel=stacklevel)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
-        logger.warning("resumekit: %s", message)
-        warnings.warn(message, ResumekitWarning, stacklevel=stacklevel)
+        warn(message, ResumekitWarning, stacklevel=stacklevel)
 
     def _claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
         """Claim this run's writer generation; drop checkpoints fenced writers committed.

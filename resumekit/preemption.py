@@ -34,7 +34,6 @@ import signal
 import subprocess
 import threading
 import time
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 from resumekit import distributed
 from resumekit.errors import ConfigurationError, CoordinationError, PreemptionError
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -548,8 +547,7 @@ class PreemptionHandler:
                 "unknown (never 'recent enough'); measure it with time.monotonic() in this "
                 "process"
             )
-            logger.warning("resumekit: %s", message)
-            warnings.warn(message, ResumekitWarning, stacklevel=2)
+            warn(message, ResumekitWarning, stacklevel=2)
             age = None
         reasons: list[str] = []
         codes = 0
@@ -593,8 +591,7 @@ class PreemptionHandler:
             return False
         message = (f"skipping the emergency save{self._at_step()}: {'; '.join(reasons)} "
                    f"[inputs on rank {rank}: {inputs}]")
-        logger.warning("resumekit: %s", message)
-        warnings.warn(message, EmergencySaveSkippedWarning, stacklevel=2)
+        warn(message, EmergencySaveSkippedWarning, stacklevel=2)
         return True
 
     def _at_step(self) -> str:

@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import socket
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -53,7 +52,7 @@ from resumekit.commit import (
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
 from resumekit.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
 from resumekit.storage import Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
     "PruneReport",
@@ -532,8 +531,7 @@ def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: P
                       functools.partial(storage.remove_tree, name)):
             report.swept.append(name)
             message = f"swept the abandoned staging area {storage.path(name)}: {reason}"
-            logger.warning("resumekit: retention: %s", message)
-            warnings.warn(f"retention: {message}", ResumekitWarning, stacklevel=3)
+            warn(f"retention: {message}", ResumekitWarning, stacklevel=3)
     if clock.problem is not None:
         report.notes.append(f"{clock.problem}: staging areas of writers that cannot be "
                             "checked from here were kept (their age is unknown)")
@@ -542,11 +540,13 @@ def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: P
 def _report(storage: Storage, report: PruneReport,
             errors: Literal["raise", "warn", "report"]) -> None:
     """Log every note and failure; warn or raise as ``errors`` says."""
+    warned = [] if errors == "report" else \
+        report.notes if errors == "raise" else report.problems
     for line in report.problems:
-        logger.warning("resumekit: retention: %s", line)
-    if errors != "report":
-        for line in report.notes if errors == "raise" else report.problems:
-            warnings.warn(f"retention: {line}", ResumekitWarning, stacklevel=3)
+        if line not in warned:  # a line is said once: as a warning, else as a log line
+            logger.warning("resumekit: retention: %s", line)
+    for line in warned:
+        warn(f"retention: {line}", ResumekitWarning, stacklevel=3)
     if errors == "raise" and report.failures:
         raise StorageError(
             f"pruning {storage.path()} failed for {len(report.failures)} entr"

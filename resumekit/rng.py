@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -55,7 +54,7 @@ import numpy as np
 import torch
 
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["RNG_STATE_VERSION", "capture_rng", "restore_rng", "select_rank_rng"]
 
@@ -182,7 +181,7 @@ def _check(state: Any) -> None:
 
 def _warn(message: str, stacklevel: int = 3) -> None:
     """Warn, attributing the warning to the caller of the public function."""
-    warnings.warn(message, ResumekitWarning, stacklevel=stacklevel)
+    warn(message, ResumekitWarning, stacklevel=stacklevel)
 
 
 def _restore_cuda(saved: Sequence[torch.Tensor | int] | None) -> None:

@@ -26,7 +26,6 @@ Per-rank state on a world-size change (resharding):
 from __future__ import annotations
 
 import io
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -48,7 +47,7 @@ from resumekit.manifest import Manifest
 from resumekit.retry import read_with_retry
 from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
 from resumekit.storage import Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
     "RANK_STATE_DIR",
@@ -357,7 +356,7 @@ class TrainState:
                 key="data",
             )
         if not same_world and not _keeps_global_position(self.data):
-            warnings.warn(
+            warn(
                 f"world size changed {saved_world_size} -> {world_size}: the data object "
                 f"{type(self.data).__name__} restores rank 0's position on every rank; "
                 "use ResumableDistributedSampler for an exact re-partition",
@@ -376,7 +375,7 @@ class TrainState:
             self._data_mark = (self.step, now)
             return
         self._data_mark = None
-        warnings.warn(
+        warn(
             f"the data position has not moved from step {since} to step {self.step} "
             f"(epoch {now[0]}, {now[1]} samples consumed): the loop does not call "
             f"{type(self.data).__name__}.advance() after each batch, so this checkpoint "

@@ -4,12 +4,34 @@ A warning (not an error) is used where training can correctly go on but the resu
 will not be bit-identical to an uninterrupted one: random streams derived for a rank the
 checkpoint did not have, CUDA generator states for a different number of devices.
 Filter them as a group with ``warnings.simplefilter("error", ResumekitWarning)``.
+
+Every warning resumekit gives goes through :func:`warn`: it is a Python warning, printed
+once per process (rank), not a warning plus a log line with the same text. Route them into
+your logging with ``logging.captureWarnings(True)``.
 """
 
 from __future__ import annotations
 
-__all__ = ["ResumekitWarning"]
+import logging
+import warnings
+
+__all__ = ["ResumekitWarning", "warn"]
+
+logger = logging.getLogger("resumekit")
 
 
 class ResumekitWarning(UserWarning):
     """A resume that goes on, but differs from an uninterrupted run in the way it names."""
+
+
+def warn(message: str, category: type[Warning] = ResumekitWarning, *,
+         stacklevel: int = 1) -> None:
+    """Give ``message`` as one warning of ``category`` (and a DEBUG record, for traces).
+
+    Args:
+        message: What happened, naming the directory, file or step and the reason.
+        category: :class:`ResumekitWarning` or a subclass.
+        stacklevel: As for :func:`warnings.warn`, counted from the caller of this function.
+    """
+    logger.debug("resumekit: %s", message)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ from resumekit.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.manifest import MANIFEST_NAME, Manifest
 from resumekit.storage import Storage
 from resumekit.verification import verify_share
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
 
@@ -177,8 +176,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
                        f"strict=False: {len(skipped)} model entries keep their current "
                        f"values ({', '.join(skipped) or 'none'}); {len(unexpected)} "
                        f"checkpoint tensors are not used ({', '.join(unexpected) or 'none'})")
-            logger.warning("resumekit: %s", message)
-            warnings.warn(message, ResumekitWarning, stacklevel=3)
+            warn(message, ResumekitWarning, stacklevel=3)
         _load_model_part(target, source, process_group, storage_options, verify,
                          allow_more=True)
         loaded = sharded.retie(target, {a: k for a, k in tied.items() if k in fits})

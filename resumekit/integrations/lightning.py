@@ -39,7 +39,6 @@ import logging
 import math
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,7 +63,7 @@ from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
 from resumekit.retention import RetentionPolicy, keep_last, prune
 from resumekit.state import dump_plain
 from resumekit.storage import Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import ResumekitWarning, warn
 
 try:
     import lightning
@@ -240,8 +239,7 @@ class ResumekitCheckpointIO(CheckpointIO):
         if self._is_root(path) and not self._committed():
             message = (f"no committed checkpoint under {self.storage.path()}: Lightning "
                        "starts fresh (nothing to resume from)")
-            logger.warning("resumekit: %s", message)
-            warnings.warn(message, ResumekitWarning, stacklevel=2)
+            warn(message, ResumekitWarning, stacklevel=2)
             self._written, self._resumed_from = set(), None
             return _NothingToResume({"pytorch-lightning_version": lightning.__version__})
         entry = self._find(path)
@@ -323,8 +321,7 @@ class ResumekitCheckpointIO(CheckpointIO):
             message = (f"Lightning asked to remove {entry.path} (step {drop}) as "
                        f"{os.path.basename(os.fspath(path))}; it is kept: the trainer still "
                        f"names it ({', '.join(sorted(others))})")
-            logger.warning("resumekit: %s", message)
-            warnings.warn(message, ResumekitWarning, stacklevel=2)
+            warn(message, ResumekitWarning, stacklevel=2)
             return
         policy = RetentionPolicy(lambda steps: set(steps) - {drop},
                                  f"all but step {drop} (removed by Lightning)")
@@ -332,8 +329,7 @@ class ResumekitCheckpointIO(CheckpointIO):
         if self.storage.exists(f"{entry.name}/{MANIFEST_NAME}"):
             message = (f"Lightning asked to remove {entry.path} (step {drop}); it is kept: "
                        "the newest committed checkpoint is never deleted")
-            logger.warning("resumekit: %s", message)
-            warnings.warn(message, ResumekitWarning, stacklevel=2)
+            warn(message, ResumekitWarning, stacklevel=2)
 
     # -- finding ------------------------------------------------------------------------
     def _committed(self) -> list[CheckpointEntry]:
