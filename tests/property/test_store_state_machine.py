@@ -261,9 +261,11 @@ class StoreMachine(RuleBasedStateMachine):
                 assert not self.history or step > self.history[-1], "steps went backwards"
                 self.history.append(step)
             self.model[step] = self.versions
-            if replace and self.storage.atomic_rename:
-                self.abandoned[pending.staging] = step  # holds the replaced version
-            elif replace:
+            # On a rename-capable root the staging area now holds the replaced version,
+            # without a writer record: its manifest names the writer of that version, this
+            # (live) process, so it is not provably abandoned and stays until that writer
+            # is gone (retention never sweeps a live writer's work on this host).
+            if replace and not self.storage.atomic_rename:
                 self.abandoned[f"{pending.name}/{previous}"] = step  # the replaced data
             return
         # The writer record goes once the manifest is written (phase "manifest"); on a
