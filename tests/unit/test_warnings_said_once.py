@@ -1,4 +1,4 @@
-"""Each warning resumekit gives is printed once per rank, not once as a warning and again as a log line.
+"""Each warning resumekit gives is printed once per rank, not as a warning plus a log line.
 
 Finding 6 of the "any trainer" issue: with logging left unconfigured (Python's last-resort
 handler prints WARNING records to stderr), every resumekit warning appeared twice per rank.
