@@ -64,6 +64,7 @@ class Launch:
                    str(self.nproc), "--master-addr", "127.0.0.1", "--master-port",
                    str(free_port()), str(DRILL), str(_doc_script(self.folder)), str(out)]
         environment = {**os.environ, **env, "OMP_NUM_THREADS": "1",
+                       "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU, also on a GPU machine
                        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
                                                       os.environ.get("PYTHONPATH", "")])}
         log = (out / "log").open("wb")
