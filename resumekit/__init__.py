@@ -97,6 +97,9 @@ if TYPE_CHECKING:
     from resumekit.sharded import (
         StorageReader,
     )
+    from resumekit.state import (
+        StatefulGroup,
+    )
     from resumekit.storage import (
         Storage,
     )
@@ -136,6 +139,7 @@ _EXPORTS: dict[str, str] = {
     "RetentionPolicy": "resumekit.retention",
     "SaveReason": "resumekit.manifest",
     "SkipAheadSampler": "resumekit.sampler",
+    "StatefulGroup": "resumekit.state",
     "StepCollisionError": "resumekit.errors",
     "Storage": "resumekit.storage",
     "StorageError": "resumekit.errors",
@@ -197,6 +201,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveReason",
     "SkipAheadSampler",
+    "StatefulGroup",
     "StepCollisionError",
     "Storage",
     "StorageError",

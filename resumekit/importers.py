@@ -468,8 +468,9 @@ def _names_by_shape(optimizer: Mapping[str, Any], model_state: Mapping[str, Any]
                 f"{where}: the model weights are stored in safetensors, which does not keep "
                 "the parameter order, and the optimizer's parameters cannot be told apart by "
                 f"shape (parameter {index}: {len(matches)} weights of its shape); import "
-                "from Python with the model: resumekit.import_checkpoint(src, root, "
-                "model=model, ...)", name="model", value=None, path=where,
+                "with the model: resumekit import ... --model MODULE:FACTORY, or from Python "
+                "resumekit.import_checkpoint(src, root, model=model, ...)",
+                name="model", value=None, path=where,
             )
         names.append(matches[0])
     return names

@@ -54,6 +54,7 @@ __all__ = [
     "TENSORS_DIR",
     "TRAIN_STATE_FILE",
     "Stateful",
+    "StatefulGroup",
     "TrainState",
     "dump_plain",
     "load_plain",
@@ -72,6 +73,64 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the object's state."""
         ...
+
+
+class StatefulGroup:
+    """Several named stateful objects saved and restored as one.
+
+    Pass it where the manager takes one stateful object saved once for the whole run,
+    ``scheduler=``: rank 0 saves every member's ``state_dict()`` and every rank loads it,
+    as Accelerate does for the objects given to ``accelerator.register_for_checkpointing``.
+    Hand resumekit the same objects::
+
+        accelerator.register_for_checkpointing(ema)
+        extra = StatefulGroup(scheduler=scheduler, ema=ema)
+        ckpt = CheckpointManager(root, model=model, optimizer=optimizer, scheduler=extra)
+
+    A checkpoint restores only into a group of the same names: a name missing on
+    either side is an error naming it, never a member silently left as it was.
+
+    Args:
+        **members: The objects, by name; each has ``state_dict`` and ``load_state_dict``.
+
+    Raises:
+        ConfigurationError: No member, or a member without those two methods.
+    """
+
+    def __init__(self, **members: Any) -> None:
+        if not members:
+            raise ConfigurationError("StatefulGroup needs at least one named object",
+                                     name="members", value={})
+        for name, member in members.items():
+            if not isinstance(member, Stateful):
+                raise ConfigurationError(
+                    f"StatefulGroup member {name!r} ({type(member).__name__}) has no "
+                    "state_dict()/load_state_dict()", name=name, value=type(member).__name__)
+        self.members: dict[str, Any] = dict(members)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``{name: member.state_dict()}`` for every member."""
+        return {name: member.state_dict() for name, member in self.members.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load every member from ``state_dict``; the names must be exactly the members'.
+
+        Raises:
+            IncompatibleCheckpointError: The saved names differ from the members' (each
+                missing or extra name listed); no member was loaded.
+        """
+        saved = set(state_dict) if isinstance(state_dict, Mapping) else set()
+        missing = sorted(set(self.members) - saved)
+        extra = sorted(saved - set(self.members))
+        if missing or extra or not isinstance(state_dict, Mapping):
+            differences = [f"not in the checkpoint: {n}" for n in missing] + [
+                f"in the checkpoint, not in the group: {n}" for n in extra]
+            raise IncompatibleCheckpointError(
+                "the saved state does not fit StatefulGroup("
+                f"{', '.join(self.members)}): " + "; ".join(differences or ["not a mapping"]),
+                key="scheduler", differences=differences)
+        for name, member in self.members.items():
+            member.load_state_dict(state_dict[name])
 
 
 def read_plain(storage: Storage, name: str, manifest: Manifest, path: str) -> Any:
@@ -316,6 +375,11 @@ class TrainState:
                         path=source, key="scheduler",
                     )
                 self.scheduler.load_state_dict(state["scheduler"])
+        except IncompatibleCheckpointError as error:  # a fit refused (StatefulGroup), named
+            if error.fields.get("path") is not None:
+                raise
+            raise IncompatibleCheckpointError(f"{source}: {error.message}", **{
+                **error.fields, "path": source}) from error
         except (KeyError, TypeError, ValueError) as error:
             raise CorruptCheckpointError(
                 f"{source}: unreadable training state ({error!r})", path=source, file=source

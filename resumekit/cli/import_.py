@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
+import sys
 import warnings
 from dataclasses import asdict
 from typing import Any
+
+from torch import nn
 
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
@@ -20,7 +25,7 @@ from resumekit.importers import IMPORT_FORMATS, import_checkpoint
 from resumekit.layout import DEFAULT_NAME_FORMAT
 from resumekit.warnings import ResumekitWarning
 
-__all__ = ["SCHEMA", "add_parser", "run"]
+__all__ = ["SCHEMA", "add_parser", "model_from_spec", "run"]
 
 SCHEMA = f"{JSON_SCHEMA_PREFIX}.import/1"
 
@@ -42,6 +47,11 @@ def add_parser(subparsers: Any, summary: str) -> None:
     parser.add_argument("--step", type=int, default=None,
                         help="step of the new checkpoint (required when SRC records none: "
                         "Accelerate, plain DCP)")
+    parser.add_argument("--model", metavar="MODULE:FACTORY", default=None,
+                        help="build the model with FACTORY() from MODULE (imported from the "
+                        "current directory too) and take the optimizer's parameter order "
+                        "from its named_parameters(), for sources that do not keep it "
+                        "(Accelerate safetensors with two parameters of one shape)")
     parser.add_argument("--name-format", dest="name_format", metavar="TEMPLATE",
                         default=DEFAULT_NAME_FORMAT,
                         help=f"step directory names in ROOT (default {DEFAULT_NAME_FORMAT})")
@@ -55,13 +65,62 @@ def add_parser(subparsers: Any, summary: str) -> None:
     parser.set_defaults(run=run)
 
 
+def model_from_spec(spec: str) -> nn.Module:
+    """Build the model ``MODULE:FACTORY`` names: import MODULE, call ``FACTORY()``.
+
+    MODULE is imported as ``python -m`` would, the current directory first on the path;
+    FACTORY may be a dotted attribute path (``pkg.models:Net.tiny``).
+
+    Args:
+        spec: ``MODULE:FACTORY``, as given to ``--model``.
+
+    Returns:
+        The module the factory returned (only its ``named_parameters()`` are used).
+
+    Raises:
+        UsageError: The spec is malformed, the module or the factory cannot be found, the
+            factory fails, or it returns something that is not a ``torch.nn.Module`` (the
+            message names the spec; exit status 2).
+    """
+    module_name, colon, factory_name = spec.partition(":")
+    if not colon or not module_name or not factory_name:
+        raise UsageError(f"--model {spec!r} is not MODULE:FACTORY (e.g. mytrain.model:build)",
+                         name="model", value=spec)
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"--model {spec!r}: cannot import module {module_name!r}: {error}",
+                         name="model", value=spec) from error
+    for part in factory_name.split("."):
+        if not hasattr(target, part):
+            raise UsageError(f"--model {spec!r}: module {module_name!r} has no "
+                             f"{factory_name!r}", name="model", value=spec)
+        target = getattr(target, part)
+    if not callable(target):
+        raise UsageError(f"--model {spec!r}: {factory_name!r} is not callable",
+                         name="model", value=spec)
+    try:
+        model = target()
+    except Exception as error:  # the user's factory: named in one line, not a traceback
+        raise UsageError(f"--model {spec!r}: {factory_name}() failed: "
+                         f"{type(error).__name__}: {error}", name="model", value=spec) from error
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"--model {spec!r}: {factory_name}() returned "
+                         f"{type(model).__name__}, not a torch.nn.Module",
+                         name="model", value=spec)
+    return model
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``import``; return the exit code (2 when a step is needed and not given)."""
+    """Run ``import``; return the exit code (2: no step known, or a bad ``--model``)."""
+    model = None if args.model is None else model_from_spec(args.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResumekitWarning)
         try:
             result = import_checkpoint(
-                args.src, args.root, format=args.format, step=args.step,
+                args.src, args.root, format=args.format, step=args.step, model=model,
                 name_format=args.name_format,
                 storage_options=storage_options(args.storage_option) or None,
             )
