@@ -559,8 +559,14 @@ class ResumekitCallback(Callback):
                 name="SLURMEnvironment.auto_requeue", value=True)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Write the ``last`` markers; install the preemption handler (after Lightning's)."""
+        """Write the ``last`` markers; install the preemption handler (after Lightning's).
+
+        After a mid-epoch resume, also give Lightning the full epoch length (see
+        :meth:`_give_lightning_the_full_epoch`).
+        """
         self._last_voted = trainer.global_step
+        if self._shortened_epoch:
+            self._give_lightning_the_full_epoch(trainer)
         if trainer.is_global_zero:
             self._write_markers(trainer)
         if self.preemption is not None and not self.preemption.installed:
@@ -571,7 +577,15 @@ class ResumekitCallback(Callback):
                         EXIT_CODE_PREEMPTED)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Give the signals back to Lightning."""
+        """Give the signals back to Lightning; warn of a signal that came too late to stop."""
+        if self.preemption is not None and self.preemption.requested \
+                and self.preemption.agreed_step is None:
+            names = ", ".join(r.name for r in self.preemption.received) or "a request"
+            message = (f"{names} arrived but training ended at step {trainer.global_step} "
+                       "before the ranks agreed to stop: no emergency save was made and "
+                       "the process exits as a finished run would")
+            logger.warning("resumekit: %s", message)
+            warnings.warn(message, ResumekitWarning, stacklevel=2)
         self._uninstall()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,
@@ -676,35 +690,42 @@ class ResumekitCallback(Callback):
         return data
 
     # -- each step ----------------------------------------------------------------------
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """After a mid-epoch resume, give Lightning the full length of the next epochs.
+    def _give_lightning_the_full_epoch(self, trainer: Trainer) -> None:
+        """After a mid-epoch resume, make Lightning count the whole epoch, not its rest.
 
-        Lightning counts an epoch's batches once, when it builds the loader: for the
-        resumed epoch that is the rest of it (what the sampler still yields). From the
-        next epoch on the sampler yields whole epochs again, and Lightning must expect
-        them (its ``max_batches``, the limit of its combined loader and, for a fractional
-        ``val_check_interval``, ``val_check_batch``), or it would end every later epoch
-        early. Lightning 2.6 keeps the limit on ``fit_loop._combined_loader``; a Lightning
-        without it is warned about.
+        Lightning counts an epoch's batches when it builds the loader: after a mid-epoch
+        resume that is the rest the sampler still yields. Counted so, it resets its batch
+        counters (the rest is shorter than what it already counted) and ends later epochs
+        early. Given the full length (its ``max_batches``, the limit of its combined
+        loader, for a fractional ``val_check_interval`` its ``val_check_batch``), its
+        counters continue where the saved run's were, and the epoch ends where the
+        sampler's does. Lightning 2.6 keeps the limit on ``fit_loop._combined_loader`` and the
+        length its fetcher counts to on ``fit_loop._data_fetcher``; a Lightning without
+        them, or several train loaders, is warned about.
         """
-        if not self._shortened_epoch:
-            return
         self._shortened_epoch = False
         loader = trainer.train_dataloader
         combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        data = self._data(required=False)
         if not isinstance(loader, torch.utils.data.DataLoader) or combined is None \
-                or len(getattr(combined, "limits", None) or ()) != 1:
-            message = ("after the mid-epoch resume Lightning still expects the short epoch "
-                       f"it counted ({trainer.num_training_batches} batches): resumekit can "
+                or len(getattr(combined, "limits", None) or ()) != 1 or data is None:
+            message = ("after the mid-epoch resume Lightning expects the short epoch it "
+                       f"counted ({trainer.num_training_batches} batches): resumekit can "
                        "give it the full length only for one DataLoader on Lightning 2.x")
             logger.warning("resumekit: %s", message)
             warnings.warn(message, ResumekitWarning, stacklevel=2)
             return
+        position = data.state_dict()
+        data.load_state_dict({**position, "consumed": 0})
         length = len(loader)
+        data.load_state_dict(position)
         limit = trainer.limit_train_batches
         batches = min(length, int(limit)) if isinstance(limit, int) else int(length * limit)
         trainer.fit_loop.max_batches = batches
         combined.limits = [batches]
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and getattr(fetcher, "length", None) is not None:
+            fetcher.length = batches  # counted from the saved run's batches on
         interval = trainer.val_check_interval
         if isinstance(interval, float) and trainer.val_check_batch is not None \
                 and math.isfinite(trainer.val_check_batch):

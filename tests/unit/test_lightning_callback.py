@@ -22,6 +22,7 @@ from resumekit.manifest import SaveReason
 from resumekit.preemption import EXIT_CODE_PREEMPTED
 from resumekit.sampler import ResumableDistributedSampler
 from resumekit.storage import Storage
+from resumekit.warnings import ResumekitWarning
 
 DATA = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
 TARGET = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
@@ -155,4 +156,19 @@ def test_the_callback_refuses_lightnings_slurm_auto_requeue_and_a_trainer_withou
                         plugins=[ResumekitCheckpointIO(tmp_path / "root"),
                                  SLURMEnvironment(auto_requeue=True)])
     with pytest.raises(ConfigurationError, match=r"SLURMEnvironment\(auto_requeue=False\)"):
+        trainer.fit(model)
+
+
+def test_a_signal_that_arrives_after_the_last_vote_is_warned_about_not_swallowed(
+    tmp_path: Path
+) -> None:
+    model = Noisy()
+    late = At(8, signal.SIGTERM)  # after the callback voted at step 8, the last one
+    trainer = L.Trainer(max_steps=8, default_root_dir=tmp_path, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu", num_sanity_val_steps=0,
+                        plugins=[ResumekitCheckpointIO(tmp_path / "root")],
+                        callbacks=[ResumekitCallback(data=lambda trainer: model.sampler), late])
+    with pytest.warns(ResumekitWarning, match="SIGTERM arrived but training ended at step 8 "
+                                              "before the ranks agreed to stop"):
         trainer.fit(model)
