@@ -78,6 +78,7 @@ from resumekit.rng import capture_rng, restore_rng, select_rank_rng
 from resumekit.state import dump_plain
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
+from resumekit.weights import load_model_weights, resolve_weights_source
 
 try:
     import lightning
@@ -518,6 +519,12 @@ class ResumekitCallback(Callback):
             SIGUSR1, votes ``"auto"``), or None to leave the signals alone.
         requeue: Requeue the SLURM job after an emergency save caused by SIGUSR1
             (:func:`~resumekit.preemption.requeue_after_signal`).
+        init_weights: A fine-tune's start: another run's root (written by this plugin or
+            by ``CheckpointManager(model=<the LightningModule>)``) whose newest committed
+            checkpoint's weights are loaded into the module when the run did not resume
+            (``fit`` without a checkpoint, or ``ckpt_path`` a root with none). A run that
+            resumed its own checkpoint loads nothing from it (logged), so a requeued
+            fine-tune never starts over.
 
     Raises:
         ConfigurationError: At ``setup``: the trainer has no :class:`ResumekitCheckpointIO`,
@@ -526,8 +533,10 @@ class ResumekitCallback(Callback):
 
     def __init__(self, *, data: Callable[[Trainer], Any] | None = None,
                  preemption: PreemptionHandler | bool | None = True,
-                 requeue: bool = True) -> None:
+                 requeue: bool = True,
+                 init_weights: str | os.PathLike[str] | None = None) -> None:
         super().__init__()
+        self.init_weights = init_weights
         self._data_of = data
         self.preemption: PreemptionHandler | None = (
             PreemptionHandler() if preemption is True else
@@ -542,11 +551,7 @@ class ResumekitCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Check the trainer: the plugin is there, Lightning's SLURM requeue is off."""
         self._trainer = trainer
-        if not isinstance(trainer.strategy.checkpoint_io, ResumekitCheckpointIO):
-            raise ConfigurationError(
-                "ResumekitCallback needs Trainer(plugins=[ResumekitCheckpointIO(root)]): "
-                f"the trainer saves through {type(trainer.strategy.checkpoint_io).__name__}",
-                name="plugins", value=type(trainer.strategy.checkpoint_io).__name__)
+        _plugin_of(trainer)
         # Where Lightning's own signal connector reads it (a single-device strategy has none).
         environment = trainer._accelerator_connector.cluster_environment
         if self.preemption is not None and isinstance(environment, SLURMEnvironment) \
@@ -557,6 +562,35 @@ class ResumekitCallback(Callback):
                 "auto_requeue=False)]) (its SIGUSR1 handler saves from inside the signal "
                 "handler), or pass ResumekitCallback(preemption=None)",
                 name="SLURMEnvironment.auto_requeue", value=True)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fine-tune that did not resume: load ``init_weights`` into the module."""
+        if self.init_weights is None:
+            return
+        io = _plugin_of(trainer)
+        if io._resumed_from is not None:
+            logger.info("resumekit: resumed step %d of %s: init_weights %s not loaded",
+                        io._resumed_from, io.storage.path(), os.fspath(self.init_weights))
+            return
+        source = ResumekitCheckpointIO(self.init_weights, retention=None,
+                                       storage_options=io.storage.storage_options or None)
+        committed = source._committed()
+        if not committed:
+            raise CheckpointNotFoundError(
+                f"init_weights: no committed checkpoint under {source.storage.path()}",
+                path=source.storage.path())
+        entry = committed[-1]
+        assert entry.manifest is not None
+        if entry.manifest.state.get("format") == "lightning":
+            weights = source.load_checkpoint(source.storage.path())["state_dict"]
+            pl_module.load_state_dict(weights)
+            source._resumed_from = None
+        else:
+            load_model_weights(pl_module, resolve_weights_source(
+                self.init_weights, storage_options=io.storage.storage_options or None))
+        message = (f"fine-tune of {io.storage.path()} starts from the weights of step "
+                   f"{entry.step} of {source.storage.path()}")
+        logger.warning("resumekit: %s", message)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Write the ``last`` markers; install the preemption handler (after Lightning's).
@@ -602,8 +636,7 @@ class ResumekitCallback(Callback):
             self.preemption.uninstall()
 
     def _write_markers(self, trainer: Trainer) -> None:
-        io = trainer.strategy.checkpoint_io
-        assert isinstance(io, ResumekitCheckpointIO)
+        io = _plugin_of(trainer)
         text = json.dumps({"kind": _MARKER_KIND, "root": io.storage.path()})
         for callback in trainer.checkpoint_callbacks:
             folder = getattr(callback, "dirpath", None)
@@ -754,8 +787,7 @@ class ResumekitCallback(Callback):
     def _emergency_save(self, trainer: Trainer, step: int) -> None:
         """Commit ``step`` on every rank's behalf, requeue if needed, exit 75."""
         assert self.preemption is not None
-        io = trainer.strategy.checkpoint_io
-        assert isinstance(io, ResumekitCheckpointIO)
+        io = _plugin_of(trainer)
         committed = io._committed()
         newest = committed[-1].step if committed else None
         since = None if newest is None else step - newest
@@ -769,6 +801,23 @@ class ResumekitCallback(Callback):
         if self.requeue:
             requeue_after_signal(self.preemption)
         raise SystemExit(EXIT_CODE_PREEMPTED)
+
+
+def _plugin_of(trainer: Trainer) -> ResumekitCheckpointIO:
+    """The trainer's :class:`ResumekitCheckpointIO`, also inside ``AsyncCheckpointIO``.
+
+    Raises:
+        ConfigurationError: The trainer saves through another ``CheckpointIO``.
+    """
+    io: Any = trainer.strategy.checkpoint_io
+    inner = getattr(io, "checkpoint_io", None)  # a wrapping plugin (AsyncCheckpointIO)
+    for candidate in (io, inner):
+        if isinstance(candidate, ResumekitCheckpointIO):
+            return candidate
+    raise ConfigurationError(
+        "ResumekitCallback needs Trainer(plugins=[ResumekitCheckpointIO(root)]) (or "
+        f"AsyncCheckpointIO(ResumekitCheckpointIO(root))): the trainer saves through "
+        f"{type(io).__name__}", name="plugins", value=type(io).__name__)
 
 
 def _is_marker(path: str) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from torch import nn
 
 from resumekit.catalog import list_checkpoints
@@ -172,3 +173,66 @@ def test_a_signal_that_arrives_after_the_last_vote_is_warned_about_not_swallowed
     with pytest.warns(ResumekitWarning, match="SIGTERM arrived but training ended at step 8 "
                                               "before the ranks agreed to stop"):
         trainer.fit(model)
+
+
+def test_with_async_checkpoint_io_a_crashed_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    reference = _fit(tmp_path / "ref", None, 12, [])
+    root = tmp_path / "root"
+
+    def fit(extra: list[Callback], ckpt_path: Any) -> Noisy:
+        model = Noisy()
+        torch.manual_seed(1234)
+        L.Trainer(max_steps=12, default_root_dir=tmp_path, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  num_sanity_val_steps=0,
+                  plugins=[AsyncCheckpointIO(ResumekitCheckpointIO(root, retention=None))],
+                  callbacks=[*extra, ResumekitCallback(data=lambda trainer: model.sampler),
+                             ModelCheckpoint(dirpath=tmp_path / "ckpt",
+                                             every_n_train_steps=4, save_top_k=-1)],
+                  ).fit(model, ckpt_path=ckpt_path)
+        return model
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit([At(6)], None)
+    assert list(_committed(root)) == [4]
+    _same_weights(reference, fit([], "last"))
+    assert list(_committed(root)) == [4, 8, 12]
+
+
+class Weights(Callback):
+    """Records the module's weights when training starts."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.at_start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+
+
+def test_a_fine_tune_starts_from_init_weights_and_its_relaunch_resumes_its_own_checkpoint(
+    tmp_path: Path
+) -> None:
+    pretrained = _fit(tmp_path / "pre", tmp_path / "pre" / "root", 8, [])
+
+    def tune(root: Path, extra: list[Callback], ckpt_path: Any) -> tuple[Noisy, Weights]:
+        seen = Weights()
+        model = Noisy()
+        callback = ResumekitCallback(data=lambda trainer: model.sampler,
+                                     init_weights=tmp_path / "pre" / "root")
+        torch.manual_seed(1234)
+        L.Trainer(max_steps=12, default_root_dir=tmp_path, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                  num_sanity_val_steps=0,
+                  plugins=[ResumekitCheckpointIO(root, retention=None)],
+                  callbacks=[*extra, seen, callback,
+                             ModelCheckpoint(dirpath=root.with_name(f"{root.name}-ckpt"),
+                                             every_n_train_steps=4, save_top_k=-1)],
+                  ).fit(model, ckpt_path=ckpt_path)
+        return model, seen
+
+    whole, seen = tune(tmp_path / "whole", [], None)
+    for key, tensor in pretrained.state_dict().items():
+        assert torch.equal(seen.at_start[key], tensor), key
+    with pytest.raises(RuntimeError, match="interrupted"):
+        tune(tmp_path / "tune", [At(6)], tmp_path / "tune")
+    # The relaunch resumes step 4 of its own root: the pretrained weights are not reloaded.
+    resumed, _ = tune(tmp_path / "tune", [], tmp_path / "tune")
+    _same_weights(whole, resumed)
+    assert _committed(tmp_path / "tune")[8].lineage.resumed_from_step == 4
