@@ -4,7 +4,9 @@ Importing ``resumekit`` imports none of them, and none imports its framework unt
 own module is imported:
 
 * :mod:`resumekit.integrations.lightning`: ``ResumekitCheckpointIO``, a Lightning
-  ``CheckpointIO`` plugin writing every checkpoint as a resumekit atomic commit.
+  ``CheckpointIO`` plugin writing every checkpoint as a resumekit atomic commit, and
+  ``ResumekitCallback``: per-rank RNG streams, the data position, the agreed emergency
+  save with exit 75 on SIGTERM/SIGUSR1, ``ckpt_path="last"`` and a fine-tune's start.
 
 Accelerate needs no adapter (``CheckpointManager`` takes what ``accelerator.prepare()``
 returns) and the Hugging Face ``Trainer`` cannot have one (its callbacks run after its

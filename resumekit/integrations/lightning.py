@@ -30,25 +30,36 @@ of the paths every ``ModelCheckpoint`` state in the checkpoint lists (``best_mod
 
 Lightning calls ``save_checkpoint`` on global rank 0 only (the state is gathered first),
 so this plugin commits from one process; it needs no process group.
+
+:class:`ResumekitCallback` adds what Lightning's own checkpoint lacks: every rank's RNG
+streams and the data position (a :class:`~resumekit.sampler.ResumableDistributedSampler`),
+saved in the checkpoint and restored on resume; SIGTERM/SIGUSR1 turned into the agreed
+emergency save of :mod:`resumekit.preemption` (every rank stops at one step, the step is
+committed, the job is requeued where SLURM would not, every rank exits
+:data:`~resumekit.preemption.EXIT_CODE_PREEMPTED`); and ``fit(ckpt_path="last")``
+resolving to the newest committed checkpoint.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from resumekit import sharded
 from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
 from resumekit.commit import CommitProtocol
 from resumekit.errors import (
     CheckpointNotFoundError,
+    ConfigurationError,
     IncompatibleCheckpointError,
     StepCollisionError,
     UnsafeCheckpointError,
@@ -60,20 +71,27 @@ from resumekit.layout import (
     NameFormat,
 )
 from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
+from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_after_signal
 from resumekit.retention import RetentionPolicy, keep_last, prune
+from resumekit.rng import capture_rng, restore_rng, select_rank_rng
 from resumekit.state import dump_plain
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
+from resumekit.weights import load_model_weights, resolve_weights_source
 
 try:
     import lightning
+    from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.plugins.io import CheckpointIO
+    from lightning.pytorch.utilities.data import extract_batch_size
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError(
         "resumekit.integrations.lightning needs Lightning: install the 'lightning' package"
     ) from error
 
-__all__ = ["ResumekitCheckpointIO"]
+__all__ = ["LAST_MARKER", "ResumekitCallback", "ResumekitCheckpointIO"]
 
 logger = logging.getLogger("resumekit")
 
@@ -81,6 +99,13 @@ _DEFAULT_RETENTION = keep_last(3)
 _STEP_IN_NAME = re.compile(r"(?:^|[^a-z])step[=_-]?(\d+)")
 _NAMED_PATHS = ("best_model_path", "kth_best_model_path", "last_model_path")
 """Keys of a ``ModelCheckpoint`` state naming one checkpoint path each."""
+LAST_MARKER = "last.ckpt"
+"""The file :class:`ResumekitCallback` writes in each ``ModelCheckpoint`` folder: it names
+the root, so Lightning's ``ckpt_path="last"`` (which lists that folder for ``last*.ckpt``)
+finds it and the plugin resumes from the root's newest committed checkpoint."""
+_MARKER_KIND = "resumekit-last"
+_STATE_VERSION = 1
+_PREEMPTED_PREFIX = "preempted"
 
 
 class _NothingToResume(dict[str, Any]):
@@ -161,8 +186,8 @@ class ResumekitCheckpointIO(CheckpointIO):
         if replaced is not None:
             logger.info("resumekit: Lightning saved step %d again (%s): replacing it", step,
                         name)
-        reason = SaveReason.PREEMPTION if name.startswith("hpc_ckpt") else \
-            SaveReason.INTERVAL
+        reason = SaveReason.PREEMPTION if name.startswith(("hpc_ckpt", _PREEMPTED_PREFIX)) \
+            else SaveReason.INTERVAL
         weights = checkpoint.get("state_dict")
         params: dict[str, Any] = {key: [list(value.shape), str(value.dtype).removeprefix("torch.")]
                   for key, value in (weights.items() if isinstance(weights, Mapping) else ())
@@ -236,6 +261,7 @@ class ResumekitCheckpointIO(CheckpointIO):
             IncompatibleCheckpointError: The step holds no Lightning trainer state (written
                 by ``CheckpointManager``, or imported from another format).
         """
+        path = self._root_if_marker(path)
         if self._is_root(path) and not self._committed():
             message = (f"no committed checkpoint under {self.storage.path()}: Lightning "
                        "starts fresh (nothing to resume from)")
@@ -331,6 +357,32 @@ class ResumekitCheckpointIO(CheckpointIO):
                        "the newest committed checkpoint is never deleted")
             warn(message, ResumekitWarning, stacklevel=2)
 
+    def _root_if_marker(self, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+        """The root, when ``path`` is the :data:`LAST_MARKER` file naming this root.
+
+        Raises:
+            CheckpointNotFoundError: The marker names another root.
+        """
+        given = os.fspath(path)
+        if os.path.basename(given) != LAST_MARKER or not os.path.isfile(given):
+            return path
+        try:
+            with open(given, encoding="utf-8") as handle:
+                marker = json.load(handle)
+        except (OSError, ValueError):
+            return path  # a real Lightning file: matched by its name as before
+        if not isinstance(marker, dict) or marker.get("kind") != _MARKER_KIND:
+            return path
+        if marker.get("root") != self.storage.path():
+            raise CheckpointNotFoundError(
+                f"{given} names the checkpoint root {marker.get('root')!r}, not this "
+                f"plugin's {self.storage.path()}: ckpt_path='last' resumes only the root "
+                "the marker names; pass that root as ckpt_path, or give the plugin it",
+                path=given)
+        logger.info("resumekit: %s names %s: resuming its newest committed checkpoint",
+                    given, self.storage.path())
+        return self.storage.path()
+
     # -- finding ------------------------------------------------------------------------
     def _committed(self) -> list[CheckpointEntry]:
         if not self.storage.is_dir():
@@ -418,3 +470,354 @@ def _scores_of(checkpoint: Mapping[str, Any], name: str, step: int) -> dict[str,
                 logger.warning("resumekit: %s of step %d is %s: not recorded in its manifest "
                                "(keep_best does not rank it)", monitor, step, value)
     return scores
+
+
+class ResumekitCallback(Callback):
+    """What makes a Lightning run resume exactly, and stop cleanly when preempted.
+
+    Use it with :class:`ResumekitCheckpointIO` (it refuses to run without it)::
+
+        Trainer(plugins=[ResumekitCheckpointIO(root), SLURMEnvironment(auto_requeue=False)],
+                callbacks=[ResumekitCallback(data=lambda trainer: trainer.datamodule.sampler),
+                           ModelCheckpoint(every_n_train_steps=500, save_top_k=-1)],
+                use_distributed_sampler=False)
+
+    * **RNG streams.** Every checkpoint holds every rank's python, numpy, torch (and CUDA)
+      RNG state (gathered to rank 0, where Lightning saves); on resume each rank gets its
+      own back (a rank the saved run did not have gets one derived from rank 0's, with a
+      warning), right before the first training step, so the draws continue as if the
+      run had not stopped.
+    * **Data position.** ``data`` returns the object that holds it (a
+      :class:`~resumekit.sampler.ResumableDistributedSampler` in the train
+      ``DataLoader``); it must exist once the ``setup`` hooks ran (build it in
+      ``LightningDataModule.setup`` / ``LightningModule.setup``). After each training
+      batch the callback calls ``data.advance(batch size)``; its ``state_dict()`` is saved,
+      and loaded back before Lightning draws the first batch of the resumed run.
+    * **Preemption.** For the duration of training the callback's
+      :class:`~resumekit.preemption.PreemptionHandler` replaces Lightning's own SIGTERM
+      handler (which signals the other ranks from inside the handler and does not save).
+      After each optimizer step the ranks vote; once they agreed, every rank takes part in
+      ``trainer.save_checkpoint`` (a step directory with reason ``preemption``, unless the
+      newest commit already holds the step), the SLURM job is requeued if the signal was
+      one SLURM does not requeue after (SIGUSR1), and every rank raises
+      ``SystemExit(EXIT_CODE_PREEMPTED)``: the process exits 75. Lightning's SLURM
+      auto-requeue must be off (``SLURMEnvironment(auto_requeue=False)``): it would save
+      from inside its own SIGUSR1 handler; a trainer with it on is refused.
+    * **``ckpt_path="last"``.** At the start of training rank 0 writes a small
+      :data:`LAST_MARKER` file naming the root into each ``ModelCheckpoint`` folder, where
+      Lightning looks for ``last*.ckpt``; the plugin resolves it to the newest committed
+      checkpoint of the root (a marker naming another root is refused).
+
+    Args:
+        data: ``trainer -> object`` with ``state_dict``, ``load_state_dict`` and
+            ``advance(n)``, or None (no data position is saved).
+        preemption: The handler (default: a new ``PreemptionHandler()``: SIGTERM and
+            SIGUSR1, votes ``"auto"``), or None to leave the signals alone.
+        requeue: Requeue the SLURM job after an emergency save caused by SIGUSR1
+            (:func:`~resumekit.preemption.requeue_after_signal`).
+        init_weights: A fine-tune's start: another run's root (written by this plugin or
+            by ``CheckpointManager(model=<the LightningModule>)``) whose newest committed
+            checkpoint's weights are loaded into the module when the run did not resume
+            (``fit`` without a checkpoint, or ``ckpt_path`` a root with none). A run that
+            resumed its own checkpoint loads nothing from it (logged), so a requeued
+            fine-tune never starts over.
+
+    Raises:
+        ConfigurationError: At ``setup``: the trainer has no :class:`ResumekitCheckpointIO`,
+            or Lightning's SLURM auto-requeue is on while ``preemption`` is used.
+    """
+
+    def __init__(self, *, data: Callable[[Trainer], Any] | None = None,
+                 preemption: PreemptionHandler | bool | None = True,
+                 requeue: bool = True,
+                 init_weights: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.init_weights = init_weights
+        self._data_of = data
+        self.preemption: PreemptionHandler | None = (
+            PreemptionHandler() if preemption is True else
+            None if preemption is False or preemption is None else preemption)
+        self.requeue = requeue
+        self._trainer: Trainer | None = None
+        self._pending_rng: dict[str, Any] | None = None
+        self._last_voted: int | None = None
+        self._shortened_epoch = False
+
+    # -- setup and teardown -------------------------------------------------------------
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Check the trainer: the plugin is there, Lightning's SLURM requeue is off."""
+        self._trainer = trainer
+        _plugin_of(trainer)
+        # Where Lightning's own signal connector reads it (a single-device strategy has none).
+        environment = trainer._accelerator_connector.cluster_environment
+        if self.preemption is not None and isinstance(environment, SLURMEnvironment) \
+                and environment.auto_requeue:
+            raise ConfigurationError(
+                "ResumekitCallback makes the emergency save and requeue itself: turn "
+                "Lightning's off with Trainer(plugins=[..., SLURMEnvironment("
+                "auto_requeue=False)]) (its SIGUSR1 handler saves from inside the signal "
+                "handler), or pass ResumekitCallback(preemption=None)",
+                name="SLURMEnvironment.auto_requeue", value=True)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A fine-tune that did not resume: load ``init_weights`` into the module."""
+        if self.init_weights is None:
+            return
+        io = _plugin_of(trainer)
+        if io._resumed_from is not None:
+            logger.info("resumekit: resumed step %d of %s: init_weights %s not loaded",
+                        io._resumed_from, io.storage.path(), os.fspath(self.init_weights))
+            return
+        source = ResumekitCheckpointIO(self.init_weights, retention=None,
+                                       storage_options=io.storage.storage_options or None)
+        committed = source._committed()
+        if not committed:
+            raise CheckpointNotFoundError(
+                f"init_weights: no committed checkpoint under {source.storage.path()}",
+                path=source.storage.path())
+        entry = committed[-1]
+        assert entry.manifest is not None
+        if entry.manifest.state.get("format") == "lightning":
+            weights = source.load_checkpoint(source.storage.path())["state_dict"]
+            pl_module.load_state_dict(weights)
+            source._resumed_from = None
+        else:
+            load_model_weights(pl_module, resolve_weights_source(
+                self.init_weights, storage_options=io.storage.storage_options or None))
+        message = (f"fine-tune of {io.storage.path()} starts from the weights of step "
+                   f"{entry.step} of {source.storage.path()}")
+        logger.warning("resumekit: %s", message)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Write the ``last`` markers; install the preemption handler (after Lightning's).
+
+        After a mid-epoch resume, also give Lightning the full epoch length (see
+        :meth:`_give_lightning_the_full_epoch`).
+        """
+        self._last_voted = trainer.global_step
+        if self._shortened_epoch:
+            self._give_lightning_the_full_epoch(trainer)
+        if trainer.is_global_zero:
+            self._write_markers(trainer)
+        if self.preemption is not None and not self.preemption.installed:
+            self.preemption.install()
+            logger.info("resumekit: %s now handled by resumekit's PreemptionHandler (agreed "
+                        "emergency save, exit %d), not by Lightning's handler, until "
+                        "training ends", "/".join(s.name for s in self.preemption.signals),
+                        EXIT_CODE_PREEMPTED)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Give the signals back to Lightning; warn of a signal that came too late to stop."""
+        if self.preemption is not None and self.preemption.requested \
+                and self.preemption.agreed_step is None:
+            names = ", ".join(r.name for r in self.preemption.received) or "a request"
+            message = (f"{names} arrived but training ended at step {trainer.global_step} "
+                       "before the ranks agreed to stop: no emergency save was made and "
+                       "the process exits as a finished run would")
+            warn(message, ResumekitWarning, stacklevel=2)
+        self._uninstall()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        """Give the signals back to Lightning."""
+        self._uninstall()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Give the signals back to Lightning."""
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        if self.preemption is not None and self.preemption.installed:
+            self.preemption.uninstall()
+
+    def _write_markers(self, trainer: Trainer) -> None:
+        io = _plugin_of(trainer)
+        text = json.dumps({"kind": _MARKER_KIND, "root": io.storage.path()})
+        for callback in trainer.checkpoint_callbacks:
+            folder = getattr(callback, "dirpath", None)
+            if not isinstance(callback, ModelCheckpoint) or not folder:
+                continue
+            marker = os.path.join(os.fspath(folder), LAST_MARKER)
+            if os.path.exists(marker) and not _is_marker(marker):
+                logger.warning("resumekit: %s is not resumekit's marker: left as it is "
+                               "(ckpt_path='last' may resolve to it)", marker)
+                continue
+            os.makedirs(os.fspath(folder), exist_ok=True)
+            with open(marker, "w", encoding="utf-8") as handle:
+                handle.write(text)
+
+    # -- the state in the checkpoint ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's RNG (gathered; called on every rank) and the data position."""
+        trainer = self._trainer
+        own = capture_rng()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, own)
+            rng = dict(enumerate(gathered))
+        else:
+            rng = {0: own}
+        data = self._data(required=False)
+        at_epoch_end = bool(trainer is not None and
+                            trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return {"version": _STATE_VERSION, "rng": rng, "at_epoch_end": at_epoch_end,
+                "data": None if data is None else data.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the data position now (before Lightning draws a batch); keep the RNG.
+
+        Raises:
+            IncompatibleCheckpointError: The state is from a newer layout.
+            ConfigurationError: The checkpoint holds a data position and ``data`` gives
+                no object to load it into (or the other way round: a warning).
+        """
+        version = state_dict.get("version")
+        if version != _STATE_VERSION:
+            raise IncompatibleCheckpointError(
+                f"ResumekitCallback state version {version!r} is not {_STATE_VERSION} "
+                "(written by another resumekit)", key="callbacks.ResumekitCallback")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        rng = select_rank_rng(state_dict["rng"], rank)
+        saved = state_dict.get("data")
+        data = self._data(required=saved is not None)
+        if saved is not None and data is not None:
+            data.load_state_dict(saved)
+            if state_dict.get("at_epoch_end") and hasattr(data, "set_epoch") \
+                    and getattr(data, "consumed", None) == getattr(data, "dataset_len", -1):
+                # Saved at the last batch: Lightning resumes with the next epoch.
+                data.set_epoch(int(saved["epoch"]) + 1)
+        elif data is not None:
+            message = ("the checkpoint holds no data position (saved without "
+                       "ResumekitCallback(data=...)): the data starts where the sampler is")
+            warn(message, ResumekitWarning, stacklevel=2)
+        if state_dict.get("at_epoch_end"):
+            # The resumed run starts a new epoch, like the saved run did after the save:
+            # its DataLoader iterator (which draws a seed) is made after this point.
+            restore_rng(rng)
+        else:
+            # Mid-epoch: Lightning makes a new iterator the saved run did not; restore after.
+            self._pending_rng = rng
+            self._shortened_epoch = saved is not None and data is not None
+
+    def _data(self, *, required: bool) -> Any | None:
+        if self._data_of is None or self._trainer is None:
+            if required:
+                raise ConfigurationError(
+                    "the checkpoint holds a data position but ResumekitCallback was given "
+                    "no data=: pass data=lambda trainer: <the ResumableDistributedSampler "
+                    "of the train DataLoader>", name="data", value=None)
+            return None
+        data = self._data_of(self._trainer)
+        if data is None or not all(hasattr(data, name) for name in
+                                   ("state_dict", "load_state_dict", "advance")):
+            raise ConfigurationError(
+                f"ResumekitCallback(data=...) returned {type(data).__name__}, not an object "
+                "with state_dict, load_state_dict and advance (a ResumableDistributedSampler "
+                "built in a setup() hook)", name="data", value=type(data).__name__)
+        return data
+
+    # -- each step ----------------------------------------------------------------------
+    def _give_lightning_the_full_epoch(self, trainer: Trainer) -> None:
+        """After a mid-epoch resume, make Lightning count the whole epoch, not its rest.
+
+        Lightning counts an epoch's batches when it builds the loader: after a mid-epoch
+        resume that is the rest the sampler still yields. Counted so, it resets its batch
+        counters (the rest is shorter than what it already counted) and ends later epochs
+        early. Given the full length (its ``max_batches``, the limit of its combined
+        loader, for a fractional ``val_check_interval`` its ``val_check_batch``), its
+        counters continue where the saved run's were, and the epoch ends where the
+        sampler's does. Lightning 2.6 keeps the limit on ``fit_loop._combined_loader`` and the
+        length its fetcher counts to on ``fit_loop._data_fetcher``; a Lightning without
+        them, or several train loaders, is warned about.
+        """
+        self._shortened_epoch = False
+        loader = trainer.train_dataloader
+        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        data = self._data(required=False)
+        if not isinstance(loader, torch.utils.data.DataLoader) or combined is None \
+                or len(getattr(combined, "limits", None) or ()) != 1 or data is None:
+            message = ("after the mid-epoch resume Lightning expects the short epoch it "
+                       f"counted ({trainer.num_training_batches} batches): resumekit can "
+                       "give it the full length only for one DataLoader on Lightning 2.x")
+            warn(message, ResumekitWarning, stacklevel=2)
+            return
+        position = data.state_dict()
+        data.load_state_dict({**position, "consumed": 0})
+        length = len(loader)
+        data.load_state_dict(position)
+        limit = trainer.limit_train_batches
+        batches = min(length, int(limit)) if isinstance(limit, int) else int(length * limit)
+        trainer.fit_loop.max_batches = batches
+        combined.limits = [batches]
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        if fetcher is not None and getattr(fetcher, "length", None) is not None:
+            fetcher.length = batches  # counted from the saved run's batches on
+        interval = trainer.val_check_interval
+        if isinstance(interval, float) and trainer.val_check_batch is not None \
+                and math.isfinite(trainer.val_check_batch):
+            trainer.val_check_batch = max(1, int(batches * interval))
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Restore the RNG of a mid-epoch checkpoint before the first training step."""
+        if self._pending_rng is not None:
+            rng, self._pending_rng = self._pending_rng, None
+            restore_rng(rng)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        """Count the batch into the data position; after an optimizer step, vote."""
+        data = self._data(required=False)
+        if data is not None:
+            data.advance(extract_batch_size(batch))
+        step = trainer.global_step
+        if self.preemption is None or step == self._last_voted:
+            return  # accumulating gradients: stop only at an optimizer step
+        self._last_voted = step
+        if self.preemption.agreed(step):
+            self._emergency_save(trainer, step)
+
+    def _emergency_save(self, trainer: Trainer, step: int) -> None:
+        """Commit ``step`` on every rank's behalf, requeue if needed, exit 75."""
+        assert self.preemption is not None
+        io = _plugin_of(trainer)
+        committed = io._committed()
+        newest = committed[-1].step if committed else None
+        since = None if newest is None else step - newest
+        if not self.preemption.should_skip_emergency_save(None, 0.0,
+                                                          steps_since_last_commit=since):
+            folder = os.fspath(trainer.default_root_dir)
+            trainer.save_checkpoint(os.path.join(folder, f"{_PREEMPTED_PREFIX}-step={step}.ckpt"))
+        logger.warning("resumekit: preempted at step %d (committed under %s): exiting %d",
+                       step, io.storage.path(), EXIT_CODE_PREEMPTED)
+        self._uninstall()
+        if self.requeue:
+            requeue_after_signal(self.preemption)
+        raise SystemExit(EXIT_CODE_PREEMPTED)
+
+
+def _plugin_of(trainer: Trainer) -> ResumekitCheckpointIO:
+    """The trainer's :class:`ResumekitCheckpointIO`, also inside ``AsyncCheckpointIO``.
+
+    Raises:
+        ConfigurationError: The trainer saves through another ``CheckpointIO``.
+    """
+    io: Any = trainer.strategy.checkpoint_io
+    inner = getattr(io, "checkpoint_io", None)  # a wrapping plugin (AsyncCheckpointIO)
+    for candidate in (io, inner):
+        if isinstance(candidate, ResumekitCheckpointIO):
+            return candidate
+    raise ConfigurationError(
+        "ResumekitCallback needs Trainer(plugins=[ResumekitCheckpointIO(root)]) (or "
+        f"AsyncCheckpointIO(ResumekitCheckpointIO(root))): the trainer saves through "
+        f"{type(io).__name__}", name="plugins", value=type(io).__name__)
+
+
+def _is_marker(path: str) -> bool:
+    """Whether the file ``path`` is a :data:`LAST_MARKER` written by the callback."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            marker = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(marker, dict) and marker.get("kind") == _MARKER_KIND
