@@ -44,7 +44,7 @@ from resumekit.errors import (
     UnreadableFormatError,
 )
 from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
-from resumekit.loader import LoaderPosition
+from resumekit.loader import LOADER_STATE_KIND, LoaderPosition
 from resumekit.manifest import Manifest
 from resumekit.retry import read_with_retry
 from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
@@ -376,7 +376,7 @@ class TrainState:
             self.data.load_state_dict(dict(source["data"]),
                                       generator=None if own is None else dict(own))
         else:
-            self.data.load_state_dict(dict(source["data"]))
+            self.data.load_state_dict(_sampler_part(source["data"]))
         self._data_mark = _marked(self.step, self.data)
 
     def _watch_data_position(self) -> None:
@@ -442,6 +442,13 @@ def _keeps_global_position(data: Any) -> bool:
     if isinstance(data, LoaderPosition):
         return data.keeps_global_position
     return isinstance(data, ResumableDistributedSampler)
+
+
+def _sampler_part(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The data state for a sampler: a ``data=loader`` checkpoint's sampler part."""
+    if saved.get("kind") == LOADER_STATE_KIND and isinstance(saved.get("sampler"), Mapping):
+        return dict(saved["sampler"])
+    return dict(saved)
 
 
 def _data_name(data: Any) -> str:

@@ -149,3 +149,25 @@ def test_a_dataloader_over_a_wrapped_batch_sampler_counts_one_item_per_batch(
     assert [batch.tolist() for batch in again] == [[4, 5], [6, 7]]
     second.close()
 
+
+
+def test_a_sampler_checkpoint_restores_into_a_dataloader_and_back(tmp_path: Path) -> None:
+    sampler = ResumableDistributedSampler(SAMPLES, num_replicas=1, rank=0)
+    first = CheckpointManager(tmp_path, model=nn.Linear(4, 1), data=sampler, retention=None)
+    first.restore()
+    sampler.advance(8)
+    first.save(2)
+    first.close()
+    again = ResumableDistributedSampler(SAMPLES, num_replicas=1, rank=0)
+    loader = DataLoader(_Numbers(), batch_size=BATCH, sampler=again)
+    second = CheckpointManager(tmp_path, model=nn.Linear(4, 1), data=loader, retention=None)
+    assert second.restore() == 2
+    assert again.consumed == 8
+    next(iter(loader))
+    second.save(3)
+    second.close()
+    back = ResumableDistributedSampler(SAMPLES, num_replicas=1, rank=0)
+    third = CheckpointManager(tmp_path, model=nn.Linear(4, 1), data=back, retention=None)
+    assert third.restore() == 3
+    assert back.consumed == 8 + BATCH
+    third.close()
