@@ -185,7 +185,10 @@ class CheckpointManager:
         model: The model (plain, DDP or FSDP2 ``fully_shard``-ed).
         optimizer: Its optimizer.
         scheduler: LR scheduler (or any object with state_dict/load_state_dict).
-        data: Data position: a ``ResumableDistributedSampler`` or any stateful object.
+        data: Data position: the ``DataLoader`` the loop iterates (over a resumable
+            sampler; resumekit counts the batches it hands out and saves its generator per
+            rank, see :mod:`resumekit.loader`), torchdata's ``StatefulDataLoader``, a
+            ``ResumableDistributedSampler`` or any stateful object.
         generators: Named ``torch.Generator`` objects to resume (noise, augmentation).
         extras: JSON-able user data saved in the manifest and restored, e.g. a wandb run
             id. The manager keeps this very mapping (``manager.extras is extras``) and

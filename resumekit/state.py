@@ -43,6 +43,7 @@ from resumekit.errors import (
     UnreadableFormatError,
 )
 from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
+from resumekit.loader import LOADER_STATE_KIND, LoaderPosition
 from resumekit.manifest import Manifest
 from resumekit.retry import read_with_retry
 from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
@@ -219,7 +220,9 @@ class TrainState:
         model: The model (plain, DDP or FSDP2-sharded).
         optimizer: Its optimizer; its state is saved sharded like the parameters.
         scheduler: A learning-rate scheduler (anything with state_dict/load_state_dict).
-        data: The data position: a :class:`~resumekit.sampler.ResumableDistributedSampler`
+        data: The data position: the ``DataLoader`` the loop iterates (adopted as a
+            :class:`~resumekit.loader.LoaderPosition`: its generator and the batches it
+            hands out are saved), a :class:`~resumekit.sampler.ResumableDistributedSampler`
             or any object with state_dict/load_state_dict.
         generators: Named ``torch.Generator`` objects whose streams must resume too.
         step: Optimizer steps taken.
@@ -244,6 +247,8 @@ class TrainState:
                                                             repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, DataLoader):
+            self.data = LoaderPosition(self.data)
         for what, value in (("scheduler", self.scheduler), ("data", self.data)):
             _refuse_unsaveable(what, value)
         self._data_mark = _marked(self.step, self.data)
@@ -422,12 +427,19 @@ class TrainState:
         if not same_world and not _keeps_global_position(self.data):
             warn(
                 f"world size changed {saved_world_size} -> {world_size}: the data object "
-                f"{type(self.data).__name__} restores rank 0's position on every rank; "
+                f"{_data_name(self.data)} restores rank 0's position on every rank; "
                 "use ResumableDistributedSampler for an exact re-partition",
                 ResumekitWarning,
                 stacklevel=3,
             )
-        self.data.load_state_dict(dict(source["data"]))
+        if isinstance(self.data, LoaderPosition):
+            # A loader's generator is per rank: rank r takes the one rank r wrote; a rank
+            # the writer did not have keeps its fresh one (seeded from its own rank).
+            own = saved.get(rank, {}).get("data")
+            self.data.load_state_dict(dict(source["data"]),
+                                      generator=None if own is None else dict(own))
+        else:
+            self.data.load_state_dict(_sampler_part(source["data"]))
         self._data_mark = _marked(self.step, self.data)
 
     def _watch_data_position(self) -> None:
@@ -452,12 +464,7 @@ def _refuse_unsaveable(what: str, value: Any) -> None:
     if value is None or isinstance(value, Stateful):
         return
     kind = type(value).__name__
-    if what == "data" and isinstance(value, DataLoader):
-        hint = ("pass its sampler instead, made resumable: ResumableDistributedSampler"
-                "(dataset, ...) as the DataLoader's sampler, or wrap_sampler(sampler); "
-                "build the DataLoader with generator=torch.Generator() so that iter() "
-                "draws no seed from the global RNG the checkpoint restores")
-    elif what == "data" and isinstance(value, Sampler):
+    if what == "data" and isinstance(value, Sampler):
         hint = ("use resumekit.ResumableDistributedSampler(dataset, ...) in place of "
                 "torch's DistributedSampler (same epoch order, a position that survives "
                 "a resume), or resumekit.wrap_sampler(sampler) for any other sampler")
@@ -495,4 +502,18 @@ def _params_of(model_state: Mapping[str, Any]) -> dict[str, list[Any]]:
 
 
 def _keeps_global_position(data: Any) -> bool:
+    if isinstance(data, LoaderPosition):
+        return data.keeps_global_position
     return isinstance(data, ResumableDistributedSampler)
+
+
+def _sampler_part(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The data state for a sampler: a ``data=loader`` checkpoint's sampler part."""
+    if saved.get("kind") == LOADER_STATE_KIND and isinstance(saved.get("sampler"), Mapping):
+        return dict(saved["sampler"])
+    return dict(saved)
+
+
+def _data_name(data: Any) -> str:
+    """The name of the user's data object (the loader, not resumekit's adapter)."""
+    return type(data.loader if isinstance(data, LoaderPosition) else data).__name__

@@ -43,13 +43,15 @@ def test_torchs_distributed_sampler_as_data_is_refused_at_construction_naming_th
     assert not tmp_path.joinpath("step_000000001").exists()
 
 
-def test_a_dataloader_as_data_is_refused_naming_its_sampler_and_the_generator(
+def test_a_dataloader_over_the_default_sampler_is_refused_naming_what_to_pass(
     tmp_path: Path,
 ) -> None:
     loader = DataLoader(list(range(8)), batch_size=2)
-    with pytest.raises(ConfigurationError, match="DataLoader cannot be checkpointed") as error:
+    with pytest.raises(ConfigurationError, match="DataLoader cannot be checkpointed: its "
+                       "sampler SequentialSampler has no resumable position") as error:
         _manager(tmp_path, data=loader)
-    assert "generator=torch.Generator()" in str(error.value)
+    assert "sampler=resumekit.ResumableDistributedSampler(dataset" in str(error.value)
+    assert "StatefulDataLoader" in str(error.value)
 
 
 def test_a_scheduler_without_state_methods_is_refused_at_construction(tmp_path: Path) -> None:
