@@ -18,37 +18,10 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import nn
 
 from resumekit.integrations.lightning import ResumekitCallback, ResumekitCheckpointIO
 from resumekit.preemption import PreemptionHandler
-from resumekit.sampler import ResumableDistributedSampler
-
-DATA = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
-TARGET = torch.randn(64, 1, generator=torch.Generator().manual_seed(1))
-
-
-class Noisy(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 1))
-        self.sampler: ResumableDistributedSampler | None = None
-
-    def setup(self, stage: str) -> None:
-        self.sampler = ResumableDistributedSampler(len(DATA), seed=3)
-
-    def train_dataloader(self) -> Any:
-        dataset = torch.utils.data.TensorDataset(DATA, TARGET)
-        return torch.utils.data.DataLoader(dataset, batch_size=4, sampler=self.sampler)
-
-    def training_step(self, batch: Any, _: int) -> torch.Tensor:
-        x, y = batch
-        noise = 0.1 * torch.randn_like(y)  # per-rank RNG streams
-        return (self.net(x) - y - noise).pow(2).mean()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+from tests.lightning_noisy import Noisy
 
 
 class Signal(Callback):
@@ -65,7 +38,7 @@ def main(root: str, out: str, steps: int, action: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     torch.manual_seed(100 + rank)  # a relaunch seeds the same way: the checkpoint decides
-    model = Noisy()
+    model = Noisy(64)
     callbacks: list[Callback] = []
     if action != "none":
         kind, step, who = action.split(":")

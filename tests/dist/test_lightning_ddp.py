@@ -20,6 +20,7 @@ from resumekit.storage import Storage
 from tests.distributed_harness import free_port
 
 WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
+REPO = Path(__file__).resolve().parents[2]  # the worker imports tests.lightning_noisy
 STEPS = 16  # 64 samples, 2 ranks x 4 a batch: 8 steps an epoch
 
 
@@ -30,7 +31,9 @@ def _launch(root: Path, out: Path, action: str) -> list[subprocess.Popen[bytes]]
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
                "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "resumekit-test",
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                           os.environ.get("PYTHONPATH")]))}
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(root), str(out), str(STEPS), action], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))

@@ -14,44 +14,15 @@ import torch
 from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from torch import nn
 
 from resumekit.catalog import list_checkpoints
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError
 from resumekit.integrations.lightning import LAST_MARKER, ResumekitCallback, ResumekitCheckpointIO
 from resumekit.manifest import SaveReason
 from resumekit.preemption import EXIT_CODE_PREEMPTED
-from resumekit.sampler import ResumableDistributedSampler
 from resumekit.storage import Storage
 from resumekit.warnings import ResumekitWarning
-
-DATA = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
-TARGET = torch.randn(32, 1, generator=torch.Generator().manual_seed(1))
-
-
-class Noisy(L.LightningModule):
-    """Draws from the global RNG each step and reads its data through a resumable sampler."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.2), nn.Linear(16, 1))
-        self.sampler: ResumableDistributedSampler | None = None
-
-    def setup(self, stage: str) -> None:
-        self.sampler = ResumableDistributedSampler(len(DATA), seed=3)
-
-    def train_dataloader(self) -> Any:
-        dataset = torch.utils.data.TensorDataset(DATA, TARGET)
-        return torch.utils.data.DataLoader(dataset, batch_size=4, sampler=self.sampler)
-
-    def training_step(self, batch: Any, _: int) -> torch.Tensor:
-        x, y = batch
-        noise = 0.1 * torch.randn_like(y)  # the global RNG: restored by the callback
-        return (self.net(x) - y - noise).pow(2).mean()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+from tests.lightning_noisy import Noisy
 
 
 class At(Callback):
