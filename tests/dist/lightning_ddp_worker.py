@@ -48,12 +48,13 @@ def main(root: str, out: str, steps: int, action: str) -> None:
     callbacks += [ResumekitCallback(data=lambda trainer: model.sampler, preemption=preemption),
                   ModelCheckpoint(dirpath=os.path.join(root, "..", "ckpt"),
                                   every_n_train_steps=4, save_top_k=-1)]
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=steps,
+    world = int(os.environ["WORLD_SIZE"])
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=steps,
                         plugins=[ResumekitCheckpointIO(root, retention=None)],
                         callbacks=callbacks, use_distributed_sampler=False, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=os.path.join(root, ".."), num_sanity_val_steps=0)
-    trainer.fit(model, ckpt_path="last")
+    trainer.fit(model, ckpt_path=os.environ.get("RESUME_FROM", "last"))  # or the root
     if trainer.is_global_zero:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out)
 

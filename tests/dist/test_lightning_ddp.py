@@ -6,6 +6,7 @@ ends."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,16 +25,19 @@ REPO = Path(__file__).resolve().parents[2]  # the worker imports tests.lightning
 STEPS = 16  # 64 samples, 2 ranks x 4 a batch: 8 steps an epoch
 
 
-def _launch(root: Path, out: Path, action: str) -> list[subprocess.Popen[bytes]]:
+def _launch(root: Path, out: Path, action: str, world: int = 2, **extra: str
+            ) -> list[subprocess.Popen[bytes]]:
     port = str(free_port())
     procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0",
+               "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "resumekit-test",
                "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                           os.environ.get("PYTHONPATH")]))}
+                                                           os.environ.get("PYTHONPATH")])),
+               **extra}
         procs.append(subprocess.Popen(
             [sys.executable, str(WORKER), str(root), str(out), str(STEPS), action], env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -67,6 +71,14 @@ def test_lightning_ddp_after_sigterm_and_sigkill_ends_bit_for_bit_as_uninterrupt
     assert _wait(_launch(root, final, "sigterm:5:1")) == [EXIT_CODE_PREEMPTED] * 2
     committed = _committed(root)
     assert committed == {4: SaveReason.INTERVAL, 5: SaveReason.PREEMPTION}
+    # The same checkpoint resumes on one rank: a correct continuation to the last step.
+    one = tmp_path / "one" / "root"
+    shutil.copytree(root, one)  # the root alone: resumed by naming it (no "last" marker)
+    assert _wait(_launch(one, tmp_path / "one.pt", "none", world=1,
+                         RESUME_FROM=str(one))) == [0]
+    assert max(_committed(one)) == STEPS
+    assert {e.manifest.world_size for e in list_checkpoints(Storage(one))
+            if e.status == "committed" and e.manifest and e.step > 5} == {1}
     # The relaunch resumes it; rank 0 is SIGKILLed after step 10 (step 8 committed):
     # the job is gone (torchrun's agent would end the other rank: so does the test).
     procs = _launch(root, final, "sigkill:10:0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -202,6 +203,7 @@ def test_without_a_grace_period_only_recency_decides() -> None:
 def test_a_negative_age_of_the_last_commit_is_never_recent_and_is_reported_as_clock_skew(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG, "resumekit")  # the warning's DEBUG record, for traces
     handler = PreemptionHandler()  # no grace period: the recency rule applies
     handler.request()
     assert handler.agreed(3)
@@ -236,6 +238,7 @@ def test_nothing_new_since_the_last_commit_is_skipped() -> None:
 def test_a_skipped_emergency_save_names_every_input_of_the_decision(
     previous_handlers: Recorder, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG, "resumekit")  # the warning's DEBUG record, for traces
     with PreemptionHandler(grace_period=30) as handler:
         signal.raise_signal(signal.SIGTERM)
         assert handler.agreed(7)
