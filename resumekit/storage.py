@@ -36,7 +36,12 @@ import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
-from resumekit.errors import CorruptCheckpointError, StorageError, UnsafeCheckpointError
+from resumekit.errors import (
+    ConfigurationError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from resumekit.retry import create_with_retry
 
 __all__ = ["JSON_DEPTH_LIMIT", "RECORD_LIMIT", "SMALL_FILE_LIMIT", "FileInfo", "Storage",
@@ -111,7 +116,10 @@ class Storage:
     def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
         url = os.fspath(url)
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
+        except ImportError as error:
+            raise _missing_backend(url, error) from error
         self.fs: Any = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(path) if self.is_local else path.rstrip("/")
@@ -811,6 +819,15 @@ def _storage_errors(
             raise
         raise StorageError(f"cannot {verb} {target}: {error}", path=path or target,
                            operation=operation) from error
+
+
+def _missing_backend(url: str, error: ImportError) -> ConfigurationError:
+    """The error for a root whose fsspec backend is not installed, naming what to install."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    fix = "pip install 'resumekit[s3]'" if protocol in ("s3", "s3a") else \
+        f"install the fsspec backend for {protocol}:// ({error})"
+    return ConfigurationError(f"cannot open {url}: {protocol}:// needs a package that is not "
+                              f"installed; {fix}", name="root", value=url)
 
 
 def _write_durably(path: str, data: bytes) -> None:

@@ -374,9 +374,17 @@ def compare_runs(reference: Path, other: Path, *, steps: range | None = None
 # --------------------------------------------------------------------------- plotting
 
 
-def plot_losses(runs: dict[str, Path], out: Path, *, marks: dict[str, list[int]]) -> Path:
-    """Write the loss curves of the runs to ``out`` (PNG, matplotlib's Agg backend)."""
-    import matplotlib  # noqa: PLC0415 - only the drill needs it
+def plot_losses(runs: dict[str, Path], out: Path, *, marks: dict[str, list[int]]
+                ) -> Path | None:
+    """Write the loss curves of the runs to ``out`` (PNG, matplotlib's Agg backend).
+
+    Returns None (and writes nothing) when matplotlib is not installed: the drill's
+    verdict does not depend on the picture.
+    """
+    try:
+        import matplotlib  # noqa: PLC0415 - only the drill needs it
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -584,7 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exit_code_preempted": EXIT_CODE_PREEMPTED,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    console.print(f"loss curves: {plot}; summary: {out / 'summary.json'}; "
+    pictured = plot if plot is not None else \
+        "not drawn (pip install matplotlib, or resumekit[dev])"
+    console.print(f"loss curves: {pictured}; summary: {out / 'summary.json'}; "
                   f"drill took {elapsed:.0f}s")
     if drill.problems:
         for problem in drill.problems:

@@ -505,3 +505,21 @@ def test_checkpoints_saved_and_pruned_by_another_client_are_seen_at_once(
         read_manifest(storage, NAME_1)
     with pytest.raises(StepCollisionError):
         CommitProtocol(storage).begin(2)
+
+
+def test_a_root_whose_fsspec_backend_is_missing_names_the_extra_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fsspec
+
+    from resumekit.errors import ConfigurationError
+
+    def missing(url: str, **options: object) -> None:
+        raise ImportError("Install s3fs to access S3")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
+    with pytest.raises(ConfigurationError, match=r"pip install 'resumekit\[s3\]'") as caught:
+        Storage("s3://bucket/run")
+    assert "s3://bucket/run" in str(caught.value)
+    with pytest.raises(ConfigurationError, match="install the fsspec backend for gcs://"):
+        Storage("gcs://bucket/run")
