@@ -23,11 +23,13 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
-# The unit and property suites run one worker per core (as test-fast), the rest (multi-rank,
-# crash, SLURM, end-to-end: each test already runs several processes) one test at a time.
+# The unit and property suites run one worker per core (as test-fast); so does the multi-rank
+# suite (each test starts its own ranks on free ports, gloo on CPU); the rest (crash, SLURM,
+# multi-host, end-to-end: shared clusters and kill rigs) one test at a time.
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
-	$(PY) -m pytest -q tests --ignore=tests/unit --ignore=tests/property
+	$(PY) -m pytest -q -n $(FAST_WORKERS) --durations=10 tests/dist
+	$(PY) -m pytest -q --durations=10 tests --ignore=tests/unit --ignore=tests/property --ignore=tests/dist
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs-build
 
