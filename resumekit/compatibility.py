@@ -23,7 +23,6 @@ nothing to compare them with (restore's warning about the import says so).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -34,7 +33,6 @@ from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["check_compatibility", "config_differences", "param_differences"]
 
-logger = logging.getLogger("resumekit")
 
 def param_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
     """Each parameter whose name or shape differs between a checkpoint and the model.

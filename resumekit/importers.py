@@ -42,7 +42,6 @@ replay of the source run.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import re
@@ -84,7 +83,6 @@ from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["IMPORT_FORMATS", "ImportFormat", "ImportResult", "import_checkpoint"]
 
-logger = logging.getLogger("resumekit")
 
 ImportFormat = Literal["auto", "dcp", "torchtitan", "accelerate", "lightning", "hf-trainer",
                        "lingbot"]

@@ -11,7 +11,6 @@ no committed checkpoint, so a requeued fine-tune resumes its own checkpoints.
 
 from __future__ import annotations
 
-import logging
 import os
 import posixpath
 from collections.abc import Mapping
@@ -38,7 +37,6 @@ from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
 
-logger = logging.getLogger("resumekit")
 
 
 @dataclass(frozen=True)
