@@ -4,11 +4,11 @@ On a machine with CUDA it runs, with 1 rank (and with 2 ranks when 2+ GPUs are v
 
 * ``init_distributed``: :func:`resumekit.init_distributed` with NCCL and ``device_id``
   (the default group is bound to ``cuda:<local rank>``; an all-reduce on the device);
-* ``rng_capture_restore``: CUDA RNG capture and restore (:mod:`resumekit.rng`), the state
+* ``rng_capture_restore``: CUDA RNG capture and restore (:mod:`resumekit.state.rng`), the state
   round-tripped through ``torch.load(weights_only=True)``;
 * ``aligned_staging`` and ``pinned_staging``: page-aligned staging buffers
   (``aligned_empty``), pinned (``pin_memory=True``, ``is_pinned()``), and the
-  :class:`~resumekit.sharded.CpuStager` of async saves staging CUDA tensors;
+  :class:`~resumekit.tensors.sharded.CpuStager` of async saves staging CUDA tensors;
 * ``async_save_d2h``: ``CheckpointManager(async_save=True)`` over FSDP2-sharded CUDA
   parameters: the staged copy equals the device tensors, training mutates the parameters
   while the write runs, the checkpoint holds the state of the save's step; figures: the
@@ -85,11 +85,11 @@ CONTROLLER_CHECKS = ("disk_baseline", "lingbot_drill")
 
 CUDA_PATHS = {
     "init_distributed": "resumekit.init_distributed with backend nccl and device_id "
-                        "(resumekit/distributed.py)",
-    "rng_capture_restore": "CUDA RNG capture and restore (resumekit/rng.py)",
+                        "(resumekit/runtime/distributed.py)",
+    "rng_capture_restore": "CUDA RNG capture and restore (resumekit/state/rng.py)",
     "aligned_staging": "page-aligned staging of CUDA tensors (raw_tensor_files.aligned_empty)",
     "pinned_staging": "pinned page-aligned staging buffers aligned_empty(pin_memory=True) "
-                      "and CpuStager pinning (resumekit/raw_tensor_files.py, sharded.py)",
+                      "and CpuStager pinning (resumekit/tensors/raw_files.py, sharded.py)",
     "fsdp2_bf16": "FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
                   "on CUDA",
     "sync_save_odirect": "sync save of CUDA tensors through the O_DIRECT bounce buffer "
@@ -223,7 +223,7 @@ def _worker(args: argparse.Namespace) -> int:
         needs=("ctx",))
 
     with contextlib.suppress(Exception):
-        from resumekit.distributed import shutdown
+        from resumekit.runtime.distributed import shutdown
 
         shutdown()
     return 0
@@ -233,7 +233,7 @@ def _check_init(state: dict[str, Any], *, cuda: bool, forced_cpu: bool) -> dict[
     import torch
     import torch.distributed as dist
 
-    from resumekit.distributed import init_distributed
+    from resumekit.runtime.distributed import init_distributed
 
     ctx = init_distributed(timeout=120, checkpoint_timeout=300,
                            device="cpu" if forced_cpu else None)
@@ -271,7 +271,7 @@ def _check_init(state: dict[str, Any], *, cuda: bool, forced_cpu: bool) -> dict[
 def _check_rng(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from resumekit.rng import capture_rng, restore_rng
+    from resumekit.state.rng import capture_rng, restore_rng
 
     device = state["ctx"].device
     generator = torch.Generator(device=device).manual_seed(1234)
@@ -309,8 +309,8 @@ def _check_rng(state: dict[str, Any]) -> dict[str, Any]:
 def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from resumekit.raw_tensor_files import ALIGNMENT, aligned_empty
-    from resumekit.sharded import CpuStager
+    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
     shapes = [(1,), (1000,), (4097,), (3, 5, 7), (2, 4096)]
@@ -340,8 +340,8 @@ def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
 def _check_pinned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from resumekit.raw_tensor_files import ALIGNMENT, aligned_empty
-    from resumekit.sharded import CpuStager
+    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
     checked = 0
@@ -430,7 +430,7 @@ def _snapshot(model: Any, optimizer: Any) -> dict[tuple[str, ...], Any]:
     """Every tensor of the model and optimizer state (this rank's shard), copied to CPU."""
     import torch
 
-    from resumekit.sharded import model_and_optimizer_state
+    from resumekit.tensors.sharded import model_and_optimizer_state
 
     snap: dict[tuple[str, ...], Any] = {}
     for path, value in _flat(model_and_optimizer_state(model, optimizer)):
@@ -459,7 +459,7 @@ def _differences(want: Mapping[tuple[str, ...], Any], have: Mapping[tuple[str, .
 def _state_bytes(model: Any, optimizer: Any) -> int:
     import torch
 
-    from resumekit.sharded import model_and_optimizer_state
+    from resumekit.tensors.sharded import model_and_optimizer_state
 
     total = 0
     for _, value in _flat(model_and_optimizer_state(model, optimizer)):
@@ -552,7 +552,7 @@ class _Recorder:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        from resumekit import raw_tensor_files
+        from resumekit.tensors import raw_files as raw_tensor_files
 
         original = raw_tensor_files._AlignedFile
         recorder = self
@@ -595,7 +595,7 @@ def _direct_io_supported(directory: Path) -> bool:
 def _check_sync_save(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     import torch
 
-    from resumekit import sharded
+    from resumekit.tensors import sharded
 
     ctx = state["ctx"]
     device = ctx.device
@@ -644,8 +644,8 @@ def _check_async_save(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dic
     import torch
 
     from resumekit.manager import CheckpointManager
-    from resumekit.raw_tensor_files import ALIGNMENT, aligned_empty
-    from resumekit.sharded import model_and_optimizer_state
+    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.sharded import model_and_optimizer_state
 
     ctx = state["ctx"]
     device = ctx.device

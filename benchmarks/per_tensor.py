@@ -22,10 +22,10 @@ from torch import nn
 
 from benchmarks.peers import write_all
 from benchmarks.timing import FreshDirs, clock, fsync_tree, interleave, remove
-from resumekit import sharded
-from resumekit.layout import DCP_METADATA_FILE
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_all
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.retention import keep_all
+from resumekit.tensors import sharded
 
 #: Elements per tensor: 192 fp32 = 768 bytes, the issue's 10k tensors = 7.7 MB.
 ELEMENTS = 192

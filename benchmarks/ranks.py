@@ -27,8 +27,8 @@ from torch.distributed.fsdp import fully_shard
 from benchmarks.timing import median
 from benchmarks.workload import Shape, build_model, build_optimizer, train_step
 from resumekit.manager import CheckpointManager
-from resumekit.preemption import PreemptionHandler
-from resumekit.retention import keep_all
+from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.store.retention import keep_all
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ Nothing a save or ``latest()`` does may grow with that number. This module makes
 N minimal committed checkpoints cheaply (written directly with the manifest API, not saved
 N times), counts what a save and ``latest()`` then ask of the store, and times them:
 
-* **storage operations**: calls of :class:`resumekit.storage.Storage` methods (outermost
+* **storage operations**: calls of :class:`resumekit.store.storage.Storage` methods (outermost
   only: ``read_bytes`` opening a file is one), on every backend;
 * **HTTP requests** (S3 only): every request the S3 client sends, DCP's writes included.
 
@@ -35,11 +35,11 @@ from typing import Any
 
 import fsspec.asyn
 
-from resumekit.layout import ATTEMPT_PREFIX, NameFormat
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import MANIFEST_NAME, FileEntry, Manifest, checksum_chunks
-from resumekit.retention import RetentionPolicy, keep_every, keep_last
-from resumekit.storage import Storage
+from resumekit.store.layout import ATTEMPT_PREFIX, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, FileEntry, Manifest, checksum_chunks
+from resumekit.store.retention import RetentionPolicy, keep_every, keep_last
+from resumekit.store.storage import Storage
 
 #: Storage methods counted as one operation each (what touches the store).
 COUNTED = ("exists", "is_dir", "is_file", "list_dir", "list_names", "walk_files", "size",

@@ -29,7 +29,7 @@ from benchmarks.workload import (
     train_step,
 )
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_all
+from resumekit.store.retention import keep_all
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 

@@ -49,7 +49,7 @@ from benchmarks.workload import (
     train_step,
 )
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_all, keep_last
+from resumekit.store.retention import keep_all, keep_last
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MB = 1_000_000

@@ -28,7 +28,7 @@ from benchmarks.timing import clock, evict, interleave, machine_facts, paired_ra
 from benchmarks.timing import median as median_of
 from benchmarks.workload import build_model, build_optimizer, shape_for, tensor_bytes, train_step
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_all
+from resumekit.store.retention import keep_all
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MB = 1_000_000

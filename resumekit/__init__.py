@@ -12,25 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from resumekit import _moved_modules
 from resumekit._version import __version__
 
+_moved_modules.install()
+
 if TYPE_CHECKING:
-    from resumekit.catalog import (
-        CheckpointEntry,
-        latest_committed,
-        list_checkpoints,
-        read_manifest,
-        verify_checkpoint,
-    )
-    from resumekit.commit import (
-        CommitProtocol,
-    )
-    from resumekit.distributed import (
-        DistributedContext,
-        init_distributed,
-        meet,
-        shutdown,
-    )
     from resumekit.errors import (
         AsyncSaveError,
         CheckpointNotFoundError,
@@ -53,29 +40,54 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedSchemaError,
     )
-    from resumekit.importers import (
-        ImportResult,
-        import_checkpoint,
-    )
-    from resumekit.layout import (
-        NameFormat,
-    )
     from resumekit.manager import (
         CheckpointInfo,
         CheckpointManager,
     )
-    from resumekit.manifest import (
-        Lineage,
-        Manifest,
-        SaveReason,
+    from resumekit.runtime.distributed import (
+        DistributedContext,
+        init_distributed,
+        meet,
+        shutdown,
     )
-    from resumekit.preemption import (
+    from resumekit.runtime.preemption import (
         EXIT_CODE_PREEMPTED,
         PreemptionHandler,
         requeue_after_signal,
         requeue_slurm_job,
     )
-    from resumekit.retention import (
+    from resumekit.state.rng import (
+        capture_rng,
+        restore_rng,
+        select_rank_rng,
+    )
+    from resumekit.state.sampler import (
+        ResumableDistributedSampler,
+        SkipAheadSampler,
+        wrap_sampler,
+    )
+    from resumekit.state.train_state import (
+        StatefulGroup,
+    )
+    from resumekit.store.catalog import (
+        CheckpointEntry,
+        latest_committed,
+        list_checkpoints,
+        read_manifest,
+        verify_checkpoint,
+    )
+    from resumekit.store.commit import (
+        CommitProtocol,
+    )
+    from resumekit.store.layout import (
+        NameFormat,
+    )
+    from resumekit.store.manifest import (
+        Lineage,
+        Manifest,
+        SaveReason,
+    )
+    from resumekit.store.retention import (
         RetentionPolicy,
         keep_all,
         keep_best,
@@ -84,24 +96,15 @@ if TYPE_CHECKING:
         keep_steps,
         prune,
     )
-    from resumekit.rng import (
-        capture_rng,
-        restore_rng,
-        select_rank_rng,
+    from resumekit.store.storage import (
+        Storage,
     )
-    from resumekit.sampler import (
-        ResumableDistributedSampler,
-        SkipAheadSampler,
-        wrap_sampler,
-    )
-    from resumekit.sharded import (
+    from resumekit.tensors.sharded import (
         StorageReader,
     )
-    from resumekit.state import (
-        StatefulGroup,
-    )
-    from resumekit.storage import (
-        Storage,
+    from resumekit.tools.importers import (
+        ImportResult,
+        import_checkpoint,
     )
     from resumekit.warnings import (
         ResumekitWarning,
@@ -109,64 +112,64 @@ if TYPE_CHECKING:
 
 _EXPORTS: dict[str, str] = {
     "AsyncSaveError": "resumekit.errors",
-    "CheckpointEntry": "resumekit.catalog",
+    "CheckpointEntry": "resumekit.store.catalog",
     "CheckpointInfo": "resumekit.manager",
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
-    "CommitProtocol": "resumekit.commit",
+    "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
     "CoordinationError": "resumekit.errors",
     "CorruptCheckpointError": "resumekit.errors",
-    "DistributedContext": "resumekit.distributed",
+    "DistributedContext": "resumekit.runtime.distributed",
     "DistributedSetupError": "resumekit.errors",
-    "EXIT_CODE_PREEMPTED": "resumekit.preemption",
+    "EXIT_CODE_PREEMPTED": "resumekit.runtime.preemption",
     "FencedWriterError": "resumekit.errors",
     "ForeignCheckpointError": "resumekit.errors",
-    "ImportResult": "resumekit.importers",
+    "ImportResult": "resumekit.tools.importers",
     "IncompatibleCheckpointError": "resumekit.errors",
     "IncompatibleVersionError": "resumekit.errors",
     "IncompleteCheckpointError": "resumekit.errors",
-    "Lineage": "resumekit.manifest",
-    "Manifest": "resumekit.manifest",
+    "Lineage": "resumekit.store.manifest",
+    "Manifest": "resumekit.store.manifest",
     "ManifestError": "resumekit.errors",
-    "NameFormat": "resumekit.layout",
+    "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
-    "PreemptionHandler": "resumekit.preemption",
-    "ResumableDistributedSampler": "resumekit.sampler",
+    "PreemptionHandler": "resumekit.runtime.preemption",
+    "ResumableDistributedSampler": "resumekit.state.sampler",
     "ResumeStepError": "resumekit.errors",
     "ResumekitError": "resumekit.errors",
     "ResumekitWarning": "resumekit.warnings",
-    "RetentionPolicy": "resumekit.retention",
-    "SaveReason": "resumekit.manifest",
-    "SkipAheadSampler": "resumekit.sampler",
-    "StatefulGroup": "resumekit.state",
+    "RetentionPolicy": "resumekit.store.retention",
+    "SaveReason": "resumekit.store.manifest",
+    "SkipAheadSampler": "resumekit.state.sampler",
+    "StatefulGroup": "resumekit.state.train_state",
     "StepCollisionError": "resumekit.errors",
-    "Storage": "resumekit.storage",
+    "Storage": "resumekit.store.storage",
     "StorageError": "resumekit.errors",
-    "StorageReader": "resumekit.sharded",
+    "StorageReader": "resumekit.tensors.sharded",
     "UnreadableFormatError": "resumekit.errors",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
-    "capture_rng": "resumekit.rng",
-    "import_checkpoint": "resumekit.importers",
-    "init_distributed": "resumekit.distributed",
-    "keep_all": "resumekit.retention",
-    "keep_best": "resumekit.retention",
-    "keep_every": "resumekit.retention",
-    "keep_last": "resumekit.retention",
-    "keep_steps": "resumekit.retention",
-    "latest_committed": "resumekit.catalog",
-    "list_checkpoints": "resumekit.catalog",
-    "meet": "resumekit.distributed",
-    "prune": "resumekit.retention",
-    "read_manifest": "resumekit.catalog",
-    "requeue_after_signal": "resumekit.preemption",
-    "requeue_slurm_job": "resumekit.preemption",
-    "restore_rng": "resumekit.rng",
-    "select_rank_rng": "resumekit.rng",
-    "shutdown": "resumekit.distributed",
-    "verify_checkpoint": "resumekit.catalog",
-    "wrap_sampler": "resumekit.sampler",
+    "capture_rng": "resumekit.state.rng",
+    "import_checkpoint": "resumekit.tools.importers",
+    "init_distributed": "resumekit.runtime.distributed",
+    "keep_all": "resumekit.store.retention",
+    "keep_best": "resumekit.store.retention",
+    "keep_every": "resumekit.store.retention",
+    "keep_last": "resumekit.store.retention",
+    "keep_steps": "resumekit.store.retention",
+    "latest_committed": "resumekit.store.catalog",
+    "list_checkpoints": "resumekit.store.catalog",
+    "meet": "resumekit.runtime.distributed",
+    "prune": "resumekit.store.retention",
+    "read_manifest": "resumekit.store.catalog",
+    "requeue_after_signal": "resumekit.runtime.preemption",
+    "requeue_slurm_job": "resumekit.runtime.preemption",
+    "restore_rng": "resumekit.state.rng",
+    "select_rank_rng": "resumekit.state.rng",
+    "shutdown": "resumekit.runtime.distributed",
+    "verify_checkpoint": "resumekit.store.catalog",
+    "wrap_sampler": "resumekit.state.sampler",
 }
 
 __all__ = [

@@ -38,18 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import distributed, generations, jsonable, legacy, restore_plan, sharded, weights
-from resumekit.catalog import CheckpointEntry, list_checkpoints
-from resumekit.commit import CommitProtocol, PendingCheckpoint, set_aside
-from resumekit.compatibility import check_compatibility
-from resumekit.coordination import (
-    Coordinator,
-    ProcessGroupCoordinator,
-    SingleProcess,
-    activity,
-    run_on_every_rank,
-    run_on_leader,
-)
 from resumekit.errors import (
     AsyncSaveError,
     ConfigurationError,
@@ -60,8 +48,27 @@ from resumekit.errors import (
     StepCollisionError,
     StorageError,
 )
-from resumekit.generations import Fence
-from resumekit.layout import (
+from resumekit.restore import plan as restore_plan
+from resumekit.restore.compatibility import check_compatibility
+from resumekit.restore.plan import Survey
+from resumekit.restore.verification import refuse_links_share, verify_share
+from resumekit.runtime import distributed
+from resumekit.runtime.preemption import CommitClock, PreemptionHandler
+from resumekit.state import jsonable
+from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
+from resumekit.store import generations
+from resumekit.store.catalog import CheckpointEntry, list_checkpoints
+from resumekit.store.commit import CommitProtocol, PendingCheckpoint, set_aside
+from resumekit.store.coordination import (
+    Coordinator,
+    ProcessGroupCoordinator,
+    SingleProcess,
+    activity,
+    run_on_every_rank,
+    run_on_leader,
+)
+from resumekit.store.generations import Fence
+from resumekit.store.layout import (
     DCP_METADATA_FILE,
     DEFAULT_NAME_FORMAT,
     MANIFEST_NAME,
@@ -70,19 +77,17 @@ from resumekit.layout import (
     NameFormat,
     rank_state_file,
 )
-from resumekit.manifest import (
+from resumekit.store.manifest import (
     FileEntry,
     Lineage,
     Manifest,
     SaveReason,
     checksum_chunks,
 )
-from resumekit.preemption import CommitClock, PreemptionHandler
-from resumekit.restore_plan import Survey
-from resumekit.retention import RetentionPolicy, RollingSweep, keep_last, prune
-from resumekit.state import Stateful, TrainState, dump_plain, read_plain
-from resumekit.storage import Storage
-from resumekit.verification import refuse_links_share, verify_share
+from resumekit.store.retention import RetentionPolicy, RollingSweep, keep_last, prune
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
+from resumekit.tools import legacy, weights
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
@@ -187,7 +192,7 @@ class CheckpointManager:
         scheduler: LR scheduler (or any object with state_dict/load_state_dict).
         data: Data position: the ``DataLoader`` the loop iterates (over a resumable
             sampler; resumekit counts the batches it hands out and saves its generator per
-            rank, see :mod:`resumekit.loader`), torchdata's ``StatefulDataLoader``, a
+            rank, see :mod:`resumekit.state.loader`), torchdata's ``StatefulDataLoader``, a
             ``ResumableDistributedSampler`` or any stateful object.
         generators: Named ``torch.Generator`` objects to resume (noise, augmentation).
         extras: JSON-able user data saved in the manifest and restored, e.g. a wandb run
@@ -222,7 +227,7 @@ class CheckpointManager:
             tensor files are size-checked first and verified block by block as they are
             read. A mismatch found while loading leaves the model partly overwritten; with
             ``fallback`` the previous checkpoint is then loaded over it.
-        preemption: A :class:`~resumekit.preemption.PreemptionHandler`; when all ranks
+        preemption: A :class:`~resumekit.runtime.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
             already is.
@@ -401,7 +406,7 @@ class CheckpointManager:
         the top down until one validates): the cost does not grow with the checkpoints
         below it. On a local root nothing changed since the last save (its stat is the
         one stamped in the newest-step hint), it is one ``stat``, the hint and the newest
-        manifest, with no listing (:mod:`resumekit.commit`). It is the checkpoint
+        manifest, with no listing (:mod:`resumekit.store.commit`). It is the checkpoint
         :meth:`restore` would start from: a checkpoint a fenced writer committed
         (inside the race window of the commit) is passed over with a warning naming it,
         as restore passes it over.
@@ -426,7 +431,7 @@ class CheckpointManager:
         under a hidden ``.bad-`` name so that its step can be saved again. Ends with every
         rank meeting on the checkpoint group, so ranks that finished loading early wait
         there (long timeout), never in a training collective. The decisions are
-        :mod:`resumekit.restore_plan`'s; this method runs them in order.
+        :mod:`resumekit.restore.plan`'s; this method runs them in order.
 
         Raises:
             CheckpointNotFoundError: ``step`` was asked for and is not committed.
@@ -522,7 +527,7 @@ class CheckpointManager:
 
         Returns a one-line account, and whether its step is free again (deleted or set
         aside); raises what may not be fallen back from
-        (:func:`resumekit.restore_plan.judge_failure`).
+        (:func:`resumekit.restore.plan.judge_failure`).
         """
         gone = run_on_leader(self._main.coordinator, lambda: not self.storage.exists(
             f"{entry.name}/{MANIFEST_NAME}"))
@@ -565,7 +570,7 @@ class CheckpointManager:
 
     def _report_leftovers(self, entries: list[CheckpointEntry], *, above: int,
                           foreign: bool = True, stacklevel: int = 4) -> None:
-        """Say what :func:`resumekit.restore_plan.leftovers` lists; set aside what it says."""
+        """Say what :func:`resumekit.restore.plan.leftovers` lists; set aside what it says."""
         for leftover in restore_plan.leftovers(entries, self.storage, above=above,
                                                foreign=foreign):
             if leftover.action == "log":
@@ -582,7 +587,7 @@ class CheckpointManager:
     def _claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
         """Claim this run's writer generation; drop checkpoints fenced writers committed.
 
-        The claim fences every older writer of the root (see ``resumekit.commit``). A
+        The claim fences every older writer of the root (see ``resumekit.store.commit``). A
         root that does not exist yet is claimed by the first save; one that cannot be
         written (an eval job's) is restored from anyway, with a warning.
         """
@@ -609,7 +614,9 @@ class CheckpointManager:
         return [entry for entry in entries if entry.name not in zombies]
 
     def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
-        """Set ``entry`` aside on the leader (:func:`resumekit.commit.set_aside`), unless read-only.
+        """Set ``entry`` aside on the leader (:func:`~resumekit.store.commit.set_aside`).
+
+        Nothing is set aside when the manager is read-only.
 
         Returns:
             ``(hidden name, None)`` once set aside, else ``(None, why not)``.
@@ -735,7 +742,7 @@ class CheckpointManager:
             step: Optimizer steps completed (the step a resume would start from).
             micro_step: Position inside gradient accumulation, if not at a boundary.
             metrics: Numbers to record with a checkpoint this call saves (e.g.
-                ``{"val_loss": 0.31}``), what :func:`~resumekit.retention.keep_best` ranks
+                ``{"val_loss": 0.31}``), what :func:`~resumekit.store.retention.keep_best` ranks
                 by; ignored when it saves nothing.
 
         Returns:
@@ -815,7 +822,7 @@ class CheckpointManager:
             micro_step: Position inside gradient accumulation.
             blocking: Override ``async_save`` for this save.
             metrics: Finite numbers recorded in the manifest (``Manifest.metrics``), what
-                :func:`~resumekit.retention.keep_best` ranks by.
+                :func:`~resumekit.store.retention.keep_best` ranks by.
 
         Raises:
             StepCollisionError: ``step`` is not newer than the newest committed step.

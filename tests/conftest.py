@@ -45,7 +45,7 @@ def another_process(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped
     """``another_process(pid)``: what this process claims from now on looks like process
     ``pid`` of this host — outside SLURM a zombie writer is always another process, and
     managers of one process share its writer generation."""
-    from resumekit.manifest import Lineage
+    from resumekit.store.manifest import Lineage
 
     real = Lineage.current
 

@@ -13,7 +13,7 @@ import lightning as L
 import torch
 from torch import nn
 
-from resumekit.sampler import ResumableDistributedSampler
+from resumekit.state.sampler import ResumableDistributedSampler
 
 
 class Noisy(L.LightningModule):

@@ -1,7 +1,7 @@
 """A custom import-linter contract: a sub-package of an external package, by importer.
 
 import-linter sees an external package only as its top level (``torch``), so "only
-``resumekit.sharded`` and ``resumekit.raw_tensor_files`` import
+``resumekit.tensors.sharded`` and ``resumekit.tensors.raw_files`` import
 ``torch.distributed.checkpoint``" cannot be a stock contract. This one reads the import
 lines the graph records for every import of the top-level package and checks the dotted
 names they import. It is registered in pyproject.toml (``[tool.importlinter]
@@ -48,7 +48,8 @@ class ExternalSubpackageContract(Contract):
 
     Configuration options:
         - protected: e.g. ``torch.distributed.checkpoint``.
-        - allowed_importers: The modules of the root package that may import it.
+        - allowed_importers: The modules (or packages, with all below them) of the root
+          package that may import it.
         - ignore_imports: Declared exceptions, ``"importer -> dotted.module"``: that
           importer may import that part of ``protected`` (and what is below it). (Optional.)
     """
@@ -70,7 +71,7 @@ class ExternalSubpackageContract(Contract):
             excepted.setdefault(importer.strip(), []).append(module.strip())
         illegal: list[dict[str, Any]] = []
         for importer in sorted(graph.find_modules_that_directly_import(top)):
-            if importer in allowed:
+            if _within(importer, sorted(allowed)):
                 continue
             for detail in graph.get_import_details(importer=importer, imported=top):
                 reached = [name for name in imported_names(str(detail["line_contents"]))

@@ -33,11 +33,11 @@ from typing import Any
 
 import pytest
 
-from resumekit.catalog import read_manifest
-from resumekit.commit import CommitProtocol
-from resumekit.layout import NameFormat
-from resumekit.manifest import Manifest
-from resumekit.storage import Storage
+from resumekit.store.catalog import read_manifest
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import NameFormat
+from resumekit.store.manifest import Manifest
+from resumekit.store.storage import Storage
 
 BACKENDS = ("local", "file", "memory", "s3")
 #: Backends whose commit point is an atomic directory rename.

@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from resumekit import _tree
-from resumekit.catalog import CheckpointEntry
 from resumekit.errors import ConfigurationError
-from resumekit.layout import NameFormat
+from resumekit.store import tree as _tree
+from resumekit.store.catalog import CheckpointEntry
+from resumekit.store.layout import NameFormat
 
 __all__ = [
     "JSON_SCHEMA_PREFIX",

@@ -18,14 +18,6 @@ from typing import Any
 
 import torch
 
-from resumekit import sharded
-from resumekit.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    open_target,
-    select_committed,
-    tensors_url,
-)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     add_common_options,
@@ -37,8 +29,16 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.layout import RANK_STATE_DIR, TRAIN_STATE_FILE
-from resumekit.state import read_plain
+from resumekit.state.train_state import read_plain
+from resumekit.store.catalog import (
+    CheckpointEntry,
+    CheckpointTarget,
+    open_target,
+    select_committed,
+    tensors_url,
+)
+from resumekit.store.layout import RANK_STATE_DIR, TRAIN_STATE_FILE
+from resumekit.tensors import sharded
 
 __all__ = ["SCHEMA", "add_parser", "compare_tensors", "run"]
 

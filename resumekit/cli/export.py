@@ -16,7 +16,7 @@ from resumekit.cli._common import (
     running_progress,
     storage_options,
 )
-from resumekit.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint, export_torch
+from resumekit.tools.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint, export_torch
 
 __all__ = ["SCHEMA", "add_parser", "parse_size", "run"]
 

@@ -21,8 +21,8 @@ from resumekit.cli._common import (
     storage_options,
 )
 from resumekit.errors import ConfigurationError
-from resumekit.importers import IMPORT_FORMATS, import_checkpoint
-from resumekit.layout import DEFAULT_NAME_FORMAT
+from resumekit.store.layout import DEFAULT_NAME_FORMAT
+from resumekit.tools.importers import IMPORT_FORMATS, import_checkpoint
 from resumekit.warnings import ResumekitWarning
 
 __all__ = ["SCHEMA", "add_parser", "model_from_spec", "run"]

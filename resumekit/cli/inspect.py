@@ -21,17 +21,6 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from resumekit import generations
-from resumekit.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    ForeignCheckpoint,
-    detect_foreign,
-    import_command,
-    open_target,
-    refuse_links,
-    tensors_url,
-)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -53,9 +42,20 @@ from resumekit.errors import (
     ResumekitError,
     UnsafeCheckpointError,
 )
-from resumekit.layout import TRAIN_STATE_FILE, parse_rank_state_file
-from resumekit.manifest import Lineage, Manifest, describe
-from resumekit.storage import Storage, parse_json
+from resumekit.store import generations
+from resumekit.store.catalog import (
+    CheckpointEntry,
+    CheckpointTarget,
+    ForeignCheckpoint,
+    detect_foreign,
+    import_command,
+    open_target,
+    refuse_links,
+    tensors_url,
+)
+from resumekit.store.layout import TRAIN_STATE_FILE, parse_rank_state_file
+from resumekit.store.manifest import Lineage, Manifest, describe
+from resumekit.store.storage import Storage, parse_json
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
 
@@ -396,7 +396,7 @@ def _model_summary(manifest: Manifest) -> dict[str, Any]:
 
 
 def _state_json(storage: Storage, entry: CheckpointEntry) -> dict[str, Any]:
-    from resumekit.state import read_plain  # noqa: PLC0415 - torch.load, one checkpoint only
+    from resumekit.state.train_state import read_plain  # noqa: PLC0415 - torch.load, one checkpoint only
 
     manifest = entry.manifest
     assert manifest is not None
@@ -439,7 +439,7 @@ def _tensors_json(storage: Storage, entry: CheckpointEntry,
                   options: dict[str, Any]) -> list[dict[str, Any]]:
     if entry.status == "legacy":
         return _legacy_tensors(storage, entry)
-    from resumekit import sharded  # noqa: PLC0415 - DCP metadata, --tensors only
+    from resumekit.tensors import sharded  # noqa: PLC0415 - DCP metadata, --tensors only
 
     index = sharded.read_tensor_index(tensors_url(storage, entry),
                                       storage_options=options or None)
@@ -452,7 +452,7 @@ def _tensors_json(storage: Storage, entry: CheckpointEntry,
 
 def _legacy_tensors(storage: Storage, entry: CheckpointEntry) -> list[dict[str, Any]]:
     """Read only the JSON headers of a legacy directory's safetensors files."""
-    from resumekit import legacy  # noqa: PLC0415 - --tensors of a legacy directory only
+    from resumekit.tools import legacy  # noqa: PLC0415 - --tensors of a legacy directory only
 
     tensors = []
     for relative in legacy.find_weight_files(storage, entry.name):

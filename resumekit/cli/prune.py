@@ -1,6 +1,6 @@
 """``resumekit prune``: apply a retention policy to a checkpoint root.
 
-The same policies and guarantees as :func:`resumekit.retention.prune`: committed
+The same policies and guarantees as :func:`resumekit.store.retention.prune`: committed
 checkpoints are de-committed (manifest removed) before their data is deleted, so a crash
 never leaves a half-deleted "checkpoint"; the newest committed checkpoint is never
 deleted; staging directories are swept only when their writer is gone and they are older
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from resumekit.catalog import CheckpointTarget, open_target
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -26,7 +25,8 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.retention import PruneReport, keep_every, keep_last, prune
+from resumekit.store.catalog import CheckpointTarget, open_target
+from resumekit.store.retention import PruneReport, keep_every, keep_last, prune
 
 __all__ = ["SCHEMA", "add_parser", "run"]
 

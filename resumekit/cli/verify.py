@@ -5,13 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from resumekit.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    open_target,
-    select_committed,
-    verify_checkpoint,
-)
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     UsageError,
@@ -23,7 +16,14 @@ from resumekit.cli._common import (
     storage_options,
 )
 from resumekit.errors import CorruptCheckpointError, ResumekitError
-from resumekit.storage import Storage
+from resumekit.store.catalog import (
+    CheckpointEntry,
+    CheckpointTarget,
+    open_target,
+    select_committed,
+    verify_checkpoint,
+)
+from resumekit.store.storage import Storage
 
 __all__ = ["SCHEMA", "add_parser", "run"]
 

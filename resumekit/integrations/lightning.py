@@ -32,11 +32,11 @@ Lightning calls ``save_checkpoint`` on global rank 0 only (the state is gathered
 so this plugin commits from one process; it needs no process group.
 
 :class:`ResumekitCallback` adds what Lightning's own checkpoint lacks: every rank's RNG
-streams and the data position (a :class:`~resumekit.sampler.ResumableDistributedSampler`),
+streams and the data position (a :class:`~resumekit.state.sampler.ResumableDistributedSampler`),
 saved in the checkpoint and restored on resume; SIGTERM/SIGUSR1 turned into the agreed
-emergency save of :mod:`resumekit.preemption` (every rank stops at one step, the step is
+emergency save of :mod:`resumekit.runtime.preemption` (every rank stops at one step, the step is
 committed, the job is requeued where SLURM would not, every rank exits
-:data:`~resumekit.preemption.EXIT_CODE_PREEMPTED`); and ``fit(ckpt_path="last")``
+:data:`~resumekit.runtime.preemption.EXIT_CODE_PREEMPTED`); and ``fit(ckpt_path="last")``
 resolving to the newest committed checkpoint.
 """
 
@@ -54,9 +54,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resumekit import sharded
-from resumekit.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
-from resumekit.commit import CommitProtocol
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -64,20 +61,27 @@ from resumekit.errors import (
     StepCollisionError,
     UnsafeCheckpointError,
 )
-from resumekit.layout import (
+from resumekit.runtime.preemption import (
+    EXIT_CODE_PREEMPTED,
+    PreemptionHandler,
+    requeue_after_signal,
+)
+from resumekit.state.rng import capture_rng, restore_rng, select_rank_rng
+from resumekit.state.train_state import dump_plain
+from resumekit.store.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import (
     DEFAULT_NAME_FORMAT,
     LIGHTNING_CHECKPOINT_FILE,
     TENSORS_DIR,
     NameFormat,
 )
-from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
-from resumekit.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler, requeue_after_signal
-from resumekit.retention import RetentionPolicy, keep_last, prune
-from resumekit.rng import capture_rng, restore_rng, select_rank_rng
-from resumekit.state import dump_plain
-from resumekit.storage import Storage
+from resumekit.store.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
+from resumekit.store.retention import RetentionPolicy, keep_last, prune
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
+from resumekit.tools.weights import load_model_weights, resolve_weights_source
 from resumekit.warnings import ResumekitWarning, warn
-from resumekit.weights import load_model_weights, resolve_weights_source
 
 try:
     import lightning
@@ -488,13 +492,13 @@ class ResumekitCallback(Callback):
       warning), right before the first training step, so the draws continue as if the
       run had not stopped.
     * **Data position.** ``data`` returns the object that holds it (a
-      :class:`~resumekit.sampler.ResumableDistributedSampler` in the train
+      :class:`~resumekit.state.sampler.ResumableDistributedSampler` in the train
       ``DataLoader``); it must exist once the ``setup`` hooks ran (build it in
       ``LightningDataModule.setup`` / ``LightningModule.setup``). After each training
       batch the callback calls ``data.advance(batch size)``; its ``state_dict()`` is saved,
       and loaded back before Lightning draws the first batch of the resumed run.
     * **Preemption.** For the duration of training the callback's
-      :class:`~resumekit.preemption.PreemptionHandler` replaces Lightning's own SIGTERM
+      :class:`~resumekit.runtime.preemption.PreemptionHandler` replaces Lightning's own SIGTERM
       handler (which signals the other ranks from inside the handler and does not save).
       After each optimizer step the ranks vote; once they agreed, every rank takes part in
       ``trainer.save_checkpoint`` (a step directory with reason ``preemption``, unless the
@@ -514,7 +518,7 @@ class ResumekitCallback(Callback):
         preemption: The handler (default: a new ``PreemptionHandler()``: SIGTERM and
             SIGUSR1, votes ``"auto"``), or None to leave the signals alone.
         requeue: Requeue the SLURM job after an emergency save caused by SIGUSR1
-            (:func:`~resumekit.preemption.requeue_after_signal`).
+            (:func:`~resumekit.runtime.preemption.requeue_after_signal`).
         init_weights: A fine-tune's start: another run's root (written by this plugin or
             by ``CheckpointManager(model=<the LightningModule>)``) whose newest committed
             checkpoint's weights are loaded into the module when the run did not resume

@@ -43,11 +43,16 @@ from typing import Any
 
 import pytest
 
-from resumekit.catalog import latest_committed, list_checkpoints, read_manifest, verify_checkpoint
 from resumekit.errors import ResumekitError
-from resumekit.layout import GENERATIONS_DIR, NameFormat
-from resumekit.manifest import MANIFEST_NAME
-from resumekit.storage import Storage
+from resumekit.store.catalog import (
+    latest_committed,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
+from resumekit.store.layout import GENERATIONS_DIR, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME
+from resumekit.store.storage import Storage
 from tests.crash.writer import CATEGORIES, POLICY, expected_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,9 +1,9 @@
 """A checkpoint writer for the crash tests to SIGKILL at chosen or random instants.
 
 ``python -m tests.crash.writer`` starts a small fork server. It imports the store
-once (``resumekit.commit`` pulls in ``torch.distributed``, which takes seconds), then for
+once (``resumekit.store.commit`` pulls in ``torch.distributed``, which takes seconds), then for
 every line ``run <json plan>`` on its stdin forks a *worker* that saves a sequence of
-checkpoints under ``plan["root"]`` through :class:`~resumekit.commit.CommitProtocol`,
+checkpoints under ``plan["root"]`` through :class:`~resumekit.store.commit.CommitProtocol`,
 replaces some of them and prunes old ones, exactly as a trainer would. A worker is a
 real process that the test kills with SIGKILL, either
 
@@ -43,13 +43,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from resumekit.catalog import latest_committed
-from resumekit.commit import CommitProtocol, recover_interrupted
 from resumekit.errors import StorageError
-from resumekit.layout import NameFormat
-from resumekit.manifest import Manifest
-from resumekit.retention import RetentionPolicy, keep_every, keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import latest_committed
+from resumekit.store.commit import CommitProtocol, recover_interrupted
+from resumekit.store.layout import NameFormat
+from resumekit.store.manifest import Manifest
+from resumekit.store.retention import RetentionPolicy, keep_every, keep_last, prune
+from resumekit.store.storage import Storage
 
 #: What every worker keeps; the test predicts deletions from the same policy.
 POLICY: RetentionPolicy = keep_last(2) | keep_every(5)

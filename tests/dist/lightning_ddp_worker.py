@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from resumekit.integrations.lightning import ResumekitCallback, ResumekitCheckpointIO
-from resumekit.preemption import PreemptionHandler
+from resumekit.runtime.preemption import PreemptionHandler
 from tests.lightning_noisy import Noisy
 
 

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from examples.lingbot.drill import kill_tree
-from resumekit.catalog import read_manifest
-from resumekit.storage import Storage
+from resumekit.store.catalog import read_manifest
+from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from resumekit.catalog import list_checkpoints, verify_checkpoint
-from resumekit.commit import CommitProtocol
-from resumekit.coordination import ProcessGroupCoordinator
 from resumekit.errors import StepCollisionError
-from resumekit.layout import GENERATIONS_DIR
-from resumekit.manifest import Manifest
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.coordination import ProcessGroupCoordinator
+from resumekit.store.layout import GENERATIONS_DIR
+from resumekit.store.manifest import Manifest
+from resumekit.store.storage import Storage
 from tests.distributed_harness import run_ranks
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resumekit.coordination import FRAME_BYTES, ProcessGroupCoordinator
 from resumekit.errors import StepCollisionError
+from resumekit.store.coordination import FRAME_BYTES, ProcessGroupCoordinator
 from tests.distributed_harness import run_ranks
 
 

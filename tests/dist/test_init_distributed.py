@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resumekit.distributed import (
+from resumekit.errors import CoordinationError, DistributedSetupError
+from resumekit.runtime.distributed import (
     checkpoint_group,
     current_context,
     init_distributed,
@@ -23,7 +24,6 @@ from resumekit.distributed import (
     shutdown,
     slurm_default_port,
 )
-from resumekit.errors import CoordinationError, DistributedSetupError
 from tests.distributed_harness import _entry, free_port, run_ranks
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from benchmarks.timing import PeakRss
-from resumekit import legacy
-from resumekit.storage import Storage
+from resumekit.store.storage import Storage
+from resumekit.tools import legacy
 from tests.distributed_harness import run_ranks
 
 LAYERS, WIDTH = 12, 2048  # 12 x (2048 x 2048 + 2048) fp32: a 201 MB file

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from resumekit.catalog import list_checkpoints
-from resumekit.manifest import SaveReason
-from resumekit.preemption import EXIT_CODE_PREEMPTED
-from resumekit.storage import Storage
+from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.manifest import SaveReason
+from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
 
 WORKER = Path(__file__).with_name("lightning_ddp_worker.py")

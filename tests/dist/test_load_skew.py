@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from resumekit.distributed import before_meet, init_distributed, meet, shutdown
+from resumekit.runtime.distributed import before_meet, init_distributed, meet, shutdown
 from tests.distributed_harness import run_ranks
 
 TRAINING_TIMEOUT_S = 3.0

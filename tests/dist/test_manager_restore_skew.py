@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from resumekit.distributed import before_meet, init_distributed, shutdown
 from resumekit.manager import CheckpointManager
+from resumekit.runtime.distributed import before_meet, init_distributed, shutdown
 from tests.dist.test_load_skew import SLOW_LOAD_S, TRAINING_TIMEOUT_S, _publish, _wait_for
 from tests.distributed_harness import run_ranks
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from resumekit.distributed import init_distributed, shutdown
-from resumekit.preemption import PreemptionHandler, requeue_slurm_job
+from resumekit.runtime.distributed import init_distributed, shutdown
+from resumekit.runtime.preemption import PreemptionHandler, requeue_slurm_job
 from tests.distributed_harness import run_ranks
 
 HANDSHAKE_LIMIT_S = 120.0

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resumekit import save_planner, sharded
+from resumekit.tensors import save_planner, sharded
 from tests.dist.test_replayed_save_dist import _counting_dcp_saves, _files, _more, _said
 from tests.dist.test_save_planner_dist import _flat, _reload_matches, _state, counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step

@@ -1,4 +1,4 @@
-"""resumekit.replayed_save on 2 real FSDP2 ranks: a steady-state save written without DCP.
+"""resumekit.tensors.replayed_save on 2 real FSDP2 ranks: a steady-state save written without DCP.
 
 The replayed save must write exactly DCP's bytes (every file, ``.metadata`` included), fall
 back to DCP's path on every rank whenever any rank cannot replay, and fail on every rank
@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resumekit import sharded
 from resumekit.errors import StorageError
-from resumekit.layout import DCP_METADATA_FILE
-from resumekit.save_planner import forget_plans
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.tensors import sharded
+from resumekit.tensors.save_planner import forget_plans
 from tests.dist.test_save_planner_dist import _flat, _reload_matches, _state, counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -39,7 +39,7 @@ def _more(number: int) -> dict[str, Any]:
     return {"big": torch.randn(40_000, generator=generator), "label": f"save-{number:04d}"}
 
 
-def _said(name: str = "resumekit.replayed_save") -> list[str]:
+def _said(name: str = "resumekit.tensors.replayed_save") -> list[str]:
     """Every message logger ``name`` logs from now on in this rank, DEBUG included."""
     said: list[str] = []
 
@@ -117,7 +117,7 @@ def test_a_value_whose_pickled_length_changes_on_one_rank_makes_every_rank_plan_
 
 
 def _one_rank_cannot_write(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from resumekit import raw_tensor_files  # noqa: PLC0415 - patched in this rank's process
+    from resumekit.tensors import raw_files as raw_tensor_files  # noqa: PLC0415 - patched in this rank's process
 
     forget_plans()
     dcp_calls = _counting_dcp_saves()
@@ -167,7 +167,7 @@ def test_one_rank_failing_a_replayed_save_fails_it_on_every_rank_and_the_next_sa
 
 
 def _one_rank_cannot_keep_its_record(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from resumekit import replayed_save  # noqa: PLC0415 - patched in this rank's process
+    from resumekit.tensors import replayed_save  # noqa: PLC0415 - patched in this rank's process
 
     forget_plans()
     dcp_calls = _counting_dcp_saves()

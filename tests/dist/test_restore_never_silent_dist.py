@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from resumekit import retry
 from resumekit.manager import CheckpointManager
+from resumekit.store import retry
 from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from resumekit import CheckpointManager, sharded
+from resumekit import CheckpointManager
+from resumekit.tensors import sharded
 from tests.dist.test_save_planner_dist import counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks

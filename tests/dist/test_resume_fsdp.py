@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from resumekit.manager import CheckpointManager
-from resumekit.sampler import ResumableDistributedSampler
-from resumekit.testing import Probe, check_resume_equivalence, crash_after, stop_after
+from resumekit.state.sampler import ResumableDistributedSampler
+from resumekit.tools.testing import Probe, check_resume_equivalence, crash_after, stop_after
 from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 

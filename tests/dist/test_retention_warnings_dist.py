@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from resumekit.catalog import list_checkpoints
 from resumekit.errors import StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_last
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.retention import keep_last
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 

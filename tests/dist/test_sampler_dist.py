@@ -8,8 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from resumekit.rng import capture_rng, restore_rng, select_rank_rng
-from resumekit.sampler import ResumableDistributedSampler
+from resumekit.state.rng import capture_rng, restore_rng, select_rank_rng
+from resumekit.state.sampler import ResumableDistributedSampler
 from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from resumekit import sharded
-from resumekit.distributed import init_distributed
 from resumekit.errors import CoordinationError
 from resumekit.manager import CheckpointManager
+from resumekit.runtime.distributed import init_distributed
+from resumekit.tensors import sharded
 from tests.distributed_harness import run_ranks
 
 CHECKPOINT_TIMEOUT_S = 3

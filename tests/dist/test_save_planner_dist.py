@@ -1,4 +1,4 @@
-"""resumekit.save_planner on 2 real FSDP2 ranks: an unchanged structure is planned once."""
+"""resumekit.tensors.save_planner on 2 real FSDP2 ranks: an unchanged structure is planned once."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resumekit import sharded
-from resumekit.save_planner import forget_plans
+from resumekit.tensors import sharded
+from resumekit.tensors.save_planner import forget_plans
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
@@ -33,7 +33,7 @@ def counting_calls(module: Any, name: str) -> list[int]:
 
 
 def _counting_local_plans() -> list[int]:
-    from resumekit import save_planner  # noqa: PLC0415 - patched in this rank's process
+    from resumekit.tensors import save_planner  # noqa: PLC0415 - patched in this rank's process
 
     return counting_calls(save_planner, "create_default_local_save_plan")
 

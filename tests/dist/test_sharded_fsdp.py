@@ -1,4 +1,4 @@
-"""resumekit.sharded with real FSDP2 ranks (gloo, CPU): sharded save, resharded load."""
+"""resumekit.tensors.sharded with real FSDP2 ranks (gloo, CPU): sharded save, resharded load."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from resumekit import sharded
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.safe_pickle import load_dcp_metadata
+from resumekit.tensors import sharded
+from resumekit.tensors.safe_pickle import load_dcp_metadata
 from tests.distributed_harness import run_ranks
 
 VOCAB, WIDTH, HIDDEN = 11, 6, 10  # odd sizes: shards are uneven on 2 and 3 ranks

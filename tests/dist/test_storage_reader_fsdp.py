@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 import resumekit
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
+from resumekit.tensors import sharded
 from tests.dist.test_sharded_fsdp import assert_identical, build, flatten, full_state, train_step
 from tests.distributed_harness import run_ranks
 

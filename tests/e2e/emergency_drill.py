@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from resumekit.catalog import latest_committed
-from resumekit.layout import NameFormat
 from resumekit.manager import CheckpointManager
-from resumekit.preemption import PreemptionHandler
-from resumekit.storage import Storage
+from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.store.catalog import latest_committed
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
 
 SAVE_EVERY = 5
 MAX_STEPS_TO_SIGNAL = 12

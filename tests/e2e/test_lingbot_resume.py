@@ -29,8 +29,8 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
+from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 
 pytestmark = pytest.mark.timeout(600)

@@ -18,7 +18,7 @@ from examples.lingbot.train import (
     recipe_fingerprint,
     resolve_config,
 )
-from resumekit.sampler import ResumableDistributedSampler
+from resumekit.state.sampler import ResumableDistributedSampler
 
 
 def test_another_world_size_keeps_the_effective_batch_by_rederiving_accumulation() -> None:

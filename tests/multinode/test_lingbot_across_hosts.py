@@ -26,9 +26,9 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
-from resumekit.catalog import list_checkpoints
-from resumekit.layout import NameFormat
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
 from tests.multinode.cluster import NamespaceCluster
 from tests.multinode.drills import (
     CKPT_TIMEOUT_S,

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
 from resumekit.errors import CorruptCheckpointError
-from resumekit.manifest import hex_digest
-from resumekit.raw_tensor_files import (
+from resumekit.store.manifest import hex_digest
+from resumekit.tensors.raw_files import (
     MIN_BLOCK_BYTES,
     RawTensorReading,
     _Descriptor,

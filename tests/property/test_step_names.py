@@ -12,11 +12,11 @@ import tempfile
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from resumekit.catalog import list_checkpoints
 from resumekit.errors import ConfigurationError
-from resumekit.layout import HiddenName, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Manifest
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.layout import HiddenName, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, Manifest
+from resumekit.store.storage import Storage
 
 _LITERAL = st.text(
     alphabet="abcxyz_-.0123456789ABC", max_size=8

@@ -34,17 +34,17 @@ from hypothesis.stateful import (
     rule,
 )
 
-from resumekit.catalog import (
+from resumekit.errors import StepCollisionError
+from resumekit.store.catalog import (
     latest_committed,
     list_checkpoints,
     read_manifest,
     verify_checkpoint,
 )
-from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
-from resumekit.errors import StepCollisionError
-from resumekit.manifest import MANIFEST_NAME, Lineage, Manifest
-from resumekit.retention import RetentionPolicy, keep_every, keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
+from resumekit.store.manifest import MANIFEST_NAME, Lineage, Manifest
+from resumekit.store.retention import RetentionPolicy, keep_every, keep_last, prune
+from resumekit.store.storage import Storage
 
 BUDGET = settings(
     max_examples=60,

@@ -41,12 +41,12 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
-from resumekit.catalog import list_checkpoints
-from resumekit.layout import NameFormat
-from resumekit.manifest import SaveReason
-from resumekit.preemption import EXIT_CODE_PREEMPTED
-from resumekit.retention import keep_every, keep_last
-from resumekit.storage import Storage
+from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.layout import NameFormat
+from resumekit.store.manifest import SaveReason
+from resumekit.store.retention import keep_every, keep_last
+from resumekit.store.storage import Storage
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.job_processes import (
     find_worker,
@@ -390,7 +390,7 @@ def test_a_two_rank_lingbot_job_preempted_three_times_under_slurm_finishes_bit_i
 
 
 def _tensor_names(root: Path) -> list[str]:
-    from resumekit import sharded  # noqa: PLC0415 - only this check needs it
+    from resumekit.tensors import sharded  # noqa: PLC0415 - only this check needs it
 
     final = root / CHECKPOINT_DIR / CHECKPOINT_NAME_FORMAT.format(step=NUM_STEPS) / "tensors"
     return list(sharded.read_tensor_index(final))

@@ -22,15 +22,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import resumekit
-from resumekit import state as state_module
-from resumekit.catalog import read_manifest
 from resumekit.errors import ConfigurationError, IncompatibleCheckpointError, ResumeStepError
-from resumekit.export import export_checkpoint, export_torch
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import SaveReason
-from resumekit.sampler import ResumableDistributedSampler
-from resumekit.sharded import read_tensor_index
-from resumekit.storage import Storage
+from resumekit.state import train_state as state_module
+from resumekit.state.sampler import ResumableDistributedSampler
+from resumekit.store.catalog import read_manifest
+from resumekit.store.manifest import SaveReason
+from resumekit.store.storage import Storage
+from resumekit.tensors.sharded import read_tensor_index
+from resumekit.tools.export import export_checkpoint, export_torch
 from resumekit.warnings import ResumekitWarning
 
 

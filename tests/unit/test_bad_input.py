@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
-from resumekit.commit import CommitProtocol
 from resumekit.errors import StepCollisionError, StorageError
-from resumekit.layout import GENERATIONS_DIR
-from resumekit.manifest import MANIFEST_NAME, Manifest
-from resumekit.retention import keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import GENERATIONS_DIR
+from resumekit.store.manifest import MANIFEST_NAME, Manifest
+from resumekit.store.retention import keep_last, prune
+from resumekit.store.storage import Storage
 from tests.conftest import unavailable
 from tests.storage_backends import save_checkpoint
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit import raw_tensor_files, sharded
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.manager import CheckpointManager
-from resumekit.raw_tensor_files import FORMAT_NAME, MEMBER_DESCRIPTORS, _Descriptor
-from resumekit.retention import keep_all
+from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.retention import keep_all
+from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import sharded
+from resumekit.tensors.raw_files import FORMAT_NAME, MEMBER_DESCRIPTORS, _Descriptor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -287,7 +288,7 @@ def test_captures_and_fingerprints_run_with_the_collector_paused_on_the_main_thr
 ) -> None:
     import gc  # noqa: PLC0415 - this test only
 
-    from resumekit import state as state_module  # noqa: PLC0415 - this test only
+    from resumekit.state import train_state as state_module  # noqa: PLC0415 - this test only
 
     seen: list[bool] = []
     real = state_module._params_of

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resumekit.catalog import detect_foreign, list_checkpoints
-from resumekit.layout import NameFormat
-from resumekit.storage import Storage
+from resumekit.store.catalog import detect_foreign, list_checkpoints
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
 
 
 def _touch(path: Path, data: bytes = b"x") -> None:

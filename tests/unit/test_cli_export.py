@@ -1,4 +1,4 @@
-"""``resumekit export`` and ``resumekit.export.export_checkpoint``."""
+"""``resumekit export`` and ``resumekit.tools.export.export_checkpoint``."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from resumekit import legacy, sharded
 from resumekit.errors import ResumekitError, StorageError
-from resumekit.export import export_checkpoint
 from resumekit.manager import CheckpointManager
-from resumekit.storage import Storage
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
+from resumekit.tools import legacy
+from resumekit.tools.export import export_checkpoint
 from tests.unit.test_cli_support import (
     MODEL_CONFIG,
     assert_one_error_line,

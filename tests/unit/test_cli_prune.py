@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from resumekit.layout import GENERATIONS_DIR
+from resumekit.store.layout import GENERATIONS_DIR
 from tests.unit.test_cli_support import Trainer, run_cli, run_json, write_checkpoints
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from resumekit.cli import main
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import MANIFEST_NAME, checksum_chunks
-from resumekit.retention import keep_all
-from resumekit.sampler import ResumableDistributedSampler
+from resumekit.state.sampler import ResumableDistributedSampler
+from resumekit.store.manifest import MANIFEST_NAME, checksum_chunks
+from resumekit.store.retention import keep_all
 
 MODEL_CONFIG = {"num_layers": 2, "dim": 8}
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from resumekit.catalog import latest_committed, read_manifest, verify_checkpoint
-from resumekit.commit import WRITER_FILE, CommitProtocol, recover_interrupted
 from resumekit.errors import StepCollisionError, StorageError
-from resumekit.layout import GENERATIONS_DIR, NameFormat
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import MANIFEST_NAME, Manifest, SaveReason
-from resumekit.storage import Storage
+from resumekit.store.catalog import latest_committed, read_manifest, verify_checkpoint
+from resumekit.store.commit import WRITER_FILE, CommitProtocol, recover_interrupted
+from resumekit.store.layout import GENERATIONS_DIR, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, Manifest, SaveReason
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import save_checkpoint
 

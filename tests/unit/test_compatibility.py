@@ -7,9 +7,13 @@ from typing import Any
 
 import pytest
 
-from resumekit.compatibility import check_compatibility, config_differences, param_differences
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.manifest import Manifest, SaveReason
+from resumekit.restore.compatibility import (
+    check_compatibility,
+    config_differences,
+    param_differences,
+)
+from resumekit.store.manifest import Manifest, SaveReason
 from resumekit.warnings import ResumekitWarning
 
 PARAMS = {"0.weight": [4, 3], "0.bias": [4]}

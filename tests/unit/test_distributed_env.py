@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from resumekit.distributed import (
+from resumekit.errors import DistributedSetupError, ResumekitError
+from resumekit.runtime.distributed import (
     DEFAULT_SLURM_PORT_BASE,
     LaunchEnvironment,
     before_meet,
@@ -22,7 +23,6 @@ from resumekit.distributed import (
     shutdown,
     slurm_default_port,
 )
-from resumekit.errors import DistributedSetupError, ResumekitError
 
 TORCHRUN = {
     "RANK": "5",

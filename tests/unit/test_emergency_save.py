@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import Manifest, parse_manifest
-from resumekit.preemption import PreemptionHandler
+from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.store.manifest import Manifest, parse_manifest
+from resumekit.tensors import sharded
 
 GATE_LIMIT_S = 60.0
 

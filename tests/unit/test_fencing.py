@@ -25,18 +25,18 @@ from hypothesis import strategies as st
 from torch import nn
 
 import resumekit
-from resumekit import generations
-from resumekit.catalog import latest_committed, list_checkpoints, read_manifest
-from resumekit.commit import CommitProtocol
 from resumekit.errors import FencedWriterError, StepCollisionError
-from resumekit.layout import (
+from resumekit.manager import CheckpointManager
+from resumekit.store import generations
+from resumekit.store.catalog import latest_committed, list_checkpoints, read_manifest
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import (
     GENERATIONS_DIR,
     generation_record_name,
     parse_generation_record_name,
 )
-from resumekit.manager import CheckpointManager
-from resumekit.manifest import Lineage, Manifest, WriterGeneration, parse_manifest
-from resumekit.storage import Storage
+from resumekit.store.manifest import Lineage, Manifest, WriterGeneration, parse_manifest
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
 REPO = Path(__file__).resolve().parents[2]

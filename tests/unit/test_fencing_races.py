@@ -4,7 +4,7 @@ Issue 29, findings 3 and 4b. A zombie (an old SLURM restart still alive) that cl
 root while the requeued restart claims it too must never end up the one that commits; an
 ``EIO`` reading a writer's own generation record says nothing about a newer claim.
 Interleavings are made deterministic by running the other claimer from inside a wrapped
-:class:`~resumekit.storage.Storage` method, at the instant under test.
+:class:`~resumekit.store.storage.Storage` method, at the instant under test.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import tenacity
 import torch
 from torch import nn
 
-from resumekit import generations, retry
-from resumekit.catalog import latest_committed, list_checkpoints
 from resumekit.errors import FencedWriterError, StorageError
-from resumekit.layout import GENERATIONS_DIR, generation_record_name
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import Lineage
-from resumekit.storage import Storage
+from resumekit.store import generations, retry
+from resumekit.store.catalog import latest_committed, list_checkpoints
+from resumekit.store.layout import GENERATIONS_DIR, generation_record_name
+from resumekit.store.manifest import Lineage
+from resumekit.store.storage import Storage
 
 JOB = "4242"
 
@@ -241,9 +241,9 @@ def test_a_transient_error_reading_the_successor_record_does_not_hide_the_newer_
 
 _KILLED_BEFORE_THE_LINK = """
 import os, signal, sys
-from resumekit import generations
-from resumekit.manifest import Lineage
-from resumekit.storage import Storage
+from resumekit.store import generations
+from resumekit.store.manifest import Lineage
+from resumekit.store.storage import Storage
 os.link = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
 generations.claim(Storage(sys.argv[1]), newest_step=None,
                   identity=Lineage(hostname="h", pid=2))

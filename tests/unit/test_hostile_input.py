@@ -1,7 +1,7 @@
 """Hostile manifests and foreign files never crash, hang or escape.
 
 Every file resumekit parses is read through one bounded reader
-(:meth:`resumekit.storage.Storage.read_small` / ``read_json``): regular files only, a size
+(:meth:`resumekit.store.storage.Storage.read_small` / ``read_json``): regular files only, a size
 cap, a nesting cap; every path read from a file stays inside its directory; every step
 read from a file is a real step number. Each failure is a ``ResumekitError`` naming the
 file, and ``inspect`` lists the entry as corrupt, never as committed.

@@ -24,11 +24,11 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import resumekit
-from resumekit.catalog import read_manifest
 from resumekit.errors import ConfigurationError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import SaveReason
-from resumekit.storage import Storage
+from resumekit.store.catalog import read_manifest
+from resumekit.store.manifest import SaveReason
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import assert_one_error_line, run_cli, run_json
 

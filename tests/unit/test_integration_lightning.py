@@ -14,13 +14,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 
-from resumekit.catalog import list_checkpoints, verify_checkpoint
 from resumekit.errors import StepCollisionError
-from resumekit.importers import import_checkpoint
 from resumekit.integrations.lightning import ResumekitCheckpointIO
-from resumekit.manifest import SaveReason
-from resumekit.retention import keep_best, keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
+from resumekit.store.manifest import SaveReason
+from resumekit.store.retention import keep_best, keep_last, prune
+from resumekit.store.storage import Storage
+from resumekit.tools.importers import import_checkpoint
 from resumekit.warnings import ResumekitWarning
 
 

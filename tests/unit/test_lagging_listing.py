@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit.layout import NameFormat
 from resumekit.manager import CheckpointManager
-from resumekit.storage import Storage
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import S3Endpoint
 

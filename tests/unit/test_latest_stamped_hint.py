@@ -27,20 +27,20 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from resumekit import commit, generations
-from resumekit.catalog import (
+from resumekit.manager import CheckpointManager
+from resumekit.store import commit, generations
+from resumekit.store.catalog import (
     CheckpointEntry,
     classify_step,
     list_root,
     newest_committed,
     step_directories,
 )
-from resumekit.commit import CommitProtocol, recover_interrupted, set_aside
-from resumekit.layout import GENERATIONS_DIR, MANIFEST_NAME, NEWEST_HINT_FILE, NameFormat
-from resumekit.manager import CheckpointManager
-from resumekit.manifest import Lineage, Manifest
-from resumekit.retention import keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.commit import CommitProtocol, recover_interrupted, set_aside
+from resumekit.store.layout import GENERATIONS_DIR, MANIFEST_NAME, NEWEST_HINT_FILE, NameFormat
+from resumekit.store.manifest import Lineage, Manifest
+from resumekit.store.retention import keep_last, prune
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 
 NAMES = NameFormat()

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from resumekit import layout
-from resumekit.catalog import latest_committed, list_checkpoints
 from resumekit.errors import ConfigurationError
-from resumekit.layout import (
+from resumekit.store import layout
+from resumekit.store.catalog import latest_committed, list_checkpoints
+from resumekit.store.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
     HiddenName,
     NameFormat,
 )
-from resumekit.storage import Storage
+from resumekit.store.storage import Storage
 from tests.storage_backends import save_checkpoint
 from tests.unit.test_cli_support import write_checkpoints
 

@@ -179,10 +179,10 @@ def test_a_legacy_directory_of_another_model_shape_is_refused_naming_the_tensor(
 def test_saving_over_a_legacy_directory_of_the_same_name_is_a_collision_naming_it(
     tmp_path: Path,
 ) -> None:
-    from resumekit.commit import CommitProtocol
     from resumekit.errors import StepCollisionError
-    from resumekit.layout import NameFormat
-    from resumekit.storage import Storage
+    from resumekit.store.commit import CommitProtocol
+    from resumekit.store.layout import NameFormat
+    from resumekit.store.storage import Storage
 
     legacy = tmp_path / "checkpoint_step_200" / "transformer"
     legacy.mkdir(parents=True)

@@ -15,12 +15,12 @@ from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-from resumekit.catalog import list_checkpoints
 from resumekit.errors import CheckpointNotFoundError, ConfigurationError
 from resumekit.integrations.lightning import LAST_MARKER, ResumekitCallback, ResumekitCheckpointIO
-from resumekit.manifest import SaveReason
-from resumekit.preemption import EXIT_CODE_PREEMPTED
-from resumekit.storage import Storage
+from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.manifest import SaveReason
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.lightning_noisy import Noisy
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit.catalog import list_checkpoints, verify_checkpoint
 from resumekit.errors import StorageError, UnsafeCheckpointError
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
+from resumekit.store.retention import keep_last, prune
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import run_cli, run_json
 

@@ -9,14 +9,14 @@ import torch
 from torch import nn
 
 import resumekit
-from resumekit.catalog import list_checkpoints
 from resumekit.errors import (
     AsyncSaveError,
     IncompatibleCheckpointError,
     StepCollisionError,
 )
 from resumekit.manager import CheckpointManager
-from resumekit.retention import keep_last
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.retention import keep_last
 from resumekit.warnings import ResumekitWarning
 
 
@@ -116,7 +116,7 @@ def test_an_async_save_holds_the_state_at_the_moment_of_the_call(tmp_path: Path)
 def test_a_background_write_failure_surfaces_on_the_next_call(tmp_path: Path, monkeypatch) -> None:
     model, opt, sched, gen = _build()
     ckpt = _manager(tmp_path, model, opt, sched, gen, async_save=True)
-    from resumekit import sharded
+    from resumekit.tensors import sharded
 
     def broken_save(*args, **kwargs):
         raise OSError("disk on fire")
@@ -214,7 +214,7 @@ def test_a_preemption_signal_makes_step_end_save_and_say_stop(tmp_path: Path) ->
     import os
     import signal
 
-    from resumekit.preemption import PreemptionHandler
+    from resumekit.runtime.preemption import PreemptionHandler
 
     previous = signal.getsignal(signal.SIGUSR1)
     model, opt, sched, gen = _build()

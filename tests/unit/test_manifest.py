@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from resumekit.errors import ManifestError, UnsafeCheckpointError, UnsupportedSchemaError
-from resumekit.manifest import (
+from resumekit.store.manifest import (
     CHECKSUM_ALGORITHM,
     SCHEMA_VERSION,
     FileEntry,

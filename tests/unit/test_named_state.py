@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resumekit import sharded
+from resumekit.tensors import sharded
 
 
 class Untied(nn.Module):

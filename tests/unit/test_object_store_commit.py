@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit import sharded
-from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
-from resumekit.commit import CommitProtocol
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import FileEntry, Manifest, checksum_chunks
-from resumekit.storage import Storage
+from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import S3Endpoint
 
@@ -243,7 +243,7 @@ def test_a_file_the_metadata_references_that_no_rank_reported_fails_the_commit(
 def test_a_dcp_writer_that_loses_an_item_without_an_error_writes_no_metadata(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from resumekit.raw_tensor_files import CheckedDcpWriter  # noqa: PLC0415
+    from resumekit.tensors.raw_files import CheckedDcpWriter  # noqa: PLC0415
 
     url = f"memory://objstore-{uuid.uuid4().hex[:10]}"
     original = CheckedDcpWriter.write_data
@@ -404,7 +404,7 @@ def _answer_409_to_conditional_puts(storage: Storage, monkeypatch: pytest.Monkey
         return await original(**kwargs)
 
     monkeypatch.setattr(client, "put_object", put_object)
-    monkeypatch.setattr("resumekit.retry.BACKOFF", __import__("tenacity").wait_none())
+    monkeypatch.setattr("resumekit.store.retry.BACKOFF", __import__("tenacity").wait_none())
     return conflicts
 
 

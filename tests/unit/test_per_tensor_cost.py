@@ -12,11 +12,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from resumekit import manifest as manifest_module
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import Manifest, parse_manifest
-from resumekit.state import TrainState
+from resumekit.state.train_state import TrainState
+from resumekit.store import manifest as manifest_module
+from resumekit.store.manifest import Manifest, parse_manifest
+from resumekit.tensors import sharded
 
 
 class _Net(nn.Module):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from resumekit import state
+from resumekit.state import train_state as state
 
 
 class Opaque:

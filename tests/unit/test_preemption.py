@@ -16,7 +16,7 @@ from types import FrameType
 import pytest
 
 from resumekit.errors import ConfigurationError, PreemptionError
-from resumekit.preemption import (
+from resumekit.runtime.preemption import (
     EXIT_CODE_PREEMPTED,
     CommitClock,
     EmergencySaveSkippedWarning,

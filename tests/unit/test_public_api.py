@@ -48,7 +48,8 @@ def test_every_public_name_is_what_its_own_module_defines(name: str) -> None:
 
 
 def test_importing_the_package_and_the_store_loads_no_torch() -> None:
-    code = ("import sys, resumekit, resumekit.catalog, resumekit.commit, resumekit.retention; "
+    code = ("import sys, resumekit, resumekit.store.catalog, resumekit.store.commit, "
+            "resumekit.store.retention; "
             "resumekit.keep_last, resumekit.CheckpointEntry, resumekit.ResumekitError; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -58,19 +59,19 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
 
 
 @pytest.mark.parametrize(("old", "home", "name"), [
-    ("resumekit.state", "resumekit.layout", "TENSORS_DIR"),
-    ("resumekit.state", "resumekit.layout", "TRAIN_STATE_FILE"),
-    ("resumekit.state", "resumekit.layout", "RANK_STATE_DIR"),
-    ("resumekit.state", "resumekit.layout", "rank_state_file"),
-    ("resumekit.commit", "resumekit.layout", "WRITER_FILE"),
-    ("resumekit.manifest", "resumekit.layout", "MANIFEST_NAME"),
-    ("resumekit.sharded", "resumekit.layout", "METADATA_FILE"),
-    ("resumekit.export", "resumekit.catalog", "CheckpointTarget"),
-    ("resumekit.export", "resumekit.catalog", "open_target"),
-    ("resumekit.export", "resumekit.catalog", "select_committed"),
-    ("resumekit.export", "resumekit.catalog", "tensors_url"),
-    ("resumekit.export", "resumekit.catalog", "DEFAULT_NAME_FORMATS"),
-    ("resumekit.export", "resumekit.sharded", "read_full_state"),
+    ("resumekit.state.train_state", "resumekit.store.layout", "TENSORS_DIR"),
+    ("resumekit.state.train_state", "resumekit.store.layout", "TRAIN_STATE_FILE"),
+    ("resumekit.state.train_state", "resumekit.store.layout", "RANK_STATE_DIR"),
+    ("resumekit.state.train_state", "resumekit.store.layout", "rank_state_file"),
+    ("resumekit.store.commit", "resumekit.store.layout", "WRITER_FILE"),
+    ("resumekit.store.manifest", "resumekit.store.layout", "MANIFEST_NAME"),
+    ("resumekit.tensors.sharded", "resumekit.store.layout", "METADATA_FILE"),
+    ("resumekit.tools.export", "resumekit.store.catalog", "CheckpointTarget"),
+    ("resumekit.tools.export", "resumekit.store.catalog", "open_target"),
+    ("resumekit.tools.export", "resumekit.store.catalog", "select_committed"),
+    ("resumekit.tools.export", "resumekit.store.catalog", "tensors_url"),
+    ("resumekit.tools.export", "resumekit.store.catalog", "DEFAULT_NAME_FORMATS"),
+    ("resumekit.tools.export", "resumekit.tensors.sharded", "read_full_state"),
 ])
 def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(
     old: str, home: str, name: str,

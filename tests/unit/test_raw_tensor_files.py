@@ -1,4 +1,4 @@
-"""resumekit.raw_tensor_files in one process: raw bytes on disk, checksums, verified reads."""
+"""resumekit.tensors.raw_files in one process: raw bytes on disk, checksums, verified reads."""
 
 from __future__ import annotations
 
@@ -18,19 +18,17 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from resumekit import (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    raw_tensor_files,
-    sharded,
-)
-from resumekit.catalog import latest_committed, verify_checkpoint
-from resumekit.commit import CommitProtocol
+from resumekit import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
-from resumekit.layout import GENERATIONS_DIR
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import FileEntry, Manifest, checksum_chunks
-from resumekit.raw_tensor_files import (
+from resumekit.store.catalog import latest_committed, verify_checkpoint
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import GENERATIONS_DIR
+from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.storage import Storage
+from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import sharded
+from resumekit.tensors.raw_files import (
     ALIGNMENT,
     CHUNK_BYTES,
     FORMAT_NAME,
@@ -40,7 +38,6 @@ from resumekit.raw_tensor_files import (
     RawTensorWriter,
     aligned_empty,
 )
-from resumekit.storage import Storage
 from tests.conftest import unavailable
 
 
@@ -773,7 +770,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         unavailable("this platform has no O_DIRECT")
-    import resumekit.raw_tensor_files as module
+    import resumekit.tensors.raw_files as module
 
     real_write = os.write
     refused: list[int] = []
@@ -802,7 +799,7 @@ def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_wi
 
 
 def test_a_rank_reads_with_at_most_one_thread_per_usable_cpu_and_at_most_four() -> None:
-    import resumekit.raw_tensor_files as module
+    import resumekit.tensors.raw_files as module
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert max(1, min(4, cpus or 1)) == module.READ_THREADS
@@ -823,7 +820,7 @@ def _chain(error: BaseException | None) -> list[BaseException]:
 def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_space(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int,
 ) -> None:
-    import resumekit.raw_tensor_files as module
+    import resumekit.tensors.raw_files as module
 
     model, optimizer = _build()
     manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)

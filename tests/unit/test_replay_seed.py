@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from resumekit import replayed_save, save_planner
-from resumekit.raw_tensor_files import MEMBER_DESCRIPTORS
+from resumekit.tensors import replayed_save, save_planner
+from resumekit.tensors.raw_files import MEMBER_DESCRIPTORS
 
 PROPERTIES = TensorProperties.create_from_tensor(torch.zeros(2))
 DESCRIPTOR = "resumekit-raw/3;4096;__0_checksums"  # any non-empty descriptor list
@@ -80,7 +80,7 @@ def test_each_rank_gets_its_own_files_items_in_order_and_the_coordinator_the_met
 def test_a_checkpoint_the_group_cannot_replay_is_counted_but_keeps_no_record(
         metadata: Metadata, reason: str, caplog: pytest.LogCaptureFixture) -> None:
     slot = f"seed-test:refused:{reason}"
-    with caplog.at_level(logging.DEBUG, logger="resumekit.replayed_save"):
+    with caplog.at_level(logging.DEBUG, logger="resumekit.tensors.replayed_save"):
         assert _seeded(metadata, 0, slot) is None
     assert save_planner.completed_saves(slot) == 1  # the ranks still vote in step
     assert reason in caplog.text and "planned in full" in caplog.text

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
+from resumekit.tensors import sharded
 
 
 class CountingAdamW(torch.optim.AdamW):

@@ -25,8 +25,6 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import resumekit
-from resumekit import retry, sharded
-from resumekit.catalog import list_checkpoints
 from resumekit.errors import (
     CheckpointNotFoundError,
     ForeignCheckpointError,
@@ -36,7 +34,10 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.manager import CheckpointManager
-from resumekit.storage import Storage
+from resumekit.store import retry
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 
 STEP_100, STEP_200 = "step_000000100", "step_000000200"

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from resumekit import restore_plan
-from resumekit.catalog import CheckpointEntry, Defect, Status
-from resumekit.commit import set_aside
 from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -22,9 +19,12 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import NameFormat
-from resumekit.manifest import Manifest
-from resumekit.storage import Storage
+from resumekit.restore import plan as restore_plan
+from resumekit.store.catalog import CheckpointEntry, Defect, Status
+from resumekit.store.commit import set_aside
+from resumekit.store.layout import NameFormat
+from resumekit.store.manifest import Manifest
+from resumekit.store.storage import Storage
 
 FORMAT = NameFormat("step_{step:09d}")
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from resumekit.catalog import list_checkpoints, verify_checkpoint
-from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
-from resumekit.layout import GENERATIONS_DIR, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from resumekit.retention import keep_all, keep_best, keep_every, keep_last, keep_steps, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
+from resumekit.store.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
+from resumekit.store.layout import GENERATIONS_DIR, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from resumekit.store.retention import keep_all, keep_best, keep_every, keep_last, keep_steps, prune
+from resumekit.store.storage import Storage
 from tests.storage_backends import save_checkpoint
 
 STEPS = [500, 1000, 1500, 2000, 2500, 3000]
@@ -309,8 +309,8 @@ def test_a_plain_managers_saves_record_metrics_and_keep_best_prunes_by_them(tmp_
     from torch import nn
 
     from resumekit import CheckpointManager, ConfigurationError, keep_best, keep_last
-    from resumekit.catalog import list_checkpoints
-    from resumekit.storage import Storage
+    from resumekit.store.catalog import list_checkpoints
+    from resumekit.store.storage import Storage
 
     model = nn.Linear(2, 2)
     manager = CheckpointManager(tmp_path, model=model,

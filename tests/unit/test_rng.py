@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-import resumekit.rng as rng_module
+import resumekit.state.rng as rng_module
 from resumekit.errors import IncompatibleCheckpointError, ResumekitError
-from resumekit.rng import capture_rng, restore_rng, select_rank_rng
+from resumekit.state.rng import capture_rng, restore_rng, select_rank_rng
 from resumekit.warnings import ResumekitWarning
 
 

@@ -18,7 +18,8 @@ import warnings
 import pytest
 
 from benchmarks.root_cost import checkpoint_steps, count_storage_calls, measure, populate
-from resumekit.catalog import (
+from resumekit.errors import StepCollisionError
+from resumekit.store.catalog import (
     _sorts_by_name,
     latest_committed,
     newest_committed,
@@ -28,12 +29,11 @@ from resumekit.catalog import (
     select_committed,
     write_newest_hint,
 )
-from resumekit.commit import CommitProtocol
-from resumekit.errors import StepCollisionError
-from resumekit.layout import ATTEMPT_PREFIX, NEWEST_HINT_FILE, NameFormat
-from resumekit.manifest import MANIFEST_NAME
-from resumekit.retention import RollingSweep, keep_all, keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import ATTEMPT_PREFIX, NEWEST_HINT_FILE, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME
+from resumekit.store.retention import RollingSweep, keep_all, keep_last, prune
+from resumekit.store.storage import Storage
 from tests.storage_backends import StorageFactory, save_checkpoint
 
 #: More operations than this between 10 and 300 checkpoints is growth, not noise.

@@ -18,7 +18,7 @@ import fsspec.asyn
 
 from benchmarks.root_cost import populate
 from resumekit.manager import CheckpointManager
-from resumekit.storage import Storage
+from resumekit.store.storage import Storage
 from tests.storage_backends import S3Endpoint, save_checkpoint
 
 

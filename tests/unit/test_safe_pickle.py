@@ -1,4 +1,4 @@
-"""resumekit.safe_pickle: DCP metadata is read without letting the file run code."""
+"""resumekit.tensors.safe_pickle: DCP metadata is read without letting the file run code."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from resumekit.errors import CorruptCheckpointError, UnsafeCheckpointError
-from resumekit.safe_pickle import DCP_METADATA_GLOBALS, load_dcp_metadata, restricted_loads
+from resumekit.tensors.safe_pickle import DCP_METADATA_GLOBALS, load_dcp_metadata, restricted_loads
 
 
 class WritesMarker:

@@ -17,7 +17,7 @@ from resumekit.errors import (
     DistributedSetupError,
     IncompatibleCheckpointError,
 )
-from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler, wrap_sampler
+from resumekit.state.sampler import ResumableDistributedSampler, SkipAheadSampler, wrap_sampler
 
 
 def _reload(state: dict[str, Any]) -> dict[str, Any]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TypeVar
 
-from resumekit.commit import CommitProtocol
-from resumekit.coordination import SingleProcess
-from resumekit.manifest import FileEntry, Manifest, checksum_chunks
-from resumekit.storage import Storage
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.coordination import SingleProcess
+from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.storage import Storage
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""resumekit.save_planner.structure_key: every input of DCP's local save plan is in the key."""
+"""resumekit.tensors.save_planner.structure_key: every input of the local save plan is keyed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from resumekit.save_planner import structure_key
+from resumekit.tensors.save_planner import structure_key
 
 
 def _key(state: dict[str, Any], mappings: dict[str, Any] | None = None,
@@ -55,7 +55,7 @@ def test_a_process_saving_to_many_roots_remembers_the_plans_of_the_newest_few(
         tmp_path: Any) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from resumekit import save_planner, sharded
+    from resumekit.tensors import save_planner, sharded
 
     save_planner.forget_plans()
     state = {"w": torch.arange(4.0), "step": 3}  # a non-tensor value: DCP's own path
@@ -83,7 +83,7 @@ def _nested_state() -> dict[str, Any]:
 def test_a_planners_flattened_state_is_exactly_dcps_default_save_planners() -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: PLC0415
 
-    from resumekit.save_planner import StructureCachingSavePlanner  # noqa: PLC0415
+    from resumekit.tensors.save_planner import StructureCachingSavePlanner  # noqa: PLC0415
 
     ours, dcps = StructureCachingSavePlanner(), DefaultSavePlanner()
     for planner in (ours, dcps):
@@ -98,7 +98,7 @@ def test_a_planners_flattened_state_is_exactly_dcps_default_save_planners() -> N
 
 def test_a_planner_splits_sharded_tensors_as_dcp_does_when_the_state_holds_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit import save_planner  # noqa: PLC0415
+    from resumekit.tensors import save_planner  # noqa: PLC0415
 
     class Sharded:
         """Stands for a ShardedTensor (one needs a process group to exist)."""

@@ -1,4 +1,4 @@
-"""resumekit.sharded in one process: round trips, strict loading, staging, index, export."""
+"""resumekit.tensors.sharded in one process: round trips, strict loading, staging, index, export."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import sharded
 from resumekit.errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
@@ -23,6 +22,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
+from resumekit.tensors import sharded
 
 
 class WritesMarker:
@@ -409,7 +409,7 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
 ) -> None:
     import torch.serialization
 
-    from resumekit import sharded as module
+    from resumekit.tensors import sharded as module
 
     seen: list[bool] = []
     real_save = module.dcp_save

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from resumekit import sharded
 from resumekit.manager import CheckpointManager
+from resumekit.tensors import sharded
 
 
 @pytest.fixture(autouse=True)

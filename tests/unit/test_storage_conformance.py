@@ -12,13 +12,6 @@ import json
 
 import pytest
 
-from resumekit.catalog import (
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-)
-from resumekit.commit import CommitProtocol
 from resumekit.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
@@ -29,10 +22,17 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import GENERATIONS_DIR, LEGACY_NAME_FORMAT, NameFormat
-from resumekit.manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
-from resumekit.retention import keep_last, keep_steps, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import (
+    latest_committed,
+    list_checkpoints,
+    read_manifest,
+    verify_checkpoint,
+)
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import GENERATIONS_DIR, LEGACY_NAME_FORMAT, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from resumekit.store.retention import keep_last, keep_steps, prune
+from resumekit.store.storage import Storage
 from tests.storage_backends import (
     POSIX_BACKENDS,
     StorageFactory,

@@ -28,18 +28,19 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import resumekit
-from resumekit import raw_tensor_files, sharded
-from resumekit.catalog import read_manifest
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
     ResumekitError,
 )
-from resumekit.layout import MANIFEST_NAME
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import checksum_chunks
-from resumekit.storage import Storage
+from resumekit.store.catalog import read_manifest
+from resumekit.store.layout import MANIFEST_NAME
+from resumekit.store.manifest import checksum_chunks
+from resumekit.store.storage import Storage
+from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import sharded
 
 STEP = "step_000000003"
 

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 from torch import nn
 
-from resumekit.catalog import latest_committed, list_checkpoints, verify_checkpoint
-from resumekit.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.errors import StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import Manifest
-from resumekit.retention import keep_last, prune
-from resumekit.storage import Storage
+from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
+from resumekit.store.manifest import Manifest
+from resumekit.store.retention import keep_last, prune
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import save_checkpoint
 from tests.unit.test_bad_input import small_disk  # noqa: F401 - a fixture
@@ -171,7 +171,7 @@ def test_a_failing_listing_during_retention_is_a_warning_too(
         raise StorageError("cannot list the root: [Errno 5] Input/output error",
                            path=str(tmp_path), operation="list")
 
-    monkeypatch.setattr("resumekit.retention.recover_interrupted", broken)
+    monkeypatch.setattr("resumekit.store.retention.recover_interrupted", broken)
     with pytest.warns(ResumekitWarning, match="step 2 is committed.*Input/output error"):
         ckpt.save(2)
     assert latest_committed(Storage(tmp_path)).step == 2  # type: ignore[union-attr]

@@ -32,8 +32,8 @@ from resumekit.errors import (
     UnreadableFormatError,
 )
 from resumekit.manager import CheckpointManager
-from resumekit.manifest import parse_manifest, version_skew
-from resumekit.safe_pickle import load_dcp_metadata
+from resumekit.store.manifest import parse_manifest, version_skew
+from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import rewrite_manifest, run_cli, run_json
 

@@ -1,11 +1,12 @@
-"""The one flattener and its two list rules (``resumekit._tree.flatten``)."""
+"""The one flattener and its two list rules (``resumekit.store.tree.flatten``)."""
 
 from __future__ import annotations
 
 import torch
 
-from resumekit import _tree, sharded
 from resumekit.cli._common import flatten as cli_flatten
+from resumekit.store import tree as _tree
+from resumekit.tensors import sharded
 
 
 def test_the_cli_rule_names_every_list_element_and_keeps_empty_containers() -> None:

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from resumekit.catalog import read_manifest
 from resumekit.errors import CorruptCheckpointError
 from resumekit.manager import CheckpointManager
-from resumekit.storage import Storage
-from resumekit.verification import verify_share
+from resumekit.restore.verification import verify_share
+from resumekit.store.catalog import read_manifest
+from resumekit.store.storage import Storage
 
 
 def _saved(root: Path) -> tuple[Storage, str]:

@@ -13,8 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
-from resumekit.compatibility import check_compatibility
-from resumekit.manifest import Manifest
+from resumekit.restore.compatibility import check_compatibility
+from resumekit.store.manifest import Manifest
 check_compatibility(Manifest(step=3, world_size=2, fingerprint={"params": {}}),
                     "/root/step_3", fingerprint={"config": {}, "params": {}}, world_size=4,
                     on_mismatch="error")

@@ -20,7 +20,7 @@ Per-rank state on a world-size change (resharding):
   restored only when the world size is unchanged; otherwise rank 0's state is used and a
   warning says so;
 * RNG: rank r restores its own streams when the writer had rank r; streams of new ranks
-  are derived deterministically (see :func:`resumekit.rng.select_rank_rng`).
+  are derived deterministically (see :func:`resumekit.state.rng.select_rank_rng`).
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
-from resumekit import rng as _rng
-from resumekit import sharded
 from resumekit.errors import (
     ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     UnreadableFormatError,
 )
-from resumekit.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
-from resumekit.loader import LOADER_STATE_KIND, LoaderPosition
-from resumekit.manifest import Manifest
-from resumekit.retry import read_with_retry
-from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
-from resumekit.storage import Storage
+from resumekit.state import rng as _rng
+from resumekit.state.loader import LOADER_STATE_KIND, LoaderPosition
+from resumekit.state.sampler import ResumableDistributedSampler, SkipAheadSampler
+from resumekit.store.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE, rank_state_file
+from resumekit.store.manifest import Manifest
+from resumekit.store.retry import read_with_retry
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
@@ -221,8 +221,8 @@ class TrainState:
         optimizer: Its optimizer; its state is saved sharded like the parameters.
         scheduler: A learning-rate scheduler (anything with state_dict/load_state_dict).
         data: The data position: the ``DataLoader`` the loop iterates (adopted as a
-            :class:`~resumekit.loader.LoaderPosition`: its generator and the batches it
-            hands out are saved), a :class:`~resumekit.sampler.ResumableDistributedSampler`
+            :class:`~resumekit.state.loader.LoaderPosition`: its generator and the batches it
+            hands out are saved), a :class:`~resumekit.state.sampler.ResumableDistributedSampler`
             or any object with state_dict/load_state_dict.
         generators: Named ``torch.Generator`` objects whose streams must resume too.
         step: Optimizer steps taken.
@@ -282,7 +282,7 @@ class TrainState:
                 for weights only).
             source: The checkpoint's ``tensors/`` directory: an optimizer that never
                 stepped gets its state shaped from the checkpoint's metadata
-                (:func:`resumekit.sharded.preallocate_optimizer_state`) instead of by
+                (:func:`resumekit.tensors.sharded.preallocate_optimizer_state`) instead of by
                 DCP's zero-learning-rate step.
             storage_options: fsspec options for ``source``.
         """

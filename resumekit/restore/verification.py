@@ -4,24 +4,24 @@ Restore checks every byte it loads against the manifest (``verify_on_restore``).
 is split so that no rank reads a file twice and no rank waits long for the others:
 
 1. ``tensors/.metadata`` is hashed first, on every rank: it holds the per-block checksums
-   of the raw tensor files (:mod:`resumekit.raw_tensor_files`);
+   of the raw tensor files (:mod:`resumekit.tensors.raw_files`);
 2. those raw tensor files then only need the size the manifest records: every block is
-   checked against its checksum while it is read (:func:`resumekit.sharded.load`);
+   checked against its checksum while it is read (:func:`resumekit.tensors.sharded.load`);
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
    by exactly one rank: rank ``r`` of ``n`` takes the manifest's files ``r, r + n, ...``.
 
-The checks themselves are :func:`resumekit.catalog.verify_checkpoint`'s. Without
+The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. Without
 ``verify_on_restore`` each rank still ``lstat``-s its share of the files
 (:func:`refuse_links_share`): nothing is ever read through a symbolic link.
 """
 
 from __future__ import annotations
 
-from resumekit import sharded
-from resumekit.catalog import refuse_links, verify_checkpoint
-from resumekit.layout import DCP_METADATA_FILE, TENSORS_DIR
-from resumekit.manifest import Manifest
-from resumekit.storage import Storage
+from resumekit.store.catalog import refuse_links, verify_checkpoint
+from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
+from resumekit.store.manifest import Manifest
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
 
 __all__ = ["refuse_links_share", "verify_share"]
 

@@ -29,7 +29,7 @@ token of its writer) until it is published, so a sweep can tell a dead writer's 
 from a live one's.
 
 The root also holds ``.resumekit-generations/``: one small record per writer generation
-that claimed the root (``000000000007.json``), see :mod:`resumekit.generations`.
+that claimed the root (``000000000007.json``), see :mod:`resumekit.store.generations`.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ _GENERATION_RECORD = re.compile(r"^(?P<number>\d{12})\.json$")
 #: ``resumekit.integrations.lightning.ResumekitCheckpointIO``.
 LIGHTNING_CHECKPOINT_FILE = "lightning.ckpt"
 
-#: A step directory's commit marker: the manifest, written last (see :mod:`resumekit.commit`).
+#: A step directory's commit marker: the manifest, written last (see :mod:`resumekit.store.commit`).
 MANIFEST_NAME = "manifest.json"
 #: Rank 0's plain state: step, micro_step, scheduler, world size (a ``torch.save`` file).
 TRAIN_STATE_FILE = "train_state.pt"

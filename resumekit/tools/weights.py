@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from resumekit import sharded
-from resumekit.catalog import list_checkpoints, read_manifest
 from resumekit.errors import CheckpointNotFoundError, IncompatibleCheckpointError
-from resumekit.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
-from resumekit.manifest import MANIFEST_NAME, Manifest
-from resumekit.storage import Storage
-from resumekit.verification import verify_share
+from resumekit.restore.verification import verify_share
+from resumekit.store.catalog import list_checkpoints, read_manifest
+from resumekit.store.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
+from resumekit.store.manifest import MANIFEST_NAME, Manifest
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]

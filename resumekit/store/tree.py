@@ -1,7 +1,7 @@
 """Nested state as flat ``{dotted key: leaf}`` dicts: the one flattener.
 
-Used by the fit check before a load (:mod:`resumekit.sharded`), the resume-equivalence
-harness (:mod:`resumekit.testing`) and ``resumekit diff``. Imports no torch: callers that
+Used by the fit check before a load (:mod:`resumekit.tensors.sharded`), the resume-equivalence
+harness (:mod:`resumekit.tools.testing`) and ``resumekit diff``. Imports no torch: callers that
 treat lists of tensors differently from lists of numbers say so with ``expand``.
 """
 

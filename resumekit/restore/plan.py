@@ -3,7 +3,7 @@
 The decisions of :meth:`resumekit.CheckpointManager.restore`, as functions of what the
 catalog lists, so that each is read and tested without a manager, a model or a process
 group. The manager runs them in this order and does what they say (it loads, sets aside
-through :func:`resumekit.commit.set_aside`, warns and logs):
+through :func:`resumekit.store.commit.set_aside`, warns and logs):
 
 1. :func:`survey` the root (leader only): undo an interrupted replacement, list it, and
    check whether the root itself is another tool's checkpoint;
@@ -30,8 +30,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from resumekit import generations
-from resumekit.catalog import (
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    IncompatibleVersionError,
+    IncompleteCheckpointError,
+    ManifestError,
+    ResumekitError,
+    StorageError,
+    UnreadableFormatError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
+from resumekit.store import generations
+from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
     ForeignCheckpoint,
@@ -46,24 +59,11 @@ from resumekit.catalog import (
     read_top,
     sort_entries,
 )
-from resumekit.commit import recover_interrupted
-from resumekit.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    ForeignCheckpointError,
-    IncompatibleVersionError,
-    IncompleteCheckpointError,
-    ManifestError,
-    ResumekitError,
-    StorageError,
-    UnreadableFormatError,
-    UnsafeCheckpointError,
-    UnsupportedSchemaError,
-)
-from resumekit.layout import GENERATIONS_DIR, NameFormat
-from resumekit.manifest import WriterGeneration, running_versions, version_skew
-from resumekit.retry import is_transient
-from resumekit.storage import Storage
+from resumekit.store.commit import recover_interrupted
+from resumekit.store.layout import GENERATIONS_DIR, NameFormat
+from resumekit.store.manifest import WriterGeneration, running_versions, version_skew
+from resumekit.store.retry import is_transient
+from resumekit.store.storage import Storage
 
 __all__ = [
     "Leftover",
@@ -114,7 +114,7 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
 
     Without ``whole`` only its top is read: one listing, every entry that is not a step
     directory, and the step directories from the highest down to the newest checkpoint a
-    writer that was not fenced committed (:func:`~resumekit.catalog.read_top`), so a
+    writer that was not fenced committed (:func:`~resumekit.store.catalog.read_top`), so a
     restore's cost does not grow with the checkpoints below it; a restore that falls back
     past that one reads the rest (:func:`survey_below`).
 
@@ -122,7 +122,7 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
         storage: The checkpoint root.
         name_format: Its step directory names.
         recover: First undo a replacement a crash cut between its two renames
-            (:func:`resumekit.commit.recover_interrupted`); False for a read-only restore.
+            (:func:`resumekit.store.commit.recover_interrupted`); False for a read-only restore.
         whole: Read every entry (a restore of an explicit step).
 
     A root passed as ``.../checkpoint-4`` is a foreign one only when it holds nothing
@@ -294,7 +294,7 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     retries, unsafe content, files another torch or resumekit version wrote:
     :func:`refuse_version_skew`) is raised: falling back past a checkpoint that stays
     committed would only collide with it on the next save. A transient storage failure
-    (retried, or one :func:`~resumekit.retry.is_transient` names) is raised even when the
+    (retried, or one :func:`~resumekit.store.retry.is_transient` names) is raised even when the
     manifest looks gone: a lookup on a failing mount answers "absent" for an ``EIO``
     (``os.path.exists``), and a deleted file reads as missing, not as a connection error.
 
@@ -341,7 +341,7 @@ def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
     DCP's reading failing; or a torch global the metadata names that this torch does not
     allow) can be a format this process's torch or resumekit does not know. When the
     versions the checkpoint records differ from this process's
-    (:func:`resumekit.manifest.version_skew`), or it records none, restore stops here:
+    (:func:`resumekit.store.manifest.version_skew`), or it records none, restore stops here:
     setting it aside would hide it from the version that can read it, and the run would
     then resume from an older step or step 0.
 
@@ -412,7 +412,7 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
     """What restore says about the entries it did not load, in the order to say it.
 
     Every own step directory newer than ``above`` that is not usable is warned about;
-    what is provably broken (:data:`~resumekit.catalog.BROKEN`) is set aside, so the
+    what is provably broken (:data:`~resumekit.store.catalog.BROKEN`) is set aside, so the
     resumed run can save its step again instead of colliding with it on every requeue;
     older ones are only logged (they block nothing: steps only increase); a set-aside
     copy of the same step is named in the warning (it is kept). A symbolic link

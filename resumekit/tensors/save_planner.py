@@ -60,7 +60,7 @@ _LOCAL_PLANS: dict[str, tuple[Hashable, SavePlan, dict[str, Any]]] = {}
 #: Slots remembered at most (a process saving to many roots keeps the newest ones).
 SLOTS_KEPT = 8
 
-#: ``slot -> record`` of the last planned save, as :mod:`resumekit.replayed_save` replays it
+#: ``slot -> record`` of the last planned save, as :mod:`resumekit.tensors.replayed_save` replays it
 #: (that module's record type; kept here so that forgetting a slot forgets it too).
 _REPLAYS: dict[str, Any] = {}
 
@@ -239,7 +239,7 @@ class StructureCachingSavePlanner(DefaultSavePlanner):
     Args:
         group: The process group the save runs on (None: the default group or none).
         owner: Names a writer whose saves never run at the same time (see
-            :func:`resumekit.sharded.save`'s ``plan_owner``); None: plans are the group's.
+            :func:`resumekit.tensors.sharded.save`'s ``plan_owner``); None: plans are the group's.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, owner: str | None = None

@@ -15,8 +15,8 @@ what has not changed for ``sweep_after`` seconds on the storage's own clock (the
 the storage recorded, against a probe file's) and whose writer is not a live process of
 this host; no host's clock is trusted. Entries that vanish under it are skipped with a
 note; a deletion that fails is reported and the rest goes on (:class:`PruneReport`). A
-symbolic link is never a checkpoint (:mod:`resumekit.catalog`): it is never deleted nor
-swept, and nothing is deleted through one (:class:`~resumekit.storage.Storage` refuses it).
+symbolic link is never a checkpoint (:mod:`resumekit.store.catalog`): it is never deleted nor
+swept, and nothing is deleted through one (:class:`~resumekit.store.storage.Storage` refuses it).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from resumekit.catalog import (
+from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
+from resumekit.store.catalog import (
     CheckpointEntry,
     Listing,
     classify_step,
@@ -41,7 +42,7 @@ from resumekit.catalog import (
     list_root,
     step_directories,
 )
-from resumekit.commit import (
+from resumekit.store.commit import (
     cut_short_reason,
     pid_gone,
     read_writer,
@@ -49,9 +50,8 @@ from resumekit.commit import (
     staging_areas,
     writer_of,
 )
-from resumekit.errors import CheckpointNotFoundError, ConfigurationError, StorageError
-from resumekit.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
-from resumekit.storage import Storage
+from resumekit.store.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
+from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
@@ -273,7 +273,7 @@ def _abandoned(storage: Storage, name: str, clock: _StorageClock, sweep_after: f
     """Why the staging area ``name`` may be swept, else None.
 
     At once when it is provably left by a cut operation
-    (:func:`~resumekit.commit.cut_short_reason`). Otherwise never while its writer (its
+    (:func:`~resumekit.store.commit.cut_short_reason`). Otherwise never while its writer (its
     record, else its manifest's lineage) is a live process of this host or a save of
     this process (``active_tokens``); else once nothing in it changed for
     ``sweep_after`` seconds, measured on the storage's own clock (:class:`_StorageClock`):

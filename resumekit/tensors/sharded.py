@@ -16,7 +16,7 @@ Typical use::
 
 Safety: DCP reads ``.metadata`` with plain :mod:`pickle` and non-tensor values with
 ``torch.load(weights_only=False)``; both would run code from a tampered checkpoint. This
-module reads metadata with :mod:`resumekit.safe_pickle` and non-tensor values with
+module reads metadata with :mod:`resumekit.tensors.safe_pickle` and non-tensor values with
 ``torch.load(weights_only=True)``.
 
 Process groups: with ``process_group=None`` the save/load is single-process when
@@ -87,9 +87,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.nn.parallel import DistributedDataParallel
 from torch.serialization import get_crc32_options, set_crc32_options
 
-from resumekit import raw_tensor_files, replayed_save, save_planner
-from resumekit._tree import flatten
-from resumekit.catalog import locate_tensor_data
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -101,9 +98,14 @@ from resumekit.errors import (
     UnreadableFormatError,
     UnsafeCheckpointError,
 )
-from resumekit.layout import DCP_METADATA_FILE
-from resumekit.manifest import checksum_chunks
-from resumekit.raw_tensor_files import (
+from resumekit.store.catalog import locate_tensor_data
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.manifest import checksum_chunks
+from resumekit.store.retry import is_transient, read_with_retry
+from resumekit.store.tree import flatten
+from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import replayed_save, save_planner
+from resumekit.tensors.raw_files import (
     CheckedDcpWriter,
     RawTensorReading,
     RawTensorWriter,
@@ -112,9 +114,8 @@ from resumekit.raw_tensor_files import (
     checksum_files,
     raw_files,
 )
-from resumekit.retry import is_transient, read_with_retry
-from resumekit.safe_pickle import load_dcp_metadata
-from resumekit.save_planner import StructureCachingSavePlanner
+from resumekit.tensors.safe_pickle import load_dcp_metadata
+from resumekit.tensors.save_planner import StructureCachingSavePlanner
 
 __all__ = [
     "DEFAULT_SYNC_FILES",
@@ -174,7 +175,7 @@ close, and DCP's fallback for streams without a descriptor is a machine-wide syn
 TensorFormat = Literal["raw", "dcp"]
 TENSOR_FORMATS: tuple[TensorFormat, ...] = ("raw", "dcp")
 """How tensors are stored: ``"raw"``, resumekit's raw tensor files
-(:mod:`resumekit.raw_tensor_files`: each tensor's bytes as they lie in memory, checksummed
+(:mod:`resumekit.tensors.raw_files`: each tensor's bytes as they lie in memory, checksummed
 per block, local paths only), or ``"dcp"``, DCP's own ``FileSystemWriter`` format, which
 any DCP reader loads unchanged."""
 
@@ -782,11 +783,11 @@ def save(
     Every rank of the group must call this with the same keys. ``directory`` should be
     empty (the commit store's staging directory); an existing checkpoint there is an error,
     never overwritten. With ``tensor_format="raw"`` local directories get raw tensor
-    files, checksummed while written (:mod:`resumekit.raw_tensor_files`); fsspec URLs, and
+    files, checksummed while written (:mod:`resumekit.tensors.raw_files`); fsspec URLs, and
     every directory with ``tensor_format="dcp"``, get DCP's own format
     (:func:`tensor_format_for`). A raw save whose structure every rank of the group saved
     before, in the same slot, is written without DCP's planning and object collectives,
-    byte for byte as DCP would (:mod:`resumekit.replayed_save`; one process:
+    byte for byte as DCP would (:mod:`resumekit.tensors.replayed_save`; one process:
     :func:`_save_planned`).
 
     Args:
@@ -802,8 +803,8 @@ def save(
         tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
         plan_owner: Names a writer whose saves never run at the same time (the same on
             every rank, e.g. a manager's root URL): its saves on different groups of the
-            same ranks share remembered plans (:mod:`resumekit.save_planner`) and
-            replay records (:mod:`resumekit.replayed_save`). None: per group.
+            same ranks share remembered plans (:mod:`resumekit.tensors.save_planner`) and
+            replay records (:mod:`resumekit.tensors.replayed_save`). None: per group.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -870,7 +871,7 @@ def remember_restored(
     A fresh process remembers no planned save, so its first save would be planned in
     full; after this, when the run saves the same structure on the same ranks, it is
     written as the checkpoint in ``directory`` was laid out, without DCP's planning
-    (:func:`resumekit.replayed_save.seed`; the save checks its state against the
+    (:func:`resumekit.tensors.replayed_save.seed`; the save checks its state against the
     checkpoint first). Every rank of the group must call it once, after the same
     successful :func:`load`; a checkpoint that cannot be replayed (another world size,
     DCP's own format, an object store) only makes the next save plan in full.
@@ -1152,7 +1153,7 @@ def load(
             gather, scatter and final all-gather (DCP's load plans need no coordination:
             its global load plan is the local plans). The caller then agrees on the
             outcome, since an error raises on the failing rank only (the manager runs it
-            under :func:`resumekit.coordination.run_on_every_rank`).
+            under :func:`resumekit.store.coordination.run_on_every_rank`).
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -1559,7 +1560,7 @@ def files_verified_on_read(
 ) -> set[str]:
     """Name the data files whose every byte :func:`load` checks against a checksum.
 
-    Those are the raw tensor files (:mod:`resumekit.raw_tensor_files`); their ranks'
+    Those are the raw tensor files (:mod:`resumekit.tensors.raw_files`); their ranks'
     small checksum files are not (they are hashed whole like any other file), nor are
     files in DCP's own format (earlier versions, fsspec URLs). Reads only the metadata.
 

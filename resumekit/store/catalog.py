@@ -53,7 +53,7 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import (
+from resumekit.store.layout import (
     ATTEMPT_PREFIX,
     DCP_METADATA_FILE,
     DEFAULT_NAME_FORMAT,
@@ -66,9 +66,9 @@ from resumekit.layout import (
     checked_step,
     parse_generation_record_name,
 )
-from resumekit.manifest import Manifest, checksum_chunks, parse_manifest
-from resumekit.retry import read_with_retry
-from resumekit.storage import RECORD_LIMIT, FileInfo, Storage
+from resumekit.store.manifest import Manifest, checksum_chunks, parse_manifest
+from resumekit.store.retry import read_with_retry
+from resumekit.store.storage import RECORD_LIMIT, FileInfo, Storage
 from resumekit.warnings import ResumekitWarning, warn
 
 logger = logging.getLogger("resumekit")

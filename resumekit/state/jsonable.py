@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from resumekit.errors import ConfigurationError
-from resumekit.storage import JSON_DEPTH_LIMIT, json_depth
+from resumekit.store.storage import JSON_DEPTH_LIMIT, json_depth
 
 __all__ = ["USER_JSON_DEPTH", "check_depth", "plain_extras"]
 
@@ -26,7 +26,7 @@ logger = logging.getLogger("resumekit")
 
 #: The deepest nesting of user data (extras, config) a manifest holds: it sits a few levels
 #: down in the manifest, whose reader refuses documents deeper than
-#: :data:`~resumekit.storage.JSON_DEPTH_LIMIT`.
+#: :data:`~resumekit.store.storage.JSON_DEPTH_LIMIT`.
 USER_JSON_DEPTH = JSON_DEPTH_LIMIT - 8
 
 

@@ -19,7 +19,7 @@ written, with no ``sampler.advance()`` calls and no ``generator=`` argument:
   ``__iter__`` wraps the parent's (public API only); each batch handed to the loop
   advances the loader's resumable sampler by that batch's samples (``batch_size``, or
   what is left of this rank's share for a last partial batch; one item for a
-  :class:`~resumekit.sampler.SkipAheadSampler` used as ``batch_sampler``). Batches that
+  :class:`~resumekit.state.sampler.SkipAheadSampler` used as ``batch_sampler``). Batches that
   workers prefetched but the loop has not taken do not count. A batch handed to the loop
   counts as consumed by the next save, so the loop must train it before ``step_end``
   and must not fetch the next batch before ``step_end``. A ``sampler.advance()`` made by
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader
 
 from resumekit.errors import ConfigurationError, IncompatibleCheckpointError
-from resumekit.sampler import ResumableDistributedSampler, SkipAheadSampler
+from resumekit.state.sampler import ResumableDistributedSampler, SkipAheadSampler
 
 __all__ = ["LOADER_STATE_KIND", "LoaderPosition"]
 

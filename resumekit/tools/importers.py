@@ -5,13 +5,14 @@ torch DCP (``dcp.save``), torchtitan (``step-N``), Accelerate (``save_state``), 
 (``.ckpt``), the Hugging Face ``Trainer`` (``checkpoint-N``) or LingBot-VA upstream
 (``checkpoint_step_N``), and writes what a :class:`~resumekit.CheckpointManager` save of
 the same model and optimizer would have written, through the same commit protocol
-(:class:`~resumekit.commit.CommitProtocol`) and on-disk layout, with manifest reason
+(:class:`~resumekit.store.commit.CommitProtocol`) and on-disk layout, with manifest reason
 ``imported`` and the source in ``lineage.imported_from``. ``CheckpointManager(ROOT,
 model=..., optimizer=...).restore()`` then loads it like any other checkpoint.
 
 One small function per format (``_from_dcp``, ``_from_accelerate``, ``_from_lightning``,
 ``_from_hf_trainer``, ``_from_lingbot``) turns the source into the state dicts
-:class:`~resumekit.state.TrainState` stores: the model keyed by fully qualified parameter
+:class:`~resumekit.state.train_state.TrainState` stores: the model keyed by fully qualified
+parameter
 names, the optimizer in ``torch.distributed.checkpoint.state_dict.get_state_dict`` form
 (``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``). Tensors
 keep their stored dtype and bytes: nothing is cast, so a restore is bit for bit.
@@ -55,9 +56,6 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
-from resumekit import jsonable, legacy, rng, sharded
-from resumekit.catalog import FOREIGN_FORMATS, detect_foreign
-from resumekit.commit import CommitProtocol
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -65,8 +63,11 @@ from resumekit.errors import (
     IncompatibleCheckpointError,
     UnsafeCheckpointError,
 )
-from resumekit.export import NOT_MODEL_KEYS
-from resumekit.layout import (
+from resumekit.state import jsonable, rng
+from resumekit.state.train_state import dump_plain
+from resumekit.store.catalog import FOREIGN_FORMATS, detect_foreign
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
     LIGHTNING_CHECKPOINT_FILE,
@@ -76,9 +77,11 @@ from resumekit.layout import (
     checked_step,
     rank_state_file,
 )
-from resumekit.manifest import FileEntry, Lineage, Manifest, SaveReason
-from resumekit.state import dump_plain
-from resumekit.storage import Storage
+from resumekit.store.manifest import FileEntry, Lineage, Manifest, SaveReason
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
+from resumekit.tools import legacy
+from resumekit.tools.export import NOT_MODEL_KEYS
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["IMPORT_FORMATS", "ImportFormat", "ImportResult", "import_checkpoint"]
@@ -760,7 +763,7 @@ def _hf_decay_names(model: nn.Module) -> list[str]:
 
 
 def _from_lingbot(storage: Storage, name: str, model: nn.Module | None) -> _Source:
-    """LingBot-VA upstream ``checkpoint_step_N``: weights only (see resumekit.legacy)."""
+    """LingBot-VA upstream ``checkpoint_step_N``: weights only (see resumekit.tools.legacy)."""
     del model
     weights = legacy.read_full_weights(storage, name)
     step = NameFormat(LEGACY_NAME_FORMAT).parse(name.rsplit("/", 1)[-1])

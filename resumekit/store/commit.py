@@ -46,7 +46,7 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
     abort: rank 0 removes the staging area (a crash leaves it for the sweep instead)
 
 Writer generations (fencing). Every writer holds a generation of the root
-(``resumekit.generations``): a manager claims the next one when it restores (or, if it
+(``resumekit.store.generations``): a manager claims the next one when it restores (or, if it
 never restored, at its first ``begin``); records live in ``<root>/.resumekit-generations/``.
 Two managers of one SLURM allocation (same ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT``)
 share a generation; an older restart of a job cannot claim after a newer one did. The rule:
@@ -105,7 +105,7 @@ stamp (a hand rename giving a committed directory a higher step name) can go uns
 ``latest()`` until the next save; a hand copy or deletion of a directory changes st_nlink
 and is always seen. ``restore()`` always lists the whole root.
 
-Retention (``resumekit.retention``) runs only after publish; its failures do not undo the
+Retention (``resumekit.store.retention``) runs only after publish; its failures do not undo the
 commit (the manager reports them as warnings on every rank).
 """
 
@@ -122,8 +122,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from resumekit import generations
-from resumekit.catalog import (
+from resumekit.errors import (
+    CorruptCheckpointError,
+    FencedWriterError,
+    IncompleteCheckpointError,
+    StepCollisionError,
+    StorageError,
+    UnsafeCheckpointError,
+    UnsupportedSchemaError,
+)
+from resumekit.store import generations
+from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
     Listing,
@@ -137,24 +146,15 @@ from resumekit.catalog import (
     write_newest_hint,
     write_stamped_hint,
 )
-from resumekit.coordination import Coordinator, SingleProcess, run_on_leader
-from resumekit.errors import (
-    CorruptCheckpointError,
-    FencedWriterError,
-    IncompleteCheckpointError,
-    StepCollisionError,
-    StorageError,
-    UnsafeCheckpointError,
-    UnsupportedSchemaError,
-)
-from resumekit.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
-from resumekit.manifest import (
+from resumekit.store.coordination import Coordinator, SingleProcess, run_on_leader
+from resumekit.store.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
+from resumekit.store.manifest import (
     FileEntry,
     Manifest,
     WriterGeneration,
     checksum_chunks,
 )
-from resumekit.storage import RECORD_LIMIT, Storage
+from resumekit.store.storage import RECORD_LIMIT, Storage
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
@@ -286,7 +286,7 @@ class CommitProtocol:
 
         Returns the claim (None when none is held and ``claim`` is False), the fenced
         writers' commits found above the newest checkpoint (by the root's newest
-        generation), the top of the root (:func:`~resumekit.catalog.read_top`: one
+        generation), the top of the root (:func:`~resumekit.store.catalog.read_top`: one
         listing, then manifests from the highest step down to the newest checkpoint a
         writer that was not fenced committed) and the generation fenced writers' commits
         are judged by (the claim held, else the root's newest).
@@ -454,7 +454,7 @@ class CommitProtocol:
         Call after the commit and after whatever the save then deletes (retention), so
         that the stamp is the root's stat with those deletions: the hint is written only
         when ``pending``'s step is the root's highest step directory
-        (:func:`~resumekit.catalog.write_stamped_hint`). Object stores get their hint at
+        (:func:`~resumekit.store.catalog.write_stamped_hint`). Object stores get their hint at
         the commit instead. A failure is a warning, never the save's failure.
 
         Returns:
@@ -823,7 +823,7 @@ def recover_interrupted(storage: Storage, name_format: NameFormat, *,
 
     A name is no proof of content: a ``<name>`` that is not a committed checkpoint never
     gets a complete retired copy deleted. When it is provably broken (empty, no or a bad
-    manifest: :data:`~resumekit.catalog.BROKEN`) it is set aside (``.bad-``, nothing
+    manifest: :data:`~resumekit.store.catalog.BROKEN`) it is set aside (``.bad-``, nothing
     deleted) and the copy put back; anything else there (a symbolic link, a newer
     resumekit's checkpoint, another tool's) is left as it is, and so is the copy. Either
     way a warning names both paths. A retired name that is a link, or whose manifest is

@@ -1,7 +1,7 @@
 """A multi-rank save of a remembered structure, written without DCP's save machinery.
 
 A steady-state save of a sharded run writes the same structure every time, and
-:mod:`resumekit.save_planner` already plans it once. What DCP still does on every save is
+:mod:`resumekit.tensors.save_planner` already plans it once. What DCP still does on every save is
 most of a small save's cost: four rounds of pickled object collectives (the local plans to
 the coordinator and back, the write results to it and its outcome back), walking the
 plans, checking every item stored and pickling ``.metadata`` (on 2 gloo ranks, ~25 ms of
@@ -10,7 +10,7 @@ a ~40 ms write of the LingBot tiny trainer's 2.6 MB).
 After a planned save of raw tensor files completes, each rank keeps a :class:`Replay`
 record: its files in order with their write items, what each item stored, and (the
 coordinator) the checkpoint's ``Metadata`` and ``.metadata`` bytes. A later save in the
-same slot (:attr:`resumekit.save_planner.StructureCachingSavePlanner.slot`) replays it:
+same slot (:attr:`resumekit.tensors.save_planner.StructureCachingSavePlanner.slot`) replays it:
 
 1. each rank flattens its state as DCP does and checks that its structure key is the
    record's and that every non-tensor value pickles to the length it had (a changed length
@@ -72,11 +72,11 @@ from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dic
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 
-from resumekit import save_planner
 from resumekit.errors import ResumekitError, StorageError
-from resumekit.layout import DCP_METADATA_FILE
-from resumekit.manifest import checksum_chunks
-from resumekit.raw_tensor_files import (
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.manifest import checksum_chunks
+from resumekit.tensors import save_planner
+from resumekit.tensors.raw_files import (
     DATA_SUFFIX,
     RawTensorWriter,
     WrittenFile,

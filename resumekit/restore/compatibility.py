@@ -2,7 +2,8 @@
 
 Every checkpoint's manifest records a fingerprint (``{"config": ..., "params": ...}``):
 the run's ``config=`` and each parameter's shape, under DCP's canonical names
-(:meth:`resumekit.state.TrainState.fingerprint_params`). Before loading, restore compares
+(:meth:`~resumekit.state.train_state.TrainState.fingerprint_params`).
+Before loading, restore compares
 it with the run's own:
 
 * **parameters** always: a name or a shape that differs is an
@@ -27,8 +28,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.manifest import Manifest, SaveReason
-from resumekit.sharded import canonical_param_name
+from resumekit.store.manifest import Manifest, SaveReason
+from resumekit.tensors.sharded import canonical_param_name
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["check_compatibility", "config_differences", "param_differences"]

@@ -44,8 +44,8 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.layout import MANIFEST_NAME
-from resumekit.storage import parse_json
+from resumekit.store.layout import MANIFEST_NAME
+from resumekit.store.storage import parse_json
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -179,7 +179,7 @@ class WriterGeneration(BaseModel):
     """A writer generation: one claim of a checkpoint root by one run.
 
     Generations of a root are totally ordered by ``number`` (each claim takes the next
-    one, see :mod:`resumekit.generations`); the newest claim owns the root and every older
+    one, see :mod:`resumekit.store.generations`); the newest claim owns the root and every older
     generation is fenced. Two managers of one SLURM allocation (same job id and restart
     count) share a generation.
 
@@ -298,7 +298,7 @@ class Manifest(BaseModel):
         extras: JSON user data (e.g. a wandb run id).
         metrics: Finite numbers the trainer recorded for this checkpoint at save time,
             by name (e.g. ``{"val_loss": 0.31}``); what
-            :func:`~resumekit.retention.keep_best` ranks by. Empty in manifests written
+            :func:`~resumekit.store.retention.keep_best` ranks by. Empty in manifests written
             before resumekit recorded them.
         state: What the checkpoint holds (e.g. ``{"model": true, "optimizer": true}``).
         fingerprint: Configuration fingerprint compared on restore.

@@ -1,10 +1,10 @@
 """Writer generations: which run owns a checkpoint root now, and fencing the older ones.
 
-The rule is written down once, in :mod:`resumekit.commit`; this module is its mechanism.
+The rule is written down once, in :mod:`resumekit.store.commit`; this module is its mechanism.
 
 Every claim of a root is a record ``<root>/.resumekit-generations/<number:012d>.json``
-(a :class:`~resumekit.manifest.WriterGeneration`), created exclusively
-(:meth:`~resumekit.storage.Storage.write_bytes_exclusive`) with ``number`` = newest + 1,
+(a :class:`~resumekit.store.manifest.WriterGeneration`), created exclusively
+(:meth:`~resumekit.store.storage.Storage.write_bytes_exclusive`) with ``number`` = newest + 1,
 retried on a lost race. Numbers are therefore unique and consecutive, and generations are
 totally ordered by them. Two managers of one run share one generation: of one SLURM
 allocation (same job id and restart count), or outside SLURM of one process (same host
@@ -28,7 +28,7 @@ no record ``n + 1`` exists. Records are pruned oldest first, keeping the newest
 too and is still fenced.
 
 Reading a record is retried after transient errors
-(:func:`~resumekit.retry.read_with_retry`); a record that still cannot be read raises
+(:func:`~resumekit.store.retry.read_with_retry`); a record that still cannot be read raises
 :class:`~resumekit.errors.StorageError` saying the generations could not be checked: an
 I/O error is never taken for a newer claim (fencing), nor skipped as if the record were
 not there. Only a record whose bytes do not parse (torn by a claimer of an older
@@ -42,16 +42,16 @@ import logging
 import secrets
 from collections.abc import Iterable
 
-from resumekit.catalog import CheckpointEntry, generation_record_numbers, newest_committed
 from resumekit.errors import FencedWriterError, StorageError, UnsafeCheckpointError
-from resumekit.layout import (
+from resumekit.store.catalog import CheckpointEntry, generation_record_numbers, newest_committed
+from resumekit.store.layout import (
     GENERATIONS_DIR,
     NameFormat,
     generation_record_name,
 )
-from resumekit.manifest import Lineage, Manifest, WriterGeneration
-from resumekit.retry import READ_ATTEMPTS, is_transient, read_with_retry
-from resumekit.storage import RECORD_LIMIT, Storage, parse_json
+from resumekit.store.manifest import Lineage, Manifest, WriterGeneration
+from resumekit.store.retry import READ_ATTEMPTS, is_transient, read_with_retry
+from resumekit.store.storage import RECORD_LIMIT, Storage, parse_json
 
 __all__ = [
     "RECORDS_KEPT",
@@ -197,7 +197,7 @@ def newest_restorable(storage: Storage, name_format: NameFormat | None = None
 
     The newest committed checkpoint that no fenced writer committed (:func:`zombie_reason`
     against the root's newest claim), read from the top down like
-    :func:`~resumekit.catalog.newest_committed`. A commit that landed in the race window of
+    :func:`~resumekit.store.catalog.newest_committed`. A commit that landed in the race window of
     a fenced writer is committed on disk but never restored; ``latest()`` and ``resumekit
     inspect`` name the same checkpoint a restore would, and say which ones they passed.
 
@@ -245,7 +245,7 @@ def claim(storage: Storage, *, newest_step: int | None,
 
     Returns:
         A new generation, or the current one when it belongs to the same run (see
-        :meth:`~resumekit.manifest.WriterGeneration.same_run`).
+        :meth:`~resumekit.store.manifest.WriterGeneration.same_run`).
 
     Raises:
         FencedWriterError: A newer restart of this SLURM job already claimed the root.

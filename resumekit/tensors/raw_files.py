@@ -109,10 +109,10 @@ from resumekit.errors import (
     StorageError,
     UnreadableFormatError,
 )
-from resumekit.layout import DCP_METADATA_FILE, raw_checksums_file
-from resumekit.manifest import CHECKSUM_ALGORITHM, Checksum, checksum_chunks, hex_digest
-from resumekit.retry import read_with_retry
-from resumekit.storage import parse_json
+from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.manifest import CHECKSUM_ALGORITHM, Checksum, checksum_chunks, hex_digest
+from resumekit.store.retry import read_with_retry
+from resumekit.store.storage import parse_json
 
 __all__ = [
     "ALIGNMENT",
@@ -146,7 +146,7 @@ FORMAT_VERSION = 1
 PACK_FORMAT_VERSION = 3
 """The descriptor of the first item of a pack of small items (:class:`_Pack`), as written
 now: ``resumekit-raw/3;<region length>;<checksum file>``, the region's checksum kept in
-that rank's small checksum file (:func:`resumekit.layout.raw_checksums_file`), so the
+that rank's small checksum file (:func:`resumekit.store.layout.raw_checksums_file`), so the
 ``.metadata`` of an unchanged structure is the same bytes at every save."""
 INLINE_PACK_FORMAT_VERSION = 2
 """Packs written before version 3: the region's checksum inside its descriptor
@@ -817,7 +817,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
 
         :meth:`write_data` writes DCP's plan with it, and a replayed plan
-        (:mod:`resumekit.replayed_save`) the same files in the same order with it: the
+        (:mod:`resumekit.tensors.replayed_save`) the same files in the same order with it: the
         same bytes. Resets and fills :attr:`written`.
 
         Returns:
@@ -913,7 +913,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """Write small contiguous CPU tensors into data file ``name`` as packed regions.
 
         The same bytes :meth:`write_data` writes for the same items in this order (a
-        replayed plan, :func:`resumekit.sharded.save`), without DCP's plan objects.
+        replayed plan, :func:`resumekit.tensors.sharded.save`), without DCP's plan objects.
 
         Returns:
             Each tensor's offset in the file, the file, and its regions ``(offset,
@@ -1424,7 +1424,7 @@ class RawTensorReading:
         """DCP's own read of the items in its format, file by file.
 
         A transient error (a dropped connection, ``EIO``) reads that file's items again
-        (:func:`~resumekit.retry.read_with_retry`; loading an item twice writes the same
+        (:func:`~resumekit.store.retry.read_with_retry`; loading an item twice writes the same
         values); one that outlives the retries is a
         :class:`~resumekit.errors.StorageError` naming the file, never corruption.
         """

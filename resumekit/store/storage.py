@@ -42,7 +42,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.retry import create_with_retry
+from resumekit.store.retry import create_with_retry
 
 __all__ = ["JSON_DEPTH_LIMIT", "RECORD_LIMIT", "SMALL_FILE_LIMIT", "FileInfo", "Storage",
            "json_depth", "parse_json"]

@@ -242,9 +242,9 @@ class ProcessGroupCoordinator:
 
         It names the activity (:func:`activity`), the collective, this rank and its peers
         (global ranks), whether the peer went away or timed out, and ``checkpoint_timeout``
-        of :func:`resumekit.distributed.current_context`.
+        of :func:`resumekit.runtime.distributed.current_context`.
         """
-        from resumekit import distributed  # noqa: PLC0415 - torch.distributed, see above
+        from resumekit.runtime import distributed  # noqa: PLC0415 - torch.distributed, see above
 
         named = _activity.get()
         what, fields = named if named is not None else ("checkpoint coordination", {})

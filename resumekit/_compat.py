@@ -1,0 +1,11 @@
+"""Every private name of torch, s3fs and Lightning that resumekit touches, in one place.
+
+Each name carries one comment: why resumekit needs it and what breaks if it moves. The
+canary test (``tests/unit/test_private_names_canary.py``) imports each one and checks the
+signature or fields resumekit relies on, so an upgrade of torch fails loudly in one test
+rather than silently in a checkpoint. This module imports no torch at import time (the
+store, which imports no torch, reaches s3fs through it): torch names are looked up by the
+functions that need them.
+"""
+
+from __future__ import annotations
