@@ -63,14 +63,12 @@ from resumekit.store.storage import FileInfo, Storage
 
 logger = logging.getLogger("resumekit")
 
+# What the other layers use (Status and Defect: the types of CheckpointEntry's fields).
 __all__ = [
     "BROKEN",
     "CheckpointEntry",
     "Defect",
-    "Listing",
     "Status",
-    "classify_step",
-    "link_problem",
     "list_checkpoints",
     "list_root",
     "other_entries",
@@ -78,7 +76,6 @@ __all__ = [
     "read_manifest",
     "refuse_links",
     "sort_entries",
-    "step_directories",
     "verify_checkpoint",
 ]
 

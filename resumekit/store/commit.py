@@ -153,6 +153,7 @@ from resumekit.store.recovery import recover_interrupted, remove_retired, sweep_
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
 
+# What the other layers use (WRITER_FILE: re-exported for code that imported it from here).
 __all__ = [
     "WRITER_FILE",
     "CommitProtocol",

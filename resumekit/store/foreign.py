@@ -21,10 +21,10 @@ from resumekit.store.storage import Storage
 if TYPE_CHECKING:
     from resumekit.store.catalog import CheckpointEntry
 
+# What the other layers use.
 __all__ = [
     "FOREIGN_FORMATS",
     "ForeignCheckpoint",
-    "ForeignFormat",
     "detect_foreign",
     "import_command",
 ]

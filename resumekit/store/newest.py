@@ -42,18 +42,12 @@ from resumekit.warnings import ResumekitWarning, warn
 
 logger = logging.getLogger("resumekit")
 
+# What the other layers use.
 __all__ = [
-    "RootTop",
     "entries_from_top",
-    "forget_newest_hint",
-    "generation_record_numbers",
     "latest_committed",
     "listing_with_hinted_step",
-    "newest_committed",
-    "read_newest_hint",
     "read_top",
-    "write_newest_hint",
-    "write_stamped_hint",
 ]
 
 #: ``newest_committed``'s ``newest_record`` when the caller has not listed the records.

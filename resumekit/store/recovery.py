@@ -44,16 +44,10 @@ from resumekit.store.newest import forget_newest_hint
 from resumekit.store.storage import RECORD_LIMIT, Storage
 from resumekit.warnings import ResumekitWarning, warn
 
+# What the other layers use.
 __all__ = [
-    "cut_short_reason",
-    "dead_writer_reason",
-    "pid_gone",
-    "read_writer",
     "recover_interrupted",
     "set_aside",
-    "staging_areas",
-    "sweep_dead_writers",
-    "writer_of",
 ]
 
 logger = logging.getLogger("resumekit")

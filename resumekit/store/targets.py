@@ -41,10 +41,10 @@ from resumekit.store.manifest import Manifest, parse_manifest
 from resumekit.store.newest import newest_committed
 from resumekit.store.storage import FileInfo, Storage
 
+# What the other layers use.
 __all__ = [
     "DEFAULT_NAME_FORMATS",
     "CheckpointTarget",
-    "TensorData",
     "locate_tensor_data",
     "open_target",
     "select_committed",
