@@ -107,6 +107,11 @@ and is always seen. ``restore()`` always lists the whole root.
 
 Retention (``resumekit.store.retention``) runs only after publish; its failures do not undo the
 commit (the manager reports them as warnings on every rank).
+
+Where the rest lives: what a crash or a dead writer leaves (the retired copy between two
+renames, staging areas, a step directory to set aside) is put right by
+``resumekit.store.recovery``; finding the newest committed step and its hints by
+``resumekit.store.newest``. This docstring stays the one description of the protocol.
 """
 
 from __future__ import annotations
