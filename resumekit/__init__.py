@@ -71,7 +71,6 @@ if TYPE_CHECKING:
     )
     from resumekit.store.catalog import (
         CheckpointEntry,
-        latest_committed,
         list_checkpoints,
         read_manifest,
         verify_checkpoint,
@@ -86,6 +85,9 @@ if TYPE_CHECKING:
         Lineage,
         Manifest,
         SaveReason,
+    )
+    from resumekit.store.newest import (
+        latest_committed,
     )
     from resumekit.store.retention import (
         RetentionPolicy,
@@ -158,7 +160,7 @@ _EXPORTS: dict[str, str] = {
     "keep_every": "resumekit.store.retention",
     "keep_last": "resumekit.store.retention",
     "keep_steps": "resumekit.store.retention",
-    "latest_committed": "resumekit.store.catalog",
+    "latest_committed": "resumekit.store.newest",
     "list_checkpoints": "resumekit.store.catalog",
     "meet": "resumekit.runtime.distributed",
     "prune": "resumekit.store.retention",

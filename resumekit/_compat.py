@@ -6,6 +6,76 @@ signature or fields resumekit relies on, so an upgrade of torch fails loudly in 
 rather than silently in a checkpoint. This module imports no torch at import time (the
 store, which imports no torch, reaches s3fs through it): torch names are looked up by the
 functions that need them.
+
+One section per library (and per wing of resumekit for torch), each section with the same
+title as its section of the canary test. A function here reaches one private name and does
+nothing else: deciding what to do when it is gone is the caller's job.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import fsspec.asyn
+
+__all__ = [
+    "lightning_cluster_environment",
+    "lightning_combined_loader",
+    "lightning_data_fetcher",
+    "s3_call",
+]
+
+
+# -- s3fs ----------------------------------------------------------------------------------
+
+def s3_call(fs: Any, method: str, **kwargs: Any) -> dict[str, Any]:
+    """One S3 API request (a botocore client method) through an ``S3FileSystem``.
+
+    Args:
+        fs: The ``s3fs.S3FileSystem`` of the storage.
+        method: The botocore client method, e.g. ``"list_objects_v2"``.
+        **kwargs: The request's parameters.
+
+    Returns:
+        The response dict botocore returns.
+    """
+    # s3fs's one request path (its credentials, endpoint, retries); its public listing has
+    # no MaxKeys/StartAfter. If it moves: Storage.is_dir and the S3 listing after a name fail.
+    response: dict[str, Any] = fsspec.asyn.sync(fs.loop, fs._call_s3, method, **kwargs)
+    return response
+
+
+# -- Lightning -----------------------------------------------------------------------------
+
+def lightning_cluster_environment(trainer: Any) -> Any | None:
+    """The cluster environment Lightning's signal connector reads; None if it moved.
+
+    Args:
+        trainer: The ``lightning.pytorch.Trainer``.
+    """
+    # A single-device strategy has no public cluster_environment, but Lightning's SIGUSR1
+    # handler reads this one. If it moves: the callback cannot see SLURM auto_requeue.
+    connector = getattr(trainer, "_accelerator_connector", None)
+    return getattr(connector, "cluster_environment", None)
+
+
+def lightning_combined_loader(fit_loop: Any) -> Any | None:
+    """The fit loop's ``CombinedLoader`` (its ``limits`` end an epoch); None if it moved.
+
+    Args:
+        fit_loop: ``trainer.fit_loop``.
+    """
+    # Lightning 2.x keeps the train epoch's batch limit here. If it moves: a mid-epoch
+    # resume ends its epochs early (the callback warns that it cannot give the full length).
+    return getattr(fit_loop, "_combined_loader", None)
+
+
+def lightning_data_fetcher(fit_loop: Any) -> Any | None:
+    """The fit loop's data fetcher (its ``length`` counts the epoch); None if it moved.
+
+    Args:
+        fit_loop: ``trainer.fit_loop``.
+    """
+    # Lightning 2.x's fetcher counts the epoch to its own length. If it moves: after a
+    # mid-epoch resume Lightning's done-check may stop at the short length it counted.
+    return getattr(fit_loop, "_data_fetcher", None)

@@ -58,7 +58,7 @@ from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.commit import CommitProtocol, PendingCheckpoint, set_aside
+from resumekit.store.commit import CommitProtocol, PendingCheckpoint
 from resumekit.store.coordination import (
     Coordinator,
     ProcessGroupCoordinator,
@@ -84,6 +84,7 @@ from resumekit.store.manifest import (
     SaveReason,
     checksum_chunks,
 )
+from resumekit.store.recovery import set_aside
 from resumekit.store.retention import RetentionPolicy, RollingSweep, keep_last, prune
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
@@ -614,7 +615,7 @@ class CheckpointManager:
         return [entry for entry in entries if entry.name not in zombies]
 
     def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
-        """Set ``entry`` aside on the leader (:func:`~resumekit.store.commit.set_aside`).
+        """Set ``entry`` aside on the leader (:func:`~resumekit.store.recovery.set_aside`).
 
         Nothing is set aside when the manager is read-only.
 

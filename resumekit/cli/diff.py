@@ -30,14 +30,9 @@ from resumekit.cli._common import (
     table,
 )
 from resumekit.state.train_state import read_plain
-from resumekit.store.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    open_target,
-    select_committed,
-    tensors_url,
-)
+from resumekit.store.catalog import CheckpointEntry
 from resumekit.store.layout import RANK_STATE_DIR, TRAIN_STATE_FILE
+from resumekit.store.targets import CheckpointTarget, open_target, select_committed, tensors_url
 from resumekit.tensors import sharded
 
 __all__ = ["SCHEMA", "add_parser", "compare_tensors", "run"]

@@ -43,19 +43,12 @@ from resumekit.errors import (
     UnsafeCheckpointError,
 )
 from resumekit.store import generations
-from resumekit.store.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    ForeignCheckpoint,
-    detect_foreign,
-    import_command,
-    open_target,
-    refuse_links,
-    tensors_url,
-)
+from resumekit.store.catalog import CheckpointEntry, refuse_links
+from resumekit.store.foreign import ForeignCheckpoint, detect_foreign, import_command
 from resumekit.store.layout import TRAIN_STATE_FILE, parse_rank_state_file
 from resumekit.store.manifest import Lineage, Manifest, describe
 from resumekit.store.storage import Storage, parse_json
+from resumekit.store.targets import CheckpointTarget, open_target, tensors_url
 
 __all__ = ["SCHEMA", "add_parser", "chain_of", "run"]
 

@@ -25,8 +25,8 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.store.catalog import CheckpointTarget, open_target
 from resumekit.store.retention import PruneReport, keep_every, keep_last, prune
+from resumekit.store.targets import CheckpointTarget, open_target
 
 __all__ = ["SCHEMA", "add_parser", "run"]
 

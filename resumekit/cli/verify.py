@@ -16,14 +16,9 @@ from resumekit.cli._common import (
     storage_options,
 )
 from resumekit.errors import CorruptCheckpointError, ResumekitError
-from resumekit.store.catalog import (
-    CheckpointEntry,
-    CheckpointTarget,
-    open_target,
-    select_committed,
-    verify_checkpoint,
-)
+from resumekit.store.catalog import CheckpointEntry, verify_checkpoint
 from resumekit.store.storage import Storage
+from resumekit.store.targets import CheckpointTarget, open_target, select_committed
 
 __all__ = ["SCHEMA", "add_parser", "run"]
 

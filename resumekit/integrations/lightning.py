@@ -54,6 +54,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resumekit._compat import (
+    lightning_cluster_environment,
+    lightning_combined_loader,
+    lightning_data_fetcher,
+)
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -552,8 +557,11 @@ class ResumekitCallback(Callback):
         """Check the trainer: the plugin is there, Lightning's SLURM requeue is off."""
         self._trainer = trainer
         _plugin_of(trainer)
-        # Where Lightning's own signal connector reads it (a single-device strategy has none).
-        environment = trainer._accelerator_connector.cluster_environment
+        environment = lightning_cluster_environment(trainer)
+        if self.preemption is not None and environment is None:
+            warn("resumekit cannot see this Lightning's cluster environment: check yourself "
+                 "that SLURMEnvironment(auto_requeue=False) is set (resumekit makes the "
+                 "emergency save and requeue itself)", ResumekitWarning, stacklevel=2)
         if self.preemption is not None and isinstance(environment, SLURMEnvironment) \
                 and environment.auto_requeue:
             raise ConfigurationError(
@@ -730,15 +738,18 @@ class ResumekitCallback(Callback):
         early. Given the full length (its ``max_batches``, the limit of its combined
         loader, for a fractional ``val_check_interval`` its ``val_check_batch``), its
         counters continue where the saved run's were, and the epoch ends where the
-        sampler's does. Lightning 2.6 keeps the limit on ``fit_loop._combined_loader`` and the
-        length its fetcher counts to on ``fit_loop._data_fetcher``; a Lightning without
-        them, or several train loaders, is warned about.
+        sampler's does. Lightning 2.6 keeps the limit on its fit loop's combined loader and
+        the length its fetcher counts to on the loop's data fetcher (both private: reached
+        through :mod:`resumekit._compat`); a Lightning without them, or several train
+        loaders, is warned about.
         """
         self._shortened_epoch = False
         loader = trainer.train_dataloader
-        combined = getattr(trainer.fit_loop, "_combined_loader", None)
+        combined = lightning_combined_loader(trainer.fit_loop)
+        fetcher = lightning_data_fetcher(trainer.fit_loop)
         data = self._data(required=False)
         if not isinstance(loader, torch.utils.data.DataLoader) or combined is None \
+                or fetcher is None \
                 or len(getattr(combined, "limits", None) or ()) != 1 or data is None:
             message = ("after the mid-epoch resume Lightning expects the short epoch it "
                        f"counted ({trainer.num_training_batches} batches): resumekit can "
@@ -753,8 +764,7 @@ class ResumekitCallback(Callback):
         batches = min(length, int(limit)) if isinstance(limit, int) else int(length * limit)
         trainer.fit_loop.max_batches = batches
         combined.limits = [batches]
-        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-        if fetcher is not None and getattr(fetcher, "length", None) is not None:
+        if getattr(fetcher, "length", None) is not None:
             fetcher.length = batches  # counted from the saved run's batches on
         interval = trainer.val_check_interval
         if isinstance(interval, float) and trainer.val_check_batch is not None \

@@ -3,7 +3,7 @@
 The decisions of :meth:`resumekit.CheckpointManager.restore`, as functions of what the
 catalog lists, so that each is read and tested without a manager, a model or a process
 group. The manager runs them in this order and does what they say (it loads, sets aside
-through :func:`resumekit.store.commit.set_aside`, warns and logs):
+through :func:`resumekit.store.recovery.set_aside`, warns and logs):
 
 1. :func:`survey` the root (leader only): undo an interrupted replacement, list it, and
    check whether the root itself is another tool's checkpoint;
@@ -47,21 +47,17 @@ from resumekit.store import generations
 from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
-    ForeignCheckpoint,
-    detect_foreign,
-    entries_from_top,
-    import_command,
     list_checkpoints,
     list_root,
-    listing_with_hinted_step,
     other_entries,
     other_name_checkpoints,
-    read_top,
     sort_entries,
 )
-from resumekit.store.commit import recover_interrupted
+from resumekit.store.foreign import ForeignCheckpoint, detect_foreign, import_command
 from resumekit.store.layout import GENERATIONS_DIR, NameFormat
 from resumekit.store.manifest import WriterGeneration, running_versions, version_skew
+from resumekit.store.newest import entries_from_top, listing_with_hinted_step, read_top
+from resumekit.store.recovery import recover_interrupted
 from resumekit.store.retry import is_transient
 from resumekit.store.storage import Storage
 
@@ -114,7 +110,7 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
 
     Without ``whole`` only its top is read: one listing, every entry that is not a step
     directory, and the step directories from the highest down to the newest checkpoint a
-    writer that was not fenced committed (:func:`~resumekit.store.catalog.read_top`), so a
+    writer that was not fenced committed (:func:`~resumekit.store.newest.read_top`), so a
     restore's cost does not grow with the checkpoints below it; a restore that falls back
     past that one reads the rest (:func:`survey_below`).
 
@@ -122,7 +118,7 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
         storage: The checkpoint root.
         name_format: Its step directory names.
         recover: First undo a replacement a crash cut between its two renames
-            (:func:`resumekit.store.commit.recover_interrupted`); False for a read-only restore.
+            (:func:`resumekit.store.recovery.recover_interrupted`); False for a read-only restore.
         whole: Read every entry (a restore of an explicit step).
 
     A root passed as ``.../checkpoint-4`` is a foreign one only when it holds nothing

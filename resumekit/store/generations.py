@@ -43,13 +43,14 @@ import secrets
 from collections.abc import Iterable
 
 from resumekit.errors import FencedWriterError, StorageError, UnsafeCheckpointError
-from resumekit.store.catalog import CheckpointEntry, generation_record_numbers, newest_committed
+from resumekit.store.catalog import CheckpointEntry
 from resumekit.store.layout import (
     GENERATIONS_DIR,
     NameFormat,
     generation_record_name,
 )
 from resumekit.store.manifest import Lineage, Manifest, WriterGeneration
+from resumekit.store.newest import generation_record_numbers, newest_committed
 from resumekit.store.retry import READ_ATTEMPTS, is_transient, read_with_retry
 from resumekit.store.storage import RECORD_LIMIT, Storage, parse_json
 
@@ -197,7 +198,7 @@ def newest_restorable(storage: Storage, name_format: NameFormat | None = None
 
     The newest committed checkpoint that no fenced writer committed (:func:`zombie_reason`
     against the root's newest claim), read from the top down like
-    :func:`~resumekit.store.catalog.newest_committed`. A commit that landed in the race window of
+    :func:`~resumekit.store.newest.newest_committed`. A commit that landed in the race window of
     a fenced writer is committed on disk but never restored; ``latest()`` and ``resumekit
     inspect`` name the same checkpoint a restore would, and say which ones they passed.
 

@@ -36,13 +36,14 @@ from resumekit.store.catalog import (
     CheckpointEntry,
     Listing,
     classify_step,
-    forget_newest_hint,
     hidden_entries,
     list_checkpoints,
     list_root,
     step_directories,
 )
-from resumekit.store.commit import (
+from resumekit.store.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
+from resumekit.store.newest import forget_newest_hint
+from resumekit.store.recovery import (
     cut_short_reason,
     pid_gone,
     read_writer,
@@ -50,7 +51,6 @@ from resumekit.store.commit import (
     staging_areas,
     writer_of,
 )
-from resumekit.store.layout import GENERATIONS_DIR, MANIFEST_NAME, NameFormat
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -273,7 +273,7 @@ def _abandoned(storage: Storage, name: str, clock: _StorageClock, sweep_after: f
     """Why the staging area ``name`` may be swept, else None.
 
     At once when it is provably left by a cut operation
-    (:func:`~resumekit.store.commit.cut_short_reason`). Otherwise never while its writer (its
+    (:func:`~resumekit.store.recovery.cut_short_reason`). Otherwise never while its writer (its
     record, else its manifest's lineage) is a live process of this host or a save of
     this process (``active_tokens``); else once nothing in it changed for
     ``sweep_after`` seconds, measured on the storage's own clock (:class:`_StorageClock`):

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import fsspec
-import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
+from resumekit._compat import s3_call
 from resumekit.errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -210,8 +210,8 @@ class Storage:
         bucket, _, key = target.strip("/").partition("/")
         prefix = f"{key}/" if key else ""
         try:
-            page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_objects_v2",
-                                    Bucket=bucket, Prefix=prefix, MaxKeys=1)
+            page = s3_call(self.fs, "list_objects_v2", Bucket=bucket, Prefix=prefix,
+                           MaxKeys=1)
         except FileNotFoundError:  # no such bucket
             return False
         return bool(page.get("KeyCount") or page.get("Contents")
@@ -358,9 +358,8 @@ class Storage:
         with _storage_errors("list", target, "list", ignores=(FileNotFoundError,)):
             while True:
                 extra = {"ContinuationToken": token} if token else {}
-                page = fsspec.asyn.sync(
-                    self.fs.loop, self.fs._call_s3, "list_objects_v2", Bucket=bucket,
-                    Prefix=prefix, Delimiter="/", StartAfter=prefix + after, **extra)
+                page = s3_call(self.fs, "list_objects_v2", Bucket=bucket, Prefix=prefix,
+                               Delimiter="/", StartAfter=prefix + after, **extra)
                 found.extend((str(item["Prefix"])[len(prefix):].rstrip("/"), True)
                              for item in page.get("CommonPrefixes", []))
                 found.extend((str(item["Key"])[len(prefix):], False)

@@ -98,10 +98,10 @@ from resumekit.errors import (
     UnreadableFormatError,
     UnsafeCheckpointError,
 )
-from resumekit.store.catalog import locate_tensor_data
 from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import is_transient, read_with_retry
+from resumekit.store.targets import locate_tensor_data
 from resumekit.store.tree import flatten
 from resumekit.tensors import raw_files as raw_tensor_files
 from resumekit.tensors import replayed_save, save_planner

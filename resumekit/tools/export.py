@@ -42,10 +42,9 @@ Floating-point tensors are cast to ``dtype`` when one is given; integer and bool
 tensors (buffers such as counters) keep theirs. Byte order is the machine's (little-endian
 on every platform PyTorch supports), as safetensors requires.
 
-Finding the checkpoint a path points at (:func:`~resumekit.store.catalog.open_target`,
-:func:`~resumekit.store.catalog.select_committed`) is :mod:`resumekit.store.catalog`'s job;
-those names
-are re-exported here for code that imported them from this module.
+Finding the checkpoint a path points at (:func:`~resumekit.store.targets.open_target`,
+:func:`~resumekit.store.targets.select_committed`) is :mod:`resumekit.store.targets`'
+job; those names are re-exported here for code that imported them from this module.
 """
 
 from __future__ import annotations
@@ -70,19 +69,19 @@ from resumekit.errors import (
     ResumekitError,
     StorageError,
 )
-from resumekit.store.catalog import (
-    DEFAULT_NAME_FORMATS,  # re-exported: its home is catalog
-    CheckpointTarget,  # re-exported: its home is catalog
-    detect_foreign,
+from resumekit.store.catalog import verify_checkpoint
+from resumekit.store.foreign import detect_foreign
+from resumekit.store.layout import MANIFEST_NAME, NameFormat
+from resumekit.store.manifest import Manifest
+from resumekit.store.storage import Storage
+from resumekit.store.targets import (
+    DEFAULT_NAME_FORMATS,  # re-exported: its home is targets
+    CheckpointTarget,  # re-exported: its home is targets
     open_target,
     select_committed,
     split_parent,
     tensors_url,
-    verify_checkpoint,
 )
-from resumekit.store.layout import MANIFEST_NAME, NameFormat
-from resumekit.store.manifest import Manifest
-from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
 from resumekit.tensors.sharded import read_full_state  # re-exported: its home is sharded
 

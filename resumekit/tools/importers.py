@@ -65,8 +65,8 @@ from resumekit.errors import (
 )
 from resumekit.state import jsonable, rng
 from resumekit.state.train_state import dump_plain
-from resumekit.store.catalog import FOREIGN_FORMATS, detect_foreign
 from resumekit.store.commit import CommitProtocol
+from resumekit.store.foreign import FOREIGN_FORMATS, detect_foreign
 from resumekit.store.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,

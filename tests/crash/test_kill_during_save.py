@@ -44,14 +44,10 @@ from typing import Any
 import pytest
 
 from resumekit.errors import ResumekitError
-from resumekit.store.catalog import (
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-)
+from resumekit.store.catalog import list_checkpoints, read_manifest, verify_checkpoint
 from resumekit.store.layout import GENERATIONS_DIR, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from tests.crash.writer import CATEGORIES, POLICY, expected_files
 

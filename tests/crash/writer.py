@@ -44,10 +44,11 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 from resumekit.errors import StorageError
-from resumekit.store.catalog import latest_committed
-from resumekit.store.commit import CommitProtocol, recover_interrupted
+from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import Manifest
+from resumekit.store.newest import latest_committed
+from resumekit.store.recovery import recover_interrupted
 from resumekit.store.retention import RetentionPolicy, keep_every, keep_last, prune
 from resumekit.store.storage import Storage
 

@@ -33,8 +33,8 @@ from torch import nn
 
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
-from resumekit.store.catalog import latest_committed
 from resumekit.store.layout import NameFormat
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 
 SAVE_EVERY = 5

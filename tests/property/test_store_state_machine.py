@@ -35,14 +35,10 @@ from hypothesis.stateful import (
 )
 
 from resumekit.errors import StepCollisionError
-from resumekit.store.catalog import (
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-)
+from resumekit.store.catalog import list_checkpoints, read_manifest, verify_checkpoint
 from resumekit.store.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.store.manifest import MANIFEST_NAME, Lineage, Manifest
+from resumekit.store.newest import latest_committed
 from resumekit.store.retention import RetentionPolicy, keep_every, keep_last, prune
 from resumekit.store.storage import Storage
 

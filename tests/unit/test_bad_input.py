@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from resumekit.errors import StepCollisionError, StorageError
-from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import GENERATIONS_DIR
 from resumekit.store.manifest import MANIFEST_NAME, Manifest
+from resumekit.store.newest import latest_committed
 from resumekit.store.retention import keep_last, prune
 from resumekit.store.storage import Storage
 from tests.conftest import unavailable

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from resumekit.store.catalog import detect_foreign, list_checkpoints
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.foreign import detect_foreign
 from resumekit.store.layout import NameFormat
 from resumekit.store.storage import Storage
 

@@ -11,10 +11,12 @@ from torch import nn
 
 from resumekit.errors import StepCollisionError, StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.store.catalog import latest_committed, read_manifest, verify_checkpoint
-from resumekit.store.commit import WRITER_FILE, CommitProtocol, recover_interrupted
+from resumekit.store.catalog import read_manifest, verify_checkpoint
+from resumekit.store.commit import WRITER_FILE, CommitProtocol
 from resumekit.store.layout import GENERATIONS_DIR, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME, Manifest, SaveReason
+from resumekit.store.newest import latest_committed
+from resumekit.store.recovery import recover_interrupted
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import save_checkpoint

@@ -28,7 +28,7 @@ import resumekit
 from resumekit.errors import FencedWriterError, StepCollisionError
 from resumekit.manager import CheckpointManager
 from resumekit.store import generations
-from resumekit.store.catalog import latest_committed, list_checkpoints, read_manifest
+from resumekit.store.catalog import list_checkpoints, read_manifest
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import (
     GENERATIONS_DIR,
@@ -36,6 +36,7 @@ from resumekit.store.layout import (
     parse_generation_record_name,
 )
 from resumekit.store.manifest import Lineage, Manifest, WriterGeneration, parse_manifest
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
 

@@ -26,9 +26,10 @@ from torch import nn
 from resumekit.errors import FencedWriterError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.store import generations, retry
-from resumekit.store.catalog import latest_committed, list_checkpoints
+from resumekit.store.catalog import list_checkpoints
 from resumekit.store.layout import GENERATIONS_DIR, generation_record_name
 from resumekit.store.manifest import Lineage
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 
 JOB = "4242"

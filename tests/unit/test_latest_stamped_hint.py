@@ -29,16 +29,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from resumekit.manager import CheckpointManager
 from resumekit.store import commit, generations
-from resumekit.store.catalog import (
-    CheckpointEntry,
-    classify_step,
-    list_root,
-    newest_committed,
-    step_directories,
-)
-from resumekit.store.commit import CommitProtocol, recover_interrupted, set_aside
+from resumekit.store.catalog import CheckpointEntry, classify_step, list_root, step_directories
+from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import GENERATIONS_DIR, MANIFEST_NAME, NEWEST_HINT_FILE, NameFormat
 from resumekit.store.manifest import Lineage, Manifest
+from resumekit.store.newest import newest_committed
+from resumekit.store.recovery import recover_interrupted, set_aside
 from resumekit.store.retention import keep_last, prune
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning

@@ -8,13 +8,14 @@ import pytest
 
 from resumekit.errors import ConfigurationError
 from resumekit.store import layout
-from resumekit.store.catalog import latest_committed, list_checkpoints
+from resumekit.store.catalog import list_checkpoints
 from resumekit.store.layout import (
     DEFAULT_NAME_FORMAT,
     LEGACY_NAME_FORMAT,
     HiddenName,
     NameFormat,
 )
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from tests.storage_backends import save_checkpoint
 from tests.unit.test_cli_support import write_checkpoints

@@ -131,6 +131,30 @@ def test_the_callback_refuses_lightnings_slurm_auto_requeue_and_a_trainer_withou
         trainer.fit(model)
 
 
+@pytest.mark.parametrize("moved", ["lightning_combined_loader", "lightning_data_fetcher"])
+def test_a_lightning_whose_fit_loop_lost_a_private_attribute_warns_on_a_mid_epoch_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moved: str
+) -> None:
+    root = tmp_path / "root"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(tmp_path, root, 20, [At(6)])  # committed: step 4, mid-epoch
+    # what resumekit._compat answers when a Lightning release renames the attribute
+    monkeypatch.setattr(f"resumekit.integrations.lightning.{moved}", lambda fit_loop: None)
+    with pytest.warns(ResumekitWarning, match="expects the short epoch it counted"):
+        _fit(tmp_path, root, 12, [], ckpt_path=root)
+    assert list(_committed(root)) == [4, 8, 12]  # warned, and trained on
+
+
+def test_a_lightning_whose_cluster_environment_moved_is_warned_about_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("resumekit.integrations.lightning.lightning_cluster_environment",
+                        lambda trainer: None)
+    with pytest.warns(ResumekitWarning, match=r"SLURMEnvironment\(auto_requeue=False\)"):
+        _fit(tmp_path, tmp_path / "root", 4, [])
+    assert list(_committed(tmp_path / "root")) == [4]
+
+
 def test_a_signal_that_arrives_after_the_last_vote_is_warned_about_not_swallowed(
     tmp_path: Path
 ) -> None:

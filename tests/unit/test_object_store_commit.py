@@ -19,9 +19,10 @@ from torch import nn
 
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning

@@ -49,7 +49,8 @@ def test_every_public_name_is_what_its_own_module_defines(name: str) -> None:
 
 def test_importing_the_package_and_the_store_loads_no_torch() -> None:
     code = ("import sys, resumekit, resumekit.store.catalog, resumekit.store.commit, "
-            "resumekit.store.retention; "
+            "resumekit.store.foreign, resumekit.store.newest, resumekit.store.recovery, "
+            "resumekit.store.targets, resumekit.store.retention, resumekit._compat; "
             "resumekit.keep_last, resumekit.CheckpointEntry, resumekit.ResumekitError; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -66,11 +67,11 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
     ("resumekit.store.commit", "resumekit.store.layout", "WRITER_FILE"),
     ("resumekit.store.manifest", "resumekit.store.layout", "MANIFEST_NAME"),
     ("resumekit.tensors.sharded", "resumekit.store.layout", "METADATA_FILE"),
-    ("resumekit.tools.export", "resumekit.store.catalog", "CheckpointTarget"),
-    ("resumekit.tools.export", "resumekit.store.catalog", "open_target"),
-    ("resumekit.tools.export", "resumekit.store.catalog", "select_committed"),
-    ("resumekit.tools.export", "resumekit.store.catalog", "tensors_url"),
-    ("resumekit.tools.export", "resumekit.store.catalog", "DEFAULT_NAME_FORMATS"),
+    ("resumekit.tools.export", "resumekit.store.targets", "CheckpointTarget"),
+    ("resumekit.tools.export", "resumekit.store.targets", "open_target"),
+    ("resumekit.tools.export", "resumekit.store.targets", "select_committed"),
+    ("resumekit.tools.export", "resumekit.store.targets", "tensors_url"),
+    ("resumekit.tools.export", "resumekit.store.targets", "DEFAULT_NAME_FORMATS"),
     ("resumekit.tools.export", "resumekit.tensors.sharded", "read_full_state"),
 ])
 def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(

@@ -21,10 +21,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.store.catalog import latest_committed, verify_checkpoint
+from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import GENERATIONS_DIR
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw_files as raw_tensor_files
 from resumekit.tensors import sharded

@@ -21,9 +21,9 @@ from resumekit.errors import (
 )
 from resumekit.restore import plan as restore_plan
 from resumekit.store.catalog import CheckpointEntry, Defect, Status
-from resumekit.store.commit import set_aside
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import Manifest
+from resumekit.store.recovery import set_aside
 from resumekit.store.storage import Storage
 
 FORMAT = NameFormat("step_{step:09d}")

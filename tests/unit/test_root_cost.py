@@ -19,21 +19,20 @@ import pytest
 
 from benchmarks.root_cost import checkpoint_steps, count_storage_calls, measure, populate
 from resumekit.errors import StepCollisionError
-from resumekit.store.catalog import (
-    _sorts_by_name,
-    latest_committed,
-    newest_committed,
-    open_target,
-    read_newest_hint,
-    read_top,
-    select_committed,
-    write_newest_hint,
-)
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import ATTEMPT_PREFIX, NEWEST_HINT_FILE, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME
+from resumekit.store.newest import (
+    _sorts_by_name,
+    latest_committed,
+    newest_committed,
+    read_newest_hint,
+    read_top,
+    write_newest_hint,
+)
 from resumekit.store.retention import RollingSweep, keep_all, keep_last, prune
 from resumekit.store.storage import Storage
+from resumekit.store.targets import open_target, select_committed
 from tests.storage_backends import StorageFactory, save_checkpoint
 
 #: More operations than this between 10 and 300 checkpoints is growth, not noise.

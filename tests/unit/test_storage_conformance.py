@@ -22,15 +22,11 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
-from resumekit.store.catalog import (
-    latest_committed,
-    list_checkpoints,
-    read_manifest,
-    verify_checkpoint,
-)
+from resumekit.store.catalog import list_checkpoints, read_manifest, verify_checkpoint
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import GENERATIONS_DIR, LEGACY_NAME_FORMAT, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME, SCHEMA_VERSION, Manifest
+from resumekit.store.newest import latest_committed
 from resumekit.store.retention import keep_last, keep_steps, prune
 from resumekit.store.storage import Storage
 from tests.storage_backends import (

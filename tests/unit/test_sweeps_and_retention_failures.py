@@ -18,9 +18,10 @@ from torch import nn
 
 from resumekit.errors import StorageError
 from resumekit.manager import CheckpointManager
-from resumekit.store.catalog import latest_committed, list_checkpoints, verify_checkpoint
+from resumekit.store.catalog import list_checkpoints, verify_checkpoint
 from resumekit.store.commit import WRITER_FILE, CommitProtocol, PendingCheckpoint
 from resumekit.store.manifest import Manifest
+from resumekit.store.newest import latest_committed
 from resumekit.store.retention import keep_last, prune
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
