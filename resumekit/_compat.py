@@ -9,3 +9,18 @@ functions that need them.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import Any, cast
+
+# --------------------------------------------------------------------- tensors: raw format
+
+
+def dcp_storage_info() -> type[Any]:
+    """DCP's ``torch.distributed.checkpoint.filesystem._StorageInfo``, the class itself.
+
+    The one private torch name of the raw tensor format (:mod:`resumekit.tensors.raw`).
+    """
+    # .metadata pickles every item's place as it; if it moves, no old checkpoint unpickles.
+    module = importlib.import_module("torch.distributed.checkpoint.filesystem")
+    return cast("type[Any]", module._StorageInfo)

@@ -103,9 +103,9 @@ from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import is_transient, read_with_retry
 from resumekit.store.tree import flatten
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import replayed_save, save_planner
-from resumekit.tensors.raw_files import (
+from resumekit.tensors.raw import (
     CheckedDcpWriter,
     RawTensorReading,
     RawTensorWriter,
