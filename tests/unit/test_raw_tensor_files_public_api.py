@@ -17,7 +17,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
 
-from resumekit.tensors.raw import CheckedDcpWriter, FsspecFiles, RankFiles, RawTensorWriter
+from resumekit.tensors.raw import (
+    CheckedDcpWriter,
+    FsspecFiles,
+    FsspecReader,
+    RankFiles,
+    RawTensorWriter,
+)
 
 
 def _state() -> dict[str, Any]:
@@ -136,3 +142,20 @@ def test_fsspec_files_do_what_dcps_filesystem_api_asks_on_any_fsspec_url() -> No
     assert FsspecFiles.validate_checkpoint_id("memory://x")
     assert not FsspecFiles.validate_checkpoint_id(Path("/tmp/x"))
     assert not FsspecFiles.validate_checkpoint_id("no-such-protocol://x")
+
+
+def test_a_checkpoint_at_an_fsspec_url_loads_through_the_public_reader_over_fsspec_files(
+) -> None:
+    url = "memory://resumekit-reader/ckpt"
+    dcp.save(_state(), storage_writer=CheckedDcpWriter(url, thread_count=2), no_dist=True)
+    reader = FsspecReader(url)
+    assert isinstance(reader.fs, FsspecFiles) and reader.path == url
+    assert FsspecReader.validate_checkpoint_id(url)
+    loaded = {key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else None
+              for key, value in _state().items()}
+    dcp.load(loaded, storage_reader=reader, no_dist=True)
+    for key, value in _state().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(loaded[key], value), key
+        else:
+            assert loaded[key] == value, key

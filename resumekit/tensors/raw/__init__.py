@@ -9,7 +9,8 @@ A storage layer for DCP (``torch.distributed.checkpoint``); planning, resharding
   the filesystem allows it, a failure named with its cause.
 * :mod:`.writer`: the ``StorageWriter`` s (:class:`RawTensorWriter` for local
   directories, :class:`CheckedDcpWriter` for fsspec URLs) and their writer threads.
-* :mod:`.reader`: :class:`RawTensorReading`, the in-place, block-checked reads.
+* :mod:`.reader`: :class:`RawTensorReading`, the in-place, block-checked reads (and
+  :class:`FsspecReader`, DCP's reader at fsspec URLs).
 
 This package re-exports what the rest of resumekit uses.
 """
@@ -43,7 +44,7 @@ from resumekit.tensors.raw.format import (
     is_raw,
     raw_files,
 )
-from resumekit.tensors.raw.reader import READ_THREADS, RawTensorReading
+from resumekit.tensors.raw.reader import READ_THREADS, FsspecReader, RawTensorReading
 from resumekit.tensors.raw.writer import (
     SMALL_SAVE_BYTES,
     CheckedDcpWriter,
@@ -67,6 +68,7 @@ __all__ = [
     "SMALL_SAVE_BYTES",
     "CheckedDcpWriter",
     "FsspecFiles",
+    "FsspecReader",
     "RankFiles",
     "RawTensorReading",
     "RawTensorWriter",

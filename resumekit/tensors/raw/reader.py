@@ -26,6 +26,7 @@ from typing import IO, Any, cast
 
 import torch
 import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -37,6 +38,7 @@ from torch.futures import Future
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.store.manifest import Checksum, hex_digest
 from resumekit.store.retry import read_with_retry
+from resumekit.tensors.raw.files import FsspecFiles
 from resumekit.tensors.raw.format import (
     _FOOTER,
     _INLINE_PACK_PREFIX,
@@ -53,7 +55,7 @@ from resumekit.tensors.raw.format import (
     is_packed_member,
 )
 
-__all__ = ["READ_THREADS", "RawTensorReading"]
+__all__ = ["READ_THREADS", "FsspecReader", "RawTensorReading"]
 
 
 def _usable_cpus() -> int:
@@ -68,6 +70,29 @@ READ_THREADS = max(1, min(4, _usable_cpus()))
 read is a memory copy and the checksum a CPU pass, so threads beyond the cores only add
 switching)."""
 
+
+
+class FsspecReader(FileSystemReader):
+    """DCP's ``FileSystemReader`` over :class:`FsspecFiles`: checkpoints at fsspec URLs.
+
+    What DCP's own fsspec reader is, on its public ``FileSystemReader``; mix
+    :class:`RawTensorReading` in before it to read the raw format too.
+
+    Args:
+        path: The checkpoint's URL (``s3://bucket/run/step_000001000/tensors``, ...).
+        **storage_options: fsspec options (credentials, ``endpoint_url``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], **storage_options: Any) -> None:
+        super().__init__(path)
+        files = FsspecFiles()
+        self.path = files.init_path(path, **storage_options)
+        self.fs = cast(Any, files)  # DCP types it as its local FileSystem; any FileSystemBase does
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL fsspec can open."""
+        return FsspecFiles.validate_checkpoint_id(checkpoint_id)
 
 
 class RawTensorReading:
