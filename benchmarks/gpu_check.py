@@ -89,7 +89,7 @@ CUDA_PATHS = {
     "rng_capture_restore": "CUDA RNG capture and restore (resumekit/state/rng.py)",
     "aligned_staging": "page-aligned staging of CUDA tensors (raw_tensor_files.aligned_empty)",
     "pinned_staging": "pinned page-aligned staging buffers aligned_empty(pin_memory=True) "
-                      "and CpuStager pinning (resumekit/tensors/raw_files.py, sharded.py)",
+                      "and CpuStager pinning (resumekit/tensors/raw/, sharded.py)",
     "fsdp2_bf16": "FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
                   "on CUDA",
     "sync_save_odirect": "sync save of CUDA tensors through the O_DIRECT bounce buffer "
@@ -309,7 +309,7 @@ def _check_rng(state: dict[str, Any]) -> dict[str, Any]:
 def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.raw import ALIGNMENT, aligned_empty
     from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
@@ -340,7 +340,7 @@ def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
 def _check_pinned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.raw import ALIGNMENT, aligned_empty
     from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
@@ -552,7 +552,7 @@ class _Recorder:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        from resumekit.tensors import raw_files as raw_tensor_files
+        from resumekit.tensors.raw import files as raw_tensor_files
 
         original = raw_tensor_files._AlignedFile
         recorder = self
@@ -644,7 +644,7 @@ def _check_async_save(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dic
     import torch
 
     from resumekit.manager import CheckpointManager
-    from resumekit.tensors.raw_files import ALIGNMENT, aligned_empty
+    from resumekit.tensors.raw import ALIGNMENT, aligned_empty
     from resumekit.tensors.sharded import model_and_optimizer_state
 
     ctx = state["ctx"]

@@ -14,11 +14,13 @@ nothing else: deciding what to do when it is gone is the caller's job.
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import Any, cast
 
 import fsspec.asyn
 
 __all__ = [
+    "dcp_storage_info",
     "lightning_cluster_environment",
     "lightning_combined_loader",
     "lightning_data_fetcher",
@@ -79,3 +81,16 @@ def lightning_data_fetcher(fit_loop: Any) -> Any | None:
     # Lightning 2.x's fetcher counts the epoch to its own length. If it moves: after a
     # mid-epoch resume Lightning's done-check may stop at the short length it counted.
     return getattr(fit_loop, "_data_fetcher", None)
+
+
+# --------------------------------------------------------------------- tensors: raw format
+
+
+def dcp_storage_info() -> type[Any]:
+    """DCP's ``torch.distributed.checkpoint.filesystem._StorageInfo``, the class itself.
+
+    The one private torch name of the raw tensor format (:mod:`resumekit.tensors.raw`).
+    """
+    # .metadata pickles every item's place as it; if it moves, no old checkpoint unpickles.
+    module = importlib.import_module("torch.distributed.checkpoint.filesystem")
+    return cast("type[Any]", module._StorageInfo)

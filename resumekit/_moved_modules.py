@@ -31,7 +31,7 @@ MOVED: dict[str, str] = {
     "resumekit.loader": "resumekit.state.loader",
     "resumekit.manifest": "resumekit.store.manifest",
     "resumekit.preemption": "resumekit.runtime.preemption",
-    "resumekit.raw_tensor_files": "resumekit.tensors.raw_files",
+    "resumekit.raw_tensor_files": "resumekit.tensors.raw",
     "resumekit.replayed_save": "resumekit.tensors.replayed_save",
     "resumekit.restore_plan": "resumekit.restore.plan",
     "resumekit.retention": "resumekit.store.retention",

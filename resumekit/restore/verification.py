@@ -4,7 +4,7 @@ Restore checks every byte it loads against the manifest (``verify_on_restore``).
 is split so that no rank reads a file twice and no rank waits long for the others:
 
 1. ``tensors/.metadata`` is hashed first, on every rank: it holds the per-block checksums
-   of the raw tensor files (:mod:`resumekit.tensors.raw_files`);
+   of the raw tensor files (:mod:`resumekit.tensors.raw`);
 2. those raw tensor files then only need the size the manifest records: every block is
    checked against its checksum while it is read (:func:`resumekit.tensors.sharded.load`);
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed

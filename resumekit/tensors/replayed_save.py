@@ -76,7 +76,7 @@ from resumekit.errors import ResumekitError, StorageError
 from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import checksum_chunks
 from resumekit.tensors import save_planner
-from resumekit.tensors.raw_files import (
+from resumekit.tensors.raw import (
     DATA_SUFFIX,
     RawTensorWriter,
     WrittenFile,

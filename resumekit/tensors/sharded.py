@@ -51,8 +51,6 @@ import torch.distributed as dist
 from fsspec.core import split_protocol
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -103,10 +101,11 @@ from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import is_transient, read_with_retry
 from resumekit.store.targets import locate_tensor_data
 from resumekit.store.tree import flatten
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import replayed_save, save_planner
-from resumekit.tensors.raw_files import (
+from resumekit.tensors.raw import (
     CheckedDcpWriter,
+    FsspecReader,
     RawTensorReading,
     RawTensorWriter,
     WrittenFile,
@@ -114,6 +113,7 @@ from resumekit.tensors.raw_files import (
     checksum_files,
     raw_files,
 )
+from resumekit.tensors.raw import FsspecFiles as FsspecFileSystem
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.save_planner import StructureCachingSavePlanner
 

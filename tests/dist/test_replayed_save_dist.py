@@ -117,7 +117,7 @@ def test_a_value_whose_pickled_length_changes_on_one_rank_makes_every_rank_plan_
 
 
 def _one_rank_cannot_write(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from resumekit.tensors import raw_files as raw_tensor_files  # noqa: PLC0415 - patched in this rank's process
+    from resumekit.tensors.raw import writer as raw_tensor_files  # noqa: PLC0415 - patched in this rank's process
 
     forget_plans()
     dcp_calls = _counting_dcp_saves()

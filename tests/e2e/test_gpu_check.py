@@ -22,7 +22,7 @@ from benchmarks import gpu_check
 from examples.lingbot.config import get_config
 from examples.lingbot.errors import ConfigError
 from examples.lingbot.train import _with_dtype, build_parser
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -21,12 +21,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 
 from resumekit.errors import CorruptCheckpointError
 from resumekit.store.manifest import hex_digest
-from resumekit.tensors.raw_files import (
-    MIN_BLOCK_BYTES,
-    RawTensorReading,
-    _Descriptor,
-    _Job,
-)
+from resumekit.tensors.raw import MIN_BLOCK_BYTES, RawTensorReading
+from resumekit.tensors.raw.format import _Descriptor
+from resumekit.tensors.raw.reader import _Job
 
 BLOCK = MIN_BLOCK_BYTES
 HEADER = 1000  # the item starts this far into its file, as items after the first do

@@ -16,9 +16,10 @@ from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.store.retention import keep_all
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import sharded
-from resumekit.tensors.raw_files import FORMAT_NAME, MEMBER_DESCRIPTORS, _Descriptor
+from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
+from resumekit.tensors.raw.format import _Descriptor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

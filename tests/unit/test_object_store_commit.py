@@ -244,7 +244,7 @@ def test_a_file_the_metadata_references_that_no_rank_reported_fails_the_commit(
 def test_a_dcp_writer_that_loses_an_item_without_an_error_writes_no_metadata(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from resumekit.tensors.raw_files import CheckedDcpWriter  # noqa: PLC0415
+    from resumekit.tensors.raw import CheckedDcpWriter  # noqa: PLC0415
 
     url = f"memory://objstore-{uuid.uuid4().hex[:10]}"
     original = CheckedDcpWriter.write_data

@@ -1,4 +1,4 @@
-"""resumekit.tensors.raw_files in one process: raw bytes on disk, checksums, verified reads."""
+"""resumekit.tensors.raw in one process: raw bytes on disk, checksums, verified reads."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from resumekit.store.layout import GENERATIONS_DIR
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import sharded
-from resumekit.tensors.raw_files import (
+from resumekit.tensors.raw import (
     ALIGNMENT,
     CHUNK_BYTES,
     FORMAT_NAME,
@@ -39,6 +39,8 @@ from resumekit.tensors.raw_files import (
     RawTensorWriter,
     aligned_empty,
 )
+from resumekit.tensors.raw import reader as raw_reader
+from resumekit.tensors.raw import writer as raw_writer
 from tests.conftest import unavailable
 
 
@@ -276,13 +278,14 @@ def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checke
     assert all(int(text.split(";")[1]) <= PACK_BYTES for text in regions.values())
 
     checked: list[int] = []
-    original = raw_tensor_files.hex_digest
+    original = raw_reader.hex_digest
 
     def count(view: memoryview) -> str:
         checked.append(len(view))
         return original(view)
 
-    monkeypatch.setattr(raw_tensor_files, "hex_digest", count)
+    for module in (raw_tensor_files, raw_reader):  # the reader, and sharded's laid-out reads
+        monkeypatch.setattr(module, "hex_digest", count)
     _round_trips(state, tmp_path / "ckpt")
     assert len(checked) == len(regions)  # every region hashed once, not once per member
 
@@ -292,7 +295,8 @@ def test_a_checkpoint_with_every_item_stored_alone_as_before_packing_still_loads
 ) -> None:
     # Checkpoints written before packing hold every item alone, small ones included, in
     # format 1; the reader keeps reading them (and verifying them block by block).
-    monkeypatch.setattr(raw_tensor_files, "PACK_ITEM_BYTES", 0)
+    for module in (raw_tensor_files, raw_writer):  # the writer, and sharded's replayed saves
+        monkeypatch.setattr(module, "PACK_ITEM_BYTES", 0)
     state = mixed_state()
     sharded.save(state, tmp_path / "ckpt")
     monkeypatch.undo()
@@ -771,7 +775,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         unavailable("this platform has no O_DIRECT")
-    import resumekit.tensors.raw_files as module
+    import resumekit.tensors.raw.files as module
 
     real_write = os.write
     refused: list[int] = []
@@ -800,7 +804,7 @@ def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_wi
 
 
 def test_a_rank_reads_with_at_most_one_thread_per_usable_cpu_and_at_most_four() -> None:
-    import resumekit.tensors.raw_files as module
+    import resumekit.tensors.raw as module
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert max(1, min(4, cpus or 1)) == module.READ_THREADS
@@ -821,7 +825,7 @@ def _chain(error: BaseException | None) -> list[BaseException]:
 def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_space(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int,
 ) -> None:
-    import resumekit.tensors.raw_files as module
+    import resumekit.tensors.raw.files as module
 
     model, optimizer = _build()
     manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)
@@ -851,14 +855,14 @@ def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_spa
 
 def _writer_threads_started(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     started: list[int] = []
-    original = raw_tensor_files.ThreadPoolExecutor
+    original = raw_writer.ThreadPoolExecutor
 
     class Counting(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             started.append(kwargs.get("max_workers", 0))
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(raw_tensor_files, "ThreadPoolExecutor", Counting)
+    monkeypatch.setattr(raw_writer, "ThreadPoolExecutor", Counting)
     return started
 
 

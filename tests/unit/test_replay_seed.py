@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from resumekit.tensors import replayed_save, save_planner
-from resumekit.tensors.raw_files import MEMBER_DESCRIPTORS
+from resumekit.tensors.raw import MEMBER_DESCRIPTORS
 
 PROPERTIES = TensorProperties.create_from_tensor(torch.zeros(2))
 DESCRIPTOR = "resumekit-raw/3;4096;__0_checksums"  # any non-empty descriptor list

@@ -39,7 +39,7 @@ from resumekit.store.catalog import read_manifest
 from resumekit.store.layout import MANIFEST_NAME
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.storage import Storage
-from resumekit.tensors import raw_files as raw_tensor_files
+from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import sharded
 
 STEP = "step_000000003"

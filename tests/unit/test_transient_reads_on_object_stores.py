@@ -20,13 +20,13 @@ import tenacity
 import torch
 from botocore.exceptions import ConnectionClosedError
 from torch import nn
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 
 from resumekit.errors import CorruptCheckpointError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.store import retry
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
+from resumekit.tensors.raw import FsspecFiles as FsspecFileSystem
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import S3Endpoint
 

@@ -1,0 +1,630 @@
+"""Writing one file of a checkpoint: created new, hashed on its way out, failures named.
+
+The pieces :mod:`resumekit.tensors.raw.writer`'s storage writers are made of:
+
+* :class:`_AlignedFile`: a new local data file written with ``O_DIRECT`` where the
+  filesystem allows it (no page-cache copy, no dirty pages for writeback while training
+  runs), its running checksum covering every byte, padding included.
+* :class:`_Pack`: small items gathered into one packed region (:mod:`.format`).
+* :class:`_HashingStream` and :class:`_RecordingFileSystem`: any DCP ``FileSystem``'s
+  write streams hashed and recorded by file name; a failed stream discarded (an object
+  store then keeps no partial object), never completed by its close.
+* :class:`FsspecFiles`: DCP's public ``FileSystemBase`` over fsspec (``s3://``,
+  ``memory://``, ...).
+* :func:`write_new_file`, :func:`publish_metadata`, :func:`write_checksums`: small files,
+  never over an existing one.
+* :func:`_write_failure`: an ``OSError`` as a :class:`~resumekit.errors.StorageError`
+  naming the file (a full disk also names the free space).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import io
+import logging
+import math
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import torch
+import xxhash
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
+
+from resumekit.errors import StorageError
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.manifest import Checksum, checksum_chunks, hex_digest
+from resumekit.tensors.raw.format import (
+    _FOOTER,
+    _MEMBER,
+    _PACK_MAGIC,
+    ALIGNMENT,
+    CHUNK_BYTES,
+    FORMAT_NAME,
+    MEMBER_DESCRIPTORS,
+    PACK_BYTES,
+    PACK_FORMAT_VERSION,
+    PACK_ITEM_ALIGNMENT,
+    WrittenFile,
+    _aligned,
+    _StorageInfo,
+    encode_checksums,
+)
+
+__all__ = [
+    "FsspecFiles",
+    "aligned_empty",
+    "publish_metadata",
+    "refuse_existing_checkpoint",
+    "write_checksums",
+    "write_new_file",
+]
+
+_METADATA_TMP = f"{DCP_METADATA_FILE}.tmp"
+
+logger = logging.getLogger("resumekit")
+
+
+class FsspecFiles(FileSystemBase):
+    """DCP's ``FileSystemBase`` over an fsspec filesystem (``s3://``, ``memory://``, ...).
+
+    What DCP's own fsspec storage does, on DCP's public extension point: give it to a
+    ``FileSystemWriter`` or ``FileSystemReader`` as its ``fs`` and set its ``path`` to
+    :meth:`init_path`'s answer.
+
+    Attributes:
+        fs: The fsspec filesystem (set by :meth:`init_path`).
+    """
+
+    def __init__(self) -> None:
+        self.fs: Any = None
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        """Open ``path``; a write stream that fails is removed (fsspec has no rollback)."""
+        where = os.fspath(path)
+        with self.fs.open(where, mode) as stream:
+            try:
+                yield stream
+            except BaseException:
+                if any(flag in mode for flag in "w+a"):
+                    with contextlib.suppress(Exception):  # secondary to the error raised
+                        self.rm_file(where)
+                raise
+
+    def concat_path(self, path: str | os.PathLike[str], suffix: str) -> str:
+        """``path/suffix``."""
+        return os.path.join(os.fspath(path), suffix)
+
+    def init_path(self, path: str | os.PathLike[str], **options: Any) -> str | os.PathLike[str]:
+        """Find the fsspec filesystem of ``path`` (``options``: credentials, endpoint)."""
+        self.fs, _ = url_to_fs(os.fspath(path), **options)
+        return path
+
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
+        """Rename ``path`` to ``new_path``."""
+        self.fs.rename(os.fspath(path), os.fspath(new_path))
+
+    def mkdir(self, path: str | os.PathLike[str]) -> None:
+        """Create the directory ``path`` and its parents (nothing if it exists)."""
+        self.fs.makedirs(os.fspath(path), exist_ok=True)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether fsspec knows the protocol of ``checkpoint_id`` (a URL, not a ``Path``)."""
+        if isinstance(checkpoint_id, Path):
+            return False
+        try:
+            url_to_fs(os.fspath(checkpoint_id))
+        except ValueError:
+            return False
+        return True
+
+    def exists(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` exists."""
+        return bool(self.fs.exists(os.fspath(path)))
+
+    def rm_file(self, path: str | os.PathLike[str]) -> None:
+        """Remove the file ``path``."""
+        self.fs.rm(os.fspath(path))
+
+    def ls(self, path: str | os.PathLike[str]) -> list[str]:
+        """The names under ``path``."""
+        return cast(list[str], self.fs.ls(os.fspath(path), detail=False))
+
+
+class _Recorded(NamedTuple):
+    size: int
+    checksum: str
+
+
+class _HashingStream(io.RawIOBase):
+    """A write stream that hashes and counts every byte on its way to ``inner``.
+
+    Errors of the inner stream (a dropped connection, a refused part upload, a full disk)
+    are raised as :class:`StorageError` naming the file, the original attached as cause.
+    Anything else (``fileno``, ``tell``, ...) is the inner stream's.
+    """
+
+    def __init__(self, inner: Any, where: str) -> None:
+        super().__init__()
+        self._inner = inner
+        self._where = where
+        self.checksum = Checksum()
+        self.size = 0
+
+    def writable(self) -> bool:
+        """Always: this is a write stream."""
+        return True
+
+    def write(self, data: Any) -> int:
+        """Hash ``data``, then write all of it (returns its length)."""
+        view = memoryview(data).cast("B")
+        self.checksum.update(view)
+        try:
+            self._inner.write(view)
+        except Exception as error:
+            raise _write_failure(self._where, error, "write") from error
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.size
+
+    def flush(self) -> None:
+        """Flush the inner stream (an upload of a full part, on object stores)."""
+        if self.closed or getattr(self._inner, "closed", False):
+            return
+        try:
+            self._inner.flush()
+        except Exception as error:
+            raise _write_failure(self._where, error, "flush") from error
+
+    def close(self) -> None:
+        """Close the inner stream: the upload completes here on object stores."""
+        if self.closed:
+            return
+        try:
+            self._inner.close()
+        except Exception as error:
+            raise _write_failure(self._where, error, "close") from error
+        finally:
+            super().close()
+
+    def fileno(self) -> int:
+        """The inner stream's descriptor (local files: DCP fsyncs ``.metadata``)."""
+        return int(self._inner.fileno())
+
+    def discard(self) -> None:
+        """Drop what was written without completing it; log (not raise) a failure."""
+        try:
+            discard = getattr(self._inner, "discard", None)
+            if callable(discard):  # fsspec buffered files: abort the multipart upload
+                discard()
+                with contextlib.suppress(AttributeError):  # never upload on collection
+                    self._inner.closed = True
+            else:
+                self._inner.close()
+        except Exception as error:  # noqa: BLE001 - secondary to the write error
+            logger.warning("resumekit: could not discard the failed write of %s: %s: %s",
+                           self._where, type(error).__name__, error)
+        finally:
+            super().close()
+
+
+class _RecordingFileSystem:
+    """Wraps a DCP ``FileSystem``: write streams hashed and recorded by file name.
+
+    Everything but ``create_stream`` is the wrapped object's. A stream whose writer fails
+    is discarded (an object store then keeps no partial object) and the write's error is
+    raised; the wrapped ``FileSystem``'s own cleanup, whose errors could replace it, is
+    not used for writes.
+    """
+
+    def __init__(self, inner: Any, root: str) -> None:
+        self._inner = inner
+        self._root = root.rstrip("/")
+        self.recorded: dict[str, _Recorded] = {}
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _name_of(self, path: str) -> str:
+        prefix = self._root + "/"
+        return path[len(prefix):] if path.startswith(prefix) else os.path.basename(path)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        """Open ``path``; a write stream is hashed and recorded once it closed cleanly."""
+        if not any(flag in mode for flag in "wax+"):
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        where = os.fspath(path)
+        fsspec_fs = getattr(self._inner, "fs", None)
+        try:
+            inner = (fsspec_fs.open(where, mode) if fsspec_fs is not None
+                     else open(where, mode))  # noqa: SIM115 - closed by the stream below
+        except Exception as error:
+            raise _write_failure(where, error, "open") from error
+        stream = _HashingStream(inner, where)
+        try:
+            yield stream
+            stream.close()
+        except BaseException:
+            stream.discard()
+            self._remove_partial(where, fsspec_fs)
+            raise
+        with self._lock:
+            self.recorded[self._name_of(where)] = _Recorded(stream.size,
+                                                            stream.checksum.value())
+
+    def _remove_partial(self, where: str, fsspec_fs: Any) -> None:
+        try:
+            if fsspec_fs is not None:
+                if fsspec_fs.exists(where):
+                    fsspec_fs.rm_file(where)
+            elif os.path.lexists(where):
+                os.unlink(where)
+        except Exception as error:  # noqa: BLE001 - secondary: the staging area is swept
+            logger.warning("resumekit: could not remove the partial file %s: %s: %s",
+                           where, type(error).__name__, error)
+
+
+
+def _free_space(path: str) -> str:
+    """Free bytes on the filesystem holding ``path``, as a phrase for a message."""
+    try:
+        stats = os.statvfs(os.path.dirname(path) or ".")
+    except (AttributeError, OSError):
+        return "free space unknown"
+    free = stats.f_bavail * stats.f_frsize
+    return f"{_human(free)} free of {_human(stats.f_blocks * stats.f_frsize)}"
+
+
+def _human(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{count} B"  # pragma: no cover - the loop always returns
+
+
+def _write_failure(where: str, error: BaseException, operation: str) -> StorageError:
+    """A :class:`StorageError` naming the file and the cause; ``errno`` kept.
+
+    A full disk (``ENOSPC``, ``EDQUOT``) or a file over the size limit (``EFBIG``) also
+    names the free space left on the filesystem (local paths).
+    """
+    if isinstance(error, StorageError):
+        return error
+    code = getattr(error, "errno", None)
+    detail = f"{type(error).__name__}: {error}"
+    if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) and "://" not in where:
+        reason = {errno.ENOSPC: "the disk is full", errno.EFBIG: "the file is too large "
+                  "for the filesystem", errno.EDQUOT: "the disk quota is exhausted"}[code]
+        detail = f"{reason} ({os.strerror(code)}; {_free_space(where)}) [errno {code}]"
+    failure = StorageError(f"cannot {operation} {where}: {detail}", path=where,
+                           file=os.path.basename(where), operation=operation, errno=code)
+    failure.strerror = os.strerror(code) if isinstance(code, int) else None
+    failure.filename = where
+    return failure
+
+
+
+def write_checksums(path: str, name: str,
+                    regions: Mapping[str, Sequence[tuple[int, int, str]]], *,
+                    sync: bool) -> WrittenFile:
+    """Write a checksum file (new, exclusively created) and describe it.
+
+    Raises:
+        StorageError: It could not be written (naming it).
+    """
+    data = encode_checksums(regions)
+    write_new_file(path, data, sync=sync)
+    return WrittenFile(name, len(data), checksum_chunks([data]))
+
+
+def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
+    """Create ``path`` (never an existing file: ``O_EXCL``), write ``data``, fsync if asked.
+
+    Raises:
+        StorageError: It could not be written (naming it; a full disk also names the free
+            space).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                     0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as error:
+        raise _write_failure(path, error, "write") from error
+
+
+
+def refuse_existing_checkpoint(directory: str) -> None:
+    """Create ``directory`` if needed; raise if it already holds a ``.metadata``.
+
+    What DCP's writer refuses (``overwrite=False``), for the saves that write without it.
+
+    Raises:
+        StorageError: A checkpoint is already there (it is never overwritten).
+    """
+    os.makedirs(directory, exist_ok=True)
+    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):
+        raise StorageError(
+            f"writing checkpoint {directory} failed: a checkpoint already exists there "
+            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
+
+
+def publish_metadata(directory: str, data: bytes, *, sync: bool) -> None:
+    """Write ``.metadata`` as DCP's writer does: to ``.metadata.tmp``, then renamed.
+
+    Raises:
+        StorageError: It could not be written or renamed (naming it).
+    """
+    temporary = os.path.join(directory, _METADATA_TMP)
+    write_new_file(temporary, data, sync=sync)
+    try:
+        os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
+    except OSError as error:
+        raise _write_failure(temporary, error, "rename") from error
+
+
+
+class _Pack:
+    """Small items gathered into one region of a data file, written and hashed as one.
+
+    Items below :data:`PACK_ITEM_BYTES` lie back to back (each on a
+    :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
+    written with one system call and covered, padding included, by one checksum. The
+    region's first member starts the region and records its descriptor
+    (``resumekit-raw/3;<region length>;<checksum file>``); the others record
+    :data:`MEMBER_DESCRIPTORS` (no content: DCP's stock reader refuses them by name) and
+    belong to the region of their file that holds their offset
+    (:class:`_FileLayout`). The region ends with a table of its members (offset, length
+    and XXH3-128 of each, then their count and a magic number), read only when the
+    region's checksum fails, to name the damaged member. Each member's dtype and shape
+    are DCP's own metadata entry's: the metadata holds nothing per small item beyond what
+    DCP's own format does.
+    """
+
+    def __init__(self, name: str, sidecar: str) -> None:
+        self.name = name
+        self.sidecar = sidecar
+        self.regions: list[tuple[int, int, str]] = []  # (offset, length, hex) written
+        self.buffer = bytearray(PACK_BYTES)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
+        self.used = 0
+        self.members: list[tuple[WriteItem | None, int, int]] = []  # item, offset, length
+
+    def fits(self, length: int) -> bool:
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        table = (len(self.members) + 1) * _MEMBER.size + _FOOTER.size
+        return _aligned(start + length + table) <= PACK_BYTES
+
+    def add(self, item: WriteItem, view: memoryview) -> None:
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        self.buffer[self.used:start] = bytes(start - self.used)
+        self.buffer[start:start + len(view)] = view
+        self.used = start + len(view)
+        self.members.append((item, start, len(view)))
+
+    def add_from(self, item: WriteItem | None, address: int, length: int) -> None:
+        """Add ``length`` bytes at ``address`` in memory (a contiguous CPU tensor's)."""
+        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        self.buffer[self.used:start] = bytes(start - self.used)
+        if length:
+            ctypes.memmove(self.address + start, address, length)
+        self.used = start + length
+        self.members.append((item, start, length))
+
+    def flush(self, handle: _AlignedFile) -> list[WriteResult]:
+        """Write the region (padded to the next boundary); one result per member."""
+        if not self.members:
+            return []
+        base, descriptor = self._write_region(handle)
+        results = [WriteResult(index=cast(WriteItem, item).index, size_in_bytes=length,
+                               storage_data=_StorageInfo(
+                                   self.name, base + start, length,
+                                   transform_descriptors=MEMBER_DESCRIPTORS
+                                   if number else [descriptor]))
+                   for number, (item, start, length) in enumerate(self.members)]
+        self.members, self.used = [], 0
+        return results
+
+    def flush_offsets(self, handle: _AlignedFile) -> list[int]:
+        """Write the region as :meth:`flush` does; the members' file offsets only."""
+        if not self.members:
+            return []
+        base, _ = self._write_region(handle)
+        offsets = [base + start for _, start, _ in self.members]
+        self.members, self.used = [], 0
+        return offsets
+
+    def _write_region(self, handle: _AlignedFile) -> tuple[int, str]:
+        """Write the members, the table and the footer; the region's offset, descriptor."""
+        buffer = memoryview(self.buffer)
+        # Members, zeros, then the table and its footer, ending on an ALIGNMENT boundary:
+        # the region's checksum covers every byte of it, padding included.
+        table = len(self.members) * _MEMBER.size + _FOOTER.size
+        at = _aligned(self.used + table) - table
+        self.buffer[self.used:at] = bytes(at - self.used)
+        for _, start, length in self.members:  # the table that names a damaged member
+            _MEMBER.pack_into(self.buffer, at, start, length,
+                              xxhash.xxh3_128_digest(buffer[start:start + length]))
+            at += _MEMBER.size
+        _FOOTER.pack_into(self.buffer, at, len(self.members), _PACK_MAGIC)
+        region = buffer[:at + _FOOTER.size]
+        base = handle.offset
+        descriptor = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};{self.sidecar}"
+        self.regions.append((base, len(region), hex_digest(region)))
+        handle.write(region, None)
+        handle.pad()
+        return base, descriptor
+
+
+
+class _AlignedFile:
+    """A new file written with ``O_DIRECT`` where the filesystem allows it.
+
+    Direct I/O skips the page cache: no kernel copy of every byte and no dirty pages for
+    writeback to flush while training runs. It needs ``ALIGNMENT``-aligned memory, file
+    offsets and lengths: aligned sources (the CPU staging buffers of async saves) are
+    written as they are, anything else is copied through an aligned bounce buffer (with
+    ``ctypes.memmove``, which releases the GIL), and each item is padded with zeros to
+    the next boundary. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and
+    FUSE filesystems) the same bytes are written through the page cache. The file's
+    running checksum covers the padding too.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        direct = getattr(os, "O_DIRECT", 0)
+        self.direct = False
+        if direct:
+            try:
+                self.fd = os.open(path, flags | direct, 0o644)
+                self.direct = True
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+        self.offset = 0
+        self.checksum = Checksum()
+        self._bounce: mmap.mmap | None = None
+
+    def __enter__(self) -> _AlignedFile:
+        return self
+
+    def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as error:
+            if exc_type is None:
+                raise
+            # Secondary: the error being raised already says why the file is unusable.
+            logger.warning("resumekit: closing %s after a failed write failed too: %s",
+                           self.path, error)
+        if self._bounce is not None:
+            # A view of it may still be alive (in the traceback of a failed write): then
+            # the mapping goes away with the last view, not here.
+            with contextlib.suppress(BufferError):
+                self._bounce.close()
+            self._bounce = None
+
+    def write(self, chunk: memoryview, address: int | None) -> None:
+        """Append ``chunk`` (at ``address`` in memory when known); pads nothing."""
+        self.checksum.update(chunk)
+        aligned = (address is not None and address % ALIGNMENT == 0
+                   and len(chunk) % ALIGNMENT == 0 and self.offset % ALIGNMENT == 0)
+        if not self.direct or aligned:
+            self._write_all(chunk)
+            return
+        bounce = self._bounce_buffer()
+        for start in range(0, len(chunk), CHUNK_BYTES):
+            piece = chunk[start:start + CHUNK_BYTES]
+            if address is not None:
+                ctypes.memmove(_address_of(bounce), address + start, len(piece))
+            else:
+                memoryview(bounce)[:len(piece)] = piece
+            padded = -(-len(piece) // ALIGNMENT) * ALIGNMENT
+            memoryview(bounce)[len(piece):padded] = bytes(padded - len(piece))
+            # The zeros past the piece are overwritten by the next write or kept as the
+            # item's padding (pad() then only moves the offset).
+            self._write_all(memoryview(bounce)[:padded], logical=len(piece))
+
+    def pad(self) -> None:
+        """Zero-fill up to the next ``ALIGNMENT`` boundary."""
+        missing = (-self.offset) % ALIGNMENT
+        if not missing:
+            return
+        zeros = bytes(missing)
+        self.checksum.update(zeros)
+        if self.direct:  # the bounce write already put these zeros on disk
+            self.offset += missing
+            os.lseek(self.fd, self.offset, os.SEEK_SET)
+            return
+        self._write_all(memoryview(zeros))
+
+    def _write_all(self, data: memoryview, logical: int | None = None) -> None:
+        total = len(data)
+        while data:
+            try:
+                count = os.write(self.fd, data)
+            except OSError as error:
+                if not (self.direct and error.errno == errno.EINVAL):
+                    raise
+                # Refused at write time (some FUSE and network filesystems): continue
+                # through the page cache, same bytes, same offsets.
+                fcntl.fcntl(self.fd, fcntl.F_SETFL,
+                            fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                continue
+            data = data[count:]
+        self.offset += total if logical is None else logical
+        if logical is not None:
+            os.lseek(self.fd, self.offset, os.SEEK_SET)
+
+    def _bounce_buffer(self) -> mmap.mmap:
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, CHUNK_BYTES)  # anonymous: page-aligned
+        return self._bounce
+
+
+def _address_of(buffer: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def aligned_empty(shape: Sequence[int], dtype: torch.dtype, *,
+                  pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor whose data starts on an ``ALIGNMENT`` boundary.
+
+    The writer sends such tensors to disk with direct I/O without copying them (the CPU
+    staging buffers of async saves are allocated this way).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin_memory)
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    skip = (-raw.data_ptr()) % ALIGNMENT
+    return raw[skip:skip + nbytes].view(dtype).view(tuple(shape))
+
+
+
+def _lower_thread_priority() -> None:
+    """Let this thread run only on CPU time the rest of the machine leaves; best effort.
+
+    Linux schedules threads separately: ``SCHED_IDLE`` where allowed, else nice 19. The
+    thread holds the GIL only for microseconds between system calls and hash updates, so
+    a training thread rarely waits on it.
+    """
+    native = threading.get_native_id()
+    try:
+        os.sched_setscheduler(native, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):  # not Linux, or refused: fall back to nice
+        pass
+    with contextlib.suppress(AttributeError, OSError):  # else: normal priority
+        os.setpriority(os.PRIO_PROCESS, native, 19)
+

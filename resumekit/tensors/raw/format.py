@@ -1,0 +1,418 @@
+"""The raw tensor format on disk: descriptors, blocks and checksums, packed regions.
+
+:class:`~resumekit.tensors.raw.writer.RawTensorWriter` writes and
+:class:`~resumekit.tensors.raw.reader.RawTensorReading` reads what this module describes;
+DCP's ``.metadata`` (its planning, its pickle) stays DCP's own, and this module parses
+nothing else of it than the ``_StorageInfo`` of each item.
+
+An item of :data:`PACK_ITEM_BYTES` or more is stored alone, starting on an
+:data:`ALIGNMENT` boundary of its data file, and its ``_StorageInfo.transform_descriptors``
+is one string ``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``:
+one checksum per block of the item (:func:`block_bytes_for`: about a sixteenth of it,
+64 KiB to 4 MiB), so a reader that needs a slice verifies it without reading much more
+(``bytes`` and an empty shape for non-tensor values). Smaller items share packed regions of
+at most :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose
+first member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
+``"resumekit-raw/member"`` (:data:`MEMBER_DESCRIPTORS`: nothing of their own; written since
+issue 29, members written before record nothing); their dtype and shape are DCP's metadata
+entries. The region's checksum is in the rank's checksum file
+(``__<rank>_checksums.json``, :data:`CHECKSUMS_FORMAT`, listed in the manifest, checked
+against it before use), so ``.metadata`` holds no checksum of a packed region and its bytes
+depend only on the state's structure. Checkpoints written before that (format 2:
+``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and before packing (every item in
+format 1) still load. DCP's stock reader stops at the first item it reads with
+``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it (every item
+is described); stock DCP reads these checkpoints through :class:`resumekit.StorageReader`
+(``dcp.load(..., storage_reader=resumekit.StorageReader(step_dir))``), and
+``CheckpointManager(..., tensor_format="dcp")`` writes DCP's own format instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol, cast
+
+import torch
+
+from resumekit import _compat
+from resumekit.errors import CorruptCheckpointError, UnreadableFormatError
+from resumekit.store.manifest import CHECKSUM_ALGORITHM, checksum_chunks
+from resumekit.store.storage import parse_json
+
+__all__ = [
+    "ALIGNMENT",
+    "CHECKSUMS_FORMAT",
+    "CHUNK_BYTES",
+    "DATA_SUFFIX",
+    "FORMAT_NAME",
+    "MEMBER_DESCRIPTORS",
+    "MIN_BLOCK_BYTES",
+    "PACK_BYTES",
+    "PACK_ITEM_ALIGNMENT",
+    "PACK_ITEM_BYTES",
+    "StoredItem",
+    "WrittenFile",
+    "block_bytes_for",
+    "check_listed_checksum",
+    "checksum_files",
+    "decode_checksums",
+    "encode_checksums",
+    "is_described_pack",
+    "is_packed_member",
+    "is_raw",
+    "raw_files",
+]
+
+FORMAT_NAME = "resumekit-raw"
+FORMAT_VERSION = 1
+"""The descriptor of an item stored alone, with its own blocks (every version reads it)."""
+PACK_FORMAT_VERSION = 3
+"""The descriptor of the first item of a pack of small items (:class:`_Pack`), as written
+now: ``resumekit-raw/3;<region length>;<checksum file>``, the region's checksum kept in
+that rank's small checksum file (:func:`resumekit.store.layout.raw_checksums_file`), so the
+``.metadata`` of an unchanged structure is the same bytes at every save."""
+INLINE_PACK_FORMAT_VERSION = 2
+"""Packs written before version 3: the region's checksum inside its descriptor
+(``resumekit-raw/2;<region length>;xxh3_128:<hex>``); still read."""
+MEMBER_DESCRIPTORS: tuple[str] = (f"{FORMAT_NAME}/member",)
+"""The descriptors of a packed region's members after its first (written since issue 29):
+no content of their own (the member lies in the region of its file that holds its
+offset), but DCP's stock reader, whatever item of a file it reads first, stops at
+``Unknown extension name='resumekit-raw'`` instead of ``torch.load``-ing raw bytes. One
+shared tuple, so the pickled ``.metadata`` refers back to it per item. Members written
+before carry none (:func:`is_packed_member`); both are read."""
+CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
+"""The ``format`` of a checksum file: ``{"format": ..., "regions": {data file: [[offset,
+length, hex XXH3-128], ...]}}``."""
+CHUNK_BYTES = 4 << 20
+"""The largest checksummed block, hashed and written per system call: small enough to stay
+in cache between the hash and the copy into the page cache, large enough to keep system
+calls rare."""
+ALIGNMENT = 4096
+"""Items start on this boundary in a data file, and direct I/O moves whole multiples of it."""
+MIN_BLOCK_BYTES = 64 << 10
+"""The smallest checksummed block (items below it are one block)."""
+PACK_ITEM_BYTES = MIN_BLOCK_BYTES
+"""Items smaller than this share a packed, singly checksummed region with their neighbours."""
+PACK_BYTES = 1 << 20
+"""The largest packed region: what a reader of one small item reads and hashes at most."""
+PACK_ITEM_ALIGNMENT = 16
+"""Members of a pack start on this boundary inside it."""
+_MEMBER = struct.Struct("<II16s")  # a packed member: offset in its region, length, XXH3-128
+_FOOTER = struct.Struct("<II")  # member count, magic
+_PACK_MAGIC = 0x31504B52  # "RKP1"
+DATA_SUFFIX = ".distcp"
+"""The suffix of a data file, as DCP names its own."""
+
+
+_StorageInfo = _compat.dcp_storage_info()
+"""DCP's record of where an item lies; the raw writer's results are made of it."""
+
+
+class StoredItem(Protocol):
+    """Where DCP's ``.metadata`` says an item lies: the fields of its ``_StorageInfo``.
+
+    Attributes:
+        relative_path: The data file, relative to the checkpoint directory.
+        offset: The item's first byte in that file.
+        length: Its bytes.
+        transform_descriptors: What the writer recorded of how it stored them (the raw
+            format's descriptor), or None.
+    """
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Sequence[str] | None
+
+
+class WrittenFile(NamedTuple):
+    """A file the writer produced, described while it was written.
+
+    Attributes:
+        name: File name relative to the checkpoint directory.
+        size: Bytes written.
+        checksum: ``"xxh3_128:<hex>"`` of the whole file.
+        references: For ``.metadata``: every data file its items point to (the files
+            the checkpoint cannot load without). Empty for data files.
+    """
+
+    name: str
+    size: int
+    checksum: str
+    references: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Descriptor:
+    dtype: torch.dtype | None  # None: a non-tensor value (DCP's BYTE_IO)
+    shape: tuple[int, ...]
+    block_bytes: int
+    blocks: tuple[str, ...]  # hex XXH3-128 of each block_bytes slice of the item
+    # A packed item (format 2): (file offset, length) of the region holding it, which is
+    # its one block; None for an item stored alone, whose blocks start at the item.
+    region: tuple[int, int] | None = None
+
+    def encode(self) -> str:
+        dtype = "bytes" if self.dtype is None else str(self.dtype).removeprefix("torch.")
+        shape = "x".join(str(size) for size in self.shape)
+        return (f"{FORMAT_NAME}/{FORMAT_VERSION};{dtype};{shape};{self.block_bytes};"
+                f"{CHECKSUM_ALGORITHM}:{','.join(self.blocks)}")
+
+    @classmethod
+    def decode(cls, text: str, *, where: str) -> _Descriptor:
+        try:
+            head, dtype_name, shape_text, block_text, checksums = text.split(";")
+            if head != f"{FORMAT_NAME}/{FORMAT_VERSION}":
+                raise ValueError(f"unknown format {head!r}")
+            if dtype_name == "bytes":
+                dtype = None
+            else:
+                dtype = getattr(torch, dtype_name)
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"unknown dtype {dtype_name!r}")
+            shape = tuple(int(size) for size in shape_text.split("x")) if shape_text else ()
+            block_bytes = int(block_text)
+            if block_bytes < 1:
+                raise ValueError(f"block size {block_bytes}")
+            algorithm, _, digests = checksums.partition(":")
+            if algorithm != CHECKSUM_ALGORITHM:
+                raise ValueError(f"unknown checksum {algorithm!r}")
+            blocks = tuple(digests.split(",")) if digests else ()
+        except (ValueError, AttributeError) as error:
+            raise UnreadableFormatError(
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
+            ) from None
+        return cls(dtype, shape, block_bytes, blocks)
+
+    @staticmethod
+    def decode_region(text: str, offset: int, *, where: str) -> tuple[int, int, str]:
+        """``(offset, length, hex checksum)`` of a packed region.
+
+        Args:
+            text: The descriptor its first member records.
+            offset: That member's offset: where the region starts.
+            where: The file, for the error.
+        """
+        try:
+            head, length_text, checksum = text.split(";")
+            if head != f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION}":
+                raise ValueError(f"unknown format {head!r}")
+            length = int(length_text)
+            if length < 0:
+                raise ValueError(f"region length {length}")
+            algorithm, _, digest = checksum.partition(":")
+            if algorithm != CHECKSUM_ALGORITHM or not digest:
+                raise ValueError(f"unknown checksum {algorithm!r}")
+        except ValueError as error:
+            raise UnreadableFormatError(
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
+            ) from None
+        return offset, length, digest
+
+    @staticmethod
+    def decode_sidecar_region(text: str, *, where: str) -> tuple[int, str]:
+        """``(length, checksum file)`` of a packed region of format 3."""
+        try:
+            head, length_text, sidecar = text.split(";")
+            if head != f"{FORMAT_NAME}/{PACK_FORMAT_VERSION}":
+                raise ValueError(f"unknown format {head!r}")
+            length = int(length_text)
+            if length < 0:
+                raise ValueError(f"region length {length}")
+            if not sidecar or "/" in sidecar or sidecar.startswith("."):
+                raise ValueError(f"checksum file {sidecar!r}")
+        except ValueError as error:
+            raise UnreadableFormatError(
+                f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+                path=where, file=where,
+            ) from None
+        return length, sidecar
+
+
+_PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
+_INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
+
+
+def is_raw(info: StoredItem) -> bool:
+    """Whether a stored item carries a descriptor of :class:`RawTensorWriter`.
+
+    The members of a packed region after its first carry :data:`MEMBER_DESCRIPTORS`, or
+    none in checkpoints written before it: which files are raw tensor files is
+    :func:`raw_files`'s answer.
+    """
+    descriptors = info.transform_descriptors or ()
+    return len(descriptors) == 1 and descriptors[0].startswith(f"{FORMAT_NAME}/")
+
+
+def raw_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:
+    """The data files written by :class:`RawTensorWriter` (every item of such a file is raw).
+
+    A file is raw when any of its items carries a raw descriptor: the writer of a file
+    writes every item of it, and DCP's own writer records no resumekit descriptor.
+    """
+    return {info.relative_path for info in storage_data.values() if is_raw(info)}
+
+
+def is_packed_member(descriptors: Sequence[str] | None) -> bool:
+    """Whether ``descriptors`` are those of a packed region's member after its first.
+
+    That is :data:`MEMBER_DESCRIPTORS`, or none at all (written before it; in a raw file,
+    see :func:`raw_files`).
+    """
+    return not descriptors or tuple(descriptors) == MEMBER_DESCRIPTORS
+
+
+def is_described_pack(descriptors: Sequence[str]) -> bool:
+    """Whether ``descriptors`` are those of a format-3 region's first member."""
+    return len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX)
+
+
+def checksum_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:
+    """The checksum files (format 3) the packed regions of ``storage_data`` name."""
+    found: set[str] = set()
+    for info in storage_data.values():
+        descriptors = info.transform_descriptors
+        if descriptors and len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX):
+            found.add(descriptors[0].rsplit(";", 1)[1])
+    return found
+
+
+class _FileLayout:
+    """Where the raw items of one checkpoint lie: raw files, packed regions by file.
+
+    Args:
+        storage_data: The metadata's ``storage_data``.
+        where: The path of an item's file, for errors.
+        checksums: ``checksums(checksum file)`` gives ``{(data file, offset): (length,
+            hex)}`` of the regions a checksum file (format 3) lists; None: not verified
+            (the regions' checksums are then empty).
+    """
+
+    def __init__(self, storage_data: Mapping[Any, StoredItem], where: Any,
+                 checksums: Any = None) -> None:
+        self.raw: set[str] = set()
+        regions: dict[str, list[tuple[int, int, str]]] = {}
+        for info in storage_data.values():
+            if not is_raw(info):
+                continue
+            self.raw.add(info.relative_path)
+            text = cast(Sequence[str], info.transform_descriptors)[0]
+            if text.startswith(_PACK_PREFIX):
+                length, sidecar = _Descriptor.decode_sidecar_region(text, where=where(info))
+                digest = ""
+                if checksums is not None:
+                    listed = checksums(sidecar).get((info.relative_path, info.offset))
+                    if listed is None or listed[0] != length:
+                        place = where(info)
+                        raise CorruptCheckpointError(
+                            f"{place}: the packed region at offset {info.offset} "
+                            f"({length} bytes) is not listed with that length in its "
+                            f"checksum file {sidecar}", path=place, file=place)
+                    digest = listed[1]
+                regions.setdefault(info.relative_path, []).append(
+                    (info.offset, length, digest))
+            elif text.startswith(_INLINE_PACK_PREFIX):
+                regions.setdefault(info.relative_path, []).append(
+                    _Descriptor.decode_region(text, info.offset, where=where(info)))
+        self.regions = {name: sorted(found) for name, found in regions.items()}
+        self.starts = {name: [region[0] for region in found]
+                       for name, found in self.regions.items()}
+
+    def region_of(self, info: StoredItem) -> tuple[int, int, str] | None:
+        """The packed region of the file holding ``info``'s first byte, if any."""
+        starts = self.starts.get(info.relative_path)
+        if not starts:
+            return None
+        number = bisect.bisect_right(starts, info.offset) - 1
+        if number < 0:
+            return None
+        region = self.regions[info.relative_path][number]
+        return region if info.offset < region[0] + max(region[1], 1) else None
+
+
+def check_listed_checksum(listed: Mapping[str, str] | None, name: str, data: bytes,
+                          where: str) -> None:
+    """With a manifest's ``{file: checksum}``, ``data`` (file ``name``) must match its entry.
+
+    Raises:
+        CorruptCheckpointError: Not listed, or another checksum.
+    """
+    if listed is None:
+        return
+    expected = listed.get(name)
+    if expected is None:
+        raise CorruptCheckpointError(
+            f"{where} is not listed in the checkpoint's manifest, so it cannot be verified",
+            path=where, file=where)
+    actual = checksum_chunks([data])
+    if actual != expected:
+        raise CorruptCheckpointError(
+            f"{where} does not match its checksum in the manifest (expected {expected}, "
+            f"got {actual})", path=where, file=where)
+
+
+def encode_checksums(regions: Mapping[str, Sequence[tuple[int, int, str]]]) -> bytes:
+    """The bytes of a checksum file listing ``{data file: [(offset, length, hex)]}``."""
+    body = {"format": CHECKSUMS_FORMAT,
+            "regions": {name: [list(region) for region in found]
+                        for name, found in sorted(regions.items())}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[int, str]]:
+    """Parse a checksum file: ``{(data file, offset): (length, hex)}``.
+
+    Raises:
+        UnreadableFormatError: Not a checksum file of a known format (naming it).
+    """
+    try:
+        body = parse_json(data, source=where)
+        if not isinstance(body, dict) or body.get("format") != CHECKSUMS_FORMAT:
+            found = body.get("format") if isinstance(body, dict) else None
+            raise ValueError(f"unknown format {found!r}")
+        parsed: dict[tuple[str, int], tuple[int, str]] = {}
+        for name, found in body["regions"].items():
+            for offset, length, digest in found:
+                if not (isinstance(offset, int) and isinstance(length, int)
+                        and isinstance(digest, str)):
+                    raise ValueError(f"bad entry {[offset, length, digest]!r}")
+                parsed[(str(name), offset)] = (length, digest)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise UnreadableFormatError(
+            f"{where}: unreadable checksum file ({error})", path=where, file=where,
+        ) from None
+    return parsed
+
+
+def _aligned(count: int) -> int:
+    """``count`` rounded up to a multiple of :data:`ALIGNMENT`."""
+    return -(-count // ALIGNMENT) * ALIGNMENT
+
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, shared, as a flat memoryview."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(cast(Any, flat.view(torch.uint8).numpy())).cast("B")
+
+
+def block_bytes_for(item_bytes: int) -> int:
+    """The checksum block size of an item: about a sixteenth of it, within bounds.
+
+    A resharding reader reads at most one block beyond each end of its slice, so blocks
+    scale with the item; the bounds keep tiny items whole and huge ones at
+    :data:`CHUNK_BYTES` per system call.
+    """
+    sixteenth = -(-item_bytes // 16)
+    aligned = -(-sixteenth // ALIGNMENT) * ALIGNMENT
+    return max(MIN_BLOCK_BYTES, min(CHUNK_BYTES, aligned))
+

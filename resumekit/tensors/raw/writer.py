@@ -1,0 +1,559 @@
+"""The raw format's DCP storage writers, on DCP's public ``StorageWriter`` extension points.
+
+DCP's stock ``FileSystemWriter`` serialises every tensor with ``torch.save`` (a zip
+archive per tensor). Planning, resharding and the ``.metadata`` file stay DCP's own; these
+writers replace only how a rank's items reach its files (``write_data``) and check what
+``finish`` records:
+
+* :class:`RawTensorWriter` (local directories) writes each tensor's bytes as they lie in
+  memory (:mod:`.format`), ``thread_count`` files per rank, each file from its own thread.
+  Every chunk is hashed on its way to the file, so the commit store gets each file's
+  checksum without reading the file back (:attr:`RawTensorWriter.written`). File writes
+  and the hash both release the GIL; for a background save the writer threads also drop
+  to idle CPU priority, so the training loop keeps its cores.
+* :class:`CheckedDcpWriter` (fsspec URLs: ``s3://``, ``memory://``, ...) writes DCP's own
+  format, one file per thread, with the raw writer's guarantees: an error on any writer
+  thread fails the save, every stream is hashed on its way out, and a failed upload is
+  discarded, not completed by the stream's close, so the error raised is the write's,
+  naming the file.
+* Both report every file they wrote, ``.metadata`` included, with its size and checksum,
+  and the ``.metadata`` entry names every data file the metadata references
+  (:attr:`WrittenFile.references`), after checking that each item of the plan has stored
+  data: the commit store cross-checks the ranks' reports against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import logging
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from resumekit.errors import StorageError
+from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.manifest import checksum_chunks, hex_digest
+from resumekit.tensors.raw.files import (
+    _METADATA_TMP,
+    FsspecFiles,
+    _AlignedFile,
+    _lower_thread_priority,
+    _Pack,
+    _RecordingFileSystem,
+    _write_failure,
+    write_checksums,
+)
+from resumekit.tensors.raw.format import (
+    CHUNK_BYTES,
+    DATA_SUFFIX,
+    PACK_ITEM_BYTES,
+    WrittenFile,
+    _byte_view,
+    _Descriptor,
+    _StorageInfo,
+    block_bytes_for,
+    checksum_files,
+)
+
+__all__ = [
+    "SMALL_SAVE_BYTES",
+    "CheckedDcpWriter",
+    "RankFiles",
+    "RawTensorWriter",
+    "run_writer_threads",
+    "written_metadata",
+]
+
+SMALL_SAVE_BYTES = 16 << 20
+"""A rank's files of fewer tensor bytes than this are written one after another on the
+saving thread: starting and joining threads costs more than such writes gain from them."""
+
+logger = logging.getLogger("resumekit")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFiles:
+    """What a rank's save plan carries for these writers (its ``storage_data``).
+
+    Attributes:
+        prefix: The start of the names of the rank's files: ``__<rank>_``, as DCP names
+            its own.
+    """
+
+    prefix: str
+
+
+def _files_of(plan: SavePlan) -> RankFiles:
+    files = plan.storage_data
+    if not isinstance(files, RankFiles):
+        raise TypeError(f"a save plan for resumekit's writers carries RankFiles, not "
+                        f"{type(files).__name__} (it was not prepared by the writer)")
+    return files
+
+
+class _ReportingWriter:
+    """Mixin for a DCP writer: every file it writes reported, the metadata checked.
+
+    Mix it in before DCP's writer class and call :meth:`_start_reporting` after that
+    class's ``__init__``.
+    """
+
+    fs: Any
+    path: Any
+    written: list[WrittenFile]
+    last_metadata: Metadata | None = None
+    """The ``Metadata`` the last :meth:`finish` wrote (coordinating rank)."""
+    last_jobs: list[tuple[str, list[WriteItem]]] | None = None
+    """The files the last ``write_data`` wrote, each with its items in file order."""
+    last_prefix: str | None = None
+    """The file-name prefix DCP's final plan gave the last ``write_data`` (raw writer)."""
+    last_results: list[WriteResult] | None = None
+    """What the last ``write_data`` stored for each of its items (raw writer)."""
+
+    def _start_reporting(self) -> None:
+        self.written = []
+        self._plan_rank: int | None = None
+        self._plans_together = True
+        self.fs = _RecordingFileSystem(self.fs, os.fspath(self.path))
+
+    def _record(self, name: str, size: int, checksum: str) -> None:
+        self.written.append(WrittenFile(name, size, checksum))
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up; the rank and whether ranks plan together are kept for the names."""
+        self._plan_rank = kwargs.get("rank")
+        self._plans_together = bool(kwargs.get("use_collectives", True))
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)  # type: ignore[misc]
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """DCP's check (directory made, existing checkpoint refused); names a lone rank's files."""
+        plan = super().prepare_local_plan(plan)  # type: ignore[misc]
+        if self._plan_rank is not None and not self._plans_together:
+            plan = dataclasses.replace(plan, storage_data=RankFiles(f"__{self._plan_rank}_"))
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give each rank's plan the prefix of its files: ``__<rank>_``."""
+        return [plan if plan.storage_data is not None
+                else dataclasses.replace(plan, storage_data=RankFiles(f"__{rank}_"))
+                for rank, plan in enumerate(plans)]
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Check every item has stored data, write ``.metadata``, report it.
+
+        Raises:
+            StorageError: An item of the plan has no stored data (a writer lost it
+                without raising); nothing is written.
+        """
+        where = os.fspath(self.path)
+        _check_every_item_stored(metadata, results, where)
+        super().finish(metadata, results)  # type: ignore[misc]
+        self.last_metadata = metadata
+        recorder = cast(_RecordingFileSystem, self.fs)
+        with recorder._lock:
+            temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
+            recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
+        references = tuple(sorted(
+            {result.storage_data.relative_path for part in results for result in part}
+            | checksum_files({id(result): result.storage_data
+                              for part in results for result in part})))
+        for name, entry in recorded:
+            self.written.append(WrittenFile(name.removesuffix(".tmp"), entry.size,
+                                            entry.checksum, references))
+
+
+def _check_every_item_stored(metadata: Metadata, results: Sequence[Sequence[WriteResult]],
+                             where: str) -> None:
+    stored = {result.index for part in results for result in part}
+    missing: list[str] = []
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            wanted = [MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
+        elif isinstance(entry, BytesStorageMetadata):
+            wanted = [MetadataIndex(fqn)]
+        else:
+            continue
+        missing.extend(f"{fqn}{list(index.offset or [])}" for index in wanted
+                       if index not in stored)
+    if missing:
+        raise StorageError(
+            f"writing checkpoint {where} lost {len(missing)} item(s) without an error "
+            f"(first: {', '.join(missing[:3])}); nothing was written as .metadata",
+            path=where, operation="save", file=DCP_METADATA_FILE,
+        )
+
+
+class CheckedDcpWriter(_ReportingWriter, FileSystemWriter):
+    """DCP's own file format for any fsspec URL, with the raw writer's guarantees.
+
+    DCP's own writer loses the errors of its extra writer threads (the save goes on, a
+    shard short) and cleans up a failed stream by closing it, which on an object store
+    completes the upload or raises a second error in place of the first. This writer runs
+    each file on its own pool thread and re-raises every thread's error, hashes each
+    stream on its way out (:attr:`written`, ``.metadata`` included) and discards a failed
+    upload. The bytes are DCP's: each blob as it is, each tensor as ``torch.save`` writes
+    it, blobs first, as DCP's writer lays out a file; stock readers load the result.
+
+    Args:
+        path: The (empty) directory, a local path or URL, to write into.
+        thread_count: Files, and writer threads, per rank.
+        sync_files: ``fsync`` each file before it is reported (local paths only: an
+            object-store stream has no descriptor, and objects are durable on close).
+        storage_options: fsspec options (credentials, ``endpoint_url``).
+    """
+
+    def __init__(self, path: str, *, thread_count: int, sync_files: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files,
+                         thread_count=thread_count, overwrite=False)
+        files = FsspecFiles()
+        self.path = files.init_path(path, **dict(storage_options or {}))
+        self.fs = files
+        self._start_reporting()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a URL fsspec can open."""
+        return FsspecFiles.validate_checkpoint_id(checkpoint_id)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items, one file per thread; raise if any thread failed."""
+        prefix = _files_of(plan).prefix
+        buckets = [bucket for bucket in _balance(plan.items, self.thread_count) if bucket]
+        self.written = []
+        results: list[WriteResult] = []
+        outcomes = run_writer_threads([
+            functools.partial(self._write_file, f"{prefix}{number}{DATA_SUFFIX}", bucket,
+                              planner) for number, bucket in enumerate(buckets)])
+        recorder = cast(_RecordingFileSystem, self.fs)
+        for outcome in outcomes:
+            results.extend(outcome)
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            entry = recorder.recorded[name]
+            self._record(name, entry.size, entry.checksum)
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: SavePlanner
+                    ) -> list[WriteResult]:
+        """Write one file in DCP's format: its blobs, then its tensors, each ``torch.save``d."""
+        ordered = ([item for item in items if item.type == WriteItemType.BYTE_IO]
+                   + [item for item in items if item.type != WriteItemType.BYTE_IO])
+        results: list[WriteResult] = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in ordered:
+                offset = stream.tell()
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(cast(io.BytesIO, data).getbuffer())
+                else:
+                    torch.save(_cpu_tensor(cast(torch.Tensor, data)), stream)
+                stream.flush()  # an object store uploads each full part as it goes
+                length = stream.tell() - offset
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+            if self.sync_files:
+                try:
+                    os.fsync(stream.fileno())
+                except (AttributeError, io.UnsupportedOperation):
+                    os.sync()  # what DCP's writer does for a stream without a descriptor
+        return results
+
+
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU, holding no storage beyond its own bytes (as DCP saves it)."""
+    tensor = tensor.detach().cpu()
+    if tensor.untyped_storage().size() != tensor.nbytes:
+        tensor = tensor.clone()  # torch.save writes the whole storage
+    return tensor
+
+
+class RawTensorWriter(_ReportingWriter, FileSystemWriter):
+    """DCP ``StorageWriter`` for a local directory: raw tensor bytes, hashed while written.
+
+    Args:
+        path: The (empty) directory to write into.
+        thread_count: Files, and writer threads, per rank.
+        sync_files: ``fsync`` each file before the write is reported done.
+        background: The save overlaps training: writer threads run at idle CPU priority
+            (``SCHED_IDLE``, else nice 19) so the training threads keep their cores.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, thread_count: int,
+                 sync_files: bool, background: bool = False) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=sync_files,
+                         thread_count=thread_count, overwrite=False)
+        self.background = background
+        self.written: list[WrittenFile] = []
+        """The files this rank wrote in the last save, with checksums (``.metadata`` too,
+        on the coordinating rank)."""
+        self._start_reporting()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items, one file per thread; raise if any thread failed.
+
+        Raises:
+            StorageError: A file could not be written (naming it; a full disk also names
+                the free space). Every thread has stopped by then.
+        """
+        prefix = _files_of(plan).prefix
+        buckets = [bucket for bucket in _balance(plan.items, self.thread_count) if bucket]
+        jobs = [
+            (f"{prefix}{number}{DATA_SUFFIX}",
+             [(item, planner.resolve_data(item)) for item in bucket])
+            for number, bucket in enumerate(buckets)
+        ]
+        results = self.write_jobs(jobs, prefix)
+        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
+        self.last_prefix = prefix
+        self.last_results = results
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def write_jobs(self, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem,
+                                                                   torch.Tensor | io.BytesIO]]]],
+                   prefix: str) -> list[WriteResult]:
+        """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
+
+        :meth:`write_data` writes DCP's plan with it, and a replayed plan
+        (:mod:`resumekit.tensors.replayed_save`) the same files in the same order with it: the
+        same bytes. Resets and fills :attr:`written`.
+
+        Returns:
+            Every item's result, file by file in ``jobs`` order.
+
+        Raises:
+            StorageError: A file could not be written (naming it).
+        """
+        self.written = []
+        results: list[WriteResult] = []
+        sidecar = raw_checksums_file(prefix)
+        outcomes = run_writer_threads([
+            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs],
+            on_caller=not self.background and _is_small(
+                [item for _, items in jobs for item, _ in items]))
+        regions: dict[str, list[tuple[int, int, str]]] = {}
+        for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
+            results.extend(file_results)
+            self.written.append(written)
+            if packed:
+                regions[name] = packed
+        if regions:
+            self.written.append(write_checksums(
+                os.path.join(os.fspath(self.path), sidecar), sidecar, regions,
+                sync=self.sync_files))
+        return results
+
+    def storage_meta(self) -> None:
+        """None: no path or save id in ``.metadata``.
+
+        Its bytes then depend only on the state's structure (DCP reads nothing from it;
+        the step directory's manifest records the save).
+        """
+        return None
+
+    def _write_file(
+        self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
+        sidecar: str,
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        if self.background:
+            _lower_thread_priority()
+        path = os.path.join(os.fspath(self.path), name)
+        try:
+            return self._write_items(path, name, items, sidecar)
+        except OSError as error:
+            raise _write_failure(path, error, "write") from error
+
+    def _write_items(
+        self, path: str, name: str,
+        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], sidecar: str,
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        results: list[WriteResult] = []
+        with _AlignedFile(path) as handle:
+            pack = _Pack(name, sidecar)
+            for item, data in items:
+                small = _small_cpu_bytes(data)
+                if small is not None:  # the common small tensor: copied, no view objects
+                    if not pack.fits(small[1]):
+                        results.extend(pack.flush(handle))
+                    pack.add_from(item, *small)
+                    continue
+                view, address, dtype, shape = _bytes_of(data)
+                if len(view) < PACK_ITEM_BYTES:
+                    if not pack.fits(len(view)):
+                        results.extend(pack.flush(handle))
+                    pack.add(item, view)
+                    continue
+                results.extend(pack.flush(handle))
+                block = block_bytes_for(len(view))
+                stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
+                blocks: list[str] = []
+                offset = handle.offset
+                for start in range(0, len(view), stride):
+                    chunk = view[start:start + stride]
+                    blocks.extend(hex_digest(chunk[at:at + block])
+                                  for at in range(0, len(chunk), block))
+                    handle.write(chunk, None if address is None else address + start)
+                handle.pad()  # the next item starts on an ALIGNMENT boundary
+                descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
+                results.append(WriteResult(
+                    index=item.index, size_in_bytes=len(view),
+                    storage_data=_StorageInfo(name, offset, len(view),
+                                              transform_descriptors=[descriptor]),
+                ))
+            results.extend(pack.flush(handle))
+            if self.sync_files:
+                os.fsync(handle.fd)
+            written = WrittenFile(name, handle.offset, handle.checksum.value())
+        return results, written, pack.regions
+
+    def write_small(self, name: str, tensors: Sequence[torch.Tensor], sidecar: str
+                    ) -> tuple[list[int], WrittenFile, list[tuple[int, int, str]]]:
+        """Write small contiguous CPU tensors into data file ``name`` as packed regions.
+
+        The same bytes :meth:`write_data` writes for the same items in this order (a
+        replayed plan, :func:`resumekit.tensors.sharded.save`), without DCP's plan objects.
+
+        Returns:
+            Each tensor's offset in the file, the file, and its regions ``(offset,
+            length, hex)``.
+
+        Raises:
+            StorageError: The file could not be written (naming it).
+        """
+        if self.background:
+            _lower_thread_priority()
+        path = os.path.join(os.fspath(self.path), name)
+        offsets: list[int] = []
+        try:
+            with _AlignedFile(path) as handle:
+                pack = _Pack(name, sidecar)
+                for tensor in tensors:
+                    length = tensor.numel() * tensor.element_size()
+                    if not pack.fits(length):
+                        offsets.extend(pack.flush_offsets(handle))
+                    pack.add_from(None, tensor.data_ptr(), length)
+                offsets.extend(pack.flush_offsets(handle))
+                if self.sync_files:
+                    os.fsync(handle.fd)
+                written = WrittenFile(name, handle.offset, handle.checksum.value())
+        except OSError as error:
+            raise _write_failure(path, error, "write") from error
+        return offsets, written, pack.regions
+
+
+
+def written_metadata(writer: _ReportingWriter) -> tuple[bytes, WrittenFile] | None:
+    """The ``.metadata`` bytes ``writer``'s last save wrote, read back, and their entry.
+
+    None unless exactly one ``.metadata`` was reported and the file's bytes still have the
+    checksum computed while it was written.
+    """
+    entries = [file for file in writer.written if file.name == DCP_METADATA_FILE]
+    if len(entries) != 1:
+        return None
+    with open(os.path.join(os.fspath(writer.path), DCP_METADATA_FILE), "rb") as handle:
+        data = handle.read()
+    return (data, entries[0]) if checksum_chunks([data]) == entries[0].checksum else None
+
+
+def _bytes_of(data: torch.Tensor | io.BytesIO
+              ) -> tuple[memoryview, int | None, torch.dtype | None, tuple[int, ...]]:
+    """The bytes to store, their address in memory (tensors only), dtype and shape."""
+    if isinstance(data, io.BytesIO):
+        return data.getbuffer(), None, None, ()
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    tensor = tensor.resolve_conj().resolve_neg().contiguous()
+    return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+
+
+
+def _small_cpu_bytes(data: torch.Tensor | io.BytesIO) -> tuple[int, int] | None:
+    """``(address, length)`` of a small tensor whose memory holds exactly its bytes.
+
+    A contiguous CPU tensor below :data:`PACK_ITEM_BYTES`, neither conjugated nor negated
+    lazily; anything else is ``None`` (and goes through :func:`_bytes_of`).
+    """
+    if not isinstance(data, torch.Tensor) or data.device.type != "cpu":
+        return None
+    length = data.numel() * data.element_size()
+    if (length >= PACK_ITEM_BYTES or not data.is_contiguous() or data.is_conj()
+            or data.is_neg()):
+        return None
+    return data.data_ptr(), length
+
+
+
+def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Spread items over ``bins`` lists: biggest tensors first, each to the lightest list."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        lightest = loads.index(min(loads))
+        buckets[lightest].append(item)
+        loads[lightest] += _item_bytes(item)
+    return buckets
+
+
+def _is_small(items: Sequence[WriteItem]) -> bool:
+    """Whether ``items`` hold fewer tensor bytes than :data:`SMALL_SAVE_BYTES`."""
+    return sum(_item_bytes(item) for item in items) < SMALL_SAVE_BYTES
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+
+_T = TypeVar("_T")
+
+
+def run_writer_threads(calls: Sequence[Callable[[], _T]], *,
+                       on_caller: bool = False) -> list[_T]:
+    """Run each call on a writer thread of its own; return their results in order.
+
+    The one owner of a save's writer threads: every thread's error fails the save. The
+    first is raised once all have ended, with the others attached to it as notes.
+
+    Args:
+        calls: One per file.
+        on_caller: Run the calls one after another on the calling thread instead (a
+            small state's save: no thread to start; the first error is raised at once).
+            Never for a background save, whose writers lower their thread's priority.
+    """
+    if on_caller:
+        return [call() for call in calls]
+    with ThreadPoolExecutor(max_workers=max(len(calls), 1),
+                            thread_name_prefix="resumekit-writer") as pool:
+        futures = [pool.submit(call) for call in calls]
+    errors = [error for error in (future.exception() for future in futures)
+              if error is not None]
+    if errors:
+        for extra in errors[1:]:
+            logger.error("resumekit: another writer thread failed too: %s: %s",
+                         type(extra).__name__, extra)
+            errors[0].add_note(f"another writer thread failed too: {extra}")
+        raise errors[0]
+    return [future.result() for future in futures]
