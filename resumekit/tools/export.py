@@ -83,7 +83,7 @@ from resumekit.store.catalog import (
 from resumekit.store.layout import MANIFEST_NAME, NameFormat
 from resumekit.store.manifest import Manifest
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.tensors.sharded import read_full_state  # re-exported: its home is sharded
 
 __all__ = [
@@ -663,7 +663,7 @@ def export_torch(
                       name_format=name_format, verify=verify)
     state = read_full_state(source.url, storage_options)
     if source.manifest is not None and isinstance(state.get("model"), dict):
-        state = sharded.retie(state, _tied_names(source.manifest))
+        state = state_dicts.retie(state, _tied_names(source.manifest))
     tensors = sharded.flatten_state(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]
