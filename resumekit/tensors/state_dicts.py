@@ -592,6 +592,10 @@ def retie(state: Mapping[str, Any], tied: Mapping[str, str]) -> dict[str, Any]:
     return {**state, "model": full}
 
 
+# The wrapper atoms of the parameter names older resumekit versions wrote into fingerprints:
+# fixed history, not DCP's rules, so they do not follow torch. Where the same function names
+# a live model's parameters (preallocate_optimizer_state), a name it gets wrong matches no
+# stored entry, and DCP's own initialisation runs instead: slower, never wrong.
 _WRAPPER_ATOMS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
