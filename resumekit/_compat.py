@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 # -- tensors: state-dict views -------------------------------------------------------------
 # resumekit.tensors.state_dicts takes ``model.state_dict()`` itself where DCP's state-dict
@@ -60,3 +62,11 @@ FSDP2_LOAD_HOOK_OWNER = "FSDPParam."
 # the parameters may skip it. If it moves: such loads copy through DCP again (slower,
 # never wrong), and the canary fails.
 
+
+
+def load_state_dict_hooks(module: Any) -> tuple[Mapping[int, Any], Mapping[int, Any]]:
+    """A module's own ``load_state_dict`` pre-hooks and post-hooks, by handle id."""
+    # Why: nn.Module has no public way to ask whether a load would run anyone's hook, and a
+    # load whose hooks may do more than copy is never skipped. If they move: AttributeError
+    # on the first restore (the canary fails first).
+    return module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks

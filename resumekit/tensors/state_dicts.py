@@ -239,11 +239,12 @@ def _loads_by_itself(model: nn.Module) -> bool:
     """
     for module in model.modules():
         kind = type(module)
-        if (module._load_state_dict_pre_hooks
+        pre_hooks, post_hooks = _compat.load_state_dict_hooks(module)
+        if (pre_hooks
                 or kind._load_from_state_dict is not nn.Module._load_from_state_dict
                 or kind.set_extra_state is not nn.Module.set_extra_state):
             return False
-        for hook in module._load_state_dict_post_hooks.values():
+        for hook in post_hooks.values():
             if not getattr(hook, "__qualname__", "").startswith(
                     _compat.FSDP2_LOAD_HOOK_OWNER):
                 return False

@@ -92,3 +92,17 @@ def test_fsdp2_puts_its_load_post_hook_on_a_method_of_the_class_compat_names() -
     assert f"{fsdp_param.FSDPParam.__qualname__}." == _compat.FSDP2_LOAD_HOOK_OWNER
     source = inspect.getsource(fsdp_param.FSDPParam.__init__)
     assert "register_load_state_dict_post_hook(" in source
+
+
+def test_a_modules_load_hooks_are_the_ones_registered_on_it_and_only_those() -> None:
+    model = _Pair()
+    assert _compat.load_state_dict_hooks(model) == ({}, {})
+    pre = model.register_load_state_dict_pre_hook(lambda *args: None)
+    post = model.register_load_state_dict_post_hook(lambda *args: None)
+    pre_hooks, post_hooks = _compat.load_state_dict_hooks(model)
+    assert list(pre_hooks) == [pre.id]
+    assert list(post_hooks) == [post.id]
+    assert _compat.load_state_dict_hooks(model.first) == ({}, {})
+    pre.remove()
+    post.remove()
+    assert _compat.load_state_dict_hooks(model) == ({}, {})
