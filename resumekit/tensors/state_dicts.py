@@ -106,8 +106,8 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
     walk per parameter) on every call, then returns ``model.state_dict()`` under
     canonical names without meta tensors, and the optimizer's ``state_dict()`` with each
     parameter id replaced by the canonical name ``model.named_parameters()`` gives it
-    (only ``state`` and ``param_groups``); ~14 ms for the 77 parameters of the LingBot
-    tiny model on FSDP2. Where every canonical name is the module's own name, that is
+    (only ``state`` and ``param_groups``); what that costs is in ``docs/performance.md``
+    (per-tensor figure). Where every canonical name is the module's own name, that is
     what this returns directly: no module renames (no DDP, FSDP1, ``torch.compile`` or
     ``_fqn_modifiers``; FSDP2's ``fully_shard`` renames nothing), no activation
     checkpointing prefix or ``_flat_param`` key, no ``state_dict`` replaced on the
@@ -143,8 +143,7 @@ def model_state_dict(model: nn.Module, *, options: StateDictOptions | None = Non
 
     DCP's ``get_model_state_dict`` maps every key to its canonical name by walking the
     module tree once per parameter (and once more per parameter to build a mapping only
-    optimizers use): tens of microseconds per tensor, ~10 ms for the LingBot tiny
-    model's 77 parameters on FSDP2. For a module it provably changes nothing for (a
+    optimizers use), on every call. For a module it provably changes nothing for (a
     plain module, or one ``fully_shard`` alone wraps: FSDP2 renames nothing), the result
     is ``model.state_dict()`` itself, taken here directly under the rules of
     :func:`named_state`; anything else goes through DCP's function.
@@ -314,11 +313,11 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
                                state: Mapping[str, Any]) -> bool:
     """DCP's strict ``set_optimizer_state_dict``, without its walks, where it is the same.
 
-    DCP's function builds the name maps of the whole module tree (~7 ms for the LingBot
-    tiny model on FSDP2), then hands the optimizer's ``load_state_dict`` the state
-    under canonical names: for each of the optimizer's groups, its parameters' names,
-    each parameter that requires a gradient with its stored state, and the other
-    entries of the stored group that holds the parameter. Where every canonical name is
+    DCP's function builds the name maps of the whole module tree on every call, then
+    hands the optimizer's ``load_state_dict`` the state under canonical names: for each
+    of the optimizer's groups, its parameters' names, each parameter that requires a
+    gradient with its stored state, and the other entries of the stored group that
+    holds the parameter. Where every canonical name is
     the parameter's own name (the rules of :func:`named_state`) and no parameter has
     two names (tied weights: DCP maps them its own way), that same dictionary is built
     here and loaded. Anything else (a state keyed otherwise, a missing entry, a group
