@@ -430,7 +430,7 @@ def _snapshot(model: Any, optimizer: Any) -> dict[tuple[str, ...], Any]:
     """Every tensor of the model and optimizer state (this rank's shard), copied to CPU."""
     import torch
 
-    from resumekit.tensors.sharded import model_and_optimizer_state
+    from resumekit.tensors.state_dicts import model_and_optimizer_state
 
     snap: dict[tuple[str, ...], Any] = {}
     for path, value in _flat(model_and_optimizer_state(model, optimizer)):
@@ -459,7 +459,7 @@ def _differences(want: Mapping[tuple[str, ...], Any], have: Mapping[tuple[str, .
 def _state_bytes(model: Any, optimizer: Any) -> int:
     import torch
 
-    from resumekit.tensors.sharded import model_and_optimizer_state
+    from resumekit.tensors.state_dicts import model_and_optimizer_state
 
     total = 0
     for _, value in _flat(model_and_optimizer_state(model, optimizer)):
@@ -645,7 +645,7 @@ def _check_async_save(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dic
 
     from resumekit.manager import CheckpointManager
     from resumekit.tensors.raw import ALIGNMENT, aligned_empty
-    from resumekit.tensors.sharded import model_and_optimizer_state
+    from resumekit.tensors.state_dicts import model_and_optimizer_state
 
     ctx = state["ctx"]
     device = ctx.device

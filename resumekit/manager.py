@@ -87,7 +87,7 @@ from resumekit.store.manifest import (
 from resumekit.store.recovery import set_aside
 from resumekit.store.retention import RetentionPolicy, RollingSweep, keep_last, prune
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.tools import legacy, weights
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -648,7 +648,7 @@ class CheckpointManager:
         if optimizer is None or optimizer.state:
             tensors = self.state.tensor_state()
         else:
-            tensors = sharded.model_and_optimizer_state(self.state.model, None)
+            tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
         self._stager.prepare(tensors)
 
     def _finish_restore(self, reason: str) -> None:

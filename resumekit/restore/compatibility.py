@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from resumekit.errors import IncompatibleCheckpointError
 from resumekit.store.manifest import Manifest, SaveReason
-from resumekit.tensors.sharded import canonical_param_name
+from resumekit.tensors.state_dicts import canonical_param_name
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["check_compatibility", "config_differences", "param_differences"]

@@ -47,7 +47,7 @@ from resumekit.store.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE
 from resumekit.store.manifest import Manifest
 from resumekit.store.retry import read_with_retry
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
@@ -266,10 +266,10 @@ class TrainState:
             self.captured_params = {}
             return {}
         with sharded.collection_paused():  # as in fingerprint_params
-            state = sharded.model_and_optimizer_state(self.model, self.optimizer)
+            state = state_dicts.model_and_optimizer_state(self.model, self.optimizer)
             self.captured_params = _params_of(state["model"])
-            self.tied = sharded.find_tied(state["model"])
-            return sharded.untie(state, self.tied)
+            self.tied = state_dicts.find_tied(state["model"])
+            return state_dicts.untie(state, self.tied)
 
     def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True,
                     source: str | None = None,
@@ -282,18 +282,18 @@ class TrainState:
                 for weights only).
             source: The checkpoint's ``tensors/`` directory: an optimizer that never
                 stepped gets its state shaped from the checkpoint's metadata
-                (:func:`resumekit.tensors.sharded.preallocate_optimizer_state`) instead of by
+                (:func:`resumekit.tensors.state_dicts.preallocate_optimizer_state`) instead of by
                 DCP's zero-learning-rate step.
             storage_options: fsspec options for ``source``.
         """
         if self.model is None:
             return {}
         if optimizer and source is not None and self.optimizer is not None:
-            sharded.preallocate_optimizer_state(self.model, self.optimizer, source,
+            state_dicts.preallocate_optimizer_state(self.model, self.optimizer, source,
                                                 storage_options=storage_options)
-        state = sharded.model_and_optimizer_state(
+        state = state_dicts.model_and_optimizer_state(
             self.model, self.optimizer if optimizer else None)
-        return sharded.untie(state, tied)
+        return state_dicts.untie(state, tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""
@@ -342,7 +342,7 @@ class TrainState:
         # Two lists per tensor: without the pause, the collector's passes over the
         # process (triggered by those allocations) cost more than building them.
         with sharded.collection_paused():
-            return _params_of(sharded.model_state_dict(self.model))
+            return _params_of(state_dicts.model_state_dict(self.model))
 
     # -- apply --------------------------------------------------------------------------
     def apply_tensor_state(self, state: dict[str, Any],
@@ -357,8 +357,8 @@ class TrainState:
         if self.model is not None:
             optimizer = self.optimizer if "optimizer" in state else None
             with sharded.collection_paused():  # as in fingerprint_params
-                sharded.apply_model_and_optimizer_state(self.model, optimizer,
-                                                        sharded.retie(state, tied or {}))
+                state_dicts.apply_model_and_optimizer_state(self.model, optimizer,
+                                                        state_dicts.retie(state, tied or {}))
 
     def apply_train_state(self, state: Mapping[str, Any], *, source: str,
                           scheduler: bool = True) -> None:

@@ -82,7 +82,7 @@ from resumekit.store.targets import (
     split_parent,
     tensors_url,
 )
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.tensors.sharded import read_full_state  # re-exported: its home is sharded
 
 __all__ = [
@@ -662,7 +662,7 @@ def export_torch(
                       name_format=name_format, verify=verify)
     state = read_full_state(source.url, storage_options)
     if source.manifest is not None and isinstance(state.get("model"), dict):
-        state = sharded.retie(state, _tied_names(source.manifest))
+        state = state_dicts.retie(state, _tied_names(source.manifest))
     tensors = sharded.flatten_state(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]

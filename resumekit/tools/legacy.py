@@ -34,7 +34,7 @@ from resumekit.errors import (
 )
 from resumekit.store.manifest import safe_relative_path
 from resumekit.store.storage import Storage, parse_json
-from resumekit.tensors import sharded
+from resumekit.tensors import state_dicts
 
 __all__ = ["find_weight_files", "load_weights_only", "read_full_weights"]
 
@@ -133,7 +133,7 @@ def load_weights_only(storage: Storage, name: str, model: nn.Module) -> None:
         CorruptCheckpointError: A weight file is not a readable safetensors file.
     """
     stored = _stored_tensors(storage, name)
-    expected: dict[str, Any] = dict(sharded.model_and_optimizer_state(model, None)["model"])
+    expected: dict[str, Any] = dict(state_dicts.model_and_optimizer_state(model, None)["model"])
     differences = [f"missing: {key}" for key in expected if key not in stored]
     differences += [f"unexpected: {key}" for key in stored if key not in expected]
     for key, want in expected.items():
@@ -165,7 +165,7 @@ def load_weights_only(storage: Storage, name: str, model: nn.Module) -> None:
     # The state dict's tensors are the model's own (FSDP2: its sharded parameters), so
     # they hold the weights already; loading it back is a check that they are and copies
     # them in where a module hands out copies.
-    sharded.apply_model_and_optimizer_state(model, None, {"model": expected})
+    state_dicts.apply_model_and_optimizer_state(model, None, {"model": expected})
 
 
 @dataclass(frozen=True)
@@ -241,14 +241,10 @@ def _read_header(storage: Storage, relative: str) -> dict[str, _Stored]:
 def _local_piece(target: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
     """The local tensor to fill, and the offsets and sizes of its piece of the global one."""
     if isinstance(target, DTensor):
-        from torch.distributed.tensor._utils import (  # noqa: PLC0415 - private helper
-            compute_local_shape_and_global_offset,
-        )
-
-        local = target.to_local()
-        sizes, offsets = compute_local_shape_and_global_offset(
-            target.shape, target.device_mesh, target.placements)
-        return local, tuple(offsets), tuple(sizes)
+        # DTensor's own answer to DCP's question "which piece of the global tensor is
+        # this rank's?" (its one chunk: a rank holds one shard or one replica).
+        (chunk,) = target.__create_chunk_list__()
+        return target.to_local(), tuple(chunk.offsets), tuple(chunk.sizes)
     return target, (0,) * target.dim(), tuple(target.shape)
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 
 __all__ = [
     "EquivalenceReport",
@@ -125,7 +125,7 @@ def flat_state(objects: Mapping[str, Any]) -> dict[str, Any]:
     model = objects.get("model")
     optimizer = objects.get("optimizer")
     if isinstance(model, torch.nn.Module):
-        flat.update(sharded.flatten_state(sharded.model_and_optimizer_state(model, optimizer)))
+        flat.update(sharded.flatten_state(state_dicts.model_and_optimizer_state(model, optimizer)))
     for name, value in objects.items():
         if name in ("model", "optimizer") and isinstance(model, torch.nn.Module):
             continue

@@ -32,7 +32,7 @@ from resumekit.store.catalog import list_checkpoints, read_manifest
 from resumekit.store.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME, Manifest
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
@@ -153,7 +153,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
     tied: dict[str, str] = {str(k): str(v) for k, v in recorded.items()} \
         if isinstance(recorded, dict) else {}
     full = get_model_state_dict(model)
-    target = sharded.untie({"model": full}, tied)
+    target = state_dicts.untie({"model": full}, tied)
     skipped: list[str] = []
     if not strict:
         index = sharded.read_tensor_index(source.tensors_url, storage_options=storage_options)
@@ -177,7 +177,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
             warn(message, ResumekitWarning, stacklevel=3)
         _load_model_part(target, source, process_group, storage_options, verify,
                          allow_more=True)
-        loaded = sharded.retie(target, {a: k for a, k in tied.items() if k in fits})
+        loaded = state_dicts.retie(target, {a: k for a, k in tied.items() if k in fits})
         set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
         return skipped
     try:
@@ -188,7 +188,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
             f"the weights of {source.path} (step {source.step}) do not fit the model "
             f"(nothing was loaded; pass strict=False to load what fits): {error}",
             path=source.path, differences=getattr(error, "differences", None)) from error
-    set_model_state_dict(model, sharded.retie(target, tied)["model"],
+    set_model_state_dict(model, state_dicts.retie(target, tied)["model"],
                          options=StateDictOptions(strict=True))
     return skipped
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from resumekit import CheckpointManager
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from tests.dist.test_save_planner_dist import counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -70,19 +70,19 @@ def test_a_shard_damaged_for_one_rank_fails_the_checkpoint_on_every_rank_which_f
 def _local_plan_against_dcps(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     train_step(model, optimizer, "transformer", seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), root)
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), root)
     metadata = sharded._make_reader(root, None).read_metadata()
     plans = []
     for planner in (sharded._CheckedLoadPlanner(root, reject_unexpected=True),
                     DefaultLoadPlanner(flatten_state_dict=True, allow_partial_load=False)):
-        planner.set_up_planner(sharded.model_and_optimizer_state(model, optimizer), metadata,
+        planner.set_up_planner(state_dicts.model_and_optimizer_state(model, optimizer), metadata,
                                is_coordinator=rank == 0)
         plans.append(planner.create_local_plan().items)
     ours, dcps = plans
     return {"same": ours == dcps, "items": len(ours),
             "dtensors": sum(isinstance(value, torch.distributed.tensor.DTensor)
                             for value in sharded.flatten_state(
-                                sharded.model_and_optimizer_state(model, optimizer)).values())}
+                                state_dicts.model_and_optimizer_state(model, optimizer)).values())}
 
 
 def test_a_restores_local_plan_is_exactly_dcps_default_local_load_plan(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.tensors.save_planner import forget_plans
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -109,7 +109,7 @@ def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:
 
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     train_step(model, optimizer, "transformer", seed=1)
-    found = sharded.named_state(model, optimizer)
+    found = state_dicts.named_state(model, optimizer)
     dcp_model, dcp_optimizer = get_state_dict(model, optimizer)
     # loading a state of other values (a step more, half the learning rate) two ways
     source_model, source = build("transformer", seed=0, world_size=world_size)
@@ -117,16 +117,16 @@ def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:
         train_step(source_model, source, "transformer", seed=seed)
     for group in source.param_groups:
         group["lr"] *= 0.5
-    stored = sharded.named_state(source_model, source)
+    stored = state_dicts.named_state(source_model, source)
     assert stored is not None
     dcps_model, dcps = build("transformer", seed=0, world_size=world_size)
     train_step(dcps_model, dcps, "transformer", seed=1)
     set_optimizer_state_dict(dcps_model, dcps, stored[1], options=StateDictOptions(strict=True))
-    loaded = sharded.load_named_optimizer_state(model, optimizer, stored[1])
+    loaded = state_dicts.load_named_optimizer_state(model, optimizer, stored[1])
     return {"fast": found is not None,
             "same": found is not None and _same(found[0], dcp_model)
             and _same(found[1], dcp_optimizer),
-            "model alone": _same(sharded.model_state_dict(model), get_model_state_dict(model)),
+            "model alone": _same(state_dicts.model_state_dict(model), get_model_state_dict(model)),
             "loaded": loaded,
             "loads as DCP": _same(optimizer.state_dict(), dcps.state_dict())
             and _same(optimizer.state_dict(), source.state_dict())}
@@ -146,7 +146,7 @@ def _zeros_against_from_local(rank: int, world_size: int) -> list[str]:
     unlike = []
     for name, param in model.named_parameters():
         for dtype in (torch.float32, torch.bfloat16):
-            ours = sharded._zeros_like(param, dtype)
+            ours = state_dicts._zeros_like(param, dtype)
             local = torch.zeros_like(param.to_local(), dtype=dtype)
             public = DTensor.from_local(local, param.device_mesh, param.placements,
                                         run_check=False, shape=param.shape,
@@ -181,10 +181,10 @@ def _tied_of_an_fsdp2_model(rank: int, world_size: int) -> dict[str, Any]:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    state = sharded.model_state_dict(model)
+    state = state_dicts.model_state_dict(model)
     with torch.no_grad():
-        no_grad = sharded.find_tied(state)
-    return {"grad mode": sharded.find_tied(state), "no grad": no_grad,
+        no_grad = state_dicts.find_tied(state)
+    return {"grad mode": state_dicts.find_tied(state), "no grad": no_grad,
             "dtensors": sorted(name for name, value in state.items()
                                if type(value).__name__ == "DTensor")}
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from tests.distributed_harness import run_ranks
 
@@ -120,9 +120,9 @@ def assert_identical(actual: dict[str, Any], expected: dict[str, Any]) -> None:
 def restore(
     model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: Any = None
 ) -> None:
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     sharded.load(state, directory, process_group=group)
-    sharded.apply_model_and_optimizer_state(model, optimizer, state)
+    state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -136,8 +136,8 @@ def _save_stage_and_reload(rank: int, world_size: int, directory: str) -> dict[s
     reference = full_state(model, optimizer)
 
     stager = sharded.CpuStager()
-    first = stager.stage(sharded.model_and_optimizer_state(model, optimizer))
-    staged = stager.stage(sharded.model_and_optimizer_state(model, optimizer))
+    first = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
+    staged = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     weight = "layers.0.qkv.weight"
     reused = (
         first["model"][weight].to_local().data_ptr()
@@ -191,7 +191,7 @@ def _load_into_a_wider_model(rank: int, world_size: int, directory: str) -> str:
     fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
     optimizer = torch.optim.AdamW(model.parameters())
     before = full_state(model, optimizer)
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     with pytest.raises(IncompatibleCheckpointError) as caught:
         sharded.load(state, directory)
     after = full_state(model, optimizer)
@@ -202,7 +202,7 @@ def _load_into_a_wider_model(rank: int, world_size: int, directory: str) -> str:
 
 def _apply_full_weights(rank: int, world_size: int, weights: dict[str, torch.Tensor]) -> Any:
     model, _ = build("mlp", seed=77, world_size=world_size)
-    sharded.apply_full_model_state(model, {k: v.to(torch.bfloat16) for k, v in weights.items()})
+    state_dicts.apply_full_model_state(model, {k: v.to(torch.bfloat16) for k, v in weights.items()})
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     return state if rank == 0 else None
@@ -326,7 +326,7 @@ def one_process_checkpoint(
     root = tmp_path_factory.mktemp("one-process")
     model, optimizer = build("mlp", seed=3, world_size=None)
     train_step(model, optimizer, "mlp", seed=4)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), root / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), root / "ckpt")
     results = run_ranks(
         _one_process_checkpoint_scenarios, world_size=2,
         args=(str(root / "ckpt"), str(root / "scratch"), model.state_dict()),

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import resumekit
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
+from resumekit.tensors import state_dicts
 from tests.dist.test_sharded_fsdp import assert_identical, build, flatten, full_state, train_step
 from tests.distributed_harness import run_ranks
 
@@ -36,9 +36,9 @@ def _two_ranks(rank: int, world_size: int, one_rank_root: str, raw_root: str,
     # 1 -> 2: stock dcp.load, our reader, a fresh FSDP2 model + optimizer
     model, optimizer = build(KIND, seed=99, world_size=world_size)
     train_step(model, optimizer, KIND, seed=3)  # other values everywhere, Adam state exists
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     dcp.load(state, storage_reader=resumekit.StorageReader(f"{one_rank_root}/{STEP}"))
-    sharded.apply_model_and_optimizer_state(model, optimizer, state)
+    state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
     loaded = full_state(model, optimizer)
 
     # 2 -> 1 (checked by the test process): two FSDP2 ranks save in both formats
@@ -66,7 +66,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def _load_in_one_process(reader: Any) -> dict[str, Any]:
     model, optimizer = build(KIND, seed=42, world_size=None)
     train_step(model, optimizer, KIND, seed=5)
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=reader)

@@ -1,4 +1,4 @@
-"""sharded.named_state: DCP's get_state_dict without its walks, exactly where it is the same."""
+"""state_dicts.named_state: DCP's get_state_dict without its walks, exactly where it is the same."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resumekit.tensors import sharded
+from resumekit.tensors import state_dicts
 
 
 class Untied(nn.Module):
@@ -91,12 +91,12 @@ def test_named_state_is_exactly_dcps_get_state_dict_for_a_plain_module(
     model = Tied()
     optimizer = optimizer_of(model)
     _stepped(model, optimizer)
-    found = sharded.named_state(model, optimizer)
+    found = state_dicts.named_state(model, optimizer)
     assert found is not None
     dcp_model, dcp_optimizer = get_state_dict(model, optimizer)
     assert _same(found[0], dcp_model)
     assert _same(found[1], dcp_optimizer)
-    assert sharded.model_and_optimizer_state(model, optimizer)["optimizer"]["state"].keys() \
+    assert state_dicts.model_and_optimizer_state(model, optimizer)["optimizer"]["state"].keys() \
         == dcp_optimizer["state"].keys()
 
 
@@ -104,13 +104,13 @@ def test_named_state_leaves_to_dcp_what_dcp_renames_or_initialises() -> None:
     torch.manual_seed(0)
     model = Tied()
     fresh = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    assert sharded.named_state(model, fresh) is None  # no state: DCP initialises it
+    assert state_dicts.named_state(model, fresh) is None  # no state: DCP initialises it
 
     wrapped = nn.Sequential(checkpoint_wrapper(nn.Linear(3, 3)))
     optimizer = torch.optim.AdamW(wrapped.parameters())
     wrapped(torch.ones(1, 3)).sum().backward()
     optimizer.step()
-    assert sharded.named_state(wrapped, optimizer) is None  # checkpointing's prefix
+    assert state_dicts.named_state(wrapped, optimizer) is None  # checkpointing's prefix
 
     model = Tied()
     outside = nn.Parameter(torch.zeros(2))
@@ -119,13 +119,13 @@ def test_named_state_leaves_to_dcp_what_dcp_renames_or_initialises() -> None:
     for param in model.body.parameters():
         param.grad = torch.ones_like(param)
     optimizer.step()
-    assert sharded.named_state(model, optimizer) is None  # a parameter not in the model
+    assert state_dicts.named_state(model, optimizer) is None  # a parameter not in the model
 
     model = Tied()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     _stepped(model, optimizer)
     model.state_dict = lambda *a, **k: {}  # type: ignore[method-assign, assignment]
-    assert sharded.named_state(model, optimizer) is None  # an instance's own state_dict
+    assert state_dicts.named_state(model, optimizer) is None  # an instance's own state_dict
 
 
 def _trained(optimizer_of: Any, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -140,7 +140,7 @@ def _trained(optimizer_of: Any, seed: int) -> tuple[nn.Module, torch.optim.Optim
 
 def test_model_state_dict_is_exactly_dcps_get_model_state_dict_for_a_plain_module() -> None:
     model = Tied()
-    assert _same(sharded.model_state_dict(model), get_model_state_dict(model))
+    assert _same(state_dicts.model_state_dict(model), get_model_state_dict(model))
 
 
 @EVERY_OPTIMIZER
@@ -149,11 +149,11 @@ def test_load_named_optimizer_state_loads_exactly_what_dcps_set_optimizer_state_
     source_model, source = _trained(optimizer_of, seed=3)
     for group in source.param_groups:
         group["lr"] *= 0.5  # a stored group entry the load must bring over
-    named = sharded.named_state(source_model, source)
+    named = state_dicts.named_state(source_model, source)
     assert named is not None
     ours_model, ours = _trained(optimizer_of, seed=1)
     dcps_model, dcps = _trained(optimizer_of, seed=1)
-    assert sharded.load_named_optimizer_state(ours_model, ours, named[1])
+    assert state_dicts.load_named_optimizer_state(ours_model, ours, named[1])
     set_optimizer_state_dict(dcps_model, dcps, named[1],
                              options=StateDictOptions(strict=True))
     assert _same(ours.state_dict(), dcps.state_dict())
@@ -169,19 +169,19 @@ def test_load_named_optimizer_state_leaves_to_dcp_what_it_does_not_build_the_sam
     model = Tied()  # head.weight is embed.weight: two names for one parameter
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     _stepped(model, optimizer)
-    named = sharded.named_state(model, optimizer)
+    named = state_dicts.named_state(model, optimizer)
     assert named is not None
     before = optimizer.state_dict()
-    assert not sharded.load_named_optimizer_state(model, optimizer, named[1])
+    assert not state_dicts.load_named_optimizer_state(model, optimizer, named[1])
 
     model, optimizer = _trained(lambda m: torch.optim.AdamW(
         [p for p in m.parameters() if p.requires_grad]), seed=1)
-    named = sharded.named_state(model, optimizer)
+    named = state_dicts.named_state(model, optimizer)
     assert named is not None
     missing = {"state": dict(named[1]["state"]), "param_groups": named[1]["param_groups"]}
     del missing["state"]["body.0.weight"]  # DCP's strict load names it
     by_index = optimizer.state_dict()  # keyed by parameter number, not by name
     before = optimizer.state_dict()
     for odd in (missing, by_index, {**named[1], "extra": 1}):
-        assert not sharded.load_named_optimizer_state(model, optimizer, odd)
+        assert not state_dicts.load_named_optimizer_state(model, optimizer, odd)
     assert _same(optimizer.state_dict(), before)  # nothing was loaded

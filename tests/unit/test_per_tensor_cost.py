@@ -16,7 +16,7 @@ from resumekit.manager import CheckpointManager
 from resumekit.state.train_state import TrainState
 from resumekit.store import manifest as manifest_module
 from resumekit.store.manifest import Manifest, parse_manifest
-from resumekit.tensors import sharded
+from resumekit.tensors import state_dicts
 
 
 class _Net(nn.Module):
@@ -45,9 +45,9 @@ class _Hooked(nn.Linear):
 
 def test_a_plain_module_state_is_exactly_what_dcp_returns() -> None:
     model = _Net()
-    ours = sharded.model_state_dict(model)
+    ours = state_dicts.model_state_dict(model)
     theirs = get_model_state_dict(model)
-    assert sharded.plain_state_dict(model) is not None
+    assert state_dicts.plain_state_dict(model) is not None
     assert list(ours) == list(theirs)
     for key, value in theirs.items():
         assert ours[key].data_ptr() == value.data_ptr()
@@ -58,26 +58,26 @@ def test_wrapped_or_modified_modules_are_left_to_dcp(monkeypatch: pytest.MonkeyP
     ddp = DistributedDataParallel.__new__(DistributedDataParallel)
     nn.Module.__init__(ddp)
     ddp.module = _Net()
-    assert sharded.plain_state_dict(ddp) is None
-    assert sharded.plain_state_dict(_Modified()) is None
-    assert sharded.plain_state_dict(nn.Module()) is None  # empty: DCP's error stands
+    assert state_dicts.plain_state_dict(ddp) is None
+    assert state_dicts.plain_state_dict(_Modified()) is None
+    assert state_dicts.plain_state_dict(nn.Module()) is None  # empty: DCP's error stands
     calls: list[nn.Module] = []
-    real = sharded.get_model_state_dict
+    real = state_dicts.get_model_state_dict
 
     def spy(model: nn.Module, **kwargs: Any) -> dict[str, Any]:
         calls.append(model)
         return real(model, **kwargs)
 
-    monkeypatch.setattr(sharded, "get_model_state_dict", spy)
+    monkeypatch.setattr(state_dicts, "get_model_state_dict", spy)
     modified = _Modified()
-    assert list(sharded.model_state_dict(modified)) == ["inner.weight", "inner.bias"]
+    assert list(state_dicts.model_state_dict(modified)) == ["inner.weight", "inner.bias"]
     assert calls == [modified]
 
 
 def test_a_compiled_module_is_recognised_as_a_wrapper() -> None:
     compiled = torch.compile(_Net())
-    assert sharded.plain_state_dict(compiled) is None
-    assert list(sharded.model_state_dict(compiled)) == list(get_model_state_dict(compiled))
+    assert state_dicts.plain_state_dict(compiled) is None
+    assert list(state_dicts.model_state_dict(compiled)) == list(get_model_state_dict(compiled))
 
 
 def test_a_save_records_the_fingerprint_of_its_own_capture(tmp_path: Path,
@@ -86,13 +86,13 @@ def test_a_save_records_the_fingerprint_of_its_own_capture(tmp_path: Path,
     model = _Net()
     manager = CheckpointManager(tmp_path, model=model)
     captures: list[int] = []
-    real = sharded.model_state_dict
+    real = state_dicts.model_state_dict
 
     def counting(module: nn.Module, **kwargs: Any) -> dict[str, Any]:
         captures.append(1)
         return real(module, **kwargs)
 
-    monkeypatch.setattr(sharded, "model_state_dict", counting)
+    monkeypatch.setattr(state_dicts, "model_state_dict", counting)
     manager.save(1)
     manager.close()
     assert len(captures) == 1  # the fingerprint reused the capture
@@ -104,12 +104,12 @@ def test_a_save_records_the_fingerprint_of_its_own_capture(tmp_path: Path,
 def test_a_restore_into_the_models_own_tensors_skips_set_state_dict(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = _Net()
-    state = sharded.model_and_optimizer_state(model)
+    state = state_dicts.model_and_optimizer_state(model)
     with torch.no_grad():
         state["model"]["a.weight"].fill_(3.0)  # what a read into the destination does
     calls: list[int] = []
-    monkeypatch.setattr(sharded, "set_state_dict", lambda *a, **k: calls.append(1))
-    sharded.apply_model_and_optimizer_state(model, None, state)
+    monkeypatch.setattr(state_dicts, "set_state_dict", lambda *a, **k: calls.append(1))
+    state_dicts.apply_model_and_optimizer_state(model, None, state)
     assert calls == []
     assert torch.equal(model.a.weight, torch.full((4, 3), 3.0))
 
@@ -120,7 +120,7 @@ def test_a_state_that_is_not_the_models_own_tensors_is_applied_by_dcp(
     model = _Net()
     if case == "override":
         model.a = _Hooked(3, 4)
-    state = sharded.model_and_optimizer_state(model)
+    state = state_dicts.model_and_optimizer_state(model)
     if case == "copy":
         state["model"]["a.weight"] = state["model"]["a.weight"].clone()
     if case == "hook":
@@ -128,12 +128,12 @@ def test_a_state_that_is_not_the_models_own_tensors_is_applied_by_dcp(
     if case == "missing":
         del state["model"]["count"]
     calls: list[int] = []
-    monkeypatch.setattr(sharded, "set_state_dict", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(state_dicts, "set_state_dict", lambda *a, **k: calls.append(1))
     if case == "missing":
         with pytest.raises(Exception, match=r"missing: model\.count"):
-            sharded.apply_model_and_optimizer_state(model, None, state)
+            state_dicts.apply_model_and_optimizer_state(model, None, state)
         return
-    sharded.apply_model_and_optimizer_state(model, None, state)
+    state_dicts.apply_model_and_optimizer_state(model, None, state)
     assert calls == [1]
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 
 
 class CountingAdamW(torch.optim.AdamW):
@@ -98,7 +98,7 @@ def test_optimizer_state_of_another_shape_still_restores_through_dcps_initialisa
 
     fresh_model = _model(1)
     fresh = ShapedStateSGD(fresh_model.parameters(), lr=0.1, momentum=0.9)
-    assert not sharded.preallocate_optimizer_state(
+    assert not state_dicts.preallocate_optimizer_state(
         fresh_model, fresh, Path(latest.path) / "tensors")
     assert not fresh.state  # refused as a whole: nothing half-prepared
     CheckpointManager(tmp_path, model=fresh_model, optimizer=fresh).restore()
@@ -110,19 +110,19 @@ def test_preallocated_optimizer_state_takes_the_stored_layout_and_dtype(
     model = _model(0)
     optimizer = torch.optim.AdamW(model.parameters())
     _train(model, optimizer, 1)
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     sharded.save(state, tmp_path)
 
     fresh_model = _model(1)
     fresh = torch.optim.AdamW(fresh_model.parameters())
-    assert sharded.preallocate_optimizer_state(fresh_model, fresh, tmp_path)
+    assert state_dicts.preallocate_optimizer_state(fresh_model, fresh, tmp_path)
     for param in fresh_model.parameters():
         entry = fresh.state[param]
         assert list(entry) == ["step", "exp_avg", "exp_avg_sq"]
         assert entry["step"].shape == () and entry["step"].dtype == torch.float32
         assert entry["exp_avg"].shape == param.shape
         assert not entry["exp_avg"].any() and not entry["exp_avg_sq"].any()
-    assert not sharded.preallocate_optimizer_state(fresh_model, fresh, tmp_path)  # has state
+    assert not state_dicts.preallocate_optimizer_state(fresh_model, fresh, tmp_path)  # has state
 
 
 # --------------------------------------------------------------------------- applying
@@ -156,6 +156,6 @@ def test_a_state_held_elsewhere_is_still_copied_into_the_model(tmp_path: Path) -
     source = _model(0)
     target = _model(1)
     state = {"model": {key: value.clone() for key, value in source.state_dict().items()}}
-    sharded.apply_model_and_optimizer_state(target, None, state)
+    state_dicts.apply_model_and_optimizer_state(target, None, state)
     for kept, restored in zip(source.parameters(), target.parameters(), strict=True):
         assert torch.equal(kept, restored)

@@ -22,7 +22,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 
 
 class WritesMarker:
@@ -75,9 +75,9 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
 
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Any) -> None:
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     sharded.load(state, directory)
-    sharded.apply_model_and_optimizer_state(model, optimizer, state)
+    state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +92,7 @@ def test_a_single_process_round_trip_restores_model_and_optimizer_bit_identicall
     tmp_path: Path,
 ) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
 
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=5.0)
@@ -103,7 +103,7 @@ def test_a_single_process_round_trip_restores_model_and_optimizer_bit_identicall
 
 def test_training_continues_identically_after_a_round_trip(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=5.0)
     restore(fresh, fresh_optimizer, tmp_path / "ckpt")
@@ -118,7 +118,7 @@ def test_fp32_and_bf16_tensors_keep_their_dtype_on_disk_and_after_load(tmp_path:
     for dtype in (torch.float32, torch.bfloat16):
         model, optimizer = trained(seed=0, dtype=dtype)
         directory = tmp_path / str(dtype)
-        sharded.save(sharded.model_and_optimizer_state(model, optimizer), directory)
+        sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), directory)
         index = sharded.read_tensor_index(directory)
         assert index["model.0.weight"].dtype == dtype
         assert index["optimizer.state.0.weight.exp_avg"].dtype == dtype
@@ -135,7 +135,7 @@ def test_a_checkpoint_round_trips_through_a_url(tmp_path: Path, scheme: str) -> 
     else:
         url = f"file://{tmp_path}/ckpt"
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), url)
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), url)
     filesystem, path = fsspec.core.url_to_fs(url)
     assert filesystem.exists(f"{path}/.metadata")
     fresh = mlp(seed=1)
@@ -162,10 +162,10 @@ def test_non_tensor_values_round_trip_alongside_tensors(tmp_path: Path) -> None:
 
 def test_a_changed_shape_raises_naming_the_key_and_loads_nothing(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     wider = mlp(seed=1, hidden=9)
     wider_optimizer = torch.optim.AdamW(wider.parameters())
-    state = sharded.model_and_optimizer_state(wider, wider_optimizer)
+    state = state_dicts.model_and_optimizer_state(wider, wider_optimizer)
     before = snapshot(wider, wider_optimizer)
     with pytest.raises(IncompatibleCheckpointError) as caught:
         sharded.load(state, tmp_path / "ckpt")
@@ -179,9 +179,9 @@ def test_a_changed_shape_raises_naming_the_key_and_loads_nothing(tmp_path: Path)
 
 def test_a_key_missing_from_the_checkpoint_raises_and_loads_nothing(tmp_path: Path) -> None:
     model = mlp(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     deeper = nn.Sequential(*mlp(seed=1), nn.Linear(3, 3))
-    state = sharded.model_and_optimizer_state(deeper)
+    state = state_dicts.model_and_optimizer_state(deeper)
     before = snapshot(deeper)
     missing = r"missing from checkpoint: model\.3\.weight"
     with pytest.raises(IncompatibleCheckpointError, match=missing):
@@ -191,18 +191,18 @@ def test_a_key_missing_from_the_checkpoint_raises_and_loads_nothing(tmp_path: Pa
 
 def test_a_key_the_model_does_not_have_raises_as_unexpected(tmp_path: Path) -> None:
     deeper = nn.Sequential(*mlp(seed=0), nn.Linear(3, 3))
-    sharded.save(sharded.model_and_optimizer_state(deeper), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(deeper), tmp_path / "ckpt")
     model = mlp(seed=1)
     before = snapshot(model)
     unexpected = r"unexpected in checkpoint: model\.3\.bias"
     with pytest.raises(IncompatibleCheckpointError, match=unexpected):
-        sharded.load(sharded.model_and_optimizer_state(model), tmp_path / "ckpt")
+        sharded.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     assert_same(snapshot(model), before)
 
 
 def test_loading_only_the_model_from_a_full_checkpoint_is_allowed(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     fresh = mlp(seed=1)
     restore(fresh, None, tmp_path / "ckpt")
     assert_same(fresh.state_dict(), model.state_dict())
@@ -210,13 +210,13 @@ def test_loading_only_the_model_from_a_full_checkpoint_is_allowed(tmp_path: Path
 
 def test_applying_a_state_with_a_wrong_key_raises_before_touching_the_model() -> None:
     model, optimizer = trained(seed=0)
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     state = copy.deepcopy(state)
     state["model"]["0.weight"].add_(1.0)  # would change the model if applied
     state["model"]["0.wieght"] = state["model"].pop("0.bias")
     before = snapshot(model, optimizer)
     with pytest.raises(IncompatibleCheckpointError) as caught:
-        sharded.apply_model_and_optimizer_state(model, optimizer, state)
+        state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
     assert "missing: model.0.bias" in caught.value.differences
     assert "unexpected: model.0.wieght" in caught.value.differences
     assert_same(snapshot(model, optimizer), before)
@@ -224,9 +224,9 @@ def test_applying_a_state_with_a_wrong_key_raises_before_touching_the_model() ->
 
 def test_saving_over_an_existing_checkpoint_is_refused(tmp_path: Path) -> None:
     model = mlp(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     with pytest.raises(StorageError, match="already exists"):
-        sharded.save(sharded.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
+        sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
     restored = mlp(seed=2)
     restore(restored, None, tmp_path / "ckpt")
     assert_same(restored.state_dict(), model.state_dict())
@@ -236,24 +236,24 @@ def test_loading_a_directory_without_metadata_raises_checkpoint_not_found(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(CheckpointNotFoundError, match=r"\.metadata"):
-        sharded.load(sharded.model_and_optimizer_state(mlp(seed=0)), tmp_path)
+        sharded.load(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path)
     with pytest.raises(CheckpointNotFoundError):
         sharded.read_tensor_index(tmp_path)
 
 
 def test_a_missing_shard_file_raises_incomplete_checkpoint(tmp_path: Path) -> None:
-    sharded.save(sharded.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
     for shard in (tmp_path / "ckpt").glob("*.distcp"):
         shard.unlink()
     with pytest.raises(IncompleteCheckpointError, match="distcp"):
-        sharded.load(sharded.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
+        sharded.load(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
 
 
 # --------------------------------------------------------------------------- safety
 
 
 def test_a_malicious_metadata_file_is_refused_everywhere_and_never_runs(tmp_path: Path) -> None:
-    sharded.save(sharded.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
     marker = tmp_path / "pwned"
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(WritesMarker(marker)))
     model = mlp(seed=1)
@@ -261,7 +261,7 @@ def test_a_malicious_metadata_file_is_refused_everywhere_and_never_runs(tmp_path
     attempts = [
         lambda: sharded.read_tensor_index(tmp_path / "ckpt"),
         lambda: list(sharded.iter_full_tensors(tmp_path / "ckpt")),
-        lambda: sharded.load(sharded.model_and_optimizer_state(model), tmp_path / "ckpt"),
+        lambda: sharded.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt"),
     ]
     for attempt in attempts:
         with pytest.raises(UnsafeCheckpointError) as caught:
@@ -286,7 +286,7 @@ def test_a_stored_value_that_needs_unrestricted_unpickling_is_refused(tmp_path: 
 
 def test_the_tensor_index_comes_from_metadata_alone(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(sharded.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     for shard in (tmp_path / "ckpt").glob("*.distcp"):
         shard.unlink()  # no tensor data left to read
     index = sharded.read_tensor_index(tmp_path / "ckpt")
@@ -303,7 +303,7 @@ def test_iter_full_tensors_yields_every_tensor_in_order_or_the_names_asked_for(
     tmp_path: Path,
 ) -> None:
     model, optimizer = trained(seed=0)
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     sharded.save(state, tmp_path / "ckpt")
     expected = {f"model.{k}": v for k, v in model.state_dict().items()}
     expected.update(
@@ -321,7 +321,7 @@ def test_iter_full_tensors_yields_every_tensor_in_order_or_the_names_asked_for(
 
 
 def test_iter_full_tensors_rejects_an_unknown_name_before_yielding(tmp_path: Path) -> None:
-    sharded.save(sharded.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
     tensors = sharded.iter_full_tensors(tmp_path / "ckpt", ["model.0.weight", "model.9.bias"])
     with pytest.raises(IncompatibleCheckpointError, match=r"model\.9\.bias"):
         next(tensors)
@@ -331,7 +331,7 @@ def test_full_weights_load_into_a_model_cast_to_its_dtype() -> None:
     source = mlp(seed=0)
     weights = {k: v.to(torch.bfloat16) for k, v in source.state_dict().items()}
     target = mlp(seed=1)
-    sharded.apply_full_model_state(target, weights)
+    state_dicts.apply_full_model_state(target, weights)
     assert target[0].weight.dtype == torch.float32
     assert_same(target.state_dict(), {k: v.float() for k, v in weights.items()})
 
@@ -341,7 +341,7 @@ def test_full_weights_with_a_wrong_shape_are_refused_and_change_nothing() -> Non
     target = mlp(seed=1)
     before = snapshot(target)
     with pytest.raises(IncompatibleCheckpointError, match=r"0\.weight: model has tensor \(8, 5\)"):
-        sharded.apply_full_model_state(target, weights)
+        state_dicts.apply_full_model_state(target, weights)
     assert_same(snapshot(target), before)
 
 
@@ -350,8 +350,8 @@ def test_full_weights_with_a_wrong_shape_are_refused_and_change_nothing() -> Non
 
 def test_staged_state_does_not_change_when_training_continues() -> None:
     model, optimizer = trained(seed=0)
-    expected = copy.deepcopy(sharded.model_and_optimizer_state(model, optimizer))
-    staged = sharded.CpuStager().stage(sharded.model_and_optimizer_state(model, optimizer))
+    expected = copy.deepcopy(state_dicts.model_and_optimizer_state(model, optimizer))
+    staged = sharded.CpuStager().stage(state_dicts.model_and_optimizer_state(model, optimizer))
     model(torch.randn(4, 5)).square().mean().backward()
     optimizer.step()
     assert not torch.equal(model[0].weight, expected["model"]["0.weight"])
@@ -361,11 +361,11 @@ def test_staged_state_does_not_change_when_training_continues() -> None:
 def test_staging_twice_reuses_the_same_buffers() -> None:
     model, optimizer = trained(seed=0)
     stager = sharded.CpuStager()
-    first = stager.stage(sharded.model_and_optimizer_state(model, optimizer))
+    first = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     held = stager.nbytes
     model(torch.randn(4, 5)).square().mean().backward()
     optimizer.step()
-    second = stager.stage(sharded.model_and_optimizer_state(model, optimizer))
+    second = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     assert stager.nbytes == held
     for fqn in ("0.weight", "2.bias"):
         assert first["model"][fqn].data_ptr() == second["model"][fqn].data_ptr()
@@ -394,7 +394,7 @@ def test_staged_state_saves_and_loads_back_equal(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
     expected = snapshot(model, optimizer)
     stager = sharded.CpuStager()
-    staged = stager.stage(sharded.model_and_optimizer_state(model, optimizer))
+    staged = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     model(torch.randn(4, 5)).square().mean().backward()
     optimizer.step()  # training moves on while the staged copy is written
     sharded.save(staged, tmp_path / "ckpt")

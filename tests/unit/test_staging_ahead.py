@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def _rss() -> int:
 
 def test_a_prepared_stager_stages_into_the_buffers_it_allocated_ahead() -> None:
     model, optimizer = _trained()
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     stager = sharded.CpuStager()
 
     allocated = stager.prepare(state)

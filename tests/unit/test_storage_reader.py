@@ -40,7 +40,7 @@ from resumekit.store.layout import MANIFEST_NAME
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, state_dicts
 
 STEP = "step_000000003"
 
@@ -78,7 +78,7 @@ def saved(root: Path | str, tensor_format: str = "raw",
           seed: int = 0) -> tuple[dict[str, Any], str]:
     """A committed checkpoint of step 3; the state it holds (deep copy) and its step dir."""
     model, optimizer = trained(seed)
-    expected = copy.deepcopy(sharded.model_and_optimizer_state(model, optimizer))
+    expected = copy.deepcopy(state_dicts.model_and_optimizer_state(model, optimizer))
     manager = CheckpointManager(root, model=model, optimizer=optimizer,
                                 tensor_format=tensor_format)  # type: ignore[arg-type]
     manager.save(3)
@@ -90,7 +90,7 @@ def saved(root: Path | str, tensor_format: str = "raw",
 def fresh_state(seed: int = 99) -> dict[str, Any]:
     """The state dict of a model + optimizer built afresh (other values everywhere)."""
     model, optimizer = build(seed)
-    return sharded.model_and_optimizer_state(model, optimizer)
+    return state_dicts.model_and_optimizer_state(model, optimizer)
 
 
 def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -235,7 +235,7 @@ def test_stock_dcp_refuses_a_raw_checkpoint_naming_the_format_whatever_it_reads_
     with CheckpointManager(tmp_path, model=model, optimizer=optimizer) as manager:
         manager.save(3)
     tensors = f"{tmp_path}/{STEP}/tensors"
-    state = sharded.model_and_optimizer_state(model, optimizer)
+    state = state_dicts.model_and_optimizer_state(model, optimizer)
     with pytest.raises(CheckpointException) as caught:
         if reads == "dcp_to_torch_save":
             dcp_to_torch_save(tensors, tmp_path / "full.pt")
@@ -254,7 +254,7 @@ def test_a_raw_checkpoint_with_undescribed_packed_members_as_main_wrote_still_re
     tmp_path: Path,
 ) -> None:
     model, optimizer = _small_then_large()
-    expected = copy.deepcopy(sharded.model_and_optimizer_state(model, optimizer))
+    expected = copy.deepcopy(state_dicts.model_and_optimizer_state(model, optimizer))
     with CheckpointManager(tmp_path, model=model, optimizer=optimizer) as manager:
         manager.save(3)
     step_dir = f"{tmp_path}/{STEP}"
@@ -269,7 +269,7 @@ def test_a_raw_checkpoint_with_undescribed_packed_members_as_main_wrote_still_re
     with CheckpointManager(tmp_path, model=fresh_model,
                            optimizer=fresh_optimizer) as manager:
         assert manager.restore() == 3
-    assert_bit_identical(sharded.model_and_optimizer_state(fresh_model, fresh_optimizer),
+    assert_bit_identical(state_dicts.model_and_optimizer_state(fresh_model, fresh_optimizer),
                          expected)
 
 
@@ -278,7 +278,7 @@ def fresh_state_of(build_it: Any) -> dict[str, Any]:
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(1)
-    return sharded.model_and_optimizer_state(model, optimizer)
+    return state_dicts.model_and_optimizer_state(model, optimizer)
 
 
 def _strip_member_descriptors(step_dir: Path) -> None:
@@ -354,7 +354,7 @@ def test_a_directory_that_is_not_a_resumekit_checkpoint_is_refused_naming_it(
         target.mkdir()
     elif case == "plain DCP checkpoint":
         model, optimizer = trained()
-        dcp.save(sharded.model_and_optimizer_state(model, optimizer),
+        dcp.save(state_dicts.model_and_optimizer_state(model, optimizer),
                  checkpoint_id=str(target))
     elif case == "uncommitted step":
         _, step_dir = saved(tmp_path / "root")
@@ -407,7 +407,7 @@ def test_restore_of_a_dcp_format_checkpoint_is_bit_identical_and_records_the_for
     tmp_path: Path, async_save: bool
 ) -> None:
     model, optimizer = trained()
-    expected = copy.deepcopy(sharded.model_and_optimizer_state(model, optimizer))
+    expected = copy.deepcopy(state_dicts.model_and_optimizer_state(model, optimizer))
     manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
                                 tensor_format="dcp", async_save=async_save)
     manager.save(3)
@@ -418,7 +418,7 @@ def test_restore_of_a_dcp_format_checkpoint_is_bit_identical_and_records_the_for
     fresh, fresh_optimizer = build(99)
     restored = CheckpointManager(tmp_path, model=fresh, optimizer=fresh_optimizer)
     assert restored.restore() == 3
-    assert_bit_identical(sharded.model_and_optimizer_state(fresh, fresh_optimizer), expected)
+    assert_bit_identical(state_dicts.model_and_optimizer_state(fresh, fresh_optimizer), expected)
 
 
 def test_the_default_tensor_format_is_raw_and_recorded_so(tmp_path: Path) -> None:
