@@ -44,6 +44,9 @@ if TYPE_CHECKING:
         CheckpointInfo,
         CheckpointManager,
     )
+    from resumekit.options import (
+        CheckpointOptions,
+    )
     from resumekit.runtime.distributed import (
         DistributedContext,
         init_distributed,
@@ -116,6 +119,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointInfo": "resumekit.manager",
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
+    "CheckpointOptions": "resumekit.options",
     "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
     "CoordinationError": "resumekit.errors",
@@ -179,6 +183,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointOptions",
     "CommitProtocol",
     "ConfigurationError",
     "CoordinationError",

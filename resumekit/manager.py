@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import saving
 from resumekit.background import BackgroundSave
 from resumekit.errors import (
     ConfigurationError,
-    FencedWriterError,
     IncompatibleCheckpointError,
     ResumekitError,
     ResumeStepError,
@@ -53,6 +53,7 @@ from resumekit.options import (
 )
 from resumekit.restore import plan as restore_plan
 from resumekit.restore.compatibility import check_compatibility
+from resumekit.restore.entries import EntryKeeper
 from resumekit.restore.plan import Survey
 from resumekit.restore.verification import refuse_links_share, verify_share
 from resumekit.runtime import distributed
@@ -63,7 +64,7 @@ from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.commit import PendingCheckpoint, set_aside
+from resumekit.store.commit import PendingCheckpoint
 from resumekit.store.coordination import (
     Coordinator,
     activity,
@@ -73,7 +74,6 @@ from resumekit.store.coordination import (
 from resumekit.store.generations import Fence
 from resumekit.store.layout import (
     DCP_METADATA_FILE,
-    MANIFEST_NAME,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
@@ -81,12 +81,11 @@ from resumekit.store.layout import (
 )
 from resumekit.store.manifest import (
     FileEntry,
-    Lineage,
     Manifest,
     SaveReason,
     checksum_chunks,
 )
-from resumekit.store.retention import RollingSweep, prune
+from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
 from resumekit.tools import legacy, weights
@@ -302,19 +301,19 @@ class CheckpointManager:
         found: Survey = run_on_leader(self._main.coordinator, lambda: restore_plan.survey(
             self.storage, self.name_format, recover=not self.read_only,
             whole=step is not None))
-        entries = self._claim_generation(found.entries)
+        entries = self._entries.claim_generation(found.entries)
         committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.fallback:
             restore_plan.refuse_broken_newest(entries)
         restored = self._restore_newest_committed(
             entries, committed, explicit=step is not None,
-            more=None if found.complete else lambda: self._survey_below(found))
+            more=None if found.complete else lambda: self._entries.survey_below(found))
         if restored is None:  # nothing committed (an explicit step raised by now)
             restore_plan.refuse_newer_schema(entries, below=None)
             restored = self._import_newest_legacy(entries)
         if restored is None:
             return self._start_fresh(found, entries)
-        self._report_leftovers(entries, above=restored.step)
+        self._entries.report_leftovers(entries, above=restored.step)
         self._finish_restore(f"end of restore from step {restored.step}"
                              if restored.status == "committed"
                              else f"end of legacy import from {restored.name}")
@@ -345,7 +344,8 @@ class CheckpointManager:
             except IncompatibleCheckpointError:
                 raise
             except (ResumekitError, FileNotFoundError) as error:
-                what, freed = self._unusable_committed(entry, error, explicit=explicit)
+                what, freed = self._entries.unusable_committed(
+                    entry, error, may_fall_back=self.fallback and not explicit)
                 failures.append(f"step {entry.step}: {what}")
                 if freed:
                     remaining.discard(entry.step)
@@ -362,35 +362,6 @@ class CheckpointManager:
                 path=self.storage.path(),
             )
         return None
-
-    def _survey_below(self, found: Survey) -> list[CheckpointEntry]:
-        """The step directories below the top a survey read, for a fallback (all ranks).
-
-        Checkpoints fenced writers committed there are warned about and left out.
-        """
-        below: list[CheckpointEntry] = run_on_leader(
-            self._main.coordinator,
-            lambda: restore_plan.survey_below(self.storage, self.name_format, found))
-        zombies = generations.zombie_commits(below, found.reference)
-        for name in sorted(zombies):
-            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
-        return [entry for entry in below if entry.name not in zombies]
-
-    def _unusable_committed(self, entry: CheckpointEntry, error: BaseException, *,
-                            explicit: bool) -> tuple[str, bool]:
-        """Judge a committed checkpoint that failed to restore; set it aside and warn.
-
-        Returns a one-line account, and whether its step is free again (deleted or set
-        aside); raises what may not be fallen back from
-        (:func:`resumekit.restore.plan.judge_failure`).
-        """
-        gone = run_on_leader(self._main.coordinator, lambda: not self.storage.exists(
-            f"{entry.name}/{MANIFEST_NAME}"))
-        unusable = restore_plan.judge_failure(entry, error, gone=gone,
-                                              may_fall_back=self.fallback and not explicit)
-        aside, why_not = (None, None) if unusable.deleted else self._set_aside(entry)
-        self._warn(unusable.warning(aside, why_not), stacklevel=5)
-        return unusable.account(aside), unusable.deleted or aside is not None
 
     def _import_newest_legacy(self, entries: list[CheckpointEntry]) -> CheckpointEntry | None:
         """Load the weights of the newest weights-only ``checkpoint_step_N``, if allowed."""
@@ -412,7 +383,7 @@ class CheckpointManager:
         ignored = restore_plan.foreign_instead(found, self.storage, policy=self.foreign)
         if ignored is not None:
             self._warn(ignored)
-        self._report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
+        self._entries.report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
         if self._main.coordinator.rank == 0:
             said, warnings_ = restore_plan.fresh_start_account(
                 found, self.storage, self.name_format, import_legacy=self.import_legacy,
@@ -423,64 +394,13 @@ class CheckpointManager:
         self._finish_restore("fresh start")
         return 0
 
-    def _report_leftovers(self, entries: list[CheckpointEntry], *, above: int,
-                          foreign: bool = True, stacklevel: int = 4) -> None:
-        """Say what :func:`resumekit.restore.plan.leftovers` lists; set aside what it says."""
-        for leftover in restore_plan.leftovers(entries, self.storage, above=above,
-                                               foreign=foreign):
-            if leftover.action == "log":
-                logger.info("resumekit: %s", leftover.message)
-            elif leftover.action == "warn":
-                self._warn(leftover.message, stacklevel=stacklevel)
-            else:
-                self._warn(leftover.warning(*self._set_aside(leftover.entry)),
-                           stacklevel=stacklevel)
+    @property
+    def _entries(self) -> EntryKeeper:
+        """The root's entries as a restore handles them (claim, set aside, leftovers)."""
+        return EntryKeeper(self.storage, self.name_format, self._main, self.read_only)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         warn(message, ResumekitWarning, stacklevel=stacklevel)
-
-    def _claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
-        """Claim this run's writer generation; drop checkpoints fenced writers committed.
-
-        The claim fences every older writer of the root (see ``resumekit.store.commit``). A
-        root that does not exist yet is claimed by the first save; one that cannot be
-        written (an eval job's) is restored from anyway, with a warning.
-        """
-        if self.read_only:
-            zombies = run_on_leader(self._main.coordinator,
-                                    lambda: self._main.protocol.fenced_commits(entries))
-            return self._without_zombies(entries, zombies)
-        try:
-            _, zombies = self._main.protocol.claim(if_root_exists=True)
-        except FencedWriterError:
-            raise
-        except OSError as error:
-            self._warn(f"cannot record this run's writer generation in "
-                       f"{self.storage.path()} ({error}); restoring anyway: a save from this "
-                       "manager claims it first (and fails the same way while the root "
-                       "cannot be written)")
-            return entries
-        return self._without_zombies(entries, zombies)
-
-    def _without_zombies(self, entries: list[CheckpointEntry], zombies: Mapping[str, str]
-                         ) -> list[CheckpointEntry]:
-        for name in sorted(zombies):
-            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
-        return [entry for entry in entries if entry.name not in zombies]
-
-    def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
-        """Set ``entry`` aside on the leader (:func:`~resumekit.store.commit.set_aside`).
-
-        Nothing is set aside when the manager is read-only.
-
-        Returns:
-            ``(hidden name, None)`` once set aside, else ``(None, why not)``.
-        """
-        if self.read_only:
-            return None, "this manager is read_only: move it out of the root by hand"
-        outcome: tuple[str | None, str | None] = run_on_leader(
-            self._main.coordinator, lambda: set_aside(self.storage, self.name_format, entry))
-        return outcome
 
     def _prepare_staging(self, *, stage_ahead: bool | None = None) -> None:
         """Allocate the async staging buffers now (``stage_ahead``), not at the first save.
@@ -709,9 +629,11 @@ class CheckpointManager:
         train = dump_plain(self.state.train_state(self.world_size),
                            what=f"training state of step {step}")
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
+        source = self.initialized_from
         manifest = Manifest(
             step=step, world_size=self.world_size, reason=reason,
-            lineage=self._lineage(),
+            lineage=saving.lineage(self.resumed_from,
+                                   None if source is None else (source.path, source.step)),
             extras=jsonable.plain_extras(self.extras), metrics=recorded,
             state=self.state.contents(),
             fingerprint=self._fingerprint(self.state.captured_params),
@@ -761,36 +683,15 @@ class CheckpointManager:
             self._active_tokens.discard(pending.token)
         self.last_saved_step = job.step
         self._clock.last_save_seconds = time.monotonic() - job.started
-        self._apply_retention(job.step, coordinator)
+        if self.retention is not None:
+            saving.apply_retention(
+                job.step, self.storage, self.retention, name_format=self.name_format,
+                protect=() if self.resumed_from is None else (self.resumed_from,),
+                active_tokens=set(self._active_tokens), rolling=self._rolling_sweep,
+                coordinator=coordinator)
         protocol.record_newest(pending)  # after retention: its stamp sees the deletions
         logger.info("resumekit: committed step %d in %.2fs", job.step,
                     self._clock.last_save_seconds)
-
-    def _apply_retention(self, step: int, coordinator: Coordinator) -> None:
-        """Prune on rank 0 after ``step`` is committed; report problems on every rank.
-
-        The save has succeeded by now: a retention failure (``EBUSY`` from NFS
-        ``.nfsXXXX`` files, an entry another process removed) is a warning, the same on
-        every rank (rank 0's outcome is broadcast), never an error.
-        """
-        if self.retention is None:
-            return
-        retention = self.retention
-        protect = () if self.resumed_from is None else (self.resumed_from,)
-
-        def run() -> list[str]:
-            try:
-                report = prune(self.storage, retention, name_format=self.name_format,
-                               protect=protect, active_tokens=set(self._active_tokens),
-                               errors="report", scope="top", rolling=self._rolling_sweep)
-            except Exception as error:  # noqa: BLE001 - the commit stands; reported below
-                return [f"{type(error).__name__}: {error}"]
-            return report.problems
-
-        problems: list[str] = run_on_leader(coordinator, run)
-        for line in problems:
-            self._warn(f"step {step} is committed, but retention under "
-                       f"{self.storage.path()} did not complete: {line}")
 
     def _write_files(self, pending: PendingCheckpoint, job: SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None
@@ -943,13 +844,6 @@ class CheckpointManager:
                        found.path, found.step)
         return found.step
 
-    def _lineage(self) -> Lineage:
-        lineage = Lineage.current(resumed_from_step=self.resumed_from, launcher=_launcher())
-        if self.initialized_from is None:
-            return lineage
-        return lineage.model_copy(update={"initialized_from": {
-            "path": self.initialized_from.path, "step": self.initialized_from.step}})
-
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
@@ -989,8 +883,3 @@ def _tied_of(manifest: Manifest) -> dict[str, str]:
     if not isinstance(tied, dict):
         return {}
     return {str(alias): str(kept) for alias, kept in tied.items()}
-
-
-def _launcher() -> str | None:
-    context = distributed.current_context()
-    return None if context is None else str(context.launcher)
