@@ -1,7 +1,12 @@
 """``CheckpointManager``: the one object a trainer holds.
 
 It orchestrates; every mechanism lives in its own module (commit protocol, catalog,
-retention, sharded I/O, RNG, preemption). A trainer integrates in five lines::
+retention, sharded I/O, RNG, preemption), and so do its helpers: its policy knobs
+(:mod:`resumekit.options`), the background save worker (:mod:`resumekit.background`), a
+captured save and what follows its commit or failure (:mod:`resumekit.saving`), its
+process-group channels (:mod:`resumekit.runtime.channels`) and what a restore does with
+the root's other entries (:mod:`resumekit.restore.entries`). A trainer integrates in five
+lines::
 
     ckpt = resumekit.CheckpointManager(root, model=model, optimizer=opt, scheduler=sched,
                                        data=sampler, save_every=100, async_save=True)
@@ -149,9 +154,13 @@ class CheckpointManager:
             :class:`~resumekit.errors.ConfigurationError`. A new knob is an options field,
             not a parameter here.
 
+    Attributes:
+        options: The options in force: ``options`` with the keyword knobs filled in.
+            Each knob is also an attribute of the manager (``manager.save_every``).
+
     Raises:
-        ConfigurationError: A knob that cannot work (its ``name`` says which), or one
-            given twice.
+        ConfigurationError: A knob that cannot work (its ``name`` says which), one
+            given twice, or ``options`` that are not a ``CheckpointOptions``.
         TypeError: A keyword that is neither an object above nor a knob, or ``extras``
             or ``config`` that JSON cannot hold.
     """
@@ -179,11 +188,7 @@ class CheckpointManager:
         options: CheckpointOptions | None = None,
         **knobs: Unpack[OptionKeywords],
     ) -> None:
-        unknown = sorted(knobs.keys() - CheckpointOptions.model_fields.keys())
-        if unknown:
-            raise TypeError(f"CheckpointManager() got an unexpected keyword argument "
-                            f"{unknown[0]!r}")
-        self.options = options = (options or CheckpointOptions()).merged(knobs)
+        self.options = options = CheckpointOptions.resolve(options, knobs)
         tensor_format = options.tensor_format
         self.storage = Storage(root, options.storage_options)
         self.read_only = options.read_only

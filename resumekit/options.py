@@ -134,6 +134,28 @@ class CheckpointOptions(BaseModel):
         NameFormat(value)  # its ConfigurationError names the template's fault
         return value
 
+    @classmethod
+    def resolve(cls, options: CheckpointOptions | None,
+                keywords: Mapping[str, Any]) -> CheckpointOptions:
+        """The options a manager runs with: ``options`` (or the defaults) and its keywords.
+
+        Args:
+            options: What the manager was given as ``options=``.
+            keywords: The manager's other keywords: knobs only.
+
+        Raises:
+            TypeError: A keyword that is not a knob (as for any unexpected keyword).
+            ConfigurationError: ``options`` that are not options, or as :meth:`merged`.
+        """
+        unknown = sorted(keywords.keys() - cls.model_fields.keys())
+        if unknown:
+            raise TypeError(f"CheckpointManager() got an unexpected keyword argument "
+                            f"{unknown[0]!r}")
+        if options is not None and not isinstance(options, CheckpointOptions):
+            raise ConfigurationError(f"options must be a CheckpointOptions, not "
+                                     f"{type(options).__name__}", name="options", value=options)
+        return (options or cls()).merged(keywords)
+
     def merged(self, keywords: Mapping[str, Any]) -> CheckpointOptions:
         """These options with ``keywords`` filling the fields they left unset.
 

@@ -86,6 +86,12 @@ def test_an_unknown_option_is_refused_and_an_unknown_manager_keyword_is_a_type_e
         resumekit.CheckpointManager(tmp_path, modle=nn.Linear(2, 2))  # type: ignore[call-arg]
 
 
+def test_options_that_are_not_options_are_refused_naming_the_argument(tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="must be a CheckpointOptions") as caught:
+        resumekit.CheckpointManager(tmp_path, options={"save_every": 5})  # type: ignore[arg-type]
+    assert caught.value.name == "options"
+
+
 def test_the_defaults_are_the_managers_documented_defaults() -> None:
     options = CheckpointOptions()
     assert options.save_every is None
