@@ -44,6 +44,9 @@ if TYPE_CHECKING:
         CheckpointInfo,
         CheckpointManager,
     )
+    from resumekit.options import (
+        CheckpointOptions,
+    )
     from resumekit.runtime.distributed import (
         DistributedContext,
         init_distributed,
@@ -118,6 +121,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointInfo": "resumekit.manager",
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
+    "CheckpointOptions": "resumekit.options",
     "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
     "CoordinationError": "resumekit.errors",
@@ -181,6 +185,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointOptions",
     "CommitProtocol",
     "ConfigurationError",
     "CoordinationError",

@@ -1,7 +1,12 @@
 """``CheckpointManager``: the one object a trainer holds.
 
 It orchestrates; every mechanism lives in its own module (commit protocol, catalog,
-retention, sharded I/O, RNG, preemption). A trainer integrates in five lines::
+retention, sharded I/O, RNG, preemption), and so do its helpers: its policy knobs
+(:mod:`resumekit.options`), the background save worker (:mod:`resumekit.background`), a
+captured save and what follows its commit or failure (:mod:`resumekit.saving`), its
+process-group channels (:mod:`resumekit.runtime.channels`) and what a restore does with
+the root's other entries (:mod:`resumekit.restore.entries`). A trainer integrates in five
+lines::
 
     ckpt = resumekit.CheckpointManager(root, model=model, optimizer=opt, scheduler=sched,
                                        data=sampler, save_every=100, async_save=True)
@@ -23,46 +28,50 @@ checksums, spread over ranks) -> check compatibility (``compatibility``) -> read
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import Any, Literal
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import saving
+from resumekit.background import BackgroundSave
 from resumekit.errors import (
-    AsyncSaveError,
     ConfigurationError,
-    FencedWriterError,
     IncompatibleCheckpointError,
     ResumekitError,
     ResumeStepError,
     StepCollisionError,
     StorageError,
 )
+from resumekit.options import (
+    CheckpointOptions,
+    ForeignPolicy,
+    MismatchPolicy,
+    OptionKeywords,
+)
 from resumekit.restore import plan as restore_plan
 from resumekit.restore.compatibility import check_compatibility
+from resumekit.restore.entries import EntryKeeper
 from resumekit.restore.plan import Survey
 from resumekit.restore.verification import refuse_links_share, verify_share
 from resumekit.runtime import distributed
+from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
 from resumekit.runtime.preemption import CommitClock, PreemptionHandler
+from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.commit import CommitProtocol, PendingCheckpoint
+from resumekit.store.commit import PendingCheckpoint
 from resumekit.store.coordination import (
     Coordinator,
-    ProcessGroupCoordinator,
-    SingleProcess,
     activity,
     run_on_every_rank,
     run_on_leader,
@@ -70,8 +79,6 @@ from resumekit.store.coordination import (
 from resumekit.store.generations import Fence
 from resumekit.store.layout import (
     DCP_METADATA_FILE,
-    DEFAULT_NAME_FORMAT,
-    MANIFEST_NAME,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
@@ -79,50 +86,22 @@ from resumekit.store.layout import (
 )
 from resumekit.store.manifest import (
     FileEntry,
-    Lineage,
     Manifest,
     SaveReason,
     checksum_chunks,
 )
-from resumekit.store.recovery import set_aside
-from resumekit.store.retention import RetentionPolicy, RollingSweep, keep_last, prune
+from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded, state_dicts
 from resumekit.tools import legacy, weights
 from resumekit.warnings import ResumekitWarning, warn
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 __all__ = ["CheckpointInfo", "CheckpointManager", "ForeignPolicy", "MismatchPolicy"]
 
 logger = logging.getLogger("resumekit")
-
-MismatchPolicy = Literal["error", "warn", "ignore"]
-ForeignPolicy = Literal["error", "ignore"]
-
-#: Retention when none is given: the three newest committed checkpoints.
-DEFAULT_RETENTION = keep_last(3)
-
-
-@dataclass(frozen=True)
-class _Channel:
-    """A process group, the coordinator over it, and the commit protocol that uses it."""
-
-    group: dist.ProcessGroup | None
-    coordinator: Coordinator
-    protocol: CommitProtocol
-
-
-@dataclass(frozen=True)
-class _SaveJob:
-    """One save, captured on the calling thread, written on any thread."""
-
-    step: int
-    replace: bool
-    tensors: dict[str, Any]
-    train: bytes
-    ranks: bytes
-    manifest: Manifest
-    started: float
-    background: bool = False  # overlaps training: writer threads at idle CPU priority
 
 
 @dataclass(frozen=True)
@@ -138,49 +117,6 @@ class CheckpointInfo:
     step: int
     path: str
     manifest: Manifest
-
-
-class _BackgroundSave:
-    """The one owner of background save work: one thread, one job at a time.
-
-    The job's exception (including DCP's ``CheckpointException``, a ``BaseException``)
-    is stored and re-raised, wrapped in :class:`AsyncSaveError`, by the next ``wait``.
-    """
-
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._step: int | None = None
-
-    def submit(self, step: int, job: Callable[[], None]) -> None:
-        self.wait()
-
-        def run() -> None:
-            try:
-                job()
-            except BaseException as error:  # noqa: BLE001 - handed to the owner in wait()
-                self._error = error
-
-        self._step = step
-        self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
-        self._thread.start()
-
-    def raise_if_failed(self) -> None:
-        """Re-raise a finished job's error without blocking on a running one."""
-        if self._thread is not None and not self._thread.is_alive():
-            self.wait()
-
-    def wait(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        error, self._error = self._error, None
-        if error is not None:
-            raise AsyncSaveError(
-                f"background save of step {self._step} failed: {type(error).__name__}: "
-                f"{error}",
-                step=self._step,
-            ) from error
 
 
 class CheckpointManager:
@@ -203,63 +139,30 @@ class CheckpointManager:
             scalars are saved as plain numbers (``tensor(0.5)`` reads back as ``0.5``); a
             value that is not JSON-able (a tensor of several elements, an object) is a
             ``TypeError`` here, not at the first save.
-        save_every: Save every this many steps in :meth:`step_end` (None: only explicit
-            saves and preemption saves).
-        retention: Which committed checkpoints to keep after each save (default
-            ``keep_last(3)``; None keeps all).
-        name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
-        async_save: Stage state to CPU memory and write in the background.
-        background_priority: CPU priority of an async save's writer threads: ``"idle"``
-            (default; ``SCHED_IDLE`` on Linux, else nice 19) leaves the cores to training,
-            ``"normal"`` competes with it. Pick ``"normal"`` when other processes keep
-            every core busy (CPU-heavy data loading): an idle-priority thread then gets
-            little CPU, so the save takes longer, and a step that needs the GIL while such
-            a thread holds it waits until the thread runs again.
         config: Configuration that must match on resume (recorded as a fingerprint).
-        on_mismatch: What a configuration mismatch does on restore: ``"error"``
-            (default), ``"warn"`` or ``"ignore"``. A world-size change is never an error:
-            it warns that the run continues correctly but is not a bit-exact replay
-            (``"ignore"`` silences that too). Parameter names and shapes must always
-            match: a checkpoint never loads partially.
-        fallback: If the newest checkpoint fails verification or loading, restore the
-            previous one (logged). False raises instead.
-        verify_on_restore: Check every byte loaded against its checksum: the small files
-            and DCP's ``.metadata`` are hashed before loading (spread over ranks), raw
-            tensor files are size-checked first and verified block by block as they are
-            read. A mismatch found while loading leaves the model partly overwritten; with
-            ``fallback`` the previous checkpoint is then loaded over it.
         preemption: A :class:`~resumekit.runtime.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
             already is.
         process_group: Group for checkpoint coordination (default: the checkpoint group
             of :func:`~resumekit.init_distributed`, else a new gloo group).
-        storage_options: fsspec options (e.g. ``endpoint_url``).
-        import_legacy: When no committed checkpoint exists, start from the newest
-            weights-only ``checkpoint_step_N`` directory (weights only, with a warning).
-        tensor_format: How model and optimizer tensors are written: ``"raw"``
-            (resumekit's raw tensor files, hashed while written and verified block by
-            block while read; local roots only) or ``"dcp"`` (DCP's own format, which
-            stock DCP tools read unchanged; slower on local disks, see
-            ``docs/performance.md``). None (default): ``"raw"`` on local roots, ``"dcp"``
-            on object stores; an explicit ``"raw"`` on an object store warns and writes
-            ``"dcp"``. Restore reads either, whatever this says.
-        read_only: Restore without taking the root over, for eval jobs and tools that read
-            a live run's root: no writer-generation claim (a claim would fence the run
-            writing there, see ``docs/concepts.md``), no crash recovery or setting aside
-            (broken entries are only warned about), and :meth:`save` raises.
-        stage_ahead: With ``async_save``, allocate and touch the CPU staging buffers
-            (one copy of the model and optimizer tensors) when the manager is built and
-            again at the end of :meth:`restore`, so that the first async save blocks no
-            longer than a copy, like the later ones. An optimizer that has not stepped yet
-            has no state to allocate for: its buffers come with the first save. False
-            allocates at the first async save instead (the memory is held from then on
-            either way).
-        foreign: What :meth:`restore` does when the root holds no resumekit checkpoint but
-            another tool's (plain DCP, torchtitan, Accelerate, Lightning, HF Trainer), or
-            is one: ``"error"`` (default) raises
-            :class:`~resumekit.errors.ForeignCheckpointError` with the ``resumekit
-            import`` command that converts it; ``"ignore"`` warns and starts at step 0.
+        options: How it saves and restores (:class:`~resumekit.options.CheckpointOptions`:
+            ``save_every``, ``retention``, ``async_save``, ``fallback``, ``read_only``,
+            ...); the knobs it leaves unset take their defaults, or the keywords below.
+        **knobs: Any field of :class:`~resumekit.options.CheckpointOptions`, as a keyword
+            (``save_every=100, async_save=True``); a knob also set in ``options`` is a
+            :class:`~resumekit.errors.ConfigurationError`. A new knob is an options field,
+            not a parameter here.
+
+    Attributes:
+        options: The options in force: ``options`` with the keyword knobs filled in.
+            Each knob is also an attribute of the manager (``manager.save_every``).
+
+    Raises:
+        ConfigurationError: A knob that cannot work (its ``name`` says which), one
+            given twice, or ``options`` that are not a ``CheckpointOptions``.
+        TypeError: A keyword that is neither an object above nor a knob, or ``extras``
+            or ``config`` that JSON cannot hold.
     """
 
     # The step the last restore returned, until the first step_end checks that the loop
@@ -279,45 +182,16 @@ class CheckpointManager:
         data: Stateful | Any | None = None,
         generators: Mapping[str, torch.Generator] | None = None,
         extras: Mapping[str, Any] | None = None,
-        save_every: int | None = None,
-        retention: RetentionPolicy | None = DEFAULT_RETENTION,
-        name_format: str = DEFAULT_NAME_FORMAT,
-        async_save: bool = False,
-        background_priority: Literal["idle", "normal"] = "idle",
         config: Mapping[str, Any] | None = None,
-        on_mismatch: MismatchPolicy = "error",
-        fallback: bool = True,
-        verify_on_restore: bool = True,
         preemption: PreemptionHandler | None = None,
         process_group: dist.ProcessGroup | None = None,
-        storage_options: dict[str, Any] | None = None,
-        import_legacy: bool = True,
-        tensor_format: Literal["raw", "dcp"] | None = None,
-        read_only: bool = False,
-        foreign: ForeignPolicy = "error",
-        stage_ahead: bool = True,
+        options: CheckpointOptions | None = None,
+        **knobs: Unpack[OptionKeywords],
     ) -> None:
-        if save_every is not None and save_every < 1:
-            raise ConfigurationError(f"save_every must be >= 1 or None, got {save_every}",
-                                     name="save_every", value=save_every)
-        if background_priority not in ("idle", "normal"):
-            raise ConfigurationError(
-                f"background_priority must be idle or normal, not {background_priority!r}",
-                name="background_priority", value=background_priority)
-        if on_mismatch not in ("error", "warn", "ignore"):
-            raise ConfigurationError(
-                f"on_mismatch must be error, warn or ignore, not {on_mismatch!r}",
-                name="on_mismatch", value=on_mismatch)
-        if tensor_format is not None and tensor_format not in sharded.TENSOR_FORMATS:
-            raise ConfigurationError(
-                f"tensor_format must be raw or dcp, not {tensor_format!r}",
-                name="tensor_format", value=tensor_format)
-        if foreign not in ("error", "ignore"):
-            raise ConfigurationError(
-                f"foreign must be error or ignore, not {foreign!r}",
-                name="foreign", value=foreign)
-        self.storage = Storage(root, storage_options)
-        self.read_only = read_only
+        self.options = options = CheckpointOptions.resolve(options, knobs)
+        tensor_format = options.tensor_format
+        self.storage = Storage(root, options.storage_options)
+        self.read_only = options.read_only
         self.tensor_format: Literal["raw", "dcp"] = sharded.tensor_format_for(
             self.storage.url_of(), tensor_format or "raw")
         if tensor_format == "raw" and self.tensor_format != "raw":
@@ -325,26 +199,26 @@ class CheckpointManager:
                        "tensor files need a local filesystem): writing DCP's own format "
                        "there, hashed while it is uploaded; pass tensor_format='dcp' to "
                        "choose it explicitly", stacklevel=3)
-        self.name_format = NameFormat(name_format)
+        self.name_format = NameFormat(options.name_format)
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
-        self.extras: MutableMapping[str, Any] = _live_extras(extras)
-        self.save_every = save_every
-        self.retention = retention
-        self.async_save = async_save
-        self.background_priority = background_priority
-        self.config: dict[str, Any] = _plain_json(config or {}, what="config")
-        self.on_mismatch = on_mismatch
-        self.fallback = fallback
-        self.verify_on_restore = verify_on_restore
+        self.extras: MutableMapping[str, Any] = jsonable.live_extras(extras)
+        self.save_every = options.save_every
+        self.retention = options.retention
+        self.async_save = options.async_save
+        self.background_priority = options.background_priority
+        self.config: dict[str, Any] = jsonable.plain_json(config or {}, what="config")
+        self.on_mismatch = options.on_mismatch
+        self.fallback = options.fallback
+        self.verify_on_restore = options.verify_on_restore
         self.preemption = preemption
         # The manager installs a handler it is given (and removes it on close) unless the
         # caller already installed it.
         self._installed_preemption = preemption is not None and not preemption.installed
         if preemption is not None and self._installed_preemption:
             preemption.install()
-        self.import_legacy = import_legacy
-        self.foreign = foreign
+        self.import_legacy = options.import_legacy
+        self.foreign = options.foreign
         self.resumed_from: int | None = None
         self.initialized_from: weights.WeightsSource | None = None
         self.last_saved_step: int | None = None
@@ -353,20 +227,21 @@ class CheckpointManager:
         self._newest_step: int | None = None
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
-        self._background = _BackgroundSave()
+        self._background = BackgroundSave()
         self._active_tokens: set[str] = set()
         self._fence = Fence()  # this run's writer generation, shared by both channels
-        self._main = self._channel(process_group)
+        self._main = open_channel(self.storage, self.name_format, self._fence, process_group)
         # Background saves run collectives from another thread: they get a group of their
         # own so they never interleave with the coordination of the main thread.
-        self._saver = (self._channel(self._new_group()) if async_save and self._distributed
-                       else self._main)
-        self._prepare_staging(stage_ahead=stage_ahead)
+        self._saver = (open_channel(self.storage, self.name_format, self._fence,
+                                    new_save_group())
+                       if options.async_save and self._distributed else self._main)
+        self._prepare_staging(stage_ahead=options.stage_ahead)
 
     # -- process groups -----------------------------------------------------------------
     @property
     def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        return is_distributed()
 
     @property
     def rank(self) -> int:
@@ -377,23 +252,6 @@ class CheckpointManager:
     def world_size(self) -> int:
         """Number of ranks (1 without a process group)."""
         return dist.get_world_size() if self._distributed else 1
-
-    def _new_group(self) -> dist.ProcessGroup:
-        context = distributed.current_context()
-        timeout = context.checkpoint_timeout if context is not None else timedelta(hours=2)
-        group: dist.ProcessGroup = dist.new_group(backend="gloo", timeout=timeout)
-        return group
-
-    def _channel(self, group: dist.ProcessGroup | None) -> _Channel:
-        coordinator: Coordinator
-        if not self._distributed:
-            group, coordinator = None, SingleProcess()
-        else:
-            group = group or distributed.checkpoint_group() or self._new_group()
-            coordinator = ProcessGroupCoordinator(group)
-        return _Channel(group, coordinator,
-                        CommitProtocol(self.storage, self.name_format, coordinator,
-                                       fence=self._fence))
 
     # -- finding ------------------------------------------------------------------------
     def checkpoints(self) -> list[CheckpointEntry]:
@@ -448,19 +306,19 @@ class CheckpointManager:
         found: Survey = run_on_leader(self._main.coordinator, lambda: restore_plan.survey(
             self.storage, self.name_format, recover=not self.read_only,
             whole=step is not None))
-        entries = self._claim_generation(found.entries)
+        entries = self._entries.claim_generation(found.entries)
         committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.fallback:
             restore_plan.refuse_broken_newest(entries)
         restored = self._restore_newest_committed(
             entries, committed, explicit=step is not None,
-            more=None if found.complete else lambda: self._survey_below(found))
+            more=None if found.complete else lambda: self._entries.survey_below(found))
         if restored is None:  # nothing committed (an explicit step raised by now)
             restore_plan.refuse_newer_schema(entries, below=None)
             restored = self._import_newest_legacy(entries)
         if restored is None:
             return self._start_fresh(found, entries)
-        self._report_leftovers(entries, above=restored.step)
+        self._entries.report_leftovers(entries, above=restored.step)
         self._finish_restore(f"end of restore from step {restored.step}"
                              if restored.status == "committed"
                              else f"end of legacy import from {restored.name}")
@@ -491,7 +349,8 @@ class CheckpointManager:
             except IncompatibleCheckpointError:
                 raise
             except (ResumekitError, FileNotFoundError) as error:
-                what, freed = self._unusable_committed(entry, error, explicit=explicit)
+                what, freed = self._entries.unusable_committed(
+                    entry, error, may_fall_back=self.fallback and not explicit)
                 failures.append(f"step {entry.step}: {what}")
                 if freed:
                     remaining.discard(entry.step)
@@ -508,35 +367,6 @@ class CheckpointManager:
                 path=self.storage.path(),
             )
         return None
-
-    def _survey_below(self, found: Survey) -> list[CheckpointEntry]:
-        """The step directories below the top a survey read, for a fallback (all ranks).
-
-        Checkpoints fenced writers committed there are warned about and left out.
-        """
-        below: list[CheckpointEntry] = run_on_leader(
-            self._main.coordinator,
-            lambda: restore_plan.survey_below(self.storage, self.name_format, found))
-        zombies = generations.zombie_commits(below, found.reference)
-        for name in sorted(zombies):
-            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
-        return [entry for entry in below if entry.name not in zombies]
-
-    def _unusable_committed(self, entry: CheckpointEntry, error: BaseException, *,
-                            explicit: bool) -> tuple[str, bool]:
-        """Judge a committed checkpoint that failed to restore; set it aside and warn.
-
-        Returns a one-line account, and whether its step is free again (deleted or set
-        aside); raises what may not be fallen back from
-        (:func:`resumekit.restore.plan.judge_failure`).
-        """
-        gone = run_on_leader(self._main.coordinator, lambda: not self.storage.exists(
-            f"{entry.name}/{MANIFEST_NAME}"))
-        unusable = restore_plan.judge_failure(entry, error, gone=gone,
-                                              may_fall_back=self.fallback and not explicit)
-        aside, why_not = (None, None) if unusable.deleted else self._set_aside(entry)
-        self._warn(unusable.warning(aside, why_not), stacklevel=5)
-        return unusable.account(aside), unusable.deleted or aside is not None
 
     def _import_newest_legacy(self, entries: list[CheckpointEntry]) -> CheckpointEntry | None:
         """Load the weights of the newest weights-only ``checkpoint_step_N``, if allowed."""
@@ -558,7 +388,7 @@ class CheckpointManager:
         ignored = restore_plan.foreign_instead(found, self.storage, policy=self.foreign)
         if ignored is not None:
             self._warn(ignored)
-        self._report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
+        self._entries.report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
         if self._main.coordinator.rank == 0:
             said, warnings_ = restore_plan.fresh_start_account(
                 found, self.storage, self.name_format, import_legacy=self.import_legacy,
@@ -569,64 +399,13 @@ class CheckpointManager:
         self._finish_restore("fresh start")
         return 0
 
-    def _report_leftovers(self, entries: list[CheckpointEntry], *, above: int,
-                          foreign: bool = True, stacklevel: int = 4) -> None:
-        """Say what :func:`resumekit.restore.plan.leftovers` lists; set aside what it says."""
-        for leftover in restore_plan.leftovers(entries, self.storage, above=above,
-                                               foreign=foreign):
-            if leftover.action == "log":
-                logger.info("resumekit: %s", leftover.message)
-            elif leftover.action == "warn":
-                self._warn(leftover.message, stacklevel=stacklevel)
-            else:
-                self._warn(leftover.warning(*self._set_aside(leftover.entry)),
-                           stacklevel=stacklevel)
+    @property
+    def _entries(self) -> EntryKeeper:
+        """The root's entries as a restore handles them (claim, set aside, leftovers)."""
+        return EntryKeeper(self.storage, self.name_format, self._main, self.read_only)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         warn(message, ResumekitWarning, stacklevel=stacklevel)
-
-    def _claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
-        """Claim this run's writer generation; drop checkpoints fenced writers committed.
-
-        The claim fences every older writer of the root (see ``resumekit.store.commit``). A
-        root that does not exist yet is claimed by the first save; one that cannot be
-        written (an eval job's) is restored from anyway, with a warning.
-        """
-        if self.read_only:
-            zombies = run_on_leader(self._main.coordinator,
-                                    lambda: self._main.protocol.fenced_commits(entries))
-            return self._without_zombies(entries, zombies)
-        try:
-            _, zombies = self._main.protocol.claim(if_root_exists=True)
-        except FencedWriterError:
-            raise
-        except OSError as error:
-            self._warn(f"cannot record this run's writer generation in "
-                       f"{self.storage.path()} ({error}); restoring anyway: a save from this "
-                       "manager claims it first (and fails the same way while the root "
-                       "cannot be written)")
-            return entries
-        return self._without_zombies(entries, zombies)
-
-    def _without_zombies(self, entries: list[CheckpointEntry], zombies: Mapping[str, str]
-                         ) -> list[CheckpointEntry]:
-        for name in sorted(zombies):
-            self._warn(f"not restoring from {self.storage.path(name)}: it was {zombies[name]}")
-        return [entry for entry in entries if entry.name not in zombies]
-
-    def _set_aside(self, entry: CheckpointEntry) -> tuple[str | None, str | None]:
-        """Set ``entry`` aside on the leader (:func:`~resumekit.store.recovery.set_aside`).
-
-        Nothing is set aside when the manager is read-only.
-
-        Returns:
-            ``(hidden name, None)`` once set aside, else ``(None, why not)``.
-        """
-        if self.read_only:
-            return None, "this manager is read_only: move it out of the root by hand"
-        outcome: tuple[str | None, str | None] = run_on_leader(
-            self._main.coordinator, lambda: set_aside(self.storage, self.name_format, entry))
-        return outcome
 
     def _prepare_staging(self, *, stage_ahead: bool | None = None) -> None:
         """Allocate the async staging buffers now (``stage_ahead``), not at the first save.
@@ -832,7 +611,7 @@ class CheckpointManager:
                 number.
         """
         self._check_open()
-        recorded = _finite_metrics(metrics, step)
+        recorded = jsonable.finite_metrics(metrics, step)
         if self.read_only:
             raise ConfigurationError(
                 f"cannot save step {step} under {self.storage.path()}: this manager is "
@@ -855,9 +634,11 @@ class CheckpointManager:
         train = dump_plain(self.state.train_state(self.world_size),
                            what=f"training state of step {step}")
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
+        source = self.initialized_from
         manifest = Manifest(
             step=step, world_size=self.world_size, reason=reason,
-            lineage=self._lineage(),
+            lineage=saving.lineage(self.resumed_from,
+                                   None if source is None else (source.path, source.step)),
             extras=jsonable.plain_extras(self.extras), metrics=recorded,
             state=self.state.contents(),
             fingerprint=self._fingerprint(self.state.captured_params),
@@ -868,7 +649,7 @@ class CheckpointManager:
         if run_async:
             if self._stager is None:
                 self._stager = sharded.CpuStager(page_aligned=self.tensor_format == "raw")
-            job = _SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
+            job = SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started,
                            background=self.background_priority == "idle")
             self._newest_step = step
@@ -882,13 +663,13 @@ class CheckpointManager:
             self._background.submit(step, write_in_background)
             return
         with activity(f"save of step {step}", step=step):
-            self._write(_SaveJob(step, replace, tensors, train, ranks, manifest, started),
+            self._write(SaveJob(step, replace, tensors, train, ranks, manifest, started),
                         self._main)
         self._newest_step = step
         self._clock.blocking_save_took(time.monotonic() - started)
         self._clock.captured(step, time.monotonic())
 
-    def _write(self, job: _SaveJob, channel: _Channel) -> None:
+    def _write(self, job: SaveJob, channel: Channel) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator
         pending = protocol.begin(job.step, replace=job.replace,
                                  active_tokens=set(self._active_tokens))
@@ -897,48 +678,27 @@ class CheckpointManager:
             described, required = self._write_files(pending, job, coordinator, channel.group)
             protocol.publish(pending, job.manifest, described=described, required=required)
         except BaseException as error:
-            _abort_after(protocol, pending, error)
+            abort_after(protocol, pending, error)
             if isinstance(error, OSError) and not isinstance(error, ResumekitError):
-                raise _save_failure(job.step, self.storage, error) from error
+                raise save_failure(job.step, self.storage, error) from error
             if type(error) is StorageError:
-                raise _save_failure(job.step, self.storage, error) from error
+                raise save_failure(job.step, self.storage, error) from error
             raise
         finally:
             self._active_tokens.discard(pending.token)
         self.last_saved_step = job.step
         self._clock.last_save_seconds = time.monotonic() - job.started
-        self._apply_retention(job.step, coordinator)
+        if self.retention is not None:
+            saving.apply_retention(
+                job.step, self.storage, self.retention, name_format=self.name_format,
+                protect=() if self.resumed_from is None else (self.resumed_from,),
+                active_tokens=set(self._active_tokens), rolling=self._rolling_sweep,
+                coordinator=coordinator)
         protocol.record_newest(pending)  # after retention: its stamp sees the deletions
         logger.info("resumekit: committed step %d in %.2fs", job.step,
                     self._clock.last_save_seconds)
 
-    def _apply_retention(self, step: int, coordinator: Coordinator) -> None:
-        """Prune on rank 0 after ``step`` is committed; report problems on every rank.
-
-        The save has succeeded by now: a retention failure (``EBUSY`` from NFS
-        ``.nfsXXXX`` files, an entry another process removed) is a warning, the same on
-        every rank (rank 0's outcome is broadcast), never an error.
-        """
-        if self.retention is None:
-            return
-        retention = self.retention
-        protect = () if self.resumed_from is None else (self.resumed_from,)
-
-        def run() -> list[str]:
-            try:
-                report = prune(self.storage, retention, name_format=self.name_format,
-                               protect=protect, active_tokens=set(self._active_tokens),
-                               errors="report", scope="top", rolling=self._rolling_sweep)
-            except Exception as error:  # noqa: BLE001 - the commit stands; reported below
-                return [f"{type(error).__name__}: {error}"]
-            return report.problems
-
-        problems: list[str] = run_on_leader(coordinator, run)
-        for line in problems:
-            self._warn(f"step {step} is committed, but retention under "
-                       f"{self.storage.path()} did not complete: {line}")
-
-    def _write_files(self, pending: PendingCheckpoint, job: _SaveJob,
+    def _write_files(self, pending: PendingCheckpoint, job: SaveJob,
                      coordinator: Coordinator, group: dist.ProcessGroup | None
                      ) -> tuple[list[FileEntry], list[str]]:
         """Write this rank's files; return them, hashed on the way, and what they reference.
@@ -1089,13 +849,6 @@ class CheckpointManager:
                        found.path, found.step)
         return found.step
 
-    def _lineage(self) -> Lineage:
-        lineage = Lineage.current(resumed_from_step=self.resumed_from, launcher=_launcher())
-        if self.initialized_from is None:
-            return lineage
-        return lineage.model_copy(update={"initialized_from": {
-            "path": self.initialized_from.path, "step": self.initialized_from.step}})
-
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
@@ -1129,82 +882,9 @@ class CheckpointManager:
         self.close()
 
 
-def _abort_after(protocol: CommitProtocol, pending: PendingCheckpoint,
-                 error: BaseException) -> None:
-    """Remove a failed save's staging area; a failure here is secondary to ``error``.
-
-    It is logged and attached to ``error`` as a note, so the error raised stays the one
-    that made the save fail (a cleanup against an unreachable store fails too).
-    """
-    try:
-        protocol.abort(pending)
-    except Exception as cleanup:  # noqa: BLE001 - secondary to the save's own error
-        note = (f"removing the staging area {protocol.storage.path(pending.staging)} "
-                f"failed too: {type(cleanup).__name__}: {cleanup} (the sweep removes it "
-                "later)")
-        logger.warning("resumekit: save of step %d: %s", pending.step, note)
-        error.add_note(note)
-
-
-def _save_failure(step: int, storage: Storage, error: OSError) -> StorageError:
-    """The error of a failed save: names the step, the root and the file; errno kept."""
-    fields = dict(getattr(error, "fields", {}))
-    file = fields.get("file") or getattr(error, "filename", None)
-    where = f" writing {file}" if file else ""
-    root = storage.url_of()
-    fields.update(step=step, root=root, operation=fields.get("operation", "save"))
-    fields.setdefault("path", getattr(error, "filename", None) or root)
-    fields["errno"] = error.errno
-    failure = StorageError(
-        f"save of step {step} to {root} failed{where}: {error}; nothing was committed",
-        **fields)
-    failure.strerror, failure.filename = error.strerror, error.filename
-    for note in getattr(error, "__notes__", ()):
-        failure.add_note(note)
-    return failure
-
-
-def _plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
-    """Return ``value`` as it will read back from JSON (tuples become lists)."""
-    jsonable.check_depth(value, what=what)
-    try:
-        plain: dict[str, Any] = json.loads(json.dumps(dict(value)))
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
-    return plain
-
-
-def _finite_metrics(metrics: Mapping[str, float] | None, step: int) -> dict[str, float]:
-    """``metrics`` as the manifest records them; a name or value it cannot is refused."""
-    recorded: dict[str, float] = {}
-    for name, value in (metrics or {}).items():
-        number = float(value) if isinstance(value, (int, float)) and \
-            not isinstance(value, bool) else math.nan
-        if not isinstance(name, str) or not math.isfinite(number):
-            raise ConfigurationError(
-                f"metrics of step {step}: {name!r} = {value!r} is not a finite number "
-                "under a string name (a manifest records only those)",
-                name="metrics", value=value)
-        recorded[name] = number
-    return recorded
-
-
-def _live_extras(extras: Mapping[str, Any] | None) -> MutableMapping[str, Any]:
-    """The caller's own mapping (read at every save), checked now: a bad value fails here."""
-    live: MutableMapping[str, Any] = extras if isinstance(extras, MutableMapping) \
-        else dict(extras or {})
-    jsonable.plain_extras(live)
-    return live
-
-
 def _tied_of(manifest: Manifest) -> dict[str, str]:
     """The model entries a checkpoint stored once (``state.tied``: ``{alias: kept}``)."""
     tied = manifest.state.get("tied")
     if not isinstance(tied, dict):
         return {}
     return {str(alias): str(kept) for alias, kept in tied.items()}
-
-
-def _launcher() -> str | None:
-    context = distributed.current_context()
-    return None if context is None else str(context.launcher)

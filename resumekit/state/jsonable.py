@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,10 @@ import torch
 from resumekit.errors import ConfigurationError
 from resumekit.store.storage import JSON_DEPTH_LIMIT, json_depth
 
-__all__ = ["USER_JSON_DEPTH", "check_depth", "plain_extras"]
+__all__ = [
+    "USER_JSON_DEPTH", "check_depth", "finite_metrics", "live_extras", "plain_extras",
+    "plain_json",
+]
 
 logger = logging.getLogger("resumekit")
 
@@ -65,6 +69,54 @@ def check_depth(value: Any, *, what: str) -> None:
         raise ConfigurationError(
             f"{what} is nested more than {USER_JSON_DEPTH} levels deep, the most a "
             "checkpoint holds (its manifest could not be read back)", name=what, value=depth)
+
+
+def plain_json(value: Mapping[str, Any], *, what: str) -> dict[str, Any]:
+    """Return ``value`` as it will read back from JSON (tuples become lists).
+
+    Unlike :func:`plain_extras`, nothing is converted: a tensor or numpy value is refused.
+
+    Raises:
+        TypeError: ``value`` is not JSON-serialisable.
+        ConfigurationError: Nested deeper than :data:`USER_JSON_DEPTH`.
+    """
+    check_depth(value, what=what)
+    try:
+        plain: dict[str, Any] = json.loads(json.dumps(dict(value)))
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{what} must be JSON-serialisable: {error}") from error
+    return plain
+
+
+def live_extras(extras: Mapping[str, Any] | None) -> MutableMapping[str, Any]:
+    """The caller's own mapping (read at every save), checked now: a bad value fails here.
+
+    Raises:
+        TypeError: A value JSON cannot hold (see :func:`plain_extras`).
+    """
+    live: MutableMapping[str, Any] = extras if isinstance(extras, MutableMapping) \
+        else dict(extras or {})
+    plain_extras(live)
+    return live
+
+
+def finite_metrics(metrics: Mapping[str, float] | None, step: int) -> dict[str, float]:
+    """``metrics`` as the manifest records them; a name or value it cannot is refused.
+
+    Raises:
+        ConfigurationError: A value that is not a finite number, or a name not a string.
+    """
+    recorded: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        number = float(value) if isinstance(value, (int, float)) and \
+            not isinstance(value, bool) else math.nan
+        if not isinstance(name, str) or not math.isfinite(number):
+            raise ConfigurationError(
+                f"metrics of step {step}: {name!r} = {value!r} is not a finite number "
+                "under a string name (a manifest records only those)",
+                name="metrics", value=value)
+        recorded[name] = number
+    return recorded
 
 
 def _convert(value: Any, where: str) -> Any:

@@ -1,0 +1,71 @@
+"""``BackgroundSave``: the one owner of a manager's background save work.
+
+An async save captures the state on the training thread and hands the writing to this
+worker: one thread, one job at a time. A job's error is kept and re-raised to the
+manager, wrapped in :class:`~resumekit.errors.AsyncSaveError`, by the next :meth:`wait`
+(or :meth:`raise_if_failed`), so a failed background save is never silent. Imports no
+torch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from resumekit.errors import AsyncSaveError
+
+__all__ = ["BackgroundSave"]
+
+
+class BackgroundSave:
+    """One thread, one job at a time; the job's error re-raised by the next wait.
+
+    The job's exception (including DCP's ``CheckpointException``, a ``BaseException``)
+    is stored and re-raised, wrapped in :class:`~resumekit.errors.AsyncSaveError`, by the
+    next :meth:`wait`.
+    """
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._step: int | None = None
+
+    def submit(self, step: int, job: Callable[[], None]) -> None:
+        """Run ``job`` (the save of ``step``) on a new thread, after the previous job.
+
+        Raises:
+            AsyncSaveError: The previous job failed (``job`` is not started).
+        """
+        self.wait()
+
+        def run() -> None:
+            try:
+                job()
+            except BaseException as error:  # noqa: BLE001 - handed to the owner in wait()
+                self._error = error
+
+        self._step = step
+        self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
+        self._thread.start()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise a finished job's error without blocking on a running one."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the job in flight (if any) is done; re-raise its error. Idempotent.
+
+        Raises:
+            AsyncSaveError: The job failed (its error is the cause); raised once.
+        """
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise AsyncSaveError(
+                f"background save of step {self._step} failed: {type(error).__name__}: "
+                f"{error}",
+                step=self._step,
+            ) from error
