@@ -175,10 +175,11 @@ class PreemptionHandler:
             torchrun's ``--shutdown-timeout``). Enables
             :meth:`should_skip_emergency_save`'s deadline rule.
         overlap: Start each vote without waiting for it and count it at the next poll
-            (the default): the all-reduce runs during the next step, so a poll costs about
-            a fifth of a blocking one (measured, ``docs/preemption.md``), and the ranks stop
-            one poll later than with ``overlap=False``, which stops at the first poll after
-            the signal. Pick ``False`` for long steps where one more step matters.
+            (the default): the all-reduce runs during the next step, so a poll waits
+            only for a reduction that already ran (``docs/preemption.md`` has both costs
+            measured), and the ranks stop one poll later than with ``overlap=False``,
+            which stops at the first poll after the signal. Pick ``False`` for long steps
+            where one more step matters.
 
     Raises:
         ConfigurationError: A signal is unknown or uncatchable, ``poll_every`` is neither
