@@ -6,8 +6,8 @@ safe to read from an untrusted checkpoint (no pickle).
 
 Checksums are XXH3-128 (the ``xxhash`` package): a non-cryptographic hash that runs at
 about memory speed, so verifying a checkpoint costs about as much as reading it
-(``docs/performance.md``). It detects torn writes, truncation and bit rot; it is not a defence against a
-deliberate forger (nothing stored next to the data could be).
+(``docs/performance.md``). It detects torn writes, truncation and bit rot; it is not a
+defence against a deliberate forger (nothing stored next to the data could be).
 """
 
 from __future__ import annotations
