@@ -161,7 +161,7 @@ class PreemptionHandler:
             numbers, or names such as ``"SIGUSR2"`` / ``"USR2"``). ``SIGKILL`` and
             ``SIGSTOP`` cannot be caught.
         group: The process group of the vote; default the preemption group of
-            :func:`resumekit.runtime.distributed.init_distributed` (gloo, long timeout). Without
+            :func:`resumekit.init_distributed` (gloo, long timeout). Without
             that context but with a default process group, the default group is used.
         poll_every: ``"auto"`` (the default): vote at the first call, then as often as
             keeps the votes under :data:`AUTO_POLL_BUDGET` of the step time, at least
@@ -175,10 +175,11 @@ class PreemptionHandler:
             torchrun's ``--shutdown-timeout``). Enables
             :meth:`should_skip_emergency_save`'s deadline rule.
         overlap: Start each vote without waiting for it and count it at the next poll
-            (the default): the all-reduce runs during the next step, so a poll costs about
-            a fifth of a blocking one (measured, ``docs/preemption.md``), and the ranks stop
-            one poll later than with ``overlap=False``, which stops at the first poll after
-            the signal. Pick ``False`` for long steps where one more step matters.
+            (the default): the all-reduce runs during the next step, so a poll waits
+            only for a reduction that already ran (``docs/preemption.md`` has both costs
+            measured), and the ranks stop one poll later than with ``overlap=False``,
+            which stops at the first poll after the signal. Pick ``False`` for long steps
+            where one more step matters.
 
     Raises:
         ConfigurationError: A signal is unknown or uncatchable, ``poll_every`` is neither
@@ -397,7 +398,7 @@ class PreemptionHandler:
         the same answer at the same step. With ``overlap`` (the default) the vote counted
         at a poll is the one cast at the previous poll, and a new one is started; leave
         the ``with`` block (or call :meth:`uninstall`) before
-        :func:`resumekit.runtime.distributed.shutdown` so the vote in flight is collected. Once
+        :func:`resumekit.shutdown` so the vote in flight is collected. Once
         True it stays True, without further collectives. With one process there is no
         collective and the local flag is checked at every call.
 

@@ -126,7 +126,8 @@ class ProcessGroupCoordinator:
 
     def __init__(self, group: Any = None) -> None:
         # Imported here: the store (commit, catalog, CLI) must import without
-        # torch.distributed, which costs seconds (crash tests fork writers by the hundred).
+        # torch.distributed, which is slow to import (crash tests fork writers by the
+        # hundred).
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 

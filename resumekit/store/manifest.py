@@ -5,9 +5,9 @@ a valid manifest is not a checkpoint. The models are pydantic v2; the file is pl
 safe to read from an untrusted checkpoint (no pickle).
 
 Checksums are XXH3-128 (the ``xxhash`` package): a non-cryptographic hash that runs at
-memory speed (tens of GB/s per core), so verifying a checkpoint costs about as much as
-reading it. It detects torn writes, truncation and bit rot; it is not a defence against a
-deliberate forger (nothing stored next to the data could be).
+about memory speed, so verifying a checkpoint costs about as much as reading it
+(``docs/performance.md``). It detects torn writes, truncation and bit rot; it is not a
+defence against a deliberate forger (nothing stored next to the data could be).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Trust in a checkpointing library comes from one experiment: train N steps withou
 interruption; train again, interrupted and resumed; compare. This module runs that
 experiment for any loop that follows a three-line contract::
 
-    def train(root: str, num_steps: int, probe: resumekit.tools.testing.Probe) -> dict:
+    def train(root: str, num_steps: int, probe: resumekit.testing.Probe) -> dict:
         ...build model, optimizer, CheckpointManager(root, ...)...
         for step in range(ckpt.restore(), num_steps):
             loss = one_optimizer_step()
@@ -13,7 +13,7 @@ experiment for any loop that follows a three-line contract::
         ckpt.close()
         return {"model": model, "optimizer": optimizer}
 
-    report = resumekit.tools.testing.check_resume_equivalence(
+    report = resumekit.testing.check_resume_equivalence(
         train, num_steps=20, interruptions=[stop_after(7), crash_after(13)], workdir=tmp)
     assert report.equivalent, report.describe()
 

@@ -38,7 +38,7 @@ def test_the_site_builds_in_strict_mode_without_a_single_warning(tmp_path: Path)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "WARNING" not in result.stderr, result.stderr[-4000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert 'id="resumekit.manager.CheckpointManager"' in api
+    assert 'id="resumekit.CheckpointManager"' in api  # at its public path
     # The Google-style "Raises:" entry of CheckpointManager.save was parsed into a table
     # row (its reST literal became <code>), not pasted as raw docstring text.
     assert "<code>step</code> is not newer than the newest committed step" in api

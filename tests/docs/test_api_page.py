@@ -1,0 +1,125 @@
+"""docs/api.md documents the public API, all of it, at the paths a user imports.
+
+The public API is ``resumekit.__all__`` plus four modules imported by path (and the
+command line, documented on its own page). The documentation build checks that each
+``:::`` reference renders; these tests check what the build cannot: that every path the
+page gives imports, that each rendered object sits at a public path (not at the layer
+module that happens to define it), that no public name is left out, that the page's list
+of old 0.2 module paths is the one ``resumekit._moved_modules`` keeps working, and that
+the other pages' code imports only from public paths.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import resumekit
+from resumekit import _moved_modules
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+API = (DOCS / "api.md").read_text()
+PUBLIC_MODULES = ("resumekit.export", "resumekit.testing", "resumekit.legacy",
+                  "resumekit.integrations.lightning")
+RENDERED = re.findall(r"^::: *([\w.]+)", API, flags=re.M)
+DOTTED = sorted(set(re.findall(r"`(resumekit(?:\.\w+)+)`", API)))
+
+
+def _resolve(path: str) -> Any:
+    """The object at a dotted path: the longest prefix that imports, then attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(path)
+
+
+def _is_public(path: str) -> bool:
+    head, _, name = path.rpartition(".")
+    if head == "resumekit":
+        return name in resumekit.__all__ or path in PUBLIC_MODULES
+    return path in PUBLIC_MODULES
+
+
+def test_the_page_renders_something_from_each_part_of_the_public_api() -> None:
+    assert len(RENDERED) > len(resumekit.__all__) // 2
+    assert set(PUBLIC_MODULES) <= set(RENDERED)
+
+
+@pytest.mark.parametrize("path", RENDERED)
+def test_every_rendered_reference_imports_from_a_public_path(path: str) -> None:
+    _resolve(path)
+    assert _is_public(path), f"api.md renders {path}, which is not a public path"
+
+
+@pytest.mark.parametrize("path", DOTTED)
+def test_every_dotted_name_the_page_mentions_resolves(path: str) -> None:
+    _resolve(path)
+
+
+def test_every_public_name_is_on_the_page() -> None:
+    missing = sorted(name for name in resumekit.__all__
+                     if name != "__version__" and f"resumekit.{name}" not in RENDERED)
+    assert not missing, f"api.md renders no ::: resumekit.<name> for {missing}"
+    assert "`resumekit.__version__`" in API
+
+
+LAYERS = {f"resumekit.{layer}" for layer in
+          ("store", "state", "tensors", "restore", "runtime", "tools", "cli", "integrations")}
+
+
+def test_the_pages_list_of_old_module_paths_is_the_one_that_still_imports() -> None:
+    note = API.split("## Module paths", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(resumekit\.\w+)`", note))
+    old = named - LAYERS - set(PUBLIC_MODULES)
+    assert old == set(_moved_modules.MOVED), {
+        "on the page only": sorted(old - set(_moved_modules.MOVED)),
+        "kept working but not on the page": sorted(set(_moved_modules.MOVED) - old)}
+    assert "removed in 0.4" in note
+
+
+def test_an_old_module_path_imports_the_moved_module_itself_with_a_deprecation_warning(
+) -> None:
+    old = "resumekit.retention"
+    new = _moved_modules.MOVED[old]
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert module.__spec__ is not None and module.__spec__.name == new
+
+
+_IMPORT = re.compile(r"^\s*(?:from\s+(resumekit[\w.]*)\s+import|import\s+(resumekit[\w.]*))",
+                     flags=re.M)
+
+
+def _public_prefix(path: str) -> bool:
+    """Whether a dotted path a user types starts at a public name or module."""
+    parts = path.split(".")
+    return any(_is_public(".".join(parts[:cut])) for cut in range(2, len(parts) + 1))
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_the_code_on_every_page_reaches_resumekit_through_public_paths_only(
+    page: Path,
+) -> None:
+    blocks = re.findall(r"```(?:python|py)\n(.*?)```", page.read_text(), flags=re.S)
+    modules = {m for block in blocks for pair in _IMPORT.findall(block) for m in pair if m}
+    private = {m for m in modules if m != "resumekit" and m not in PUBLIC_MODULES}
+    for block in blocks:
+        private.update(path for path in re.findall(r"\bresumekit(?:\.\w+)+", block)
+                       if path not in modules and not _public_prefix(path))
+    assert not private, f"{page.name} reaches {sorted(private)}; use resumekit's public names"
