@@ -49,12 +49,15 @@ if TYPE_CHECKING:
     )
     from resumekit.runtime.distributed import (
         DistributedContext,
+        current_context,
         init_distributed,
         meet,
         shutdown,
     )
     from resumekit.runtime.preemption import (
         EXIT_CODE_PREEMPTED,
+        REQUEUE_SIGNALS,
+        CommitClock,
         PreemptionHandler,
         requeue_after_signal,
         requeue_slurm_job,
@@ -122,6 +125,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
     "CheckpointOptions": "resumekit.options",
+    "CommitClock": "resumekit.runtime.preemption",
     "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
     "CoordinationError": "resumekit.errors",
@@ -141,6 +145,7 @@ _EXPORTS: dict[str, str] = {
     "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
     "PreemptionHandler": "resumekit.runtime.preemption",
+    "REQUEUE_SIGNALS": "resumekit.runtime.preemption",
     "ResumableDistributedSampler": "resumekit.state.sampler",
     "ResumeStepError": "resumekit.errors",
     "ResumekitError": "resumekit.errors",
@@ -157,6 +162,7 @@ _EXPORTS: dict[str, str] = {
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
     "capture_rng": "resumekit.state.rng",
+    "current_context": "resumekit.runtime.distributed",
     "import_checkpoint": "resumekit.tools.importers",
     "init_distributed": "resumekit.runtime.distributed",
     "keep_all": "resumekit.store.retention",
@@ -180,12 +186,14 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "EXIT_CODE_PREEMPTED",
+    "REQUEUE_SIGNALS",
     "AsyncSaveError",
     "CheckpointEntry",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointOptions",
+    "CommitClock",
     "CommitProtocol",
     "ConfigurationError",
     "CoordinationError",
@@ -221,6 +229,7 @@ __all__ = [
     "UnsupportedSchemaError",
     "__version__",
     "capture_rng",
+    "current_context",
     "import_checkpoint",
     "init_distributed",
     "keep_all",
