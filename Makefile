@@ -23,15 +23,20 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
-# The unit and property suites run one worker per core (as test-fast); so does the multi-rank
-# suite (each test starts its own ranks on free ports, gloo on CPU); the rest (crash, SLURM,
-# multi-host, end-to-end: shared clusters and kill rigs) one test at a time.
+# The unit and property suites run one worker per core (as test-fast); every other suite in one
+# run on SLOW_WORKERS workers, --dist loadgroup (tests/conftest.py, xdist_group_of): the tests of
+# a machine-wide cluster (multi-host namespaces, SLURM) one at a time on one worker each, started
+# first (they mostly wait on SLURM and on timeouts), the tests sharing a module fixture (a
+# reference run, the bench smoke run) on one worker, the rest (multi-rank, crash, e2e, bench,
+# docs: each on its own free ports and temp dirs) spread over all of them.
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
-	$(PY) -m pytest -q -n $(FAST_WORKERS) --durations=10 tests/dist
-	$(PY) -m pytest -q --durations=10 tests --ignore=tests/unit --ignore=tests/property --ignore=tests/dist
+	$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15 tests --ignore=tests/unit --ignore=tests/property
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs-build
+
+# One worker more than cores: a cluster suite's worker is mostly idle.
+SLOW_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 
 # Unit + property suites, one pytest worker per core (pytest-xdist; each worker starts its own
 # loopback S3 server on a free port). FAST_WORKERS=0 runs them in one process.

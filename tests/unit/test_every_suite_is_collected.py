@@ -9,6 +9,8 @@ until ``pyproject.toml`` set both lists without it.
 from __future__ import annotations
 
 import fnmatch
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,7 +39,7 @@ def test_no_test_directory_matches_a_pattern_the_tool_skips(
     assert skipped == [], tool
 
 
-def test_the_pytest_runs_of_make_test_cover_every_suite_once() -> None:
+def _make_test_pytest_runs() -> list[list[str]]:
     recipe, inside = [], False
     for line in (ROOT / "Makefile").read_text().splitlines():
         if line.startswith("test:"):
@@ -46,11 +48,68 @@ def test_the_pytest_runs_of_make_test_cover_every_suite_once() -> None:
             break
         elif inside and "-m pytest" in line:
             recipe.append(line.split())
-    *parallel_runs, rest = recipe
-    assert parallel_runs and all("-n" in run for run in parallel_runs), recipe
-    named = [word for run in parallel_runs for word in run if word.startswith("tests/")]
-    assert len(named) == len(set(named))  # no suite in two of the parallel runs
-    assert {"tests/unit", "tests/property"} <= set(named)
-    assert "tests" in rest and "-n" not in rest
-    ignored = {word.removeprefix("--ignore=") for word in rest if word.startswith("--ignore=")}
-    assert ignored == set(named)  # the rest of tests/ runs in the last run, nothing twice
+    return recipe
+
+
+def _covered(run: list[str], suites: list[str]) -> set[str]:
+    """The suite directories (``tests/...``) one pytest command line collects."""
+    def under(suite: str, folder: str) -> bool:
+        return suite == folder or suite.startswith(folder + "/")
+
+    named = [word for word in run if word == "tests" or word.startswith("tests/")]
+    ignored = [word.removeprefix("--ignore=") for word in run if word.startswith("--ignore=")]
+    return {suite for suite in suites if any(under(suite, folder) for folder in named)
+            and not any(under(suite, folder) for folder in ignored)}
+
+
+def test_the_pytest_runs_of_make_test_cover_every_suite_once() -> None:
+    runs = _make_test_pytest_runs()
+    suites = [str(path.relative_to(ROOT)) for path in _suites()]
+    covered = [_covered(run, suites) for run in runs]
+    times = {suite: sum(suite in each for each in covered) for suite in suites}
+    assert times == dict.fromkeys(suites, 1), (times, runs)
+    fast = next(run for run, each in zip(runs, covered, strict=True) if "tests/unit" in each)
+    assert "-n" in fast and "tests/property" in _covered(fast, suites)
+    for run, each in zip(runs, covered, strict=True):
+        if "-n" in run and each & {"tests/slurm", "tests/multinode"}:
+            # Spread by test ("load"), two workers would each build the one machine-wide
+            # namespace cluster and tear down the other's; loadgroup keeps the groups
+            # tests/conftest.py gives (one cluster suite per worker, one module per fixture).
+            assert "--dist" in run and run[run.index("--dist") + 1] == "loadgroup", run
+
+
+def test_the_cluster_suites_and_module_fixtures_each_run_on_one_worker_cluster_suites_first(
+) -> None:
+    files = ["tests/bench/test_bench_smoke.py", "tests/slurm/test_cluster_preempts_and_requeues.py",
+             "tests/multinode/test_lingbot_across_hosts.py",
+             "tests/slurm/test_lingbot_preempted_under_slurm.py"]
+    script = (
+        "import sys, pytest\n"
+        "class Show:\n"
+        "    def pytest_collection_finish(self, session):\n"
+        "        for item in session.items:\n"
+        "            marks = [m.args[0] for m in item.iter_markers('xdist_group')]\n"
+        "            print('GROUP', item.nodeid, ','.join(marks) or '-')\n"
+        "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', "
+        "*sys.argv[1:]], plugins=[Show()]))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", script, *files], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120, check=False)
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    order = [line.split()[1:] for line in completed.stdout.splitlines()
+             if line.startswith("GROUP ")]
+    groups = {nodeid: group for nodeid, group in order}
+    # The multi-host suite first, then SLURM's, each in its own group; the file order given
+    # on the command line does not matter.
+    suites = [nodeid.split("/")[1] for nodeid, _ in order]
+    assert suites == ["multinode"] * 4 + ["slurm"] * 6 + ["bench"] * (len(order) - 10), suites
+    assert all(group == "multinode" for nodeid, group in groups.items() if "/multinode/" in nodeid)
+    assert all(group == "slurm" for nodeid, group in groups.items() if "/slurm/" in nodeid)
+    # The bench smoke run (a module fixture) is built by one worker for all its tests; the
+    # tests that do not use it stay free to run anywhere.
+    bench = "tests/bench/test_bench_smoke.py::"
+    assert groups[bench + "test_the_summary_has_exactly_the_agreed_keys"] == \
+        "tests.bench.test_bench_smoke"
+    assert groups[bench + "test_each_fresh_process_restore_read_a_cold_checkpoint"] == \
+        "tests.bench.test_bench_smoke"
+    assert groups[bench + "test_the_markdown_table_names_every_figure_and_its_target"] == "-"
