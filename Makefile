@@ -24,14 +24,14 @@ venv: $(STAMP)
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
 # The unit and property suites run one worker per core (as test-fast); every other suite in one
-# run on SLOW_WORKERS workers, --dist loadgroup (tests/conftest.py, xdist_group_of): the tests of
-# a machine-wide cluster (multi-host namespaces, SLURM) one at a time on one worker each, started
-# first (they mostly wait on SLURM and on timeouts), the tests sharing a module fixture (a
-# reference run, the bench smoke run) on one worker, the rest (multi-rank, crash, e2e, bench,
-# docs: each on its own free ports and temp dirs) spread over all of them.
+# run on SLOW_WORKERS workers, one test file to one worker (--dist loadfile: a module fixture,
+# such as a reference run or the bench smoke run, is built once; the multi-host namespaces,
+# fixed names on this machine, are built by one worker only). The cluster suites start first
+# (tests/conftest.py): they mostly wait on SLURM and on timeouts while the other workers run
+# the multi-rank, crash, e2e, bench and docs suites (each on its own free ports and temp dirs).
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
-	$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=15 tests --ignore=tests/unit --ignore=tests/property
+	$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests --ignore=tests/unit --ignore=tests/property
 	$(MAKE) --no-print-directory lint
 	$(MAKE) --no-print-directory docs-build
 

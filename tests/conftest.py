@@ -20,53 +20,26 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-#: Markers of the suites that share one machine-wide cluster per pytest process (its
-#: session fixture), in the order `make test` starts them: the longest first.
-#: ``multinode``'s network namespaces, bridge and /24 have fixed names (two sessions
-#: would tear down each other's); ``slurm``'s cluster is one per session, started once.
+#: Markers of the suites that share one machine-wide cluster per pytest process (a session
+#: fixture), in the order `make test` starts them: the longest first. ``multinode``'s
+#: network namespaces, bridge and /24 have fixed names: two pytest processes building them
+#: at once tear down each other's, so its tests stay in one file (``--dist loadfile`` gives
+#: a file to one worker); ``slurm`` starts one private cluster per process.
 CLUSTER_MARKERS = ("multinode", "slurm")
 
 
-def xdist_group_of(item: pytest.Item) -> str | None:
-    """The pytest-xdist group ``item`` must run in under ``--dist loadgroup``, or None.
-
-    A test of a machine-wide cluster runs in that cluster's group (one worker, one at a
-    time); a test using a module-scoped fixture of its module runs in the module's group,
-    so that the fixture (a reference run, a benchmark) is built once, not once per worker.
-    """
-    for marker in CLUSTER_MARKERS:
-        if item.get_closest_marker(marker) is not None:
-            return marker
-    # _fixtureinfo: pytest's own record of the fixtures a test uses (no public accessor).
-    info = getattr(item, "_fixtureinfo", None)
-    module = getattr(item, "module", None)
-    if info is None or module is None:
-        return None
-    for definitions in info.name2fixturedefs.values():
-        definition = definitions[-1]  # the one this test gets (the closest override)
-        if definition.scope == "module" and definition.baseid == item.nodeid.split("::")[0]:
-            return module.__name__
-    return None
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns the marks into node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark each test's xdist group (``xdist_group_of``); put the cluster suites first.
+    """Put the cluster suites first, each suite keeping its own order.
 
-    With ``--dist loadgroup --no-loadscope-reorder`` (`make test`) the workers take work in
+    With ``--dist loadfile --no-loadscope-reorder`` (`make test`) the workers take files in
     collection order, so the cluster drills, long and mostly waiting on SLURM and on
     timeouts, start at once while the other workers run the rest.
     """
-    for item in items:
-        group = xdist_group_of(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
-
     def rank(item: pytest.Item) -> int:
         return next((index for index, marker in enumerate(CLUSTER_MARKERS)
                      if item.get_closest_marker(marker) is not None), len(CLUSTER_MARKERS))
 
-    items.sort(key=rank)  # stable: every suite keeps its own order
+    items.sort(key=rank)  # stable
 
 
 @pytest.hookimpl(hookwrapper=True)
