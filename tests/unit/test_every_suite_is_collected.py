@@ -39,16 +39,29 @@ def test_no_test_directory_matches_a_pattern_the_tool_skips(
     assert skipped == [], tool
 
 
-def _make_test_pytest_runs() -> list[list[str]]:
-    recipe, inside = [], False
+def _recipe(target: str) -> list[list[str]]:
+    """The command lines of ``target``'s recipe in the Makefile, split into words."""
+    lines, inside = [], False
     for line in (ROOT / "Makefile").read_text().splitlines():
-        if line.startswith("test:"):
+        if line.startswith(f"{target}:"):
             inside = True
         elif inside and not line.startswith("\t"):
             break
-        elif inside and "-m pytest" in line:
-            recipe.append(line.split())
-    return recipe
+        elif inside:
+            lines.append(line.split())
+    return lines
+
+
+def _make_test_pytest_runs() -> list[list[str]]:
+    """The pytest runs of `make test`, also those of the targets its recipe makes."""
+    runs = []
+    for words in _recipe("test"):
+        if "-m" in words and "pytest" in words:
+            runs.append(words)
+        elif words[0] == "$(MAKE)":
+            for target in (word for word in words[1:] if not word.startswith("-")):
+                runs += [w for w in _recipe(target) if "-m" in w and "pytest" in w]
+    return runs
 
 
 def _covered(run: list[str], suites: list[str]) -> set[str]:
