@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test test-fast lint demo docs docs-build bench gpu-check gpu-wheels clean
+.PHONY: venv test test-suites test-fast lint demo docs docs-build bench gpu-check gpu-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,15 +23,24 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
-# The unit and property suites run one worker per core (as test-fast); so does the multi-rank
-# suite (each test starts its own ranks on free ports, gloo on CPU); the rest (crash, SLURM,
-# multi-host, end-to-end: shared clusters and kill rigs) one test at a time.
+# The unit and property suites run first, one worker per core (as test-fast); then every other
+# suite (test-suites) alongside lint and the docs build, whose CPU fills the time test-suites
+# spends waiting on its cluster drills.
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(FAST_WORKERS) tests/unit tests/property
-	$(PY) -m pytest -q -n $(FAST_WORKERS) --durations=10 tests/dist
-	$(PY) -m pytest -q --durations=10 tests --ignore=tests/unit --ignore=tests/property --ignore=tests/dist
-	$(MAKE) --no-print-directory lint
-	$(MAKE) --no-print-directory docs-build
+	$(MAKE) --no-print-directory -j3 --output-sync=line test-suites lint docs-build
+
+# Every suite but unit and property, on SLOW_WORKERS workers, one test file to one worker
+# (--dist loadfile: a module fixture, such as a reference run or the bench smoke run, is built
+# once; the multi-host namespaces, fixed names on this machine, are built by one worker only).
+# The cluster suites start first (tests/conftest.py): they mostly wait on SLURM and on timeouts
+# while the other workers run the multi-rank, crash, e2e, bench and docs suites (each on its
+# own free ports and temp dirs).
+test-suites: $(STAMP)
+	$(PY) -m pytest -q -n $(SLOW_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests --ignore=tests/unit --ignore=tests/property
+
+# One worker more than cores: a cluster suite's worker is mostly idle.
+SLOW_WORKERS ?= $(shell echo $$(( $$(nproc 2>/dev/null || echo 2) + 1 )))
 
 # Unit + property suites, one pytest worker per core (pytest-xdist; each worker starts its own
 # loopback S3 server on a free port). FAST_WORKERS=0 runs them in one process.

@@ -20,6 +20,28 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+#: Markers of the suites that share one machine-wide cluster per pytest process (a session
+#: fixture), in the order `make test` starts them: the longest first. ``multinode``'s
+#: network namespaces, bridge and /24 have fixed names: two pytest processes building them
+#: at once tear down each other's, so its tests stay in one file (``--dist loadfile`` gives
+#: a file to one worker); ``slurm`` starts one private cluster per process.
+CLUSTER_MARKERS = ("multinode", "slurm")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the cluster suites first, each suite keeping its own order.
+
+    With ``--dist loadfile --no-loadscope-reorder`` (`make test`) the workers take files in
+    collection order, so the cluster drills, long and mostly waiting on SLURM and on
+    timeouts, start at once while the other workers run the rest.
+    """
+    def rank(item: pytest.Item) -> int:
+        return next((index for index, marker in enumerate(CLUSTER_MARKERS)
+                     if item.get_closest_marker(marker) is not None), len(CLUSTER_MARKERS))
+
+    items.sort(key=rank)  # stable
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield

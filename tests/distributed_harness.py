@@ -14,6 +14,7 @@ result is None.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
 import socket
@@ -25,6 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+#: Imported once by the fork server every rank is forked from (``start_method="forkserver"``):
+#: a rank then starts without paying torch's and resumekit's import time (most of a short
+#: multi-rank test's). The server is a clean process (no threads, no process group), started
+#: on first use by each pytest process; a rank still sees the environment it was started
+#: with plus what ``_entry`` sets.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "resumekit",
+           "tests.distributed_harness")
 
 
 def free_port() -> int:
@@ -93,6 +102,7 @@ def run_ranks(
     may_exit: Collection[int] = (),
 ) -> list[Any]:
     """Run ``fn`` on ``world_size`` processes; return each rank's return value."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # read when the server starts
     with tempfile.TemporaryDirectory(prefix="rk-ranks-") as out_dir:
         context = mp.start_processes(
             _entry,
@@ -100,7 +110,7 @@ def run_ranks(
                   group_timeout_s, dict(env or {})),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method="forkserver",
         )
         failure: BaseException | None = None
         try:

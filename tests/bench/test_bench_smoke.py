@@ -39,6 +39,9 @@ TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-r
         "--only", "saves", "overlap", "loads", "rss", "ranks", "roots", "per_tensor",
         "first_async"]
 FIO = shutil.which("fio") is not None
+#: The smoke run (the module fixture, in its first test's time) starts seven processes; in
+#: `make test` it shares the cores with the other suites' workers.
+pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED
@@ -23,6 +24,9 @@ from tests.distributed_harness import free_port
 WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
 REPO = Path(__file__).resolve().parents[2]  # the worker imports tests.lightning_noisy
 STEPS = 16  # 64 samples, 2 ranks x 4 a batch: 8 steps an epoch
+#: Five launches (nine processes importing Lightning); in `make test` it shares the cores
+#: with the other suites' workers.
+pytestmark = pytest.mark.timeout(600)
 
 
 def _launch(root: Path, out: Path, action: str, world: int = 2, **extra: str

@@ -1,5 +1,8 @@
 """Fixtures of the multi-node suite: one namespace cluster per session, one reference run.
 
+The reference run starts first, in the background, and runs while the cluster boots (mostly
+waiting on its daemons); the first drill waits for both.
+
 ``ns_cluster`` builds two hosts (``host1``, ``host2``: network namespaces on a private
 bridge, each with its own hostname and ``slurmd``) plus ``slurmctld`` and ``munged``; it is
 torn down after the session, also when tests fail (every process of every host killed,
@@ -12,11 +15,12 @@ SLURM, the /24 in use), the tests skip, or fail under ``CI=true``
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from examples.lingbot.drill import Launch, run_segment
+from examples.lingbot.drill import Launch, Segment, run_segment
 from tests.conftest import unavailable
 from tests.multinode.cluster import NamespaceCluster
 from tests.multinode.drills import GRACE_S, KILL_WAIT_S, SLURMD_TIMEOUT_S, TRAIN_ARGS, WAIT_S
@@ -26,8 +30,24 @@ HOSTS = ("host1", "host2")
 
 
 @pytest.fixture(scope="session")
-def ns_cluster() -> Iterator[NamespaceCluster]:
-    """The running two-host cluster (partitions ``extra`` and ``own`` over both hosts)."""
+def reference_run(tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[tuple[Path, Future[Segment]]]:
+    """An uninterrupted single-host run (plain torchrun, 2 ranks) of the drills' command,
+    started in the background: its root and the launch under way."""
+    root = tmp_path_factory.mktemp("multinode-reference") / "run"
+    with ThreadPoolExecutor(max_workers=1) as pool:  # on exit, waits for the launch
+        yield root, pool.submit(
+            run_segment, "reference", 1,
+            Launch(root, nproc=2, shutdown_timeout=GRACE_S, train_args=TRAIN_ARGS),
+            log_dir=root.parent / "logs", timeout=WAIT_S * 2)
+
+
+@pytest.fixture(scope="session")
+def ns_cluster(reference_run: tuple[Path, Future[Segment]]) -> Iterator[NamespaceCluster]:
+    """The running two-host cluster (partitions ``extra`` and ``own`` over both hosts).
+
+    It asks for ``reference_run`` so that the reference launch starts before the boot.
+    """
     try:
         cluster = NamespaceCluster.start_hosts(
             HOSTS, kill_wait_s=KILL_WAIT_S, slurmd_timeout_s=SLURMD_TIMEOUT_S
@@ -67,10 +87,8 @@ def _heal(cluster: NamespaceCluster) -> None:
 
 
 @pytest.fixture(scope="session")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted single-host run (plain torchrun, 2 ranks) of the drills' command."""
-    root = tmp_path_factory.mktemp("multinode-reference") / "run"
-    run_segment("reference", 1, Launch(root, nproc=2, shutdown_timeout=GRACE_S,
-                                       train_args=TRAIN_ARGS),
-                log_dir=root.parent / "logs", timeout=WAIT_S * 2)
+def reference(reference_run: tuple[Path, Future[Segment]]) -> Path:
+    """The reference run's root, once it has finished (its failure fails the drills)."""
+    root, launch = reference_run
+    launch.result()
     return root
