@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from resumekit.tensors.save_planner import forget_plans
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -14,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from resumekit.tensors import sharded
-from resumekit.tensors.save_planner import forget_plans
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
