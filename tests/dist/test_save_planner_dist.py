@@ -1,4 +1,10 @@
-"""resumekit.tensors.save_planner on 2 real FSDP2 ranks: an unchanged structure is planned once."""
+"""Saves on 2 real FSDP2 ranks: DCP's plan caching per group, and the state-dict views.
+
+A save is ``dcp.save`` with ``DefaultSavePlanner(enable_plan_caching=True)``, its cache slot
+the process group: an unchanged structure is planned once per group, a save on another
+group (an async save's own gloo group) never takes its plans, and every save reloads
+exactly.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from resumekit.tensors.save_planner import forget_plans
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,10 +37,10 @@ def counting_calls(module: Any, name: str) -> list[int]:
     return calls
 
 
-def _counting_local_plans() -> list[int]:
-    from resumekit.tensors import save_planner  # noqa: PLC0415 - patched in this rank's process
+def _counting_global_plans() -> list[int]:
+    from torch.distributed.checkpoint import default_planner  # noqa: PLC0415 - this rank's
 
-    return counting_calls(save_planner, "create_default_local_save_plan")
+    return counting_calls(default_planner, "create_default_global_save_plan")
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **more: Any
@@ -69,39 +74,43 @@ def _reload_matches(directory: Path, want: dict[str, Any], more: dict[str, Any])
 
 
 def _saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    forget_plans()
-    calls = _counting_local_plans()
+    import torch.distributed as dist  # noqa: PLC0415 - in the rank's process
+
+    calls = _counting_global_plans()
+    background = dist.new_group(backend="gloo")  # as an async save's own group
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     results: dict[str, Any] = {}
     snapshots: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for number in range(4):
+    for number in range(7):
         train_step(model, optimizer, "transformer", seed=number)
         more: dict[str, Any] = {"note": "x" * (number + 1) ** 3,  # bytes items change size
                                 "counter": torch.tensor([number])}
         if number == 2 and rank == 1:
             more["only_on_rank_1"] = torch.arange(3.0)  # one rank's structure changes
-        if number == 3:
+        if number >= 3:
             more["everywhere"] = torch.ones(2)  # every rank's structure changes
         state = _state(model, optimizer, **more)
         before = calls[0]
-        sharded.save(state, Path(root) / f"save{number}")
-        results[f"planned{number}"] = calls[0] - before
+        sharded.save(state, Path(root) / f"save{number}",
+                     process_group=background if number in (4, 5) else None)
+        results[f"planned{number}"] = calls[0] - before  # global plans made (coordinator)
         snapshots.append((_flat(state), more))
     results["reloads"] = [_reload_matches(Path(root) / f"save{number}", want, more)
                           for number, (want, more) in enumerate(snapshots)]
     return results
 
 
-def test_an_unchanged_structure_is_planned_once_and_every_save_reloads_exactly(
+def test_an_unchanged_structure_is_planned_once_per_group_and_every_save_reloads_exactly(
         tmp_path: Path) -> None:
     results = run_ranks(_saves, world_size=2, args=(str(tmp_path),))
-    for rank, result in enumerate(results):
-        assert result["reloads"] == [True, True, True, True], (rank, result)
-        assert result["planned0"] == 1, (rank, result)  # the first save plans
-        assert result["planned1"] == 0, (rank, result)  # same structure: remembered
-        # save 2: only rank 1's structure changed, only rank 1 plans again
-        assert result["planned2"] == (1 if rank == 1 else 0), (rank, result)
-        assert result["planned3"] == 1, (rank, result)
+    assert results[1]["reloads"] == [True] * 7, results[1]
+    coordinator = results[0]
+    assert coordinator["reloads"] == [True] * 7, coordinator
+    planned = [coordinator[f"planned{number}"] for number in range(7)]
+    # 0: planned; 1: the same structure, cached; 2: rank 1's changed; 3: every rank's;
+    # 4: the first save on the background group (its own cache slot); 5: cached there;
+    # 6: back on the default group, whose cache still holds save 3's structure
+    assert planned == [1, 0, 1, 1, 1, 0, 0], coordinator
 
 
 def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:
