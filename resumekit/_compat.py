@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+    from torch.distributed.checkpoint.planner import LoadPlanner
     from torch.distributed.tensor import DTensor
 
 __all__ = [
@@ -28,25 +28,10 @@ __all__ = [
     "fsspec_filesystem",
     "load_without_collectives",
     "set_nested",
-    "set_save_plan_cache_key",
 ]
 
 
 # -- tensors: save and load ----------------------------------------------------------------
-
-def set_save_plan_cache_key(planner: SavePlanner, key: str) -> None:
-    """Give a ``DefaultSavePlanner(enable_plan_caching=True)`` its own cache slot.
-
-    Args:
-        planner: The planner of one save.
-        key: The same string on every rank of the save's group, unique to that group.
-    """
-    # DCP keys its class-level plan caches by the planner's class name, one slot for every
-    # save of the process (ours, the user's, any group); a slot per group keeps a group's
-    # cached global plan from being used for another's. If it moves: the first save on a
-    # second group of a process plans from the wrong cache (the canary fails first).
-    planner._cached_plans_key = key  # type: ignore[attr-defined]
-
 
 def dcp_metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike[str]:
     """The path of the ``.metadata`` a DCP filesystem reader reads (a rank's, with ``rank``).

@@ -1,13 +1,14 @@
-"""Saving tensors: one path, ``dcp.save`` with DCP's default planner and plan caching.
+"""Saving tensors: one path, ``dcp.save`` with DCP's default save planner.
 
 Both tensor formats save the same way; only the storage writer differs, chosen in
 :func:`_make_writer` from :func:`tensor_format_for`: the raw tensor writer
 (:mod:`resumekit.tensors.raw_files`) for local directories, DCP's own format (checked
-writer) for fsspec URLs or when asked for. DCP's planner caches the plans of a process
-group's last save (its public ``enable_plan_caching``): a save of an unchanged structure
-sends empty plans and reuses the coordinator's global plan. The cache slot is the group
-(:func:`_plan_cache_key`): saves that may run at the same time are on different groups.
-A single-process save plans without caching (its slot would be shared by every thread).
+writer) for fsspec URLs or when asked for. Every save is planned in full: DCP's plan
+caching (``DefaultSavePlanner(enable_plan_caching=True)``) is left off because in torch
+2.13 it decides that a local plan is unchanged from its keys, offsets and sizes alone, so a
+save whose dtypes changed at the same shapes would reuse the previous save's ``.metadata``
+and describe the new bytes with the old dtypes (``tests/unit/test_cached_plans.py``,
+``dtype``). Nothing is remembered between saves.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from resumekit import _compat
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
 from resumekit.tensors.context import (
     directory_str,
@@ -110,9 +110,7 @@ def save(
     target = directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format)
-    planner = DefaultSavePlanner(enable_plan_caching=not no_dist)
-    if not no_dist:
-        _compat.set_save_plan_cache_key(planner, _plan_cache_key(cast(dist.ProcessGroup, group)))
+    planner = DefaultSavePlanner()
     try:
         with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background):
             dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
@@ -130,20 +128,9 @@ def save(
     written = list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
     logger.debug("tensor save: %s format, DCP save %s, %d files written by this rank into %s",
                  "raw" if isinstance(writer, RawTensorWriter) else "dcp",
-                 "in one process" if no_dist else "with plan caching on its group",
+                 "in one process" if no_dist else "on its process group",
                  len(written), target)
     return written
-
-
-def _plan_cache_key(group: dist.ProcessGroup) -> str:
-    """The slot of DCP's plan caches for saves on ``group``: the same on each of its ranks.
-
-    The group's name and ranks: a save on another group (a manager's background group,
-    another manager's, the user's own ``dcp.save``) never takes this group's cached plans,
-    and two saves on one group never run at the same time (their collectives would mix).
-    """
-    ranks = ",".join(map(str, dist.get_process_group_ranks(group)))
-    return f"resumekit:{group.group_name}:{ranks}"
 
 
 def tensor_format_for(directory: str | os.PathLike[str],

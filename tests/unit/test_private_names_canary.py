@@ -18,22 +18,6 @@ from resumekit import _compat
 # -- tensors: save and load ----------------------------------------------------------------
 
 
-def test_dcps_save_planner_keys_its_plan_caches_by_an_attribute_set_in_init() -> None:
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import SavePlanner
-
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    assert planner._cached_plans_key == "DefaultSavePlanner"  # one slot per process
-    _compat.set_save_plan_cache_key(planner, "resumekit:group:0,1")
-    assert planner._cached_plans_key == "resumekit:group:0,1"
-    # the caches it indexes: class-level dicts of SavePlanner, read by that key
-    for cache in ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
-                  "_cached_metadata", "_cached_final_save_plan"):
-        assert isinstance(getattr(SavePlanner, cache), dict), cache
-    source = inspect.getsource(DefaultSavePlanner)
-    assert source.count("self._cached_plans_key") >= 10  # every cache access uses it
-
-
 def test_dcps_filesystem_reader_names_its_metadata_path_by_rank(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 

@@ -465,6 +465,21 @@ def test_a_save_and_a_load_each_say_at_debug_which_path_they_took(
     assert said[1].startswith(f"tensor load: {tensor_format} format, DCP load")
 
 
+def test_a_save_of_other_dtypes_at_the_same_shapes_describes_the_new_dtypes(
+        tmp_path: Path) -> None:
+    # DCP 2.13's plan caching would take the second save's plan as unchanged (it compares
+    # keys, offsets and sizes only) and write the first save's .metadata: saves plan anew.
+    model = torch.nn.Linear(4, 3)
+    sharded.save({"model": model.state_dict()}, tmp_path / "fp32")
+    half = {key: value.to(torch.bfloat16) for key, value in model.state_dict().items()}
+    sharded.save({"model": half}, tmp_path / "bf16")
+    index = sharded.read_tensor_index(tmp_path / "bf16")
+    assert {info.dtype for info in index.values()} == {torch.bfloat16}
+    loaded = {"model": {key: torch.zeros_like(value) for key, value in half.items()}}
+    sharded.load(loaded, tmp_path / "bf16")
+    assert all(torch.equal(loaded["model"][key], value) for key, value in half.items())
+
+
 def test_a_one_rank_process_group_saves_and_loads_without_any_collective(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A one-GPU run has an NCCL default group of one rank; its background save must not
