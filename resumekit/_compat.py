@@ -17,16 +17,30 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import fsspec.asyn
 
+if TYPE_CHECKING:
+    import os
+
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.planner import LoadPlanner
+    from torch.distributed.tensor import DTensor
+
 __all__ = [
+    "dcp_metadata_path",
     "dcp_storage_info",
+    "dtensor_over",
+    "empty_state_dict_load_planner_class",
     "lightning_cluster_environment",
     "lightning_combined_loader",
     "lightning_data_fetcher",
+    "load_without_collectives",
     "s3_call",
+    "set_nested",
 ]
 
 
@@ -153,3 +167,60 @@ def load_state_dict_hooks(module: Any) -> tuple[Mapping[int, Any], Mapping[int, 
     # load whose hooks may do more than copy is never skipped. If they move: AttributeError
     # on the first restore (the canary fails first).
     return module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks
+
+# -- tensors: save and load ----------------------------------------------------------------
+
+def dcp_metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike[str]:
+    """The path of the ``.metadata`` a DCP filesystem reader reads (a rank's, with ``rank``).
+
+    Args:
+        reader: A ``FileSystemReader`` (local or fsspec).
+        rank: None for the checkpoint's ``.metadata``.
+    """
+    # DCP's own rule for where .metadata lies (and a rank's, for saves without collectives).
+    # If it moves: every safe metadata read (load, restore, inspect) fails to find the file.
+    path: os.PathLike[str] = reader._get_metadata_path(rank)
+    return path
+
+
+
+def set_nested(root: dict[str, Any], path: Any, value: Any) -> None:
+    """Set ``value`` at DCP's flattening ``path`` (an ``OBJ_PATH``) in nested ``root``."""
+    # The inverse of DCP's flattening, as DCP's own load_bytes uses it. If it moves: loading
+    # a non-tensor value (a learning rate, param_groups) fails.
+    importlib.import_module("torch.distributed.checkpoint._traverse").set_element(
+        root, path, value)
+
+
+def empty_state_dict_load_planner_class() -> type[DefaultLoadPlanner]:
+    """DCP's load planner that rebuilds the whole state dict from the metadata."""
+    # What DCP's format_utils (dcp_to_torch_save) reads a checkpoint with; no public twin.
+    # If it moves: read_full_state, export and inspect of whole checkpoints fail.
+    module = importlib.import_module("torch.distributed.checkpoint.default_planner")
+    planner: type[DefaultLoadPlanner] = module._EmptyStateDictLoadPlanner
+    return planner
+
+
+def load_without_collectives(state_dict: dict[str, Any], reader: Any,
+                             planner: LoadPlanner) -> None:
+    """DCP's load into ``state_dict`` itself, in this process only (no process group)."""
+    # dcp.load fills a copy of the dict it is given, so an empty dict that a planner fills
+    # from the metadata comes back empty; this is the loader under it (and under DCP's own
+    # format_utils). If it moves: read_full_state (export, inspect) fails.
+    module = importlib.import_module("torch.distributed.checkpoint.state_dict_loader")
+    module._load_state_dict(state_dict, storage_reader=reader, planner=planner, no_dist=True)
+
+
+def dtensor_over(local: torch.Tensor, like: DTensor) -> DTensor:
+    """A ``DTensor`` with ``like``'s mesh, placements and global shape over ``local`` as is.
+
+    Args:
+        local: This rank's shard, on any device (a CPU staging buffer).
+        like: The ``DTensor`` whose layout the result takes.
+    """
+    # DTensor.from_local moves the shard to the mesh's device (a CUDA mesh: back to the
+    # GPU), so a staged CPU shard is wrapped with the spec directly. If it moves: async
+    # saves of DTensor (FSDP2) states fail while staging.
+    dtensor_class: Any = type(like)
+    wrapped: DTensor = dtensor_class(local, like._spec, requires_grad=False)
+    return wrapped

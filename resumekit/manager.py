@@ -481,12 +481,6 @@ class CheckpointManager:
             run_on_every_rank(self._main.coordinator, functools.partial(
                 sharded.load, tensors, source, process_group=self._main.group,
                 verify=self.verify_on_restore, storage_options=options, plan_locally=True))
-            # Every rank loaded: the next save can replay this checkpoint's layout.
-            sharded.remember_restored(
-                source, process_group=self._main.group, plan_owner=self.storage.path(),
-                metadata_checksum=next(
-                    (entry.checksum for entry in manifest.files
-                     if entry.path == f"{TENSORS_DIR}/{sharded.METADATA_FILE}"), None))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None
@@ -715,7 +709,7 @@ class CheckpointManager:
                     job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                     process_group=group, background=job.background,
                     storage_options=self.storage.storage_options or None,
-                    tensor_format=self.tensor_format, plan_owner=self.storage.path())
+                    tensor_format=self.tensor_format)
             entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
                                  checksum=file.checksum) for file in written]
             required = [f"{TENSORS_DIR}/{name}" for file in written

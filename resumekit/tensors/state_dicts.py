@@ -39,15 +39,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from resumekit import _compat
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.tensors.sharded import (
-    _collection_paused,
-    _compare_flat,
-    _describe,
-    _directory_str,
-    _incompatible,
-    _make_reader,
-    flatten_state,
-)
+from resumekit.tensors.context import directory_str as _directory_str
+from resumekit.tensors.context import paused_collection as _collection_paused
+from resumekit.tensors.failures import incompatible as _incompatible
+from resumekit.tensors.fit import compare_flat as _compare_flat
+from resumekit.tensors.fit import describe as _describe
+from resumekit.tensors.fit import flatten_state
+from resumekit.tensors.reader import make_reader as _make_reader
 
 __all__ = [
     "apply_full_model_state",
@@ -467,7 +465,6 @@ def preallocate_optimizer_state(
         return False
     reader = _make_reader(_directory_str(directory), storage_options)
     metadata = reader.read_metadata()
-    reader.hand_over_metadata()  # the load that follows need not unpickle it again
     stored: dict[str, dict[str, TensorStorageMetadata]] = {}
     for key, path in (metadata.planner_data or {}).items():
         if len(path) != 4 or tuple(path[:2]) != ("optimizer", "state"):

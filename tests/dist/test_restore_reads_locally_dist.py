@@ -17,6 +17,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from resumekit import CheckpointManager
 from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors.load import _CheckedLoadPlanner
+from resumekit.tensors.reader import make_reader
 from tests.dist.test_save_planner_dist import counting_calls
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
@@ -71,9 +73,9 @@ def _local_plan_against_dcps(rank: int, world_size: int, root: str) -> dict[str,
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     train_step(model, optimizer, "transformer", seed=0)
     sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), root)
-    metadata = sharded._make_reader(root, None).read_metadata()
+    metadata = make_reader(root, None).read_metadata()
     plans = []
-    for planner in (sharded._CheckedLoadPlanner(root, reject_unexpected=True),
+    for planner in (_CheckedLoadPlanner(root, reject_unexpected=True),
                     DefaultLoadPlanner(flatten_state_dict=True, allow_partial_load=False)):
         planner.set_up_planner(state_dicts.model_and_optimizer_state(model, optimizer), metadata,
                                is_coordinator=rank == 0)

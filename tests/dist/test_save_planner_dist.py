@@ -1,4 +1,9 @@
-"""resumekit.tensors.save_planner on 2 real FSDP2 ranks: an unchanged structure is planned once."""
+"""Saves on 2 real FSDP2 ranks with DCP's default planner, and the state-dict views.
+
+A save is ``dcp.save`` with ``DefaultSavePlanner()``: every save is planned (DCP's plan
+caching is off: it would keep the previous ``.metadata`` when only dtypes change), on the
+default group or on an async save's own gloo group, and every save reloads exactly.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from resumekit.tensors import sharded, state_dicts
-from resumekit.tensors.save_planner import forget_plans
 from tests.dist.test_sharded_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
@@ -32,10 +36,10 @@ def counting_calls(module: Any, name: str) -> list[int]:
     return calls
 
 
-def _counting_local_plans() -> list[int]:
-    from resumekit.tensors import save_planner  # noqa: PLC0415 - patched in this rank's process
+def _counting_global_plans() -> list[int]:
+    from torch.distributed.checkpoint import default_planner  # noqa: PLC0415 - this rank's
 
-    return counting_calls(save_planner, "create_default_local_save_plan")
+    return counting_calls(default_planner, "create_default_global_save_plan")
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **more: Any
@@ -69,39 +73,42 @@ def _reload_matches(directory: Path, want: dict[str, Any], more: dict[str, Any])
 
 
 def _saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    forget_plans()
-    calls = _counting_local_plans()
+    import torch.distributed as dist  # noqa: PLC0415 - in the rank's process
+
+    calls = _counting_global_plans()
+    background = dist.new_group(backend="gloo")  # as an async save's own group
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     results: dict[str, Any] = {}
     snapshots: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    for number in range(4):
+    for number in range(7):
         train_step(model, optimizer, "transformer", seed=number)
         more: dict[str, Any] = {"note": "x" * (number + 1) ** 3,  # bytes items change size
                                 "counter": torch.tensor([number])}
         if number == 2 and rank == 1:
             more["only_on_rank_1"] = torch.arange(3.0)  # one rank's structure changes
-        if number == 3:
+        if number >= 3:
             more["everywhere"] = torch.ones(2)  # every rank's structure changes
+        if number == 5:  # the same shapes, another dtype: a new plan, new .metadata
+            more["counter"] = torch.tensor([number], dtype=torch.int32)
         state = _state(model, optimizer, **more)
         before = calls[0]
-        sharded.save(state, Path(root) / f"save{number}")
-        results[f"planned{number}"] = calls[0] - before
+        sharded.save(state, Path(root) / f"save{number}",
+                     process_group=background if number in (4, 5) else None)
+        results[f"planned{number}"] = calls[0] - before  # global plans made (coordinator)
         snapshots.append((_flat(state), more))
     results["reloads"] = [_reload_matches(Path(root) / f"save{number}", want, more)
                           for number, (want, more) in enumerate(snapshots)]
     return results
 
 
-def test_an_unchanged_structure_is_planned_once_and_every_save_reloads_exactly(
+def test_every_save_on_either_group_is_planned_by_dcp_and_reloads_exactly(
         tmp_path: Path) -> None:
     results = run_ranks(_saves, world_size=2, args=(str(tmp_path),))
-    for rank, result in enumerate(results):
-        assert result["reloads"] == [True, True, True, True], (rank, result)
-        assert result["planned0"] == 1, (rank, result)  # the first save plans
-        assert result["planned1"] == 0, (rank, result)  # same structure: remembered
-        # save 2: only rank 1's structure changed, only rank 1 plans again
-        assert result["planned2"] == (1 if rank == 1 else 0), (rank, result)
-        assert result["planned3"] == 1, (rank, result)
+    assert results[1]["reloads"] == [True] * 7, results[1]
+    coordinator = results[0]
+    assert coordinator["reloads"] == [True] * 7, coordinator
+    planned = [coordinator[f"planned{number}"] for number in range(7)]
+    assert planned == [1] * 7, coordinator  # every save planned by DCP, nothing kept
 
 
 def _named_state_against_dcp(rank: int, world_size: int) -> dict[str, bool]:

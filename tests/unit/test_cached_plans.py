@@ -1,5 +1,5 @@
-"""Cached save plans and load layouts (issue 16, item 2): used only for the structure they
-were made for, and writing and reading exactly what DCP's own path does."""
+"""The one save path and the one load path on many small tensors: the same state writes the
+same bytes, a changed structure still saves and loads, damage is named (issue 25)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,20 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.store.retention import keep_all
+from resumekit.tensors import load as load_module
 from resumekit.tensors import raw as raw_tensor_files
+from resumekit.tensors import save as save_module
 from resumekit.tensors import sharded
 from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
 from resumekit.tensors.raw.format import _Descriptor
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_caches() -> None:
-    sharded._SAVE_PLANS.clear()
-    sharded._LAYOUTS.clear()
 
 
 def small_state(count: int = 40, seed: int = 0, size: int = 24) -> dict[str, Any]:
@@ -60,23 +57,17 @@ class _Calls:
         monkeypatch.setattr(module, name, counting)
 
 
-def test_a_second_save_of_the_same_structure_replays_its_plan_and_writes_dcps_bytes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_a_second_save_of_the_same_state_writes_the_same_bytes_and_reports_the_same_files(
+    tmp_path: Path,
 ) -> None:
-    planned = _Calls(monkeypatch, sharded, "dcp_save")
     sharded.save(small_state(seed=1), tmp_path / "first")
-    assert planned.count == 1 and sharded._SAVE_PLANS.built == 1
     second = small_state(seed=2)
-    written = sharded.save(second, tmp_path / "replayed")
-    assert planned.count == 1  # no DCP planning, no metadata pickle
-
-    sharded._SAVE_PLANS.clear()  # the same state the long way: every byte the same
-    again = sharded.save(second, tmp_path / "planned")
-    assert planned.count == 2
-    assert files_of(tmp_path / "replayed") == files_of(tmp_path / "planned")
+    written = sharded.save(second, tmp_path / "second")
+    again = sharded.save(second, tmp_path / "again")
+    assert files_of(tmp_path / "second") == files_of(tmp_path / "again")
     assert written == again  # names, sizes, checksums and references as reported
     loaded = blank(second)
-    sharded.load(loaded, tmp_path / "replayed")
+    sharded.load(loaded, tmp_path / "second")
     for top, part in second.items():
         for key, value in part.items():
             assert torch.equal(loaded[top][key], value), key
@@ -86,7 +77,6 @@ def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_
     tmp_path: Path,
 ) -> None:
     sharded.save(small_state(seed=1), tmp_path / "a")
-    sharded._SAVE_PLANS.clear()
     sharded.save(small_state(seed=2), tmp_path / "b")
     a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
     assert a[DCP_METADATA_FILE] == b[DCP_METADATA_FILE]
@@ -97,11 +87,11 @@ def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "key", "nesting", "threads", "large"])
-def test_a_changed_structure_is_planned_again_never_replayed(
+def test_a_changed_structure_is_saved_by_dcp_and_loads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str,
 ) -> None:
     sharded.save(small_state(), tmp_path / "first")
-    planned = _Calls(monkeypatch, sharded, "dcp_save")
+    planned = _Calls(monkeypatch, save_module, "dcp_save")
     state = small_state(seed=3)
     threads = sharded.DEFAULT_THREAD_COUNT
     model = state["model"]
@@ -128,7 +118,7 @@ def test_a_changed_structure_is_planned_again_never_replayed(
     assert torch.equal(loaded["model"]["layer0.weight"], model["layer0.weight"])
 
 
-def test_a_save_of_more_than_one_rank_never_replays_a_single_process_plan(
+def test_a_save_of_more_than_one_rank_runs_dcps_save_on_that_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     sharded.save(small_state(), tmp_path / "first")
@@ -138,36 +128,30 @@ def test_a_save_of_more_than_one_rank_never_replays_a_single_process_plan(
         return "a group of two", False
 
     def recording(state: Any, **kwargs: Any) -> None:
-        seen.append(kwargs["process_group"])
+        seen.append((kwargs["process_group"], kwargs["no_dist"], kwargs["planner"]))
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(sharded, "_resolve_group", two_ranks)
-    monkeypatch.setattr(sharded, "dcp_save", recording)
+    monkeypatch.setattr(save_module, "resolve_group", two_ranks)
+    monkeypatch.setattr(save_module, "dcp_save", recording)
     with pytest.raises(Exception, match="stop here"):
         sharded.save(small_state(seed=4), tmp_path / "world")
-    assert seen == ["a group of two"]
+    ((group, no_dist, planner),) = seen
+    assert (group, no_dist) == ("a group of two", False)
+    assert type(planner) is DefaultSavePlanner  # DCP's own, planning every save
 
 
-def test_a_load_of_a_known_layout_neither_plans_nor_unpickles(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_load_reads_every_tensor_and_names_the_files_it_verifies(tmp_path: Path) -> None:
     state = small_state(seed=5)
     sharded.save(state, tmp_path / "ckpt")
-    sharded.load(blank(state), tmp_path / "ckpt")  # the layout is worked out once
-    assert sharded._LAYOUTS.built == 1
-    planned = _Calls(monkeypatch, sharded, "dcp_load")
-    unpickled = _Calls(monkeypatch, sharded, "load_dcp_metadata")
     loaded = blank(state)
     sharded.load(loaded, tmp_path / "ckpt")
     assert sharded.files_verified_on_read(tmp_path / "ckpt") == {
         path.name for path in (tmp_path / "ckpt").glob("*.distcp")}
-    assert (planned.count, unpickled.count) == (0, 0)
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value), key
     subset = {"model": {"layer3.weight": torch.zeros(24)}}
     sharded.load_subset(subset, tmp_path / "ckpt")
     assert torch.equal(subset["model"]["layer3.weight"], state["model"]["layer3.weight"])
-    assert planned.count == 0
 
 
 def test_a_destination_that_differs_from_a_known_layout_is_refused_naming_the_key(
@@ -259,26 +243,26 @@ def test_readers_of_earlier_formats_refuse_format_3_by_its_name() -> None:
         _Descriptor.decode_region(text, 0, where="x.distcp")
 
 
-def test_a_manager_saves_and_restores_many_small_tensors_through_the_cached_paths(
+def test_a_manager_saves_and_restores_many_small_tensors_through_dcps_save_and_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])
     manager = CheckpointManager(tmp_path, model=model, retention=keep_all())
     manager.save(1)
-    planned = _Calls(monkeypatch, sharded, "dcp_save")
+    planned = _Calls(monkeypatch, save_module, "dcp_save")
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(1.0)
     saved = {key: value.clone() for key, value in model.state_dict().items()}
     manager.save(2)
     manager.close()
-    assert planned.count == 0
+    assert planned.count == 1  # every save is DCP's
     other = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])
     loader = CheckpointManager(tmp_path, model=other)
     loader.restore()
-    loaded = _Calls(monkeypatch, sharded, "dcp_load")
+    loaded = _Calls(monkeypatch, load_module, "dcp_load")
     loader.restore()
-    assert loaded.count == 0 and loader.resumed_from == 2
+    assert loaded.count == 1 and loader.resumed_from == 2
     for key, value in other.state_dict().items():
         assert torch.equal(value, saved[key]), key
     loader.close()

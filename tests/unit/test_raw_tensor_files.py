@@ -41,6 +41,7 @@ from resumekit.tensors.raw import (
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
+from resumekit.tensors.reader import make_reader
 from tests.conftest import unavailable
 
 
@@ -85,7 +86,7 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 def storage_info(directory: Path) -> dict[str, Any]:
     """``{fqn: _StorageInfo}`` from the checkpoint's DCP metadata."""
-    metadata = sharded._make_reader(str(directory), None).read_metadata()
+    metadata = make_reader(str(directory), None).read_metadata()
     return {index.fqn: info for index, info in metadata.storage_data.items()}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
 import uuid
@@ -409,7 +410,7 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
 ) -> None:
     import torch.serialization
 
-    from resumekit.tensors import sharded as module
+    from resumekit.tensors import save as module
 
     seen: list[bool] = []
     real_save = module.dcp_save
@@ -424,8 +425,59 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
     assert seen == [False]  # the manifest's XXH3 covers every byte already
     assert torch.serialization.get_crc32_options() is True
     loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
-    module.load(loaded, str(tmp_path / "ckpt"))
+    sharded.load(loaded, str(tmp_path / "ckpt"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
+
+
+def _files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("tensor_format", ["raw", "dcp"])
+def test_a_second_save_of_the_same_state_writes_byte_identical_files(
+        tmp_path: Path, tensor_format: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    state = {"model": model.state_dict(), "step": 7, "big": torch.randn(300_000)}
+    first, second = tmp_path / "first", tmp_path / "second"
+    sharded.save(state, first, tensor_format=tensor_format)  # type: ignore[arg-type]
+    sharded.save(state, second, tensor_format=tensor_format)  # type: ignore[arg-type]
+    first_files, second_files = _files_of(first), _files_of(second)
+    if tensor_format == "dcp":  # DCP's own .metadata names its path and a fresh save id
+        del first_files[sharded.METADATA_FILE], second_files[sharded.METADATA_FILE]
+        assert sharded.read_metadata(first).state_dict_metadata == \
+            sharded.read_metadata(second).state_dict_metadata
+    assert first_files == second_files
+    assert len(first_files) >= 2
+
+
+@pytest.mark.parametrize("tensor_format", ["raw", "dcp"])
+def test_a_save_and_a_load_each_say_at_debug_which_path_they_took(
+        tmp_path: Path, tensor_format: str, caplog: pytest.LogCaptureFixture) -> None:
+    model = torch.nn.Linear(4, 3)
+    with caplog.at_level(logging.DEBUG, logger="resumekit"):
+        sharded.save({"model": model.state_dict()}, tmp_path / "ckpt",
+                     tensor_format=tensor_format)  # type: ignore[arg-type]
+        sharded.load({"model": model.state_dict()}, tmp_path / "ckpt")
+    said = [record.getMessage() for record in caplog.records
+            if record.getMessage().startswith("tensor ")]
+    assert len(said) == 2, said
+    assert said[0].startswith(f"tensor save: {tensor_format} format, DCP save in one process")
+    assert said[1].startswith(f"tensor load: {tensor_format} format, DCP load")
+
+
+def test_a_save_of_other_dtypes_at_the_same_shapes_describes_the_new_dtypes(
+        tmp_path: Path) -> None:
+    # DCP 2.13's plan caching would take the second save's plan as unchanged (it compares
+    # keys, offsets and sizes only) and write the first save's .metadata: saves plan anew.
+    model = torch.nn.Linear(4, 3)
+    sharded.save({"model": model.state_dict()}, tmp_path / "fp32")
+    half = {key: value.to(torch.bfloat16) for key, value in model.state_dict().items()}
+    sharded.save({"model": half}, tmp_path / "bf16")
+    index = sharded.read_tensor_index(tmp_path / "bf16")
+    assert {info.dtype for info in index.values()} == {torch.bfloat16}
+    loaded = {"model": {key: torch.zeros_like(value) for key, value in half.items()}}
+    sharded.load(loaded, tmp_path / "bf16")
+    assert all(torch.equal(loaded["model"][key], value) for key, value in half.items())
 
 
 def test_a_one_rank_process_group_saves_and_loads_without_any_collective(

@@ -41,6 +41,7 @@ from resumekit.store.manifest import checksum_chunks
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors.reader import make_reader
 
 STEP = "step_000000003"
 
@@ -308,7 +309,7 @@ def test_a_flipped_byte_in_a_raw_file_is_corrupt_naming_the_file_and_key(
     tmp_path: Path,
 ) -> None:
     _, step_dir = saved(tmp_path)
-    info = {index.fqn: stored for index, stored in sharded._make_reader(
+    info = {index.fqn: stored for index, stored in make_reader(
         f"{step_dir}/tensors", None).read_metadata().storage_data.items()}
     target = info["model.2.weight"]
     flip_byte(Path(step_dir, "tensors", target.relative_path), target.offset + 5)

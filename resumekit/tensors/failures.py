@@ -1,0 +1,96 @@
+"""DCP's failures of a save or load, told as resumekit's errors (what broke, where, whose)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from resumekit.errors import (
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+    ResumekitError,
+    StorageError,
+    UnreadableFormatError,
+)
+from resumekit.store.retry import is_transient
+
+__all__ = ["from_failures", "incompatible", "load_error"]
+
+_MAX_LISTED = 10
+
+
+class _RemembersMetadataError(Protocol):
+    metadata_error: ResumekitError | None
+
+
+def incompatible(where: str, differences: Sequence[str]) -> IncompatibleCheckpointError:
+    """An error naming the first differences between a state and a checkpoint."""
+    shown = "; ".join(differences[:_MAX_LISTED])
+    more = len(differences) - _MAX_LISTED
+    suffix = f"; and {more} more" if more > 0 else ""
+    return IncompatibleCheckpointError(
+        f"{where} does not fit the state being restored "
+        f"({len(differences)} differences, nothing loaded): {shown}{suffix}",
+        path=where,
+        differences=list(differences),
+    )
+
+
+def load_error(
+    error: BaseException, target: str, reader: _RemembersMetadataError | None, rank: int | None
+) -> ResumekitError:
+    """``error`` of a load (on ``rank``), told as the resumekit error it means."""
+    if isinstance(error, ResumekitError):
+        return error
+    if reader is not None and reader.metadata_error is not None:
+        return reader.metadata_error
+    where = "" if rank is None else f" on rank {rank}"
+    if isinstance(error, FileNotFoundError):
+        missing = error.filename or str(error)
+        return IncompleteCheckpointError(
+            f"checkpoint {target} is missing file {missing}{where}",
+            path=target,
+            file=missing,
+        )
+    if isinstance(error, OSError) or is_transient(error):
+        # the storage failed (an I/O error, a dropped connection), not the bytes: never
+        # corruption, never a reason to set the checkpoint aside
+        return StorageError(
+            f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error} "
+            "(a storage error, not corruption: nothing was set aside)",
+            path=target,
+            operation="load",
+        )
+    # Not a checksum (those raise our own errors): DCP's reading failed on what it was
+    # given, which is damage or what another torch version wrote.
+    return UnreadableFormatError(
+        f"reading checkpoint {target} failed{where}: {type(error).__name__}: {error}",
+        path=target,
+        file=None,
+    )
+
+
+def from_failures(
+    error: CheckpointException, operation: str, target: str, reader: _RemembersMetadataError | None
+) -> ResumekitError:
+    """DCP's ``CheckpointException`` of a save or load, told as one resumekit error."""
+    failures = sorted(error.failures.items())
+    for _rank, (cause, _trace) in failures:
+        if isinstance(cause, ResumekitError):
+            return cause
+    if reader is not None and reader.metadata_error is not None:
+        return reader.metadata_error
+    rank, (cause, _trace) = failures[0]
+    if operation == "load":
+        return load_error(cause, target, None, rank)
+    ranks = ", ".join(str(r) for r, _ in failures)
+    return StorageError(
+        f"writing checkpoint {target} failed on rank(s) {ranks}: "
+        f"{type(cause).__name__}: {cause}",
+        path=target,
+        operation=operation,
+    )
+
+

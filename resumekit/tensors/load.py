@@ -1,0 +1,312 @@
+"""Loading a checkpoint's tensors: one path, ``dcp.load`` with a checking planner.
+
+Both tensor formats load the same way: DCP's ``load`` with :class:`_CheckedLoadPlanner`
+(DCP's default planner, which first checks every key, shape and dtype of the state
+against the checkpoint and loads non-tensor values without running code) and the safe
+reader of :mod:`resumekit.tensors.reader` (raw tensor files verified as they are read).
+The only choice is whether DCP's collectives run (``plan_locally``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from resumekit import _compat
+from resumekit.errors import CorruptCheckpointError, ResumekitError
+from resumekit.tensors.context import (
+    NO_DIST_WARNING,
+    directory_str,
+    paused_collection,
+    quiet_no_dist,
+    resolve_group,
+)
+from resumekit.tensors.failures import from_failures, incompatible, load_error
+from resumekit.tensors.fit import check_against_metadata
+from resumekit.tensors.index import tensor_index_of
+from resumekit.tensors.raw import raw_files
+from resumekit.tensors.reader import _SafeReader, load_plain_value, make_reader
+
+__all__ = ["iter_full_tensors", "load", "load_subset", "read_full_state"]
+
+logger = logging.getLogger("resumekit")
+
+
+def load(
+    state_dict: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    verify: bool = True,
+    plan_locally: bool = False,
+) -> None:
+    """Read the checkpoint in ``directory`` into ``state_dict``, in place.
+
+    Destination tensors (``DTensor`` shards included) must already exist with their final
+    shape and placement; each rank reads only what its shards need, so a checkpoint saved
+    by N ranks loads on M. Before any tensor is read, the keys, shapes and dtypes of
+    ``state_dict`` are checked against the checkpoint: every key asked for must exist, and
+    under each top-level key asked for (``"model"``, ``"optimizer"``) the checkpoint must
+    hold nothing more. Non-tensor leaves are replaced by the checkpoint's values.
+
+    Args:
+        state_dict: Destination; typically :func:`model_and_optimizer_state` output,
+            possibly with more top-level entries.
+        directory: A local path, ``file://`` URL or fsspec URL.
+        process_group: As for :func:`save`.
+        storage_options: fsspec options for URLs.
+        verify: Check every byte read from raw tensor files against the checksum recorded
+            when it was written. A mismatch may be found after other tensors were already
+            read into ``state_dict``.
+        plan_locally: Each rank plans and reads its own part alone, without DCP's plan
+            gather, scatter and final all-gather (DCP's load plans need no coordination:
+            its global load plan is the local plans). The caller then agrees on the
+            outcome, since an error raises on the failing rank only (the manager runs it
+            under :func:`resumekit.store.coordination.run_on_every_rank`).
+
+    Raises:
+        CheckpointNotFoundError: ``directory`` holds no DCP metadata.
+        IncompatibleCheckpointError: Keys, shapes or dtypes differ (nothing was loaded).
+        UnsafeCheckpointError: The metadata or a stored value would execute code.
+        IncompleteCheckpointError: A shard file is missing.
+        CorruptCheckpointError: The checkpoint could not be read.
+    """
+    _load_checked(state_dict, directory, process_group, storage_options, verify,
+                  reject_unexpected=True, plan_locally=plan_locally)
+
+
+def load_subset(
+    state_dict: dict[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    verify: bool = True,
+) -> None:
+    """As :func:`load`, but the checkpoint may hold more than ``state_dict`` asks for.
+
+    Every key asked for must still exist with its shape and dtype (weights-only loads:
+    the optimizer and any unused model tensor are not read).
+    """
+    _load_checked(state_dict, directory, process_group, storage_options, verify,
+                  reject_unexpected=False)
+
+
+def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
+                  process_group: dist.ProcessGroup | None,
+                  storage_options: Mapping[str, Any] | None, verify: bool, *,
+                  reject_unexpected: bool, plan_locally: bool = False) -> None:
+    group, no_dist = resolve_group(process_group)
+    target = directory_str(directory)
+    reader = make_reader(target, storage_options, verify=verify)
+    planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
+    _run_load(
+        state_dict=state_dict, reader=reader, planner=planner, target=target,
+        group=group, no_dist=no_dist or plan_locally,
+    )
+    if logger.isEnabledFor(logging.DEBUG):
+        metadata = reader.read_metadata()
+        logger.debug(
+            "tensor load: %s format, DCP load %s, %d items of %s",
+            "raw" if raw_files(metadata.storage_data or {}) else "dcp",
+            "without collectives" if no_dist or plan_locally else "on the process group",
+            len(planner.state_dict), target)
+
+
+def _run_load(
+    *,
+    state_dict: dict[str, Any],
+    reader: _SafeReader,
+    planner: _CheckedLoadPlanner,
+    target: str,
+    group: dist.ProcessGroup | None,
+    no_dist: bool,
+) -> None:
+    try:
+        with quiet_no_dist(no_dist), paused_collection(False):
+            dcp_load(
+                state_dict,
+                storage_reader=cast(FileSystemReader, reader),
+                planner=planner,
+                process_group=group,
+                no_dist=no_dist,
+            )
+    except CheckpointException as error:
+        raise from_failures(error, "load", target, reader) from None
+    except ResumekitError:
+        raise
+    except Exception as error:
+        raise load_error(error, target, reader, rank=None) from error
+
+
+def iter_full_tensors(
+    directory: str | os.PathLike[str],
+    names: Iterable[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield each tensor of a checkpoint whole (all shards assembled), one at a time.
+
+    Needs no process group and uses none. Only one full tensor is allocated at a time
+    (plus the shard being copied into it), so peak memory is bounded by the largest
+    tensor, not the checkpoint; the caller should drop each tensor before the next.
+
+    Args:
+        directory: A local path, ``file://`` URL or fsspec URL.
+        names: Fully qualified names to yield, in this order; ``None`` for every tensor
+            in the checkpoint's order.
+        storage_options: fsspec options for URLs.
+
+    Yields:
+        ``(fqn, tensor)`` with a CPU tensor of the stored global shape and dtype.
+
+    Raises:
+        IncompatibleCheckpointError: A requested name is not a tensor of the checkpoint
+            (raised before anything is yielded).
+    """
+    target = directory_str(directory)
+    reader = make_reader(target, storage_options)
+    index = tensor_index_of(reader.read_metadata())
+    wanted = list(index) if names is None else list(names)
+    unknown = [name for name in wanted if name not in index]
+    if unknown:
+        raise incompatible(
+            target, [f"not a tensor of the checkpoint: {name}" for name in unknown]
+        )
+    for name in wanted:
+        info = index[name]
+        holder: dict[str, Any] = {name: torch.empty(info.shape, dtype=info.dtype)}
+        planner = _CheckedLoadPlanner(target, reject_unexpected=False)
+        _run_load(
+            state_dict=holder, reader=reader, planner=planner, target=target,
+            group=None, no_dist=True,
+        )
+        # No local name for the tensor: once the caller drops it, it is freed before the
+        # next one is allocated (peak memory: one tensor).
+        yield name, holder.pop(name)
+
+
+class _CheckedLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, plus a strict fit check and safe non-tensor loading."""
+
+    def __init__(self, directory: str, *, reject_unexpected: bool) -> None:
+        super().__init__(flatten_state_dict=True, allow_partial_load=False)
+        self._directory = directory
+        self._reject_unexpected = reject_unexpected
+
+    def set_up_planner(
+        self,
+        state_dict: dict[str, Any],
+        metadata: Metadata | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Flatten ``state_dict`` as DCP does, then check it against ``metadata``."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        differences = check_against_metadata(
+            self.state_dict,
+            metadata,
+            scope=set(self.original_state_dict) if self._reject_unexpected else None,
+        )
+        if differences:
+            raise incompatible(self._directory, differences)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Load a non-tensor value with ``weights_only=True`` (no arbitrary code)."""
+        fqn = read_item.dest_index.fqn
+        loaded = load_plain_value(self._directory, fqn, value)
+        if self.flatten_state_dict:
+            _compat.set_nested(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
+
+
+_EmptyStateDictLoadPlanner = _compat.empty_state_dict_load_planner_class()
+
+
+class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):  # type: ignore[misc,valid-type]
+    """DCP's "rebuild the state dict from the metadata" planner, loading values safely.
+
+    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
+    ``torch.load(weights_only=False)``; this reads them with ``weights_only=True``.
+    """
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self._directory = directory
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Load one non-tensor value without running code from the checkpoint."""
+        fqn = read_item.dest_index.fqn
+        loaded = load_plain_value(self._directory, fqn, value)
+        _compat.set_nested(self.original_state_dict, self.mappings[fqn], loaded)
+
+
+def read_full_state(
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Read a whole DCP checkpoint into one nested state dict, without a process group.
+
+    The same structure ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``
+    builds (every tensor whole, nesting rebuilt from the metadata), read safely: the
+    metadata through the allow-list unpickler, non-tensor values with
+    ``torch.load(weights_only=True)``. Works on stock DCP directories (``dcp.save``,
+    torchtitan ``step-N``) and on a resumekit checkpoint's ``tensors/`` directory, whose
+    raw tensor files are verified against their checksums as they are read. Holds the whole
+    checkpoint in memory.
+
+    Args:
+        directory: The DCP directory (the one holding ``.metadata``): a local path or URL.
+        storage_options: fsspec options for URLs.
+
+    Returns:
+        The nested state dict, e.g. ``{"model": {...}, "optimizer": {...}}``.
+
+    Raises:
+        CheckpointNotFoundError: No ``.metadata`` in ``directory``.
+        UnsafeCheckpointError: The metadata or a stored value would run code.
+        CorruptCheckpointError: A file is unreadable or fails its checksum.
+    """
+    target = os.fspath(directory)
+    reader = make_reader(target, storage_options)
+    state: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
+            _compat.load_without_collectives(state, reader,
+                                             _SafeEmptyStateDictLoadPlanner(target))
+    except ResumekitError:
+        raise
+    except CheckpointException as error:
+        causes = [cause for cause, _ in error.failures.values()]
+        found = next((c for c in causes if isinstance(c, ResumekitError)), None)
+        if found is not None:
+            raise found from None
+        if reader.metadata_error is not None:
+            raise reader.metadata_error from None
+        raise CorruptCheckpointError(
+            f"reading checkpoint {target} failed: {causes[0] if causes else error}",
+            path=target,
+        ) from None
+    except Exception as error:
+        if reader.metadata_error is not None:
+            raise reader.metadata_error from error
+        raise CorruptCheckpointError(
+            f"reading checkpoint {target} failed: {type(error).__name__}: {error}",
+            path=target,
+        ) from error
+    return state

@@ -1,0 +1,242 @@
+"""DCP storage readers that read resumekit checkpoints safely, and :class:`StorageReader`.
+
+``.metadata`` is read with :mod:`resumekit.tensors.safe_pickle` (an allow-list unpickler),
+checked against the manifest's checksum when there is one, and non-tensor values with
+``torch.load(weights_only=True)``: nothing in a tampered checkpoint runs code. Raw tensor
+files are verified block by block as they are read (:mod:`resumekit.tensors.raw`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from collections.abc import Mapping
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from resumekit import _compat
+from resumekit.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ResumekitError,
+    UnsafeCheckpointError,
+)
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.manifest import checksum_chunks
+from resumekit.store.retry import read_with_retry
+from resumekit.store.targets import locate_tensor_data
+from resumekit.tensors.context import directory_str, local_path, paused_collection
+from resumekit.tensors.raw import FsspecFiles, RawTensorReading
+from resumekit.tensors.safe_pickle import load_dcp_metadata
+
+__all__ = ["StorageReader", "load_plain_value", "make_reader"]
+
+
+class _SafeReaderMixin:
+    """Reads ``.metadata`` with the allow-list unpickler, once, and remembers failures."""
+
+    fs: Any
+    path: Any
+    load_id: str
+    _metadata: Metadata | None = None
+    metadata_error: ResumekitError | None = None
+    verify: bool = True
+    file_checksums: Mapping[str, str] | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Return the checkpoint metadata, read safely on first use."""
+        rank = kwargs.get("rank")
+        if self._metadata is not None and rank is None:
+            return self._metadata
+        data, source, _ = self.metadata_bytes(rank)
+        return self._parse_metadata(data, source, rank)
+
+    def metadata_bytes(self, rank: int | None = None) -> tuple[bytes, str, str]:
+        """``.metadata``'s bytes, path and checksum; with a manifest, checked against it.
+
+        Raises:
+            CheckpointNotFoundError: No metadata file.
+            CorruptCheckpointError: It does not match the manifest.
+        """
+        source = os.fspath(_compat.dcp_metadata_path(cast(FileSystemReader, self), rank))
+
+        def read() -> bytes:
+            with self.fs.create_stream(source, "rb") as stream:
+                return cast(bytes, stream.read())
+
+        try:
+            data = read_with_retry(source, read)
+        except FileNotFoundError as error:
+            found = CheckpointNotFoundError(
+                f"no checkpoint metadata at {source}", path=os.fspath(self.path), file=source
+            )
+            if rank is None:
+                self.metadata_error = found
+            raise found from error
+        try:
+            digest = checksum_chunks([data])
+            if rank is None:
+                self._check_metadata_bytes(data, source, digest)
+        except ResumekitError as error:
+            self.metadata_error = error
+            raise
+        return data, source, digest
+
+    def _parse_metadata(self, data: bytes, source: str, rank: int | None) -> Metadata:
+        try:
+            with paused_collection(False):
+                metadata = cast(Metadata, load_dcp_metadata(data, source=source))
+        except ResumekitError as error:
+            self.metadata_error = error
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+        if rank is None:
+            self._metadata = metadata
+        return metadata
+
+    def _check_metadata_bytes(self, data: bytes, source: str, actual: str) -> None:
+        """With ``verify`` and a manifest, ``.metadata`` must match its recorded checksum.
+
+        The checksums of raw tensor blocks are in it, so it is checked before any is used.
+        """
+        if not self.verify or self.file_checksums is None:
+            return
+        expected = self.file_checksums.get(DCP_METADATA_FILE)
+        if expected is None:
+            raise CorruptCheckpointError(
+                f"{source} is not listed in the checkpoint's manifest, so it cannot be "
+                "verified", path=os.fspath(self.path), file=source)
+        if actual != expected:
+            raise CorruptCheckpointError(
+                f"{source} does not match its checksum in the manifest (expected "
+                f"{expected}, got {actual})", path=os.fspath(self.path), file=source)
+
+
+class _SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
+    """DCP's filesystem reader of a local path or, through :class:`FsspecFiles`, a URL."""
+
+    def __init__(self, directory: str, storage_options: Mapping[str, Any] | None = None
+                 ) -> None:
+        local = local_path(directory)
+        super().__init__(local or directory)
+        if local is None:
+            self.fs = FsspecFiles()
+            self.path = self.fs.init_path(directory, **dict(storage_options or {}))
+
+
+class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
+    """A DCP ``StorageReader`` for resumekit checkpoints: stock DCP tools read ours with it.
+
+    Pass it wherever DCP takes a reader::
+
+        dcp.load(state_dict, storage_reader=resumekit.StorageReader(step_dir))
+
+    It loads the model and optimizer tensors of a committed checkpoint (``state_dict``
+    as :func:`model_and_optimizer_state` or DCP's ``get_state_dict`` builds it:
+    ``{"model": ..., "optimizer": ...}``), in either tensor format: resumekit's raw tensor
+    files and DCP's own (``tensor_format="dcp"``, object stores, earlier versions).
+    Resharding works as in DCP (a checkpoint of N ranks loads on M). The step, scheduler,
+    RNG and data position are not DCP data; restore them with
+    :class:`~resumekit.CheckpointManager`.
+
+    With ``verify`` (the default) every byte read is checked: ``.metadata`` against the
+    manifest before anything else, raw tensor files block by block as they are read, and
+    each file in DCP's own format hashed whole against the manifest before DCP reads it.
+    A mismatch raises :class:`~resumekit.errors.CorruptCheckpointError` naming the file
+    and key (``dcp.load`` reports a reader's error wrapped in its ``CheckpointException``,
+    whose ``failures`` hold it by rank). ``.metadata`` and non-tensor values are read
+    without unrestricted unpickling (see the module docstring); the latter only when the
+    planner is resumekit's, as DCP's default planner unpickles them itself.
+
+    Args:
+        path: The step directory (holding ``manifest.json``) or its ``tensors/`` folder
+            (``attempt-<token>/tensors`` on object stores): a local path, ``file://`` URL
+            or fsspec URL (``s3://bucket/run/step_000001000``).
+        storage_options: fsspec options for URLs (credentials, endpoint).
+        verify: Check every byte read against the checksums recorded at save time.
+
+    Attributes:
+        step_dir: The step directory of the checkpoint being read.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` is not a resumekit checkpoint (no
+            ``manifest.json`` in it or in a step directory above it).
+        ManifestError: The manifest is unreadable or invalid.
+        IncompleteCheckpointError: The checkpoint holds no tensor data.
+    """
+
+    step_dir: str
+
+    def __init__(self, path: str | os.PathLike[str], *,
+                 storage_options: Mapping[str, Any] | None = None,
+                 verify: bool = True) -> None:
+        self._options = dict(storage_options or {})
+        self.verify = verify
+        url = self._locate(path)
+        super().__init__(local_path(url) or url)
+        self._point_at(url)
+
+    def _locate(self, path: str | os.PathLike[str]) -> str:
+        data = locate_tensor_data(directory_str(path), self._options)
+        self.step_dir = data.step_dir
+        self.file_checksums = dict(data.checksums)
+        self._metadata = None
+        self.metadata_error = None
+        self.__dict__.pop("_verified_files", None)
+        return data.url
+
+    def _point_at(self, url: str) -> None:
+        local = local_path(url)
+        if local is None:
+            self.fs = FsspecFiles()
+            self.path = self.fs.init_path(url, **self._options)
+        else:
+            self.fs = LocalFileSystem()
+            self.path = self.fs.init_path(local)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new load; with ``checkpoint_id``, of that step (or tensor) directory."""
+        super().reset()
+        self._metadata = None
+        self.metadata_error = None
+        if checkpoint_id is not None:
+            self._point_at(self._locate(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a local path or an fsspec URL."""
+        return bool(FsspecFiles.validate_checkpoint_id(os.fspath(checkpoint_id)))
+
+
+def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
+                verify: bool = True) -> _SafeReader:
+    """The safe DCP reader of ``directory`` (a local path or fsspec URL; no manifest needed)."""
+    reader = _SafeReader(directory, storage_options)
+    reader.verify = verify
+    return reader
+
+
+def load_plain_value(directory: str, fqn: str, value: io.BytesIO) -> Any:
+    """Load one non-tensor value with ``weights_only=True``: never code from a checkpoint.
+
+    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
+    ``torch.load(weights_only=False)``; both load planners here read them through this.
+    """
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{directory}: value {fqn!r} is not a plain Python value and would "
+            f"need unrestricted unpickling ({error})",
+            path=directory,
+            key=fqn,
+        ) from error
+
+

@@ -1,0 +1,179 @@
+"""Saving tensors: one path, ``dcp.save`` with DCP's default save planner.
+
+Both tensor formats save the same way; only the storage writer differs, chosen in
+:func:`_make_writer` from :func:`tensor_format_for`: the raw tensor writer
+(:mod:`resumekit.tensors.raw`) for local directories, DCP's own format (checked
+writer) for fsspec URLs or when asked for. Every save is planned in full: DCP's plan
+caching (``DefaultSavePlanner(enable_plan_caching=True)``) is left off because in torch
+2.13 it decides that a local plan is unchanged from its keys, offsets and sizes alone, so a
+save whose dtypes changed at the same shapes would reuse the previous save's ``.metadata``
+and describe the new bytes with the old dtypes (``tests/unit/test_cached_plans.py``,
+``dtype``). Nothing is remembered between saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, cast
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from resumekit.errors import ConfigurationError, ResumekitError, StorageError
+from resumekit.tensors.context import (
+    directory_str,
+    local_path,
+    paused_collection,
+    quiet_no_dist,
+    resolve_group,
+    without_zip_crc32,
+)
+from resumekit.tensors.failures import from_failures
+from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
+
+__all__ = ["DEFAULT_SYNC_FILES", "DEFAULT_THREAD_COUNT", "TENSOR_FORMATS", "TensorFormat",
+           "save", "tensor_format_for"]
+
+logger = logging.getLogger("resumekit")
+
+DEFAULT_THREAD_COUNT = 4
+"""Writer threads per rank (each writes its own data file). The writes are I/O-bound even
+on 2 cores, and 4 threads beat 1 and 2 on a local disk (``docs/performance.md``)."""
+
+DEFAULT_SYNC_FILES = True
+"""Whether each rank fsyncs the files it wrote, for local paths. Kept on: on a shared
+filesystem only the writing node can flush its own dirty pages, so a later fsync by the
+commit store on rank 0 cannot make another node's shards durable; fsync inside the save
+costs no more than after it (``docs/performance.md``). Other fsspec URLs never fsync
+(object stores are durable on close, and DCP's fallback for streams without a descriptor
+is a machine-wide sync)."""
+
+TensorFormat = Literal["raw", "dcp"]
+TENSOR_FORMATS: tuple[TensorFormat, ...] = ("raw", "dcp")
+"""How tensors are stored: ``"raw"``, resumekit's raw tensor files
+(:mod:`resumekit.tensors.raw`: each tensor's bytes as they lie in memory, checksummed
+per block, local paths only), or ``"dcp"``, DCP's own ``FileSystemWriter`` format, which
+any DCP reader loads unchanged."""
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    directory: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    thread_count: int = DEFAULT_THREAD_COUNT,
+    sync_files: bool = DEFAULT_SYNC_FILES,
+    background: bool = False,
+    tensor_format: TensorFormat = "raw",
+) -> list[WrittenFile]:
+    """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
+
+    Every rank of the group must call this with the same keys. ``directory`` should be
+    empty (the commit store's staging directory); an existing checkpoint there is an error,
+    never overwritten. With ``tensor_format="raw"`` local directories get raw tensor
+    files, checksummed while written (:mod:`resumekit.tensors.raw`); fsspec URLs, and
+    every directory with ``tensor_format="dcp"``, get DCP's own format
+    (:func:`tensor_format_for`). Either way the save is ``dcp.save`` (see the module
+    docstring); what it did is logged at DEBUG.
+
+    Args:
+        state_dict: Nested dicts of tensors, ``DTensor``s, primitives and ``Stateful``s.
+        directory: A local path, a ``file://`` URL or any fsspec URL (``s3://b/x``,
+            ``memory://x``).
+        process_group: The group whose ranks save together (for example a dedicated gloo
+            checkpoint group). ``None``: the default group if initialised, else one process.
+        storage_options: fsspec options for URLs (credentials, endpoint); ignored locally.
+        thread_count: Writer threads per rank (local paths).
+        sync_files: fsync every written file before returning (local paths only).
+        background: The save overlaps training: writer threads lower their CPU priority.
+        tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
+
+    Returns:
+        Every file this rank wrote, each with its size and the checksum computed while it
+        was written (both formats, local directories and fsspec URLs alike). On the
+        coordinating rank this includes ``.metadata``, whose
+        :attr:`WrittenFile.references` name every data file the checkpoint's items
+        point to.
+
+    Raises:
+        ConfigurationError: ``tensor_format`` is neither ``"raw"`` nor ``"dcp"``.
+        StorageError: The write failed on some rank, on any writer thread (the message
+            names rank, file and cause; a full disk also names the free space).
+    """
+    group, no_dist = resolve_group(process_group)
+    target = directory_str(directory)
+    writer = _make_writer(target, storage_options, thread_count, sync_files, background,
+                          tensor_format=tensor_format)
+    planner = DefaultSavePlanner()
+    try:
+        with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background):
+            dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
+                     no_dist=no_dist, planner=planner)
+    except CheckpointException as error:
+        raise from_failures(error, "save", target, None) from None
+    except ResumekitError:
+        raise
+    except Exception as error:
+        raise StorageError(
+            f"writing checkpoint {target} failed: {type(error).__name__}: {error}",
+            path=target,
+            operation="save",
+        ) from error
+    written = list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
+    logger.debug("tensor save: %s format, DCP save %s, %d files written by this rank into %s",
+                 "raw" if isinstance(writer, RawTensorWriter) else "dcp",
+                 "in one process" if no_dist else "on its process group",
+                 len(written), target)
+    return written
+
+
+def tensor_format_for(directory: str | os.PathLike[str],
+                      tensor_format: TensorFormat = "raw") -> TensorFormat:
+    """The format :func:`save` writes into ``directory`` when asked for ``tensor_format``.
+
+    ``"raw"`` where the raw writer can write (local paths), ``"dcp"`` otherwise (fsspec
+    URLs, whose writer is DCP's own), and ``"dcp"`` whenever asked for.
+
+    Raises:
+        ConfigurationError: ``tensor_format`` is neither ``"raw"`` nor ``"dcp"``.
+    """
+    if tensor_format not in TENSOR_FORMATS:
+        raise ConfigurationError(
+            f"tensor_format must be 'raw' or 'dcp', not {tensor_format!r}",
+            name="tensor_format", value=tensor_format)
+    if tensor_format == "raw" and local_path(directory_str(directory)) is not None:
+        return "raw"
+    return "dcp"
+
+
+def _make_writer(
+    directory: str,
+    storage_options: Mapping[str, Any] | None,
+    thread_count: int,
+    sync_files: bool,
+    background: bool = False,
+    *,
+    tensor_format: TensorFormat = "raw",
+) -> FileSystemWriter:
+    if thread_count < 1:
+        raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+    local = local_path(directory)
+    if tensor_format_for(directory, tensor_format) == "raw":
+        assert local is not None
+        return RawTensorWriter(local, thread_count=thread_count, sync_files=sync_files,
+                               background=background)
+    if local is not None:  # DCP's own format, every thread's error re-raised
+        return cast(FileSystemWriter, CheckedDcpWriter(
+            local, thread_count=thread_count, sync_files=sync_files))
+    # fsspec streams have no file descriptor: DCP's fallback for sync_files would be a
+    # machine-wide os.sync(). Object stores are durable on close anyway.
+    return cast(FileSystemWriter, CheckedDcpWriter(
+        directory, thread_count=thread_count, storage_options=storage_options))
+
+
