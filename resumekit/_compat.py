@@ -31,14 +31,21 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "FQN_MODIFIERS_ATTRIBUTE",
+    "FSDP2_LOAD_HOOK_OWNER",
+    "checkpoint_wrapper_prefix",
+    "compiled_module_type",
     "dcp_metadata_path",
     "dcp_storage_info",
     "dtensor_over",
     "empty_state_dict_load_planner_class",
+    "flat_param_name",
     "lightning_cluster_environment",
     "lightning_combined_loader",
     "lightning_data_fetcher",
+    "load_state_dict_hooks",
     "load_without_collectives",
+    "overrides_load_from_state_dict",
     "s3_call",
     "set_nested",
 ]
@@ -167,6 +174,15 @@ def load_state_dict_hooks(module: Any) -> tuple[Mapping[int, Any], Mapping[int, 
     # load whose hooks may do more than copy is never skipped. If they move: AttributeError
     # on the first restore (the canary fails first).
     return module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks
+
+
+def overrides_load_from_state_dict(module_type: type) -> bool:
+    """Whether a module class loads its state with code of its own, not ``nn.Module``'s."""
+    # Why: ``_load_from_state_dict`` is the per-module load step torch documents for
+    # overriding; a class that overrides it may do more than copy, so its load is never
+    # skipped. If it moves: AttributeError on the first restore (the canary fails first).
+    own = importlib.import_module("torch.nn").Module._load_from_state_dict
+    return bool(module_type._load_from_state_dict is not own)  # type: ignore[attr-defined]
 
 # -- tensors: save and load ----------------------------------------------------------------
 

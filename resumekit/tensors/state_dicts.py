@@ -238,7 +238,7 @@ def _loads_by_itself(model: nn.Module) -> bool:
         kind = type(module)
         pre_hooks, post_hooks = _compat.load_state_dict_hooks(module)
         if (pre_hooks
-                or kind._load_from_state_dict is not nn.Module._load_from_state_dict
+                or _compat.overrides_load_from_state_dict(kind)
                 or kind.set_extra_state is not nn.Module.set_extra_state):
             return False
         for hook in post_hooks.values():

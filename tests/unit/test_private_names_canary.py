@@ -284,3 +284,14 @@ def test_a_dtensor_wraps_a_cpu_shard_with_another_dtensors_spec_as_it_is(
         assert not wrapped.requires_grad
     finally:
         dist.destroy_process_group()
+
+
+def test_nn_modules_own_load_step_is_what_a_plain_module_uses_and_an_override_replaces() -> None:
+    class Custom(nn.Linear):
+        def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+            super()._load_from_state_dict(*args, **kwargs)
+
+    assert "_load_from_state_dict" in vars(nn.Module)
+    assert not _compat.overrides_load_from_state_dict(nn.Linear)
+    assert _compat.overrides_load_from_state_dict(Custom)
+
