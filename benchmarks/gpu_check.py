@@ -552,9 +552,9 @@ class _Recorder:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        from resumekit.tensors.raw import files as raw_tensor_files
+        from resumekit.tensors.raw import writer as raw_writer
 
-        original = raw_tensor_files._AlignedFile
+        original = raw_writer._AlignedFile
         recorder = self
 
         class Recording(original):  # type: ignore[misc, valid-type]
@@ -571,11 +571,11 @@ class _Recorder:
                         "bounce_buffer": self._bounce is not None, "bytes": self.offset})
                 super().__exit__(*exc_info)
 
-        raw_tensor_files._AlignedFile = Recording  # type: ignore[misc]
+        raw_writer._AlignedFile = Recording  # type: ignore[misc]
         try:
             yield
         finally:
-            raw_tensor_files._AlignedFile = original  # type: ignore[misc]
+            raw_writer._AlignedFile = original  # type: ignore[misc]
 
 
 def _direct_io_supported(directory: Path) -> bool:
