@@ -47,7 +47,6 @@ __all__ = [
     "load_without_collectives",
     "overrides_load_from_state_dict",
     "s3_call",
-    "set_nested",
 ]
 
 
@@ -199,13 +198,6 @@ def dcp_metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike
     return path
 
 
-
-def set_nested(root: dict[str, Any], path: Any, value: Any) -> None:
-    """Set ``value`` at DCP's flattening ``path`` (an ``OBJ_PATH``) in nested ``root``."""
-    # The inverse of DCP's flattening, as DCP's own load_bytes uses it. If it moves: loading
-    # a non-tensor value (a learning rate, param_groups) fails.
-    importlib.import_module("torch.distributed.checkpoint._traverse").set_element(
-        root, path, value)
 
 
 def empty_state_dict_load_planner_class() -> type[DefaultLoadPlanner]:

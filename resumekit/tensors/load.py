@@ -10,10 +10,11 @@ The only choice is whether DCP's collectives run (``plan_locally``).
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -230,9 +231,33 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         loaded = load_plain_value(self._directory, fqn, value)
         if self.flatten_state_dict:
-            _compat.set_nested(self.original_state_dict, self.mappings[fqn], loaded)
+            set_at_path(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def set_at_path(root: dict[str, Any], path: Sequence[str | int], value: Any) -> None:
+    """Set ``value`` in nested ``root`` at a flattening path (str keys: dicts, int: lists).
+
+    The inverse of DCP's ``flatten_state_dict`` for one value, as its planners use it;
+    containers missing along the path are created (a dict for a str key, a list for an
+    int, lists padded with None).
+    """
+    container: Any = root
+    for key, following in itertools.pairwise(path):
+        empty: Any = {} if isinstance(following, str) else []
+        if isinstance(container, dict):
+            container = container.setdefault(key, empty)
+        else:
+            index = int(key)
+            container.extend([None] * (index + 1 - len(container)))
+            if container[index] is None:
+                container[index] = empty
+            container = container[index]
+    last = path[-1]
+    if isinstance(container, list):
+        container.extend([None] * (int(last) + 1 - len(container)))
+    container[last] = value
 
 
 _EmptyStateDictLoadPlanner = _compat.empty_state_dict_load_planner_class()
@@ -253,7 +278,7 @@ class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):  # type: ignor
         """Load one non-tensor value without running code from the checkpoint."""
         fqn = read_item.dest_index.fqn
         loaded = load_plain_value(self._directory, fqn, value)
-        _compat.set_nested(self.original_state_dict, self.mappings[fqn], loaded)
+        set_at_path(self.original_state_dict, self.mappings[fqn], loaded)
 
 
 def read_full_state(

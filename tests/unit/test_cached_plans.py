@@ -288,3 +288,20 @@ def test_captures_and_fingerprints_run_with_the_collector_paused_on_the_main_thr
     train.tensor_state()
     assert seen == [False, False]
     assert gc.isenabled()  # restored
+
+
+def test_a_value_set_at_a_flattening_path_lands_where_dcps_flattening_found_it() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from resumekit.tensors.load import set_at_path
+
+    state = {"optimizer": {"param_groups": [{"lr": 0.1}, {"lr": 0.2}]}, "step": 3}
+    _, mappings = flatten_state_dict(state)
+    for fqn, path in mappings.items():
+        set_at_path(state, path, f"loaded {fqn}")
+    assert state == {"optimizer": {"param_groups": [{"lr": "loaded optimizer.param_groups.0.lr"},
+                                                    {"lr": "loaded optimizer.param_groups.1.lr"}]},
+                     "step": "loaded step"}
+    empty: dict[str, object] = {}
+    set_at_path(empty, ("a", 1, "b"), 5)
+    assert empty == {"a": [None, {"b": 5}]}

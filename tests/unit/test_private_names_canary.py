@@ -240,10 +240,6 @@ def test_dcps_filesystem_reader_names_its_metadata_path_by_rank(tmp_path: Path) 
 
 
 
-def test_dcps_set_element_sets_a_value_at_a_flattening_path() -> None:
-    root: dict[str, object] = {"optimizer": {"param_groups": [{"lr": 1.0}]}}
-    _compat.set_nested(root, ("optimizer", "param_groups", 0, "lr"), 0.5)
-    assert root == {"optimizer": {"param_groups": [{"lr": 0.5}]}}
 
 
 def test_dcps_empty_state_dict_load_planner_rebuilds_the_state_and_loads_in_place(
