@@ -7,7 +7,7 @@ writer) for fsspec URLs or when asked for. Every save is planned in full: DCP's 
 caching (``DefaultSavePlanner(enable_plan_caching=True)``) is left off because in torch
 2.13 it decides that a local plan is unchanged from its keys, offsets and sizes alone, so a
 save whose dtypes changed at the same shapes would reuse the previous save's ``.metadata``
-and describe the new bytes with the old dtypes (``tests/unit/test_cached_plans.py``,
+and describe the new bytes with the old dtypes (``tests/unit/test_repeated_saves.py``,
 ``dtype``). Nothing is remembered between saves.
 """
 
