@@ -162,7 +162,8 @@ def _make_writer(
     tensor_format: TensorFormat = "raw",
 ) -> FileSystemWriter:
     if thread_count < 1:
-        raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        raise ConfigurationError(f"thread_count must be >= 1, got {thread_count}",
+                                 name="thread_count", value=thread_count)
     local = local_path(directory)
     if tensor_format_for(directory, tensor_format) == "raw":
         assert local is not None

@@ -305,3 +305,13 @@ def test_a_value_set_at_a_flattening_path_lands_where_dcps_flattening_found_it()
     empty: dict[str, object] = {}
     set_at_path(empty, ("a", 1, "b"), 5)
     assert empty == {"a": [None, {"b": 5}]}
+
+
+def test_a_save_asked_for_no_writer_thread_is_refused_naming_the_option(tmp_path: Path) -> None:
+    from resumekit.errors import ConfigurationError
+    from resumekit.tensors import sharded as tensors
+
+    with pytest.raises(ConfigurationError, match="thread_count must be >= 1") as refused:
+        tensors.save({"w": torch.zeros(2)}, tmp_path / "ckpt", thread_count=0)
+    assert refused.value.name == "thread_count"
+    assert isinstance(refused.value, ValueError)
