@@ -46,12 +46,19 @@ def test_no_sigterm_preemption_at_a_random_step_loses_a_step_when_the_save_fits_
     print(f"\n{mode}: steps lost per preemption {report['lost']}")
     record_property(f"steps_lost_{mode}", report["lost"])
     for record in records:
-        assert record["stopped_at"] == record["signalled_after"], record  # one process
+        # Python runs the handler at the main thread's next check of pending signals. A
+        # thread of ours (the async writer) taking the GIL can postpone that check until
+        # the main thread next takes the GIL itself (CPython recomputes it there), which
+        # a training step always does: the stop comes at the signalled step or the next.
+        assert record["stopped_at"] - record["signalled_after"] in (0, 1), record
+        # Whatever step it stopped at is the step it committed, with no skipped save.
+        assert record["newest_committed"] == record["stopped_at"], record
         assert record["skipped"] == [], record
     # Each launch resumed from the checkpoint the previous preemption committed ...
     for before, after in itertools.pairwise(records):
         assert after["restored"] == before["newest_committed"]
-    # ... and that checkpoint held every step done before the signal.
-    assert report["lost"] == [0] * PREEMPTIONS
+    # ... and that checkpoint held every step done before the signal (a late handler
+    # only commits one step more: lost -1).
+    assert all(lost in (0, -1) for lost in report["lost"]), report["lost"]
     # The signals fell on interval steps and between them (the seeded draw covers both).
     assert {record["signalled_after"] % 5 == 0 for record in records} == {True, False}
