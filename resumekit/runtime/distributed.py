@@ -26,6 +26,7 @@ so torchrun's variables win whenever they are present.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -183,7 +184,8 @@ _lock = threading.Lock()
 _context: DistributedContext | None = None
 _request: _Request | None = None
 _owns_default_group = False
-_meet_hooks: list[Callable[[str], None]] = []
+_meet_hooks: contextvars.ContextVar[tuple[Callable[[str], None], ...]] = contextvars.ContextVar(
+    "resumekit_meet_hooks", default=())
 
 
 # ---------------------------------------------------------------------------------------
@@ -799,7 +801,7 @@ def preemption_group() -> dist.ProcessGroup | None:
 
 @contextlib.contextmanager
 def before_meet(hook: Callable[[str], None]) -> Iterator[None]:
-    """Run ``hook(reason)`` inside every :func:`meet` of this process, just before it waits.
+    """Run ``hook(reason)`` inside every :func:`meet` of this thread, just before it waits.
 
     A testing seam: a test gives one rank a hook that blocks (a slow NAS read, a slow
     loader) to reproduce load skew without touching the code under test. Nothing is
@@ -811,11 +813,11 @@ def before_meet(hook: Callable[[str], None]) -> Iterator[None]:
     Yields:
         Nothing; the hook is removed on exit.
     """
-    _meet_hooks.append(hook)
+    token = _meet_hooks.set((*_meet_hooks.get(), hook))
     try:
         yield
     finally:
-        _meet_hooks.remove(hook)
+        _meet_hooks.reset(token)
 
 
 def meet(group: dist.ProcessGroup | None = None, *, reason: str) -> None:
@@ -835,7 +837,7 @@ def meet(group: dist.ProcessGroup | None = None, *, reason: str) -> None:
     Raises:
         CoordinationError: A rank did not arrive within the group's timeout, or left.
     """
-    for hook in list(_meet_hooks):
+    for hook in _meet_hooks.get():
         hook(reason)
     target = group if group is not None else checkpoint_group()
     if target is None:

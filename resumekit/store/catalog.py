@@ -440,21 +440,10 @@ def list_root(storage: Storage) -> list[tuple[str, bool]]:
 def step_directories(listing: Listing, name_format: NameFormat | None = None
                      ) -> list[tuple[int, str]]:
     """``(step, name)`` of the visible step directories of a listing, highest step first."""
-    template = (name_format or NameFormat()).template
+    name_format = name_format or NameFormat()
     found = [(step, name) for name, is_dir in listing
-             if is_dir and (step := _parsed_step(template, name)) is not None]
+             if is_dir and (step := name_format.parse(name)) is not None]
     return sorted(found, reverse=True)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _parsed_step(template: str, name: str) -> int | None:
-    """``NameFormat(template).parse(name)``, remembered: a root's names recur each listing."""
-    return _name_format(template).parse(name)
-
-
-@functools.lru_cache(maxsize=64)
-def _name_format(template: str) -> NameFormat:
-    return NameFormat(template)
 
 
 def hidden_entries(storage: Storage, listing: Listing, name_format: NameFormat | None = None

@@ -759,14 +759,11 @@ class CommitProtocol:
 
 
 
-_WEAK_COMMIT_WARNED: set[str] = set()
-
-
 def _warn_weak_commit(storage: Storage) -> None:
-    """Say once per root that its commit marker is check-then-write, not atomic."""
-    if storage.url in _WEAK_COMMIT_WARNED:
+    """Say once per root (``Storage``) that its commit marker is check-then-write."""
+    if storage.weak_commit_warned:
         return
-    _WEAK_COMMIT_WARNED.add(storage.url)
+    storage.weak_commit_warned = True
     message = (
         f"resumekit: {storage.url} has no conditional create (If-None-Match); a commit "
         "marker is checked for, then written, so two writers publishing the same step "

@@ -19,8 +19,6 @@ import os
 import platform
 import socket
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from typing import Any, Literal
@@ -375,19 +373,10 @@ class Manifest(BaseModel):
 
 _FROM_JSON = "resumekit_from_json"
 _JSON_OBJECT: TypeAdapter[dict[str, JsonValue]] = TypeAdapter(dict[str, JsonValue])
-_PARSED_KEPT = 4
-_parsed: OrderedDict[bytes, Manifest] = OrderedDict()
-_parsed_lock = threading.Lock()
-"""The last few manifests parsed, by XXH3-128 of their bytes: retention, ``begin`` and
-``latest()`` read the same newest manifests again and again (a save reads its own after
-committing it), and one holds a fingerprint entry per parameter tensor."""
 
 
 def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     """Parse and validate manifest bytes read from ``source`` (named in every error).
-
-    Bytes parsed before (one of the last few) are not parsed again: the result is a
-    copy of the same manifest (equal bytes, equal manifest; errors are never remembered).
 
     Raises:
         UnsupportedSchemaError: Written by a newer resumekit.
@@ -395,13 +384,6 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
             NUL byte, or the document is nested too deep.
         ManifestError: Not JSON, or not a valid manifest.
     """
-    key = xxhash.xxh3_128_digest(raw)
-    with _parsed_lock:
-        known = _parsed.get(key)
-        if known is not None:
-            _parsed.move_to_end(key)
-    if known is not None:
-        return known.model_copy()
     try:
         document = parse_json(raw, source=source)
     except UnsafeCheckpointError:
@@ -431,11 +413,7 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
         raise ManifestError(
             f"{source}: invalid field {where!r}: {first['msg']}", path=source, key=where
         ) from None
-    with _parsed_lock:
-        _parsed[key] = manifest
-        while len(_parsed) > _PARSED_KEPT:
-            _parsed.popitem(last=False)
-    return manifest.model_copy()
+    return manifest
 
 
 def _check_step_and_paths(document: dict[str, Any], source: str) -> None:

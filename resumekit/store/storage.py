@@ -124,6 +124,9 @@ class Storage:
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(path) if self.is_local else path.rstrip("/")
         self.url = url
+        self.weak_commit_warned = False
+        """Whether the commit protocol has said that this root's commit marker is not
+        atomic (said once per ``Storage``, see :attr:`conditional_create`)."""
 
     # -- naming -----------------------------------------------------------------------
     def path(self, relative: str = "") -> str:

@@ -14,8 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from resumekit.manager import CheckpointManager
 from resumekit.state.train_state import TrainState
-from resumekit.store import manifest as manifest_module
-from resumekit.store.manifest import Manifest, parse_manifest
+from resumekit.store.manifest import Manifest
 from resumekit.tensors import state_dicts
 
 
@@ -135,26 +134,6 @@ def test_a_state_that_is_not_the_models_own_tensors_is_applied_by_dcp(
         return
     state_dicts.apply_model_and_optimizer_state(model, None, state)
     assert calls == [1]
-
-
-def test_equal_manifest_bytes_are_parsed_once_and_each_caller_gets_its_own_copy(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    raw = Manifest(step=3, fingerprint={"params": {"w": [[2], "float32"]}}).to_json()
-    first = parse_manifest(raw, source="a")
-    validations: list[int] = []
-    real = Manifest.model_validate
-
-    def counting(*args: Any, **kwargs: Any) -> Manifest:
-        validations.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(Manifest, "model_validate", counting)
-    second = parse_manifest(raw, source="b")
-    assert validations == []
-    assert second == first and second is not first
-    changed = parse_manifest(raw.replace(b'"step": 3', b'"step": 4'), source="c")
-    assert changed.step == 4 and validations == [1]
-    assert len(manifest_module._parsed) <= manifest_module._PARSED_KEPT
 
 
 def test_a_fingerprint_built_in_python_is_still_checked_as_json() -> None:
