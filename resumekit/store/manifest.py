@@ -186,8 +186,9 @@ class SaveThroughput(BaseModel):
     Attributes:
         bytes: Bytes of tensor state the save wrote, all ranks together (each tensor
             once, at its global size).
-        seconds: Seconds of its write phase: from the first byte written to every rank's
-            files durable (not the capture, the staging or the commit).
+        seconds: Seconds of its write phase: from the creation of its staging area to
+            every rank's files written and durable (not the capture, an asynchronous
+            save's copy to host memory, or the commit).
         blocking: Whether it was a blocking save (an asynchronous one overlapped
             training, so its rate is a lower bound).
     """
