@@ -6,7 +6,8 @@ when the grace period ends. With a window that holds the saves, no preemption lo
 step, and a relaunch decides from the rate its restored checkpoint recorded. With a window
 that holds the save in flight but not a new one after it, the trainer says so at the
 signal with the numbers, lets the save in flight commit, starts nothing that would be cut,
-and leaves no staging directory; the checkpoint it kept restores.
+and leaves no staging directory; the checkpoint it kept restores. A requeued process whose
+recorded rate says its first save would be cut does not start it.
 """
 
 from __future__ import annotations
@@ -70,3 +71,19 @@ def test_when_a_new_save_would_be_cut_it_is_not_started_and_the_save_in_flight_c
     assert preempted["newest_committed"] == 10  # the save in flight committed
     assert preempted["staging_left"] == []
     assert relaunched["restored"] == 10 and relaunched["newest_committed"] == 10
+
+
+def test_a_requeued_process_does_not_start_a_save_its_recorded_rate_says_would_be_cut(
+    tmp_path: Path,
+) -> None:
+    # The first job commits steps 5 and 7; the requeued one is signalled 2 steps after its
+    # restore with 2.5 s left: a 3 s save would be cut by the kill. Before the rate was
+    # recorded, a fresh process knew no save time, started the save and was killed in it
+    # (exit -9, a staging directory of step 9 left).
+    _drill(tmp_path, 30.0, 7)
+    [requeued] = _drill(tmp_path, 2.5, 2)
+    assert (requeued["restored"], requeued["stopped_at"]) == (7, 9), requeued
+    [warning] = requeued["skipped"]
+    assert "(recorded by the checkpoint of step 7 before this restart)" in warning, warning
+    assert "step 7 stays the newest checkpoint" in warning, warning
+    assert requeued["newest_committed"] == 7 and requeued["staging_left"] == []
