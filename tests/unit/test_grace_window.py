@@ -314,13 +314,18 @@ class _ReleaseOnWarning(logging.Handler):
             self.gate.set()
 
 
+@pytest.mark.parametrize(("save_seconds", "said"), [
+    # One save fits the 20 s window (x 1.5), the one in flight and a new one do not.
+    (10.0, "the in-flight save of step 10 is left to complete and stays the newest"),
+    # Not even the save in flight fits: said too; it is still the only one to wait for.
+    (1000.0, "the in-flight save of step 10 itself needs about"),
+], ids=["in-flight-fits", "in-flight-may-be-cut"])
 def test_with_a_background_save_in_flight_it_says_so_at_once_and_lets_that_save_commit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save_seconds: float, said: str
 ) -> None:
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=20)
-    # A save of this state takes 10 s at the recorded rate: one fits the 20 s window
-    # (x 1.5), the one in flight and a new one do not.
-    ckpt, model, optimizer, _ = _restored(tmp_path, 10.0, preemption=handler,
+    # A save of this state takes ``save_seconds`` at the recorded rate.
+    ckpt, model, optimizer, _ = _restored(tmp_path, save_seconds, preemption=handler,
                                           save_every=10, async_save=True)
     gate = threading.Event()
     original = sharded.save
@@ -347,7 +352,7 @@ def test_with_a_background_save_in_flight_it_says_so_at_once_and_lets_that_save_
     assert stop is True
     [line] = release.lines  # said while the save of step 10 was still held: at once
     assert "after the in-flight save of step 10" in line
-    assert "the in-flight save of step 10 is left to complete and stays the newest" in line
+    assert said in line
     assert [f"resumekit: {w.message}" for w in caught
             if w.category is EmergencySaveSkippedWarning] == [line]
     latest = ckpt.latest()
