@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         REQUEUE_SIGNALS,
         CommitClock,
         PreemptionHandler,
+        SaveEstimate,
         requeue_after_signal,
         requeue_slurm_job,
     )
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
         Lineage,
         Manifest,
         SaveReason,
+        SaveThroughput,
     )
     from resumekit.store.newest import (
         latest_committed,
@@ -140,6 +142,8 @@ _EXPORTS: dict[str, str] = {
     "IncompatibleVersionError": "resumekit.errors",
     "IncompleteCheckpointError": "resumekit.errors",
     "Lineage": "resumekit.store.manifest",
+    "SaveEstimate": "resumekit.runtime.preemption",
+    "SaveThroughput": "resumekit.store.manifest",
     "Manifest": "resumekit.store.manifest",
     "ManifestError": "resumekit.errors",
     "NameFormat": "resumekit.store.layout",
@@ -217,7 +221,9 @@ __all__ = [
     "ResumekitError",
     "ResumekitWarning",
     "RetentionPolicy",
+    "SaveEstimate",
     "SaveReason",
+    "SaveThroughput",
     "SkipAheadSampler",
     "StatefulGroup",
     "StepCollisionError",

@@ -63,7 +63,7 @@ from resumekit.restore.plan import Survey
 from resumekit.restore.verification import refuse_links_share, verify_share
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
-from resumekit.runtime.preemption import CommitClock, PreemptionHandler
+from resumekit.runtime.preemption import CommitClock, PreemptionHandler, state_bytes
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
@@ -88,6 +88,7 @@ from resumekit.store.manifest import (
     FileEntry,
     Manifest,
     SaveReason,
+    SaveThroughput,
     checksum_chunks,
 )
 from resumekit.store.retention import RollingSweep
@@ -224,6 +225,9 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
+        # The background save submitted and not yet waited for here: (step, when training
+        # after its capture resumed).
+        self._pending_async: tuple[int, float] | None = None
         self._newest_step: int | None = None
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
@@ -458,6 +462,9 @@ class CheckpointManager:
         self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
         self.resumed_from = manifest.step
         self.last_saved_step = manifest.step
+        if manifest.save_throughput is not None:  # a requeued process knows its root's rate
+            record = manifest.save_throughput
+            self._clock.seed_throughput(manifest.step, record.bytes, record.seconds)
         logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
 
     def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
@@ -558,24 +565,59 @@ class CheckpointManager:
 
     def _save_for_preemption(self, step: int, micro_step: int,
                              metrics: Mapping[str, float] | None) -> None:
+        handler = self.preemption
+        scheduled = self._scheduled(step)
+        nbytes = self._state_nbytes()
+        # A background save may still be writing and the grace window runs: say now,
+        # before waiting for it, whether a save of this step fits after it. Every rank
+        # submitted the same saves, so every rank takes this branch alike.
+        pending = self._pending_async
+        if (handler is not None and pending is not None and handler.seconds_left() is not None
+                and self._emergency_save_skipped(step, nbytes, pending, scheduled)):
+            self.wait()  # the save in flight is the newest that can be committed
+            return
         self.wait()  # an interval save in flight commits first
         newest = self.last_saved_step
         if step == newest:
             logger.info("resumekit: preempted at step %d, which is already committed", step)
             return
-        if self._scheduled(step):
-            # The save this step was due anyway: never let the skip rule drop it (with
+        if scheduled:
+            # The save this step was due anyway: only the clock may drop it (with
             # async_save it would otherwise be lost, and the run stop an interval behind).
-            logger.info("resumekit: preempted at save_every step %d: saving it blocking",
-                        step)
-        elif self.preemption is not None and self.preemption.should_skip_emergency_save(
-            self._clock.training_seconds_since_commit(step, newest),
-            self._clock.expected_save_seconds(),
-            steps_since_last_commit=None if newest is None else step - newest,
-        ):
+            logger.info("resumekit: preempted at save_every step %d: saving it blocking "
+                        "if the grace period holds it", step)
+        if handler is not None and self._emergency_save_skipped(
+                step, nbytes, None if newest is None else (newest, None), scheduled):
             return
         self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True,
                   metrics=metrics)
+
+    def _emergency_save_skipped(self, step: int, nbytes: int,
+                                newest: tuple[int, float | None] | None,
+                                scheduled: bool) -> bool:
+        """Ask the handler's rule, fed by the clock (a ``save_every`` step: the clock only).
+
+        ``newest`` is the step that stays newest without this save and, for a background
+        save not yet committed, when training after its capture resumed.
+        """
+        assert self.preemption is not None
+        estimate = self._clock.estimate(nbytes)
+        since: float | None = None
+        if newest is not None and not scheduled:
+            resumed = newest[1]
+            since = (self._clock.training_seconds_since_commit(step, newest[0])
+                     if resumed is None else time.monotonic() - resumed)
+        steps = None if scheduled or newest is None else step - newest[0]
+        return self.preemption.should_skip_emergency_save(
+            since, self._clock.expected_save_seconds(),
+            steps_since_last_commit=steps, estimate=estimate,
+            newest_step=None if newest is None else newest[0])
+
+    def _state_nbytes(self) -> int:
+        """Bytes a save of the state would write: the model's and optimizer's tensors."""
+        model, optimizer = self.state.model, self.state.optimizer
+        return state_bytes([{} if model is None else model.state_dict(),
+                            [] if optimizer is None else list(optimizer.state.values())])
 
     def save(
         self,
@@ -612,6 +654,7 @@ class CheckpointManager:
                 "read_only (it restores without claiming the root)",
                 name="read_only", value=True)
         self._background.wait()
+        self._pending_async = None
         if self._newest_step is not None and step <= self._newest_step and not replace:
             raise StepCollisionError(
                 f"cannot save step {step} under {self.storage.path()}: step "
@@ -651,10 +694,11 @@ class CheckpointManager:
 
             def write_in_background() -> None:
                 with activity(f"background save of step {step}", step=step):
-                    self._write(job, self._saver)
+                    self._write(job, self._saver, blocking=False)
                 self._clock.captured(step, resumed)
 
             self._background.submit(step, write_in_background)
+            self._pending_async = (step, resumed)
             return
         with activity(f"save of step {step}", step=step):
             self._write(SaveJob(step, replace, tensors, train, ranks, manifest, started),
@@ -663,14 +707,31 @@ class CheckpointManager:
         self._clock.blocking_save_took(time.monotonic() - started)
         self._clock.captured(step, time.monotonic())
 
-    def _write(self, job: SaveJob, channel: Channel) -> None:
+    def _write(self, job: SaveJob, channel: Channel, *, blocking: bool = True) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator
-        pending = protocol.begin(job.step, replace=job.replace,
-                                 active_tokens=set(self._active_tokens))
+        nbytes = state_bytes(job.tensors)
+        started = self._clock.write_started(job.step, nbytes)
+        try:
+            pending = protocol.begin(job.step, replace=job.replace,
+                                     active_tokens=set(self._active_tokens))
+        except BaseException:
+            self._clock.write_ended(job.step)
+            raise
         self._active_tokens.add(pending.token)
         try:
-            described, required = self._write_files(pending, job, coordinator, channel.group)
-            protocol.publish(pending, job.manifest, described=described, required=required)
+            try:
+                described, required = self._write_files(pending, job, coordinator,
+                                                        channel.group)
+            finally:
+                self._clock.write_ended(job.step)
+            # The write phase: staging area made to every rank's files durable (the
+            # files' all-gather waits for the slowest rank).
+            seconds = time.monotonic() - started
+            manifest = job.manifest
+            if nbytes > 0 and seconds > 0:
+                manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
+                    bytes=nbytes, seconds=seconds, blocking=blocking)})
+            protocol.publish(pending, manifest, described=described, required=required)
         except BaseException as error:
             abort_after(protocol, pending, error)
             if isinstance(error, OSError) and not isinstance(error, ResumekitError):
@@ -681,6 +742,7 @@ class CheckpointManager:
         finally:
             self._active_tokens.discard(pending.token)
         self.last_saved_step = job.step
+        self._clock.wrote(job.step, nbytes, seconds, blocking=blocking)
         self._clock.last_save_seconds = time.monotonic() - job.started
         if self.retention is not None:
             saving.apply_retention(
@@ -850,6 +912,7 @@ class CheckpointManager:
         Idempotent.
         """
         self._background.wait()
+        self._pending_async = None
 
     def close(self) -> None:
         """Wait for the background save and release resources. Idempotent."""

@@ -54,9 +54,11 @@ __all__ = [
     "CommitClock",
     "EmergencySaveSkippedWarning",
     "PreemptionHandler",
+    "SaveEstimate",
     "SignalRecord",
     "requeue_after_signal",
     "requeue_slurm_job",
+    "state_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,19 @@ DEFAULT_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
 
 SAVE_TIME_MARGIN: Final = 1.5
 """An emergency save is attempted only if ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
-in the time left of the grace period."""
+in the time left of the grace period (with an asynchronous save in flight: the seconds it
+still needs plus the new save's, times this margin). The margin covers what the measured
+write rate leaves out - the commit, a slower store than at the last save - and the time
+between the decision and the exit."""
+
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in decimal units (as storage vendors count), for messages."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 AUTO_POLL_BUDGET: Final = 0.005
 """With ``poll_every="auto"`` the votes may cost at most this fraction of training time."""
@@ -110,6 +124,55 @@ def _smoothed(previous: float | None, sample: float) -> float:
 
 class EmergencySaveSkippedWarning(ResumekitWarning):
     """An emergency save was skipped (no time left, or the last commit is recent enough)."""
+
+
+@dataclass(frozen=True)
+class SaveEstimate:
+    """What an emergency save would write, and how fast this root writes.
+
+    :class:`CommitClock` builds it (:meth:`CommitClock.estimate`) from the state's size
+    and the write throughput it measured; it is the ``estimate`` input of
+    :meth:`PreemptionHandler.should_skip_emergency_save`.
+
+    Attributes:
+        bytes: Bytes the save would write: the tensor state's size (all ranks together,
+            each tensor once, at its global size).
+        bytes_per_second: The root's measured write throughput, or None before any save
+            was measured (in this process or, after a restore, in the manifest).
+        measured_from: Where the rate comes from, for messages (e.g. ``"the blocking save
+            of step 40"``).
+        in_flight_step: The step of an asynchronous save still writing, or None.
+        in_flight_seconds: Seconds that save still needs at the measured rate (0 when it
+            should be done by now; None when the rate is unknown).
+    """
+
+    bytes: int
+    bytes_per_second: float | None
+    measured_from: str = "not measured"
+    in_flight_step: int | None = None
+    in_flight_seconds: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        """Seconds the save's writes take at the measured rate, or None if it is unknown."""
+        if not self.bytes_per_second:
+            return None
+        return self.bytes / self.bytes_per_second
+
+    def describe(self) -> str:
+        """The numbers in words: bytes, rate, expected seconds (and the save in flight)."""
+        seconds = self.seconds
+        if seconds is None or self.bytes_per_second is None:
+            said = f"{_amount(self.bytes)} at an unmeasured rate"
+        else:
+            said = (f"{_amount(self.bytes)} at the measured "
+                    f"{_amount(self.bytes_per_second)}/s ({self.measured_from}) "
+                    f"= {seconds:.2f} s")
+        if self.in_flight_step is not None:
+            more = ("an unknown time" if self.in_flight_seconds is None
+                    else f"about {self.in_flight_seconds:.1f} s")
+            said += f", after the in-flight save of step {self.in_flight_step} ({more} more)"
+        return said
 
 
 @dataclass(frozen=True)
@@ -494,6 +557,8 @@ class PreemptionHandler:
         expected_save_seconds: float,
         *,
         steps_since_last_commit: int | None = None,
+        estimate: SaveEstimate | None = None,
+        newest_step: int | None = None,
     ) -> bool:
         """Whether to skip the emergency save; call on every rank, after :meth:`agreed`.
 
@@ -502,10 +567,14 @@ class PreemptionHandler:
 
         * **nothing new:** ``steps_since_last_commit == 0`` - the newest commit already
           holds this step;
-        * **no time:** ``grace_period`` is known and
-          ``expected_save_seconds * SAVE_TIME_MARGIN`` exceeds :meth:`seconds_left` - the
-          save would likely be killed half-way (harmless, the commit protocol keeps the
-          previous checkpoint, but the grace period is better spent exiting cleanly);
+        * **no time:** ``grace_period`` is known and the save's expected seconds (plus
+          those an asynchronous save in flight still needs, from ``estimate``) times
+          :data:`SAVE_TIME_MARGIN` exceed :meth:`seconds_left` - the save would likely
+          be cut by the kill: it is never started (the commit protocol would keep the
+          previous checkpoint, but the grace period is better spent exiting cleanly).
+          The warning gives the numbers: bytes, measured rate, expected seconds,
+          seconds left, and the step that stays newest; when the save in flight itself
+          cannot finish in time, it says so too;
         * **recent enough, deadline unknown:** without ``grace_period``,
           ``0 <= seconds_since_last_commit <= expected_save_seconds`` - redoing the work
           since the last commit costs no more than saving it now, and a short save is
@@ -530,9 +599,14 @@ class PreemptionHandler:
                 committed checkpoint was captured, or None if there is none or it is
                 unknown.
             expected_save_seconds: How long a blocking save takes (e.g. the last one's
-                duration).
+                duration). The deadline rule takes ``estimate``'s seconds instead when it
+                knows a rate; the recency rule always takes this.
             steps_since_last_commit: Steps done since the newest committed step, if
                 known (only named in the warning, except 0: nothing new to save).
+            estimate: The save's bytes and the root's measured write rate, and an
+                asynchronous save still in flight (:meth:`CommitClock.estimate`).
+            newest_step: The newest committed step (named in the warning as the step
+                that stays newest when no save in flight will replace it).
 
         Returns:
             True to skip the save.
@@ -550,19 +624,25 @@ class PreemptionHandler:
             )
             warn(message, ResumekitWarning, stacklevel=2)
             age = None
+        # The deadline rule takes the save's time at the measured rate when there is one;
+        # the recency rule (no deadline) keeps the duration of a save in this process.
+        expected = expected_save_seconds
+        if estimate is not None and estimate.seconds is not None:
+            expected = estimate.seconds
+        in_flight = 0.0
+        if estimate is not None and estimate.in_flight_seconds is not None:
+            in_flight = estimate.in_flight_seconds
         reasons: list[str] = []
         codes = 0
         if steps_since_last_commit == 0:
             codes |= _NOTHING_NEW
             reasons.append("the newest commit already holds this step")
         left = self.seconds_left()
-        if left is not None and expected_save_seconds * SAVE_TIME_MARGIN > left:
+        if left is not None and (in_flight + expected) * SAVE_TIME_MARGIN > left:
             codes |= _NO_TIME
-            reasons.append(
-                f"{max(left, 0.0):.1f} s of the {self.grace_period:.0f} s grace period are left, "
-                f"a save needs about {expected_save_seconds:.1f} s x {SAVE_TIME_MARGIN}"
-            )
-        if self.grace_period is None and age is not None and age <= expected_save_seconds:
+            reasons.append(self._no_time(left, expected, in_flight, estimate, newest_step))
+        if (self.grace_period is None and age is not None
+                and age <= expected_save_seconds):
             codes |= _RECENT
             reasons.append(
                 f"the last commit is {age:.1f} s old, no older than a save takes "
@@ -584,22 +664,47 @@ class PreemptionHandler:
             for other, other_codes in sorted(others.items()):
                 reasons.append(f"rank {other} chose to skip ({_describe_codes(other_codes)})")
             skipping_ranks = [r for r, c in enumerate(decision.tolist()) if c]
-        inputs = self._inputs(age, seconds_since_last_commit, expected_save_seconds,
-                              steps_since_last_commit, left)
+        inputs = self._inputs(age, seconds_since_last_commit, expected,
+                              steps_since_last_commit, left, estimate=estimate)
         if not skipping_ranks:
             logger.info("resumekit: making the emergency save%s (inputs on rank %d: %s)",
                         self._at_step(), rank, inputs)
             return False
         message = (f"skipping the emergency save{self._at_step()}: {'; '.join(reasons)} "
                    f"[inputs on rank {rank}: {inputs}]")
+        logger.warning("resumekit: %s", message)
         warn(message, EmergencySaveSkippedWarning, stacklevel=2)
         return True
+
+    def _no_time(self, left: float, expected: float, in_flight: float,
+                 estimate: SaveEstimate | None, newest_step: int | None) -> str:
+        """The "no time" reason, with the numbers and the step that stays newest."""
+        if estimate is None:
+            return (f"{max(left, 0.0):.1f} s of the {self.grace_period:.0f} s grace period "
+                    f"are left, a save needs about {expected:.1f} s x {SAVE_TIME_MARGIN}")
+        window = f"{max(left, 0.0):.1f} s left of the {self.grace_period:g} s grace period"
+        needed = (in_flight + expected) * SAVE_TIME_MARGIN
+        said = (f"a save would write {estimate.describe()}; x {SAVE_TIME_MARGIN} margin "
+                f"= {needed:.1f} s > {window}, so it is not started")
+        newest = "no checkpoint" if newest_step is None else f"step {newest_step}"
+        flying = estimate.in_flight_step
+        if flying is None:
+            return f"{said}; {newest} stays the newest checkpoint"
+        if in_flight * SAVE_TIME_MARGIN > left:
+            return (f"{said}; the in-flight save of step {flying} itself needs about "
+                    f"{in_flight:.1f} s x {SAVE_TIME_MARGIN} and may not finish in time "
+                    f"either: it is left to complete (nothing newer can be committed); "
+                    f"step {flying} becomes the newest checkpoint if it commits before "
+                    f"the kill, else {newest} stays the newest")
+        return (f"{said}; the in-flight save of step {flying} is left to complete and "
+                f"stays the newest checkpoint")
 
     def _at_step(self) -> str:
         return "" if self._agreed_step is None else f" at step {self._agreed_step}"
 
     def _inputs(self, age: float | None, given: float | None, expected: float,
-                steps: int | None, left: float | None) -> str:
+                steps: int | None, left: float | None, *,
+                estimate: SaveEstimate | None = None) -> str:
         if given is None:
             since = "age of the last commit unknown"
         elif age is None:
@@ -609,6 +714,8 @@ class PreemptionHandler:
         parts = [since]
         if steps is not None:
             parts.append(f"{steps} step(s) since it")
+        if estimate is not None:
+            parts.append(f"the save writes {estimate.describe()}")
         parts.append(f"expected save {expected:.2f} s")
         parts.append("no grace period" if self.grace_period is None
                      else f"grace period {self.grace_period:g} s, "
@@ -620,10 +727,17 @@ class CommitClock:
     """The inputs of the emergency-save decision, measured by a checkpoint manager.
 
     :meth:`PreemptionHandler.should_skip_emergency_save` needs the training time since
-    the newest commit's state was captured and how long a save takes. The manager tells
-    this clock when each step ends and each save returns or commits; everything is on this
-    process's monotonic clock, never a wall-clock difference (a checkpoint written on a
-    host whose clock runs ahead would look like it came from the future).
+    the newest commit's state was captured, how long a save takes, and whether a save is
+    still writing. The manager tells this clock when each step ends, each save's writes
+    start and end, and each save returns or commits; everything is on this process's
+    monotonic clock, never a wall-clock difference (a checkpoint written on a host whose
+    clock runs ahead would look like it came from the future).
+
+    How long a save takes is measured as the root's **write throughput**: the bytes of
+    tensor state a save wrote over the seconds of its write phase, from every committed
+    save (blocking or not) - the newest one counts. A fresh process (a requeued job) has
+    saved nothing yet: :meth:`seed_throughput` takes the record of the checkpoint it
+    restored (``Manifest.save_throughput``).
     """
 
     def __init__(self) -> None:
@@ -633,6 +747,10 @@ class CommitClock:
         self._step_clock: tuple[int, float] | None = None
         self._step_seconds: float | None = None  # smoothed duration of one step
         self._blocking_save_seconds: float | None = None  # the last blocking save
+        # The newest write rate: (bytes, seconds, where it was measured).
+        self._throughput: tuple[int, float, str] | None = None
+        # A save whose writes are under way: (step, bytes, when they started).
+        self._writing: tuple[int, int, float] | None = None
         self.last_save_seconds = 0.0
         """Duration of the last save that committed (any kind), in seconds."""
 
@@ -662,6 +780,71 @@ class CommitClock:
         """A blocking save (capture to commit) took ``seconds``."""
         self._blocking_save_seconds = seconds
 
+    def write_started(self, step: int, nbytes: int) -> float:
+        """The writes of the save of ``step`` (``nbytes`` of tensor state) start now.
+
+        Until :meth:`write_ended`, :meth:`estimate` counts it as a save in flight.
+
+        Returns:
+            The start time (``time.monotonic()``).
+        """
+        started = time.monotonic()
+        self._writing = (step, nbytes, started)
+        return started
+
+    def write_ended(self, step: int) -> None:
+        """The writes of the save of ``step`` ended (written, or failed)."""
+        writing = self._writing
+        if writing is not None and writing[0] == step:
+            self._writing = None
+
+    def wrote(self, step: int, nbytes: int, seconds: float, *, blocking: bool) -> None:
+        """The save of ``step`` wrote ``nbytes`` of tensor state in ``seconds``.
+
+        Records the root's newest write throughput; a save of no bytes, or one timed at
+        zero seconds, measures nothing and is ignored.
+        """
+        if nbytes <= 0 or not seconds > 0:
+            return
+        kind = "blocking" if blocking else "background"
+        self._throughput = (nbytes, seconds, f"the {kind} save of step {step}")
+
+    def seed_throughput(self, step: int, nbytes: int, seconds: float) -> None:
+        """Take the write throughput the checkpoint of ``step`` recorded, until a save here.
+
+        Called at restore with ``Manifest.save_throughput`` of the restored checkpoint: a
+        requeued process knows its root's rate before it saved anything. A save this
+        process makes replaces it.
+        """
+        if nbytes <= 0 or not seconds > 0:
+            return
+        self._throughput = (nbytes, seconds,
+                            f"recorded by the checkpoint of step {step} before this restart")
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        """The root's newest measured write throughput, or None before any measurement."""
+        if self._throughput is None:
+            return None
+        nbytes, seconds, _ = self._throughput
+        return nbytes / seconds
+
+    def estimate(self, nbytes: int) -> SaveEstimate:
+        """What a save of ``nbytes`` would take now, and the save in flight (if any).
+
+        Args:
+            nbytes: Bytes of tensor state the save would write (its size, all ranks
+                together, each tensor once).
+        """
+        rate = self.bytes_per_second
+        source = "not measured" if self._throughput is None else self._throughput[2]
+        writing = self._writing
+        if writing is None:
+            return SaveEstimate(nbytes, rate, source)
+        step, flying, started = writing
+        more = None if rate is None else max(0.0, started + flying / rate - time.monotonic())
+        return SaveEstimate(nbytes, rate, source, in_flight_step=step, in_flight_seconds=more)
+
     def training_seconds_since_commit(self, step: int, newest: int | None) -> float | None:
         """Seconds of training since the newest commit's state was captured, or None.
 
@@ -681,11 +864,38 @@ class CommitClock:
             return None
         return (step - newest) * self._step_seconds
 
-    def expected_save_seconds(self) -> float:
-        """How long a blocking save takes: the last one's duration, else the last save's."""
+    def expected_save_seconds(self, nbytes: int | None = None) -> float:
+        """How long a blocking save takes.
+
+        Args:
+            nbytes: The save's bytes: with a measured throughput, the answer is
+                ``nbytes`` at that rate.
+
+        Returns:
+            ``nbytes`` at the measured rate; else the last blocking save's duration,
+            else the last save's.
+        """
+        rate = self.bytes_per_second
+        if nbytes is not None and rate:
+            return nbytes / rate
         if self._blocking_save_seconds is not None:
             return self._blocking_save_seconds
         return self.last_save_seconds
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict, each at its global size.
+
+    A ``DTensor`` counts its global size once (what the ranks write together); so does a
+    plain tensor, which every rank of a replicated (DDP) model holds alike.
+    """
+    if isinstance(tree, torch.Tensor):
+        return int(tree.numel()) * int(tree.element_size())
+    if isinstance(tree, dict):
+        return sum(state_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_bytes(value) for value in tree)
+    return 0
 
 
 _NOTHING_NEW, _NO_TIME, _RECENT = 1, 2, 4

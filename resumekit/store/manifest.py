@@ -54,6 +54,7 @@ __all__ = [
     "Lineage",
     "Manifest",
     "SaveReason",
+    "SaveThroughput",
     "WriterGeneration",
     "checksum_chunks",
     "hex_digest",
@@ -171,6 +172,35 @@ class Lineage(BaseModel):
             resumed_from_step=resumed_from_step,
             launcher=launcher,
         )
+
+
+class SaveThroughput(BaseModel):
+    """How fast a save wrote its state: the write phase's bytes and seconds.
+
+    Recorded in the manifest so that a run requeued onto a fresh process knows how fast
+    its root takes a save before it made one (the emergency-save decision of
+    :meth:`~resumekit.runtime.preemption.PreemptionHandler.should_skip_emergency_save`).
+
+    Attributes:
+        bytes: Bytes of tensor state the save wrote, all ranks together (each tensor
+            once, at its global size).
+        seconds: Seconds of its write phase: from the creation of its staging area to
+            every rank's files written and durable (not the capture, an asynchronous
+            save's copy to host memory, or the commit).
+        blocking: Whether it was a blocking save (an asynchronous one overlapped
+            training, so its rate is a lower bound).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    bytes: int = Field(ge=0)
+    seconds: float = Field(gt=0)
+    blocking: bool = True
+
+    @property
+    def bytes_per_second(self) -> float:
+        """The measured write throughput."""
+        return self.bytes / self.seconds
 
 
 class WriterGeneration(BaseModel):
@@ -308,6 +338,9 @@ class Manifest(BaseModel):
             files) or ``"dcp"`` (DCP's own format); ``None`` when the checkpoint has no
             tensors or was written before this field existed. Readers detect the format
             per item, so this is for people and tools, not needed to load.
+        save_throughput: How fast this save wrote (bytes and seconds of its write
+            phase); None in manifests written before resumekit recorded it, and for a
+            save that wrote no tensors.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -328,6 +361,7 @@ class Manifest(BaseModel):
     fingerprint: dict[str, Any] = Field(default_factory=dict)
     versions: dict[str, str] = Field(default_factory=running_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
+    save_throughput: SaveThroughput | None = None
 
     @field_validator("data_dir")
     @classmethod
