@@ -595,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     console.print(f"loss curves: {picture}; summary: {out / 'summary.json'}; "
-                  f"drill took {elapsed:.0f}s", markup=False, highlight=False)
+                  f"drill took {elapsed:.0f}s", markup=False, highlight=False, soft_wrap=True)
     if drill.problems:
         for problem in drill.problems:
             console.print(f"[bold red]FAIL[/] {problem}")
