@@ -6,6 +6,8 @@ then the built wheel with plain ``pip install``, no extras. Checked:
 
 * pip replaced nothing of torch: same version, same files (inode and mtime of its
   ``__init__.py`` and of its ``RECORD``), not in pip's install report; ``pip check`` is clean;
+  ``pip install --upgrade`` would not touch it either, nor, with the installed torch as a
+  constraint (docs/faq.md), would an eager upgrade;
 * with only the runtime dependencies (no s3fs, Lightning, transformers, diffusers,
   Accelerate, matplotlib), ``import resumekit``, the command line (``--help`` of every
   command, ``inspect``, ``verify``, ``export``) and the LingBot drill work, from outside
@@ -55,6 +57,7 @@ class Environment:
     """The clean environment after ``pip install torch``, then ``pip install WHEEL``."""
 
     root: Path
+    wheel: Path
     torch_before: dict[str, Any]
     torch_after: dict[str, Any]
     installed: list[str]
@@ -101,7 +104,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Environment:
     log = _pip(python, "install", "--report", str(report), str(wheel))
     installed = [item["metadata"]["name"].lower()
                  for item in json.loads(report.read_text())["install"]]
-    return Environment(root, before, _torch_identity(python), installed, log)
+    return Environment(root, wheel, before, _torch_identity(python), installed, log)
 
 
 def test_pip_install_of_the_wheel_keeps_the_torch_already_installed(env: Environment) -> None:
@@ -114,6 +117,27 @@ def test_pip_install_of_the_wheel_keeps_the_torch_already_installed(env: Environ
                            env=_user_env(), capture_output=True, text=True, timeout=300,
                            check=False)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _would_install(env: Environment, tmp_path: Path, *args: str) -> list[str]:
+    report = tmp_path / f"report-{len(list(tmp_path.glob('report-*')))}.json"
+    _pip(env.root / "bin" / "python", "install", "--dry-run", "--report", str(report),
+         *args, str(env.wheel))
+    return [item["metadata"]["name"].lower()
+            for item in json.loads(report.read_text())["install"]]
+
+
+def test_an_upgrade_keeps_torch_and_a_torch_constraint_keeps_it_even_from_an_eager_one(
+    env: Environment, tmp_path: Path,
+) -> None:
+    # pip's default upgrade strategy touches a dependency only when it does not fit.
+    assert "torch" not in _would_install(env, tmp_path, "--upgrade")
+    # The docs' guard (docs/faq.md): the installed torch as a constraint. An eager upgrade
+    # would otherwise take the newest torch the indexes hold, CUDA build and all.
+    pin = tmp_path / "torch-pin.txt"
+    pin.write_text(f"torch=={env.torch_before['version']}\n")
+    assert "torch" not in _would_install(env, tmp_path, "--upgrade", "--upgrade-strategy",
+                                         "eager", "-c", str(pin))
 
 
 _CHECKPOINT = """

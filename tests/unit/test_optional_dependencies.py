@@ -268,3 +268,15 @@ def test_every_module_a_suite_imports_is_declared_by_the_extra_it_runs_with(
             undeclared[module] = (sorted(distributions) or ["not installed"],
                                   str(path.relative_to(ROOT)))
     assert not undeclared, f"imported but declared by no extra of {extras}: {undeclared}"
+
+
+def test_the_faqs_extras_table_is_the_extras_the_code_names() -> None:
+    faq = (ROOT / "docs" / "faq.md").read_text()
+    section = faq.split("## What does `pip install resumekit` install", 1)[1].split("\n## ")[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("| `")]
+    table = {extra.strip("`"): (enables, tuple(p.strip(" `") for p in packages.split(",")))
+             for extra, enables, packages in rows}
+    assert table == {name: (extra.enables, extra.requirements) for name, extra in EXTRAS.items()}
+    readme = (ROOT / "README.md").read_text()
+    assert f"extras: {', '.join(EXTRAS)}" in readme
