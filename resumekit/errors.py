@@ -23,6 +23,7 @@ __all__ = [
     "IncompatibleVersionError",
     "IncompleteCheckpointError",
     "ManifestError",
+    "MissingDependencyError",
     "PreemptionError",
     "ResumeStepError",
     "ResumekitError",
@@ -146,6 +147,16 @@ class ConfigurationError(ResumekitError, ValueError):
     """An argument or setting that cannot work: out of range, or contradicting another.
 
     Attributes ``name`` (the argument or setting) and ``value`` (what was given).
+    """
+
+
+class MissingDependencyError(ConfigurationError, ImportError):
+    """A feature needs a package that is not installed, or that fails to import.
+
+    The message is one line naming the feature, the package and the extra that installs it
+    (``pip install 'resumekit[s3]'``). Attributes ``name`` (the missing module, as for any
+    ``ImportError``), ``extra`` and ``feature``; ``value`` where a URL or path asked for it.
+    A :class:`ConfigurationError` too: what the run asked for cannot work here as installed.
     """
 
 

@@ -18,9 +18,10 @@ CPU ranks (torchrun, gloo) three times, always with the same command::
 Every wait is on a real event - a step appearing in ``metrics.jsonl``, a process exiting -
 never on a sleep. Then the drill prints a table comparing B and C with A (per-step
 metrics, steps replayed, final loss, the largest difference of any final weight), the
-checkpoint chain of B, and writes ``loss.png`` with the three loss curves. It exits with
-status 1 when B differs from A in any bit (metrics of any step, any tensor of the final
-checkpoint) or when C's history before the world-size change differs from A's.
+checkpoint chain of B, and writes ``loss.png`` with the three loss curves (matplotlib:
+``pip install 'resumekit[plot]'``; without it one line says so and the drill goes on). It
+exits with status 1 when B differs from A in any bit (metrics of any step, any tensor of
+the final checkpoint) or when C's history before the world-size change differs from A's.
 
 Outputs under ``--out``: ``A/``, ``B/``, ``C/`` run directories (checkpoints, metrics,
 one log per launch), ``loss.png``, ``summary.json``.
@@ -57,11 +58,13 @@ from examples.lingbot.train import (
 from resumekit import (
     EXIT_CODE_PREEMPTED,
     CheckpointEntry,
+    MissingDependencyError,
     NameFormat,
     ResumekitError,
     Storage,
     list_checkpoints,
 )
+from resumekit._optional import require
 
 __all__ = [
     "DrillError",
@@ -374,18 +377,14 @@ def compare_runs(reference: Path, other: Path, *, steps: range | None = None
 # --------------------------------------------------------------------------- plotting
 
 
-def plot_losses(runs: dict[str, Path], out: Path, *, marks: dict[str, list[int]]
-                ) -> Path | None:
+def plot_losses(runs: dict[str, Path], out: Path, *, marks: dict[str, list[int]]) -> Path:
     """Write the loss curves of the runs to ``out`` (PNG, matplotlib's Agg backend).
 
-    Returns None (and writes nothing) when matplotlib is not installed: the drill's
-    verdict does not depend on the picture.
+    Raises:
+        MissingDependencyError: matplotlib is not installed (``resumekit[plot]``); the
+            drill's verdict does not depend on the picture, so it goes on without one.
     """
-    try:
-        import matplotlib  # noqa: PLC0415 - only the drill needs it
-    except ImportError:
-        return None
-
+    matplotlib = require("matplotlib", extra="plot", feature="the drill's loss.png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -579,9 +578,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     listing = _resumekit("inspect", str(drill.root("B") / CHECKPOINT_DIR))
     console.print(listing.stdout + listing.stderr, markup=False, highlight=False)
     kill = next(s for s in drill.launches("B") if s.interruption == "sigkill")
-    plot = plot_losses({name: drill.root(name) for name in ("A", *comparisons)},
-                       out / "loss.png",
-                       marks={"SIGTERM": [term.last_step], "SIGKILL": [kill.last_step]})
+    try:
+        picture = str(plot_losses(
+            {name: drill.root(name) for name in ("A", *comparisons)}, out / "loss.png",
+            marks={"SIGTERM": [term.last_step], "SIGKILL": [kill.last_step]}))
+    except MissingDependencyError as error:  # the verdict does not depend on the picture
+        picture = f"not drawn ({error})"
     elapsed = time.monotonic() - started
     summary = {
         "seconds": elapsed,
@@ -592,10 +594,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exit_code_preempted": EXIT_CODE_PREEMPTED,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    pictured = plot if plot is not None else \
-        "not drawn (pip install matplotlib, or resumekit[dev])"
-    console.print(f"loss curves: {pictured}; summary: {out / 'summary.json'}; "
-                  f"drill took {elapsed:.0f}s")
+    console.print(f"loss curves: {picture}; summary: {out / 'summary.json'}; "
+                  f"drill took {elapsed:.0f}s", markup=False, highlight=False, soft_wrap=True)
     if drill.problems:
         for problem in drill.problems:
             console.print(f"[bold red]FAIL[/] {problem}")

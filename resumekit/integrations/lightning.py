@@ -59,6 +59,7 @@ from resumekit._compat import (
     lightning_combined_loader,
     lightning_data_fetcher,
 )
+from resumekit._optional import missing
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -95,10 +96,9 @@ try:
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
     from lightning.pytorch.plugins.io import CheckpointIO
     from lightning.pytorch.utilities.data import extract_batch_size
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "resumekit.integrations.lightning needs Lightning: install the 'lightning' package"
-    ) from error
+except ImportError as error:
+    raise missing("lightning", extra="lightning", feature="resumekit.integrations.lightning",
+                  error=error) from error
 
 __all__ = ["LAST_MARKER", "ResumekitCallback", "ResumekitCheckpointIO"]
 

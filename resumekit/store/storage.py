@@ -27,7 +27,7 @@ import posixpath
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any
@@ -36,6 +36,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from resumekit._compat import s3_call
+from resumekit._optional import missing
 from resumekit.errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -45,7 +46,7 @@ from resumekit.errors import (
 from resumekit.store.retry import create_with_retry
 
 __all__ = ["JSON_DEPTH_LIMIT", "RECORD_LIMIT", "SMALL_FILE_LIMIT", "FileInfo", "Storage",
-           "json_depth", "parse_json"]
+           "json_depth", "open_filesystem", "parse_json"]
 
 _READ_CHUNK = 8 << 20
 #: The most bytes :meth:`Storage.read_small` reads (a manifest listing every parameter
@@ -116,10 +117,7 @@ class Storage:
     def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
         url = os.fspath(url)
         self.storage_options: dict[str, Any] = dict(storage_options or {})
-        try:
-            fs, path = fsspec.core.url_to_fs(url, **self.storage_options)
-        except ImportError as error:
-            raise _missing_backend(url, error) from error
+        fs, path = open_filesystem(url, self.storage_options)
         self.fs: Any = fs
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(path) if self.is_local else path.rstrip("/")
@@ -823,13 +821,37 @@ def _storage_errors(
                            operation=operation) from error
 
 
+def open_filesystem(url: str, storage_options: Mapping[str, Any] | None = None
+                    ) -> tuple[Any, str]:
+    """Fsspec's filesystem and path of ``url``, or an error naming what to install.
+
+    Args:
+        url: A local path or an fsspec URL.
+        storage_options: Options for the fsspec filesystem.
+
+    Returns:
+        ``(filesystem, path)`` as ``fsspec.core.url_to_fs`` returns them.
+
+    Raises:
+        MissingDependencyError: ``s3://`` without s3fs (``pip install 'resumekit[s3]'``).
+        ConfigurationError: Another protocol whose fsspec backend is not installed.
+    """
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+    except ImportError as error:
+        raise _missing_backend(url, error) from error
+    return fs, str(path)
+
+
 def _missing_backend(url: str, error: ImportError) -> ConfigurationError:
     """The error for a root whose fsspec backend is not installed, naming what to install."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    fix = "pip install 'resumekit[s3]'" if protocol in ("s3", "s3a") else \
-        f"install the fsspec backend for {protocol}:// ({error})"
+    if protocol in ("s3", "s3a"):
+        return missing("s3fs", extra="s3", feature=f"an {protocol}:// root", error=error,
+                       where=f"cannot open {url}", value=url)
     return ConfigurationError(f"cannot open {url}: {protocol}:// needs a package that is not "
-                              f"installed; {fix}", name="root", value=url)
+                              f"installed; install the fsspec backend for {protocol}:// "
+                              f"({error})", name="root", value=url)
 
 
 def _write_durably(path: str, data: bytes) -> None:

@@ -56,11 +56,13 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
+from resumekit._optional import missing, require
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    MissingDependencyError,
     UnsafeCheckpointError,
 )
 from resumekit.state import jsonable, rng
@@ -706,17 +708,30 @@ def _check_config_sizes(config: Mapping[str, Any], weights: Mapping[str, Any],
             "refused before building the model", path=source, key=key, value=value)
 
 
+#: What transformers is for here, in the one-line error or warning when it is missing.
+_HF_FEATURE = "naming an HF Trainer checkpoint's optimizer state by its model's architecture"
+
+
 def _hf_meta_model(storage: Storage, name: str, weights: Mapping[str, Any]
                    ) -> nn.Module | None:
     """The architecture of ``config.json`` built on the meta device, for its names only."""
     try:
         config = storage.read_json(f"{name}/config.json")
-        import transformers  # noqa: PLC0415 - optional
-
-        architecture = getattr(transformers, str(config["architectures"][0]))
+        named = str(config["architectures"][0])
     except UnsafeCheckpointError:
         raise
     except Exception:  # noqa: BLE001 - then shapes are all there is
+        return None
+    try:
+        transformers = require("transformers", extra="hf", feature=_HF_FEATURE)
+    except MissingDependencyError as error:
+        warn(f"{storage.path(f'{name}/config.json')} names {named}, but {error}; the "
+             "optimizer state is matched by the weight files' order or shapes instead",
+             ResumekitWarning, stacklevel=4)
+        return None
+    try:
+        architecture = getattr(transformers, named)
+    except Exception:  # noqa: BLE001 - not a transformers architecture: shapes, then
         return None
     if "auto_map" in config:  # remote code: never run code from a checkpoint
         return None
@@ -756,10 +771,14 @@ def _hf_optimizer(optimizer: Mapping[str, Any], weights: Mapping[str, Any],
 
 
 def _hf_decay_names(model: nn.Module) -> list[str]:
-    from transformers import Trainer  # noqa: PLC0415 - optional
-
+    try:
+        trainer: Any = require("transformers", extra="hf", feature=_HF_FEATURE).Trainer
+    except ImportError as error:  # transformers is there, its Trainer does not import
+        if isinstance(error, MissingDependencyError):
+            raise
+        raise missing("transformers", extra="hf", feature=_HF_FEATURE, error=error) from error
     # The Trainer's own rule (it does not use ``self``): what its optimizer decays.
-    return list(Trainer.get_decay_parameter_names(cast(Any, None), model))
+    return list(trainer.get_decay_parameter_names(cast(Any, None), model))
 
 
 def _from_lingbot(storage: Storage, name: str, model: nn.Module | None) -> _Source:

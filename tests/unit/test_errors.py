@@ -18,6 +18,7 @@ from resumekit.errors import (
     IncompatibleVersionError,
     IncompleteCheckpointError,
     ManifestError,
+    MissingDependencyError,
     ResumekitError,
     StepCollisionError,
     StorageError,
@@ -51,6 +52,7 @@ EXPECTED_BUILTINS: dict[type[ResumekitError], tuple[type[BaseException], ...]] =
     AsyncSaveError: (RuntimeError,),
     DistributedSetupError: (RuntimeError,),
     ConfigurationError: (ValueError,),
+    MissingDependencyError: (ConfigurationError, ValueError, ImportError),
 }
 
 FIELDS = {

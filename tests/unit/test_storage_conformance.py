@@ -510,8 +510,9 @@ def test_a_root_whose_fsspec_backend_is_missing_names_the_extra_to_install(
 
     from resumekit.errors import ConfigurationError
 
-    def missing(url: str, **options: object) -> None:
-        raise ImportError("Install s3fs to access S3")
+    def missing(url: str, **options: object) -> None:  # as fsspec's registry raises it
+        raise ImportError("Install s3fs to access S3") from ModuleNotFoundError(
+            "No module named 's3fs'", name="s3fs")
 
     monkeypatch.setattr(fsspec.core, "url_to_fs", missing)
     with pytest.raises(ConfigurationError, match=r"pip install 'resumekit\[s3\]'") as caught:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from resumekit.errors import StorageError
 from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import Checksum, checksum_chunks, hex_digest
+from resumekit.store.storage import open_filesystem
 from resumekit.tensors.raw.format import (
     _FOOTER,
     _MEMBER,
@@ -107,7 +108,7 @@ class FsspecFiles(FileSystemBase):
 
     def init_path(self, path: str | os.PathLike[str], **options: Any) -> str | os.PathLike[str]:
         """Find the fsspec filesystem of ``path`` (``options``: credentials, endpoint)."""
-        self.fs, _ = url_to_fs(os.fspath(path), **options)
+        self.fs, _ = open_filesystem(os.fspath(path), options)
         return path
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
