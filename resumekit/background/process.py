@@ -20,11 +20,13 @@ trainer died) or when its parent changes. An error there comes back with its typ
 message and traceback; a process that died (SIGKILL, the OOM killer) is noticed at once
 (EOF on the socket, then its exit status) and reported with its pid and signal
 (:class:`~resumekit.errors.WriterProcessError`), never waited on; the next save starts a
-new one.
+new one. One that died between saves is warned about and replaced at the next save,
+which it had no part in.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,9 +41,12 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from resumekit.errors import ResumekitError, WriterProcessError
-from resumekit.tensors.remote import WriteReply, WriteRequest
-from resumekit.tensors.staging import SharedSegment
+from resumekit.tensors.remote import WriteReply, WriteRequest, perform
+from resumekit.tensors.staging import SharedSegment, attach
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WriterProcess", "serve"]
 
@@ -82,8 +87,13 @@ class WriterProcess:
 
     def start(self) -> None:
         """Start the process unless it runs; returns at once (it imports torch meanwhile)."""
-        if self._process is not None and self._process.poll() is None:
-            return
+        if self._process is not None:
+            code = self._process.poll()
+            if code is None:
+                return
+            warn(f"resumekit's writer process (pid {self._process.pid}) died between saves "
+                 f"({_how(code)}); no save was in flight, starting a new one",
+                 ResumekitWarning, stacklevel=3)
         self._forget()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -132,7 +142,7 @@ class WriterProcess:
         if reply[0] == "done":
             result: WriteReply = reply[1]
             return result
-        raise _failure(process.pid, request, *reply[1:])
+        raise _failure(process.pid, request, reply[1])
 
     def _receive(self, process: subprocess.Popen[bytes], connection: Connection) -> Any:
         while not connection.poll(_POLL_SECONDS):
@@ -149,10 +159,9 @@ class WriterProcess:
             code = process.wait()
         self._forget()
         name = _signal_name(code)
-        how = f"killed by signal {-code} ({name})" if name else f"exit code {code}"
         return WriterProcessError(
             f"resumekit's writer process (pid {process.pid}) died while writing "
-            f"{request.writer.path}: {how}; nothing of this save was committed (a new "
+            f"{request.writer.path}: {_how(code)}; nothing of this save was committed (a new "
             "writer process starts at the next save)",
             pid=process.pid, exit_code=code, signal=name, path=request.writer.path)
 
@@ -181,10 +190,8 @@ class WriterProcess:
 def _stop(process: subprocess.Popen[bytes], connection: Connection,
           ours: socket.socket) -> None:
     """Ask the process to exit, wait, kill it if it does not; close the socket."""
-    try:
+    with contextlib.suppress(OSError):  # it has exited already
         connection.send_bytes(pickle.dumps(("stop",)))
-    except OSError:
-        pass  # it has exited already
     try:
         process.wait(timeout=_STOP_SECONDS)
     except subprocess.TimeoutExpired:
@@ -193,6 +200,12 @@ def _stop(process: subprocess.Popen[bytes], connection: Connection,
         process.wait()
     connection.close()
     ours.close()
+
+
+def _how(code: int) -> str:
+    """How a process ended, from its exit status (negative: the signal)."""
+    name = _signal_name(code)
+    return f"killed by signal {-code} ({name})" if name else f"exit code {code}"
 
 
 def _signal_name(code: int) -> str | None:
@@ -204,9 +217,16 @@ def _signal_name(code: int) -> str | None:
         return None
 
 
-def _failure(pid: int, request: WriteRequest, pickled: bytes | None, kind: str,
-             message: str, remote_traceback: str) -> BaseException:
-    """The error to raise in the trainer for an error the writer process raised."""
+def _failure(pid: int, request: WriteRequest,
+             described: tuple[bytes | None, str, str, str]) -> BaseException:
+    """The error to raise in the trainer for an error the writer process raised.
+
+    Args:
+        pid: The writer process.
+        request: What it was writing.
+        described: What :func:`_described_error` sent.
+    """
+    pickled, kind, message, remote_traceback = described
     error: Any = None
     if pickled is not None:
         try:
@@ -232,12 +252,6 @@ def serve(fd: int, parent: int) -> None:
         fd: Its end of the socket to the trainer.
         parent: The trainer's pid (it exits once its parent is another).
     """
-    import torch
-
-    from resumekit.tensors.context import without_zip_crc32
-    from resumekit.tensors.remote import perform
-    from resumekit.tensors.staging import attach
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -264,11 +278,10 @@ def serve(fd: int, parent: int) -> None:
             request: WriteRequest = message[1]
             for key in [key for key in segments if key not in request.segments]:
                 del segments[key]
-            try:
-                with without_zip_crc32():
-                    reply: tuple[Any, ...] = ("done", perform(request, segments))
+            try:  # torch's CRC switch as the trainer's writer threads see it: the same bytes
+                reply: tuple[Any, ...] = ("done", perform(request, segments))
             except BaseException as error:  # noqa: BLE001 - sent to the trainer
-                reply = ("failed", *_described_error(error))
+                reply = ("failed", _described_error(error))
             connection.send_bytes(pickle.dumps(reply))
         else:
             return
@@ -277,8 +290,9 @@ def serve(fd: int, parent: int) -> None:
 def _described_error(error: BaseException) -> tuple[bytes | None, str, str, str]:
     """``error`` as (its pickle, or None if it does not round-trip; type; message; traceback)."""
     text = "".join(traceback.format_exception(error))
+    pickled: bytes | None
     try:
-        pickled: bytes | None = pickle.dumps(error)
+        pickled = pickle.dumps(error)
         pickle.loads(pickled)
     except Exception:  # noqa: BLE001 - described as text instead
         pickled = None

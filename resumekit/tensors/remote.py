@@ -15,6 +15,7 @@ writer would have produced on the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from collections.abc import Mapping, Sequence
@@ -155,8 +156,13 @@ class _ShippedWrites:
             writer=self.spec, plan=plan, data=data,
             segments=tuple(segment.key for segment in segments)))
         self.written = list(reply.written)
+        # The results name the plan's own index objects again, as a writer here would:
+        # .metadata pickles each object once, so its bytes depend on which objects repeat.
+        own = {item.index: item.index for item in plan.items}
+        results = [dataclasses.replace(result, index=own.get(result.index, result.index))
+                   for result in reply.results]
         done: Future[list[WriteResult]] = Future()
-        done.set_result(reply.results)
+        done.set_result(results)
         return done
 
 
@@ -189,7 +195,7 @@ def _described(data: Any, starts: Mapping[int, SharedSegment]
                ) -> SharedTensor | bytes | torch.Tensor:
     if isinstance(data, io.BytesIO):
         return data.getvalue()
-    tensor = data.detach()
+    tensor: torch.Tensor = data.detach()
     if tensor.device.type != "cpu":
         raise TypeError(f"a shipped write gets CPU tensors (staged), not {tensor.device}")
     segment = starts.get(tensor.untyped_storage().data_ptr())
@@ -198,7 +204,7 @@ def _described(data: Any, starts: Mapping[int, SharedSegment]
                      "copy", tensor.dtype, tensor.nbytes)
         return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes \
             else tensor
-    return SharedTensor(segment.key, tensor.storage_offset(), tensor.dtype,
+    return SharedTensor(segment.key, int(tensor.storage_offset()), tensor.dtype,
                         tuple(tensor.shape), tuple(tensor.stride()))
 
 

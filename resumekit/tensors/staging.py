@@ -1,6 +1,6 @@
 """CPU staging buffers for asynchronous saves: a state copied once, written in the background.
 
-With ``shared=True`` the buffers are carved out of :class:`SharedSegment`\ s: anonymous
+With ``shared=True`` the buffers are carved out of :class:`SharedSegment` s: anonymous
 shared memory (``memfd``) that the background writer process maps too, so the staged
 state reaches it without a second copy (:mod:`resumekit.background.process`).
 """
@@ -40,7 +40,7 @@ class SharedSegment:
         key: A number naming it between the processes (its inode: unique while it lives).
         nbytes: Its size.
         data: The mapping, as a ``uint8`` tensor of ``nbytes`` elements (page-aligned).
-        fd: Its descriptor (close-on-exec); -1 once :meth:`close`\ d.
+        fd: Its descriptor (close-on-exec); -1 once closed.
     """
 
     def __init__(self, nbytes: int) -> None:
@@ -91,7 +91,7 @@ class CpuStager:
         page_aligned: Start every buffer on a page boundary, so the raw tensor writer
             sends it to a local disk with direct I/O without copying it. Leave it off for
             fsspec URLs: DCP's own writer copies a tensor whose storage is larger than it.
-        shared: Carve the buffers out of :class:`SharedSegment`\ s (page-aligned, never
+        shared: Carve the buffers out of :class:`SharedSegment` s (page-aligned, never
             pinned), one per :meth:`prepare` or :meth:`stage` that needs new buffers, for
             a writer in another process (:meth:`segments`). Linux only.
     """
