@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         UnreadableFormatError,
         UnsafeCheckpointError,
         UnsupportedSchemaError,
+        WriterProcessError,
     )
     from resumekit.manager import (
         CheckpointInfo,
@@ -161,6 +162,7 @@ _EXPORTS: dict[str, str] = {
     "UnreadableFormatError": "resumekit.errors",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
+    "WriterProcessError": "resumekit.errors",
     "capture_rng": "resumekit.state.rng",
     "current_context": "resumekit.runtime.distributed",
     "import_checkpoint": "resumekit.tools.importers",
@@ -227,6 +229,7 @@ __all__ = [
     "UnreadableFormatError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
+    "WriterProcessError",
     "__version__",
     "capture_rng",
     "current_context",

@@ -24,6 +24,7 @@ from resumekit.errors import (
     UnreadableFormatError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
+    WriterProcessError,
 )
 
 ALL_ERRORS = sorted(
@@ -49,6 +50,7 @@ EXPECTED_BUILTINS: dict[type[ResumekitError], tuple[type[BaseException], ...]] =
     IncompatibleVersionError: (IncompatibleCheckpointError, ValueError),
     UnreadableFormatError: (CorruptCheckpointError, ValueError),
     AsyncSaveError: (RuntimeError,),
+    WriterProcessError: (RuntimeError,),
     DistributedSetupError: (RuntimeError,),
     ConfigurationError: (ValueError,),
 }
