@@ -430,7 +430,7 @@ class CheckpointManager:
             return
         if self._stager is None:
             self._stager = self._new_stager()
-        if self._writer is not None:
+        if self._writer is not None and stage_ahead is not None:  # built just now
             self._writer.start()  # it starts up while the buffers are touched
         optimizer = self.state.optimizer
         if optimizer is None or optimizer.state:

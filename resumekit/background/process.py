@@ -129,7 +129,9 @@ class WriterProcess:
         process, connection, ours = self._process, self._connection, self._socket
         assert process is not None and connection is not None and ours is not None
         try:
-            for segment in self._segments():
+            segments = list(self._segments())
+            self._sent &= {segment.key for segment in segments}  # the others are unmapped
+            for segment in segments:
                 if segment.key not in self._sent and segment.fd >= 0:
                     connection.send_bytes(pickle.dumps(("segment", segment.key,
                                                         segment.nbytes)))
@@ -282,7 +284,10 @@ def serve(fd: int, parent: int) -> None:
                 reply: tuple[Any, ...] = ("done", perform(request, segments))
             except BaseException as error:  # noqa: BLE001 - sent to the trainer
                 reply = ("failed", _described_error(error))
-            connection.send_bytes(pickle.dumps(reply))
+            try:
+                connection.send_bytes(pickle.dumps(reply))
+            except OSError:  # the trainer died while this was written: nobody to tell
+                return
         else:
             return
 

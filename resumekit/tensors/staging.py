@@ -35,20 +35,21 @@ class SharedSegment:
 
     Args:
         nbytes: Its size (> 0), rounded up to whole pages.
+        key: A number naming it between the processes, never reused by its owner.
 
     Attributes:
-        key: A number naming it between the processes (its inode: unique while it lives).
+        key: The number naming it.
         nbytes: Its size.
         data: The mapping, as a ``uint8`` tensor of ``nbytes`` elements (page-aligned).
         fd: Its descriptor (close-on-exec); -1 once closed.
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, key: int) -> None:
+        self.key = key
         self.nbytes = max(ALIGNMENT, -(-nbytes // ALIGNMENT) * ALIGNMENT)
         self.fd = os.memfd_create("resumekit-staging", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.nbytes)
-            self.key = os.fstat(self.fd).st_ino
             self.data = attach(self.fd, self.nbytes)
         except BaseException:
             os.close(self.fd)
@@ -106,6 +107,7 @@ class CpuStager:
         self._wrappers: dict[tuple[str, ...], tuple[DTensor, torch.Tensor, Any]] = {}
         self._segment_of: dict[tuple[str, ...], SharedSegment] = {}
         self._segments: list[SharedSegment] = []  # every segment with an open descriptor
+        self._carved = 0  # segments made so far: the next one's key
 
     @property
     def nbytes(self) -> int:
@@ -188,7 +190,10 @@ class CpuStager:
             if nbytes:
                 offsets[path] = end
                 end += -(-nbytes // ALIGNMENT) * ALIGNMENT
-        segment = SharedSegment(end) if end else None
+        segment = None
+        if end:
+            self._carved += 1
+            segment = SharedSegment(end, key=self._carved)
         if segment is not None and touch:
             segment.data.zero_()  # every page mapped now
         for path, source in missing.items():

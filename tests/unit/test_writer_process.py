@@ -371,3 +371,35 @@ def test_a_blocking_save_of_a_process_writer_manager_is_written_in_process(
     assert ckpt._writer is not None and ckpt._writer.pid is None  # never started
     ckpt.close()
     assert WriterProcess(lambda: []).pid is None
+
+
+def _with_history(length: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 5))
+    model.register_buffer("history", torch.randn(length))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer)
+    return model, optimizer
+
+
+def test_a_buffer_restaged_after_a_shape_change_reaches_the_writer_process_in_a_new_segment(
+        tmp_path: Path) -> None:
+    model, optimizer = _with_history(10, seed=0)
+    ckpt = _manager(tmp_path, model, optimizer)
+    ckpt.save(1)
+    ckpt.wait()
+    assert ckpt._stager is not None
+    before = [segment.key for segment in ckpt._stager.segments()]
+    model.history = torch.randn(20)  # type: ignore[assignment] - a new shape: a new buffer
+    _train(model, optimizer)
+    ckpt.save(2)  # its segment is sent to the writer process before the request
+    ckpt.wait()
+    keys = [segment.key for segment in ckpt._stager.segments()]
+    assert keys[:len(before)] == before and len(keys) == len(before) + 1
+    assert len(set(keys)) == len(keys)
+    ckpt.close()
+    fresh, fresh_optimizer = _with_history(20, seed=1)
+    reader = CheckpointManager(tmp_path, model=fresh, optimizer=fresh_optimizer)
+    assert reader.restore() == 2
+    _assert_bit_identical(_state(model, optimizer), _state(fresh, fresh_optimizer))
+    reader.close()
