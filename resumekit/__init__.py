@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         UnreadableFormatError,
         UnsafeCheckpointError,
         UnsupportedSchemaError,
+        WriterProcessError,
     )
     from resumekit.manager import (
         CheckpointInfo,
@@ -167,6 +168,7 @@ _EXPORTS: dict[str, str] = {
     "UnreadableFormatError": "resumekit.errors",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
+    "WriterProcessError": "resumekit.errors",
     "capture_rng": "resumekit.state.rng",
     "current_context": "resumekit.runtime.distributed",
     "import_checkpoint": "resumekit.tools.importers",
@@ -236,6 +238,7 @@ __all__ = [
     "UnreadableFormatError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
+    "WriterProcessError",
     "__version__",
     "capture_rng",
     "current_context",

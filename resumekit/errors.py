@@ -32,6 +32,7 @@ __all__ = [
     "UnreadableFormatError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
+    "WriterProcessError",
 ]
 
 
@@ -137,6 +138,15 @@ class IncompatibleVersionError(IncompatibleCheckpointError):
 
 class AsyncSaveError(ResumekitError, RuntimeError):
     """A background save failed; raised on the next call into the manager (``step``)."""
+
+
+class WriterProcessError(ResumekitError, RuntimeError):
+    """The background writer process (``async_writer="process"``) failed or died.
+
+    Attributes ``pid``; for an error raised there, ``remote_type`` (its class name) and
+    ``remote_traceback`` (its traceback, as text); for a process that died,
+    ``exit_code`` (negative: the signal) and ``signal`` (its name, or None).
+    """
 
 
 class DistributedSetupError(ResumekitError, RuntimeError):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from resumekit import saving
-from resumekit.background import BackgroundSave
+from resumekit.background import BackgroundSave, WriterProcess
 from resumekit.errors import (
     ConfigurationError,
     IncompatibleCheckpointError,
@@ -207,6 +207,7 @@ class CheckpointManager:
         self.save_every = options.save_every
         self.retention = options.retention
         self.async_save = options.async_save
+        self.async_writer = options.async_writer
         self.background_priority = options.background_priority
         self.config: dict[str, Any] = jsonable.plain_json(config or {}, what="config")
         self.on_mismatch = options.on_mismatch
@@ -232,6 +233,12 @@ class CheckpointManager:
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
         self._background = BackgroundSave()
+        # async_writer="process": the writer process, started at the first background save
+        # or when staging ahead; it maps the stager's shared segments.
+        self._writer = (WriterProcess(lambda: [] if self._stager is None
+                                      else self._stager.segments())
+                        if options.async_save and options.async_writer == "process"
+                        else None)
         self._active_tokens: set[str] = set()
         self._fence = Fence()  # this run's writer generation, shared by both channels
         self._main = open_channel(self.storage, self.name_format, self._fence, process_group)
@@ -426,13 +433,19 @@ class CheckpointManager:
                 or self.state.model is None):
             return
         if self._stager is None:
-            self._stager = sharded.CpuStager(page_aligned=self.tensor_format == "raw")
+            self._stager = self._new_stager()
+        if self._writer is not None and stage_ahead is not None:  # built just now
+            self._writer.start()  # it starts up while the buffers are touched
         optimizer = self.state.optimizer
         if optimizer is None or optimizer.state:
             tensors = self.state.tensor_state()
         else:
             tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
         self._stager.prepare(tensors)
+
+    def _new_stager(self) -> sharded.CpuStager:
+        return sharded.CpuStager(page_aligned=self.tensor_format == "raw",
+                                 shared=self._writer is not None)
 
     def _finish_restore(self, reason: str) -> None:
         self._prepare_staging()
@@ -685,10 +698,11 @@ class CheckpointManager:
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
-                self._stager = sharded.CpuStager(page_aligned=self.tensor_format == "raw")
+                self._stager = self._new_stager()
             job = SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
                            manifest, started,
-                           background=self.background_priority == "idle")
+                           background=self.background_priority == "idle",
+                           writer=self._writer)
             self._newest_step = step
             resumed = time.monotonic()  # training after this capture starts now
 
@@ -771,7 +785,7 @@ class CheckpointManager:
                     job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                     process_group=group, background=job.background,
                     storage_options=self.storage.storage_options or None,
-                    tensor_format=self.tensor_format)
+                    tensor_format=self.tensor_format, remote=job.writer)
             entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
                                  checksum=file.checksum) for file in written]
             required = [f"{TENSORS_DIR}/{name}" for file in written
@@ -926,6 +940,10 @@ class CheckpointManager:
             dist.barrier(group=self._saver.group)
             dist.destroy_process_group(self._saver.group)
             self._saver = self._main
+        if self._writer is not None:
+            self._writer.close()
+            if self._stager is not None:
+                self._stager.close()  # its shared segments' descriptors
 
     def _check_open(self) -> None:
         if self._closed:

@@ -9,19 +9,29 @@ knob is validated when the options are built, and a knob that cannot work is a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from resumekit.errors import ConfigurationError, ResumekitError
 from resumekit.store.layout import DEFAULT_NAME_FORMAT, NameFormat
 from resumekit.store.retention import RetentionPolicy, keep_last
 
-__all__ = ["CheckpointOptions", "ForeignPolicy", "MismatchPolicy", "OptionKeywords"]
+__all__ = ["AsyncWriter", "CheckpointOptions", "ForeignPolicy", "MismatchPolicy",
+           "OptionKeywords"]
 
 MismatchPolicy = Literal["error", "warn", "ignore"]
 ForeignPolicy = Literal["error", "ignore"]
+AsyncWriter = Literal["thread", "process"]
 
 #: Retention when none is given: the three newest committed checkpoints.
 DEFAULT_RETENTION = keep_last(3)
@@ -49,6 +59,15 @@ class CheckpointOptions(BaseModel):
             ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
         async_save: Stage state to CPU memory and write in the background.
+        async_writer: Where a background save's tensor bytes are hashed and written:
+            ``"thread"`` (default), by writer threads of the training process, or
+            ``"process"``, by a long-lived writer process per manager and rank, which
+            reads the staged state from shared memory (no second copy) and so never
+            holds the training process's GIL. Planning, the small files and the commit
+            stay on the save thread either way; blocking saves are always written
+            in-process. ``"process"`` needs ``async_save`` (a
+            :class:`~resumekit.errors.ConfigurationError` without it) and Linux. When it
+            pays: ``docs/performance.md``.
         background_priority: CPU priority of an async save's writer threads: ``"idle"``
             (default; ``SCHED_IDLE`` on Linux, else nice 19) leaves the cores to training,
             ``"normal"`` competes with it. Pick ``"normal"`` when other processes keep
@@ -103,6 +122,7 @@ class CheckpointOptions(BaseModel):
     retention: RetentionPolicy | None = DEFAULT_RETENTION
     name_format: str = DEFAULT_NAME_FORMAT
     async_save: bool = False
+    async_writer: AsyncWriter = "thread"
     background_priority: Literal["idle", "normal"] = "idle"
     on_mismatch: MismatchPolicy = "error"
     fallback: bool = True
@@ -133,6 +153,21 @@ class CheckpointOptions(BaseModel):
     def _parses_back(cls, value: str) -> str:
         NameFormat(value)  # its ConfigurationError names the template's fault
         return value
+
+    @model_validator(mode="after")
+    def _writer_needs_async(self) -> CheckpointOptions:
+        if self.async_writer == "process" and "async_writer" in self.model_fields_set:
+            if not self.async_save:
+                raise ConfigurationError(
+                    "async_writer='process' writes background saves: it needs "
+                    "async_save=True (blocking saves are always written in-process)",
+                    name="async_writer", value="process")
+            if not sys.platform.startswith("linux"):
+                raise ConfigurationError(
+                    f"async_writer='process' shares the staged state through Linux's "
+                    f"memfd; not available on {sys.platform} (use 'thread')",
+                    name="async_writer", value="process")
+        return self
 
     @classmethod
     def resolve(cls, options: CheckpointOptions | None,
@@ -188,6 +223,7 @@ class OptionKeywords(TypedDict, total=False):
     retention: RetentionPolicy | None
     name_format: str
     async_save: bool
+    async_writer: AsyncWriter
     background_priority: Literal["idle", "normal"]
     on_mismatch: MismatchPolicy
     fallback: bool

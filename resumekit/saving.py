@@ -2,7 +2,8 @@
 
 The manager captures a save on the calling thread into a :class:`SaveJob` (its manifest
 records the run's :func:`lineage`) and writes it there or on the background thread
-(:mod:`resumekit.background`). Once it is committed, :func:`apply_retention` prunes; when
+(:mod:`resumekit.background`; its tensor bytes, with ``async_writer="process"``, in the
+writer process). Once it is committed, :func:`apply_retention` prunes; when
 writing fails, :func:`abort_after` removes the staging area and :func:`save_failure` turns
 an ``OSError`` into the :class:`~resumekit.errors.StorageError` that names the step, the
 root and the file.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from resumekit.errors import StorageError
 from resumekit.runtime import distributed
@@ -24,6 +25,9 @@ from resumekit.store.manifest import Lineage, Manifest
 from resumekit.store.retention import RetentionPolicy, RollingSweep, prune
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
+
+if TYPE_CHECKING:
+    from resumekit.tensors.remote import RemoteWrites
 
 __all__ = ["SaveJob", "abort_after", "apply_retention", "lineage", "save_failure"]
 
@@ -42,6 +46,7 @@ class SaveJob:
     manifest: Manifest
     started: float
     background: bool = False  # overlaps training: writer threads at idle CPU priority
+    writer: RemoteWrites | None = None  # the writer process that writes its tensor bytes
 
 
 def abort_after(protocol: CommitProtocol, pending: PendingCheckpoint,

@@ -35,6 +35,7 @@ from resumekit.tensors.context import (
 )
 from resumekit.tensors.failures import from_failures
 from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
+from resumekit.tensors.remote import RemoteWrites, WriterSpec, shipped
 
 __all__ = ["DEFAULT_SYNC_FILES", "DEFAULT_THREAD_COUNT", "TENSOR_FORMATS", "TensorFormat",
            "save", "tensor_format_for"]
@@ -71,6 +72,7 @@ def save(
     sync_files: bool = DEFAULT_SYNC_FILES,
     background: bool = False,
     tensor_format: TensorFormat = "raw",
+    remote: RemoteWrites | None = None,
 ) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
@@ -93,6 +95,9 @@ def save(
         sync_files: fsync every written file before returning (local paths only).
         background: The save overlaps training: writer threads lower their CPU priority.
         tensor_format: ``"raw"`` (default) or ``"dcp"``; see :data:`TENSOR_FORMATS`.
+        remote: Have this rank's bytes written there (the writer process,
+            :mod:`resumekit.tensors.remote`): planning, its collectives and ``.metadata``
+            stay here. The same files, byte for byte.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -109,7 +114,7 @@ def save(
     group, no_dist = resolve_group(process_group)
     target = directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
-                          tensor_format=tensor_format)
+                          tensor_format=tensor_format, remote=remote)
     planner = DefaultSavePlanner()
     try:
         with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background):
@@ -160,11 +165,20 @@ def _make_writer(
     background: bool = False,
     *,
     tensor_format: TensorFormat = "raw",
+    remote: RemoteWrites | None = None,
 ) -> FileSystemWriter:
     if thread_count < 1:
         raise ConfigurationError(f"thread_count must be >= 1, got {thread_count}",
                                  name="thread_count", value=thread_count)
     local = local_path(directory)
+    if remote is not None:
+        raw = tensor_format_for(directory, tensor_format) == "raw"
+        return shipped(WriterSpec(
+            kind="raw" if raw else "dcp", path=local if local is not None else directory,
+            thread_count=thread_count, sync_files=sync_files and local is not None,
+            background=background,
+            storage_options=None if local is not None else dict(storage_options or {})),
+            remote)
     if tensor_format_for(directory, tensor_format) == "raw":
         assert local is not None
         return RawTensorWriter(local, thread_count=thread_count, sync_files=sync_files,

@@ -25,6 +25,7 @@ from resumekit.errors import (
     UnreadableFormatError,
     UnsafeCheckpointError,
     UnsupportedSchemaError,
+    WriterProcessError,
 )
 
 ALL_ERRORS = sorted(
@@ -50,6 +51,7 @@ EXPECTED_BUILTINS: dict[type[ResumekitError], tuple[type[BaseException], ...]] =
     IncompatibleVersionError: (IncompatibleCheckpointError, ValueError),
     UnreadableFormatError: (CorruptCheckpointError, ValueError),
     AsyncSaveError: (RuntimeError,),
+    WriterProcessError: (RuntimeError,),
     DistributedSetupError: (RuntimeError,),
     ConfigurationError: (ValueError,),
     MissingDependencyError: (ConfigurationError, ValueError, ImportError),

@@ -26,6 +26,8 @@ _BAD = [
     ("retention", 3, "RetentionPolicy"),
     ("name_format", "no_step_field", "exactly one {step} field"),
     ("async_save", "sometimes", "boolean"),
+    ("async_writer", "fork", "'thread' or 'process'"),
+    ("async_writer", "process", "needs async_save=True"),
     ("background_priority", "low", "'idle' or 'normal'"),
     ("on_mismatch", "bogus", "'error', 'warn' or 'ignore'"),
     ("fallback", None, "boolean"),

@@ -1,10 +1,11 @@
-"""``BackgroundSave``: the one owner of a manager's background save work.
+"""``BackgroundSave``: the one owner of a manager's background save thread.
 
 An async save captures the state on the training thread and hands the writing to this
 worker: one thread, one job at a time. A job's error is kept and re-raised to the
 manager, wrapped in :class:`~resumekit.errors.AsyncSaveError`, by the next :meth:`wait`
-(or :meth:`raise_if_failed`), so a failed background save is never silent. Imports no
-torch.
+(or :meth:`raise_if_failed`), so a failed background save is never silent; an error raised
+in the writer process (:mod:`.process`) brings its traceback along, and the message shows
+it. Imports no torch.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class BackgroundSave:
             thread.join()
         error, self._error = self._error, None
         if error is not None:
+            remote = getattr(error, "remote_traceback", None)
+            shown = f"\nthe writer process's traceback:\n{remote}" if remote else ""
             raise AsyncSaveError(
                 f"background save of step {self._step} failed: {type(error).__name__}: "
-                f"{error}",
+                f"{error}{shown}",
                 step=self._step,
             ) from error

@@ -1,0 +1,14 @@
+"""A manager's background save work, one module per part.
+
+* :mod:`.thread`: :class:`BackgroundSave`, the one owner of the save thread (one job at a
+  time; its error re-raised by the next wait). Every background save runs there.
+* :mod:`.process`: :class:`WriterProcess`, the long-lived writer process of
+  ``async_writer="process"``, to which the save thread hands the rank's tensor bytes.
+"""
+
+from __future__ import annotations
+
+from resumekit.background.process import WriterProcess
+from resumekit.background.thread import BackgroundSave
+
+__all__ = ["BackgroundSave", "WriterProcess"]
