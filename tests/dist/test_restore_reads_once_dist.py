@@ -24,7 +24,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from resumekit import CheckpointManager
-from resumekit.errors import CorruptCheckpointError
+from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from resumekit.tensors import sharded
 from tests.distributed_harness import run_ranks
 
 WIDTH = 256  # a Linear(256, 256) weight is 256 KiB: past the size below which all read
@@ -97,11 +98,13 @@ def _data_bytes(step_dir: Path) -> int:
     return sum(path.stat().st_size for path in (step_dir / "tensors").glob("*.distcp"))
 
 
-def _ddp(rank: int, world_size: int, root: str, reads: str) -> dict[str, Any]:
+def _ddp(rank: int, world_size: int, root: str, reads: str, tensor_format: str = "raw"
+         ) -> dict[str, Any]:
     model = DistributedDataParallel(_model(seed=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, optimizer, seed=0)
-    manager = CheckpointManager(root, model=model, optimizer=optimizer)
+    manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                tensor_format=tensor_format)
     manager.save(1)
     manager.close()
     saved = _snapshot(model, optimizer)
@@ -133,6 +136,32 @@ def test_a_ddp_restore_told_every_rank_reads_reads_everything_on_every_rank(
     for rank, result in enumerate(results):
         assert result["step"] == 1 and result["same"], (rank, result)
         assert result["read"] > 0.9 * result["total"], (rank, result)
+
+
+def test_a_ddp_restore_of_dcps_own_format_read_once_is_bit_identical(tmp_path: Path) -> None:
+    results = run_ranks(_ddp, world_size=2, args=(str(tmp_path), "once", "dcp"))
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+
+
+def _one_rank_misfits(rank: int, world_size: int, root: str) -> str:
+    torch.manual_seed(0)
+    sharded.save({"model": {"w": torch.randn(WIDTH, WIDTH)}}, root)
+    width = WIDTH if rank == 0 else WIDTH // 2  # rank 1 fails its fit check, before reading
+    try:
+        sharded.load({"model": {"w": torch.empty(WIDTH, width)}}, root, read_once=True,
+                     plan_locally=True)
+    except IncompatibleCheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_a_rank_that_fails_before_reading_fails_the_ranks_waiting_to_share_its_reads(
+        tmp_path: Path) -> None:
+    # rank 0 waits in the exchange of what to share; rank 1 never gets there
+    results = run_ranks(_one_rank_misfits, world_size=2, args=(str(tmp_path),),
+                        group_timeout_s=30.0)
+    assert all("model.w" in said for said in results), results
 
 
 def _hsdp_model(seed: int) -> nn.Module:
