@@ -34,6 +34,7 @@ restore absorbs skew between ranks as before.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +47,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from resumekit.store.coordination import ProcessGroupCoordinator
 
-__all__ = ["BUCKET_BYTES", "SHARED_MIN_BYTES", "ReadStats", "SharedReads", "assign_readers"]
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "ROUND_BYTES", "SHARED_MIN_BYTES", "WINDOW_BYTES",
+           "ReadStats", "SharedReads", "Transfer", "assign_readers", "cut_rounds"]
 
 logger = logging.getLogger("resumekit")
 
@@ -54,8 +56,19 @@ SHARED_MIN_BYTES = 64 << 10
 """Pieces smaller than this are read by every rank that wants them: the raw format packs
 items below this size into shared regions read whole, so splitting them saves nothing."""
 
-BUCKET_BYTES = 64 << 20
-"""Pieces up to this size are packed into buffers of about this size to be sent."""
+ALONE_BYTES = 1 << 20
+"""Pieces of at least this size are sent alone, straight from the reader's destination into
+the others' (no copy); smaller ones are packed together."""
+
+BUCKET_BYTES = 16 << 20
+"""Small pieces travel packed in buffers of up to this size."""
+
+ROUND_BYTES = 64 << 20
+"""Bytes each reader reads in a round before the ranks agree and its transfers start."""
+
+WINDOW_BYTES = 1 << 30
+"""Bytes of transfers a rank has started and not finished (more waits for the oldest): what
+a rank holds beyond its destinations is at most this much of packed or staged buffers."""
 
 _ALIGN = 16  # offsets of pieces in a packed buffer: any dtype can view its bytes in place
 
@@ -104,7 +117,8 @@ class Transfer:
 
 
 def assign_readers(offers: Sequence[Iterable[tuple[Key, int]]], *,
-                   bucket_bytes: int = BUCKET_BYTES) -> tuple[dict[Key, int], list[Transfer]]:
+                   bucket_bytes: int = BUCKET_BYTES, alone_bytes: int = ALONE_BYTES,
+                   ) -> tuple[dict[Key, int], list[Transfer]]:
     """Give each piece wanted by several ranks one reader, and plan the sending.
 
     Deterministic: every rank computes it from the same gathered offers and gets the same
@@ -114,8 +128,9 @@ def assign_readers(offers: Sequence[Iterable[tuple[Key, int]]], *,
 
     Args:
         offers: Per group rank, the ``(key, bytes)`` of the pieces it could share.
-        bucket_bytes: Pieces are packed into transfers of up to this many bytes (a larger
-            piece travels alone).
+        bucket_bytes: Pieces below ``alone_bytes`` are packed into transfers of up to this
+            many bytes.
+        alone_bytes: Pieces of at least this size travel alone.
 
     Returns:
         ``{key: reader}`` for every piece wanted by more than one rank, and the transfers
@@ -140,20 +155,28 @@ def assign_readers(offers: Sequence[Iterable[tuple[Key, int]]], *,
     groups: dict[tuple[tuple[int, ...], int], list[Key]] = {}
     for key, reader in readers.items():
         groups.setdefault((tuple(sorted(wanted[key])), reader), []).append(key)
-    transfers: list[Transfer] = []
+    numbered: list[tuple[int, tuple[int, ...], int, Transfer]] = []
     for (members, reader), keys in sorted(groups.items()):
         bucket: list[tuple[Key, int]] = []
         filled = 0
+        own: list[Transfer] = []
         for key in sorted(keys, key=lambda k: (-size[k], k)):
+            if size[key] >= alone_bytes:
+                own.append(Transfer(reader, members, ((key, size[key]),)))
+                continue
             length = _aligned(size[key])
             if bucket and filled + length > bucket_bytes:
-                transfers.append(Transfer(reader, members, tuple(bucket)))
+                own.append(Transfer(reader, members, tuple(bucket)))
                 bucket, filled = [], 0
             bucket.append((key, size[key]))
             filled += length
         if bucket:
-            transfers.append(Transfer(reader, members, tuple(bucket)))
-    return readers, transfers
+            own.append(Transfer(reader, members, tuple(bucket)))
+        numbered += [(number, members, reader, t) for number, t in enumerate(own)]
+    # Interleaved by reader (each reader's first, then each one's second, ...): the
+    # readers' sends run at once, each rank sending while it receives.
+    numbered.sort(key=lambda entry: entry[:3])
+    return readers, [transfer for *_, transfer in numbered]
 
 
 def piece_key(item: ReadItem) -> Key:
@@ -168,31 +191,42 @@ class SharedReads:
     """One load's reads, split among the ranks of ``group`` that want the same bytes.
 
     Give it to the reader (:func:`resumekit.tensors.reader.make_reader`'s ``shared``): the
-    reader's ``read_data`` then runs :meth:`read`. A rank whose load fails outside
-    ``read_data`` (before it, in planning) calls :meth:`settle` with its error, so the ranks
-    waiting in ``read_data`` raise it too instead of waiting for bytes that will not come.
+    reader's ``read_data`` then runs :meth:`read`. A rank whose load fails before
+    ``read_data`` (in planning) calls :meth:`settle` with its error, so the ranks waiting
+    in ``read_data`` raise it too instead of waiting for bytes that will not come.
 
     Args:
         group: The load's process group (more than one rank).
         min_bytes: Pieces below this are read by every rank that wants them.
-        bucket_bytes: Pieces up to this are sent packed in buffers of about this size.
+        round_bytes: Bytes each reader reads in a round, before an agreement.
+        window_bytes: Bytes of transfers started and not yet finished, at most (one
+            larger transfer runs alone).
 
     Attributes:
         stats: What this rank read, received and sent (after the load).
     """
 
     def __init__(self, group: dist.ProcessGroup, *, min_bytes: int = SHARED_MIN_BYTES,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 round_bytes: int = ROUND_BYTES, window_bytes: int = WINDOW_BYTES) -> None:
         self.group = group
         self.coordinator = ProcessGroupCoordinator(group)
         self.min_bytes = min_bytes
-        self.bucket_bytes = bucket_bytes
+        self.round_bytes = round_bytes
+        self.window_bytes = window_bytes
         self.stats = ReadStats()
-        self._agreements_left = 2
+        self._offered = False
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._in_flight = 0
 
     def read(self, plan: LoadPlan, planner: LoadPlanner,
              read: Callable[[LoadPlan, LoadPlanner], None], *, source: str) -> None:
-        """Read this rank's share of ``plan`` with ``read``, then exchange the rest.
+        """Read this rank's share of ``plan`` with ``read`` and exchange the rest, in rounds.
+
+        Round r: every reader reads its r-th transfer's pieces, all ranks agree on the
+        outcome, then that round's transfers start (asynchronously) while the next round
+        is read; the last round reads what nobody shares. A failure in round r is raised
+        on every rank at round r's agreement, before any transfer of the failed reads
+        starts (transfers of earlier rounds, agreed good, are finished first).
 
         Args:
             plan: This rank's load plan.
@@ -218,50 +252,74 @@ class SharedReads:
                 (key, sizes[id(item)]) for key, item in pieces.items())))
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
             offer = ("error", error)
+        self._offered = True
         offers: list[_Offer] = self._agree(offer)
-        transfers: list[Transfer] = []
+        self._read_in_rounds(plan, planner, read, offers, (pieces, sizes))
+
+    def _read_in_rounds(self, plan: LoadPlan, planner: LoadPlanner,
+                        read: Callable[[LoadPlan, LoadPlanner], None], offers: list[_Offer],
+                        mine: tuple[dict[Key, ReadItem], dict[int, int]]) -> None:
+        pieces, sizes = mine
+        if any(other.source != offers[0].source for other in offers):
+            offers = [_Offer(o.source, ()) for o in offers]  # not one checkpoint: no sharing
+        # From agreed offers only, so every rank runs the same rounds and agreements.
+        readers, transfers = assign_readers([o.pieces for o in offers])
+        rounds = cut_rounds(transfers, self.round_bytes)
+        rank = self.coordinator.rank
+        failure: Exception | None = None
+        rest: list[ReadItem] = []
         try:
-            if any(other.source != offers[0].source for other in offers):
-                offers = [_Offer(o.source, ()) for o in offers]  # not one checkpoint
-            readers, transfers = assign_readers([o.pieces for o in offers],
-                                                bucket_bytes=self.bucket_bytes)
-            rank = self.coordinator.rank
-            skipped = {id(item) for key, item in pieces.items()
-                       if readers.get(key, rank) != rank}
-            own = [item for item in plan.items if id(item) not in skipped]
-            self.stats.shared_pieces = sum(key in readers for key in pieces)
-            self.stats.read_bytes = sum(sizes.get(id(item), 0) for item in own)
-            read(dataclasses.replace(plan, items=own), planner)
-            outcome: tuple[str, Any] = ("ok", None)
+            shared = {id(item) for key, item in pieces.items() if key in readers}
+            rest = [item for item in plan.items if id(item) not in shared]
+            self.stats.shared_pieces = len(shared)
+            self.stats.read_bytes = sum(sizes.get(id(item), 0) for item in rest)
         except Exception as error:  # noqa: BLE001 - every rank raises it, below
-            outcome = ("error", error)
-        self._agree(outcome)
-        self._exchange(transfers, pieces, planner)
-        logger.debug("shared reads: read %d bytes, received %d, sent %d (%d shared pieces)",
-                     self.stats.read_bytes, self.stats.received_bytes,
-                     self.stats.sent_bytes, self.stats.shared_pieces)
+            failure = error
+        if not rounds:  # nothing shared (FSDP): no rank waits for another's reads
+            if failure is not None:
+                raise failure
+            read(dataclasses.replace(plan, items=rest), planner)
+            return
+        for number in range(len(rounds) + 1):
+            if failure is None:
+                items = rest if number == len(rounds) else [
+                    pieces[key] for t in rounds[number] if t.reader == rank
+                    for key, _ in t.pieces]
+                self.stats.read_bytes += 0 if items is rest else sum(
+                    sizes[id(item)] for item in items)
+                failure = _failure_of(read, dataclasses.replace(plan, items=items), planner)
+            try:
+                self._agree(("ok", None) if failure is None else ("error", failure))
+            except BaseException:
+                self._drain()
+                raise
+            if number < len(rounds):
+                for transfer in rounds[number]:
+                    if rank in transfer.members:
+                        self._start(transfer, [pieces[key] for key, _ in transfer.pieces],
+                                    planner)
+        while self._pending:
+            self._finish(self._pending.popleft(), planner)
+        logger.debug("shared reads: read %d bytes, received %d, sent %d (%d shared pieces, "
+                     "%d rounds)", self.stats.read_bytes, self.stats.received_bytes,
+                     self.stats.sent_bytes, self.stats.shared_pieces, len(rounds))
 
     def settle(self, error: BaseException) -> None:
-        """After ``error`` outside :meth:`read`: tell the other ranks, unless told already.
+        """After ``error`` before :meth:`read`: tell the ranks waiting in it.
 
         Raises:
-            ResumekitError: The lowest failing rank's error, when there are agreements
-                left to run (the caller raises its own otherwise).
+            ResumekitError: The lowest failing rank's error, when this rank had not yet
+                offered its pieces (the caller raises its own otherwise).
         """
-        if self._agreements_left > 0:
+        if not self._offered:
+            self._offered = True
             self._agree(("error", error))
 
     def _agree(self, outcome: tuple[str, Any]) -> Any:
         """All-gather ``outcome``; raise the first error, else return every rank's value."""
-        self._agreements_left -= 1
-        try:
-            gathered = self.coordinator.all_gather(outcome)
-        except BaseException:
-            self._agreements_left = 0
-            raise
+        gathered = self.coordinator.all_gather(outcome)
         for status, value in gathered:
             if status == "error":
-                self._agreements_left = 0
                 raise value
         return [value for _, value in gathered]
 
@@ -280,52 +338,106 @@ class SharedReads:
             del found[key]
         return found
 
-    def _exchange(self, transfers: list[Transfer], pieces: dict[Key, ReadItem],
-                  planner: LoadPlanner) -> None:
+    def _start(self, transfer: Transfer, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Start one transfer this rank takes part in.
+
+        While more than ``window_bytes`` are in flight, the oldest are finished first.
+        """
         rank = self.coordinator.rank
-        for transfer in transfers:
-            if rank not in transfer.members:
-                continue
-            items = [pieces[key] for key, _ in transfer.pieces]
-            if rank == transfer.reader:
-                buffer = _packed(planner, items)
-                self._send(buffer, transfer)
-                self.stats.sent_bytes += buffer.numel() * (len(transfer.members) - 1)
-                continue
-            direct = _byte_view(planner.resolve_tensor(items[0]).detach()) \
-                if len(items) == 1 else None
+        direct = None
+        if rank == transfer.reader:
+            buffer = _packed(planner, items)
+            self.stats.sent_bytes += buffer.numel() * (len(transfer.members) - 1)
+        else:
+            if len(items) == 1:
+                direct = _byte_view(planner.resolve_tensor(items[0]).detach())
             size = transfer.pieces[0][1] if len(items) == 1 else _layout(planner, items)[1]
             buffer = direct if direct is not None else torch.empty(size, dtype=torch.uint8)
-            self._send(buffer, transfer)
             self.stats.received_bytes += sum(length for _, length in transfer.pieces)
-            if direct is None:
-                _unpack(planner, items, buffer)
-            for item in items:
-                planner.commit_tensor(item, planner.resolve_tensor(item).detach())
-
-    def _send(self, buffer: torch.Tensor, transfer: Transfer) -> None:
-        """The reader's ``buffer`` into every member's (a broadcast, or sends)."""
+        while self._pending and self._in_flight + buffer.numel() > self.window_bytes:
+            self._finish(self._pending.popleft(), planner)
         source = self._global(transfer.reader)
-        rank = self.coordinator.rank
-        collective = "broadcast"
         try:
             if len(transfer.members) == self.coordinator.world_size:
-                dist.broadcast(buffer, src=source, group=self.group)
+                works = [dist.broadcast(buffer, src=source, group=self.group, async_op=True)]
             elif rank == transfer.reader:
-                collective = "send"
                 works = [dist.isend(buffer, dst=self._global(member), group=self.group)
                          for member in transfer.members if member != rank]
-                for work in works:
-                    if work is not None:
-                        work.wait()
             else:
-                collective = "recv"
-                dist.recv(buffer, src=source, group=self.group)
+                works = [dist.irecv(buffer, src=source, group=self.group)]
         except RuntimeError as error:  # gloo's peer-closed and timeout errors
-            raise self.coordinator.failure(collective, error) from error
+            raise self.coordinator.failure("broadcast", error) from error
+        self._pending.append(_Pending(transfer, items, buffer, direct is not None,
+                                      [work for work in works if work is not None]))
+        self._in_flight += buffer.numel()
+
+    def _finish(self, pending: _Pending, planner: LoadPlanner | None) -> None:
+        """Wait for one transfer; on a receiver, put its pieces in place (with a planner)."""
+        self._in_flight -= pending.buffer.numel()
+        try:
+            for work in pending.works:
+                work.wait()
+        except RuntimeError as error:  # gloo's peer-closed and timeout errors
+            raise self.coordinator.failure("broadcast", error) from error
+        if planner is not None and pending.transfer.reader != self.coordinator.rank:
+            if not pending.direct:
+                _unpack(planner, pending.items, pending.buffer)
+            for item in pending.items:
+                planner.commit_tensor(item, planner.resolve_tensor(item).detach())
+
+    def _drain(self) -> None:
+        """Finish the transfers already started, before raising a later round's failure.
+
+        They were agreed good, so every member runs them; their bytes are not put in place.
+        """
+        while self._pending:
+            try:
+                self._finish(self._pending.popleft(), None)
+            except Exception:  # the failure being raised says more
+                logger.debug("shared reads: a transfer failed while raising", exc_info=True)
 
     def _global(self, group_rank: int) -> int:
         return int(dist.get_global_rank(self.group, group_rank))
+
+
+def cut_rounds(transfers: Sequence[Transfer], round_bytes: int = ROUND_BYTES
+               ) -> list[list[Transfer]]:
+    """``transfers`` (interleaved by reader) cut into rounds of about ``round_bytes`` each.
+
+    Every rank cuts the same rounds, since the transfers are the same everywhere.
+    """
+    readers = len({transfer.reader for transfer in transfers})
+    rounds: list[list[Transfer]] = []
+    filled = 0
+    for transfer in transfers:
+        if not rounds or filled >= round_bytes * readers:
+            rounds.append([])
+            filled = 0
+        rounds[-1].append(transfer)
+        filled += sum(length for _, length in transfer.pieces)
+    return rounds
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A transfer started and not yet waited for."""
+
+    transfer: Transfer
+    items: list[ReadItem]
+    buffer: torch.Tensor
+    direct: bool
+    works: list[Any]
+
+
+def _failure_of(read: Callable[[LoadPlan, LoadPlanner], None], plan: LoadPlan,
+                planner: LoadPlanner) -> Exception | None:
+    """Read ``plan`` (if it has items); the exception it raised, for every rank to raise."""
+    try:
+        if plan.items:
+            read(plan, planner)
+    except Exception as error:  # noqa: BLE001 - every rank raises it, at the agreement
+        return error
+    return None
 
 
 def _nbytes(planner: LoadPlanner, item: ReadItem) -> int:

@@ -164,6 +164,60 @@ def test_a_rank_that_fails_before_reading_fails_the_ranks_waiting_to_share_its_r
     assert all("model.w" in said for said in results), results
 
 
+def _mixed_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {"model": {**{f"big{i}": torch.randn(512, 1024) for i in range(8)},  # 2 MiB
+                      **{f"mid{i}": torch.randn(128, 256).to(torch.bfloat16)  # 64 KiB
+                         for i in range(20)},
+                      **{f"small{i}": torch.randn(7) for i in range(5)}}}
+
+
+def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dict[str, Any]:
+    import functools  # noqa: PLC0415
+
+    from resumekit.tensors import load as load_module  # noqa: PLC0415
+    from resumekit.tensors.shared_reads import SharedReads  # noqa: PLC0415
+
+    # rounds of 1 MiB per reader: many agreements, transfers of earlier rounds in flight
+    load_module.SharedReads = functools.partial(SharedReads, round_bytes=1 << 20)  # type: ignore[misc]
+    state = _mixed_state()
+    sharded.save(state, root)
+    data = max(Path(root).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    if corrupt and rank == 0:
+        damaged = bytearray(data.read_bytes())
+        damaged[len(damaged) * 3 // 4] ^= 0xFF
+        data.write_bytes(bytes(damaged))
+    dist.barrier()
+    into = {"model": {key: torch.zeros_like(value) for key, value in state["model"].items()}}
+    outcome: dict[str, Any] = {"file": data.name}
+    with counting_data_reads() as counts:
+        try:
+            sharded.load(into, root, read_once=True, plan_locally=True)
+        except CorruptCheckpointError as error:
+            outcome["error"] = str(error)
+    outcome["read"] = counts[0]
+    outcome["total"] = sum(path.stat().st_size for path in Path(root).glob("*.distcp"))
+    outcome["same"] = all(torch.equal(into["model"][key], value)
+                          for key, value in state["model"].items())
+    return outcome
+
+
+def test_a_restore_read_once_in_many_rounds_is_bit_identical_with_each_rank_reading_half(
+        tmp_path: Path) -> None:
+    results = run_ranks(_in_many_rounds, world_size=2, args=(str(tmp_path), False))
+    for rank, result in enumerate(results):
+        assert result["same"] and "error" not in result, (rank, result)
+        assert 0.35 * result["total"] < result["read"] < 0.65 * result["total"], (rank, result)
+
+
+def test_a_piece_corrupt_in_a_later_round_fails_both_ranks_naming_its_file(
+        tmp_path: Path) -> None:
+    results = run_ranks(_in_many_rounds, world_size=2, args=(str(tmp_path), True),
+                        group_timeout_s=30.0)
+    for rank, result in enumerate(results):
+        assert result["file"] in result.get("error", ""), (rank, result)
+
+
 def _hsdp_model(seed: int) -> nn.Module:
     model = _model(seed)
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from resumekit.tensors.shared_reads import assign_readers, piece_key
+from resumekit.tensors.shared_reads import assign_readers, cut_rounds, piece_key
 
 MiB = 1 << 20
 
@@ -37,7 +37,7 @@ def test_a_piece_wanted_by_one_rank_is_not_shared_and_counts_toward_its_reads() 
     offers = [[(1, 100 * MiB), (2, 10 * MiB), (3, 10 * MiB)], [(2, 10 * MiB), (3, 10 * MiB)]]
     readers, transfers = assign_readers(offers)
     assert readers == {2: 1, 3: 1}
-    assert [(t.reader, t.members) for t in transfers] == [(1, (0, 1))]
+    assert [(t.reader, t.members) for t in transfers] == [(1, (0, 1))] * 2  # each alone
 
 
 def test_hsdp_replica_groups_exchange_only_within_themselves() -> None:
@@ -51,11 +51,21 @@ def test_hsdp_replica_groups_exchange_only_within_themselves() -> None:
 
 
 def test_small_pieces_travel_packed_and_large_ones_alone() -> None:
-    offers = [[(key, MiB) for key in range(10)] + [(99, 100 * MiB)]] * 2
-    _, transfers = assign_readers(offers, bucket_bytes=4 * MiB)
+    offers = [[(key, MiB // 2) for key in range(10)] + [(98, MiB), (99, 100 * MiB)]] * 2
+    _, transfers = assign_readers(offers, bucket_bytes=2 * MiB, alone_bytes=MiB)
     counts = sorted(len(t.pieces) for t in transfers)
-    assert counts == [1, 2, 4, 4]  # 99 alone (rank 0); the ten 1 MiB ones (rank 1) packed
-    assert sum(size for t in transfers for _, size in t.pieces) == 110 * MiB
+    assert counts == [1, 1, 2, 4, 4]  # 99 (rank 0), 98 alone; the ten small ones packed
+    assert sum(size for t in transfers for _, size in t.pieces) == 106 * MiB
+
+
+def test_rounds_give_each_reader_about_the_round_size_and_keep_the_order() -> None:
+    pieces = [(key, 4 * MiB) for key in range(40)]
+    _, transfers = assign_readers([pieces, pieces])
+    rounds = cut_rounds(transfers, round_bytes=16 * MiB)
+    assert [t for one in rounds for t in one] == transfers
+    for one in rounds:
+        per_reader = [sum(s for t in one if t.reader == r for _, s in t.pieces) for r in (0, 1)]
+        assert per_reader == [16 * MiB, 16 * MiB] or one is rounds[-1], per_reader
 
 
 def test_a_piece_key_names_the_stored_bytes_not_the_destination() -> None:
