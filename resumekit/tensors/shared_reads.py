@@ -17,14 +17,19 @@ What every rank of the group runs, in the same order:
    before reading (its planning, the fit check) sends its error instead, and every rank
    raises it;
 2. each piece wanted by several ranks gets one reader among them, the least loaded in
-   bytes so far, so each of R replicas reads about 1/R of what they share. Every rank
-   reads the pieces it was given and the ones nobody shares with it, checked as always;
-3. one all-gather of the outcome: a failure on a reading rank (a checksum mismatch, a
-   missing file) is raised on every rank, naming the file, before any rank waits for
-   bytes from it;
-4. each reader sends its pieces: a broadcast when every rank of the group wants them,
-   point-to-point sends to the others otherwise (HSDP's replica groups); pieces smaller
-   than :data:`BUCKET_BYTES` travel packed together.
+   bytes so far, so each of R replicas reads about 1/R of what they share
+   (:func:`assign_readers`, the same answer on every rank);
+3. in rounds of about :data:`ROUND_BYTES` per reader: each reader reads (and verifies)
+   its pieces of the round; one all-gather of the outcome, so a failure on a reading rank
+   (a checksum mismatch, a missing file) is raised on every rank, naming the file, before
+   any rank waits for bytes from it; then the round's pieces start travelling
+   asynchronously while the next round is read: a broadcast when every rank of the group
+   wants them, point-to-point sends within the replica group otherwise (HSDP), pieces of
+   :data:`ALONE_BYTES` or more straight from the reader's destination into the others',
+   smaller ones packed together;
+4. a last round reads what nobody shares, and its outcome is agreed on the same way.
+
+When nothing is shared (FSDP without replicas) step 1 is the only collective.
 
 The pieces travel as raw bytes, so what a rank receives is bit-identical to what it would
 have read. The collectives run on the load's process group (the checkpoint group, gloo,
