@@ -83,7 +83,8 @@ def load(
         read_once: Bytes that several ranks of the group want (replicated parameters:
             DDP, HSDP) are read by one of them and sent to the others over the group, each
             reading about its share (:mod:`resumekit.tensors.shared_reads`). A failure on
-            the reading rank raises on every rank. False: every rank reads all it needs.
+            the reading rank raises on every rank. False, or a group that cannot move CPU
+            tensors (NCCL only): every rank reads all it needs.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -120,7 +121,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   read_once: bool = False) -> None:
     group, no_dist = resolve_group(process_group)
     target = directory_str(directory)
-    shared = SharedReads(group) if read_once and group is not None else None
+    shared = (SharedReads(group) if read_once and group is not None
+              and SharedReads.can_run_on(group) else None)
     reader = make_reader(target, storage_options, verify=verify, shared=shared)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     try:

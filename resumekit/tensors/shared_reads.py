@@ -223,6 +223,14 @@ class SharedReads:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._in_flight = 0
 
+    @staticmethod
+    def can_run_on(group: dist.ProcessGroup) -> bool:
+        """Whether ``group`` moves CPU tensors (gloo, as the checkpoint group always is).
+
+        A group given by the caller may be NCCL-only; its load then reads on every rank.
+        """
+        return "gloo" in str(dist.get_backend(group))
+
     def read(self, plan: LoadPlan, planner: LoadPlanner,
              read: Callable[[LoadPlan, LoadPlanner], None], *, source: str) -> None:
         """Read this rank's share of ``plan`` with ``read`` and exchange the rest, in rounds.

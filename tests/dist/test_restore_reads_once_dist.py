@@ -173,13 +173,16 @@ def _mixed_state() -> dict[str, Any]:
 
 
 def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dict[str, Any]:
-    import functools  # noqa: PLC0415
-
     from resumekit.tensors import load as load_module  # noqa: PLC0415
     from resumekit.tensors.shared_reads import SharedReads  # noqa: PLC0415
 
-    # rounds of 1 MiB per reader: many agreements, transfers of earlier rounds in flight
-    load_module.SharedReads = functools.partial(SharedReads, round_bytes=1 << 20)  # type: ignore[misc]
+    class SmallRounds(SharedReads):
+        """Rounds of 1 MiB per reader: many agreements, earlier rounds' transfers in flight."""
+
+        def __init__(self, group: Any) -> None:
+            super().__init__(group, round_bytes=1 << 20)
+
+    load_module.SharedReads = SmallRounds  # type: ignore[misc]
     state = _mixed_state()
     sharded.save(state, root)
     data = max(Path(root).glob("*.distcp"), key=lambda path: path.stat().st_size)
