@@ -500,7 +500,8 @@ class CheckpointManager:
             # all-gather of the outcome replaces DCP's three, and every rank raises alike.
             run_on_every_rank(self._main.coordinator, functools.partial(
                 sharded.load, tensors, source, process_group=self._main.group,
-                verify=self.verify_on_restore, storage_options=options, plan_locally=True))
+                verify=self.verify_on_restore, storage_options=options, plan_locally=True,
+                read_once=self.options.restore_reads == "once"))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

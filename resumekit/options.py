@@ -113,6 +113,13 @@ class CheckpointOptions(BaseModel):
             optimizer that has not stepped yet has no state to allocate for: its buffers
             come with the first save. False allocates at the first async save instead
             (the memory is held from then on either way).
+        restore_reads: Who reads tensor bytes that several ranks restore alike
+            (replicated parameters: DDP, HSDP's replica groups): ``"once"`` (default)
+            has one of them read each piece and send it to the others over the
+            checkpoint group, each rank reading about 1/R of what R replicas share;
+            ``"every_rank"`` has every rank read all it needs from the store. A
+            corrupt piece fails the restore on every rank either way. See
+            ``docs/performance.md`` for when each is faster.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
@@ -133,6 +140,7 @@ class CheckpointOptions(BaseModel):
     read_only: bool = False
     foreign: ForeignPolicy = "error"
     stage_ahead: bool = True
+    restore_reads: Literal["once", "every_rank"] = "once"
 
     if not TYPE_CHECKING:  # type checkers read the fields' own signature, pydantic's
         def __init__(self, **options: Any) -> None:
@@ -234,6 +242,7 @@ class OptionKeywords(TypedDict, total=False):
     read_only: bool
     foreign: ForeignPolicy
     stage_ahead: bool
+    restore_reads: Literal["once", "every_rank"]
 
 
 def _refusal(error: ValidationError) -> ResumekitError:

@@ -40,6 +40,7 @@ from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.raw import raw_files
 from resumekit.tensors.reader import _SafeReader, load_plain_value, make_reader
+from resumekit.tensors.shared_reads import SharedReads
 
 __all__ = ["iter_full_tensors", "load", "load_subset", "read_full_state"]
 
@@ -54,6 +55,7 @@ def load(
     storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
     plan_locally: bool = False,
+    read_once: bool = False,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -78,6 +80,11 @@ def load(
             its global load plan is the local plans). The caller then agrees on the
             outcome, since an error raises on the failing rank only (the manager runs it
             under :func:`resumekit.store.coordination.run_on_every_rank`).
+        read_once: Bytes that several ranks of the group want (replicated parameters:
+            DDP, HSDP) are read by one of them and sent to the others over the group, each
+            reading about its share (:mod:`resumekit.tensors.shared_reads`). A failure on
+            the reading rank raises on every rank. False, or a group that cannot move CPU
+            tensors (NCCL only): every rank reads all it needs.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -87,7 +94,7 @@ def load(
         CorruptCheckpointError: The checkpoint could not be read.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
-                  reject_unexpected=True, plan_locally=plan_locally)
+                  reject_unexpected=True, plan_locally=plan_locally, read_once=read_once)
 
 
 def load_subset(
@@ -110,22 +117,31 @@ def load_subset(
 def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   process_group: dist.ProcessGroup | None,
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
-                  reject_unexpected: bool, plan_locally: bool = False) -> None:
+                  reject_unexpected: bool, plan_locally: bool = False,
+                  read_once: bool = False) -> None:
     group, no_dist = resolve_group(process_group)
     target = directory_str(directory)
-    reader = make_reader(target, storage_options, verify=verify)
+    shared = (SharedReads(group) if read_once and group is not None
+              and SharedReads.can_run_on(group) else None)
+    reader = make_reader(target, storage_options, verify=verify, shared=shared)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
-    _run_load(
-        state_dict=state_dict, reader=reader, planner=planner, target=target,
-        group=group, no_dist=no_dist or plan_locally,
-    )
+    try:
+        _run_load(
+            state_dict=state_dict, reader=reader, planner=planner, target=target,
+            group=group, no_dist=no_dist or plan_locally,
+        )
+    except ResumekitError as error:
+        if shared is not None:  # ranks waiting for this one's reads raise it too
+            shared.settle(error)
+        raise
     if logger.isEnabledFor(logging.DEBUG):
         metadata = reader.read_metadata()
         logger.debug(
-            "tensor load: %s format, DCP load %s, %d items of %s",
+            "tensor load: %s format, DCP load %s, %d items of %s%s",
             "raw" if raw_files(metadata.storage_data or {}) else "dcp",
             "without collectives" if no_dist or plan_locally else "on the process group",
-            len(planner.state_dict), target)
+            len(planner.state_dict), target,
+            "" if shared is None else f", read once: {shared.stats}")
 
 
 def _run_load(

@@ -18,6 +18,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from resumekit import _compat
 from resumekit.errors import (
@@ -33,6 +35,7 @@ from resumekit.store.targets import locate_tensor_data
 from resumekit.tensors.context import directory_str, local_path, paused_collection
 from resumekit.tensors.raw import FsspecFiles, RawTensorReading
 from resumekit.tensors.safe_pickle import load_dcp_metadata
+from resumekit.tensors.shared_reads import SharedReads
 
 __all__ = ["StorageReader", "load_plain_value", "make_reader"]
 
@@ -47,6 +50,7 @@ class _SafeReaderMixin:
     metadata_error: ResumekitError | None = None
     verify: bool = True
     file_checksums: Mapping[str, str] | None = None
+    metadata_digest: str | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Return the checkpoint metadata, read safely on first use."""
@@ -81,6 +85,7 @@ class _SafeReaderMixin:
         try:
             digest = checksum_chunks([data])
             if rank is None:
+                self.metadata_digest = digest
                 self._check_metadata_bytes(data, source, digest)
         except ResumekitError as error:
             self.metadata_error = error
@@ -120,7 +125,13 @@ class _SafeReaderMixin:
 
 
 class _SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
-    """DCP's filesystem reader of a local path or, through :class:`FsspecFiles`, a URL."""
+    """DCP's filesystem reader of a local path or, through :class:`FsspecFiles`, a URL.
+
+    With ``shared`` (a :class:`~resumekit.tensors.shared_reads.SharedReads`), the pieces
+    several ranks want are read by one of them and sent to the others.
+    """
+
+    shared: SharedReads | None = None
 
     def __init__(self, directory: str, storage_options: Mapping[str, Any] | None = None
                  ) -> None:
@@ -129,6 +140,17 @@ class _SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
         if local is None:
             self.fs = FsspecFiles()
             self.path = self.fs.init_path(directory, **dict(storage_options or {}))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read ``plan``'s items; with ``shared``, this rank's share of them, then exchange."""
+        if self.shared is None:
+            return super().read_data(plan, planner)
+        read = super().read_data
+        self.shared.read(plan, planner, lambda part, into: read(part, into).wait(),
+                         source=self.metadata_digest or str(os.fspath(self.path)))
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
@@ -216,10 +238,19 @@ class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
 
 
 def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
-                verify: bool = True) -> _SafeReader:
-    """The safe DCP reader of ``directory`` (a local path or fsspec URL; no manifest needed)."""
+                verify: bool = True, shared: SharedReads | None = None) -> _SafeReader:
+    """The safe DCP reader of ``directory`` (a local path or fsspec URL; no manifest needed).
+
+    Args:
+        directory: The DCP directory.
+        storage_options: fsspec options for URLs.
+        verify: Check every byte read against its recorded checksum.
+        shared: Split the reads of pieces several ranks want among them (see
+            :mod:`resumekit.tensors.shared_reads`).
+    """
     reader = _SafeReader(directory, storage_options)
     reader.verify = verify
+    reader.shared = shared
     return reader
 
 

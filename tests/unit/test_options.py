@@ -38,6 +38,7 @@ _BAD = [
     ("read_only", 2, "boolean"),
     ("foreign", "import", "'error' or 'ignore'"),
     ("stage_ahead", "later", "boolean"),
+    ("restore_reads", "twice", "'once' or 'every_rank'"),
 ]
 
 
@@ -106,6 +107,7 @@ def test_the_defaults_are_the_managers_documented_defaults() -> None:
     assert (options.fallback, options.verify_on_restore, options.import_legacy) == (
         True, True, True)
     assert (options.read_only, options.stage_ahead) == (False, True)
+    assert options.restore_reads == "once"
     assert options.model_fields_set == set()
 
 
