@@ -56,15 +56,9 @@ if TYPE_CHECKING:
         meet,
         shutdown,
     )
-    from resumekit.runtime.preemption import (
-        EXIT_CODE_PREEMPTED,
-        REQUEUE_SIGNALS,
-        CommitClock,
-        PreemptionHandler,
-        SaveEstimate,
-        requeue_after_signal,
-        requeue_slurm_job,
-    )
+    from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler
+    from resumekit.runtime.requeue import REQUEUE_SIGNALS, requeue_after_signal, requeue_slurm_job
+    from resumekit.runtime.save_clock import CommitClock, SaveEstimate
     from resumekit.state.rng import (
         capture_rng,
         restore_rng,
@@ -129,7 +123,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
     "CheckpointOptions": "resumekit.options",
-    "CommitClock": "resumekit.runtime.preemption",
+    "CommitClock": "resumekit.runtime.save_clock",
     "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
     "CoordinationError": "resumekit.errors",
@@ -144,7 +138,7 @@ _EXPORTS: dict[str, str] = {
     "IncompatibleVersionError": "resumekit.errors",
     "IncompleteCheckpointError": "resumekit.errors",
     "Lineage": "resumekit.store.manifest",
-    "SaveEstimate": "resumekit.runtime.preemption",
+    "SaveEstimate": "resumekit.runtime.save_clock",
     "SaveThroughput": "resumekit.store.manifest",
     "Manifest": "resumekit.store.manifest",
     "ManifestError": "resumekit.errors",
@@ -152,7 +146,7 @@ _EXPORTS: dict[str, str] = {
     "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
     "PreemptionHandler": "resumekit.runtime.preemption",
-    "REQUEUE_SIGNALS": "resumekit.runtime.preemption",
+    "REQUEUE_SIGNALS": "resumekit.runtime.requeue",
     "ResumableDistributedSampler": "resumekit.state.sampler",
     "ResumeStepError": "resumekit.errors",
     "ResumekitError": "resumekit.errors",
@@ -183,8 +177,8 @@ _EXPORTS: dict[str, str] = {
     "meet": "resumekit.runtime.distributed",
     "prune": "resumekit.store.retention",
     "read_manifest": "resumekit.store.catalog",
-    "requeue_after_signal": "resumekit.runtime.preemption",
-    "requeue_slurm_job": "resumekit.runtime.preemption",
+    "requeue_after_signal": "resumekit.runtime.requeue",
+    "requeue_slurm_job": "resumekit.runtime.requeue",
     "restore_rng": "resumekit.state.rng",
     "select_rank_rng": "resumekit.state.rng",
     "shutdown": "resumekit.runtime.distributed",

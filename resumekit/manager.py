@@ -63,7 +63,8 @@ from resumekit.restore.plan import Survey
 from resumekit.restore.verification import refuse_links_share, verify_share
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
-from resumekit.runtime.preemption import CommitClock, PreemptionHandler, state_bytes
+from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.runtime.save_clock import CommitClock, state_bytes
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain

@@ -67,11 +67,8 @@ from resumekit.errors import (
     StepCollisionError,
     UnsafeCheckpointError,
 )
-from resumekit.runtime.preemption import (
-    EXIT_CODE_PREEMPTED,
-    PreemptionHandler,
-    requeue_after_signal,
-)
+from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler
+from resumekit.runtime.requeue import requeue_after_signal
 from resumekit.state.rng import capture_rng, restore_rng, select_rank_rng
 from resumekit.state.train_state import dump_plain
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints, verify_checkpoint
@@ -523,7 +520,7 @@ class ResumekitCallback(Callback):
         preemption: The handler (default: a new ``PreemptionHandler()``: SIGTERM and
             SIGUSR1, votes ``"auto"``), or None to leave the signals alone.
         requeue: Requeue the SLURM job after an emergency save caused by SIGUSR1
-            (:func:`~resumekit.runtime.preemption.requeue_after_signal`).
+            (:func:`~resumekit.runtime.requeue.requeue_after_signal`).
         init_weights: A fine-tune's start: another run's root (written by this plugin or
             by ``CheckpointManager(model=<the LightningModule>)``) whose newest committed
             checkpoint's weights are loaded into the module when the run did not resume

@@ -22,7 +22,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import resumekit
-from resumekit.runtime.preemption import EmergencySaveSkippedWarning, state_bytes
+from resumekit.runtime.preemption import EmergencySaveSkippedWarning
+from resumekit.runtime.save_clock import state_bytes
 from tests.distributed_harness import run_ranks
 
 SIGNALLED_RANK = 1

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from resumekit.runtime.distributed import init_distributed, shutdown
-from resumekit.runtime.preemption import PreemptionHandler, requeue_slurm_job
+from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.runtime.requeue import requeue_slurm_job
 from tests.distributed_harness import run_ranks
 
 HANDSHAKE_LIMIT_S = 120.0

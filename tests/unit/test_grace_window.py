@@ -25,12 +25,10 @@ from torch import nn
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import (
     SAVE_TIME_MARGIN,
-    CommitClock,
     EmergencySaveSkippedWarning,
     PreemptionHandler,
-    SaveEstimate,
-    state_bytes,
 )
+from resumekit.runtime.save_clock import CommitClock, SaveEstimate, state_bytes
 from resumekit.store.manifest import Manifest, SaveThroughput, parse_manifest
 from resumekit.tensors import sharded
 from tests.bandwidth import ThrottledWrites

@@ -18,12 +18,11 @@ import pytest
 from resumekit.errors import ConfigurationError, PreemptionError
 from resumekit.runtime.preemption import (
     EXIT_CODE_PREEMPTED,
-    CommitClock,
     EmergencySaveSkippedWarning,
     PreemptionHandler,
-    requeue_after_signal,
-    requeue_slurm_job,
 )
+from resumekit.runtime.requeue import requeue_after_signal, requeue_slurm_job
+from resumekit.runtime.save_clock import CommitClock
 from resumekit.warnings import ResumekitWarning
 
 

@@ -1,0 +1,257 @@
+"""How long an emergency save would take: the state's size and this root's write rate.
+
+:class:`CommitClock` keeps what the emergency-save decision needs - the training time since
+the newest capture, the time blocking saves took, the write throughput measured on every
+committed save (seeded after a requeue from the restored checkpoint's manifest) and the
+save still in flight - and builds the :class:`SaveEstimate` that
+:meth:`~resumekit.runtime.preemption.PreemptionHandler.should_skip_emergency_save` weighs
+against the grace period left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CommitClock", "SaveEstimate", "smoothed", "state_bytes"]
+
+_SMOOTHING = 0.2  # weight of the newest sample in a running time
+
+
+def smoothed(previous: float | None, sample: float) -> float:
+    """A running time: the previous value moved ``_SMOOTHING`` of the way to ``sample``."""
+    return sample if previous is None else previous + _SMOOTHING * (sample - previous)
+
+
+def _amount(nbytes: float) -> str:
+    """Bytes in decimal units (as storage vendors count), for messages."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+@dataclass(frozen=True)
+class SaveEstimate:
+    """What an emergency save would write, and how fast this root writes.
+
+    :class:`CommitClock` builds it (:meth:`CommitClock.estimate`) from the state's size
+    and the write throughput it measured; it is the ``estimate`` input of
+    :meth:`PreemptionHandler.should_skip_emergency_save`.
+
+    Attributes:
+        bytes: Bytes the save would write: the tensor state's size (all ranks together,
+            each tensor once, at its global size).
+        bytes_per_second: The root's measured write throughput, or None before any save
+            was measured (in this process or, after a restore, in the manifest).
+        measured_from: Where the rate comes from, for messages (e.g. ``"the blocking save
+            of step 40"``).
+        in_flight_step: The step of an asynchronous save still writing, or None.
+        in_flight_seconds: Seconds that save still needs at the measured rate (0 when it
+            should be done by now; None when the rate is unknown).
+    """
+
+    bytes: int
+    bytes_per_second: float | None
+    measured_from: str = "not measured"
+    in_flight_step: int | None = None
+    in_flight_seconds: float | None = None
+
+    @property
+    def seconds(self) -> float | None:
+        """Seconds the save's writes take at the measured rate, or None if it is unknown."""
+        if not self.bytes_per_second:
+            return None
+        return self.bytes / self.bytes_per_second
+
+    def describe(self) -> str:
+        """The numbers in words: bytes, rate, expected seconds (and the save in flight)."""
+        seconds = self.seconds
+        if seconds is None or self.bytes_per_second is None:
+            said = f"{_amount(self.bytes)} at an unmeasured rate"
+        else:
+            said = (f"{_amount(self.bytes)} at the measured "
+                    f"{_amount(self.bytes_per_second)}/s ({self.measured_from}) "
+                    f"= {seconds:.2f} s")
+        if self.in_flight_step is not None:
+            more = ("an unknown time" if self.in_flight_seconds is None
+                    else f"about {self.in_flight_seconds:.1f} s")
+            said += f", after the in-flight save of step {self.in_flight_step} ({more} more)"
+        return said
+
+
+class CommitClock:
+    """The inputs of the emergency-save decision, measured by a checkpoint manager.
+
+    :meth:`PreemptionHandler.should_skip_emergency_save` needs the training time since
+    the newest commit's state was captured, how long a save takes, and whether a save is
+    still writing. The manager tells this clock when each step ends, each save's writes
+    start and end, and each save returns or commits; everything is on this process's
+    monotonic clock, never a wall-clock difference (a checkpoint written on a host whose
+    clock runs ahead would look like it came from the future).
+
+    How long a save takes is measured as the root's **write throughput**: the bytes of
+    tensor state a save wrote over the seconds of its write phase, from every committed
+    save (blocking or not) - the newest one counts. A fresh process (a requeued job) has
+    saved nothing yet: :meth:`seed_throughput` takes the record of the checkpoint it
+    restored (``Manifest.save_throughput``).
+    """
+
+    def __init__(self) -> None:
+        # (newest step committed by this process, when training after its capture began)
+        self._committed_capture: tuple[int, float] | None = None
+        # The last step_end: (step, when it returned).
+        self._step_clock: tuple[int, float] | None = None
+        self._step_seconds: float | None = None  # smoothed duration of one step
+        self._blocking_save_seconds: float | None = None  # the last blocking save
+        # The newest write rate: (bytes, seconds, where it was measured).
+        self._throughput: tuple[int, float, str] | None = None
+        # A save whose writes are under way: (step, bytes, when they started).
+        self._writing: tuple[int, int, float] | None = None
+        self.last_save_seconds = 0.0
+        """Duration of the last save that committed (any kind), in seconds."""
+
+    def step_started(self, step: int) -> None:
+        """Call on entering ``step_end(step)``: times the step that just ended.
+
+        Only a step right after the previous ``step_end`` counts (one step of training,
+        no save inside).
+        """
+        clock = self._step_clock
+        if clock is not None and step == clock[0] + 1:
+            self._step_seconds = smoothed(self._step_seconds, time.monotonic() - clock[1])
+
+    def step_returned(self, step: int) -> None:
+        """Call when ``step_end(step)`` returns (training resumes now)."""
+        self._step_clock = (step, time.monotonic())
+
+    def captured(self, step: int, training_resumed: float) -> None:
+        """Step ``step`` committed; training after its capture resumed at ``training_resumed``.
+
+        For an asynchronous save that is right after staging, not when the background
+        commit finished.
+        """
+        self._committed_capture = (step, training_resumed)
+
+    def blocking_save_took(self, seconds: float) -> None:
+        """A blocking save (capture to commit) took ``seconds``."""
+        self._blocking_save_seconds = seconds
+
+    def write_started(self, step: int, nbytes: int) -> float:
+        """The writes of the save of ``step`` (``nbytes`` of tensor state) start now.
+
+        Until :meth:`write_ended`, :meth:`estimate` counts it as a save in flight.
+
+        Returns:
+            The start time (``time.monotonic()``).
+        """
+        started = time.monotonic()
+        self._writing = (step, nbytes, started)
+        return started
+
+    def write_ended(self, step: int) -> None:
+        """The writes of the save of ``step`` ended (written, or failed)."""
+        writing = self._writing
+        if writing is not None and writing[0] == step:
+            self._writing = None
+
+    def wrote(self, step: int, nbytes: int, seconds: float, *, blocking: bool) -> None:
+        """The save of ``step`` wrote ``nbytes`` of tensor state in ``seconds``.
+
+        Records the root's newest write throughput; a save of no bytes, or one timed at
+        zero seconds, measures nothing and is ignored.
+        """
+        if nbytes <= 0 or not seconds > 0:
+            return
+        kind = "blocking" if blocking else "background"
+        self._throughput = (nbytes, seconds, f"the {kind} save of step {step}")
+
+    def seed_throughput(self, step: int, nbytes: int, seconds: float) -> None:
+        """Take the write throughput the checkpoint of ``step`` recorded, until a save here.
+
+        Called at restore with ``Manifest.save_throughput`` of the restored checkpoint: a
+        requeued process knows its root's rate before it saved anything. A save this
+        process makes replaces it.
+        """
+        if nbytes <= 0 or not seconds > 0:
+            return
+        self._throughput = (nbytes, seconds,
+                            f"recorded by the checkpoint of step {step} before this restart")
+
+    @property
+    def bytes_per_second(self) -> float | None:
+        """The root's newest measured write throughput, or None before any measurement."""
+        if self._throughput is None:
+            return None
+        nbytes, seconds, _ = self._throughput
+        return nbytes / seconds
+
+    def estimate(self, nbytes: int) -> SaveEstimate:
+        """What a save of ``nbytes`` would take now, and the save in flight (if any).
+
+        Args:
+            nbytes: Bytes of tensor state the save would write (its size, all ranks
+                together, each tensor once).
+        """
+        rate = self.bytes_per_second
+        source = "not measured" if self._throughput is None else self._throughput[2]
+        writing = self._writing
+        if writing is None:
+            return SaveEstimate(nbytes, rate, source)
+        step, flying, started = writing
+        more = None if rate is None else max(0.0, started + flying / rate - time.monotonic())
+        return SaveEstimate(nbytes, rate, source, in_flight_step=step, in_flight_seconds=more)
+
+    def training_seconds_since_commit(self, step: int, newest: int | None) -> float | None:
+        """Seconds of training since the newest commit's state was captured, or None.
+
+        Args:
+            step: The step now (the one an emergency save would write).
+            newest: The newest committed step (None: none).
+
+        After a restore, before this process committed anything: the steps since the
+        restored step times the measured step time (unknown before one step was timed).
+        """
+        if newest is None:
+            return None
+        committed = self._committed_capture
+        if committed is not None and committed[0] == newest:
+            return time.monotonic() - committed[1]
+        if self._step_seconds is None or step < newest:
+            return None
+        return (step - newest) * self._step_seconds
+
+    def expected_save_seconds(self, nbytes: int | None = None) -> float:
+        """How long a blocking save takes.
+
+        Args:
+            nbytes: The save's bytes: with a measured throughput, the answer is
+                ``nbytes`` at that rate.
+
+        Returns:
+            ``nbytes`` at the measured rate; else the last blocking save's duration,
+            else the last save's.
+        """
+        rate = self.bytes_per_second
+        if nbytes is not None and rate:
+            return nbytes / rate
+        if self._blocking_save_seconds is not None:
+            return self._blocking_save_seconds
+        return self.last_save_seconds
+
+
+def state_bytes(tree: Any) -> int:
+    """Bytes of every tensor in a (nested) state dict, each at its global size.
+
+    A ``DTensor`` counts its global size once (what the ranks write together); so does a
+    plain tensor, which every rank of a replicated (DDP) model holds alike.
+    """
+    if isinstance(tree, torch.Tensor):
+        return int(tree.numel()) * int(tree.element_size())
+    if isinstance(tree, dict):
+        return sum(state_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_bytes(value) for value in tree)
+    return 0
