@@ -17,13 +17,15 @@ from typing import Any
 import pytest
 
 from benchmarks import nas, scale
+from benchmarks.scale_worker import process_writer_available
 
 pytestmark = pytest.mark.timeout(600)
 
 STAND_IN = nas.missing() is None
+#: resumekit's async save with the process writer where it exists, else with its thread.
+ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_async_thread"
 TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "6", "--save-every", "2",
-        "--schedule", "3:sigterm", "--batch", "4",
-        "--methods", "resumekit_sync", "resumekit_async_thread",
+        "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
         *([] if STAND_IN else ["--no-stand-in"])]
 
 
@@ -58,7 +60,7 @@ def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> N
 
 def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> None:
     details = smoke["results"]["details"]
-    for method in ("resumekit_sync", "resumekit_async_thread"):
+    for method in ("resumekit_sync", ASYNC):
         figures = details[method]
         launches = figures["launches"]
         assert [launch["interruption"] for launch in launches] == ["sigterm", None]
@@ -71,21 +73,18 @@ def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> 
 
 
 def test_the_process_writer_is_run_where_it_exists_and_named_as_missing_elsewhere(
-        tmp_path: Path) -> None:
-    from benchmarks.scale_worker import process_writer_available  # noqa: PLC0415
-
-    results = scale.main([*TINY[:TINY.index("--methods")], "--methods",
-                          "resumekit_async_process", "--no-stand-in",
-                          "--bench-dir", str(tmp_path), "--out", str(tmp_path / "out")],
-                         progress=lambda message: None)
-    figures = results["details"]["resumekit_async_process"]
+        request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if process_writer_available():
-        assert figures["goodput"]["complete"]
-        assert results["summary_sources"]["scale_goodput"] == "resumekit_async_process"
-    else:
-        assert "async_writer" in figures["skipped"]
-        assert "async_writer" in results["notes"]["resumekit_async_process"]
-        assert results["summary"]["scale_goodput"] is None
+        smoke = request.getfixturevalue("smoke")
+        assert smoke["results"]["summary_sources"]["scale_goodput"] == ASYNC
+        assert smoke["results"]["details"][ASYNC]["goodput"]["complete"]
+        return
+    results = scale.main(["--methods", "resumekit_async_process", "--no-stand-in",
+                          "--bench-dir", str(tmp_path), "--out", str(tmp_path / "out")],
+                         progress=lambda message: None)  # nothing to launch
+    assert "async_writer" in results["details"]["resumekit_async_process"]["skipped"]
+    assert "async_writer" in results["notes"]["resumekit_async_process"]
+    assert results["summary"]["scale_goodput"] is None
 
 
 def test_the_json_and_png_are_written_and_everything_is_torn_down(
