@@ -78,7 +78,8 @@ bench: $(STAMP)
 
 # Issue 27's scale model (docs/performance.md, "Scale"): 2 FSDP2 ranks x 2 GB of state each
 # on a NAS stand-in the bench builds itself (root: a loop device under a cgroup bandwidth
-# bound), under a SIGTERM/SIGKILL schedule; about 15 minutes on an idle 2-core machine.
+# bound), under a SIGTERM/SIGKILL schedule. Sized to fit ~15 minutes on an idle 2-core
+# machine (not yet timed at full size there: 0.5 GB per rank took 30 min at load 12-16).
 # BENCH_SCALE_ARGS="--state-gb 0.2" for a quick look; --no-stand-in without root.
 bench-scale: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]"

@@ -627,10 +627,10 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--grace-s", type=float, default=None,
                         help="grace window after SIGTERM (default: 3x the state's time at "
                              "the bandwidth, + 10 s)")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--save-every", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--schedule", type=_parse_schedule,
-                        default=_parse_schedule("12:sigterm,21:sigkill"),
+                        default=_parse_schedule("5:sigterm,9:sigkill"),
                         help="STEP:sigterm|sigkill,... (one launch each, then one to the end)")
     parser.add_argument("--batch", type=int, default=64,
                         help="rows per step (sets the step's compute)")
