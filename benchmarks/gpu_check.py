@@ -19,6 +19,12 @@ On a machine with CUDA it runs, with 1 rank (and with 2 ranks when 2+ GPUs are v
   bf16 compute, fp32 sharded parameters and gradients;
 * ``restore_cuda_dtensor``: a sync save of the bf16-policy FSDP2 model and AdamW restored
   into fresh CUDA ``DTensor``s, bit-identical; figures: save and restore GB/s;
+* ``scale_d2h_staging`` and ``scale_process_writer`` (1 rank; issue 27's scale figures):
+  ~2 GB of fp32 FSDP2 state + AdamW on the GPU, steady async saves with the writer thread
+  and with ``async_writer="process"`` (not applicable where the option does not exist):
+  the time ``save()`` blocks (pinned D2H staging) / a plain pinned D2H copy of the same
+  bytes, a GPU step while the write runs / a step alone, and call-to-committed / a sync
+  save;
 * ``disk_baseline`` (once): the disk's own direct-I/O write and read GB/s (``fio
   --direct=1`` when installed, else ``dd oflag=direct`` / ``iflag=direct``);
 * ``lingbot_drill`` (once): the LingBot tiny config in bf16 on CUDA, SIGTERM then SIGKILL
@@ -26,7 +32,8 @@ On a machine with CUDA it runs, with 1 rank (and with 2 ranks when 2+ GPUs are v
   ``--deterministic``; and, for information, the same kill/resume without it.
 
 Without CUDA (or with ``--cpu``) the same checks run on CPU and gloo with tiny sizes,
-except ``pinned_staging``, which is recorded as "not applicable on CPU"; the LingBot drill
+except ``pinned_staging`` and the two scale checks, which are recorded as "not applicable
+on CPU" (``make bench-scale`` measures the CPU side of the scale); the LingBot drill
 then runs in fp32 on CPU. ``--require-cuda`` on a machine without CUDA fails at once (exit
 status 2), naming every CUDA path it could not run. Exit status 1 means a check failed.
 
@@ -77,6 +84,8 @@ WORKER_CHECKS = (
     "sync_save_odirect",
     "async_save_d2h",
     "restore_cuda_dtensor",
+    "scale_d2h_staging",
+    "scale_process_writer",
 )
 """Checks run inside each worker (once per rank count), in this order."""
 
@@ -99,6 +108,10 @@ CUDA_PATHS = {
     "restore_cuda_dtensor": "restore into CUDA DTensors, bit-identical "
                             "(CheckpointManager.restore, sharded.load), save/restore GB/s",
     "lingbot_drill": "LingBot tiny kill/resume drill in bf16 on CUDA (examples/lingbot)",
+    "scale_d2h_staging": "issue 27's scale figures at ~2 GB per rank: an async save's "
+                         "blocking time (pinned D2H staging) vs a plain pinned D2H copy, "
+                         "a GPU step while the writer thread writes vs alone",
+    "scale_process_writer": "the same with async_writer='process' (the writer process)",
 }
 """Every path the check must run on CUDA; ``--require-cuda`` names those it could not."""
 
@@ -119,6 +132,8 @@ CUDA_SIZES = Sizes(width=4096, depth=6, batch=16, drill_steps=60, drill_interval
 The drill runs 60 steps: a tiny step takes milliseconds on a GPU, and the SIGTERM (sent
 once step 1 is logged) and the SIGKILL (once the step after the next checkpoint is logged)
 must both land before the run ends."""
+SCALE_SIZES = Sizes(width=4096, depth=10, batch=64, drill_steps=0, drill_interval=0)
+"""Issue 27's scale: ~2.0 GB of fp32 weights + AdamW moments per rank (1 rank)."""
 CPU_SIZES = Sizes(width=64, depth=2, batch=4, drill_steps=8, drill_interval=3)
 """Tiny: the CPU mode only proves the code paths run (it is part of ``make test``)."""
 
@@ -221,6 +236,23 @@ def _worker(args: argparse.Namespace) -> int:
     run("async_save_d2h", lambda: _check_async_save(state, sizes, scratch), needs=("ctx",))
     run("restore_cuda_dtensor", lambda: _check_restore(state, sizes, scratch),
         needs=("ctx",))
+    if cuda and world == 1:
+        run("scale_d2h_staging", lambda: _check_scale(state, scratch, "thread"),
+            needs=("ctx",))
+        if _process_writer_available():
+            run("scale_process_writer", lambda: _check_scale(state, scratch, "process"),
+                needs=("ctx",))
+        else:
+            not_applicable("scale_process_writer", "not available: this resumekit has no "
+                           "async_writer option (issue 27 part 2)")
+    elif cuda:
+        for name in ("scale_d2h_staging", "scale_process_writer"):
+            not_applicable(name, "measured with 1 rank (one state of the scale size per GPU)")
+    else:
+        for name in ("scale_d2h_staging", "scale_process_writer"):
+            not_applicable(name, "not applicable on CPU: the scale figures time pinned "
+                           "device-to-host staging and a GPU step beside the writer; "
+                           "make bench-scale measures the CPU side")
 
     with contextlib.suppress(Exception):
         from resumekit.runtime.distributed import shutdown
@@ -732,6 +764,101 @@ def _check_async_save(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dic
     }
 
 
+def _process_writer_available() -> bool:
+    from resumekit.options import CheckpointOptions
+
+    return "async_writer" in CheckpointOptions.model_fields
+
+
+def _check_scale(state: dict[str, Any], scratch: Path, writer: str) -> dict[str, Any]:
+    """Issue 27's scale figures on the GPU: ~2 GB per rank, async saves with ``writer``.
+
+    Steady async saves (the staging buffers already allocated): the time ``save()``
+    blocks (the pinned device-to-host staging) against a plain device-to-host copy of the
+    same bytes into pinned buffers; a training step while the background write runs
+    against a step alone; the save, call to committed, against a sync save.
+    """
+    import torch
+
+    from resumekit.manager import CheckpointManager
+    from resumekit.store.retention import keep_last
+    from resumekit.tensors.raw import aligned_empty
+    from resumekit.tensors.state_dicts import model_and_optimizer_state
+
+    device = state["ctx"].device
+    root = _shared_dir(state, scratch, f"scale-{writer}")
+    model, optimizer = _build(SCALE_SIZES, device, bf16=False, seed=3)
+    _train_step(model, optimizer, SCALE_SIZES, device, seed=30)
+    _synchronize(device)
+    nbytes = _state_bytes(model, optimizer)
+
+    def step_seconds(seed: int) -> float:
+        _synchronize(device)
+        started = time.perf_counter()
+        _train_step(model, optimizer, SCALE_SIZES, device, seed=seed)
+        _synchronize(device)
+        return time.perf_counter() - started
+
+    knobs: dict[str, Any] = {"async_writer": writer} if writer == "process" else {}
+    manager = CheckpointManager(root, model=model, optimizer=optimizer, async_save=True,
+                                retention=keep_last(1), **knobs)
+    blocking, totals, alone, during = [], [], [], []
+    try:
+        manager.save(1)  # allocates the staging buffers (not measured)
+        manager.wait()
+        for step in (2, 3, 4):
+            alone += [step_seconds(100 * step + i) for i in range(2)]
+            _synchronize(device)
+            started = time.perf_counter()
+            manager.save(step)
+            blocking.append(time.perf_counter() - started)
+            during += [step_seconds(100 * step + 50 + i) for i in range(2)]
+            manager.wait()
+            totals.append(time.perf_counter() - started)
+    finally:
+        manager.close()
+    sync_root = _shared_dir(state, scratch, f"scale-{writer}-sync")
+    sync = CheckpointManager(sync_root, model=model, optimizer=optimizer,
+                             retention=keep_last(1))
+    sync_seconds = []
+    try:
+        for step in (1, 2):
+            _synchronize(device)
+            started = time.perf_counter()
+            sync.save(step)
+            sync_seconds.append(time.perf_counter() - started)
+    finally:
+        sync.close()
+    sources = [_local(value) for _, value in _flat(model_and_optimizer_state(model, optimizer))
+               if isinstance(_local(value), torch.Tensor)]
+    targets = [aligned_empty(tuple(t.shape), t.dtype, pin_memory=True) for t in sources]
+    copies = []
+    for _ in range(3):
+        _synchronize(device)
+        started = time.perf_counter()
+        for target, tensor in zip(targets, sources, strict=True):
+            target.copy_(tensor, non_blocking=True)
+        _synchronize(device)
+        copies.append(time.perf_counter() - started)
+    d2h, block = min(copies), sorted(blocking)[len(blocking) // 2]
+    step_alone, step_during = sorted(alone)[len(alone) // 2], sorted(during)[len(during) // 2]
+    total, sync_best = sorted(totals)[len(totals) // 2], min(sync_seconds)
+    return {
+        "writer": writer,
+        "state_bytes_per_rank": nbytes,
+        "save_blocking_s": block,
+        "d2h_copy_s": d2h,
+        "blocking_over_d2h": block / d2h if d2h > 0 else None,
+        "d2h_GBps": nbytes / d2h / 1e9 if d2h > 0 else None,
+        "step_s_alone": step_alone,
+        "step_s_during_write": step_during,
+        "step_slowdown_during_write": step_during / step_alone if step_alone > 0 else None,
+        "async_total_s": total,
+        "sync_save_s": sync_best,
+        "async_total_over_sync": total / sync_best if sync_best > 0 else None,
+    }
+
+
 def _check_restore(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
@@ -1233,6 +1360,12 @@ def _summary(checks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "disk_write_GBps": disk.get("write_GBps"),
         "disk_read_GBps": disk.get("read_GBps"),
     }
+    for name, prefix in (("scale_d2h_staging", "scale_thread_writer"),
+                         ("scale_process_writer", "scale_process_writer")):
+        scale = figures(name)
+        summary[f"{prefix}_blocking_over_d2h"] = scale.get("blocking_over_d2h")
+        summary[f"{prefix}_step_slowdown"] = scale.get("step_slowdown_during_write")
+        summary[f"{prefix}_total_over_sync"] = scale.get("async_total_over_sync")
     if summary["sync_save_GBps"] and summary["disk_write_GBps"]:
         summary["save_over_disk_write"] = summary["sync_save_GBps"] / summary["disk_write_GBps"]
     if summary["restore_GBps"] and summary["disk_read_GBps"]:

@@ -54,7 +54,7 @@ def test_the_cpu_mode_runs_every_check_and_lists_the_cuda_only_one_as_not_applic
     assert set(checks) == expected
     for key, check in checks.items():
         assert check["device"].startswith("cpu"), key
-        if key[0] == "pinned_staging":
+        if key[0] in ("pinned_staging", "scale_d2h_staging", "scale_process_writer"):
             assert check["status"] == "not_applicable", check
             assert check["reason"].startswith("not applicable on CPU"), check
         else:
@@ -73,6 +73,12 @@ def test_the_cpu_mode_runs_every_check_and_lists_the_cuda_only_one_as_not_applic
     files = checks[("sync_save_odirect", 1)]["figures"]["files"]
     assert files and all(f["opened_direct"] and f["stayed_direct"] for f in files)
     assert any(f["bounce_buffer"] for f in files)
+    # The scale figures are GPU-only: named in the summary, not measured here.
+    for name in ("scale_thread_writer_blocking_over_d2h", "scale_process_writer_blocking_over_d2h",
+                 "scale_thread_writer_step_slowdown", "scale_process_writer_step_slowdown",
+                 "scale_thread_writer_total_over_sync", "scale_process_writer_total_over_sync"):
+        assert name in document["figures"] and document["figures"][name] is None, name
+    assert {"scale_d2h_staging", "scale_process_writer"} <= set(gpu_check.CUDA_PATHS)
     async_figures = checks[("async_save_d2h", 2)]["figures"]
     assert set(async_figures) == {"rank0", "rank1"}
     for name in ("async_save_blocking_s", "d2h_copy_same_bytes_s", "sync_save_GBps",

@@ -1,0 +1,727 @@
+"""``python -m benchmarks.scale`` (``make bench-scale``): gigabytes per rank on a shared NAS.
+
+Issue 27's scale model: 2 gloo CPU ranks, each holding ``--state-gb`` of training state
+(the bench's linear stack ``fully_shard``-ed with FSDP2 over both ranks, fp32, with AdamW:
+each rank's shard of the weights and both moments), a real training step, written to the
+NAS stand-in of :mod:`benchmarks.nas` (a loop-device ext4 under a cgroup bandwidth bound
+that every reader and writer shares, buffered and direct), under a preemption schedule:
+for each method, launch 1 starts fresh and is sent SIGTERM at one step (the trainer saves
+within ``--grace-s`` or is SIGKILLed when it runs out), launch 2 resumes and is SIGKILLed
+at another (a crash: the steps since the newest complete checkpoint are redone), launch 3
+resumes and runs to the end. The methods run one after the other in one invocation, on
+the same stand-in, each from an empty root (:data:`benchmarks.scale_worker.METHODS`).
+
+Figures (per method in ``details``; the summary takes resumekit's async save with the
+process writer where the option exists, else with its thread, as "resumekit async"):
+
+* ``scale_async_block_vs_memcpy``: median time an interval save blocks training / a
+  memcpy of a state of the rank's size (the slower rank's, preallocated buffers);
+* ``scale_step_slowdown_during_save``: median training step while a background save is
+  still being written / median step with no save in flight;
+* ``scale_save_vs_bandwidth``: resumekit sync, (checkpoint bytes / bandwidth) / the
+  save's time: the fraction of the stand-in's bandwidth a save achieves;
+* ``scale_restore_vs_bandwidth``: the same for resumekit sync's restores (cold: the
+  checkpoint's pages are evicted before each launch);
+* ``scale_sigterm_steps_lost``: steps trained but in no checkpoint after each SIGTERM,
+  the most over resumekit's methods;
+* ``scale_goodput``: :func:`benchmarks.goodput.analyse` over the schedule, resumekit async;
+* ``scale_goodput_vs_dcp_async``: that / the better of DCP's two ``async_save`` executors;
+* ``scale_peak_rss_async_vs_state``: peak host memory above a training step's own peak,
+  per rank (its process's high-water mark, plus the private memory of processes it
+  started, sampled), / the rank's state; resumekit async, the larger rank.
+
+Writes ``benchmarks/results/scale.json`` and ``scale.png``; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks import goodput, nas
+from benchmarks.scale_worker import (
+    DCP_DONE,
+    KEEP,
+    METHODS,
+    TORCH_DONE,
+    process_writer_available,
+)
+from benchmarks.timing import evict, files_under, machine_facts, median, remove
+from benchmarks.workload import Shape, shape_for
+from examples.lingbot.drill import kill_tree, process_tree
+from resumekit import NameFormat, Storage, list_checkpoints
+from resumekit.store.layout import DEFAULT_NAME_FORMAT
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+GB = 1_000_000_000
+MB = 1_000_000
+RANKS = 2
+
+#: Summary key -> goal (issue 27). "higher"/"lower" is better; ``target`` None: no goal.
+TARGETS: dict[str, dict[str, Any]] = {
+    "scale_async_block_vs_memcpy": {"better": "lower", "target": 1.5,
+                                    "what": "time an async save blocks / memcpy of the "
+                                            "rank's state"},
+    "scale_step_slowdown_during_save": {"better": "lower", "target": 1.05,
+                                        "what": "training step while a background save "
+                                                "writes / step alone"},
+    "scale_save_vs_bandwidth": {"better": "higher", "target": 0.9,
+                                "what": "sync save: (bytes / stand-in bandwidth) / time"},
+    "scale_restore_vs_bandwidth": {"better": "higher", "target": 0.9,
+                                   "what": "restore: (bytes / stand-in bandwidth) / time"},
+    "scale_sigterm_steps_lost": {"better": "lower", "target": 0,
+                                 "what": "steps in no checkpoint after a SIGTERM "
+                                         "(state fits the grace window)"},
+    "scale_goodput": {"better": "higher", "target": 0.98,
+                      "what": "useful step time / wall time over the schedule"},
+    "scale_goodput_vs_dcp_async": {"better": "higher", "target": 1.0,
+                                   "what": "goodput / DCP async_save's (better executor)"},
+    "scale_peak_rss_async_vs_state": {"better": "lower", "target": 1.25,
+                                      "what": "peak host memory above a step's / state, "
+                                              "async"},
+    "scale_peak_rss_sync_vs_state": {"better": "lower", "target": 0.25,
+                                     "what": "peak host memory above a step's / state, "
+                                             "sync"},
+    "scale_async_total_vs_sync": {"better": "lower", "target": 1.1,
+                                  "what": "async save, call to committed / sync save"},
+    "scale_emergency_save_vs_grace": {"better": "lower", "target": 1.0,
+                                      "what": "SIGTERM to committed / grace window"},
+}
+
+_STARTED = time.monotonic()
+
+
+def _log(message: str) -> None:
+    print(f"[scale {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr,
+          flush=True)
+
+
+# ------------------------------------------------------------------------ watching a run
+
+
+def committed_steps(method: str, root: Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` the way ``method`` marks them."""
+    if not root.exists():
+        return []
+    if method.startswith("resumekit"):
+        try:
+            entries = list_checkpoints(Storage(str(root)), NameFormat(DEFAULT_NAME_FORMAT))
+        except Exception:  # noqa: BLE001 - a listing racing a write: look again
+            return []
+        return [(entry.step, Path(entry.path)) for entry in entries
+                if entry.status == "committed"]
+    marker = TORCH_DONE if method == "torch_save" else DCP_DONE
+    found = []
+    for path in root.glob("step-*"):
+        if (path / marker).exists():
+            found.append((int(path.name.split("-")[1]), path))
+    return sorted(found)
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes of every file below ``path``."""
+    total = 0
+    for file in files_under(path):
+        with contextlib.suppress(OSError):  # removed by retention meanwhile
+            total += file.stat().st_size
+    return total
+
+
+def _private_bytes(pid: int) -> int:
+    """Private memory of ``pid`` (``smaps_rollup``: what no other process maps)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as handle:
+            return sum(int(line.split()[1]) * 1024 for line in handle
+                       if line.startswith(("Private_Clean:", "Private_Dirty:")))
+    except (OSError, ValueError):
+        return 0
+
+
+class Watcher:
+    """A driver-side thread: when each checkpoint completes; the ranks' children's memory.
+
+    Every ``period`` seconds it lists the method's complete checkpoints (recording the
+    first time each step is seen and its bytes) and, for each rank's worker process (its
+    pid from the rank's ``launch`` event), sums the private memory of the processes it
+    started (a writer process, DCP's checkpointing process) and keeps the peak.
+    """
+
+    def __init__(self, method: str, root: Path, events: Path, period: float = 0.1) -> None:
+        self.method, self.root, self.events, self.period = method, root, events, period
+        self.commits: dict[int, dict[str, Any]] = {}
+        self.child_peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._look()
+
+    def reset_memory(self) -> None:
+        self.child_peak = {}
+
+    def _pids(self) -> dict[int, int]:
+        pids = {}
+        for rank in range(RANKS):
+            path = self.events if rank == 0 else Path(f"{self.events}.rank{rank}")
+            try:
+                lines = path.read_text().splitlines()
+            except OSError:
+                continue
+            launches = [json.loads(line) for line in lines if '"launch"' in line]
+            if launches:
+                pids[rank] = int(launches[-1]["pid"])
+        return pids
+
+    def _look(self) -> None:
+        now = time.time()
+        for step, path in committed_steps(self.method, self.root):
+            if step not in self.commits:
+                self.commits[step] = {"t": now, "bytes": tree_bytes(path)}
+        for rank, pid in self._pids().items():
+            children = [p for p in process_tree(pid) if p != pid]
+            held = sum(_private_bytes(child) for child in children)
+            self.child_peak[rank] = max(self.child_peak.get(rank, 0), held)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._look()
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------ one method
+
+
+def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
+               config: Mapping[str, Any]) -> dict[str, Any]:
+    """The schedule for one method (its root under ``work``); launches, events, figures."""
+    root = work / method
+    logs.mkdir(parents=True, exist_ok=True)
+    events = logs / f"events-{method}.jsonl"
+    remove(events)
+    for extra in logs.glob(f"events-{method}.jsonl.rank*"):
+        remove(extra)
+    grace = float(config["grace_s"])
+    plan: list[tuple[int | None, str | None]] = [*config["schedule"], (None, None)]
+    watcher = Watcher(method, root, events).start()
+    launches = []
+    try:
+        for index, (at, kind) in enumerate(plan, start=1):
+            before = committed_steps(method, root)
+            restored_bytes = tree_bytes(before[-1][1]) if before else 0
+            if before:  # a cold restore: nothing of the checkpoint in the page cache
+                os.sync()
+                evict(root)
+            watcher.reset_memory()
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc_per_node={RANKS}", f"--shutdown-timeout={int(grace) + 120}",
+                       "-m", "benchmarks.scale_worker", "--method", method, "--root", str(root),
+                       "--events", str(events), "--layers", str(shape.layers),
+                       "--width", str(shape.width), "--batch", str(config["batch"]),
+                       "--steps", str(config["steps"]),
+                       "--save-every", str(config["save_every"]), "--grace", str(grace),
+                       *(["--memcpy"] if index == 1 else [])]
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
+                                                  os.environ.get("PYTHONPATH", "")])}
+            record: dict[str, Any] = {"index": index, "interruption": kind, "signal_at": at,
+                                      "resumed_from": before[-1][0] if before else 0,
+                                      "restored_bytes": restored_bytes}
+            started = time.time()
+            seen = len([e for e in _read_events(events) if e["kind"] == "launch"])
+            log_path = logs / f"{method}-{index}.log"
+            with log_path.open("wb") as log:
+                process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
+                                           stderr=subprocess.STDOUT, env=env,
+                                           start_new_session=True)
+                try:
+                    if kind is not None and at is not None:
+                        _wait_launch_step(events, seen, at, process, config["timeout_s"])
+                        record["signal_t"] = time.time()
+                        if kind == "sigterm":
+                            os.kill(process.pid, signal.SIGTERM)
+                            try:
+                                process.wait(timeout=grace)
+                            except subprocess.TimeoutExpired:
+                                record["cut_by_grace"] = True
+                                kill_tree(process.pid)
+                        else:
+                            kill_tree(process.pid)
+                    process.wait(timeout=config["timeout_s"])
+                except BaseException:
+                    kill_tree(process.pid)
+                    process.wait()
+                    raise
+            record["returncode"] = process.returncode
+            record["seconds"] = time.time() - started
+            record["child_private_peak"] = dict(watcher.child_peak)
+            after = committed_steps(method, root)
+            record["newest_committed"] = after[-1][0] if after else 0
+            if kind is None and process.returncode != 0:
+                raise RuntimeError(f"{method} launch {index} failed ({process.returncode}); "
+                                   f"see {log_path}:\n{log_path.read_text()[-3000:]}")
+            launches.append(record)
+            _log(f"{method} launch {index}: {kind or 'to the end'} at {at}, from step "
+                 f"{record['resumed_from']}, newest complete {record['newest_committed']}, "
+                 f"{record['seconds']:.1f} s, exit {process.returncode}")
+    finally:
+        watcher.stop()
+    rank_events = [_read_events(events), _read_events(Path(f"{events}.rank1"))]
+    result = {"launches": launches, "commits": watcher.commits,
+              **analyse_method(method, rank_events, launches, watcher.commits, config)}
+    remove(root)
+    return result
+
+
+def _wait_launch_step(events: Path, seen: int, step: int, process: subprocess.Popen[bytes],
+                      timeout: float) -> None:
+    """Wait until this launch (the ``seen``-th ``launch`` event on) logged ``step``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _read_events(events)
+        launch_at = [i for i, e in enumerate(records) if e["kind"] == "launch"]
+        if len(launch_at) > seen and any(
+                e["kind"] == "step" and e["step"] >= step for e in records[launch_at[seen]:]):
+            return
+        if process.poll() is not None:
+            raise RuntimeError(f"the trainer exited ({process.returncode}) before step {step}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"step {step} not reached within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------ analysis
+
+
+def _launches(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    launches: list[list[dict[str, Any]]] = []
+    for event in events:
+        if event["kind"] == "launch":
+            launches.append([])
+        if launches:
+            launches[-1].append(event)
+    return launches
+
+
+def _spans(launch: Sequence[dict[str, Any]], what: str) -> list[dict[str, Any]]:
+    """``blocked_begin``/``blocked_end`` pairs of ``what`` (one level: they do not nest
+    for a save)."""
+    spans, open_at = [], None
+    for event in launch:
+        if event["kind"] == "blocked_begin" and event.get("what") == what:
+            open_at = event
+        elif event["kind"] == "blocked_end" and event.get("what") == what and open_at:
+            spans.append({"step": open_at.get("step"), "begin": open_at["t"],
+                          "end": event["t"]})
+            open_at = None
+    return spans
+
+
+def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
+                   launches: Sequence[Mapping[str, Any]], commits: Mapping[int, Any],
+                   config: Mapping[str, Any]) -> dict[str, Any]:
+    """Every figure of one method from its events, launches and seen commits."""
+    bandwidth = float(config["bandwidth"])
+    every = int(config["save_every"])
+    rank0 = rank_events[0]
+    per_launch = _launches(rank0)
+    figures: dict[str, Any] = {}
+    figures["goodput"] = goodput.analyse(rank0, int(config["steps"]), rank_events[1:])
+    memcpy = [e["seconds"] for e in rank0 if e["kind"] == "memcpy"]
+    figures["memcpy_s"] = memcpy[0] if memcpy else None
+    saves, windows = [], []
+    for launch in per_launch:
+        for span in _spans(launch, "save"):
+            step = span["step"]
+            if step is None or step % every:
+                continue  # an emergency save: reported with its SIGTERM
+            committed = commits.get(step)
+            total = committed["t"] - span["begin"] if committed else None
+            saves.append({"step": step, "blocked_s": span["end"] - span["begin"],
+                          "total_s": total,
+                          "bytes": committed["bytes"] if committed else None})
+            windows.append((span["begin"], span["end"],
+                            committed["t"] if committed else span["end"]))
+    figures["interval_saves"] = saves
+    blocked = [s["blocked_s"] for s in saves]
+    totals = [s["total_s"] for s in saves if s["total_s"] is not None]
+    figures["save_blocked_s_median"] = median(blocked) if blocked else None
+    figures["save_total_s_median"] = median(totals) if totals else None
+    achieved = [(s["bytes"] / bandwidth) / s["total_s"] for s in saves
+                if s["total_s"] and s["bytes"]]
+    figures["save_vs_bandwidth"] = median(achieved) if achieved else None
+    figures["block_vs_memcpy"] = (figures["save_blocked_s_median"] / figures["memcpy_s"]
+                                  if blocked and figures["memcpy_s"] else None)
+    # Steps: compute only (step_begin -> step), never the first of a launch (warm-up).
+    during, alone = [], []
+    for launch in per_launch:
+        begins = {e["step"]: e["t"] for e in launch if e["kind"] == "step_begin"}
+        first = min(begins) if begins else None
+        for event in launch:
+            if event["kind"] != "step" or event["step"] == first:
+                continue
+            begin, end = begins.get(event["step"]), event["t"]
+            if begin is None:
+                continue
+            length = end - begin
+            overlap_bg = max((max(0.0, min(end, done) - max(begin, returned))
+                              for _, returned, done in windows), default=0.0)
+            overlap_any = max((max(0.0, min(end, done) - max(begin, called))
+                               for called, _, done in windows), default=0.0)
+            if overlap_bg >= 0.5 * length:
+                during.append(length)
+            elif overlap_any == 0.0:
+                alone.append(length)
+    figures["step_s_alone_median"] = median(alone) if alone else None
+    figures["step_s_during_save_median"] = median(during) if during else None
+    figures["steps_counted"] = {"alone": len(alone), "during_save": len(during)}
+    figures["step_slowdown_during_save"] = (median(during) / median(alone)
+                                            if during and alone else None)
+    # Restores (cold), slowest rank's entry to the end.
+    restores = []
+    for number in range(len(per_launch)):
+        info = launches[number] if number < len(launches) else {}
+        if not info.get("resumed_from"):
+            continue
+        begins = [next((e["t"] for e in rank_launch if e["kind"] == "restore_begin"), None)
+                  for rank_launch in (_launches(events)[number] if number < len(
+                      _launches(events)) else [] for events in rank_events)]
+        ends = [next((e["t"] for e in rank_launch if e["kind"] == "restore_end"), None)
+                for rank_launch in (_launches(events)[number] if number < len(
+                    _launches(events)) else [] for events in rank_events)]
+        if None in begins or None in ends or not begins:
+            continue
+        seconds = max(ends) - max(begins)
+        restores.append({"launch": number + 1, "seconds": seconds,
+                         "bytes": info["restored_bytes"],
+                         "vs_bandwidth": (info["restored_bytes"] / bandwidth) / seconds})
+    figures["restores"] = restores
+    figures["restore_vs_bandwidth"] = (median([r["vs_bandwidth"] for r in restores])
+                                       if restores else None)
+    # Interruptions: what each cost.
+    interruptions = []
+    for number, info in enumerate(launches):
+        if info.get("interruption") is None:
+            continue
+        launch = per_launch[number] if number < len(per_launch) else []
+        last = max((e["step"] for e in launch if e["kind"] == "step"), default=0)
+        entry = {"launch": number + 1, "kind": info["interruption"],
+                 "signal_at": info["signal_at"], "last_step_trained": last,
+                 "newest_complete_after": info["newest_committed"],
+                 "steps_lost": max(0, last - info["newest_committed"]),
+                 "cut_by_grace": bool(info.get("cut_by_grace"))}
+        if info["interruption"] == "sigterm":
+            committed = commits.get(info["newest_committed"])
+            if committed and committed["t"] >= info["signal_t"]:
+                entry["emergency_save_s"] = committed["t"] - info["signal_t"]
+                entry["emergency_save_vs_grace"] = entry["emergency_save_s"] / float(
+                    config["grace_s"])
+                entry["emergency_bytes"] = committed["bytes"]
+        interruptions.append(entry)
+    figures["interruptions"] = interruptions
+    sigterms = [i for i in interruptions if i["kind"] == "sigterm"]
+    figures["sigterm_steps_lost"] = max((i["steps_lost"] for i in sigterms), default=None)
+    emergency = [i["emergency_save_vs_grace"] for i in sigterms
+                 if "emergency_save_vs_grace" in i]
+    figures["emergency_save_vs_grace"] = max(emergency) if emergency else None
+    # Peak host memory above a step's own, per rank, from the first launch that has both.
+    figures["peak_extra"] = None
+    for number, info in enumerate(launches):
+        per_rank = []
+        for rank, events in enumerate(rank_events):
+            rank_launches = _launches(events)
+            if number >= len(rank_launches):
+                break
+            base = next((e for e in rank_launches[number] if e["kind"] == "baseline"), None)
+            end = next((e for e in rank_launches[number] if e["kind"] == "exit"), None)
+            if base is None or end is None:
+                break
+            children = int(info.get("child_private_peak", {}).get(rank, 0))
+            extra = max(0, end["hwm"] - base["hwm"]) + children
+            per_rank.append({"rank": rank, "extra_bytes": extra, "children_bytes": children,
+                             "state_bytes": base["state_bytes"], "exact": base["exact"],
+                             "vs_state": extra / base["state_bytes"]})
+        if len(per_rank) == len(rank_events):
+            figures["peak_extra"] = {"launch": number + 1, "ranks": per_rank,
+                                     "vs_state": max(r["vs_state"] for r in per_rank)}
+            break
+    return figures
+
+
+def _designated_async(details: Mapping[str, Any]) -> str | None:
+    for name in ("resumekit_async_process", "resumekit_async_thread"):
+        if isinstance(details.get(name), dict) and "goodput" in details[name]:
+            return name
+    return None
+
+
+def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The summary figures and, for each, the method(s) it came from."""
+    ran = {name: value for name, value in details.items()
+           if isinstance(value, dict) and "goodput" in value}
+    best_async = _designated_async(details)
+    rk_async = ran.get(best_async or "", {})
+    rk_sync = ran.get("resumekit_sync", {})
+
+    def get(figures: Mapping[str, Any], *path: str) -> Any:
+        value: Any = figures
+        for key in path:
+            if not isinstance(value, Mapping) or value.get(key) is None:
+                return None
+            value = value[key]
+        return value
+
+    dcp_goodputs = [get(ran[name], "goodput", "goodput")
+                    for name in ("dcp_async_thread", "dcp_async_process") if name in ran]
+    dcp_best = max((g for g in dcp_goodputs if g is not None), default=None)
+    rk_goodput = get(rk_async, "goodput", "goodput")
+    lost = [get(ran[name], "sigterm_steps_lost") for name in ran if name.startswith("resumekit")]
+    lost = [value for value in lost if value is not None]
+    sync_total = get(rk_sync, "save_total_s_median")
+    async_total = get(rk_async, "save_total_s_median")
+    summary = {
+        "scale_async_block_vs_memcpy": get(rk_async, "block_vs_memcpy"),
+        "scale_step_slowdown_during_save": get(rk_async, "step_slowdown_during_save"),
+        "scale_save_vs_bandwidth": get(rk_sync, "save_vs_bandwidth"),
+        "scale_restore_vs_bandwidth": get(rk_sync, "restore_vs_bandwidth"),
+        "scale_sigterm_steps_lost": max(lost) if lost else None,
+        "scale_goodput": rk_goodput,
+        "scale_goodput_vs_dcp_async": (rk_goodput / dcp_best
+                                       if rk_goodput is not None and dcp_best else None),
+        "scale_peak_rss_async_vs_state": get(rk_async, "peak_extra", "vs_state"),
+        "scale_peak_rss_sync_vs_state": get(rk_sync, "peak_extra", "vs_state"),
+        "scale_async_total_vs_sync": (async_total / sync_total
+                                      if async_total and sync_total else None),
+        "scale_emergency_save_vs_grace": max(
+            (v for v in (get(ran[name], "emergency_save_vs_grace") for name in ran
+                         if name.startswith("resumekit")) if v is not None), default=None),
+    }
+    sources = {key: ("resumekit_sync" if key in (
+        "scale_save_vs_bandwidth", "scale_restore_vs_bandwidth",
+        "scale_peak_rss_sync_vs_state") else best_async) for key in summary}
+    sources["scale_sigterm_steps_lost"] = "every resumekit method (the most)"
+    sources["scale_emergency_save_vs_grace"] = "every resumekit method (the most)"
+    sources["scale_goodput_vs_dcp_async"] = f"{best_async} / better of dcp_async_*"
+    sources["scale_async_total_vs_sync"] = f"{best_async} / resumekit_sync"
+    return summary, sources
+
+
+def meets(key: str, value: float | None) -> bool | None:
+    """Whether ``value`` meets the goal of ``key`` (None: not measured, or no goal)."""
+    goal = TARGETS[key]
+    if value is None or goal["target"] is None:
+        return None
+    return bool(value >= goal["target"] if goal["better"] == "higher"
+                else value <= goal["target"])
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    """The summary as a markdown table with each goal and its verdict."""
+    lines = ["| figure | value | goal | verdict |", "|---|---|---|---|"]
+    for key, value in results["summary"].items():
+        goal = TARGETS[key]
+        sign = ">=" if goal["better"] == "higher" else "<="
+        verdict = {True: "meets", False: "**misses**", None: "not measured"}[meets(key, value)]
+        shown = "-" if value is None else f"{value:.3f}"
+        lines.append(f"| `{key}` | {shown} | {sign} {goal['target']} | {verdict} |")
+    return "\n".join(lines)
+
+
+def plot(results: Mapping[str, Any], path: Path) -> bool:
+    """Per method: goodput, save blocking and total time, restore time, peak memory."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional (bench extra)
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    details = {name: value for name, value in results["details"].items()
+               if isinstance(value, dict) and "goodput" in value}
+    names = list(details)
+    colours = ["tab:green" if name.startswith("resumekit") else "tab:gray" for name in names]
+    figure, grid = plt.subplots(2, 2, figsize=(12, 8))
+
+    def bars(axis: Any, values: list[float | None], title: str, unit: str) -> None:
+        axis.bar(range(len(names)), [v or 0.0 for v in values], color=colours)
+        axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        axis.set_title(title, fontsize=10)
+        axis.set_ylabel(unit)
+
+    bars(grid[0][0], [d["goodput"].get("goodput") for d in details.values()],
+         "goodput over the preemption schedule", "useful / wall")
+    grid[0][0].axhline(0.98, color="tab:red", linestyle="--", label="goal 0.98")
+    grid[0][0].legend(fontsize=8)
+    axis = grid[0][1]
+    xs = range(len(names))
+    axis.bar([x - 0.2 for x in xs], [d.get("save_blocked_s_median") or 0 for d in
+                                     details.values()], width=0.4, label="blocks training")
+    axis.bar([x + 0.2 for x in xs], [d.get("save_total_s_median") or 0 for d in
+                                     details.values()], width=0.4, label="call to complete")
+    ideal = results["config"].get("ideal_save_s")
+    if ideal:
+        axis.axhline(ideal, color="tab:red", linestyle="--", label="bytes / bandwidth")
+    axis.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
+    axis.set_title("interval save (median)", fontsize=10)
+    axis.set_ylabel("s")
+    axis.legend(fontsize=8)
+    bars(grid[1][0], [d.get("restore_vs_bandwidth") for d in details.values()],
+         "restore: fraction of the stand-in's bandwidth", "ratio")
+    bars(grid[1][1], [(d.get("peak_extra") or {}).get("vs_state") for d in details.values()],
+         "peak host memory above a step's / state (per rank, max)", "ratio")
+    config = results["config"]
+    figure.suptitle(f"scale: 2 ranks x {config['state_bytes_per_rank'] / GB:.2f} GB (FSDP2, "
+                    f"AdamW fp32) on a {config['bandwidth'] / MB:.0f} MB/s NAS stand-in, "
+                    f"grace {config['grace_s']:.0f} s", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return True
+
+
+# ------------------------------------------------------------------------ main
+
+
+def _parse_schedule(text: str) -> list[tuple[int, str]]:
+    plan = []
+    for item in text.split(","):
+        step, kind = item.split(":")
+        if kind not in ("sigterm", "sigkill"):
+            raise argparse.ArgumentTypeError(f"{kind!r}: sigterm or sigkill")
+        plan.append((int(step), kind))
+    return plan
+
+
+def main(argv: Sequence[str] | None = None,
+         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the scale benchmark; return (and write) its results."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scale",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--state-gb", type=float, default=2.0,
+                        help="training state per rank, GB (model shard + AdamW, fp32)")
+    parser.add_argument("--bandwidth-mbs", type=float, default=400.0,
+                        help="the stand-in's bandwidth, MB/s, reads and writes, shared")
+    parser.add_argument("--grace-s", type=float, default=None,
+                        help="grace window after SIGTERM (default: 3x the state's time at "
+                             "the bandwidth, + 10 s)")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--schedule", type=_parse_schedule,
+                        default=_parse_schedule("5:sigterm,9:sigkill"),
+                        help="STEP:sigterm|sigkill,... (one launch each, then one to the end)")
+    parser.add_argument("--batch", type=int, default=64,
+                        help="rows per step (sets the step's compute)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--bench-dir", type=Path, default=None,
+                        help="where the stand-in's backing file and mount go (default: a "
+                             "temporary directory)")
+    parser.add_argument("--no-stand-in", action="store_true",
+                        help="write to a plain directory (no root needed); the bandwidth "
+                             "figures are then relative to --bandwidth-mbs, not a bound")
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="keep the launches' logs and events here (default: removed "
+                             "with the bench directory)")
+    parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    log = progress or _log
+    state_per_rank = int(args.state_gb * GB)
+    shape = shape_for(state_per_rank * RANKS)
+    bandwidth = args.bandwidth_mbs * MB
+    ideal = shape.state_bytes / bandwidth  # both ranks' checkpoint at the shared bandwidth
+    grace = args.grace_s if args.grace_s is not None else 3 * ideal + 10
+    config: dict[str, Any] = {
+        "ranks": RANKS, "parallelism": "FSDP2 fully_shard per layer, gloo, CPU",
+        "shape": {"layers": shape.layers, "width": shape.width,
+                  "state_bytes": shape.state_bytes},
+        "state_bytes_per_rank": shape.state_bytes // RANKS, "bandwidth": bandwidth,
+        "grace_s": grace, "steps": args.steps, "save_every": args.save_every,
+        "schedule": args.schedule, "batch": args.batch, "methods": args.methods,
+        "ideal_save_s": ideal, "timeout_s": args.timeout_s, "stand_in": not args.no_stand_in,
+    }
+    notes: dict[str, str] = {}
+    methods = list(args.methods)
+    if "resumekit_async_process" in methods and not process_writer_available():
+        methods.remove("resumekit_async_process")
+        notes["resumekit_async_process"] = (
+            "not available: this resumekit has no async_writer option (issue 27 part 2)")
+    bench_dir = Path(tempfile.mkdtemp(prefix="resumekit-scale-", dir=args.bench_dir))
+    details: dict[str, Any] = {name: {"skipped": why} for name, why in notes.items()}
+    facts = machine_facts(bench_dir)
+    logs = args.logs if args.logs is not None else bench_dir / "logs"
+    began = time.monotonic()
+    try:
+        if args.no_stand_in:
+            work = bench_dir / "plain"
+            work.mkdir()
+            config["stand_in_measured"] = None
+            notes["stand_in"] = "--no-stand-in: a plain directory, no bandwidth bound"
+            details.update(_run_all(methods, work, logs, shape, config, log))
+        else:
+            size = int(shape.state_bytes * (KEEP + 2) * 1.25) + GB
+            with nas.NasStandIn(bench_dir, size, bandwidth) as stand_in:
+                measured = stand_in.verify(min(512 * MB, max(64 * MB, shape.state_bytes // 4)))
+                config["stand_in_measured"] = measured
+                config["stand_in"] = {"kind": f"loop-device ext4, cgroup {stand_in.kind} "
+                                              "throttle", "size_bytes": size,
+                                      "device": stand_in.majmin}
+                log("stand-in: " + ", ".join(f"{k} {v / MB:.0f} MB/s"
+                                             for k, v in measured.items()))
+                details.update(_run_all(methods, stand_in.mount, logs, shape,
+                                        config, log))
+    finally:
+        remove(bench_dir)
+    summary, sources = summarise(details)
+    results = {
+        "summary": summary,
+        "goals": {key: {**TARGETS[key], "value": value, "meets": meets(key, value)}
+                  for key, value in summary.items()},
+        "summary_sources": sources,
+        "config": config, "notes": notes, "details": details,
+        "machine": {**facts, "load_average_at_end": list(os.getloadavg()),
+                    "bench_dir_removed": not bench_dir.exists()},
+        "seconds": time.monotonic() - began,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot(results, args.out / "scale.png")
+    print(markdown(results))
+    return results
+
+
+def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
+             config: dict[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    details = {}
+    for method in methods:
+        log(f"{method}: schedule {config['schedule']}, {config['steps']} steps")
+        details[method] = run_method(method, work=work, logs=logs, shape=shape, config=config)
+    return details
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    sys.exit(0)

@@ -1,0 +1,218 @@
+"""``python -m benchmarks.scale`` at a tiny size, its analysis, and the NAS stand-in.
+
+No speed is asserted (wall-clock figures on a shared machine mean nothing), except that
+the stand-in never lets more than its bound through. The smoke run uses the stand-in
+where this machine can build it (root, loop devices, a cgroup I/O throttle: as in CI) and
+a plain directory otherwise; two resumekit methods, one SIGTERM, then a relaunch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import nas, scale
+from benchmarks.scale_worker import process_writer_available
+
+pytestmark = pytest.mark.timeout(600)
+
+STAND_IN = nas.missing() is None
+#: resumekit's async save with the process writer where it exists, else with its thread.
+ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_async_thread"
+TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "6", "--save-every", "2",
+        "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
+        *([] if STAND_IN else ["--no-stand-in"])]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("scale")
+    bench_dir, out = base / "work", base / "out"
+    bench_dir.mkdir()
+    results = scale.main([*TINY, "--bench-dir", str(bench_dir), "--out", str(out)],
+                         progress=lambda message: None)
+    return {"results": results, "bench_dir": bench_dir, "out": out}
+
+
+def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> None:
+    summary = smoke["results"]["summary"]
+    assert list(summary) == list(scale.TARGETS)
+    assert {"scale_async_block_vs_memcpy", "scale_step_slowdown_during_save",
+            "scale_save_vs_bandwidth", "scale_restore_vs_bandwidth",
+            "scale_sigterm_steps_lost", "scale_goodput", "scale_goodput_vs_dcp_async",
+            "scale_peak_rss_async_vs_state"} <= set(summary)
+    assert set(smoke["results"]["goals"]) == set(summary)
+    for key, value in summary.items():
+        assert value is None or (isinstance(value, (int, float)) and math.isfinite(value)), key
+    # Measured in this run: both resumekit methods ran the schedule.
+    for key in ("scale_async_block_vs_memcpy", "scale_save_vs_bandwidth",
+                "scale_restore_vs_bandwidth", "scale_sigterm_steps_lost", "scale_goodput",
+                "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state"):
+        assert summary[key] is not None, key
+    # DCP was not run: the ratio to it is absent, not made up.
+    assert summary["scale_goodput_vs_dcp_async"] is None
+
+
+def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> None:
+    details = smoke["results"]["details"]
+    for method in ("resumekit_sync", ASYNC):
+        figures = details[method]
+        launches = figures["launches"]
+        assert [launch["interruption"] for launch in launches] == ["sigterm", None]
+        # The relaunch resumed from what the SIGTERM left (an emergency save may be
+        # skipped when the grace window is judged too short: then an older step).
+        assert launches[1]["resumed_from"] == launches[0]["newest_committed"], method
+        assert figures["goodput"]["complete"], method
+        assert 0 < figures["goodput"]["goodput"] <= 1, method
+        sigterm = figures["interruptions"][0]
+        assert sigterm["kind"] == "sigterm", method
+        assert sigterm["steps_lost"] == sigterm["last_step_trained"] - launches[1]["resumed_from"]
+        assert len(figures["restores"]) == (launches[1]["resumed_from"] > 0), method
+        assert figures["memcpy_s"] > 0, method
+    # A sync save of step 2 is committed before step 3 starts: the relaunch restores it.
+    sync = details["resumekit_sync"]
+    assert sync["launches"][1]["resumed_from"] >= 2
+    assert sync["restores"][0]["bytes"] > 0
+
+
+def test_the_process_writer_is_run_where_it_exists_and_named_as_missing_elsewhere(
+        request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    if process_writer_available():
+        smoke = request.getfixturevalue("smoke")
+        assert smoke["results"]["summary_sources"]["scale_goodput"] == ASYNC
+        assert smoke["results"]["details"][ASYNC]["goodput"]["complete"]
+        return
+    results = scale.main(["--methods", "resumekit_async_process", "--no-stand-in",
+                          "--bench-dir", str(tmp_path), "--out", str(tmp_path / "out")],
+                         progress=lambda message: None)  # nothing to launch
+    assert "async_writer" in results["details"]["resumekit_async_process"]["skipped"]
+    assert "async_writer" in results["notes"]["resumekit_async_process"]
+    assert results["summary"]["scale_goodput"] is None
+
+
+def test_the_json_and_png_are_written_and_everything_is_torn_down(
+        smoke: dict[str, Any]) -> None:
+    written = json.loads((smoke["out"] / "scale.json").read_text())
+    assert written["summary"] == smoke["results"]["summary"]
+    assert (smoke["out"] / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert written["machine"]["bench_dir_removed"] is True
+    assert list(smoke["bench_dir"].iterdir()) == []
+    if STAND_IN:
+        measured = written["config"]["stand_in_measured"]
+        assert set(measured) == {"direct_write", "buffered_write", "buffered_read",
+                                 "direct_read"}
+        device = written["config"]["stand_in"]["device"]
+        loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
+        assert str(smoke["bench_dir"]) not in loops
+        if nas.throttle_kind() == "v1":
+            rules = (nas.BLKIO_V1 / "blkio.throttle.write_bps_device").read_text()
+            assert f"{device} " not in rules
+
+
+@pytest.mark.skipif(not STAND_IN, reason=nas.missing() or "")
+def test_the_stand_in_lets_no_access_kind_past_its_bound(tmp_path: Path) -> None:
+    bound = 40e6
+    with nas.NasStandIn(tmp_path / "nas", 256 << 20, bound) as stand_in:
+        assert stand_in.mount.is_mount()
+        measured = stand_in.verify(32 << 20)
+        device = stand_in.majmin
+    # Load can only slow it; nothing may go faster than the bound (dd's rounding aside).
+    assert all(rate <= 1.2 * bound for rate in measured.values()), measured
+    assert not (tmp_path / "nas" / "nas.img").exists()
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
+    assert str(tmp_path) not in loops
+    if nas.throttle_kind() == "v1":
+        assert f"{device} " not in (nas.BLKIO_V1 / "blkio.throttle.read_bps_device").read_text()
+
+
+def _events(*records: tuple[float, str, dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"t": t, "kind": kind, **fields} for t, kind, fields in records]
+
+
+def test_the_analysis_splits_saves_steps_restores_and_interruptions() -> None:
+    config = {"bandwidth": 100.0, "save_every": 2, "steps": 4, "grace_s": 10.0}
+    # Launch 1: steps 1-3, an async save of step 2 (blocks 0.5 s, committed at t=9), a
+    # SIGTERM at t=10 answered by an emergency save of step 3 committed at t=12.
+    first = _events(
+        (0, "launch", {"pid": 1}), (0.5, "memcpy", {"seconds": 0.25}),
+        (1, "restore_begin", {}), (2, "restore_end", {"step": 0}),
+        (2, "step_begin", {"step": 1}), (3, "step", {"step": 1}),
+        (3, "step_begin", {"step": 2}), (4, "step", {"step": 2}),
+        (4, "baseline", {"hwm": 1000, "rss": 900, "exact": True, "state_bytes": 400}),
+        (4, "blocked_begin", {"what": "save", "step": 2}),
+        (4.5, "blocked_end", {"what": "save", "step": 2}),
+        (4.5, "step_begin", {"step": 3}), (6.5, "step", {"step": 3}),
+        (10.5, "blocked_begin", {"what": "save", "step": 3}),
+        (12, "blocked_end", {"what": "save", "step": 3}),
+        (12.5, "exit", {"code": 75, "hwm": 1300, "rss": 900}))
+    # Launch 2: restores step 3 (200 bytes in 4 s), trains step 4, ends.
+    second = _events(
+        (20, "launch", {"pid": 2}), (21, "restore_begin", {}), (25, "restore_end", {"step": 3}),
+        (25, "step_begin", {"step": 4}), (26, "step", {"step": 4}),
+        (26, "exit", {"code": 0, "hwm": 1000, "rss": 900}))
+    other_rank = _events((0, "launch", {"pid": 3}), (1, "restore_begin", {}),
+                         (2, "restore_end", {"step": 0}),
+                         (4, "baseline", {"hwm": 2000, "rss": 0, "exact": True,
+                                          "state_bytes": 400}),
+                         (12.5, "exit", {"code": 75, "hwm": 2100, "rss": 0}),
+                         (20, "launch", {"pid": 4}), (21, "restore_begin", {}),
+                         (25, "restore_end", {"step": 3}))
+    launches = [{"interruption": "sigterm", "signal_at": 3, "signal_t": 10.0,
+                 "resumed_from": 0, "restored_bytes": 0, "newest_committed": 3,
+                 "child_private_peak": {0: 100, 1: 0}},
+                {"interruption": None, "signal_at": None, "resumed_from": 3,
+                 "restored_bytes": 200, "newest_committed": 4, "child_private_peak": {}}]
+    commits = {2: {"t": 9.0, "bytes": 300}, 3: {"t": 12.0, "bytes": 200},
+               4: {"t": 27.0, "bytes": 200}}
+    figures = scale.analyse_method("resumekit_async_thread", [first + second, other_rank],
+                                   launches, commits, config)
+
+    assert figures["memcpy_s"] == 0.25
+    assert figures["interval_saves"] == [{"step": 2, "blocked_s": 0.5, "total_s": 5.0,
+                                          "bytes": 300}]
+    assert figures["block_vs_memcpy"] == pytest.approx(2.0)
+    assert figures["save_vs_bandwidth"] == pytest.approx(3 / 5)
+    # Step 3 (2 s) ran while step 2's save was written; step 2 (1 s) with none in flight;
+    # step 1 and step 4 are their launch's first (warm-up), not counted.
+    assert figures["steps_counted"] == {"alone": 1, "during_save": 1}
+    assert figures["step_slowdown_during_save"] == pytest.approx(2.0)
+    assert figures["restores"] == [{"launch": 2, "seconds": 4.0, "bytes": 200,
+                                    "vs_bandwidth": pytest.approx(0.5)}]
+    sigterm = figures["interruptions"][0]
+    assert sigterm["steps_lost"] == 0 and sigterm["last_step_trained"] == 3
+    assert sigterm["emergency_save_s"] == pytest.approx(2.0)
+    assert sigterm["emergency_save_vs_grace"] == pytest.approx(0.2)
+    # Rank 0: 300 above its baseline peak + 100 held by its child; rank 1: 100.
+    assert figures["peak_extra"]["vs_state"] == pytest.approx(400 / 400)
+    assert figures["goodput"]["complete"]
+
+
+def test_the_summary_compares_with_the_better_dcp_executor_and_says_where_from() -> None:
+    def method(goodput: float, **extra: Any) -> dict[str, Any]:
+        return {"goodput": {"goodput": goodput}, **extra}
+
+    details = {
+        "resumekit_sync": method(0.5, save_vs_bandwidth=0.95, restore_vs_bandwidth=0.8,
+                                 save_total_s_median=10.0, sigterm_steps_lost=0),
+        "resumekit_async_process": {"skipped": "not available"},
+        "resumekit_async_thread": method(0.9, save_total_s_median=12.0, sigterm_steps_lost=1,
+                                         block_vs_memcpy=1.2),
+        "dcp_async_thread": method(0.6),
+        "dcp_async_process": method(0.75),
+    }
+    summary, sources = scale.summarise(details)
+    assert summary["scale_goodput"] == 0.9
+    assert summary["scale_goodput_vs_dcp_async"] == pytest.approx(0.9 / 0.75)
+    assert summary["scale_async_total_vs_sync"] == pytest.approx(1.2)
+    assert summary["scale_sigterm_steps_lost"] == 1  # the worst resumekit method
+    assert sources["scale_goodput"] == "resumekit_async_thread"
+    assert scale.meets("scale_save_vs_bandwidth", 0.95) is True
+    assert scale.meets("scale_sigterm_steps_lost", 1) is False
+    assert scale.meets("scale_step_slowdown_during_save", None) is None
+    table = scale.markdown({"summary": summary})
+    assert "| `scale_goodput` | 0.900 | >= 0.98 | **misses** |" in table
