@@ -478,7 +478,8 @@ class CheckpointManager:
         self.last_saved_step = manifest.step
         if manifest.save_throughput is not None:  # a requeued process knows its root's rate
             record = manifest.save_throughput
-            self._clock.seed_throughput(manifest.step, record.bytes, record.seconds)
+            self._clock.seed_throughput(manifest.step, record.bytes, record.seconds,
+                                        blocking=record.blocking)
         logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
 
     def _read_entry(self, name: str, manifest: Manifest) -> list[str]:

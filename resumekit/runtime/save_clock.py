@@ -94,9 +94,14 @@ class CommitClock:
 
     How long a save takes is measured as the root's **write throughput**: the bytes of
     tensor state a save wrote over the seconds of its write phase, from every committed
-    save (blocking or not) - the newest one counts. A fresh process (a requeued job) has
-    saved nothing yet: :meth:`seed_throughput` takes the record of the checkpoint it
-    restored (``Manifest.save_throughput``).
+    save, kept per kind - the newest blocking save's and the newest background save's. An
+    emergency save is blocking (training has stopped), so it is estimated at the blocking
+    rate; a background save's rate, measured while training competed for the CPU and the
+    store, is a lower bound, used only until a blocking save was measured (and said so in
+    the estimate's words). A save still in flight is estimated at the background rate. A
+    fresh process (a requeued job) has saved nothing yet: :meth:`seed_throughput` takes
+    the record of the checkpoint it restored (``Manifest.save_throughput``, which says
+    its kind; after a preemption that is the emergency save's blocking rate).
     """
 
     def __init__(self) -> None:
@@ -106,8 +111,8 @@ class CommitClock:
         self._step_clock: tuple[int, float] | None = None
         self._step_seconds: float | None = None  # smoothed duration of one step
         self._blocking_save_seconds: float | None = None  # the last blocking save
-        # The newest write rate: (bytes, seconds, where it was measured).
-        self._throughput: tuple[int, float, str] | None = None
+        # The newest write rate per kind (True: blocking): (bytes, seconds, where measured).
+        self._throughput: dict[bool, tuple[int, float, str]] = {}
         # A save whose writes are under way: (step, bytes, when they started).
         self._writing: tuple[int, int, float] | None = None
         self.last_save_seconds = 0.0
@@ -160,33 +165,55 @@ class CommitClock:
     def wrote(self, step: int, nbytes: int, seconds: float, *, blocking: bool) -> None:
         """The save of ``step`` wrote ``nbytes`` of tensor state in ``seconds``.
 
-        Records the root's newest write throughput; a save of no bytes, or one timed at
-        zero seconds, measures nothing and is ignored.
+        Records the root's newest write throughput of that kind; a save of no bytes, or
+        one timed at zero seconds, measures nothing and is ignored.
         """
         if nbytes <= 0 or not seconds > 0:
             return
         kind = "blocking" if blocking else "background"
-        self._throughput = (nbytes, seconds, f"the {kind} save of step {step}")
+        self._throughput[blocking] = (nbytes, seconds, f"the {kind} save of step {step}")
 
-    def seed_throughput(self, step: int, nbytes: int, seconds: float) -> None:
+    def seed_throughput(self, step: int, nbytes: int, seconds: float, *,
+                        blocking: bool = True) -> None:
         """Take the write throughput the checkpoint of ``step`` recorded, until a save here.
 
         Called at restore with ``Manifest.save_throughput`` of the restored checkpoint: a
         requeued process knows its root's rate before it saved anything. A save this
         process makes replaces it.
+
+        Args:
+            step: The restored checkpoint's step.
+            nbytes: The bytes its save wrote.
+            seconds: The seconds of its write phase.
+            blocking: Whether that save was blocking (``SaveThroughput.blocking``).
         """
         if nbytes <= 0 or not seconds > 0:
             return
-        self._throughput = (nbytes, seconds,
-                            f"recorded by the checkpoint of step {step} before this restart")
+        kind = "blocking" if blocking else "background"
+        self._throughput[blocking] = (
+            nbytes, seconds,
+            f"the {kind} save of step {step}, recorded before this restart")
+
+    def _rate(self, *, blocking: bool) -> tuple[float, str] | None:
+        """The rate for a save of that kind: its own kind's, else the other kind's."""
+        record = self._throughput.get(blocking) or self._throughput.get(not blocking)
+        if record is None:
+            return None
+        nbytes, seconds, source = record
+        if blocking and blocking not in self._throughput:
+            source += (", which overlapped training: a lower bound for a blocking save's "
+                       "rate")
+        return nbytes / seconds, source
 
     @property
     def bytes_per_second(self) -> float | None:
-        """The root's newest measured write throughput, or None before any measurement."""
-        if self._throughput is None:
-            return None
-        nbytes, seconds, _ = self._throughput
-        return nbytes / seconds
+        """The root's write throughput for a blocking save, or None before any measurement.
+
+        The newest blocking save's rate; before one was measured, the newest background
+        save's (a lower bound).
+        """
+        rate = self._rate(blocking=True)
+        return None if rate is None else rate[0]
 
     def estimate(self, nbytes: int) -> SaveEstimate:
         """What a save of ``nbytes`` would take now, and the save in flight (if any).
@@ -195,13 +222,15 @@ class CommitClock:
             nbytes: Bytes of tensor state the save would write (its size, all ranks
                 together, each tensor once).
         """
-        rate = self.bytes_per_second
-        source = "not measured" if self._throughput is None else self._throughput[2]
+        found = self._rate(blocking=True)
+        rate, source = (None, "not measured") if found is None else found
         writing = self._writing
         if writing is None:
             return SaveEstimate(nbytes, rate, source)
         step, flying, started = writing
-        more = None if rate is None else max(0.0, started + flying / rate - time.monotonic())
+        background = self._rate(blocking=False)  # the save in flight writes in the background
+        more = None if background is None else max(
+            0.0, started + flying / background[0] - time.monotonic())
         return SaveEstimate(nbytes, rate, source, in_flight_step=step, in_flight_seconds=more)
 
     def training_seconds_since_commit(self, step: int, newest: int | None) -> float | None:

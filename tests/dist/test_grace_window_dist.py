@@ -99,6 +99,6 @@ def test_both_ranks_skip_a_save_the_recorded_rate_says_would_be_cut(tmp_path: Pa
         assert result["recorded"]["blocking"] is True
         assert (result["start"], result["stopped"], result["newest"]) == (5, 7, 5), result
         [message] = result["skipped"]
-        assert "recorded by the checkpoint of step 5 before this restart" in message
+        assert "the blocking save of step 5, recorded before this restart" in message
         assert "step 5 stays the newest checkpoint" in message
         assert result["staging"] == []

@@ -48,8 +48,8 @@ def test_when_the_saves_fit_the_grace_window_no_sigterm_loses_a_step(tmp_path: P
         assert record["skipped"] == [] and record["staging_left"] == [], record
     assert second["restored"] == first["newest_committed"]
     # The relaunch knew its root's rate before saving anything: from the manifest.
-    assert any(f"recorded by the checkpoint of step {second['restored']} before this "
-               "restart" in line for line in second["log"]), second["log"]
+    assert any(f"step {second['restored']}, recorded before this restart" in line
+               for line in second["log"]), second["log"]
 
 
 def test_when_a_new_save_would_be_cut_it_is_not_started_and_the_save_in_flight_commits(
@@ -62,7 +62,8 @@ def test_when_a_new_save_would_be_cut_it_is_not_started_and_the_save_in_flight_c
     [warning] = preempted["skipped"]
     assert warning.startswith("skipping the emergency save at step 11: a save would write "
                               "12.6 MB at the measured "), warning
-    for words in ("MB/s (the background save of step 5)", "after the in-flight save of "
+    for words in ("MB/s (the background save of step 5, which overlapped training: a lower "
+                  "bound", "after the in-flight save of "
                   "step 10 (about", "x 1.5 margin =", "s left of the 5.5 s grace period, "
                   "so it is not started", "the in-flight save of step 10 is left to "
                   "complete and stays the newest checkpoint"):
@@ -84,6 +85,6 @@ def test_a_requeued_process_does_not_start_a_save_its_recorded_rate_says_would_b
     [requeued] = _drill(tmp_path, 2.5, 2)
     assert (requeued["restored"], requeued["stopped_at"]) == (7, 9), requeued
     [warning] = requeued["skipped"]
-    assert "(recorded by the checkpoint of step 7 before this restart)" in warning, warning
+    assert "step 7, recorded before this restart" in warning, warning
     assert "step 7 stays the newest checkpoint" in warning, warning
     assert requeued["newest_committed"] == 7 and requeued["staging_left"] == []

@@ -130,20 +130,36 @@ def test_a_manifest_without_a_save_throughput_still_reads() -> None:
     assert again.save_throughput.bytes_per_second == 4_000_000
 
 
-def test_the_clock_takes_the_newest_committed_save_and_a_restored_record_until_then() -> None:
+def test_the_clock_estimates_at_the_blocking_rate_and_a_background_rate_only_until_then(
+) -> None:
     clock = CommitClock()
     assert clock.bytes_per_second is None
     assert clock.estimate(1000).seconds is None
-    clock.seed_throughput(40, nbytes=4_000_000, seconds=2.0)
+    clock.wrote(45, 1_000_000, 0.1, blocking=False)  # only a background save: a lower bound
+    assert clock.bytes_per_second == 10_000_000
+    said = clock.estimate(1).measured_from
+    assert "the background save of step 45" in said and "lower bound" in said
+    clock.seed_throughput(40, nbytes=4_000_000, seconds=2.0)  # a restored emergency save's
     estimate = clock.estimate(8_000_000)
     assert estimate.seconds == 4.0
-    assert "checkpoint of step 40" in estimate.measured_from
-    clock.wrote(45, 1_000_000, 0.1, blocking=False)  # a save here replaces the record
-    assert clock.bytes_per_second == 10_000_000
-    assert clock.expected_save_seconds(5_000_000) == 0.5
-    assert clock.estimate(1).measured_from == "the background save of step 45"
-    clock.wrote(46, 0, 0.1, blocking=True)  # no bytes: measures nothing
-    assert clock.bytes_per_second == 10_000_000
+    assert estimate.measured_from == "the blocking save of step 40, recorded before this restart"
+    clock.wrote(50, 3_000_000, 0.1, blocking=True)  # a blocking save here replaces the record
+    assert clock.expected_save_seconds(3_000_000) == pytest.approx(0.1)
+    clock.wrote(51, 1_000_000, 1.0, blocking=False)  # a slow background save changes nothing
+    assert clock.bytes_per_second == pytest.approx(30_000_000)
+    assert clock.estimate(1).measured_from == "the blocking save of step 50"
+    clock.wrote(52, 0, 0.1, blocking=True)  # no bytes: measures nothing
+    assert clock.bytes_per_second == pytest.approx(30_000_000)
+
+
+def test_a_save_in_flight_is_estimated_at_the_background_rate() -> None:
+    clock = CommitClock()
+    clock.wrote(30, 1_000_000, 0.1, blocking=True)  # 10 MB/s blocking
+    clock.wrote(31, 1_000_000, 1.0, blocking=False)  # 1 MB/s while training ran
+    clock.write_started(35, 10_000_000)  # 10 s at the background rate, 1 s at the blocking
+    estimate = clock.estimate(1_000_000)
+    assert estimate.seconds == pytest.approx(0.1)
+    assert estimate.in_flight_seconds is not None and 1 < estimate.in_flight_seconds <= 10
 
 
 def test_a_save_in_flight_counts_the_seconds_it_still_needs_at_the_measured_rate() -> None:
@@ -260,7 +276,7 @@ def test_a_requeued_process_decides_by_the_rate_its_restored_checkpoint_recorded
     skipped = [str(w.message) for w in caught if w.category is EmergencySaveSkippedWarning]
     latest = ckpt.latest()
     ckpt.close()
-    assert "recorded by the checkpoint of step 5 before this restart" in caplog.text
+    assert "step 5, recorded before this restart" in caplog.text
     assert latest is not None
     if fits:
         assert skipped == []
