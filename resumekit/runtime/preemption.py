@@ -235,9 +235,9 @@ class PreemptionHandler:
         self.poll_every = poll_every
         self.grace_period = None if grace_period is None else float(grace_period)
         self.overlap: bool | Literal["auto"] = overlap
-        # The mode of the next vote: fixed for True/False; for "auto" the one every rank
-        # adopted from the last counted ballot (blocking until a ballot says otherwise).
-        self._overlapping = overlap is True
+        # overlap="auto": the mode every rank adopted from the last counted ballot
+        # (blocking until a ballot says otherwise).
+        self._auto_overlapping = False
         self._group = group
         self._received: list[SignalRecord] = []
         self._requested_by_code = False
@@ -407,10 +407,10 @@ class PreemptionHandler:
             # The smallest wish (every rank wants overlap, or no rank gets it): the same
             # on every rank, and it takes effect from the next vote on.
             overlapping = negated_overlap == -1
-            if overlapping != self._overlapping:
+            if overlapping != self._auto_overlapping:
                 logger.debug("preemption vote at step %d: %s from now on", step,
                              "overlapped" if overlapping else "blocking")
-            self._overlapping = overlapping
+            self._auto_overlapping = overlapping
         if flag:
             self._agreed_step = step
             self._agreed_at = time.monotonic()
@@ -500,7 +500,9 @@ class PreemptionHandler:
         With ``overlap="auto"`` every rank adopts the same answer from the vote it
         counted, so this is the same on every rank after every poll.
         """
-        return self._overlapping
+        if self.overlap == "auto":
+            return self._auto_overlapping
+        return bool(self.overlap)
 
     def _wants_overlap(self) -> bool:
         """This rank's wish for ``overlap="auto"``: overlap only a vote that is costly.
@@ -526,7 +528,7 @@ class PreemptionHandler:
             work.wait()
             if self._count(ballot, step, cast_at):
                 return True
-        if self._overlapping:
+        if self.overlapping:
             # Start the next vote; it is counted at the next poll.
             cast_at, ballot = time.monotonic(), self._ballot(step)
             work = dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group, async_op=True)
