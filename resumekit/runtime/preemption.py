@@ -32,7 +32,7 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, Final, Literal
@@ -173,16 +173,23 @@ class PreemptionHandler:
             ``GraceTime``/``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
             torchrun's ``--shutdown-timeout``). Enables
             :meth:`should_skip_emergency_save`'s deadline rule.
-        overlap: Start each vote without waiting for it and count it at the next poll
-            (the default): the all-reduce runs during the next step, so a poll waits
-            only for a reduction that already ran (``docs/preemption.md`` has both costs
-            measured), and the ranks stop one poll later than with ``overlap=False``,
-            which stops at the first poll after the signal. Pick ``False`` for long steps
-            where one more step matters.
+        overlap: ``"auto"`` (the default): vote blocking - a signal is counted at the
+            first poll after it - while a blocking vote is cheap next to a step, and
+            overlap the votes only while this rank's measured blocking vote time
+            exceeds :data:`AUTO_POLL_BUDGET` times its measured step time, on every
+            rank (the same timings ``poll_every="auto"`` uses). Each rank's wish travels
+            in the ballot and every rank adopts the counted vote's answer at the same
+            poll; before anything is measured (the first polls) the vote blocks.
+            ``True``: always start each vote without waiting for it and count it at the
+            next poll: the all-reduce runs during the next step, so a poll waits only
+            for a reduction that already ran, and a signal costs one poll more.
+            ``False``: always block; a signal is counted at the first poll after it.
+            ``docs/preemption.md`` has both costs measured.
 
     Raises:
         ConfigurationError: A signal is unknown or uncatchable, ``poll_every`` is neither
-            ``"auto"`` nor an integer >= 1, or ``grace_period <= 0``.
+            ``"auto"`` nor an integer >= 1, ``overlap`` is neither a bool nor ``"auto"``,
+            or ``grace_period <= 0``.
     """
 
     def __init__(
@@ -192,7 +199,7 @@ class PreemptionHandler:
         group: dist.ProcessGroup | None = None,
         poll_every: int | Literal["auto"] = "auto",
         grace_period: float | None = None,
-        overlap: bool = True,
+        overlap: bool | Literal["auto"] = "auto",
     ) -> None:
         self.signals: tuple[signal.Signals, ...] = tuple(
             dict.fromkeys(as_signal(item) for item in signals)
@@ -213,6 +220,12 @@ class PreemptionHandler:
                 name="poll_every",
                 value=poll_every,
             )
+        if overlap != "auto" and not isinstance(overlap, bool):
+            raise ConfigurationError(
+                f"overlap={overlap!r} must be True, False or 'auto'",
+                name="overlap",
+                value=overlap,
+            )
         if grace_period is not None and not grace_period > 0:
             raise ConfigurationError(
                 f"grace_period={grace_period!r} must be a positive number of seconds or None",
@@ -221,7 +234,10 @@ class PreemptionHandler:
             )
         self.poll_every = poll_every
         self.grace_period = None if grace_period is None else float(grace_period)
-        self.overlap = overlap
+        self.overlap: bool | Literal["auto"] = overlap
+        # overlap="auto": the mode every rank adopted from the last counted ballot
+        # (blocking until a ballot says otherwise).
+        self._auto_overlapping = False
         self._group = group
         self._received: list[SignalRecord] = []
         self._requested_by_code = False
@@ -238,6 +254,11 @@ class PreemptionHandler:
         self._last_call: float | None = None
         self._step_seconds: float | None = None
         self._vote_seconds: float | None = None
+        # overlap="auto": this rank's running time of a *blocking* vote (an overlapped
+        # poll costs less; its time would flip the choice back at every other poll).
+        self._blocking_vote_seconds: float | None = None
+        # The clock of these timings; a test injects one to make steps "long".
+        self._timer: Callable[[], float] = time.perf_counter
 
     # -- installation ---------------------------------------------------------------------
 
@@ -366,11 +387,15 @@ class PreemptionHandler:
 
     def _ballot(self, step: int) -> torch.Tensor:
         age_ms = round(self._signal_age() * 1000)
+        # The overlap wish is carried negated: MAX of -wish is -(MIN of wish), so the
+        # ranks overlap only when every rank wants to (see _wants_overlap).
         return torch.tensor([int(self.requested), step, -step, age_ms,
-                             self._proposed_interval()], dtype=torch.int64)
+                             self._proposed_interval(), -int(self._wants_overlap())],
+                            dtype=torch.int64)
 
     def _count(self, ballot: torch.Tensor, step: int, cast_at: float) -> bool:
-        flag, high, negated_low, age_ms, interval = (int(value) for value in ballot.tolist())
+        flag, high, negated_low, age_ms, interval, negated_overlap = (
+            int(value) for value in ballot.tolist())
         if high != -negated_low:
             raise PreemptionError(
                 f"ranks voted on preemption at different steps ({-negated_low}..{high}, this "
@@ -378,6 +403,14 @@ class PreemptionHandler:
                 step=step,
             )
         self._interval = max(1, interval)  # the largest proposal: the same on every rank
+        if self.overlap == "auto":
+            # The smallest wish (every rank wants overlap, or no rank gets it): the same
+            # on every rank, and it takes effect from the next vote on.
+            overlapping = negated_overlap == -1
+            if overlapping != self._auto_overlapping:
+                logger.debug("preemption vote at step %d: %s from now on", step,
+                             "overlapped" if overlapping else "blocking")
+            self._auto_overlapping = overlapping
         if flag:
             self._agreed_step = step
             self._agreed_at = time.monotonic()
@@ -394,12 +427,16 @@ class PreemptionHandler:
         """Whether all ranks have agreed to stop; call at every step boundary on every rank.
 
         Every ``poll_every`` steps the ranks all-reduce (MAX) their flags, so they all see
-        the same answer at the same step. With ``overlap`` (the default) the vote counted
-        at a poll is the one cast at the previous poll, and a new one is started; leave
-        the ``with`` block (or call :meth:`uninstall`) before
-        :func:`resumekit.shutdown` so the vote in flight is collected. Once
-        True it stays True, without further collectives. With one process there is no
-        collective and the local flag is checked at every call.
+        the same answer at the same step. A blocking vote counts the flags of this poll: a
+        signal stops the ranks at the first poll after it. An overlapped vote (see
+        ``overlap``; :attr:`overlapping` tells which mode is in force) counts the vote
+        cast at the previous poll and starts a new one, so a signal stops them one poll
+        later; leave the ``with`` block (or call :meth:`uninstall`) before
+        :func:`resumekit.shutdown` so a vote in flight is collected. With
+        ``overlap="auto"`` the mode changes only at a poll, after the vote in flight was
+        counted, and the same way on every rank. Once True it stays True, without
+        further collectives. With one process there is no collective and the local flag
+        is checked at every call.
 
         Args:
             step: The step just finished; the same sequence on every rank.
@@ -421,7 +458,7 @@ class PreemptionHandler:
                 self._signal_age_at_agreement = self._signal_age()
                 return True
             return False
-        now = time.perf_counter()
+        now = self._timer()
         if self._last_call is not None:
             self._step_seconds = smoothed(self._step_seconds, now - self._last_call)
         self._last_call = now
@@ -434,7 +471,7 @@ class PreemptionHandler:
         except RuntimeError as error:
             raise _collective_failed(f"preemption vote at step {step}", "preemption vote",
                                      error, step=step) from error
-        self._vote_seconds = smoothed(self._vote_seconds, time.perf_counter() - now)
+        self._vote_seconds = smoothed(self._vote_seconds, self._timer() - now)
         self._next_poll = step + self._interval
         return agreed
 
@@ -456,23 +493,53 @@ class PreemptionHandler:
         cap = min(AUTO_POLL_MAX_STEPS, int(AUTO_POLL_MAX_SECONDS / self._step_seconds))
         return max(1, min(wanted, cap))
 
+    @property
+    def overlapping(self) -> bool:
+        """Whether the next vote is overlapped: ``overlap``, or what ``"auto"`` adopted.
+
+        With ``overlap="auto"`` every rank adopts the same answer from the vote it
+        counted, so this is the same on every rank after every poll.
+        """
+        if self.overlap == "auto":
+            return self._auto_overlapping
+        return bool(self.overlap)
+
+    def _wants_overlap(self) -> bool:
+        """This rank's wish for ``overlap="auto"``: overlap only a vote that is costly.
+
+        True when the measured blocking vote takes more than :data:`AUTO_POLL_BUDGET` of
+        the measured step: at every step the vote would cost more than the budget, and
+        an overlapped vote costs a fraction of a blocking one. Otherwise (and before both
+        are measured) False: a blocking vote counts a signal one poll sooner, which for
+        long steps is a step of the grace period.
+        """
+        if self.overlap != "auto":
+            return bool(self.overlap)
+        if not self._step_seconds or self._blocking_vote_seconds is None:
+            return False
+        return self._blocking_vote_seconds > AUTO_POLL_BUDGET * self._step_seconds
+
     def _vote(self, step: int, group: dist.ProcessGroup) -> bool:
-        if not self.overlap:
-            cast_at, ballot = time.monotonic(), self._ballot(step)
-            dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group)
-            return self._count(ballot, step, cast_at)
-        # Overlapped: count the vote started at the previous poll, then start the next one.
-        # Every rank counts the same (completed) vote at the same step.
+        # A vote still in flight is counted first: every rank counts the same (completed)
+        # vote at the same step, and adopts the mode it carries for the rest of the poll.
         if self._pending is not None:
             work, ballot, _, cast_at = self._pending
             self._pending = None
             work.wait()
             if self._count(ballot, step, cast_at):
                 return True
+        if self.overlapping:
+            # Start the next vote; it is counted at the next poll.
+            cast_at, ballot = time.monotonic(), self._ballot(step)
+            work = dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            self._pending = (work, ballot, step, cast_at)
+            return False
+        started = self._timer()
         cast_at, ballot = time.monotonic(), self._ballot(step)
-        work = dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        self._pending = (work, ballot, step, cast_at)
-        return False
+        dist.all_reduce(ballot, op=dist.ReduceOp.MAX, group=group)
+        self._blocking_vote_seconds = smoothed(self._blocking_vote_seconds,
+                                               self._timer() - started)
+        return self._count(ballot, step, cast_at)
 
     def _drain(self) -> None:
         if self._pending is None:

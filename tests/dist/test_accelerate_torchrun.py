@@ -125,16 +125,17 @@ def test_the_documented_accelerate_run_preempted_then_killed_ends_bit_identical_
 ) -> None:
     launch = Launch(tmp_path)
     # SIGTERM to the torchrun agent while every rank waits at step 1: the ranks agree on
-    # step 2, commit a preemption checkpoint of it and exit 75.
+    # step 1 itself (the first vote blocks: nothing measured yet), commit a preemption
+    # checkpoint of it and exit 75.
     process, out = launch.start("sigterm", DRILL_PAUSE_AT="1")
     _wait_paused(process, out, 2)
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(timeout=LAUNCH_TIMEOUT_S) != 0
     term = launch.records(out)
     assert [r["exit"] for r in term] == [75, 75], (out / "log").read_text()
-    assert _newest(tmp_path / "run") == (2, "preemption")
+    assert _newest(tmp_path / "run") == (1, "preemption")
     shutil.copytree(tmp_path / "run", tmp_path / "one_rank" / "run")  # for the 1-rank test
-    # Relaunched: resumes at 2 (mid-epoch 0), commits 3 and 6 in the background, and is
+    # Relaunched: resumes at 1 (mid-epoch 0), commits 3 and 6 in the background, and is
     # SIGKILLed at step 7 (mid-epoch 1), after the commit of 6 - steps past it are lost.
     process, out = launch.start("sigkill", DRILL_PAUSE_AT="7")
     _wait_paused(process, out, 2)
@@ -169,9 +170,9 @@ def test_the_preemption_checkpoint_of_two_ranks_resumes_on_one_rank_in_the_same_
     assert code == 0, log
     assert "was written by 2 rank(s), this run has 1" in log  # said, never silent
     (record,) = records
-    assert record["restored"] == 2
-    # Step 3 on one process: 2 micro-batches of 3 samples after the 24 consumed on two.
-    assert record["positions"][0] == (3, 0, 30)
+    assert record["restored"] == 1
+    # Step 2 on one process: 2 micro-batches of 3 samples after the 12 consumed on two.
+    assert record["positions"][0] == (2, 0, 18)
     assert record["final"]["step"] == NUM_STEPS
 
 

@@ -200,5 +200,6 @@ def test_auto_polling_adopts_one_interval_on_every_rank_and_still_stops_them_tog
     assert max(adopted) > 1  # millisecond steps: voting at every step would cost too much
     assert max(adopted) <= 64
     assert rank0["stop_step"] == rank1["stop_step"]
-    # Counted at the first poll after the request, or the one after (overlapped votes).
+    # Counted at the first poll after the request, or the one after (overlapped votes:
+    # overlap="auto" turns them on for millisecond steps).
     assert REQUEST_AT_STEP < rank0["stop_step"] <= REQUEST_AT_STEP + 2 * max(adopted)
