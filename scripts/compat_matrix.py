@@ -32,9 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / ".compat"
