@@ -188,9 +188,10 @@ def command_run(args: argparse.Namespace) -> int:
     for suite in suites:
         print(f"[compat] torch {torch_version}: {suite} ...", flush=True)
         log = logs / f"torch-{_release(torch_version)}-{suite}.log"
+        commit = _commit_label()  # what is tested: the tree as the suite starts
         result = run_drill(python, log) if suite == "drill" else \
             run_pytest(python, suite, args.workers, log)
-        result.update(commit=_commit_label(),
+        result.update(commit=commit,
                       finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         document["suites"][suite] = result
         _save(path, document)
