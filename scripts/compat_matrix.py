@@ -9,6 +9,7 @@ the code tested is this checkout's whatever that environment has installed.
     python3 scripts/compat_matrix.py run --venv /work/venvs/t291   # an existing venv
     python3 scripts/compat_matrix.py cross --reader .venv --writer .venv-torch-2.15.0
     python3 scripts/compat_matrix.py table                         # docs/compatibility.md
+    python3 scripts/compat_matrix.py matrix --torch 2.9.1 2.13.0 2.15.0  # all of the above
 
 ``run`` makes the venv when it is missing or holds another torch (``torch==X.Y.Z`` plus
 ``-e .[dev]``; when pip's own configuration refuses that torch - a constraints file that
@@ -231,6 +232,30 @@ def command_cross(args: argparse.Namespace) -> int:
     return 0 if record["passed"] else 1
 
 
+def command_matrix(args: argparse.Namespace) -> int:
+    """``matrix``: ``run`` on each torch, the cross checks, then ``table``; 1 if any failed.
+
+    The cross check runs from the newest torch to each older one; every step runs
+    regardless of the ones before.
+    """
+    venvs = [Path(venv) for venv in args.venvs] or [
+        REPO / f".venv-torch-{version}" for version in args.torch]
+    versions = args.torch if not args.venvs else [None] * len(venvs)
+    failed = False
+    for venv, version in zip(venvs, versions, strict=True):
+        print(f"==== torch {version or venv}: {args.suites} ====", flush=True)
+        failed |= command_run(argparse.Namespace(
+            torch=version, venv=str(venv), suites=args.suites, workers=args.workers)) != 0
+    by_release = sorted(((_release(_torch_of(venv / "bin" / "python") or "0"), venv)
+                         for venv in venvs), key=lambda item: tuple(
+                             int(part) for part in item[0].split(".")))
+    newest = by_release[-1][1]
+    for _, older in by_release[:-1]:
+        failed |= command_cross(argparse.Namespace(reader=str(older), writer=str(newest))) != 0
+    command_table(argparse.Namespace(results=str(RESULTS), doc=str(DOC)))
+    return 1 if failed else 0
+
+
 def _cell(result: dict[str, Any]) -> str:
     parts = [f"{result['passed']} passed"]
     for key in ("failed", "errors", "skipped"):
@@ -295,14 +320,21 @@ def main(argv: list[str] | None = None) -> int:
     cross = commands.add_parser("cross", help="the cross-version read check")
     cross.add_argument("--reader", required=True, help="venv whose torch reads")
     cross.add_argument("--writer", required=True, help="venv whose torch writes (newer)")
+    matrix = commands.add_parser("matrix", help="run, cross and table for several torches")
+    matrix.add_argument("--torch", nargs="*", default=["2.9.1", "2.13.0", "2.15.0"],
+                        help="releases, each in .venv-torch-X.Y.Z")
+    matrix.add_argument("--venvs", nargs="*", default=[],
+                        help="existing venvs instead of --torch")
+    matrix.add_argument("--suites", default=",".join(SUITES))
+    matrix.add_argument("--workers", type=int, default=2)
     table = commands.add_parser("table", help="write docs/compatibility.md's table")
     table.add_argument("--results", default=str(RESULTS))
     table.add_argument("--doc", default=str(DOC))
     args = parser.parse_args(argv)
     if args.command == "run" and not (args.torch or args.venv):
         parser.error("run needs --torch X.Y.Z or --venv DIR")
-    return {"run": command_run, "cross": command_cross, "table": command_table}[
-        args.command](args)
+    return {"run": command_run, "cross": command_cross, "matrix": command_matrix,
+            "table": command_table}[args.command](args)
 
 
 if __name__ == "__main__":
