@@ -79,6 +79,11 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
     installed = _torch_of(python)
     wanted = torch is None or (installed is not None and _release(installed) == torch)
     if wanted and _has_dev_dependencies(python):
+        if not (venv / "bin" / "resumekit").exists():  # the console-script tests run it
+            print(f"[compat] installing this checkout's resumekit into {venv} (--no-deps)",
+                  flush=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", "."],
+                           cwd=REPO, check=True)
         return python
     if torch is None:
         raise SystemExit(f"{venv} lacks torch or the dev dependencies; name --torch X.Y.Z")
