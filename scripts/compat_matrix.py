@@ -26,6 +26,7 @@ result file.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -78,7 +79,11 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     installed = _torch_of(python)
     wanted = torch is None or (installed is not None and _release(installed) == torch)
-    if wanted and _has_dev_dependencies(python):
+    # A venv kept between runs (CI's) is brought up to date when pyproject.toml changes.
+    digest = hashlib.sha1((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    stamp = venv / f".resumekit-dev-{digest}"
+    current = stamp.exists() or (torch is None and _has_dev_dependencies(python))
+    if wanted and current:
         if not (venv / "bin" / "resumekit").exists():  # the console-script tests run it
             print(f"[compat] installing this checkout's resumekit into {venv} (--no-deps)",
                   flush=True)
@@ -96,6 +101,9 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
         subprocess.run(command, cwd=REPO, check=True,
                        env={**os.environ, "PIP_CONFIG_FILE": "/dev/null"})
     print(f"[compat] installed in {time.monotonic() - started:.0f} s", flush=True)
+    for old in venv.glob(".resumekit-dev-*"):
+        old.unlink()
+    stamp.touch()
     return python
 
 
