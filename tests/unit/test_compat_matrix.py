@@ -7,12 +7,15 @@ The script is the release step behind ``make test-torch`` and ``make test-matrix
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+
+from resumekit import _compat
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,3 +86,17 @@ def test_the_table_is_written_between_the_markers_and_nothing_else_changes(
     with pytest.raises(SystemExit, match="lacks the markers"):
         script.command_table(args)
 
+
+
+def test_the_compatibility_page_shows_a_run_of_the_floor_the_ci_pin_and_a_2_15() -> None:
+    """The table as run covers the declared floor, the Makefile's pin and the newest."""
+    script = _script()
+    page = (REPO / "docs" / "compatibility.md").read_text()
+    table = page.split(script.BEGIN, 1)[1].split(script.END, 1)[0]
+    tested = {_compat.torch_release(row.split("|")[1])[:2]
+              for row in table.splitlines()[2:] if re.match(r"\| \d", row)
+              and "written by" not in row and row.count("|") == 7}
+    pin = re.search(r"^TORCH_PIN \?= torch==(\S+)", (REPO / "Makefile").read_text(), re.M)
+    assert pin is not None
+    floor = _compat.torch_release(_compat.SUPPORTED_TORCH.split(",")[0].lstrip(">="))[:2]
+    assert {floor, _compat.torch_release(pin.group(1))[:2], (2, 15)} <= tested, tested
