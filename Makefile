@@ -8,7 +8,8 @@ PIP := $(VENV)/bin/pip
 TORCH_PIN ?= torch==2.13.0
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: venv test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check gpu-wheels clean
+.PHONY: venv test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check gpu-wheels \
+	clean test-torch test-matrix
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +55,40 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check resumekit tests benchmarks examples
 	$(VENV)/bin/mypy resumekit
 	$(VENV)/bin/lint-imports
+
+# -- torch releases (docs/compatibility.md) ------------------------------------------------
+# `make test-torch TORCH=X.Y.Z`: the unit, property and dist suites (CI=true: a skip fails)
+# and the LingBot drill on that torch, from this checkout, in .venv-torch-X.Y.Z (made when
+# missing: torch==X.Y.Z and -e .[dev]; with PIP_CONFIG_FILE=/dev/null only when pip's own
+# configuration refuses that torch). TORCH_VENV=DIR: an existing venv instead. Writes
+# .compat/torch-X.Y.Z.json (suite -> passed, failed, errors, skipped, seconds, commit).
+# `make test-torch-X.Y.Z` is the same (a failure names the version in make's own error line).
+# `make test-matrix`: the declared floor, the CI pin and the newest release, the cross-version
+# check (written by the newest, refused by the others, resumed by the newest), and the table
+# of docs/compatibility.md. A release step: each torch but the local wheels downloads GBs.
+TORCH ?=
+TORCH_VENV ?=
+TORCH_SUITES ?= unit,property,dist,drill
+TORCH_WORKERS ?= 2
+MATRIX_TORCH ?= 2.9.1 2.13.0 2.15.0
+# Existing venvs for the matrix, instead of .venv-torch-X.Y.Z of MATRIX_TORCH.
+MATRIX_VENVS ?=
+COMPAT := $(PYTHON) scripts/compat_matrix.py
+
+test-torch:
+	@if [ -z "$(TORCH)$(TORCH_VENV)" ]; then \
+	  echo "usage: make test-torch TORCH=X.Y.Z (or TORCH_VENV=DIR)" >&2; exit 2; fi
+	@echo "==== torch $(or $(TORCH),in $(TORCH_VENV)): $(TORCH_SUITES) ===="
+	@$(COMPAT) run $(if $(TORCH),--torch $(TORCH)) $(if $(TORCH_VENV),--venv $(TORCH_VENV)) \
+		--suites=$(TORCH_SUITES) --workers $(TORCH_WORKERS) \
+	  || { echo "==== FAILED on torch $(or $(TORCH),in $(TORCH_VENV)) ===="; exit 1; }
+
+test-torch-%:
+	@$(MAKE) --no-print-directory test-torch TORCH=$*
+
+test-matrix:
+	$(COMPAT) matrix $(if $(MATRIX_VENVS),--venvs $(MATRIX_VENVS),--torch $(MATRIX_TORCH)) \
+		--suites=$(TORCH_SUITES) --workers $(TORCH_WORKERS)
 
 docs-build: $(STAMP)
 	@if [ -f mkdocs.yml ]; then NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q -d site; fi

@@ -12,10 +12,23 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from resumekit import _moved_modules
+from resumekit import _compat, _moved_modules
 from resumekit._version import __version__
 
 _moved_modules.install()
+
+
+def _warn_if_torch_unsupported() -> None:
+    """Warn (never refuse) when the installed torch is outside the supported releases."""
+    # Without importing torch: `import resumekit` stays light (tests/unit/test_cli_imports.py).
+    problem = _compat.torch_version_problem(_compat.torch_version())
+    if problem is not None:
+        from resumekit.warnings import UnsupportedTorchWarning, warn  # noqa: PLC0415 - only to warn
+
+        warn(f"resumekit {__version__}: {problem}", UnsupportedTorchWarning)
+
+
+_warn_if_torch_unsupported()
 
 if TYPE_CHECKING:
     from resumekit.errors import (

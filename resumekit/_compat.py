@@ -1,4 +1,4 @@
-"""Every private name of torch, s3fs and Lightning that resumekit touches, in one place.
+"""Every private name of torch, s3fs and Lightning resumekit touches; every torch version check.
 
 Each name carries one comment: why resumekit needs it and what breaks if it moves. The
 canary test (``tests/unit/test_private_names_canary.py``) imports each one and checks the
@@ -9,17 +9,21 @@ functions that need them.
 
 One section per library (and per wing of resumekit for torch), each section with the same
 title as its section of the canary test. A function here reaches one private name and does
-nothing else: deciding what to do when it is gone is the caller's job.
+nothing else: deciding what to do when it is gone is the caller's job. The first section
+holds the torch releases resumekit supports and the torchrun options that depend on the
+release (docs/compatibility.md); nothing else in resumekit compares torch versions.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import re
 import sys
 from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, cast
-
-import fsspec.asyn
 
 if TYPE_CHECKING:
     import os
@@ -33,6 +37,8 @@ if TYPE_CHECKING:
 __all__ = [
     "FQN_MODIFIERS_ATTRIBUTE",
     "FSDP2_LOAD_HOOK_OWNER",
+    "SUPPORTED_TORCH",
+    "TORCHRUN_OPTION_SINCE",
     "checkpoint_wrapper_prefix",
     "compiled_module_type",
     "dcp_metadata_path",
@@ -47,7 +53,103 @@ __all__ = [
     "load_without_collectives",
     "overrides_load_from_state_dict",
     "s3_call",
+    "torch_release",
+    "torch_version",
+    "torch_version_problem",
+    "torchrun_takes",
 ]
+
+
+# -- torch versions ------------------------------------------------------------------------
+
+SUPPORTED_TORCH = ">=2.9,<2.16"
+"""The torch releases resumekit supports: pyproject.toml's requirement, word for word."""
+# Why 2.9: DCP's filesystem reader has the metadata-path rule restore reads by
+# (``_get_metadata_path``) from 2.9 on; 2.7 and 2.8 fail every restore, 2.6 every save.
+# Why <2.16: 2.15.0 is the newest release the suites passed on (docs/compatibility.md).
+_FLOOR, _CEILING = (2, 9), (2, 16)
+
+TORCHRUN_OPTION_SINCE: Mapping[str, tuple[int, int]] = MappingProxyType({
+    "--signals-to-handle": (2, 10),
+    "--shutdown-timeout": (2, 12),
+})
+"""torchrun's options that older torchrun rejects, and the torch release that added each."""
+
+
+def torch_release(version: str) -> tuple[int, int, int]:
+    """The release numbers of a torch version string.
+
+    ``"2.15.0+cu132"`` -> ``(2, 15, 0)``; pre-releases and local builds count as their
+    release (``"2.10.0a0+git1234"`` -> ``(2, 10, 0)``).
+
+    Raises:
+        ValueError: ``version`` does not start with ``MAJOR.MINOR``.
+    """
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if match is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    major, minor, patch = match.groups()
+    return int(major), int(minor), int(patch or 0)
+
+
+def torch_version() -> str | None:
+    """The installed torch's version, without importing torch; None when there is none."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None and isinstance(getattr(loaded, "__version__", None), str):
+        return str(loaded.__version__)
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    # torch writes its version into torch/version.py at build time; reading that file costs
+    # far less than importing torch (seconds) or importlib.metadata. If it moves: the
+    # package metadata is read instead.
+    for location in spec.submodule_search_locations:
+        try:
+            text = (Path(location) / "version.py").read_text()
+        except OSError:
+            continue
+        match = re.search(r"^__version__\s*(?::\s*str\s*)?=\s*['\"]([^'\"]+)['\"]", text,
+                          re.MULTILINE)
+        if match:
+            return match.group(1)
+    metadata = importlib.import_module("importlib.metadata")
+    try:
+        return str(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def torch_version_problem(version: str | None) -> str | None:
+    """Why ``version`` of torch is outside the supported range; None when it is inside.
+
+    Args:
+        version: A torch version string (:func:`torch_version`); None (no torch) is no
+            problem of range.
+    """
+    if version is None:
+        return None
+    try:
+        release = torch_release(version)
+    except ValueError:
+        return f"torch {version!r} is not a version resumekit can compare with {SUPPORTED_TORCH}"
+    if _FLOOR <= release[:2] < _CEILING:
+        return None
+    side = "older than" if release[:2] < _FLOOR else "newer than"
+    return (f"torch {version} is {side} the releases resumekit supports (torch"
+            f"{SUPPORTED_TORCH}): it may fail or write checkpoints the supported torch "
+            "releases cannot read; see docs/compatibility.md")
+
+
+def torchrun_takes(option: str, version: str) -> bool:
+    """Whether the torchrun of torch ``version`` accepts ``option`` (``--name``).
+
+    Options not in :data:`TORCHRUN_OPTION_SINCE` are taken to exist in every supported torch.
+    """
+    since = TORCHRUN_OPTION_SINCE.get(option.split("=", 1)[0])
+    return since is None or torch_release(version)[:2] >= since
 
 
 # -- s3fs ----------------------------------------------------------------------------------
@@ -65,7 +167,10 @@ def s3_call(fs: Any, method: str, **kwargs: Any) -> dict[str, Any]:
     """
     # s3fs's one request path (its credentials, endpoint, retries); its public listing has
     # no MaxKeys/StartAfter. If it moves: Storage.is_dir and the S3 listing after a name fail.
-    response: dict[str, Any] = fsspec.asyn.sync(fs.loop, fs._call_s3, method, **kwargs)
+    # (fsspec is looked up here, not imported with this module: `import resumekit` imports
+    # this module for its torch version check, and imports nothing heavy.)
+    asyn = importlib.import_module("fsspec.asyn")
+    response: dict[str, Any] = asyn.sync(fs.loop, fs._call_s3, method, **kwargs)
     return response
 
 

@@ -15,13 +15,17 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["ResumekitWarning", "warn"]
+__all__ = ["ResumekitWarning", "UnsupportedTorchWarning", "warn"]
 
 logger = logging.getLogger("resumekit")
 
 
 class ResumekitWarning(UserWarning):
     """A resume that goes on, but differs from an uninterrupted run in the way it names."""
+
+
+class UnsupportedTorchWarning(ResumekitWarning):
+    """``import resumekit`` found a torch outside the releases it supports (and goes on)."""
 
 
 def warn(message: str, category: type[Warning] = ResumekitWarning, *,

@@ -62,6 +62,7 @@ from resumekit import (
     NameFormat,
     ResumekitError,
     Storage,
+    _compat,
     list_checkpoints,
 )
 from resumekit._optional import require
@@ -110,11 +111,24 @@ class Launch:
     shutdown_timeout: int = 120
 
     def command(self) -> list[str]:
-        """The command line."""
+        """The command line (without the torchrun options this torch's torchrun lacks)."""
+        kept, _ = torchrun_options(self.shutdown_timeout)
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={self.nproc}", f"--shutdown-timeout={self.shutdown_timeout}",
+                f"--nproc_per_node={self.nproc}", *kept,
                 "-m", "examples.lingbot.train", "--config", "tiny",
                 "--save-root", str(self.save_root), *self.train_args]
+
+
+def torchrun_options(shutdown_timeout: int) -> tuple[list[str], list[str]]:
+    """torchrun's options for a launch: those this torch's torchrun takes, and those dropped.
+
+    ``--shutdown-timeout`` exists from torch 2.12 (resumekit._compat knows from which torch
+    each option exists); an older agent waits its own default after forwarding a signal.
+    """
+    version = _compat.torch_version() or "0.0"
+    wanted = [f"--shutdown-timeout={shutdown_timeout}"]
+    kept = [option for option in wanted if _compat.torchrun_takes(option, version)]
+    return kept, [option for option in wanted if option not in kept]
 
 
 @dataclass
@@ -563,6 +577,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
+    _, dropped = torchrun_options(Launch(out).shutdown_timeout)
+    if dropped:
+        console.print(f"note: the torchrun of torch {_compat.torch_version()} lacks "
+                      f"{', '.join(o.split('=')[0] for o in dropped)}: launching without "
+                      f"{', '.join(dropped)} (its agent's default grace period applies)")
     started = time.monotonic()
     drill = _Drill(out, console, args.timeout)
     term = _run_all(drill, args)

@@ -206,21 +206,32 @@ def iter_full_tensors(
     for name in wanted:
         info = index[name]
         holder: dict[str, Any] = {name: torch.empty(info.shape, dtype=info.dtype)}
-        planner = _CheckedLoadPlanner(target, reject_unexpected=False)
+        # The holder is flat already (one tensor under its checkpoint name), so nothing is
+        # flattened: DCP's flattening walks the dict with self-recursive closures, and
+        # before torch 2.10 those closures form reference cycles that keep each flattened
+        # dict (and so each tensor) alive until the cycle collector happens to run.
+        planner = _CheckedLoadPlanner(target, reject_unexpected=False, flatten=False)
         _run_load(
             state_dict=holder, reader=reader, planner=planner, target=target,
             group=None, no_dist=True,
         )
-        # No local name for the tensor: once the caller drops it, it is freed before the
-        # next one is allocated (peak memory: one tensor).
+        # No local name for the tensor: the planner (whose state_dict is the holder) goes
+        # first, so once the caller drops the tensor, it is freed before the next one is
+        # allocated (peak memory: one tensor).
+        del planner
         yield name, holder.pop(name)
 
 
 class _CheckedLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, plus a strict fit check and safe non-tensor loading."""
+    """DCP's default load planner, plus a strict fit check and safe non-tensor loading.
 
-    def __init__(self, directory: str, *, reject_unexpected: bool) -> None:
-        super().__init__(flatten_state_dict=True, allow_partial_load=False)
+    ``flatten=False`` is for a state dict that is flat already (names as the checkpoint
+    stores them, plain tensors): DCP then flattens nothing and keeps no copy of it.
+    """
+
+    def __init__(self, directory: str, *, reject_unexpected: bool, flatten: bool = True) -> None:
+        super().__init__(flatten_state_dict=flatten, flatten_sharded_tensors=flatten,
+                         allow_partial_load=False)
         self._directory = directory
         self._reject_unexpected = reject_unexpected
 

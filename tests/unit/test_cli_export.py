@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import re
@@ -172,10 +173,12 @@ def test_export_holds_one_tensor_at_a_time_so_memory_is_bounded_by_the_largest(
     export_checkpoint(tmp_path / "run", None, tmp_path / "warm-up")  # imports, caches
     monkeypatch.setattr(sharded, "iter_full_tensors", counting)
     tracemalloc.start()
+    gc.disable()  # freed by reference counting, not whenever the cycle collector runs
     try:
         result = export_checkpoint(tmp_path / "run", None, tmp_path / "out", dtype="bf16")
         _, peak = tracemalloc.get_traced_memory()
     finally:
+        gc.enable()
         tracemalloc.stop()
     assert len(alive_at_yield) == result.tensors == 32
     # When each tensor arrives, every earlier one (and its bf16 copy) has been freed.

@@ -12,7 +12,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import os
 import pickle
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,32 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from resumekit import _compat
 from resumekit.tensors import state_dicts
 from tests.conftest import unavailable
+
+REPO = Path(__file__).resolve().parents[2]
+
+# -- torch versions ------------------------------------------------------------------------
+
+
+def test_torch_version_reads_the_running_torchs_version_without_importing_torch() -> None:
+    """torch/version.py, read as a file, says what ``torch.__version__`` says."""
+    probe = ("import sys\nfrom resumekit import _compat\nversion = _compat.torch_version()\n"
+             "assert 'torch' not in sys.modules, sorted(sys.modules)\n"
+             "import torch\nprint(version == torch.__version__, version)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", torch.__version__]
+
+
+def test_the_torchrun_of_this_torch_takes_exactly_the_options_compat_says_it_takes() -> None:
+    """``torchrun --help`` of the running torch lists each option of TORCHRUN_OPTION_SINCE
+    exactly when :func:`_compat.torchrun_takes` says this release has it."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"],
+                          capture_output=True, text=True, check=True)
+    for option in _compat.TORCHRUN_OPTION_SINCE:
+        listed = re.search(rf"{re.escape(option)}\b", done.stdout) is not None
+        assert listed == _compat.torchrun_takes(option, torch.__version__), option
+
 
 # -- s3fs ----------------------------------------------------------------------------------
 

@@ -8,14 +8,21 @@ torch 2.15.0's DCP pickles a sixth value in ``TensorProperties`` (``strides``); 
 refused, restore set the checkpoint aside as corrupt (``.step_000000003.bad-<id>``), and
 the run, back on 2.15.0, started from step 0.
 
+On torch 2.15 and newer, which read the fixture, nothing skips: the fixture restores (the
+torch that wrote it reads it back), and the refusals are checked on a copy made as a newer
+torch's checkpoint would be: its manifest records torch 2.16.0, and its ``.metadata`` names a
+DCP class this torch lacks (unreadable, as 2.15's metadata is to 2.14).
+
 The same round trip with the other torch really installed (written there, refused here,
 resumed there) is ``tests/fixtures/torch_skew/cross_version_check.py``: it needs a second
-environment, so it is a release step, not part of the suite (which must skip nothing).
+environment, so it is a release step (``make test-matrix``), not part of the suite.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -23,8 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorProperties
 
 from resumekit import __version__ as resumekit_version
+from resumekit import _compat
 from resumekit.errors import (
     CorruptCheckpointError,
     IncompatibleVersionError,
@@ -40,16 +49,47 @@ from tests.unit.test_cli_support import rewrite_manifest, run_cli, run_json
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "torch_skew" / "root-2.15.0"
 STEP = "step_000000003"
-WRITER_TORCH = "2.15.0+cu132"
+FIXTURE_TORCH = "2.15.0+cu132"
+#: torch 2.15 and newer read the fixture's metadata (2.15.0 wrote it); older ones cannot.
+FIXTURE_READABLE_HERE = _compat.torch_release(torch.__version__)[:2] >= (2, 15)
+#: The torch an unreadable checkpoint of these tests records: the fixture's own where this
+#: torch cannot read it, else a newer torch's (see _copy_fixture).
+WRITER_TORCH = "2.16.0+cu132" if FIXTURE_READABLE_HERE else FIXTURE_TORCH
+WRITER_RELEASE = WRITER_TORCH.split("+")[0]
 
-pytestmark = pytest.mark.skipif(
-    torch.__version__.startswith("2.15."),
-    reason="the fixture was written by this torch: it restores (nothing to refuse)")
+
+def _unreadable_metadata() -> bytes:
+    """The fixture's ``.metadata`` as a torch newer than this one would pickle it.
+
+    Below 2.15 the fixture's own (2.15 pickles one value more per tensor than 2.14 reads);
+    from 2.15 on, the same step again: each ``TensorProperties`` pickles one value more than
+    this torch's unpacks.
+    """
+    data = (FIXTURE / STEP / "tensors" / ".metadata").read_bytes()
+    if not FIXTURE_READABLE_HERE:
+        return data
+    metadata = load_dcp_metadata(data, source="fixture/.metadata")
+    own = TensorProperties.__getstate__
+    TensorProperties.__getstate__ = lambda self: (*own(self), None)  # type: ignore[method-assign]
+    try:
+        return pickle.dumps(metadata)
+    finally:
+        TensorProperties.__getstate__ = own  # type: ignore[method-assign]
 
 
-def _copy_fixture(tmp_path: Path) -> Path:
-    root = tmp_path / "run"
+def _copy_fixture(tmp_path: Path, name: str = "run") -> Path:
+    """A copy of the fixture this torch cannot read, recording WRITER_TORCH as its writer.
+
+    Where this torch reads the fixture (2.15 and newer), the copy is made as a newer torch's
+    would be: its metadata names a DCP class this torch lacks, its manifest that newer torch.
+    """
+    root = tmp_path / name
     shutil.copytree(FIXTURE, root)
+    if FIXTURE_READABLE_HERE:
+        (root / STEP / "tensors" / ".metadata").write_bytes(_unreadable_metadata())
+        versions = json.loads((root / STEP / "manifest.json").read_text())["versions"]
+        rewrite_manifest(root / STEP, {"versions": {**versions, "torch": WRITER_TORCH}},
+                         rehash=("tensors/.metadata",))
     return root
 
 
@@ -79,7 +119,7 @@ def test_restore_refuses_a_checkpoint_a_newer_torch_wrote_naming_both_versions(
     assert f"{root / STEP} (step 3)" in message
     assert f"written by torch {WRITER_TORCH}" in message
     assert f"runs torch {torch.__version__}" in message
-    assert "install torch 2.15.0" in message and "nothing was set aside" in message
+    assert f"install torch {WRITER_RELEASE}" in message and "nothing was set aside" in message
     assert raised.value.step == 3 and raised.value.written_by["torch"] == WRITER_TORCH
     assert raised.value.running["torch"] == torch.__version__
     assert _tree(root) == before  # not set aside: every name and file as it was
@@ -109,7 +149,7 @@ def test_restore_does_not_fall_back_past_a_newer_torchs_checkpoint(tmp_path: Pat
     writer.close()
     generation = json.loads((root / STEP / "manifest.json").read_text())["generation"]
     shutil.rmtree(root / STEP)
-    shutil.copytree(FIXTURE / STEP, root / STEP)
+    shutil.copytree(_copy_fixture(tmp_path, "newer") / STEP, root / STEP)
     rewrite_manifest(root / STEP, {"generation": generation})
     before = _tree(root)
     manager = _manager(root)
@@ -159,7 +199,10 @@ def test_an_unreadable_checkpoint_this_very_torch_wrote_is_still_set_aside(
 def test_a_metadata_naming_a_torch_class_this_torch_lacks_is_version_skew(
         tmp_path: Path) -> None:
     """A DCP class of another torch is still never imported, but not called damage."""
-    root = _copy_fixture(tmp_path)
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURE, root)
+    rewrite_manifest(root / STEP, {"versions": {
+        "resumekit": resumekit_version, "python": "3", "torch": WRITER_TORCH}})
     metadata = root / STEP / "tensors" / ".metadata"
     data = metadata.read_bytes()
     assert data.count(b"TensorProperties") >= 1
@@ -173,8 +216,31 @@ def test_a_metadata_naming_a_torch_class_this_torch_lacks_is_version_skew(
     manager.close()
 
 
+def test_the_fixture_restores_on_the_torch_that_wrote_it_and_is_refused_before(
+        tmp_path: Path) -> None:
+    """torch 2.15 reads back what it wrote (nothing set aside, no warning); 2.14 refuses."""
+    root = tmp_path / "run"
+    shutil.copytree(FIXTURE, root)
+    before = _tree(root)
+    manager = _manager(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumekitWarning)
+        if FIXTURE_READABLE_HERE:
+            assert manager.restore() == 3
+            assert manager.resumed_from == 3
+        else:
+            with pytest.raises(IncompatibleVersionError,
+                               match=f"written by torch {re.escape(FIXTURE_TORCH)}"):
+                manager.restore()
+    manager.close()
+    assert _tree(root) == before
+
+
 def test_metadata_whose_objects_do_not_build_is_unreadable_not_malformed() -> None:
-    data = (FIXTURE / STEP / "tensors" / ".metadata").read_bytes()
+    fixture = (FIXTURE / STEP / "tensors" / ".metadata").read_bytes()
+    if FIXTURE_READABLE_HERE:  # the torch that wrote it builds its objects
+        assert len(load_dcp_metadata(fixture, source="x/.metadata").state_dict_metadata) >= 2
+    data = _unreadable_metadata()
     with pytest.raises(UnreadableFormatError, match="too many values to unpack"):
         load_dcp_metadata(data, source="x/.metadata")
     with pytest.raises(CorruptCheckpointError) as truncated:
@@ -208,12 +274,12 @@ def test_inspect_shows_the_torch_and_resumekit_that_wrote_each_checkpoint(
     code, document, _ = run_json(capsys, "inspect", str(FIXTURE))
     assert code == 0
     (entry,) = document["checkpoints"]
-    assert entry["torch_version"] == WRITER_TORCH
+    assert entry["torch_version"] == FIXTURE_TORCH
     assert entry["resumekit_version"] == "0.1.0"
     code, out, _ = run_cli(capsys, "inspect", str(FIXTURE))
-    assert code == 0 and "torch" in out and WRITER_TORCH in out
+    assert code == 0 and "torch" in out and FIXTURE_TORCH in out
     code, document, _ = run_json(capsys, "inspect", str(FIXTURE / STEP))
-    assert code == 0 and document["manifest"]["versions"]["torch"] == WRITER_TORCH
-    assert document["checkpoints"][0]["torch_version"] == WRITER_TORCH
+    assert code == 0 and document["manifest"]["versions"]["torch"] == FIXTURE_TORCH
+    assert document["checkpoints"][0]["torch_version"] == FIXTURE_TORCH
     code, out, _ = run_cli(capsys, "inspect", str(FIXTURE / STEP))
-    assert code == 0 and f"torch {WRITER_TORCH}" in out
+    assert code == 0 and f"torch {FIXTURE_TORCH}" in out
