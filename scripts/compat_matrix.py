@@ -84,11 +84,12 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
     stamp = venv / f".resumekit-dev-{digest}"
     current = stamp.exists() or (torch is None and _has_dev_dependencies(python))
     if wanted and current:
-        if not (venv / "bin" / "resumekit").exists():  # the console-script tests run it
-            print(f"[compat] installing this checkout's resumekit into {venv} (--no-deps)",
-                  flush=True)
-            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", "."],
-                           cwd=REPO, check=True)
+        # A kept venv (CI's, outside the clone) may point at another checkout, or lack the
+        # console script the CLI tests run: install this checkout (no dependencies: seconds).
+        print(f"[compat] installing this checkout's resumekit into {venv} (--no-deps)",
+              flush=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", "."],
+                       cwd=REPO, check=True)
         return python
     if torch is None:
         raise SystemExit(f"{venv} lacks torch or the dev dependencies; name --torch X.Y.Z")
@@ -217,6 +218,16 @@ def command_run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def command_install(args: argparse.Namespace) -> int:
+    """``install``: only make the venv (CI starts it beside ``make test``)."""
+    started = time.monotonic()
+    python = ensure_venv(Path(args.venv) if args.venv else REPO / f".venv-torch-{args.torch}",
+                         args.torch)
+    print(f"[compat] {python}: torch {_torch_of(python)} ready in "
+          f"{time.monotonic() - started:.0f} s", flush=True)
+    return 0
+
+
 def command_cross(args: argparse.Namespace) -> int:
     """``cross``: the written-there, refused-here, resumed-there check between two venvs."""
     reader = Path(args.reader) / "bin" / "python"
@@ -330,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--venv", help="an existing venv to use (default .venv-torch-X.Y.Z)")
     run.add_argument("--suites", default=",".join(SUITES))
     run.add_argument("--workers", type=int, default=2, help="pytest-xdist workers")
+    install = commands.add_parser("install", help="only make one torch's venv")
+    install.add_argument("--torch", required=True, help="X.Y.Z: the torch release")
+    install.add_argument("--venv", help="where (default .venv-torch-X.Y.Z)")
     cross = commands.add_parser("cross", help="the cross-version read check")
     cross.add_argument("--reader", required=True, help="venv whose torch reads")
     cross.add_argument("--writer", required=True, help="venv whose torch writes (newer)")
@@ -346,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "run" and not (args.torch or args.venv):
         parser.error("run needs --torch X.Y.Z or --venv DIR")
-    return {"run": command_run, "cross": command_cross, "matrix": command_matrix,
-            "table": command_table}[args.command](args)
+    return {"run": command_run, "install": command_install, "cross": command_cross,
+            "matrix": command_matrix, "table": command_table}[args.command](args)
 
 
 if __name__ == "__main__":
