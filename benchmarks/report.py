@@ -256,8 +256,10 @@ def summarise(details: Mapping[str, Any], state_bytes: int) -> dict[str, float |
         from benchmarks.per_tensor import fixed_costs  # noqa: PLC0415 - no torch at import
 
         costs = fixed_costs(per_tensor)
-        summary["per_tensor_save_vs_dcp"] = median(costs["save_vs_dcp"])
-        summary["per_tensor_restore_vs_dcp"] = median(costs["restore_vs_dcp"])
+        summary["per_tensor_save_vs_dcp"] = (median(costs["save_vs_dcp"])
+                                             if costs["save_vs_dcp"] else None)
+        summary["per_tensor_restore_vs_dcp"] = (median(costs["restore_vs_dcp"])
+                                                if costs["restore_vs_dcp"] else None)
     first = _samples(details, "first_async")
     if first is not None:
         summary["first_async_block_vs_memcpy"] = _ratio(first["first_async_blocked"],
