@@ -103,7 +103,8 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _launches(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def launches_of(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A worker's events split by launch (each list starts at its ``launch`` event)."""
     launches: list[list[dict[str, Any]]] = []
     for event in events:
         if event["kind"] == "launch":
@@ -123,9 +124,9 @@ def analyse(events: Sequence[dict[str, Any]], steps: int,
         other_ranks: The other ranks' events: a launch's restore starts when the last
             rank enters it (a rank still starting up is start-up, not restore).
     """
-    launches = _launches(events)
+    launches = launches_of(events)
     entered = [[next((e["t"] for e in launch if e["kind"] == "restore_begin"), 0.0)
-                for launch in _launches(rank)] for rank in other_ranks]
+                for launch in launches_of(rank)] for rank in other_ranks]
     total = restore = blocked = 0.0
     executions: list[tuple[int, float]] = []
     first_steps: list[float] = []  # each relaunch's first step (warm-up included)

@@ -316,16 +316,6 @@ def _wait_launch_step(events: Path, seen: int, step: int, process: subprocess.Po
 # ------------------------------------------------------------------------ analysis
 
 
-def _launches(events: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    launches: list[list[dict[str, Any]]] = []
-    for event in events:
-        if event["kind"] == "launch":
-            launches.append([])
-        if launches:
-            launches[-1].append(event)
-    return launches
-
-
 def _spans(launch: Sequence[dict[str, Any]], what: str) -> list[dict[str, Any]]:
     """``blocked_begin``/``blocked_end`` pairs of ``what`` (one level: they do not nest
     for a save)."""
@@ -347,7 +337,7 @@ def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
     bandwidth = float(config["bandwidth"])
     every = int(config["save_every"])
     rank0 = rank_events[0]
-    per_launch = _launches(rank0)
+    per_launch = goodput.launches_of(rank0)
     figures: dict[str, Any] = {}
     figures["goodput"] = goodput.analyse(rank0, int(config["steps"]), rank_events[1:])
     memcpy = [e["seconds"] for e in rank0 if e["kind"] == "memcpy"]
@@ -407,11 +397,11 @@ def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
         if not info.get("resumed_from"):
             continue
         begins = [next((e["t"] for e in rank_launch if e["kind"] == "restore_begin"), None)
-                  for rank_launch in (_launches(events)[number] if number < len(
-                      _launches(events)) else [] for events in rank_events)]
+                  for rank_launch in (goodput.launches_of(events)[number] if number < len(
+                      goodput.launches_of(events)) else [] for events in rank_events)]
         ends = [next((e["t"] for e in rank_launch if e["kind"] == "restore_end"), None)
-                for rank_launch in (_launches(events)[number] if number < len(
-                    _launches(events)) else [] for events in rank_events)]
+                for rank_launch in (goodput.launches_of(events)[number] if number < len(
+                    goodput.launches_of(events)) else [] for events in rank_events)]
         if None in begins or None in ends or not begins:
             continue
         seconds = max(ends) - max(begins)
@@ -452,7 +442,7 @@ def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
     for number, info in enumerate(launches):
         per_rank = []
         for rank, events in enumerate(rank_events):
-            rank_launches = _launches(events)
+            rank_launches = goodput.launches_of(events)
             if number >= len(rank_launches):
                 break
             base = next((e for e in rank_launches[number] if e["kind"] == "baseline"), None)
