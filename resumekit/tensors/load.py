@@ -41,6 +41,7 @@ from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.raw import raw_files
 from resumekit.tensors.reader import _SafeReader, load_plain_value, make_reader
 from resumekit.tensors.shared_reads import SharedReads
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["iter_full_tensors", "load", "load_subset", "read_full_state"]
 
@@ -84,7 +85,8 @@ def load(
             DDP, HSDP) are read by one of them and sent to the others over the group, each
             reading about its share (:mod:`resumekit.tensors.shared_reads`). A failure on
             the reading rank raises on every rank. False, or a group that cannot move CPU
-            tensors (NCCL only): every rank reads all it needs.
+            tensors (NCCL only; said in a ``ResumekitWarning``): every rank reads all it
+            needs.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -121,8 +123,15 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   read_once: bool = False) -> None:
     group, no_dist = resolve_group(process_group)
     target = directory_str(directory)
-    shared = (SharedReads(group) if read_once and group is not None
-              and SharedReads.can_run_on(group) else None)
+    shared = None
+    if read_once and group is not None:
+        if SharedReads.can_run_on(group):
+            shared = SharedReads(group)
+        else:
+            warn(f"restoring {target}: every rank reads all the bytes it needs (read once "
+                 f"was asked for, but the process group is {dist.get_backend(group)!r}, "
+                 "which cannot move CPU tensors between ranks; the checkpoint group of "
+                 "init_distributed() can)", ResumekitWarning, stacklevel=3)
     reader = make_reader(target, storage_options, verify=verify, shared=shared)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     try:

@@ -10,6 +10,7 @@ Bytes read are counted where every read of a data file goes through (DCP's local
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from resumekit import CheckpointManager
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from resumekit.tensors import sharded
+from resumekit.tensors import sharded, shared_reads
+from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 
 WIDTH = 256  # a Linear(256, 256) weight is 256 KiB: past the size below which all read
@@ -142,6 +144,30 @@ def test_a_ddp_restore_of_dcps_own_format_read_once_is_bit_identical(tmp_path: P
     results = run_ranks(_ddp, world_size=2, args=(str(tmp_path), "once", "dcp"))
     for rank, result in enumerate(results):
         assert result["step"] == 1 and result["same"], (rank, result)
+
+
+def _group_that_cannot_share(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    weights = {"w": torch.randn(WIDTH, WIDTH)}
+    sharded.save({"model": weights}, root)
+    # As with an NCCL-only group, which cannot move CPU tensors between ranks.
+    shared_reads.SharedReads.can_run_on = staticmethod(lambda group: False)  # type: ignore[method-assign]
+    loaded = {"model": {"w": torch.empty(WIDTH, WIDTH)}}
+    with counting_data_reads() as counts, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sharded.load(loaded, root, read_once=True)
+    return {"same": torch.equal(loaded["model"]["w"], weights["w"]), "read": counts[0],
+            "total": _data_bytes(Path(root)),
+            "said": [str(w.message) for w in caught if issubclass(w.category, ResumekitWarning)]}
+
+
+def test_a_group_that_cannot_share_reads_says_so_and_every_rank_reads_all(
+        tmp_path: Path) -> None:
+    results = run_ranks(_group_that_cannot_share, world_size=2, args=(str(tmp_path),))
+    for rank, result in enumerate(results):
+        assert result["same"] and result["read"] > 0.9 * result["total"], (rank, result)
+        assert any(f"restoring {tmp_path}: every rank reads all" in said
+                   and "cannot move CPU tensors" in said for said in result["said"]), result
 
 
 def _one_rank_misfits(rank: int, world_size: int, root: str) -> str:
