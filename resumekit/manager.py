@@ -5,7 +5,8 @@ retention, sharded I/O, RNG, preemption), and so do its helpers: its policy knob
 (:mod:`resumekit.options`), the background save worker (:mod:`resumekit.background`), a
 captured save and what follows its commit or failure (:mod:`resumekit.saving`), its
 process-group channels (:mod:`resumekit.runtime.channels`) and what a restore does with
-the root's other entries (:mod:`resumekit.restore.entries`). A trainer integrates in five
+the root's other entries (:mod:`resumekit.restore.entries`), and the restore of one root,
+run in order on every rank (:mod:`resumekit.restoring`). A trainer integrates in five
 lines::
 
     ckpt = resumekit.CheckpointManager(root, model=model, optimizer=opt, scheduler=sched,
@@ -19,19 +20,19 @@ lines::
 
 Save path (data flows one way): capture (``TrainState``) -> stage to CPU (async only) ->
 ``CommitProtocol.begin`` -> DCP write + small per-rank files -> ``publish`` -> retention.
-Restore path: find (``restore_plan.survey`` over the catalog) -> verify (``verification``:
-checksums, spread over ranks) -> check compatibility (``compatibility``) -> read -> apply
--> every rank meets on the checkpoint group. What restore does with every other entry
-(fall back, set aside, warn, refuse) is decided by ``restore_plan``.
+Restore path (``restoring.RootRestore``): find (``restore_plan.survey`` over the catalog)
+-> verify (``verification``: checksums, spread over ranks) -> check compatibility
+(``compatibility``) -> read -> apply -> every rank meets on the checkpoint group. What
+restore does with every other entry (fall back, set aside, warn, refuse) is decided by
+``restore_plan``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
@@ -44,7 +45,6 @@ from resumekit import saving
 from resumekit.background import BackgroundSave, WriterProcess
 from resumekit.errors import (
     ConfigurationError,
-    IncompatibleCheckpointError,
     ResumekitError,
     ResumeStepError,
     StepCollisionError,
@@ -56,18 +56,14 @@ from resumekit.options import (
     MismatchPolicy,
     OptionKeywords,
 )
-from resumekit.restore import plan as restore_plan
-from resumekit.restore.compatibility import check_compatibility
-from resumekit.restore.entries import EntryKeeper
-from resumekit.restore.plan import Survey
-from resumekit.restore.verification import refuse_links_share, verify_share
+from resumekit.restoring import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
-from resumekit.state.train_state import Stateful, TrainState, dump_plain, read_plain
+from resumekit.state.train_state import Stateful, TrainState, dump_plain
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
 from resumekit.store.commit import PendingCheckpoint
@@ -95,7 +91,7 @@ from resumekit.store.manifest import (
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded, state_dicts
-from resumekit.tools import legacy, weights
+from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
 
 if TYPE_CHECKING:
@@ -315,106 +311,30 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        found: Survey = run_on_leader(self._main.coordinator, lambda: restore_plan.survey(
-            self.storage, self.name_format, recover=not self.read_only,
-            whole=step is not None))
-        entries = self._entries.claim_generation(found.entries)
-        committed = restore_plan.candidates(entries, step, root=self.storage.path())
-        if step is None and not self.fallback:
-            restore_plan.refuse_broken_newest(entries)
-        restored = self._restore_newest_committed(
-            entries, committed, explicit=step is not None,
-            more=None if found.complete else lambda: self._entries.survey_below(found))
-        if restored is None:  # nothing committed (an explicit step raised by now)
-            restore_plan.refuse_newer_schema(entries, below=None)
-            restored = self._import_newest_legacy(entries)
-        if restored is None:
-            return self._start_fresh(found, entries)
-        self._entries.report_leftovers(entries, above=restored.step)
-        self._finish_restore(f"end of restore from step {restored.step}"
-                             if restored.status == "committed"
-                             else f"end of legacy import from {restored.name}")
+        restore = RootRestore(
+            self.storage, self.name_format, self.state, self._main, self.options,
+            fingerprint=self._fingerprint(), config_set=bool(self.config), rank=self.rank,
+            world_size=self.world_size, newest_step=self._newest_step)
+        try:
+            restored = restore.run(step)
+        finally:
+            self._newest_step = restore.newest_step
+        entry, manifest = restored.entry, restored.manifest
+        if manifest is not None:
+            self.extras.update(manifest.extras)
+            self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
+            self.last_saved_step = manifest.step
+            if manifest.save_throughput is not None:  # a requeued process knows its rate
+                record = manifest.save_throughput
+                self._clock.seed_throughput(manifest.step, record.bytes, record.seconds,
+                                            blocking=record.blocking)
+        if entry is not None:
+            self.resumed_from = entry.step
+        self._finish_restore(restored.reason)
+        if entry is None:
+            return 0
         self._resume_guard = self.state.step
         return self.state.step
-
-    def _restore_newest_committed(
-            self, entries: list[CheckpointEntry], committed: list[CheckpointEntry], *,
-            explicit: bool, more: Callable[[], list[CheckpointEntry]] | None = None
-    ) -> CheckpointEntry | None:
-        """Load the newest of ``committed`` that restores, falling back past bad ones.
-
-        ``more`` reads the entries below those listed, when only the top of the root was
-        (the first fallback past the listed ones calls it; ``entries`` grows in place).
-
-        Returns:
-            The entry restored, or None when ``committed`` is empty.
-        """
-        remaining = {e.step for e in entries if e.status == "committed"}
-        if remaining:
-            self._newest_step = max(remaining)
-        failures: list[str] = []
-        for entry in restore_plan.fallback_order(entries, committed, more):
-            if not explicit:
-                restore_plan.refuse_newer_schema(entries, below=entry)
-            try:
-                self._restore_entry(entry)
-            except IncompatibleCheckpointError:
-                raise
-            except (ResumekitError, FileNotFoundError) as error:
-                what, freed = self._entries.unusable_committed(
-                    entry, error, may_fall_back=self.fallback and not explicit)
-                failures.append(f"step {entry.step}: {what}")
-                if freed:
-                    remaining.discard(entry.step)
-                self._newest_step = max(remaining, default=None)
-                continue
-            self._newest_step = max(remaining, default=None)
-            return entry
-        if failures:
-            raise ResumekitError(
-                f"no checkpoint under {self.storage.path()} could be restored: "
-                + "; ".join(failures) + ". Tensors are read into the model and optimizer "
-                "in place, so they may now hold part of a checkpoint: build them again "
-                "before using them (a fresh start from them would not be one)",
-                path=self.storage.path(),
-            )
-        return None
-
-    def _import_newest_legacy(self, entries: list[CheckpointEntry]) -> CheckpointEntry | None:
-        """Load the weights of the newest weights-only ``checkpoint_step_N``, if allowed."""
-        legacy_entries = [e for e in entries if e.status == "legacy"]
-        if not (self.import_legacy and legacy_entries and self.state.model is not None):
-            return None
-        entry = legacy_entries[-1]
-        legacy.load_weights_only(self.storage, entry.name, self.state.model)
-        self.state.step = entry.step
-        self.resumed_from = entry.step
-        self._newest_step = None
-        self._warn(f"imported weights only from legacy {entry.path} (step {entry.step}): "
-                   "optimizer, scheduler, RNG and data position start fresh - this is NOT "
-                   "an exact resume")
-        return entry
-
-    def _start_fresh(self, found: Survey, entries: list[CheckpointEntry]) -> int:
-        """Nothing to restore: refuse (or warn about) another tool's checkpoint, say why."""
-        ignored = restore_plan.foreign_instead(found, self.storage, policy=self.foreign)
-        if ignored is not None:
-            self._warn(ignored)
-        self._entries.report_leftovers(entries, above=-1, foreign=False, stacklevel=5)
-        if self._main.coordinator.rank == 0:
-            said, warnings_ = restore_plan.fresh_start_account(
-                found, self.storage, self.name_format, import_legacy=self.import_legacy,
-                has_model=self.state.model is not None)
-            logger.info("resumekit: %s", said)
-            for message in warnings_:
-                self._warn(message)
-        self._finish_restore("fresh start")
-        return 0
-
-    @property
-    def _entries(self) -> EntryKeeper:
-        """The root's entries as a restore handles them (claim, set aside, leftovers)."""
-        return EntryKeeper(self.storage, self.name_format, self._main, self.read_only)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         warn(message, ResumekitWarning, stacklevel=stacklevel)
@@ -452,78 +372,6 @@ class CheckpointManager:
         self._prepare_staging()
         if self._distributed:
             distributed.meet(self._main.group, reason=reason)
-
-    def _restore_entry(self, entry: CheckpointEntry) -> None:
-        """Verify, check and load one committed checkpoint on every rank."""
-        manifest = entry.manifest
-        assert manifest is not None
-        ranks = self._main.coordinator
-        check = verify_share if self.verify_on_restore else refuse_links_share
-        run_on_every_rank(ranks, lambda: check(
-            self.storage, entry.name, manifest, rank=ranks.rank,
-            world_size=ranks.world_size))
-        check_compatibility(manifest, entry.path, fingerprint=self._fingerprint(),
-                            world_size=self.world_size, on_mismatch=self.on_mismatch,
-                            stacklevel=4)
-        fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(entry.name,
-                                                                              manifest))
-        if fresh:
-            recorded = bool((manifest.fingerprint or {}).get("config"))
-            self._warn(restore_plan.imported_warning(
-                entry, fresh, config_unrecorded=bool(self.config) and not recorded),
-                stacklevel=5)
-        self.extras.update(manifest.extras)
-        self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
-        self.resumed_from = manifest.step
-        self.last_saved_step = manifest.step
-        if manifest.save_throughput is not None:  # a requeued process knows its root's rate
-            record = manifest.save_throughput
-            self._clock.seed_throughput(manifest.step, record.bytes, record.seconds,
-                                        blocking=record.blocking)
-        logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
-
-    def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
-        """Read step directory ``name`` into the run's state; return the parts left fresh.
-
-        A checkpoint converted by ``resumekit import`` holds what the source tool saved
-        (weights, maybe optimizer and scheduler), never its RNG streams or a data
-        position: those parts start fresh, and are returned to be named in one warning.
-        Anything else missing from one of resumekit's own checkpoints stays an error.
-        """
-        imported = manifest.reason == SaveReason.IMPORTED
-        with_optimizer = not imported or manifest.state.get("optimizer") is not False
-        tied = _tied_of(manifest)
-        source = self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
-        options = self.storage.storage_options or None
-        tensors = self.state.load_target(tied, optimizer=with_optimizer,
-                                         source=source, storage_options=options)
-        if tensors:
-            # Each rank plans its own reads (DCP's load plans need no coordination); one
-            # all-gather of the outcome replaces DCP's three, and every rank raises alike.
-            run_on_every_rank(self._main.coordinator, functools.partial(
-                sharded.load, tensors, source, process_group=self._main.group,
-                verify=self.verify_on_restore, storage_options=options, plan_locally=True,
-                read_once=self.options.restore_reads == "once"))
-            self.state.apply_tensor_state(tensors, tied)
-        train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
-        with_scheduler = not imported or train.get("scheduler") is not None
-        self.state.apply_train_state(train, source=self.storage.path(
-            f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
-        saved_world = int(train.get("world_size", manifest.world_size))
-        wanted = {0, self.rank} & set(range(saved_world))
-        saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
-                 for r in sorted(wanted)}
-        with_data = not imported or saved[0].get("data") is not None
-        self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
-                                    world_size=self.world_size, rng=not imported,
-                                    data=with_data)
-        if not imported:
-            return []
-        return [part for part, missing in (
-            ("data position", self.state.data is not None and not with_data),
-            ("scheduler", self.state.scheduler is not None and not with_scheduler),
-            ("optimizer", self.state.optimizer is not None and not with_optimizer),
-            ("RNG", True)) if missing]
 
     def _fingerprint(self, params: dict[str, list[Any]] | None = None) -> dict[str, Any]:
         """This run's fingerprint; ``params`` those of a capture just taken, if any."""
@@ -959,10 +807,3 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _tied_of(manifest: Manifest) -> dict[str, str]:
-    """The model entries a checkpoint stored once (``state.tied``: ``{alias: kept}``)."""
-    tied = manifest.state.get("tied")
-    if not isinstance(tied, dict):
-        return {}
-    return {str(alias): str(kept) for alias, kept in tied.items()}

@@ -100,11 +100,11 @@ class EntryKeeper:
         unusable = restore_plan.judge_failure(entry, error, gone=gone,
                                               may_fall_back=may_fall_back)
         aside, why_not = (None, None) if unusable.deleted else self.set_aside(entry)
-        _warn(unusable.warning(aside, why_not), stacklevel=5)
+        _warn(unusable.warning(aside, why_not), stacklevel=6)
         return unusable.account(aside), unusable.deleted or aside is not None
 
     def report_leftovers(self, entries: list[CheckpointEntry], *, above: int,
-                         foreign: bool = True, stacklevel: int = 4) -> None:
+                         foreign: bool = True, stacklevel: int = 5) -> None:
         """Say what :func:`resumekit.restore.plan.leftovers` lists; set aside what it says."""
         for leftover in restore_plan.leftovers(entries, self.storage, above=above,
                                                foreign=foreign):
@@ -137,5 +137,5 @@ class EntryKeeper:
         return [entry for entry in entries if entry.name not in zombies]
 
 
-def _warn(message: str, *, stacklevel: int = 4) -> None:
+def _warn(message: str, *, stacklevel: int = 5) -> None:
     warn(message, ResumekitWarning, stacklevel=stacklevel)

@@ -361,12 +361,12 @@ def test_a_checkpoint_deleted_while_it_is_restored_is_fallen_back_from_with_a_wa
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str,
 ) -> None:
     weights = _saved(tmp_path, 100, 200)
-    import resumekit.manager as manager_module  # noqa: PLC0415
+    import resumekit.restoring as restoring_module  # noqa: PLC0415
 
     if when == "tensors":
         _delete_during(monkeypatch, sharded, "load", tmp_path / STEP_200)
     else:
-        _delete_during(monkeypatch, manager_module, "read_plain", tmp_path / STEP_200)
+        _delete_during(monkeypatch, restoring_module, "read_plain", tmp_path / STEP_200)
     resumed = _manager(tmp_path, seed=1, verify_on_restore=False)
     with pytest.warns(ResumekitWarning, match="deleted while it was being restored") as caught:
         assert resumed.restore() == 100

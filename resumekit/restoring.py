@@ -1,0 +1,284 @@
+"""A restore of one root, run in order on every rank: what ``CheckpointManager.restore`` does.
+
+The decisions (which entry, fall back past which, set aside what, warn about what) are
+:mod:`resumekit.restore.plan`'s and :mod:`resumekit.restore.entries`'s; this module runs
+them: survey the root (the leader lists it), claim the writer generation, verify the
+newest committed checkpoint (checksums, spread over ranks), check that it fits the run,
+read it into the run's state, and fall back past one that cannot be read, or import a
+legacy weights-only directory, or account for a fresh start. The manager applies the
+:class:`Restored` outcome to itself and meets every rank on the checkpoint group.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from resumekit.errors import IncompatibleCheckpointError, ResumekitError
+from resumekit.options import CheckpointOptions
+from resumekit.restore import plan as restore_plan
+from resumekit.restore.compatibility import check_compatibility
+from resumekit.restore.entries import EntryKeeper
+from resumekit.restore.plan import Survey
+from resumekit.restore.verification import refuse_links_share, verify_share
+from resumekit.runtime.channels import Channel
+from resumekit.state.train_state import TrainState, read_plain
+from resumekit.store.catalog import CheckpointEntry
+from resumekit.store.coordination import run_on_every_rank, run_on_leader
+from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
+from resumekit.store.manifest import Manifest, SaveReason
+from resumekit.store.storage import Storage
+from resumekit.tensors import sharded
+from resumekit.tools import legacy
+from resumekit.warnings import ResumekitWarning, warn
+
+__all__ = ["Restored", "RootRestore"]
+
+logger = logging.getLogger("resumekit")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a restore of one root found and read.
+
+    Attributes:
+        entry: The entry read: a committed checkpoint, a legacy directory (weights
+            only), or None on a fresh start.
+        manifest: The committed checkpoint's manifest (None for legacy and fresh).
+    """
+
+    entry: CheckpointEntry | None
+    manifest: Manifest | None
+
+    @property
+    def reason(self) -> str:
+        """The reason every rank meets on the checkpoint group after it."""
+        if self.entry is None:
+            return "fresh start"
+        if self.manifest is not None:
+            return f"end of restore from step {self.entry.step}"
+        return f"end of legacy import from {self.entry.name}"
+
+
+class RootRestore:
+    """Restore the newest committed checkpoint of one root (or a step) into a run's state.
+
+    Args:
+        storage: The root.
+        name_format: Its step directory names.
+        state: The run's state, read into in place.
+        channel: The main channel (its coordinator, group and writer generation).
+        options: The manager's options (``fallback``, ``verify_on_restore``,
+            ``on_mismatch``, ``import_legacy``, ``foreign``, ``read_only``,
+            ``restore_reads``).
+        fingerprint: This run's fingerprint, compared with the checkpoint's.
+        config_set: Whether the run has a configuration (an imported checkpoint that
+            records none is then named in the warning).
+        rank: This process's rank.
+        world_size: Number of ranks.
+        newest_step: The newest committed step the manager knows of.
+
+    Attributes:
+        newest_step: The newest committed step left under the root as the restore goes
+            (a checkpoint set aside on the way is not one): the manager keeps it, also
+            when the restore raises.
+    """
+
+    def __init__(self, storage: Storage, name_format: NameFormat, state: TrainState,
+                 channel: Channel, options: CheckpointOptions, *,
+                 fingerprint: dict[str, Any], config_set: bool, rank: int, world_size: int,
+                 newest_step: int | None) -> None:
+        self.storage, self.name_format, self.state = storage, name_format, state
+        self.channel, self.options = channel, options
+        self.fingerprint, self.config_set = fingerprint, config_set
+        self.rank, self.world_size = rank, world_size
+        self.newest_step = newest_step
+
+    @property
+    def _entries(self) -> EntryKeeper:
+        """The root's entries as a restore handles them (claim, set aside, leftovers)."""
+        return EntryKeeper(self.storage, self.name_format, self.channel,
+                           self.options.read_only)
+
+    def run(self, step: int | None = None) -> Restored:
+        """Find, verify, check and read; fall back, import legacy or start fresh.
+
+        Args:
+            step: The step to restore (None: the newest committed).
+
+        Raises:
+            The errors of :meth:`resumekit.CheckpointManager.restore`.
+        """
+        found: Survey = run_on_leader(self.channel.coordinator, lambda: restore_plan.survey(
+            self.storage, self.name_format, recover=not self.options.read_only,
+            whole=step is not None))
+        entries = self._entries.claim_generation(found.entries)
+        committed = restore_plan.candidates(entries, step, root=self.storage.path())
+        if step is None and not self.options.fallback:
+            restore_plan.refuse_broken_newest(entries)
+        restored = self._newest_committed(
+            entries, committed, explicit=step is not None,
+            more=None if found.complete else lambda: self._entries.survey_below(found))
+        if restored is not None:
+            self._entries.report_leftovers(entries, above=restored.step)
+            return Restored(restored, restored.manifest)
+        restore_plan.refuse_newer_schema(entries, below=None)  # nothing committed
+        imported = self._import_newest_legacy(entries)
+        if imported is not None:
+            self._entries.report_leftovers(entries, above=imported.step)
+            return Restored(imported, None)
+        self._account_for_fresh_start(found, entries)
+        return Restored(None, None)
+
+    def _newest_committed(
+            self, entries: list[CheckpointEntry], committed: list[CheckpointEntry], *,
+            explicit: bool, more: Callable[[], list[CheckpointEntry]] | None = None
+    ) -> CheckpointEntry | None:
+        """Load the newest of ``committed`` that restores, falling back past bad ones.
+
+        ``more`` reads the entries below those listed, when only the top of the root was
+        (the first fallback past the listed ones calls it; ``entries`` grows in place).
+
+        Returns:
+            The entry restored, or None when ``committed`` is empty.
+        """
+        remaining = {e.step for e in entries if e.status == "committed"}
+        if remaining:
+            self.newest_step = max(remaining)
+        may_fall_back = self.options.fallback and not explicit
+        failures: list[str] = []
+        for entry in restore_plan.fallback_order(entries, committed, more):
+            if not explicit:
+                restore_plan.refuse_newer_schema(entries, below=entry)
+            try:
+                self._restore_entry(entry)
+            except IncompatibleCheckpointError:
+                raise
+            except (ResumekitError, FileNotFoundError) as error:
+                what, freed = self._entries.unusable_committed(
+                    entry, error, may_fall_back=may_fall_back)
+                failures.append(f"step {entry.step}: {what}")
+                if freed:
+                    remaining.discard(entry.step)
+                self.newest_step = max(remaining, default=None)
+                continue
+            self.newest_step = max(remaining, default=None)
+            return entry
+        if failures:
+            raise ResumekitError(
+                f"no checkpoint under {self.storage.path()} could be restored: "
+                + "; ".join(failures) + ". Tensors are read into the model and optimizer "
+                "in place, so they may now hold part of a checkpoint: build them again "
+                "before using them (a fresh start from them would not be one)",
+                path=self.storage.path(),
+            )
+        return None
+
+    def _import_newest_legacy(self, entries: list[CheckpointEntry]) -> CheckpointEntry | None:
+        """Load the weights of the newest weights-only ``checkpoint_step_N``, if allowed."""
+        legacy_entries = [e for e in entries if e.status == "legacy"]
+        if not (self.options.import_legacy and legacy_entries
+                and self.state.model is not None):
+            return None
+        entry = legacy_entries[-1]
+        legacy.load_weights_only(self.storage, entry.name, self.state.model)
+        self.state.step = entry.step
+        self.newest_step = None
+        _warn(f"imported weights only from legacy {entry.path} (step {entry.step}): "
+              "optimizer, scheduler, RNG and data position start fresh - this is NOT "
+              "an exact resume")
+        return entry
+
+    def _account_for_fresh_start(self, found: Survey, entries: list[CheckpointEntry]) -> None:
+        """Nothing to restore: refuse (or warn about) another tool's checkpoint, say why."""
+        ignored = restore_plan.foreign_instead(found, self.storage, policy=self.options.foreign)
+        if ignored is not None:
+            _warn(ignored)
+        self._entries.report_leftovers(entries, above=-1, foreign=False, stacklevel=6)
+        if self.channel.coordinator.rank == 0:
+            said, warnings_ = restore_plan.fresh_start_account(
+                found, self.storage, self.name_format,
+                import_legacy=self.options.import_legacy,
+                has_model=self.state.model is not None)
+            logger.info("resumekit: %s", said)
+            for message in warnings_:
+                _warn(message)
+
+    def _restore_entry(self, entry: CheckpointEntry) -> None:
+        """Verify, check and load one committed checkpoint on every rank."""
+        manifest = entry.manifest
+        assert manifest is not None
+        ranks = self.channel.coordinator
+        check = verify_share if self.options.verify_on_restore else refuse_links_share
+        run_on_every_rank(ranks, lambda: check(
+            self.storage, entry.name, manifest, rank=ranks.rank,
+            world_size=ranks.world_size))
+        check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
+                            world_size=self.world_size, on_mismatch=self.options.on_mismatch,
+                            stacklevel=5)
+        fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(entry.name,
+                                                                              manifest))
+        if fresh:
+            recorded = bool((manifest.fingerprint or {}).get("config"))
+            _warn(restore_plan.imported_warning(
+                entry, fresh, config_unrecorded=self.config_set and not recorded),
+                stacklevel=6)
+        logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
+
+    def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
+        """Read step directory ``name`` into the run's state; return the parts left fresh.
+
+        A checkpoint converted by ``resumekit import`` holds what the source tool saved
+        (weights, maybe optimizer and scheduler), never its RNG streams or a data
+        position: those parts start fresh, and are returned to be named in one warning.
+        Anything else missing from one of resumekit's own checkpoints stays an error.
+        """
+        imported = manifest.reason == SaveReason.IMPORTED
+        with_optimizer = not imported or manifest.state.get("optimizer") is not False
+        tied = _tied_of(manifest)
+        source = self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
+        options = self.storage.storage_options or None
+        tensors = self.state.load_target(tied, optimizer=with_optimizer,
+                                         source=source, storage_options=options)
+        if tensors:
+            # Each rank plans its own reads (DCP's load plans need no coordination); one
+            # all-gather of the outcome replaces DCP's three, and every rank raises alike.
+            run_on_every_rank(self.channel.coordinator, functools.partial(
+                sharded.load, tensors, source, process_group=self.channel.group,
+                verify=self.options.verify_on_restore, storage_options=options,
+                plan_locally=True, read_once=self.options.restore_reads == "once"))
+            self.state.apply_tensor_state(tensors, tied)
+        train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
+        with_scheduler = not imported or train.get("scheduler") is not None
+        self.state.apply_train_state(train, source=self.storage.path(
+            f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
+        saved_world = int(train.get("world_size", manifest.world_size))
+        wanted = {0, self.rank} & set(range(saved_world))
+        saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
+                 for r in sorted(wanted)}
+        with_data = not imported or saved[0].get("data") is not None
+        self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
+                                    world_size=self.world_size, rng=not imported,
+                                    data=with_data)
+        if not imported:
+            return []
+        return [part for part, missing in (
+            ("data position", self.state.data is not None and not with_data),
+            ("scheduler", self.state.scheduler is not None and not with_scheduler),
+            ("optimizer", self.state.optimizer is not None and not with_optimizer),
+            ("RNG", True)) if missing]
+
+
+def _tied_of(manifest: Manifest) -> dict[str, str]:
+    """The model entries a checkpoint stored once (``state.tied``: ``{alias: kept}``)."""
+    tied = manifest.state.get("tied")
+    if not isinstance(tied, dict):
+        return {}
+    return {str(alias): str(kept) for alias, kept in tied.items()}
+
+
+def _warn(message: str, *, stacklevel: int = 5) -> None:
+    warn(message, ResumekitWarning, stacklevel=stacklevel)
