@@ -29,9 +29,7 @@ if TYPE_CHECKING:
     import os
 
     import torch
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.planner import LoadPlanner
     from torch.distributed.tensor import DTensor
 
 __all__ = [
@@ -44,13 +42,11 @@ __all__ = [
     "dcp_metadata_path",
     "dcp_storage_info",
     "dtensor_over",
-    "empty_state_dict_load_planner_class",
     "flat_param_name",
     "lightning_cluster_environment",
     "lightning_combined_loader",
     "lightning_data_fetcher",
     "load_state_dict_hooks",
-    "load_without_collectives",
     "overrides_load_from_state_dict",
     "s3_call",
     "torch_release",
@@ -303,25 +299,6 @@ def dcp_metadata_path(reader: FileSystemReader, rank: int | None) -> os.PathLike
     return path
 
 
-
-
-def empty_state_dict_load_planner_class() -> type[DefaultLoadPlanner]:
-    """DCP's load planner that rebuilds the whole state dict from the metadata."""
-    # What DCP's format_utils (dcp_to_torch_save) reads a checkpoint with; no public twin.
-    # If it moves: read_full_state, export and inspect of whole checkpoints fail.
-    module = importlib.import_module("torch.distributed.checkpoint.default_planner")
-    planner: type[DefaultLoadPlanner] = module._EmptyStateDictLoadPlanner
-    return planner
-
-
-def load_without_collectives(state_dict: dict[str, Any], reader: Any,
-                             planner: LoadPlanner) -> None:
-    """DCP's load into ``state_dict`` itself, in this process only (no process group)."""
-    # dcp.load fills a copy of the dict it is given, so an empty dict that a planner fills
-    # from the metadata comes back empty; this is the loader under it (and under DCP's own
-    # format_utils). If it moves: read_full_state (export, inspect) fails.
-    module = importlib.import_module("torch.distributed.checkpoint.state_dict_loader")
-    module._load_state_dict(state_dict, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def dtensor_over(local: torch.Tensor, like: DTensor) -> DTensor:

@@ -22,11 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError, ResumekitError
 from resumekit.tensors.context import (
     NO_DIST_WARNING,
@@ -296,19 +295,37 @@ def set_at_path(root: dict[str, Any], path: Sequence[str | int], value: Any) -> 
     container[last] = value
 
 
-_EmptyStateDictLoadPlanner = _compat.empty_state_dict_load_planner_class()
+class _SafeFromMetadataLoadPlanner(DefaultLoadPlanner):
+    """A load planner that builds the whole state dict from the metadata, loading safely.
 
-
-class _SafeEmptyStateDictLoadPlanner(_EmptyStateDictLoadPlanner):  # type: ignore[misc,valid-type]
-    """DCP's "rebuild the state dict from the metadata" planner, loading values safely.
-
-    Stock DCP unpickles non-tensor values (learning rates, ``param_groups``) with
-    ``torch.load(weights_only=False)``; this reads them with ``weights_only=True``.
+    It does what DCP's ``format_utils.dcp_to_torch_save`` reads a checkpoint with (an
+    empty tensor for every stored tensor, the nesting rebuilt from ``planner_data``), on
+    DCP's public planner API; non-tensor values (learning rates, ``param_groups``) are
+    read with ``torch.load(weights_only=True)``, where stock DCP unpickles them with
+    ``weights_only=False``. After ``dcp.load``, :attr:`original_state_dict` holds the
+    state read (``dcp.load`` fills a copy of the dict it is given).
     """
 
     def __init__(self, directory: str) -> None:
         super().__init__()
         self._directory = directory
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """Fill the empty ``state_dict`` with a placeholder for every stored value."""
+        if metadata is None:
+            raise CorruptCheckpointError(f"{self._directory}: no checkpoint metadata to "
+                                         "rebuild the state from", path=self._directory)
+        paths = metadata.planner_data or {}
+        for key, stored in metadata.state_dict_metadata.items():
+            value: Any = stored
+            if isinstance(stored, TensorStorageMetadata):
+                value = torch.empty(stored.size, dtype=stored.properties.dtype)
+            if key in paths:
+                set_at_path(state_dict, paths[key], value)
+            else:
+                state_dict[key] = value
+        super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Load one non-tensor value without running code from the checkpoint."""
@@ -344,12 +361,11 @@ def read_full_state(
     """
     target = os.fspath(directory)
     reader = make_reader(target, storage_options)
-    state: dict[str, Any] = {}
+    planner = _SafeFromMetadataLoadPlanner(target)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=NO_DIST_WARNING)
-            _compat.load_without_collectives(state, reader,
-                                             _SafeEmptyStateDictLoadPlanner(target))
+            dcp_load({}, storage_reader=reader, planner=planner, no_dist=True)
     except ResumekitError:
         raise
     except CheckpointException as error:
@@ -370,4 +386,5 @@ def read_full_state(
             f"reading checkpoint {target} failed: {type(error).__name__}: {error}",
             path=target,
         ) from error
+    state: dict[str, Any] = planner.original_state_dict
     return state

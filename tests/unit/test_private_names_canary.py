@@ -272,24 +272,6 @@ def test_dcps_filesystem_reader_names_its_metadata_path_by_rank(tmp_path: Path) 
 
 
 
-def test_dcps_empty_state_dict_load_planner_rebuilds_the_state_and_loads_in_place(
-        tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    planner_class = _compat.empty_state_dict_load_planner_class()
-    assert issubclass(planner_class, DefaultLoadPlanner)
-    assert "keys" in inspect.signature(planner_class.__init__).parameters
-    assert "load_bytes" in vars(DefaultLoadPlanner)  # the method our subclass overrides
-    state = {"model": {"w": torch.arange(4.0)}, "step": 3}
-    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
-    loaded: dict[str, object] = {}
-    _compat.load_without_collectives(loaded, dcp.FileSystemReader(str(tmp_path)),
-                                     planner_class())
-    assert torch.equal(loaded["model"]["w"], torch.arange(4.0))  # type: ignore[index]
-    assert loaded["step"] == 3
-
-
 def test_a_dtensor_wraps_a_cpu_shard_with_another_dtensors_spec_as_it_is(
         tmp_path: Path) -> None:
     import torch.distributed as dist
