@@ -617,16 +617,7 @@ class PreemptionHandler:
         Raises:
             CoordinationError: The all-reduce of the decision failed.
         """
-        age = seconds_since_last_commit
-        if age is not None and not (math.isfinite(age) and age >= 0):
-            message = (
-                f"the age of the last commit is {age:.1f} s, which cannot be: an age taken "
-                "from wall clocks of hosts that disagree (clock skew)? It is treated as "
-                "unknown (never 'recent enough'); measure it with time.monotonic() in this "
-                "process"
-            )
-            warn(message, ResumekitWarning, stacklevel=2)
-            age = None
+        age = _sane_age(seconds_since_last_commit)
         # The deadline rule takes the save's time at the measured rate when there is one;
         # the recency rule (no deadline) keeps the duration of a save in this process.
         expected = expected_save_seconds
@@ -651,22 +642,7 @@ class PreemptionHandler:
                 f"the last commit is {age:.1f} s old, no older than a save takes "
                 f"({expected_save_seconds:.1f} s), and no grace period is known"
             )
-        skipping_ranks = [0] if codes else []
-        group = self._vote_group()
-        rank = 0
-        if group is not None:
-            rank, size = dist.get_rank(group), dist.get_world_size(group)
-            decision = torch.zeros(size, dtype=torch.int64)
-            decision[rank] = codes
-            try:
-                dist.all_reduce(decision, op=dist.ReduceOp.SUM, group=group)
-            except RuntimeError as error:
-                raise _collective_failed("agreeing whether to skip the emergency save",
-                                         "emergency save decision", error) from error
-            others = {r: int(c) for r, c in enumerate(decision.tolist()) if c and r != rank}
-            for other, other_codes in sorted(others.items()):
-                reasons.append(f"rank {other} chose to skip ({_describe_codes(other_codes)})")
-            skipping_ranks = [r for r, c in enumerate(decision.tolist()) if c]
+        rank, skipping_ranks = self._agree_on_skip(codes, reasons)
         inputs = self._inputs(age, seconds_since_last_commit, expected,
                               steps_since_last_commit, left, estimate=estimate)
         if not skipping_ranks:
@@ -678,6 +654,30 @@ class PreemptionHandler:
         logger.warning("resumekit: %s", message)
         warn(message, EmergencySaveSkippedWarning, stacklevel=2)
         return True
+
+    def _agree_on_skip(self, codes: int, reasons: list[str]) -> tuple[int, list[int]]:
+        """All-reduce every rank's skip codes; name the other ranks' in ``reasons``.
+
+        Returns:
+            This rank's rank in the vote group and the ranks that chose to skip.
+        """
+        group = self._vote_group()
+        if group is None:
+            return 0, [0] if codes else []
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        decision = torch.zeros(size, dtype=torch.int64)
+        decision[rank] = codes
+        try:
+            dist.all_reduce(decision, op=dist.ReduceOp.SUM, group=group)
+        except RuntimeError as error:
+            raise _collective_failed("agreeing whether to skip the emergency save",
+                                     "emergency save decision", error) from error
+        chosen = decision.tolist()
+        for other, other_codes in enumerate(chosen):
+            if other_codes and other != rank:
+                reasons.append(f"rank {other} chose to skip "
+                               f"({_describe_codes(int(other_codes))})")
+        return rank, [r for r, c in enumerate(chosen) if c]
 
     def _no_time(self, left: float, expected: float, in_flight: float,
                  estimate: SaveEstimate | None, newest_step: int | None) -> str:
@@ -727,6 +727,20 @@ class PreemptionHandler:
 
 
 _NOTHING_NEW, _NO_TIME, _RECENT = 1, 2, 4  # why a rank chose to skip, as bits of its ballot
+
+
+def _sane_age(age: float | None) -> float | None:
+    """``age``, or None (with a warning) when no age can be negative or non-finite."""
+    if age is None or (math.isfinite(age) and age >= 0):
+        return age
+    message = (
+        f"the age of the last commit is {age:.1f} s, which cannot be: an age taken "
+        "from wall clocks of hosts that disagree (clock skew)? It is treated as "
+        "unknown (never 'recent enough'); measure it with time.monotonic() in this "
+        "process"
+    )
+    warn(message, ResumekitWarning, stacklevel=3)  # the caller of should_skip_...
+    return None
 
 
 def _describe_codes(codes: int) -> str:

@@ -273,49 +273,55 @@ class SharedReads:
                         read: Callable[[LoadPlan, LoadPlanner], None], offers: list[_Offer],
                         mine: tuple[dict[Key, ReadItem], dict[int, int]]) -> None:
         pieces, sizes = mine
-        if any(other.source != offers[0].source for other in offers):
-            offers = [_Offer(o.source, ()) for o in offers]  # not one checkpoint: no sharing
-        # From agreed offers only, so every rank runs the same rounds and agreements.
-        readers, transfers = assign_readers([o.pieces for o in offers])
-        rounds = cut_rounds(transfers, self.round_bytes)
-        rank = self.coordinator.rank
-        failure: Exception | None = None
-        rest: list[ReadItem] = []
-        try:
-            shared = {id(item) for key, item in pieces.items() if key in readers}
-            rest = [item for item in plan.items if id(item) not in shared]
-            self.stats.shared_pieces = len(shared)
-            self.stats.read_bytes = sum(sizes.get(id(item), 0) for item in rest)
-        except Exception as error:  # noqa: BLE001 - every rank raises it, below
-            failure = error
+        rounds, rest, failure = self._schedule(plan, offers, pieces, sizes)
         if not rounds:  # nothing shared (FSDP): no rank waits for another's reads
             if failure is not None:
                 raise failure
             read(dataclasses.replace(plan, items=rest), planner)
             return
+        rank = self.coordinator.rank
         for number in range(len(rounds) + 1):
             if failure is None:
                 items = rest if number == len(rounds) else [
                     pieces[key] for t in rounds[number] if t.reader == rank
                     for key, _ in t.pieces]
-                self.stats.read_bytes += 0 if items is rest else sum(
-                    sizes[id(item)] for item in items)
+                if items is not rest:
+                    self.stats.read_bytes += sum(sizes[id(item)] for item in items)
                 failure = _failure_of(read, dataclasses.replace(plan, items=items), planner)
             try:
                 self._agree(("ok", None) if failure is None else ("error", failure))
             except BaseException:
                 self._drain()
                 raise
-            if number < len(rounds):
-                for transfer in rounds[number]:
-                    if rank in transfer.members:
-                        self._start(transfer, [pieces[key] for key, _ in transfer.pieces],
-                                    planner)
+            for transfer in rounds[number] if number < len(rounds) else ():
+                if rank in transfer.members:
+                    self._start(transfer, [pieces[key] for key, _ in transfer.pieces],
+                                planner)
         while self._pending:
             self._finish(self._pending.popleft(), planner)
         logger.debug("shared reads: read %d bytes, received %d, sent %d (%d shared pieces, "
                      "%d rounds)", self.stats.read_bytes, self.stats.received_bytes,
                      self.stats.sent_bytes, self.stats.shared_pieces, len(rounds))
+
+    def _schedule(self, plan: LoadPlan, offers: list[_Offer], pieces: dict[Key, ReadItem],
+                  sizes: dict[int, int]
+                  ) -> tuple[list[list[Transfer]], list[ReadItem], Exception | None]:
+        """The agreed rounds of transfers, the items this rank reads itself, and a failure.
+
+        From agreed offers only, so every rank runs the same rounds and agreements.
+        """
+        if any(other.source != offers[0].source for other in offers):
+            offers = [_Offer(o.source, ()) for o in offers]  # not one checkpoint: no sharing
+        readers, transfers = assign_readers([o.pieces for o in offers])
+        rounds = cut_rounds(transfers, self.round_bytes)
+        try:
+            shared = {id(item) for key, item in pieces.items() if key in readers}
+            rest = [item for item in plan.items if id(item) not in shared]
+            self.stats.shared_pieces = len(shared)
+            self.stats.read_bytes = sum(sizes.get(id(item), 0) for item in rest)
+        except Exception as error:  # noqa: BLE001 - every rank raises it, in the rounds
+            return rounds, [], error
+        return rounds, rest, None
 
     def settle(self, error: BaseException) -> None:
         """After ``error`` before :meth:`read`: tell the ranks waiting in it.
