@@ -69,7 +69,11 @@ if TYPE_CHECKING:
         meet,
         shutdown,
     )
-    from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler
+    from resumekit.runtime.preemption import (
+        EXIT_CODE_PREEMPTED,
+        EmergencySaveSkippedWarning,
+        PreemptionHandler,
+    )
     from resumekit.runtime.requeue import REQUEUE_SIGNALS, requeue_after_signal, requeue_slurm_job
     from resumekit.runtime.save_clock import CommitClock, SaveEstimate
     from resumekit.state.rng import (
@@ -127,6 +131,7 @@ if TYPE_CHECKING:
     )
     from resumekit.warnings import (
         ResumekitWarning,
+        UnsupportedTorchWarning,
     )
 
 _EXPORTS: dict[str, str] = {
@@ -159,6 +164,7 @@ _EXPORTS: dict[str, str] = {
     "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
     "PreemptionHandler": "resumekit.runtime.preemption",
+    "EmergencySaveSkippedWarning": "resumekit.runtime.preemption",
     "REQUEUE_SIGNALS": "resumekit.runtime.requeue",
     "ResumableDistributedSampler": "resumekit.state.sampler",
     "ResumeStepError": "resumekit.errors",
@@ -175,6 +181,7 @@ _EXPORTS: dict[str, str] = {
     "UnreadableFormatError": "resumekit.errors",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",
+    "UnsupportedTorchWarning": "resumekit.warnings",
     "WriterProcessError": "resumekit.errors",
     "capture_rng": "resumekit.state.rng",
     "current_context": "resumekit.runtime.distributed",
@@ -215,6 +222,7 @@ __all__ = [
     "CorruptCheckpointError",
     "DistributedContext",
     "DistributedSetupError",
+    "EmergencySaveSkippedWarning",
     "FencedWriterError",
     "ForeignCheckpointError",
     "ImportResult",
@@ -245,6 +253,7 @@ __all__ = [
     "UnreadableFormatError",
     "UnsafeCheckpointError",
     "UnsupportedSchemaError",
+    "UnsupportedTorchWarning",
     "WriterProcessError",
     "__version__",
     "capture_rng",
