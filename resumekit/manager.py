@@ -760,7 +760,8 @@ class CheckpointManager:
             weights.load_model_weights(self.state.model, found, strict=strict,
                                        process_group=self._main.group,
                                        storage_options=options or None,
-                                       verify=self.verify_on_restore)
+                                       verify=self.verify_on_restore,
+                                       read_once=self.options.restore_reads == "once")
 
         run_on_every_rank(self._main.coordinator, read)
         self.initialized_from = found

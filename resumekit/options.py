@@ -114,7 +114,8 @@ class CheckpointOptions(BaseModel):
             come with the first save. False allocates at the first async save instead
             (the memory is held from then on either way).
         restore_reads: Who reads tensor bytes that several ranks restore alike
-            (replicated parameters: DDP, HSDP's replica groups): ``"once"`` (default)
+            (replicated parameters: DDP, HSDP's replica groups), in ``restore`` and in
+            ``load_weights``: ``"once"`` (default)
             has one of them read each piece and send it to the others over the
             checkpoint group, each rank reading about 1/R of what R replicas share;
             ``"every_rank"`` has every rank read all it needs from the store. A

@@ -129,7 +129,7 @@ def _newest_in_root(storage: Storage, names: NameFormat, step: int | None
 def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool = True,
                        process_group: dist.ProcessGroup | None = None,
                        storage_options: Mapping[str, Any] | None = None,
-                       verify: bool = True) -> list[str]:
+                       verify: bool = True, read_once: bool = False) -> list[str]:
     """Read ``source``'s model tensors into ``model`` (plain, DDP, compiled or FSDP2).
 
     Args:
@@ -141,6 +141,8 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
         process_group: Group for DCP's collectives (None: WORLD when initialised).
         storage_options: fsspec options.
         verify: Check every byte read from raw tensor files against its checksum.
+        read_once: Replicated weights (DDP, HSDP) are read by one rank and sent to the
+            others over ``process_group`` (:mod:`resumekit.tensors.shared_reads`).
 
     Returns:
         The model entries that were not loaded (empty when ``strict``).
@@ -176,13 +178,13 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
                        f"checkpoint tensors are not used ({', '.join(unexpected) or 'none'})")
             warn(message, ResumekitWarning, stacklevel=3)
         _load_model_part(target, source, process_group, storage_options, verify,
-                         allow_more=True)
+                         allow_more=True, read_once=read_once)
         loaded = state_dicts.retie(target, {a: k for a, k in tied.items() if k in fits})
         set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
         return skipped
     try:
         _load_model_part(target, source, process_group, storage_options, verify,
-                         allow_more=False)
+                         allow_more=False, read_once=read_once)
     except IncompatibleCheckpointError as error:
         raise IncompatibleCheckpointError(
             f"the weights of {source.path} (step {source.step}) do not fit the model "
@@ -196,10 +198,11 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
 def _load_model_part(target: dict[str, Any], source: WeightsSource,
                      process_group: dist.ProcessGroup | None,
                      storage_options: Mapping[str, Any] | None, verify: bool, *,
-                     allow_more: bool) -> None:
+                     allow_more: bool, read_once: bool) -> None:
     if allow_more:
         sharded.load_subset(target, source.tensors_url, process_group=process_group,
-                            storage_options=storage_options, verify=verify)
+                            storage_options=storage_options, verify=verify,
+                            read_once=read_once)
     else:
         sharded.load(target, source.tensors_url, process_group=process_group,
-                     storage_options=storage_options, verify=verify)
+                     storage_options=storage_options, verify=verify, read_once=read_once)

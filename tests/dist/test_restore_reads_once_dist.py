@@ -146,6 +146,47 @@ def test_a_ddp_restore_of_dcps_own_format_read_once_is_bit_identical(tmp_path: P
         assert result["step"] == 1 and result["same"], (rank, result)
 
 
+def _ddp_fine_tune(rank: int, world_size: int, root: str, reads: str, strict: bool
+                   ) -> dict[str, Any]:
+    source = f"{root}/pretrain"
+    model = DistributedDataParallel(_model(seed=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, optimizer, seed=0)
+    manager = CheckpointManager(source, model=model, optimizer=optimizer)
+    manager.save(1)
+    manager.close()
+    saved = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    model = DistributedDataParallel(_model(seed=5))
+    manager = CheckpointManager(f"{root}/finetune", model=model, restore_reads=reads)
+    assert manager.restore() == 0
+    with counting_data_reads() as counts:
+        step = manager.load_weights(source, strict=strict)
+    manager.close()
+    got = model.module.state_dict()
+    model_bytes = sum(v.numel() * v.element_size() for v in saved.values())
+    return {"step": step, "read": counts[0], "model_bytes": model_bytes,
+            "same": all(torch.equal(saved[k], got[k]) for k in saved)}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_ddp_fine_tune_reads_the_weights_once_split_between_the_replicas(
+        tmp_path: Path, strict: bool) -> None:
+    results = run_ranks(_ddp_fine_tune, world_size=2, args=(str(tmp_path), "once", strict))
+    model_bytes = results[0]["model_bytes"]
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+        assert 0.3 * model_bytes < result["read"] < 0.7 * model_bytes, (rank, result)
+    assert sum(result["read"] for result in results) < 1.1 * model_bytes, results
+
+
+def test_a_ddp_fine_tune_told_every_rank_reads_reads_the_weights_on_every_rank(
+        tmp_path: Path) -> None:
+    results = run_ranks(_ddp_fine_tune, world_size=2,
+                        args=(str(tmp_path), "every_rank", True))
+    for rank, result in enumerate(results):
+        assert result["same"] and result["read"] >= result["model_bytes"], (rank, result)
+
+
 def _group_that_cannot_share(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     weights = {"w": torch.randn(WIDTH, WIDTH)}
