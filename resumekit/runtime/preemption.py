@@ -389,12 +389,13 @@ class PreemptionHandler:
         age_ms = round(self._signal_age() * 1000)
         # The overlap wish is carried negated: MAX of -wish is -(MIN of wish), so the
         # ranks overlap only when every rank wants to (see _wants_overlap).
+        wanted, cap = self._proposed_interval()
         return torch.tensor([int(self.requested), step, -step, age_ms,
-                             self._proposed_interval(), -int(self._wants_overlap())],
+                             wanted, -cap, -int(self._wants_overlap())],
                             dtype=torch.int64)
 
     def _count(self, ballot: torch.Tensor, step: int, cast_at: float) -> bool:
-        flag, high, negated_low, age_ms, interval, negated_overlap = (
+        flag, high, negated_low, age_ms, wanted, negated_cap, negated_overlap = (
             int(value) for value in ballot.tolist())
         if high != -negated_low:
             raise PreemptionError(
@@ -402,7 +403,10 @@ class PreemptionHandler:
                 f"rank at {step}): every rank must call agreed() with the same steps",
                 step=step,
             )
-        self._interval = max(1, interval)  # the largest proposal: the same on every rank
+        # The largest cost wish (no rank's votes over budget), capped by the smallest
+        # latency cap (no rank waits longer than AUTO_POLL_MAX_SECONDS for a signal to
+        # count): the same on every rank.
+        self._interval = max(1, min(wanted, -negated_cap))
         if self.overlap == "auto":
             # The smallest wish (every rank wants overlap, or no rank gets it): the same
             # on every rank, and it takes effect from the next vote on.
@@ -485,13 +489,17 @@ class PreemptionHandler:
             return self._next_poll is None or step >= self._next_poll
         return step % self.poll_every == 0
 
-    def _proposed_interval(self) -> int:
-        """This rank's wish for ``poll_every="auto"``: votes within budget, latency capped."""
+    def _proposed_interval(self) -> tuple[int, int]:
+        """This rank's wishes for ``poll_every="auto"``: (votes within budget, latency cap).
+
+        The ranks take the largest first wish and the smallest cap, so a rank whose
+        steps look short cannot stretch the interval past another rank's latency cap.
+        """
         if self.poll_every != "auto" or not self._step_seconds or self._vote_seconds is None:
-            return 1
+            return 1, 1
         wanted = math.ceil(self._vote_seconds / (AUTO_POLL_BUDGET * self._step_seconds))
         cap = min(AUTO_POLL_MAX_STEPS, int(AUTO_POLL_MAX_SECONDS / self._step_seconds))
-        return max(1, min(wanted, cap))
+        return max(1, wanted), max(1, cap)
 
     @property
     def overlapping(self) -> bool:

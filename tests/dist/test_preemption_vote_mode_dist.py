@@ -161,7 +161,7 @@ def _random_switches(rank: int, world_size: int, seed: int, trials: int
 
 
 def test_switching_modes_mid_run_never_deadlocks_nor_desynchronises_the_ranks() -> None:
-    seed, trials = 2706, 10
+    seed, trials = 2706, 14
     rank0, rank1 = run_ranks(_random_switches, world_size=2, args=(seed, trials),
                              init_group=False)
     polls = switches_on = switches_off = 0

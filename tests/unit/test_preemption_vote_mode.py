@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from resumekit.errors import ConfigurationError
@@ -164,3 +165,24 @@ def test_an_overlap_that_is_neither_a_bool_nor_auto_is_refused(overlap: object) 
     with pytest.raises(ConfigurationError, match="overlap=") as caught:
         PreemptionHandler(overlap=overlap)  # type: ignore[arg-type]
     assert caught.value.name == "overlap"
+
+
+@pytest.mark.parametrize(
+    ("wanted", "caps", "interval"),
+    [
+        ([3, 9], [64, 64], 9),  # the largest budget wish: no rank's votes over budget
+        ([3, 9], [64, 5], 5),  # ... but never past the smallest latency cap
+        ([20, 2], [64, 4], 4),  # a rank with short-looking steps cannot stretch it
+        ([1, 1], [1, 1], 1),
+    ],
+)
+def test_auto_polling_adopts_the_largest_budget_wish_capped_by_the_smallest_latency_cap(
+        wanted: list[int], caps: list[int], interval: int) -> None:
+    handler = PreemptionHandler()
+    ballots = []
+    for wish, cap in zip(wanted, caps, strict=True):
+        handler._proposed_interval = lambda wish=wish, cap=cap: (wish, cap)  # type: ignore[method-assign]
+        ballots.append(handler._ballot(4))
+    counted = torch.stack(ballots).max(dim=0).values  # what the all-reduce (MAX) gives
+    handler._count(counted, 4, cast_at=0.0)
+    assert handler.poll_interval == interval
