@@ -15,16 +15,14 @@ partner (:mod:`resumekit.runtime.replicas`).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Any, Literal
 
 from resumekit.errors import CoordinationError, ResumekitError
 from resumekit.options import LocalTier
+from resumekit.runtime import replicas
 from resumekit.runtime.channels import Channel
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
 from resumekit.store.commit import CommitProtocol
@@ -56,26 +54,9 @@ from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning, warn
 
-__all__ = ["LocalJob", "LocalSite", "LocalSurvey", "replicas_module"]
+__all__ = ["LocalJob", "LocalSite", "LocalSurvey", "fetch_copies", "holdings_of"]
 
 logger = logging.getLogger("resumekit")
-
-#: Where the replica transport lives (treplica's module; see :func:`replicas_module`).
-REPLICAS_MODULE = "resumekit.runtime.replicas"
-
-
-def replicas_module() -> ModuleType | None:
-    """The replica transport (:mod:`resumekit.runtime.replicas`), or None without it.
-
-    Imported by name: the one call site of the transport, so that the local tier works
-    (own copies only, said in a warning) in a build that does not ship it.
-    """
-    try:
-        return importlib.import_module(REPLICAS_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != REPLICAS_MODULE:
-            raise
-        return None
 
 
 @dataclass(frozen=True)
@@ -126,7 +107,7 @@ class LocalSite:
         # This rank alone commits here: its own coordinator and writer generations.
         self.protocol = CommitProtocol(self.own, name_format, SingleProcess())
         self._rolling = RollingSweep()
-        self._partners: Any = None  # replicas.Partners, made at the first replication
+        self._partners: replicas.Partners | None = None  # made at the first replication
         self._said_no_replicas = False
 
     def replica_root(self, rank: int) -> Storage:
@@ -155,7 +136,7 @@ class LocalSite:
             Whether every rank committed its copy.
         """
         part = LocalPart(rank=self.rank, world_size=self.world_size,
-                         node=socket.gethostname(), durable_root=self.durable_root,
+                         node=replicas.node_name(), durable_root=self.durable_root,
                          durable_generation=generation)
         manifest = job.manifest.model_copy(update={"local": part})
         try:
@@ -223,11 +204,6 @@ class LocalSite:
         """Send this rank's copy ``name`` to its partner (collective), if replicas are on."""
         if not self.tier.replicas:
             return
-        replicas = replicas_module()
-        if replicas is None:
-            self._say_no_replicas(f"this resumekit has no replica transport "
-                                  f"({REPLICAS_MODULE})")
-            return
         if channel.group is None:
             self._say_no_replicas("the run has one rank")
             return
@@ -238,9 +214,9 @@ class LocalSite:
                                   "survive the loss of that node")
             return
         try:
-            # The replica transport's call site (resumekit.runtime.replicas.replicate).
             replicas.replicate(self.own, name, self._partners, self.replica_root,
-                               group=channel.group, keep=self.tier.keep)
+                               group=channel.group, keep=self.tier.keep,
+                               name_format=self.name_format)
         except CoordinationError:
             raise
         except ResumekitError as error:
@@ -335,14 +311,9 @@ def fetch_copies(fetches: dict[int, int], step: int, name: str, site: LocalSite,
     """Have each rank of ``fetches`` get its copy of ``step`` from its holder (collective).
 
     Raises:
-        ResumekitError: The transport is missing, or a transfer failed (on every rank).
+        ResumekitError: A transfer failed (on every rank).
     """
-    replicas = replicas_module()
-    if replicas is None:
-        raise ResumekitError(f"step {step} needs copies from partners' replicas, and this "
-                             f"resumekit has no replica transport ({REPLICAS_MODULE})")
     needs = {rank: (step, name) for rank in fetches}
-    # The replica transport's call site (resumekit.runtime.replicas.fetch).
     replicas.fetch(needs, dict(fetches), site.own, site.replica_root, group=channel.group)
 
 
