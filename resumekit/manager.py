@@ -370,8 +370,7 @@ class CheckpointManager:
             self.restored_from_tier = None if manifest is None else "durable"
             logger.info("resumekit: restore: %s (%s)", "a fresh start" if step is None
                         else f"step {step} from the durable tier", tiers.durable_why())
-        site = tiers.site
-        run_on_every_rank(self._main.coordinator, lambda: site.tidy(step, tiers.survey))
+        tiers.tidy(step)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         warn(message, ResumekitWarning, stacklevel=stacklevel)

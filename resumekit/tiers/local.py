@@ -207,14 +207,13 @@ class LocalSite:
         if channel.group is None:
             self._say_no_replicas("the run has one rank")
             return
-        if self._partners is None:
-            self._partners = replicas.Partners.of(channel.group)
-        if self._partners.partner is None:
+        partners = self.partners(channel)
+        if partners is None or partners.partner is None:
             self._say_no_replicas("every rank runs on one node, so a replica could not "
                                   "survive the loss of that node")
             return
         try:
-            replicas.replicate(self.own, name, self._partners, self.replica_root,
+            replicas.replicate(self.own, name, partners, self.replica_root,
                                group=channel.group, keep=self.tier.keep,
                                name_format=self.name_format)
         except CoordinationError:
@@ -222,6 +221,25 @@ class LocalSite:
         except ResumekitError as error:
             warn(f"replicating local {name} to partner ranks failed: {error}; the own "
                  "copies stand", ResumekitWarning, stacklevel=5)
+
+    def partners(self, channel: Channel) -> replicas.Partners | None:
+        """Who keeps whose replicas (a collective the first time; None on one rank)."""
+        if channel.group is None:
+            return None
+        if self._partners is None:
+            self._partners = replicas.Partners.of(channel.group)
+        return self._partners
+
+    def keeps_replicas(self, channel: Channel) -> bool:
+        """Whether this rank surveys and tidies its node's replica roots: its lowest rank.
+
+        Every rank of a node sees the same replica roots (one directory per node); one
+        of them reads them for a restore and deletes what the run must not keep.
+        """
+        partners = self.partners(channel)
+        if partners is None:
+            return True
+        return partners.nodes.index(partners.nodes[self.rank]) == self.rank
 
     def _say_no_replicas(self, why: str) -> None:
         if not self._said_no_replicas:
@@ -231,19 +249,21 @@ class LocalSite:
                  "replicas=False to say so)", ResumekitWarning, stacklevel=6)
 
     # -- restoring ----------------------------------------------------------------------
-    def survey(self, current: WriterGeneration | None) -> LocalSurvey:
+    def survey(self, current: WriterGeneration | None, *, with_replicas: bool
+               ) -> LocalSurvey:
         """The committed copies this rank holds, usable by this run or not (and why).
 
         Args:
             current: The durable root's newest writer generation, read before this run
                 claimed it (fencing).
+            with_replicas: Also the node's replica roots (:meth:`keeps_replicas`).
         """
         found = LocalSurvey()
         if not self.base.is_dir():
             return found
         for sub in sub_roots(self.base):
-            if sub.kind == "own" and sub.rank != self.rank:
-                continue  # another rank of this node: its own business
+            if sub.rank != self.rank if sub.kind == "own" else not with_replicas:
+                continue  # another rank of this node reads it
             storage = self.own if sub.kind == "own" else self.replica_root(sub.rank)
             for entry in list_checkpoints(storage, self.name_format):
                 if entry.status != "committed" or entry.manifest is None:
@@ -259,7 +279,8 @@ class LocalSite:
                     found.replicas.setdefault(sub.rank, {})[entry.step] = entry
         return found
 
-    def tidy(self, restored: int | None, survey: LocalSurvey) -> None:
+    def tidy(self, restored: int | None, survey: LocalSurvey, *, with_replicas: bool
+             ) -> None:
         """Delete the copies a run restored at ``restored`` must not keep (this rank).
 
         Copies this run may not use (``survey.unusable``: each was named in a warning)
@@ -269,14 +290,14 @@ class LocalSite:
         Args:
             restored: The step the run restored (None: a fresh start).
             survey: This rank's survey made before the restore.
+            with_replicas: Also the node's replica roots (:meth:`keeps_replicas`).
         """
         above = -1 if restored is None else restored
         doomed: list[tuple[Storage, str, str]] = [
             (storage, entry.name, why) for storage, entry, why in survey.unusable]
-        for storage in [self.own, *(self.replica_root(source) for source in
-                                    {sub.rank for sub in (sub_roots(self.base)
-                                                          if self.base.is_dir() else [])
-                                     if sub.kind == "replica"})]:
+        replica_roots = sorted({sub.rank for sub in sub_roots(self.base) if sub.kind
+                                == "replica"}) if with_replicas and self.base.is_dir() else []
+        for storage in [self.own, *(self.replica_root(source) for source in replica_roots)]:
             if not storage.is_dir():
                 continue
             for entry in list_checkpoints(storage, self.name_format):

@@ -73,6 +73,7 @@ class TierRestore:
         self.channel = channel
         self.survey = LocalSurvey()
         self.choice: TierChoice | None = None
+        self.with_replicas = False
 
     def run(self, read: ReadCopy) -> TierRestored | None:
         """Restore from the newest usable candidate, or return None (read the durable root).
@@ -88,8 +89,10 @@ class TierRestore:
         """
         coordinator = self.channel.coordinator
         current, durable_step = run_on_leader(coordinator, self._durable_newest)
+        self.with_replicas = self.site.keeps_replicas(self.channel)
         found: list[LocalSurvey] = []  # kept here: only the outcome is all-gathered
-        run_on_every_rank(coordinator, lambda: found.append(self.site.survey(current)))
+        run_on_every_rank(coordinator, lambda: found.append(
+            self.site.survey(current, with_replicas=self.with_replicas)))
         self.survey = found[0]
         for _, entry, why in self.survey.unusable:
             warn(f"not restoring from node-local {entry.path}: {why}; it is deleted",
@@ -147,6 +150,14 @@ class TierRestore:
         assert self.choice is not None
         return TierRestored(step, candidate.tier, manifests[0],
                             candidate.why(self.choice.durable_step))
+
+    def tidy(self, restored: int | None) -> None:
+        """Delete, on every rank, the node-local copies a run restored at ``restored`` drops.
+
+        See :meth:`resumekit.tiers.local.LocalSite.tidy`.
+        """
+        run_on_every_rank(self.channel.coordinator, lambda: self.site.tidy(
+            restored, self.survey, with_replicas=self.with_replicas))
 
     def durable_why(self) -> str:
         """Why the durable root is read (after :meth:`run` returned None)."""
