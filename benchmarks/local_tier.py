@@ -5,9 +5,11 @@ on the disk) every step, the other only to its local tier (``--local``, ``/dev/s
 default; a second local directory on the durable root's disk separates what the
 directory buys from what the protocol does). Rounds alternate the order of the saves;
 each save is timed around the ``step_end`` that makes it (blocking, committed when it
-returns). Reported: each median and the ratios of medians, measured in the same rounds.
+returns). Reported: each median, the ratios of medians, and the median of the ratios
+within a round (the saves of a round run back to back, so a load spike from outside
+hits both).
 
-    python -m benchmarks.local_tier --mb 128 --rounds 5
+    python -m benchmarks.local_tier --mb 512 --rounds 7 --out benchmarks/results/local_tier.json
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def measure(megabytes: int, rounds: int, durable: Path, locals_: dict[str, Path]
         "all_seconds": seconds,
         "durable_over_local": {name: medians["durable"] / medians[name]
                                for name in medians if name != "durable"},
+        # the ratio within each round (the saves of one round ran back to back), median
+        "paired_durable_over_local": {
+            name: statistics.median(d / v for d, v in zip(seconds["durable"], values,
+                                                          strict=True))
+            for name, values in seconds.items() if name != "durable"},
     }
 
 
@@ -75,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--durable", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--local", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     work = {"durable": Path(tempfile.mkdtemp(dir=args.durable, prefix="rk-tier-")),
             "local": Path(tempfile.mkdtemp(dir=args.local, prefix="rk-tier-"))}
@@ -85,7 +93,11 @@ def main(argv: list[str] | None = None) -> None:
                              {f"local on {args.local}": work["local"],
                               f"local on {args.durable}": work["durable"]})
         result["cpus"] = os.cpu_count()
-        print(json.dumps(result, indent=2))
+        result["load_average"] = os.getloadavg()
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out is not None:
+            args.out.write_text(text + "\n")
     finally:
         for directory in work.values():
             shutil.rmtree(directory, ignore_errors=True)
