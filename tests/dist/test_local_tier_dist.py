@@ -151,3 +151,60 @@ def test_a_rank_without_its_copy_or_a_replica_makes_every_rank_restore_from_dura
     # Rank 0's own copy of step 6 was a timeline the run left: deleted, then saved again.
     assert _steps_in(tmp_path / "node0" / "rank_00000") == ["step_000000004",
                                                            "step_000000006"]
+
+
+def _one_rank_alone(rank: int, world: int, tmp: str) -> list[str]:
+    """Rank 1 saves and loads its FSDP2 shards alone while rank 0 waits in a barrier.
+
+    A collective inside either call would pair with rank 0's barrier and fail (or time
+    out): the calls take no part in any collective.
+    """
+    from resumekit.tensors import sharded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 1))  # rank 1 holds empty shards
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    shapes = []
+    if rank == 1:
+        before = {name: value.to_local().clone() for name, value in model.state_dict().items()}
+        state = sharded.model_and_optimizer_state(model, None)
+        sharded.save(state, f"{tmp}/alone", alone=True)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+        state = sharded.model_and_optimizer_state(model, None)
+        sharded.load(state, f"{tmp}/alone", alone=True)
+        sharded.apply_model_and_optimizer_state(model, None, state)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value.to_local(), before[name]), name
+            shapes.append(f"{name}{tuple(value.to_local().shape)}")
+    torch.distributed.barrier()
+    return shapes
+
+
+def test_one_fsdp2_rank_saves_and_loads_its_own_shards_alone_without_a_collective(
+        tmp_path: Path) -> None:
+    results = run_ranks(_one_rank_alone, world_size=2, args=(str(tmp_path),),
+                        group_timeout_s=30)
+    assert results[0] == []
+    assert "1.weight(0, 7)" in results[1]  # an empty shard round-trips too
+
+
+def test_a_run_of_another_world_size_restores_from_durable_and_says_why(
+        tmp_path: Path) -> None:
+    run_ranks(_train, world_size=2, args=(str(tmp_path),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))  # one process
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with resumekit.CheckpointManager(
+                tmp_path / "durable", model=model, save_every=4, on_mismatch="ignore",
+                local=resumekit.LocalTier(tmp_path / "node0", 2)) as ckpt:
+            assert ckpt.restore() == 4  # the durable root's newest, not local step 6
+            assert ckpt.restored_from_tier == "durable"
+    said = [str(w.message) for w in caught if "world size 2; this run has 1" in str(w.message)]
+    # Rank 0's own copies of steps 4 and 6, and the replicas of rank 1's its node keeps.
+    assert len(said) == 4
+    assert _steps_in(tmp_path / "node0" / "rank_00000") == []  # deleted, as said
