@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch.distributed as dist
 
 from resumekit.errors import CoordinationError, CorruptCheckpointError, StepCollisionError
