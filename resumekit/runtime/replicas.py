@@ -466,6 +466,8 @@ def _run(transfers: list[_Transfer], group: Any, *, what: str,
          receiver_root: Callable[[_Transfer], Storage], keep: int | None,
          name_format: NameFormat | None) -> None:
     """Move every transfer's step directory, all at once (the protocol of the docstring)."""
+    if not transfers:  # one node (every rank's partners alike), or nothing needed
+        return
     coordinator = _coordinator(group)
     for transfer in transfers:
         if not _SAFE_NAME.match(transfer.name):
