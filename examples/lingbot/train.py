@@ -537,10 +537,20 @@ def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBo
         logger.info("fresh start: step 0 of %d on %d rank(s)", config.train.num_steps,
                     world_size)
     else:
-        logger.info("resumed at step %d: weights, AdamW state, lr schedule (lr %.3g), RNG "
+        tier = f" from the {ckpt.restored_from_tier} tier" if ckpt.restored_from_tier else ""
+        logger.info("resumed at step %d%s: weights, AdamW state, lr schedule (lr %.3g), RNG "
                     "streams and data position (epoch %d, %d samples consumed); %d metric "
-                    "record(s) after step %d dropped", start, scheduler.get_last_lr()[0],
+                    "record(s) after step %d dropped", start, tier, scheduler.get_last_lr()[0],
                     sampler.epoch, sampler.consumed, dropped, start)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    local_missed = ckpt.restored_from_tier in {"durable", None}
+    if restarts and ckpt.options.local is not None and local_missed:
+        # The in-job restart's promise is the local tier: say when it could not keep it.
+        what = (f"resumed from the durable root at step {start}"
+                if ckpt.resumed_from is not None else "started over from step 0")
+        logger.warning("in-job restart %d found no usable node-local copy at least as new as "
+                       "the durable root's newest: %s; the steps since are recomputed",
+                       restarts, what)
 
 
 def _optimizer_step(model: LingBotVA, optimizer: torch.optim.Optimizer, scheduler: Any,
