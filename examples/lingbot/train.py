@@ -515,9 +515,22 @@ def _init(args: argparse.Namespace) -> DistributedContext:
     return context
 
 
-def _log_in_job_restart() -> None:
+def _restart_count(context: DistributedContext) -> int:
+    """torchrun's restarts of the worker group so far: the largest of the nodes' counts.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is per node: the node whose worker failed counts the
+    restart, a node restarted because of it (a membership change) does not.
+    """
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not context.is_distributed:
+        return count
+    value = torch.tensor([count], device=context.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def _log_in_job_restart(restarts: int) -> None:
     """Say so when torchrun restarted this worker group in the job (``--max-restarts``)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if restarts:
         logger.warning("in-job restart %d of at most %s (torchrun --max-restarts): a worker "
                        "failed and torchrun restarted every worker on the same nodes; "
@@ -526,7 +539,8 @@ def _log_in_job_restart() -> None:
 
 
 def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBotConfig,
-               world_size: int, scheduler: Any, sampler: ResumableDistributedSampler) -> None:
+               world_size: int, scheduler: Any, sampler: ResumableDistributedSampler,
+               restarts: int) -> None:
     """Say how this launch starts: fresh, resumed (and what), or already finished."""
     if ckpt.finished and start >= config.train.num_steps:
         # A relaunch of a finished run (its final checkpoint restored): nothing to train,
@@ -542,7 +556,6 @@ def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBo
                     "streams and data position (epoch %d, %d samples consumed); %d metric "
                     "record(s) after step %d dropped", start, tier, scheduler.get_last_lr()[0],
                     sampler.epoch, sampler.consumed, dropped, start)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     local_missed = ckpt.restored_from_tier in {"durable", None}
     if restarts and ckpt.options.local is not None and local_missed:
         # The in-job restart's promise is the local tier: say when it could not keep it.
@@ -613,9 +626,10 @@ def train(args: argparse.Namespace) -> int:
         args.config, world_size=context.world_size, num_steps=args.num_steps,
         save_interval=args.save_interval, seed=args.seed), args.dtype, context.device)
     tcfg, leader = config.train, context.is_leader
+    restarts = _restart_count(context)
     if leader:
         args.save_root.mkdir(parents=True, exist_ok=True)
-        _log_in_job_restart()
+        _log_in_job_restart(restarts)
     _seed_python_and_numpy(config.train.seed, context.rank)
     model = _build_model(config, context)
     optimizer = build_optimizer(model, config.optim)
@@ -641,7 +655,8 @@ def train(args: argparse.Namespace) -> int:
         start = ckpt.restore()
         dropped = metrics.truncate_after(start)
         if leader:
-            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler)
+            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler,
+                       restarts)
         run = _wandb_run(args.wandb, ckpt, config, leader)
         batches = MicroBatches(dataset, sampler, tcfg.micro_batch_size, context.device)
         progress = tqdm(total=tcfg.num_steps, initial=start, file=sys.stderr,

@@ -23,7 +23,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -102,24 +102,17 @@ def _durable_steps(root: Path) -> list[int]:
     return _committed_steps(root / CHECKPOINT_DIR)
 
 
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.decode(errors="replace").split("=", 1)
-                for item in raw.split(b"\0") if b"=" in item)
-
-
-def _worker(cluster: NamespaceCluster, job_id: int, rank: int, restart: int) -> int:
-    """The live rank-``rank`` worker of the job's ``restart``-th worker group (torchrun's
-    ``TORCHELASTIC_RESTART_COUNT``): not a worker of the group that just failed."""
+def _worker(cluster: NamespaceCluster, job_id: int, rank: int, *,
+            not_one_of: Collection[int] = ()) -> int:
+    """The live rank-``rank`` worker of the job, not one of ``not_one_of`` (the workers of
+    the group that failed: torchrun's ``TORCHELASTIC_RESTART_COUNT`` cannot tell, a node
+    restarted for another node's failure does not count the restart)."""
     deadline = time.monotonic() + WAIT_S
     while True:
         pid = find_worker(cluster, job_id, rank=rank, module=TRAINER, timeout=WAIT_S)
-        if _environ(pid).get("TORCHELASTIC_RESTART_COUNT", "0") == str(restart):
+        if pid not in not_one_of:
             return pid
-        assert time.monotonic() < deadline, f"no rank {rank} worker of restart {restart}"
+        assert time.monotonic() < deadline, f"no new rank {rank} worker besides {not_one_of}"
         time.sleep(0.05)
 
 
@@ -249,11 +242,11 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
     name = "drill-a"
     root, output = tmp_path / "run", tmp_path / "job.out"
     job_id = submit(cluster, root, output, env=_local_env(cluster, name))
-    placement = {rank: _host_of(cluster, _worker(cluster, job_id, rank, 0)) for rank in (0, 1)}
+    rank0, rank1 = (_worker(cluster, job_id, rank) for rank in (0, 1))
+    placement = {0: _host_of(cluster, rank0), 1: _host_of(cluster, rank1)}
     assert placement == {0: "host1", 1: "host2"}
 
     # --- fault 1: rank 1's worker SIGKILLed; local copies of step 2 (at least) exist ------
-    rank0, rank1 = (_worker(cluster, job_id, rank, 0) for rank in (0, 1))
     wait_for_step(cluster, job_id, root, 3)
     with frozen(rank0):  # rank 0 logs the steps: frozen, the step reached is exact
         reached = newest_step(root)
@@ -264,7 +257,8 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
         os.kill(rank1, signal.SIGKILL)
     # The restarted workers are found while they restore, and the next fault waits for
     # its step from then on: a tiny run is done seconds after its restore.
-    restarted = {rank: _worker(cluster, job_id, rank, 1) for rank in (0, 1)}
+    restarted = {rank: _worker(cluster, job_id, rank, not_one_of=(rank0, rank1))
+                 for rank in (0, 1)}
     # Restarted in the job, on the same hosts: no requeue.
     assert {r: _host_of(cluster, pid) for r, pid in restarted.items()} == placement
 
@@ -340,9 +334,9 @@ def test_local_tier_host_lost_with_its_disk_requeues_onto_a_fresh_host_from_the_
     name = "drill-b"
     root, output = tmp_path / "run", tmp_path / "job.out"
     job_id = submit(cluster, root, output, env=_local_env(cluster, name))
-    rank0 = _worker(cluster, job_id, 0, 0)
+    rank0 = _worker(cluster, job_id, 0)
     assert _host_of(cluster, rank0) == "host1"
-    assert _host_of(cluster, _worker(cluster, job_id, 1, 0)) == "host2"
+    assert _host_of(cluster, _worker(cluster, job_id, 1)) == "host2"
     # Step 9: local steps 6 and 8 are held (own and partner's replica), durable step 6.
     wait_for_step(cluster, job_id, root, DURABLE_EVERY + 3)
     replicas = _local_root(cluster, "host1", name) / f"replica_of_{_rank(1)}"
@@ -446,7 +440,7 @@ def test_local_tier_corrupted_copy_is_passed_over_with_a_warning_for_the_next_ca
     name = "drill-d"
     root, output = tmp_path / "run", tmp_path / "job.out"
     job_id = submit(cluster, root, output, env=_local_env(cluster, name))
-    rank0, rank1 = (_worker(cluster, job_id, rank, 0) for rank in (0, 1))
+    rank0, rank1 = (_worker(cluster, job_id, rank) for rank in (0, 1))
     wait_for_step(cluster, job_id, root, 2 * LOCAL_EVERY + 1)
     roots = {rank: _local_root(cluster, host, name) / _rank(rank)
              for rank, host in ((0, "host1"), (1, "host2"))}
