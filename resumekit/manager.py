@@ -327,11 +327,14 @@ class CheckpointManager:
             self.storage, self.name_format, self.state, self._main, self.options,
             fingerprint=self._fingerprint(), config_set=bool(self.config), rank=self.rank,
             world_size=self.world_size, newest_step=self._newest_step)
-        tiers = (None if self._local is None or step is not None
+        tiers = (None if self._local is None
                  else TierRestore(self._local, self.storage, self.name_format, self._main))
         entry: CheckpointEntry | None = None
         try:
-            local = None if tiers is None else tiers.run(restore.read_alone)
+            if tiers is not None and step is not None:
+                tiers.prepare(stacklevel=6)  # only to delete what the run leaves behind
+            local = None if tiers is None or step is not None else tiers.run(
+                restore.read_alone)
             if local is not None:
                 restore.adopt(local.step)
                 self.restored_from_tier = local.tier

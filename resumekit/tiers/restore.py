@@ -88,15 +88,7 @@ class TierRestore:
             CoordinationError: A peer died.
         """
         coordinator = self.channel.coordinator
-        current, durable_step = run_on_leader(coordinator, self._durable_newest)
-        self.with_replicas = self.site.keeps_replicas(self.channel)
-        found: list[LocalSurvey] = []  # kept here: only the outcome is all-gathered
-        run_on_every_rank(coordinator, lambda: found.append(
-            self.site.survey(current, with_replicas=self.with_replicas)))
-        self.survey = found[0]
-        for _, entry, why in self.survey.unusable:
-            warn(f"not restoring from node-local {entry.path}: {why}; it is deleted",
-                 ResumekitWarning, stacklevel=4)
+        durable_step = self.prepare()
         gathered = coordinator.all_gather(holdings_of(self.survey))
         choice = self.choice = decide(
             [Holdings.of(own, replicas) for own, replicas in gathered], durable_step)
@@ -116,6 +108,24 @@ class TierRestore:
                         restored.tier, restored.why)
             return restored
         return None
+
+    def prepare(self, *, stacklevel: int = 5) -> int | None:
+        """Read the durable baseline and survey this rank's copies (every rank).
+
+        Copies this run may not use are each named in a warning (and deleted by
+        :meth:`tidy`). Returns the durable root's newest restorable step.
+        """
+        current, durable_step = run_on_leader(self.channel.coordinator,
+                                              self._durable_newest)
+        self.with_replicas = self.site.keeps_replicas(self.channel)
+        found: list[LocalSurvey] = []  # kept here: only the outcome is all-gathered
+        run_on_every_rank(self.channel.coordinator, lambda: found.append(
+            self.site.survey(current, with_replicas=self.with_replicas)))
+        self.survey = found[0]
+        for _, entry, why in self.survey.unusable:
+            warn(f"not restoring from node-local {entry.path}: {why}; it is deleted",
+                 ResumekitWarning, stacklevel=stacklevel)
+        return durable_step
 
     def _durable_newest(self) -> tuple[WriterGeneration | None, int | None]:
         """The durable root's newest claim and newest restorable step (on the leader)."""
@@ -160,5 +170,6 @@ class TierRestore:
             restored, self.survey, with_replicas=self.with_replicas))
 
     def durable_why(self) -> str:
-        """Why the durable root is read (after :meth:`run` returned None)."""
-        return "no local tier survey" if self.choice is None else self.choice.durable_why()
+        """Why the durable root is read (after :meth:`run` returned None, or a step)."""
+        return ("a step was asked for" if self.choice is None
+                else self.choice.durable_why())

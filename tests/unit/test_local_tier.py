@@ -208,13 +208,19 @@ def test_copies_of_another_durable_root_are_not_restored_and_say_why(tmp_path: P
     assert (step, tier) == (0, None)
 
 
-def test_an_explicit_step_restores_from_the_durable_root(tmp_path: Path) -> None:
+def test_an_explicit_step_restores_from_the_durable_root_and_drops_newer_local_copies(
+        tmp_path: Path) -> None:
     weights = _train(tmp_path, 8)  # durable 4 and 8, local 6 and 8
     model, opt = _objects()
     with _manager(tmp_path, model, opt) as ckpt:
         assert ckpt.restore(4) == 4
-        assert ckpt.restored_from_tier is None
-    assert torch.equal(model.weight, weights[4])
+        assert ckpt.restored_from_tier == "durable"
+        assert torch.equal(model.weight, weights[4])
+        # The local copies of the timeline it left (6 and 8) are gone: 6 saves again.
+        assert _steps(tmp_path / "local" / "rank_00000") == []
+        for step in range(4, 6):
+            ckpt.step_end(step + 1)
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000006"]
 
 
 def test_a_failed_local_save_is_a_warning_and_training_and_durable_saves_go_on(
