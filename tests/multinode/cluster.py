@@ -481,7 +481,11 @@ class NamespaceCluster(SlurmCluster):
             busy += [h for h, n in self.allocated_cpus().items()
                      if n and h not in busy and h not in lost]
             agents = self.agents()
-            if not left and not steps and not busy and agents == {"queue": 0, "count": 0}:
+            # slurmctld keeps retrying a lost host (pings, the old run's terminate): its
+            # agents never settle, and with no revival of that host there is no race left
+            # for them to prevent (see revive_host).
+            settled = bool(lost) or agents == {"queue": 0, "count": 0}
+            if not left and not steps and not busy and settled:
                 return
             # A step record of the lost run that the revived host never reports complete
             # keeps its CPUs "busy" for the next run's srun: cancel it (once per step).
