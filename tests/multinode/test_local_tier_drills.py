@@ -304,6 +304,10 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
 
     durable_bytes, durable_count = _durable_bytes(root)
     per_checkpoint = durable_bytes / durable_count
+    # One local step on host1: rank 0's own copy and the replica of rank 1's it keeps.
+    host1 = _local_root(cluster, "host1", name)
+    local_step = sum(_tree_bytes(sub / CHECKPOINT_NAME_FORMAT.format(step=NUM_STEPS - 2))
+                     for sub in (host1 / _rank(0), host1 / f"replica_of_{_rank(1)}"))
     print(f"\n[local-tier a] job {job_id}: in-job restart 1 (rank 1 SIGKILLed at step {reached}) "
           f"resumed from the local tier at step {local_restore.step}: steps lost "
           f"{reached - local_restore.step}; first step after the restore "
@@ -318,7 +322,9 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
           f"({per_checkpoint:.0f} per checkpoint); per 100 steps at <= {LOCAL_EVERY} steps "
           f"lost per crash: {100 / DURABLE_EVERY * per_checkpoint / 1e6:.2f} MB with the local "
           f"tier (durable every {DURABLE_EVERY}) vs {100 / LOCAL_EVERY * per_checkpoint / 1e6:.2f}"
-          f" MB without (durable every {LOCAL_EVERY}); bit-identical: yes")
+          f" MB without (durable every {LOCAL_EVERY}); node-local writes per node per 100 "
+          f"steps: {100 / LOCAL_EVERY * local_step / 1e6:.2f} MB (own copy and partner's "
+          f"replica, {local_step} bytes a step); bit-identical: yes")
 
 
 # --------------------------------------------------------------------------- (b)
