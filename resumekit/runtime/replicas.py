@@ -36,8 +36,10 @@ sender and one receiver per step directory, all pairs at once::
     3. all-gather of the decisions (any failure raises on every rank)
     4. the files, in the manifest's order, in chunks of at most CHUNK_BYTES: round k sends
        every pair's k-th chunk (the rounds of one pair follow from its manifest on both
-       sides, so no size is ever sent); the sender hashes what it reads, the receiver
-       what arrives, each file checked against the manifest's checksum as it ends. A
+       sides, so no size is ever sent), while a thread reads each sender's next chunk
+       and writes each receiver's previous one; the sender hashes what it reads, the
+       receiver what arrives, each file checked against the manifest's checksum as it
+       ends. A
        failure mid-stream (a read or write error) does not stop the stream: the sender
        sends zeros for what it could not read, the receiver drains what it cannot write,
        so no peer is left waiting, and the failure is reported in step 5
@@ -50,9 +52,9 @@ sender and one receiver per step directory, all pairs at once::
        rank, the step and the file (the lowest failing rank's error class, every failing
        rank's message)
 
-Memory: a rank holds one chunk per stream it sends or receives (a replicate: one, plus
-one per rank it keeps copies of), never a whole file. A peer that dies or hangs breaks a
-send or receive within the group's timeout, raised as the
+Memory: a rank holds two chunks per stream it sends or receives (a replicate: one
+stream out, plus one in per rank it keeps copies of), never a whole file. A peer that
+dies or hangs breaks a send or receive within the group's timeout, raised as the
 :class:`~resumekit.errors.CoordinationError` of the store's coordinator (naming the
 activity, this rank and its peers); the staging directory of this rank is removed.
 """
@@ -69,6 +71,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,7 +367,8 @@ class _Stream:
     raw: bytes = b""
     error: ResumekitError | None = None
     plan: list[tuple[int, int, int]] = field(default_factory=list)  # (file, offset, length)
-    buffer: Any = None  # a uint8 tensor of the largest chunk
+    buffers: tuple[Any, ...] = ()  # two uint8 tensors of the largest chunk: one moves,
+    # the other is read or written meanwhile
     handle: Any = None  # the open file being read or written
     current: int = -1  # the file being read or written
     running: Checksum | None = None
@@ -420,8 +424,10 @@ def _plan(manifest: Manifest) -> list[tuple[int, int, int]]:
     return plan
 
 
-def _buffer(plan: list[tuple[int, int, int]]) -> Any:
-    return torch.empty(max((length for _, _, length in plan), default=0), dtype=torch.uint8)
+def _buffers(plan: list[tuple[int, int, int]]) -> tuple[Any, ...]:
+    largest = max((length for _, _, length in plan), default=0)
+    return tuple(torch.empty(largest, dtype=torch.uint8) for _ in range(2 if len(plan) > 1
+                                                                          else 1))
 
 
 class _Wire:
@@ -460,6 +466,8 @@ def _run(transfers: list[_Transfer], group: Any, *, what: str,
          receiver_root: Callable[[_Transfer], Storage], keep: int | None,
          name_format: NameFormat | None) -> None:
     """Move every transfer's step directory, all at once (the protocol of the docstring)."""
+    if not transfers:  # one node (every rank's partners alike), or nothing needed
+        return
     coordinator = _coordinator(group)
     for transfer in transfers:
         if not _SAFE_NAME.match(transfer.name):
@@ -562,23 +570,43 @@ class _Exchange:
         return skipped
 
     def stream(self, senders: list[_Stream], receivers: list[_Stream]) -> None:
-        """4. The files, chunk by chunk: round k moves every stream's k-th chunk."""
+        """4. The files, chunk by chunk: round k moves every stream's k-th chunk.
+
+        Two buffers per stream: while chunk k moves (sends and receives posted, waited
+        for here), a thread reads chunk k + 1 of each stream sent and writes chunk k - 1
+        of each stream received (files, hashes and writes release the GIL).
+        """
         for stream in senders + receivers:
             assert stream.manifest is not None  # read in step 1 or 2, else raised
             stream.plan = _plan(stream.manifest)
-            stream.buffer = _buffer(stream.plan)
+            stream.buffers = _buffers(stream.plan)
         rounds = max((len(s.plan) for s in senders + receivers), default=0)
-        for index in range(rounds):
+
+        def disk(k: int) -> None:  # read chunk k + 1 of each sender, write k - 1 received
             for stream in senders:
-                if index < len(stream.plan):
-                    _send_chunk(stream, stream.plan[index], self.wire, self.rank)
+                if k + 1 < len(stream.plan):
+                    _read_chunk(stream, k + 1, self.rank)
             for stream in receivers:
-                if index < len(stream.plan):
-                    _post_receive(stream, stream.plan[index], self.wire, self.rank)
-            self.wire.wait()
-            for stream in receivers:
-                if index < len(stream.plan):
-                    _write_chunk(stream, stream.plan[index], self.rank)
+                if 0 <= k - 1 < len(stream.plan):
+                    _write_chunk(stream, k - 1, self.rank)
+
+        disk(-1)  # the first chunk of each sender
+        with ThreadPoolExecutor(1, thread_name_prefix="resumekit-replica-io") as thread:
+            for index in range(rounds):
+                for stream in senders:
+                    if index < len(stream.plan) and stream.plan[index][2]:
+                        self.wire.send(_slot(stream, index), stream.transfer.receiver,
+                                       stream.transfer.index)
+                for stream in receivers:
+                    if index < len(stream.plan) and stream.plan[index][2]:
+                        self.wire.receive(_slot(stream, index), stream.transfer.sender,
+                                          stream.transfer.index)
+                meanwhile = thread.submit(disk, index)
+                try:
+                    self.wire.wait()
+                finally:
+                    meanwhile.result()
+        disk(rounds)  # the last chunk of each receiver
         for stream in senders:
             _finish_file(stream, self.rank, "sender")
 
@@ -770,14 +798,23 @@ def _finish_file(stream: _Stream, rank: int, role: str) -> None:
         stream.fail(error, rank, role, entry.path)
 
 
-def _send_chunk(stream: _Stream, chunk: tuple[int, int, int], wire: _Wire, rank: int) -> None:
-    """Read one chunk (zeros for what cannot be read: reported later) and post its send."""
-    index, offset, length = chunk
+def _slot(stream: _Stream, index: int) -> Any:
+    """The buffer (cut to length) of chunk ``index`` of a stream."""
+    return stream.buffers[index % len(stream.buffers)][:stream.plan[index][2]]
+
+
+def _read_chunk(stream: _Stream, index: int, rank: int) -> None:
+    """Read chunk ``index`` into its buffer and hash it.
+
+    What cannot be read is sent as zeros: the failure is reported in step 6, the stream
+    goes on.
+    """
+    file, offset, length = stream.plan[index]
     if offset == 0:
-        _open_next(stream, index, "rb", rank, "sender")
+        _open_next(stream, file, "rb", rank, "sender")
     if length == 0:
         return
-    view = stream.buffer[:length]
+    view = _slot(stream, index)
     filled = 0
     if stream.error is None and stream.handle is not None:
         array = view.numpy()
@@ -786,43 +823,35 @@ def _send_chunk(stream: _Stream, chunk: tuple[int, int, int], wire: _Wire, rank:
                 got = stream.handle.readinto(memoryview(array)[filled:])
                 if not got:
                     assert stream.manifest is not None
-                    entry = stream.manifest.files[index]
+                    entry = stream.manifest.files[file]
                     raise IncompleteCheckpointError(
                         f"{stream.where(entry.path)} ended at {offset + filled} bytes, the "
                         f"manifest says {entry.size}", file=entry.path)
                 filled += got
         except Exception as error:  # noqa: BLE001 - reported in step 6
             assert stream.manifest is not None
-            stream.fail(error, rank, "sender", stream.manifest.files[index].path)
+            stream.fail(error, rank, "sender", stream.manifest.files[file].path)
     if filled < length:
         view[filled:].zero_()
     elif stream.running is not None:
         stream.running.update(view.numpy())
-    wire.send(view, stream.transfer.receiver, stream.transfer.index)
 
 
-def _post_receive(stream: _Stream, chunk: tuple[int, int, int], wire: _Wire, rank: int
-                  ) -> None:
-    index, offset, length = chunk
+def _write_chunk(stream: _Stream, index: int, rank: int) -> None:
+    """Hash and write chunk ``index``, arrived (drained unwritten after a failure)."""
+    file, offset, length = stream.plan[index]
     if offset == 0:
-        _open_next(stream, index, "wb", rank, "receiver")
-    if length:
-        wire.receive(stream.buffer[:length], stream.transfer.sender, stream.transfer.index)
-
-
-def _write_chunk(stream: _Stream, chunk: tuple[int, int, int], rank: int) -> None:
-    """Hash and write one chunk that arrived (drained unwritten after a failure)."""
-    index, _, length = chunk
+        _open_next(stream, file, "wb", rank, "receiver")
     if length == 0 or stream.error is not None or stream.handle is None:
         return
-    array = stream.buffer[:length].numpy()
+    array = _slot(stream, index).numpy()
     if stream.running is not None:
         stream.running.update(array)
     try:
         stream.handle.write(memoryview(array))
     except Exception as error:  # noqa: BLE001 - reported in step 6
         assert stream.manifest is not None
-        stream.fail(error, rank, "receiver", stream.manifest.files[index].path)
+        stream.fail(error, rank, "receiver", stream.manifest.files[file].path)
 
 
 def _commit(stream: _Stream, rank: int) -> None:

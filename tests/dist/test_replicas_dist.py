@@ -13,10 +13,14 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch.distributed as dist
 
-from resumekit.errors import CoordinationError, CorruptCheckpointError, StepCollisionError
+from resumekit.errors import (
+    CoordinationError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StepCollisionError,
+)
 from resumekit.runtime import replicas
 from resumekit.runtime.replicas import NODE_NAME_ENV, Partners, fetch, holdings, replicate
 from resumekit.store.catalog import verify_checkpoint
@@ -119,6 +123,46 @@ def test_four_ranks_on_two_nodes_replicate_and_fetch_bit_identical(tmp_path: Pat
     assert results[0]["holdings"] == {2: [10], 3: [10]}
     assert results[0]["after_keep"] == {2: [20, 30], 3: [20, 30]}
     assert results[2]["after_keep"] == {0: [20, 30], 1: [20, 30]}
+
+
+def _uneven(rank: int, world_size: int, base: str) -> dict[str, Any]:
+    """Ranks 0 and 1 on node0, rank 2 alone on node1: rank 2 keeps both of node0's."""
+    own, partners, replica_root = _setup(rank, base, per_node=2)
+    _commit(own, rank, 10)
+    replicate(own, _name(10), partners, replica_root)
+    dist.barrier()
+    identical = {}
+    for source in partners.sources:
+        theirs = _node_root(base, source, 2) / f"rank_{source:05d}" / _name(10)
+        identical[source] = _tree(theirs) == _tree(Path(replica_root(source).path(_name(10))))
+    return {"sources": partners.sources, "identical": identical}
+
+
+def test_a_rank_alone_on_its_node_keeps_the_copies_of_both_ranks_of_the_other(
+        tmp_path: Path) -> None:
+    results = run_ranks(_uneven, world_size=3, args=(str(tmp_path),))
+    assert [r["sources"] for r in results] == [[2], [], [0, 1]]
+    assert [r["identical"] for r in results] == [{2: True}, {}, {0: True, 1: True}]
+
+
+def _missing_file(rank: int, world_size: int, base: str) -> str:
+    own, partners, replica_root = _setup(rank, base, per_node=1)
+    _commit(own, rank, 10)
+    if rank == 1:
+        os.remove(own.path(f"{_name(10)}/rank_state/rank_00000.pt"))
+    try:
+        replicate(own, _name(10), partners, replica_root)
+    except IncompleteCheckpointError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_sender_missing_a_file_fails_every_rank_before_a_byte_moves(tmp_path: Path) -> None:
+    for message in run_ranks(_missing_file, world_size=2, args=(str(tmp_path),)):
+        assert message.startswith("rank 1 (sender of rank 1's step_000000010, step 10, file "
+                                  "rank_state/rank_00000.pt): "), message
+        assert message.endswith("rank_state/rank_00000.pt is missing"), message
+    assert not any(".tmp-" in p.name for p in tmp_path.rglob("*"))
 
 
 def _corrupted_in_transit(rank: int, world_size: int, base: str) -> dict[str, Any]:
