@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     )
     from resumekit.options import (
         CheckpointOptions,
+        LocalTier,
     )
     from resumekit.runtime.distributed import (
         DistributedContext,
@@ -156,6 +157,7 @@ _EXPORTS: dict[str, str] = {
     "IncompatibleVersionError": "resumekit.errors",
     "IncompleteCheckpointError": "resumekit.errors",
     "Lineage": "resumekit.store.manifest",
+    "LocalTier": "resumekit.options",
     "SaveEstimate": "resumekit.runtime.save_clock",
     "SaveThroughput": "resumekit.store.manifest",
     "Manifest": "resumekit.store.manifest",
@@ -230,6 +232,7 @@ __all__ = [
     "IncompatibleVersionError",
     "IncompleteCheckpointError",
     "Lineage",
+    "LocalTier",
     "Manifest",
     "ManifestError",
     "MissingDependencyError",

@@ -91,6 +91,8 @@ from resumekit.store.manifest import (
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded, state_dicts
+from resumekit.tiers.local import LocalJob, LocalSite
+from resumekit.tiers.restore import TierRestore
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -244,6 +246,16 @@ class CheckpointManager:
         self._saver = (open_channel(self.storage, self.name_format, self._fence,
                                     new_save_group())
                        if options.async_save and self._distributed else self._main)
+        # The node-local tier (LocalTier): this rank's own root and the replicas it keeps.
+        self._local = None if options.local is None else LocalSite(
+            options.local, durable_root=self.storage.url_of(), name_format=self.name_format,
+            tensor_format=sharded.tensor_format_for(options.local.root, tensor_format or "raw"),
+            rank=self.rank, world_size=self.world_size)
+        if self._local is not None and self._local.base.path() == self.storage.path():
+            raise ConfigurationError("local.root must be a node-local directory of its own, "
+                                     "not the durable root", name="local.root",
+                                     value=self._local.tier.root)
+        self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         self._prepare_staging(stage_ahead=options.stage_ahead)
 
     # -- process groups -----------------------------------------------------------------
@@ -315,11 +327,26 @@ class CheckpointManager:
             self.storage, self.name_format, self.state, self._main, self.options,
             fingerprint=self._fingerprint(), config_set=bool(self.config), rank=self.rank,
             world_size=self.world_size, newest_step=self._newest_step)
+        tiers = (None if self._local is None
+                 else TierRestore(self._local, self.storage, self.name_format, self._main))
+        entry: CheckpointEntry | None = None
         try:
-            restored = restore.run(step)
+            if tiers is not None and step is not None:
+                tiers.prepare(stacklevel=6)  # only to delete what the run leaves behind
+            local = None if tiers is None or step is not None else tiers.run(
+                restore.read_alone)
+            if local is not None:
+                restore.adopt(local.step)
+                self.restored_from_tier = local.tier
+                manifest: Manifest | None = local.manifest
+                reason = f"end of restore from local step {local.step}"
+            else:
+                restored = restore.run(step)
+                entry, manifest, reason = restored.entry, restored.manifest, restored.reason
         finally:
             self._newest_step = restore.newest_step
-        entry, manifest = restored.entry, restored.manifest
+        if tiers is not None:
+            self._after_tier_restore(tiers, local is None, manifest)
         if manifest is not None:
             self.extras.update(manifest.extras)
             self._final_step = manifest.step if manifest.reason == SaveReason.FINAL else None
@@ -328,13 +355,25 @@ class CheckpointManager:
                 record = manifest.save_throughput
                 self._clock.seed_throughput(manifest.step, record.bytes, record.seconds,
                                             blocking=record.blocking)
-        if entry is not None:
+        if manifest is not None:
+            self.resumed_from = manifest.step
+        elif entry is not None:
             self.resumed_from = entry.step
-        self._finish_restore(restored.reason)
-        if entry is None:
+        self._finish_restore(reason)
+        if self.resumed_from is None:
             return 0
         self._resume_guard = self.state.step
         return self.state.step
+
+    def _after_tier_restore(self, tiers: TierRestore, durable: bool,
+                            manifest: Manifest | None) -> None:
+        """Say (and record) the tier a restore read; clear local copies it must not keep."""
+        step = None if manifest is None else manifest.step
+        if durable:
+            self.restored_from_tier = None if manifest is None else "durable"
+            logger.info("resumekit: restore: %s (%s)", "a fresh start" if step is None
+                        else f"step {step} from the durable tier", tiers.durable_why())
+        tiers.tidy(step)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:
         warn(message, ResumekitWarning, stacklevel=stacklevel)
@@ -407,6 +446,8 @@ class CheckpointManager:
             if self._scheduled(step) and step != self.last_saved_step:
                 self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step,
                           metrics=metrics)
+            if self._local is not None and self._local.due(step):
+                self._save_local(step, micro_step, metrics)
             return False
         finally:
             self._clock.step_returned(step)
@@ -423,6 +464,18 @@ class CheckpointManager:
             f"ckpt.step_end(step + 1)), not count from {step - 1 if step else 0} again - "
             f"it would retrain steps already in the checkpoint",
             name="step", value=step, step=step, restored=restored, path=self.storage.path())
+
+    def _save_local(self, step: int, micro_step: int,
+                    metrics: Mapping[str, float] | None) -> None:
+        """Commit every rank's own copy of ``step`` to the local tier (and replicate it)."""
+        assert self._local is not None
+        if self._fence.generation is None:  # the copies record the durable claim
+            self._main.protocol.claim()
+        tensors, train, ranks, manifest = self._capture(
+            step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
+        with activity(f"local save of step {step}", step=step):
+            self._local.save(LocalJob(step, tensors, train, ranks, manifest), self._main,
+                             self._fence.generation)
 
     def _scheduled(self, step: int) -> bool:
         return self.save_every is not None and step % self.save_every == 0
@@ -526,26 +579,10 @@ class CheckpointManager:
                 step=step, newest=self._newest_step, path=self.storage.path(),
             )
         started = time.monotonic()
-        captured_at = datetime.now(timezone.utc)
         reason = SaveReason(reason)
         self._resume_guard = None  # saving a step: the loop's count is what it saves
         self._final_step = step if reason == SaveReason.FINAL else None
-        self.state.step, self.state.micro_step = step, micro_step
-        tensors = self.state.tensor_state()
-        train = dump_plain(self.state.train_state(self.world_size),
-                           what=f"training state of step {step}")
-        ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
-        source = self.initialized_from
-        manifest = Manifest(
-            step=step, world_size=self.world_size, reason=reason,
-            lineage=saving.lineage(self.resumed_from,
-                                   None if source is None else (source.path, source.step)),
-            extras=jsonable.plain_extras(self.extras), metrics=recorded,
-            state=self.state.contents(),
-            fingerprint=self._fingerprint(self.state.captured_params),
-            captured_at=captured_at,
-            tensor_format=self.tensor_format if tensors else None,
-        )
+        tensors, train, ranks, manifest = self._capture(step, reason, micro_step, recorded)
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
@@ -571,6 +608,29 @@ class CheckpointManager:
         self._newest_step = step
         self._clock.blocking_save_took(time.monotonic() - started)
         self._clock.captured(step, time.monotonic())
+
+    def _capture(self, step: int, reason: SaveReason, micro_step: int,
+                 recorded: dict[str, float]) -> tuple[dict[str, Any], bytes, bytes, Manifest]:
+        """Capture the state of ``step``: tensors, training and rank state, the manifest."""
+        captured_at = datetime.now(timezone.utc)
+        self.state.step, self.state.micro_step = step, micro_step
+        tensors = self.state.tensor_state()
+        train = dump_plain(self.state.train_state(self.world_size),
+                           what=f"training state of step {step}")
+        ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
+        source = self.initialized_from
+        manifest = Manifest(
+            step=step, world_size=self.world_size, reason=reason,
+            lineage=saving.lineage(self.resumed_from,
+                                   None if source is None else (source.path, source.step),
+                                   tier=self.restored_from_tier),
+            extras=jsonable.plain_extras(self.extras), metrics=recorded,
+            state=self.state.contents(),
+            fingerprint=self._fingerprint(self.state.captured_params),
+            captured_at=captured_at,
+            tensor_format=self.tensor_format if tensors else None,
+        )
+        return tensors, train, ranks, manifest
 
     def _write(self, job: SaveJob, channel: Channel, *, blocking: bool = True) -> None:
         protocol, coordinator = channel.protocol, channel.coordinator

@@ -9,10 +9,12 @@ knob is validated when the options are built, and a knob that cannot work is a
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
+from fsspec.core import split_protocol
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -26,7 +28,7 @@ from resumekit.errors import ConfigurationError, ResumekitError
 from resumekit.store.layout import DEFAULT_NAME_FORMAT, NameFormat
 from resumekit.store.retention import RetentionPolicy, keep_last
 
-__all__ = ["AsyncWriter", "CheckpointOptions", "ForeignPolicy", "MismatchPolicy",
+__all__ = ["AsyncWriter", "CheckpointOptions", "ForeignPolicy", "LocalTier", "MismatchPolicy",
            "OptionKeywords"]
 
 MismatchPolicy = Literal["error", "warn", "ignore"]
@@ -35,6 +37,73 @@ AsyncWriter = Literal["thread", "process"]
 
 #: Retention when none is given: the three newest committed checkpoints.
 DEFAULT_RETENTION = keep_last(3)
+
+
+class LocalTier(BaseModel):
+    """A node-local checkpoint tier: frequent saves to a directory of each node.
+
+    Every ``save_every`` steps each rank commits its own part of the state (its shards,
+    the training state, its RNG and data position) under ``<root>/rank_XXXXX/`` through
+    the same commit protocol, manifest and checksums as the durable root: each such
+    directory is a resumekit root of its own. With ``replicas`` each rank's copy is also
+    sent to a partner rank on another node, which keeps it under
+    ``<root>/replica_of_rank_XXXXX/``. :meth:`~resumekit.CheckpointManager.restore`
+    resumes from the newest step every rank can get (its own copy or a partner's
+    replica) when it is at least as new as the durable root's newest, else from the
+    durable root. Durable saves keep their own ``save_every``, preemption saves and
+    :meth:`~resumekit.CheckpointManager.finish`. See ``docs/local-tier.md``.
+
+    Frozen and validated when built: a value that cannot work raises
+    :class:`~resumekit.errors.ConfigurationError` naming the knob (``local.save_every``).
+
+    Attributes:
+        root: The node-local directory, the same path on every node (``$SLURM_TMPDIR/ckpt``,
+            ``/dev/shm/run``, a local NVMe): a local filesystem path, one per run.
+        save_every: Save to the local tier every this many steps.
+        keep: Committed local steps kept per sub-root (own copies and each replica root).
+        replicas: Send each rank's copy to a partner rank on another node.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    root: str
+    save_every: int = Field(ge=1)
+    keep: int = Field(default=2, ge=1)
+    replicas: bool = True
+
+    if not TYPE_CHECKING:
+        def __init__(self, root: Any = None, save_every: Any = None, **options: Any) -> None:
+            if root is not None:
+                options["root"] = root
+            if save_every is not None:
+                options["save_every"] = save_every
+            try:
+                super().__init__(**options)
+            except ValidationError as error:
+                raise _refusal(error, prefix="local.") from None
+    else:
+        def __init__(self, root: str | os.PathLike[str], save_every: int, keep: int = 2,
+                     replicas: bool = True) -> None: ...
+
+    @field_validator("root", mode="before")
+    @classmethod
+    def _a_local_directory(cls, value: Any) -> Any:
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str) or not value:
+            raise ValueError("a local directory path (str or os.PathLike)")
+        protocol, _ = split_protocol(value)
+        if protocol not in (None, "file", "local"):
+            raise ValueError(f"a node-local filesystem path, not a {protocol}:// URL "
+                             "(the durable root is where URLs go)")
+        return value
+
+    @field_validator("save_every", "keep", mode="before")
+    @classmethod
+    def _a_count_not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError("a number, not a bool")
+        return value
 
 
 class CheckpointOptions(BaseModel):
@@ -121,6 +190,9 @@ class CheckpointOptions(BaseModel):
             ``"every_rank"`` has every rank read all it needs from the store. A
             corrupt piece fails the restore on every rank either way. See
             ``docs/performance.md`` for when each is faster.
+        local: A node-local tier (:class:`LocalTier`): frequent per-rank saves to a
+            directory of each node (and partners' replicas), restored from when they are
+            at least as new as the durable root's newest. None (default): durable only.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
@@ -142,6 +214,7 @@ class CheckpointOptions(BaseModel):
     foreign: ForeignPolicy = "error"
     stage_ahead: bool = True
     restore_reads: Literal["once", "every_rank"] = "once"
+    local: LocalTier | None = None
 
     if not TYPE_CHECKING:  # type checkers read the fields' own signature, pydantic's
         def __init__(self, **options: Any) -> None:
@@ -176,6 +249,14 @@ class CheckpointOptions(BaseModel):
                     f"async_writer='process' shares the staged state through Linux's "
                     f"memfd; not available on {sys.platform} (use 'thread')",
                     name="async_writer", value="process")
+        return self
+
+    @model_validator(mode="after")
+    def _local_needs_a_writer(self) -> CheckpointOptions:
+        if self.local is not None and self.read_only:
+            raise ConfigurationError(
+                "a local tier (local=...) saves: a read_only manager cannot have one",
+                name="local", value=self.local)
         return self
 
     @classmethod
@@ -244,9 +325,10 @@ class OptionKeywords(TypedDict, total=False):
     foreign: ForeignPolicy
     stage_ahead: bool
     restore_reads: Literal["once", "every_rank"]
+    local: LocalTier | None
 
 
-def _refusal(error: ValidationError) -> ResumekitError:
+def _refusal(error: ValidationError, prefix: str = "") -> ResumekitError:
     """The :class:`ConfigurationError` of a failed validation, naming the first knob."""
     problems = error.errors()
     cause = problems[0].get("ctx", {}).get("error")
@@ -254,12 +336,13 @@ def _refusal(error: ValidationError) -> ResumekitError:
         return cause
     lines = []
     for problem in problems:
-        name = ".".join(str(part) for part in problem["loc"]) or "options"
+        name = prefix + ".".join(str(part) for part in problem["loc"]) or "options"
         if problem["type"] == "extra_forbidden":
             lines.append(f"{name} is not an option of CheckpointOptions")
         else:
             message = problem["msg"].removeprefix("Value error, ")
             lines.append(f"{name}={problem['input']!r}: {message[:1].lower()}{message[1:]}")
     first = problems[0]
-    return ConfigurationError("; ".join(lines), name=str(first["loc"][0]) if first["loc"]
-                              else "options", value=first["input"])
+    return ConfigurationError("; ".join(lines), name=prefix + str(first["loc"][0])
+                              if first["loc"] else prefix.rstrip(".") or "options",
+                              value=first["input"])

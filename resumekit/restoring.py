@@ -219,8 +219,8 @@ class RootRestore:
         check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
                             world_size=self.world_size, on_mismatch=self.options.on_mismatch,
                             stacklevel=5)
-        fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(entry.name,
-                                                                              manifest))
+        fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(
+            self.storage, entry.name, manifest))
         if fresh:
             recorded = bool((manifest.fingerprint or {}).get("config"))
             _warn(restore_plan.imported_warning(
@@ -228,22 +228,61 @@ class RootRestore:
                 stacklevel=6)
         logger.info("resumekit: restored step %d from %s", manifest.step, entry.path)
 
-    def _read_entry(self, name: str, manifest: Manifest) -> list[str]:
+    def read_alone(self, storage: Storage, entry: CheckpointEntry) -> None:
+        """Verify, check and read this rank's node-local copy ``entry`` by this rank alone.
+
+        The local tier's read (:mod:`resumekit.tiers.restore` calls it on every rank, each
+        with its own copy, and agrees on the outcome): every file checked against the
+        copy's manifest, its fit with the run checked, its tensors (this rank's shards)
+        read without a collective, then the training state and this rank's RNG and data
+        position. A failure raises on this rank only.
+        """
+        manifest = entry.manifest
+        assert manifest is not None
+        check = verify_share if self.options.verify_on_restore else refuse_links_share
+        check(storage, entry.name, manifest, rank=0, world_size=1)
+        check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
+                            world_size=self.world_size, on_mismatch=self.options.on_mismatch,
+                            stacklevel=6)
+        self._read_entry(storage, entry.name, manifest, alone=True)
+
+    def adopt(self, step: int) -> None:
+        """A restore from another tier read ``step``: take the durable root over as ``run`` does.
+
+        Surveys the durable root (recovering an interrupted replacement), claims this
+        run's writer generation, notes the newest committed step (the next durable save
+        must be newer) and reports what lies above ``step``.
+        """
+        found: Survey = run_on_leader(self.channel.coordinator, lambda: restore_plan.survey(
+            self.storage, self.name_format, recover=not self.options.read_only,
+            whole=False))
+        entries = self._entries.claim_generation(found.entries)
+        committed = {e.step for e in entries if e.status == "committed"}
+        self.newest_step = max(committed, default=None)
+        self._entries.report_leftovers(entries, above=step)
+
+    def _read_entry(self, storage: Storage, name: str, manifest: Manifest, *,
+                    alone: bool = False) -> list[str]:
         """Read step directory ``name`` into the run's state; return the parts left fresh.
 
         A checkpoint converted by ``resumekit import`` holds what the source tool saved
         (weights, maybe optimizer and scheduler), never its RNG streams or a data
         position: those parts start fresh, and are returned to be named in one warning.
         Anything else missing from one of resumekit's own checkpoints stays an error.
+        ``alone``: a node-local copy of this rank's part, read by this rank alone.
         """
         imported = manifest.reason == SaveReason.IMPORTED
         with_optimizer = not imported or manifest.state.get("optimizer") is not False
         tied = _tied_of(manifest)
-        source = self.storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
-        options = self.storage.storage_options or None
+        source = storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
+        options = storage.storage_options or None
         tensors = self.state.load_target(tied, optimizer=with_optimizer,
                                          source=source, storage_options=options)
-        if tensors:
+        if tensors and alone:
+            sharded.load(tensors, source, verify=self.options.verify_on_restore,
+                         storage_options=options, alone=True)
+            self.state.apply_tensor_state(tensors, tied)
+        elif tensors:
             # Each rank plans its own reads (DCP's load plans need no coordination); one
             # all-gather of the outcome replaces DCP's three, and every rank raises alike.
             run_on_every_rank(self.channel.coordinator, functools.partial(
@@ -251,15 +290,15 @@ class RootRestore:
                 verify=self.options.verify_on_restore, storage_options=options,
                 plan_locally=True, read_once=self.options.restore_reads == "once"))
             self.state.apply_tensor_state(tensors, tied)
-        train = read_plain(self.storage, name, manifest, TRAIN_STATE_FILE)
+        train = read_plain(storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None
-        self.state.apply_train_state(train, source=self.storage.path(
+        self.state.apply_train_state(train, source=storage.path(
             f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
         saved_world = int(train.get("world_size", manifest.world_size))
-        wanted = {0, self.rank} & set(range(saved_world))
-        saved = {r: read_plain(self.storage, name, manifest, rank_state_file(r))
+        wanted = {self.rank} if alone else {0, self.rank} & set(range(saved_world))
+        saved = {r: read_plain(storage, name, manifest, rank_state_file(r))
                  for r in sorted(wanted)}
-        with_data = not imported or saved[0].get("data") is not None
+        with_data = not imported or saved[min(saved)].get("data") is not None
         self.state.apply_rank_state(saved, self.rank, saved_world_size=saved_world,
                                     world_size=self.world_size, rng=not imported,
                                     data=with_data)

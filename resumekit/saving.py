@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from resumekit.errors import StorageError
 from resumekit.runtime import distributed
@@ -120,16 +120,20 @@ def apply_retention(step: int, storage: Storage, retention: RetentionPolicy, *,
              f"complete: {line}", ResumekitWarning, stacklevel=3)
 
 
-def lineage(resumed_from: int | None, initialized_from: tuple[str, int] | None) -> Lineage:
+def lineage(resumed_from: int | None, initialized_from: tuple[str, int] | None, *,
+            tier: Literal["local", "replica", "durable"] | None = None) -> Lineage:
     """The lineage a save records: this process, and the run's resume or fine-tune source.
 
     Args:
         resumed_from: The step the run resumed from.
         initialized_from: ``(path, step)`` of the checkpoint ``load_weights`` read.
+        tier: The tier the run's restore read (a run with a local tier).
     """
     context = distributed.current_context()
     current = Lineage.current(resumed_from_step=resumed_from,
                               launcher=None if context is None else str(context.launcher))
+    if tier is not None:
+        current = current.model_copy(update={"restored_from_tier": tier})
     if initialized_from is None:
         return current
     path, step = initialized_from

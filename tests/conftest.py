@@ -23,9 +23,32 @@ def unavailable(reason: str) -> None:
 #: Markers of the suites that share one machine-wide cluster per pytest process (a session
 #: fixture), in the order `make test` starts them: the longest first. ``multinode``'s
 #: network namespaces, bridge and /24 have fixed names: two pytest processes building them
-#: at once tear down each other's, so its tests stay in one file (``--dist loadfile`` gives
-#: a file to one worker); ``slurm`` starts one private cluster per process.
+#: at once tear down each other's, so its files go to one worker (``ONE_CLUSTER_DIR``);
+#: ``slurm`` starts one private cluster per process.
 CLUSTER_MARKERS = ("multinode", "slurm")
+#: The files of this directory are one unit of ``--dist loadfile``: they share the one
+#: namespace cluster a worker may build at a time (see ``pytest_xdist_make_scheduler``).
+ONE_CLUSTER_DIR = "tests/multinode/"
+
+
+def xdist_scope(nodeid: str, by_file: str) -> str:
+    """The ``--dist loadfile`` unit of a test: its file (``by_file``), or the whole
+    ``tests/multinode`` directory for the tests there."""
+    return ONE_CLUSTER_DIR if nodeid.startswith(ONE_CLUSTER_DIR) else by_file
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """``--dist loadfile`` (`make test`), with every ``tests/multinode`` file given to one
+    worker: two workers building the namespace cluster at once tear down each other's."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneClusterPerWorker(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid, super()._split_scope(nodeid))
+
+    return OneClusterPerWorker(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

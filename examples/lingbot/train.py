@@ -20,7 +20,12 @@ What each piece of the incident became (``docs/lingbot-walkthrough.md`` tells th
   training group's timeout short and gives checkpoint coordination its own long one;
 * silent preemption -> a ``PreemptionHandler`` turns SIGTERM/SIGUSR1 into a step every
   rank agrees on, a ``preemption`` checkpoint of that step, and exit status
-  ``EXIT_CODE_PREEMPTED`` (75).
+  ``EXIT_CODE_PREEMPTED`` (75);
+* a crash (job 111859's NCCL watchdog) that cost a requeue and a 9.5 GB re-read ->
+  ``--local-dir``: a node-local tier (``resumekit.LocalTier``) saved every
+  ``--local-every`` steps, each rank's copy also kept by a partner on another node; under
+  ``torchrun --max-restarts`` (the sbatch script) a failed worker group is restarted on the
+  same nodes and resumes from it (``docs/local-tier.md``, "In-job restart").
 
 Outputs under ``--save-root``:
 
@@ -77,6 +82,7 @@ from resumekit import (
     EXIT_CODE_PREEMPTED,
     CheckpointManager,
     DistributedContext,
+    LocalTier,
     PreemptionError,
     PreemptionHandler,
     ResumableDistributedSampler,
@@ -156,6 +162,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=None,
                         help="directory of pre-extracted episode files (default: the "
                              "config's synthetic data)")
+    parser.add_argument("--local-dir", type=Path, default=None,
+                        help="node-local directory (the same path on every node: "
+                             "$SLURM_TMPDIR/..., /dev/shm/..., a local NVMe) for a local "
+                             "checkpoint tier: frequent per-rank saves, each also kept by a "
+                             "partner rank on another node; restores (an in-job restart "
+                             "above all) resume from it when it is newest (default: none)")
+    parser.add_argument("--local-every", type=int, default=None,
+                        help="optimizer steps between local-tier saves (default: a fifth of "
+                             "the save interval, at least 1); needs --local-dir")
+    parser.add_argument("--local-keep", type=int, default=2,
+                        help="local-tier steps kept per rank (and per replica)")
     parser.add_argument("--keep-last", type=int, default=3,
                         help="keep the newest K checkpoints (0: keep all)")
     parser.add_argument("--keep-every", type=int, default=None,
@@ -406,6 +423,17 @@ def _retention(args: argparse.Namespace) -> RetentionPolicy:
     return policy | keep_every(args.keep_every) if args.keep_every else policy
 
 
+def _local_tier(args: argparse.Namespace, save_interval: int) -> LocalTier | None:
+    """``--local-dir``/``--local-every``/``--local-keep`` as the manager's local tier."""
+    if args.local_dir is None:
+        if args.local_every is not None:
+            raise ConfigError("--local-every needs --local-dir (the node-local directory)",
+                              field="--local-every", value=args.local_every)
+        return None
+    every = args.local_every if args.local_every is not None else max(1, save_interval // 5)
+    return LocalTier(str(args.local_dir), save_every=every, keep=args.local_keep)
+
+
 def _full(value: Tensor) -> Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
@@ -487,8 +515,32 @@ def _init(args: argparse.Namespace) -> DistributedContext:
     return context
 
 
+def _restart_count(context: DistributedContext) -> int:
+    """torchrun's restarts of the worker group so far: the largest of the nodes' counts.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is per node: the node whose worker failed counts the
+    restart, a node restarted because of it (a membership change) does not.
+    """
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not context.is_distributed:
+        return count
+    value = torch.tensor([count], device=context.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def _log_in_job_restart(restarts: int) -> None:
+    """Say so when torchrun restarted this worker group in the job (``--max-restarts``)."""
+    if restarts:
+        logger.warning("in-job restart %d of at most %s (torchrun --max-restarts): a worker "
+                       "failed and torchrun restarted every worker on the same nodes; "
+                       "resuming from the newest step every rank can get", restarts,
+                       os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+
+
 def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBotConfig,
-               world_size: int, scheduler: Any, sampler: ResumableDistributedSampler) -> None:
+               world_size: int, scheduler: Any, sampler: ResumableDistributedSampler,
+               restarts: int) -> None:
     """Say how this launch starts: fresh, resumed (and what), or already finished."""
     if ckpt.finished and start >= config.train.num_steps:
         # A relaunch of a finished run (its final checkpoint restored): nothing to train,
@@ -499,10 +551,19 @@ def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBo
         logger.info("fresh start: step 0 of %d on %d rank(s)", config.train.num_steps,
                     world_size)
     else:
-        logger.info("resumed at step %d: weights, AdamW state, lr schedule (lr %.3g), RNG "
+        tier = f" from the {ckpt.restored_from_tier} tier" if ckpt.restored_from_tier else ""
+        logger.info("resumed at step %d%s: weights, AdamW state, lr schedule (lr %.3g), RNG "
                     "streams and data position (epoch %d, %d samples consumed); %d metric "
-                    "record(s) after step %d dropped", start, scheduler.get_last_lr()[0],
+                    "record(s) after step %d dropped", start, tier, scheduler.get_last_lr()[0],
                     sampler.epoch, sampler.consumed, dropped, start)
+    local_missed = ckpt.restored_from_tier in {"durable", None}
+    if restarts and ckpt.options.local is not None and local_missed:
+        # The in-job restart's promise is the local tier: say when it could not keep it.
+        what = (f"resumed from the durable root at step {start}"
+                if ckpt.resumed_from is not None else "started over from step 0")
+        logger.warning("in-job restart %d found no usable node-local copy at least as new as "
+                       "the durable root's newest: %s; the steps since are recomputed",
+                       restarts, what)
 
 
 def _optimizer_step(model: LingBotVA, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -565,8 +626,10 @@ def train(args: argparse.Namespace) -> int:
         args.config, world_size=context.world_size, num_steps=args.num_steps,
         save_interval=args.save_interval, seed=args.seed), args.dtype, context.device)
     tcfg, leader = config.train, context.is_leader
+    restarts = _restart_count(context)
     if leader:
         args.save_root.mkdir(parents=True, exist_ok=True)
+        _log_in_job_restart(restarts)
     _seed_python_and_numpy(config.train.seed, context.rank)
     model = _build_model(config, context)
     optimizer = build_optimizer(model, config.optim)
@@ -583,6 +646,7 @@ def train(args: argparse.Namespace) -> int:
         save_every=tcfg.save_interval, retention=_retention(args),
         name_format=CHECKPOINT_NAME_FORMAT, async_save=args.async_save,
         config=recipe_fingerprint(config), preemption=preemption,
+        local=_local_tier(args, tcfg.save_interval),
     )
     metrics = MetricsLog(args.save_root / METRICS_FILE, enabled=leader)
     progress: Any = None
@@ -591,7 +655,8 @@ def train(args: argparse.Namespace) -> int:
         start = ckpt.restore()
         dropped = metrics.truncate_after(start)
         if leader:
-            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler)
+            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler,
+                       restarts)
         run = _wandb_run(args.wandb, ckpt, config, leader)
         batches = MicroBatches(dataset, sampler, tcfg.micro_batch_size, context.device)
         progress = tqdm(total=tcfg.num_steps, initial=start, file=sys.stderr,
@@ -606,6 +671,9 @@ def train(args: argparse.Namespace) -> int:
                 run.log({k: v for k, v in record.items() if k != "step"}, step=step)
             progress.update(1)
             progress.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+            if step == start + 1 and ckpt.resumed_from is not None and leader:
+                # The end of a recovery (the drills time a fault to this line).
+                logger.info("first step after resuming at step %d done: step %d", start, step)
             if step == tcfg.num_steps:
                 ckpt.finish(step)  # the last step is committed, as reason "final"
             elif ckpt.step_end(step):  # a preemption checkpoint of `step` is committed

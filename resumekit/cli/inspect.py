@@ -1,8 +1,10 @@
 """``resumekit inspect``: what a checkpoint root, or one checkpoint, holds.
 
-On a root: one row per checkpoint (committed, partial, corrupt, legacy, foreign) with
-size, world size, time, reason, lineage and the torch that wrote it; the checkpoint the
-next run resumes from; and the requeue chain (which job and restart wrote which steps).
+On a local tier's directory (``LocalTier.root``): a table of its sub-roots
+(:mod:`resumekit.cli.inspect_local`). On a root: one row per checkpoint (committed,
+partial, corrupt, legacy, foreign) with size, world size, time, reason, lineage and the
+torch that wrote it; the checkpoint the next run resumes from; and the requeue chain
+(which job and restart wrote which steps).
 On one checkpoint: its manifest, the state it holds, its files and, with ``--tensors``,
 every tensor from the metadata alone. Another tool's checkpoint (``foreign``, with its
 format) is never taken for an empty root: a root holding only such entries, or a
@@ -36,6 +38,7 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
+from resumekit.cli.inspect_local import is_local_root, run_local_root
 from resumekit.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
@@ -62,12 +65,13 @@ def add_parser(subparsers: Any, summary: str) -> None:
     parser = subparsers.add_parser(
         "inspect",
         help=summary,
-        description="On a root: every checkpoint with status, size, world size, time, "
-        "reason and lineage, the one the next run resumes from (*), and the requeue "
-        "chain. On one checkpoint directory: its manifest and state; --tensors adds "
-        "every tensor (from metadata, no tensor data read). Exit 1 when a root holds a "
-        "corrupt checkpoint, holds only another tool's checkpoints (status foreign) or is "
-        "one, or the directory is not a committed checkpoint.",
+        description="On a local tier's directory: its sub-roots (rank_XXXXX, "
+        "replica_of_rank_XXXXX), each a root. On a root: every checkpoint with status, "
+        "size, world size, time, reason and lineage, the one the next run resumes from "
+        "(*), and the requeue chain. On one checkpoint directory: its manifest and "
+        "state; --tensors adds every tensor (from metadata, no tensor data read). Exit 1 "
+        "when a root holds a corrupt checkpoint, holds only another tool's checkpoints "
+        "(status foreign) or is one, or the directory is not a committed checkpoint.",
     )
     parser.add_argument("path", help="checkpoint root or one checkpoint directory "
                         "(path or fsspec URL)")
@@ -81,6 +85,9 @@ def add_parser(subparsers: Any, summary: str) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; return the exit code."""
     options = storage_options(args.storage_option)
+    local = Storage(args.path, options)
+    if not args.tensors and is_local_root(local):
+        return run_local_root(local, args, SCHEMA)
     target = open_target(args.path, storage_options=options, name_format=args.name_format)
     if target.is_root:
         if args.tensors:

@@ -732,9 +732,12 @@ def _init_group(
 def _rendezvous(launch: LaunchEnvironment, wait: timedelta) -> Store:
     """Open the TCP store and return once every rank has reached it (within ``wait``).
 
-    Rank 0 serves the store, unless torchrun's agent already does. The returned store is
-    prefixed per torchrun attempt, so keys left by a previous attempt (the agent's store
-    survives worker restarts) are never read back.
+    Rank 0 serves the store, unless torchrun's agent already does. The agent's store is
+    prefixed per torchrun attempt, so keys left by a previous attempt (it survives worker
+    restarts) are never read back; the attempt is the node's restart count, which every
+    node agrees on only when every node's agent counted the restart (see
+    ``docs/local-tier.md``, "In-job restart": multi-node jobs run torchrun with
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, a store of rank 0's per attempt).
     """
     address = f"{launch.master_addr}:{launch.master_port}"
     serves = launch.rank == 0 and not launch.agent_store
@@ -762,7 +765,12 @@ def _rendezvous(launch: LaunchEnvironment, wait: timedelta) -> Store:
             variable="MASTER_ADDR",
             address=address,
         ) from None
-    store = PrefixStore(f"resumekit/attempt-{launch.restart_count}", raw)
+    # Only the agent's store outlives a restart; one rank 0 serves is new for every attempt.
+    # (Multi-node torchrun: TORCHELASTIC_RESTART_COUNT is per node - a node restarted for
+    # a membership change does not count it - so there it must not name a store rank 0
+    # serves, or the ranks of one restart would wait under different prefixes.)
+    attempt = launch.restart_count if launch.agent_store else 0
+    store = PrefixStore(f"resumekit/attempt-{attempt}", raw)
     # Ranks can start minutes apart (node boot, container pull). Meet here, with the long
     # timeout, so the training group below is created by ranks that are all present.
     if store.add(_ARRIVAL_KEY, 1) == launch.world_size:

@@ -52,6 +52,7 @@ __all__ = [
     "Checksum",
     "FileEntry",
     "Lineage",
+    "LocalPart",
     "Manifest",
     "SaveReason",
     "SaveThroughput",
@@ -142,6 +143,11 @@ class Lineage(BaseModel):
         initialized_from: For a run whose weights came from another run's checkpoint
             (:meth:`~resumekit.CheckpointManager.load_weights`): ``{"path": ..., "step":
             ...}`` of that checkpoint; None otherwise.
+        restored_from_tier: For a run with a local tier (``LocalTier``): the tier its
+            restore read from: ``"local"`` (every rank's own node-local copy),
+            ``"replica"`` (some rank's copy came from its partner's replica) or
+            ``"durable"`` (the durable root); None when the run had no local tier or
+            started fresh.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -155,6 +161,7 @@ class Lineage(BaseModel):
     launcher: str | None = None
     imported_from: dict[str, str] | None = None
     initialized_from: dict[str, str | int] | None = None
+    restored_from_tier: Literal["local", "replica", "durable"] | None = None
 
     @classmethod
     def current(cls, *, resumed_from_step: int | None = None, launcher: str | None = None
@@ -305,6 +312,32 @@ def version_skew(written: Mapping[str, str], running: Mapping[str, str] | None =
     return differences
 
 
+class LocalPart(BaseModel):
+    """What a node-local checkpoint is: one rank's part of a run's state, kept on its node.
+
+    A checkpoint under a local tier's sub-root (``<local_root>/rank_XXXXX/``, or a
+    partner's ``replica_of_rank_XXXXX/``) records it; a restore uses it only for the run
+    whose durable root and world size it names, and only when ``durable_generation`` is
+    still the durable root's newest claim (an older one is a fenced writer's copy).
+
+    Attributes:
+        rank: The rank whose part it holds.
+        world_size: The world size of the run that wrote it.
+        node: Hostname of the node that wrote it.
+        durable_root: URL of the durable root of the run that wrote it.
+        durable_generation: The writer generation the run held on its durable root when
+            it wrote this copy.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    node: str
+    durable_root: str
+    durable_generation: WriterGeneration | None = None
+
+
 class Manifest(BaseModel):
     """The JSON document that commits a checkpoint.
 
@@ -341,6 +374,9 @@ class Manifest(BaseModel):
         save_throughput: How fast this save wrote (bytes and seconds of its write
             phase); None in manifests written before resumekit recorded it, and for a
             save that wrote no tensors.
+        local: For a node-local checkpoint (a local tier's, holding one rank's part):
+            which rank, run and node it belongs to (:class:`LocalPart`); None for a
+            checkpoint of the whole run.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -362,6 +398,7 @@ class Manifest(BaseModel):
     versions: dict[str, str] = Field(default_factory=running_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
     save_throughput: SaveThroughput | None = None
+    local: LocalPart | None = None
 
     @field_validator("data_dir")
     @classmethod

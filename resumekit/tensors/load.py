@@ -56,6 +56,7 @@ def load(
     verify: bool = True,
     plan_locally: bool = False,
     read_once: bool = False,
+    alone: bool = False,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -86,6 +87,9 @@ def load(
             the reading rank raises on every rank. False, or a group that cannot move CPU
             tensors (NCCL only; said in a ``ResumekitWarning``): every rank reads all it
             needs.
+        alone: This rank reads by itself, whatever group exists (a node-local copy of
+            its own part, written by ``save(..., alone=True)``): no collective runs and
+            nothing is read once for others (``read_once`` is ignored).
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -95,7 +99,8 @@ def load(
         CorruptCheckpointError: The checkpoint could not be read.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
-                  reject_unexpected=True, plan_locally=plan_locally, read_once=read_once)
+                  reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
+                  alone=alone)
 
 
 def load_subset(
@@ -121,8 +126,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   process_group: dist.ProcessGroup | None,
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
-                  read_once: bool = False) -> None:
-    group, no_dist = resolve_group(process_group)
+                  read_once: bool = False, alone: bool = False) -> None:
+    group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     shared = None
     if read_once and group is not None:

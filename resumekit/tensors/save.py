@@ -73,6 +73,7 @@ def save(
     background: bool = False,
     tensor_format: TensorFormat = "raw",
     remote: RemoteWrites | None = None,
+    alone: bool = False,
 ) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
@@ -98,6 +99,11 @@ def save(
         remote: Have this rank's bytes written there (the writer process,
             :mod:`resumekit.tensors.remote`): planning, its collectives and ``.metadata``
             stay here. The same files, byte for byte.
+        alone: This rank saves by itself, whatever group exists (a node-local copy of
+            its own part): no collective runs; ``DTensor`` entries (FSDP2) are written as
+            this rank's local shards, at their offsets in the global tensor, and
+            ``.metadata`` describes those shards only. Loads back with ``load(...,
+            alone=True)`` on the same rank of the same sharding.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -111,7 +117,7 @@ def save(
         StorageError: The write failed on some rank, on any writer thread (the message
             names rank, file and cause; a full disk also names the free space).
     """
-    group, no_dist = resolve_group(process_group)
+    group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format, remote=remote)

@@ -130,6 +130,24 @@ def test_torchrun_workers_join_through_the_agents_store_again_after_a_restart() 
     assert agent_store.check(["resumekit/attempt-1/init/all-arrived"])
 
 
+def _join_after_a_restart_counted_on_one_node_only(rank: int, world_size: int) -> int:
+    # A multi-node in-job restart: the node whose worker failed counts a restart, the node
+    # restarted for the membership change does not.
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    init_distributed(timeout=30, checkpoint_timeout=30)  # split ranks: a 30 s timeout
+    total = _sum_over(checkpoint_group(), rank) + _sum_over(None, rank)
+    shutdown()
+    return total
+
+
+def test_a_restart_counted_on_one_node_only_still_meets_on_the_store_rank_0_serves() -> None:
+    # torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each attempt's rank 0 serves a
+    # new store, so the per-node restart counts (0 here, 1 there) must not split the ranks.
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "False"}
+    assert run_ranks(_join_after_a_restart_counted_on_one_node_only, world_size=2,
+                     init_group=False, env=env) == [6, 6]
+
+
 def _as_srun_task(rank: int, world_size: int, job_id: str) -> tuple[str, int, int]:
     for name in (*TORCHRUN_VARIABLES, "MASTER_PORT"):
         os.environ.pop(name)

@@ -14,6 +14,8 @@ from examples.lingbot.errors import ConfigError
 from examples.lingbot.train import (
     MetricsLog,
     MicroBatches,
+    _local_tier,
+    build_parser,
     read_metrics,
     recipe_fingerprint,
     resolve_config,
@@ -31,6 +33,21 @@ def test_another_world_size_keeps_the_effective_batch_by_rederiving_accumulation
     assert recipe_fingerprint(longer) == recipe_fingerprint(two)
     assert recipe_fingerprint(resolve_config("tiny", world_size=2, seed=5)) != \
         recipe_fingerprint(two)
+
+
+def test_the_local_tier_flags_become_the_managers_local_tier_every_fifth_interval_by_default(
+) -> None:
+    parse = build_parser().parse_args
+    assert _local_tier(parse(["--save-root", "r"]), save_interval=50) is None
+    tier = _local_tier(parse(["--save-root", "r", "--local-dir", "/dev/shm/run"]), 50)
+    assert tier is not None
+    assert (tier.root, tier.save_every, tier.keep, tier.replicas) == ("/dev/shm/run", 10, 2, True)
+    assert _local_tier(parse(["--save-root", "r", "--local-dir", "l"]), 3).save_every == 1
+    tier = _local_tier(parse(["--save-root", "r", "--local-dir", "l", "--local-every", "7",
+                              "--local-keep", "1"]), 50)
+    assert tier is not None and (tier.save_every, tier.keep) == (7, 1)
+    with pytest.raises(ConfigError, match="--local-every needs --local-dir"):
+        _local_tier(parse(["--save-root", "r", "--local-every", "7"]), 50)
 
 
 def test_a_world_size_that_does_not_divide_the_effective_batch_is_refused_by_name() -> None:

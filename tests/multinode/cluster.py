@@ -10,8 +10,15 @@ one namespace per host, see ``tests/multinode/netns.py``) and, under one private
 * per host ``slurmd -D -N hostN`` started inside that host's namespace under its own
   hostname (UTS namespace), ``NodeAddr`` = its veth address, its own spool
   (``SlurmdSpoolDir=<dir>/spool/%n``), pid and log files (``%n``);
-* per host a private scratch dir ``<dir>/scratch/hostN`` (node-local disk); the checkpoint
-  root the tests use lives elsewhere on the shared filesystem (the "NAS").
+* per host a private scratch dir ``<dir>/scratch/hostN`` (node-local disk), bind-mounted
+  in the host's own mount namespace over ``<dir>/node-local`` (:attr:`node_local`): one
+  path, the same on every host, each host seeing only its own files there (what
+  ``$SLURM_TMPDIR`` or a local NVMe mount is on a real cluster). Seen from the test (root
+  namespace), ``<dir>/node-local`` is empty and ``scratch(host)`` holds host's files. The
+  checkpoint root the tests use lives elsewhere on the shared filesystem (the "NAS");
+* optional *spare* hosts (``spares=``): in the cluster like the others, with a higher
+  ``Weight`` so that SLURM gives them to a job only when a regular host is missing - the
+  fresh host a job lands on when one of its hosts is lost (:meth:`lose_host`).
 
 Partitions as in the single-node cluster: ``extra`` (preemptible, requeued) and ``own``
 (high tier), both over every host. ``SlurmdTimeout`` is short (``slurmd_timeout_s``) so a
@@ -60,12 +67,14 @@ class NamespaceCluster(SlurmCluster):
 
     Attributes (beyond :class:`SlurmCluster`'s):
         network: The namespaces and bridge the hosts live in.
-        hosts: Host (node) names, in order.
+        hosts: Host (node) names, in order (the spares last).
+        spares: The hosts SLURM allocates only when a regular one is unavailable.
         slurmd_timeout_s: ``SlurmdTimeout``: silence after which a host is marked DOWN.
     """
 
     network: HostNetwork | None = None
     hosts: tuple[str, ...] = ()
+    spares: tuple[str, ...] = ()
     slurmd_timeout_s: int = 20
     hardware: dict[str, str] = field(default_factory=dict)
 
@@ -76,6 +85,7 @@ class NamespaceCluster(SlurmCluster):
         cls,
         hosts: Sequence[str] = ("host1", "host2"),
         *,
+        spares: Sequence[str] = (),
         kill_wait_s: int = 30,
         slurmd_timeout_s: int = 20,
         startup_timeout_s: float = 90.0,
@@ -98,6 +108,7 @@ class NamespaceCluster(SlurmCluster):
             raise SlurmUnavailableError(
                 f"the namespace cluster needs root (netns, SlurmUser=root); euid {os.geteuid()}"
             )
+        hosts = (*hosts, *spares)
         try:
             network = HostNetwork.create(hosts)
         except NetworkUnavailableError as error:
@@ -111,7 +122,8 @@ class NamespaceCluster(SlurmCluster):
         cluster = cls(
             root=root, conf_path=conf_path, node=hosts[0], cpus=int(hardware["CPUs"]),
             kill_wait_s=kill_wait_s, env=env, bins=bins, network=network,
-            hosts=tuple(hosts), slurmd_timeout_s=slurmd_timeout_s, hardware=dict(hardware),
+            hosts=tuple(hosts), spares=tuple(spares), slurmd_timeout_s=slurmd_timeout_s,
+            hardware=dict(hardware),
         )
         began = time.monotonic()
         try:
@@ -125,7 +137,8 @@ class NamespaceCluster(SlurmCluster):
 
     def _boot(self, hardware: Mapping[str, str], timeout_s: float) -> None:
         deadline = self._start_controller(
-            hardware, timeout_s, ("state", "spool", "log", "jobs", "run", "scratch"))
+            hardware, timeout_s,
+            ("state", "spool", "log", "jobs", "run", "scratch", "node-local"))
         for host in self.hosts:  # node-local disk and a spool of its own per host
             (self.root / "scratch" / host).mkdir()
             (self.root / "spool" / host).mkdir()
@@ -135,10 +148,12 @@ class NamespaceCluster(SlurmCluster):
                    watch=("slurmctld", *(f"slurmd-{h}" for h in self.hosts)))
 
     def start_slurmd(self, host: str) -> None:
-        """Start ``slurmd -D -N host`` inside ``host``'s namespace, under its hostname."""
+        """Start ``slurmd -D -N host`` inside ``host``'s namespace, under its hostname, with
+        its scratch dir mounted over :attr:`node_local` (every job process inherits it)."""
         assert self.network is not None
         argv = self.network.command(host, [self.bins["slurmd"], "-D", "-N", host,
-                                           "-f", str(self.conf_path)])
+                                           "-f", str(self.conf_path)],
+                                    binds=[(self.scratch(host), self.node_local)])
         self._spawn(f"slurmd-{host}", argv)
 
     def node_states(self) -> dict[str, str]:
@@ -213,8 +228,10 @@ class NamespaceCluster(SlurmCluster):
             f"KillWait={self.kill_wait_s}",
             f"SlurmdTimeout={self.slurmd_timeout_s}",
             "MessageTimeout=10",
+            # Lowest Weight first: a spare is allocated only when a regular host is not.
             *(f"NodeName={host} NodeAddr={self.network.addresses[host]} "
-              f"NodeHostname={host} {node_hw} State=UNKNOWN" for host in self.hosts),
+              f"NodeHostname={host} {node_hw} Weight={100 if host in self.spares else 1} "
+              "State=UNKNOWN" for host in self.hosts),
             f"PartitionName=extra Nodes={nodes} Default=YES MaxTime=INFINITE State=UP"
             " PriorityTier=1 PreemptMode=REQUEUE",
             f"PartitionName=own Nodes={nodes} MaxTime=INFINITE State=UP"
@@ -255,8 +272,31 @@ class NamespaceCluster(SlurmCluster):
     # ------------------------------------------------------------------ hosts
 
     def scratch(self, host: str) -> Path:
-        """``host``'s private scratch dir (node-local disk)."""
+        """``host``'s private scratch dir (node-local disk), as the test sees it."""
         return self.root / "scratch" / host
+
+    @property
+    def node_local(self) -> Path:
+        """The node-local path: the same on every host, each host's own scratch there."""
+        return self.root / "node-local"
+
+    def lose_host(self, host: str) -> list[int]:
+        """Lose ``host`` for good: SIGKILL every process of it and remove its node-local
+        storage (a new, empty scratch dir replaces it, as on a reimaged node).
+
+        SLURM marks it DOWN after ``SlurmdTimeout`` and requeues its job (``NODE_FAIL``); a
+        spare host takes its place in the next allocation. :meth:`start_slurmd` (the
+        fixture's heal) brings it back afterwards, empty.
+
+        Returns:
+            The pids killed.
+        """
+        import shutil  # noqa: PLC0415
+
+        killed = self.kill_host(host)
+        shutil.rmtree(self.scratch(host))
+        self.scratch(host).mkdir()
+        return killed
 
     def kill_host(self, host: str) -> list[int]:
         """SIGKILL every process of ``host`` (slurmd, slurmstepd, torchrun, ranks)."""
@@ -423,22 +463,29 @@ class NamespaceCluster(SlurmCluster):
         out = self._run(["squeue", "-h", "-s", "-j", str(job_id), "-o", "%i"], check=False)
         return [s for s in out.stdout.split() if s.startswith(f"{job_id}.")]
 
-    def wait_job_gone(self, job_id: int, timeout: float = 90.0) -> None:
+    def wait_job_gone(self, job_id: int, timeout: float = 90.0,
+                      lost: Sequence[str] = ()) -> None:
         """Wait until no process of the job's previous run is left on any host and every
-        host is idle: a requeued job released earlier finds its old step still holding the
-        nodes ("Requested nodes are busy") and srun waits."""
+        host but the ``lost`` ones (down for good, :meth:`lose_host`) is idle: a requeued
+        job released earlier finds its old step still holding the nodes ("Requested nodes
+        are busy") and srun waits."""
         deadline = time.monotonic() + timeout
         cancelled: set[str] = set()
         while True:
             left, steps = self.job_processes(job_id), self.job_steps(job_id)
             # "*": not responding; the first srun of a run waits for such a node.
-            busy = [h for h, st in self.node_states().items()
-                    if st.startswith(("alloc", "mix", "comp")) or st.endswith("*")]
+            busy = [h for h, st in self.node_states().items() if h not in lost
+                    and (st.startswith(("alloc", "mix", "comp")) or st.endswith("*"))]
             # A node that says idle while it still holds CPUs is the half-released state
             # described in revive_host; so is an agent still carrying the old run's RPCs.
-            busy += [h for h, n in self.allocated_cpus().items() if n and h not in busy]
+            busy += [h for h, n in self.allocated_cpus().items()
+                     if n and h not in busy and h not in lost]
             agents = self.agents()
-            if not left and not steps and not busy and agents == {"queue": 0, "count": 0}:
+            # slurmctld keeps retrying a lost host (pings, the old run's terminate): its
+            # agents never settle, and with no revival of that host there is no race left
+            # for them to prevent (see revive_host).
+            settled = bool(lost) or agents == {"queue": 0, "count": 0}
+            if not left and not steps and not busy and settled:
                 return
             # A step record of the lost run that the revived host never reports complete
             # keeps its CPUs "busy" for the next run's srun: cancel it (once per step).

@@ -4,7 +4,9 @@ The reference run starts first, in the background, and runs while the cluster bo
 waiting on its daemons); the first drill waits for both.
 
 ``ns_cluster`` builds two hosts (``host1``, ``host2``: network namespaces on a private
-bridge, each with its own hostname and ``slurmd``) plus ``slurmctld`` and ``munged``; it is
+bridge, each with its own hostname, ``slurmd`` and node-local disk) and one spare
+(``host3``: allocated only when ``host1`` or ``host2`` is missing, the fresh host a job
+lost a host is requeued onto) plus ``slurmctld`` and ``munged``; it is
 torn down after the session, also when tests fail (every process of every host killed,
 namespaces, links and hosts files removed). Leftovers of a killed earlier run are removed
 before it is built. If this machine cannot build it (not root, no ``ip``/``nsenter``, no
@@ -27,6 +29,8 @@ from tests.multinode.drills import GRACE_S, KILL_WAIT_S, SLURMD_TIMEOUT_S, TRAIN
 from tests.slurm.cluster import SlurmUnavailableError
 
 HOSTS = ("host1", "host2")
+#: Hosts SLURM allocates only when one of ``HOSTS`` is missing (higher ``Weight``).
+SPARES = ("host3",)
 
 
 @pytest.fixture(scope="session")
@@ -44,13 +48,14 @@ def reference_run(tmp_path_factory: pytest.TempPathFactory
 
 @pytest.fixture(scope="session")
 def ns_cluster(reference_run: tuple[Path, Future[Segment]]) -> Iterator[NamespaceCluster]:
-    """The running two-host cluster (partitions ``extra`` and ``own`` over both hosts).
+    """The running two-host cluster and its spare (partitions ``extra`` and ``own`` over
+    all three).
 
     It asks for ``reference_run`` so that the reference launch starts before the boot.
     """
     try:
         cluster = NamespaceCluster.start_hosts(
-            HOSTS, kill_wait_s=KILL_WAIT_S, slurmd_timeout_s=SLURMD_TIMEOUT_S
+            HOSTS, spares=SPARES, kill_wait_s=KILL_WAIT_S, slurmd_timeout_s=SLURMD_TIMEOUT_S
         )
     except SlurmUnavailableError as error:
         unavailable(f"multi-host namespace cluster: {error}")

@@ -104,7 +104,12 @@ def runs_of(output: str) -> list[Run]:
 
 def submit(cluster: NamespaceCluster, root: Path, output: Path, *, nodes: str = "2",
            env: Mapping[str, str] | None = None) -> int:
-    """Submit the LingBot sbatch script (tiny config, 1 rank per node) to ``extra``."""
+    """Submit the LingBot sbatch script (tiny config, 1 rank per node) to ``extra``.
+
+    Without ``env`` saying otherwise the job runs as before issue 30: no local tier
+    (``LOCAL_EVERY=0``) and no in-job restart (``MAX_RESTARTS=0``: a failed rank ends the
+    job, which SLURM or the test requeues); the local-tier drills turn both on.
+    """
     settings = {
         "CONFIG": "tiny", "NPROC": "1", "SAVE_ROOT": str(root),
         "NUM_STEPS": str(NUM_STEPS), "SAVE_INTERVAL": str(SAVE_INTERVAL), "KEEP_LAST": "0",
@@ -112,6 +117,7 @@ def submit(cluster: NamespaceCluster, root: Path, output: Path, *, nodes: str = 
         "CKPT_TIMEOUT_S": str(CKPT_TIMEOUT_S),
         "TRAIN_ARGS": "--no-progress --poll-every 1",
         "PYTHON": sys.executable, "REPO_DIR": str(REPO_ROOT), "PYTHONUNBUFFERED": "1",
+        "LOCAL_EVERY": "0", "MAX_RESTARTS": "0",
         **(env or {}),
     }
     return cluster.submit_nodes(SBATCH, nodes=nodes, output=output, env=settings,

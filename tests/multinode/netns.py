@@ -20,7 +20,9 @@ this network and is idempotent; the fixture calls it from a finalizer.
 
 A host's processes are started with ``nsenter --net=/run/netns/rkmn-hostN unshare --uts
 --mount -- sh -c 'mount --bind <hosts file> /etc/hosts && hostname hostN && exec ...'``: own
-network stack, own hostname, own ``/etc/hosts``, otherwise the shared filesystem.
+network stack, own hostname, own ``/etc/hosts``, otherwise the shared filesystem (plus any
+``binds`` given: the namespace cluster mounts each host's scratch dir over one common path,
+the node-local disk).
 """
 
 from __future__ import annotations
@@ -208,12 +210,20 @@ class HostNetwork:
             (etc / "hosts").write_text(hosts_file)
             (etc / "hostname").write_text(f"{host}\n")
 
-    def command(self, host: str, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on ``host``: in its namespace, under its own hostname."""
+    def command(self, host: str, argv: Sequence[str],
+                binds: Sequence[tuple[Path, Path]] = ()) -> list[str]:
+        """``argv`` run on ``host``: in its namespace, under its own hostname.
+
+        ``binds``: ``(source, target)`` directories bind-mounted in the host's private mount
+        namespace before ``argv`` starts, e.g. the host's own scratch disk over a path that
+        is the same on every host (node-local storage: one path, each host its own files).
+        """
         import shlex  # noqa: PLC0415
 
         hosts_file = _NETNS_ETC / self.netns(host) / "hosts"
-        script = (f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts && "
+        mounts = "".join(f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))} && "
+                         for source, target in binds)
+        script = (f"mount --bind {shlex.quote(str(hosts_file))} /etc/hosts && {mounts}"
                   f"hostname {shlex.quote(host)} && exec {shlex.join(argv)}")
         # nsenter, not `ip netns exec`: the latter remounts /sys, which hides the cgroup
         # mount slurmd needs. The private mount namespace only swaps /etc/hosts.

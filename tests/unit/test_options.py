@@ -39,6 +39,7 @@ _BAD = [
     ("foreign", "import", "'error' or 'ignore'"),
     ("stage_ahead", "later", "boolean"),
     ("restore_reads", "twice", "'once' or 'every_rank'"),
+    ("local", "/dev/shm/run", "LocalTier"),
 ]
 
 

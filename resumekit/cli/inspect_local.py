@@ -1,0 +1,90 @@
+"""``resumekit inspect <local_root>``: the sub-roots of a local tier's directory.
+
+A local tier's directory (``LocalTier.root``) holds one resumekit root per rank
+(``rank_XXXXX/``, its own copies) and per rank whose replicas the node keeps
+(``replica_of_rank_XXXXX/``). Each is a root like any other (``resumekit inspect
+<local_root>/rank_00003``); this is the table of all of them: committed steps, the newest
+one's size, world size, node and durable root, and what is not committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from resumekit.cli._common import console, emit_json, format_bytes, or_dash, table
+from resumekit.errors import CorruptCheckpointError
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.layout import NameFormat
+from resumekit.store.local_roots import SubRoot, sub_roots
+from resumekit.store.storage import Storage
+
+__all__ = ["is_local_root", "run_local_root"]
+
+
+def is_local_root(storage: Storage) -> bool:
+    """Whether ``storage`` is a local tier's directory: it holds sub-roots, no steps."""
+    if not storage.is_dir() or storage.exists("manifest.json"):
+        return False
+    return bool(sub_roots(storage))
+
+
+def _sub_root_json(storage: Storage, sub: SubRoot, name_format: NameFormat | None
+                   ) -> dict[str, Any]:
+    root = Storage(storage.url_of(sub.name), storage.storage_options)
+    entries = list_checkpoints(root, name_format)
+    committed = [entry for entry in entries if entry.status == "committed"]
+    newest = committed[-1].manifest if committed else None
+    part = None if newest is None else newest.local
+    return {
+        "name": sub.name,
+        "path": root.path(),
+        "kind": sub.kind,
+        "rank": sub.rank,
+        "steps": [entry.step for entry in committed],
+        "newest": None if newest is None else newest.step,
+        "bytes": None if newest is None else newest.total_bytes,
+        "world_size": None if part is None else part.world_size,
+        "node": None if part is None else part.node,
+        "durable_root": None if part is None else part.durable_root,
+        "other": [{"name": entry.name, "status": entry.status, "problem": entry.problem}
+                  for entry in entries if entry.status != "committed"],
+    }
+
+
+def run_local_root(storage: Storage, args: argparse.Namespace, schema: str) -> int:
+    """Print (or emit as JSON) the table of a local tier's sub-roots; return the exit code.
+
+    Exit 1 when a sub-root holds a corrupt entry, as for a root.
+    """
+    name_format = NameFormat(args.name_format) if args.name_format else None
+    rows = [_sub_root_json(storage, sub, name_format) for sub in sub_roots(storage)]
+    if args.json:
+        emit_json({"schema": schema, "kind": "local_root", "root": storage.path(),
+                   "sub_roots": rows})
+    else:
+        out = console()
+        out.print(f"Local tier directory {storage.path()}: {len(rows)} sub-root(s), each "
+                  "a resumekit root (resumekit inspect <sub-root> lists its checkpoints)")
+        grid = table("sub-root", "holds", "committed steps", "newest size", "world",
+                     "node", "durable root", "not committed")
+        for row in rows:
+            holds = (f"rank {row['rank']}'s own copies" if row["kind"] == "own"
+                     else f"rank {row['rank']}'s replicas")
+            grid.add_row(row["name"], holds,
+                         ", ".join(str(step) for step in row["steps"]) or "-",
+                         "-" if row["bytes"] is None else format_bytes(row["bytes"]),
+                         or_dash(row["world_size"]), or_dash(row["node"]),
+                         or_dash(row["durable_root"]),
+                         ", ".join(f"{other['name']} ({other['status']})"
+                                   for other in row["other"]) or "-")
+        out.print(grid)
+    corrupt = [(row, other) for row in rows for other in row["other"]
+               if other["status"] == "corrupt"]
+    if corrupt:
+        row, other = corrupt[0]
+        raise CorruptCheckpointError(
+            f"{len(corrupt)} corrupt checkpoint(s) under {storage.path()}; first: "
+            f"{row['name']}/{other['name']}: {other['problem']}",
+            path=f"{row['path']}/{other['name']}")
+    return 0

@@ -1,0 +1,288 @@
+"""The local tier in one process: options, local saves, restore across tiers, fencing.
+
+Two ranks, replicas and FSDP2 are tests/dist/test_local_tier_dist.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import resumekit
+from resumekit.errors import ConfigurationError
+from resumekit.store import generations
+from resumekit.store.local_roots import unusable_reason
+from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
+from resumekit.store.storage import Storage
+from resumekit.warnings import ResumekitWarning
+from tests.unit.test_cli_support import run_cli, run_json
+
+
+def _objects() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _manager(tmp: Path, model: nn.Module, opt: torch.optim.Optimizer, *,
+             durable: str = "durable", save_every: int = 4, keep: int = 2
+             ) -> resumekit.CheckpointManager:
+    return resumekit.CheckpointManager(
+        tmp / durable, model=model, optimizer=opt, save_every=save_every,
+        local=resumekit.LocalTier(tmp / "local", save_every=2, keep=keep, replicas=False))
+
+
+def _train(tmp: Path, steps: int, **knobs: object) -> dict[int, torch.Tensor]:
+    """Train ``steps`` steps from scratch; return the weight after each step."""
+    model, opt = _objects()
+    weights = {}
+    with _manager(tmp, model, opt, **knobs) as ckpt:  # type: ignore[arg-type]
+        for step in range(ckpt.restore(), steps):
+            model(torch.full((1, 4), float(step))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step_end(step + 1)
+            weights[step + 1] = model.weight.detach().clone()
+    return weights
+
+
+def _restore(tmp: Path, **knobs: object) -> tuple[int, str | None, torch.Tensor]:
+    model, opt = _objects()
+    with _manager(tmp, model, opt, **knobs) as ckpt:  # type: ignore[arg-type]
+        step = ckpt.restore()
+        return step, ckpt.restored_from_tier, model.weight.detach().clone()
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted(name for name in os.listdir(root) if name.startswith("step_"))
+
+
+def _corrupt(step_dir: Path) -> None:
+    """Flip one byte in the middle of the copy's largest tensor file."""
+    files = sorted((path for path in (step_dir / "tensors").iterdir() if path.is_file()),
+                   key=lambda path: path.stat().st_size)
+    data = bytearray(files[-1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    files[-1].write_bytes(bytes(data))
+
+
+# -- options ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("knobs", "name", "said"), [
+    ({"root": "s3://bucket/run", "save_every": 2}, "local.root", "node-local"),
+    ({"root": "", "save_every": 2}, "local.root", "local directory path"),
+    ({"root": "/tmp/x", "save_every": 0}, "local.save_every", "greater than or equal to 1"),
+    ({"root": "/tmp/x", "save_every": True}, "local.save_every", "not a bool"),
+    ({"root": "/tmp/x", "save_every": 2, "keep": 0}, "local.keep", "greater than or equal"),
+    ({"root": "/tmp/x", "save_every": 2, "replicas": "yes please"}, "local.replicas",
+     "boolean"),
+    ({"root": "/tmp/x", "save_every": 2, "shared": True}, "local.shared", "not an option"),
+])
+def test_a_local_tier_knob_that_cannot_work_is_refused_naming_it(
+        knobs: dict[str, object], name: str, said: str) -> None:
+    with pytest.raises(ConfigurationError, match=said) as raised:
+        resumekit.LocalTier(**knobs)  # type: ignore[arg-type]
+    assert raised.value.fields["name"] == name
+
+
+def test_a_local_tier_takes_its_root_and_interval_by_position_and_keeps_two_by_default(
+        tmp_path: Path) -> None:
+    tier = resumekit.LocalTier(tmp_path / "local", 50)
+    assert (tier.root, tier.save_every, tier.keep, tier.replicas) == (
+        str(tmp_path / "local"), 50, 2, True)
+    assert resumekit.CheckpointOptions(local=tier).local is tier
+
+
+def test_a_read_only_manager_or_a_local_root_that_is_the_durable_root_is_refused(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigurationError, match="read_only") as raised:
+        resumekit.CheckpointOptions(read_only=True,
+                                    local=resumekit.LocalTier(tmp_path, 2))
+    assert raised.value.fields["name"] == "local"
+    with pytest.raises(ConfigurationError, match="not the durable root") as raised:
+        resumekit.CheckpointManager(tmp_path, local=resumekit.LocalTier(tmp_path, 2))
+    assert raised.value.fields["name"] == "local.root"
+
+
+# -- saving and restoring ---------------------------------------------------------------
+
+
+def test_local_saves_commit_on_their_interval_and_keep_the_newest_two(tmp_path: Path) -> None:
+    _train(tmp_path, 7)
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000004", "step_000000006"]
+    assert _steps(tmp_path / "durable") == ["step_000000004"]  # its own interval
+    manifest = resumekit.CheckpointManager(tmp_path / "local" / "rank_00000").latest()
+    assert manifest is not None  # a resumekit root like any other
+    part = manifest.manifest.local
+    assert part is not None and part.rank == 0 and part.world_size == 1
+    assert part.durable_root == Storage(tmp_path / "durable").url_of()
+    assert part.durable_generation is not None
+
+
+def test_restore_reads_the_newest_local_step_logs_the_choice_and_records_the_tier(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    weights = _train(tmp_path, 7)
+    with caplog.at_level(logging.INFO, logger="resumekit"):
+        step, tier, weight = _restore(tmp_path)
+    assert (step, tier) == (6, "local")
+    assert torch.equal(weight, weights[6])
+    said = [r.getMessage() for r in caplog.records if "resumekit: restore:" in r.getMessage()]
+    assert said == ["resumekit: restore: step 6 from the local tier (every rank holds its "
+                    "own copy; newer than the durable root's newest (step 4))"]
+    _train(tmp_path, 8)  # resumes at 6, saves 8 durably and locally
+    for root in (tmp_path / "durable", tmp_path / "local" / "rank_00000"):
+        info = resumekit.CheckpointManager(root).latest()
+        assert info is not None and info.step == 8
+        assert info.manifest.lineage.restored_from_tier == "local"
+        assert info.manifest.lineage.resumed_from_step == 6
+
+
+def test_a_local_step_equal_to_the_durable_newest_is_read_from_the_local_tier(
+        tmp_path: Path) -> None:
+    _train(tmp_path, 4)
+    assert _restore(tmp_path)[:2] == (4, "local")
+
+
+def test_a_durable_step_newer_than_every_local_copy_is_read_from_the_durable_tier(
+        tmp_path: Path) -> None:
+    weights = _train(tmp_path, 5, save_every=5)  # durable 5, local 2 and 4
+    step, tier, weight = _restore(tmp_path, save_every=5)
+    assert (step, tier) == (5, "durable")
+    assert torch.equal(weight, weights[5])
+
+
+def test_a_corrupted_local_copy_falls_back_to_the_next_candidate_with_a_warning(
+        tmp_path: Path) -> None:
+    weights = _train(tmp_path, 7, save_every=100)  # local 4 and 6, nothing durable
+    _corrupt(tmp_path / "local" / "rank_00000" / "step_000000006")
+    with pytest.warns(ResumekitWarning) as caught:
+        step, tier, weight = _restore(tmp_path, save_every=100)
+    assert (step, tier) == (4, "local")
+    assert torch.equal(weight, weights[4])
+    said = [str(w.message) for w in caught if "not restoring step 6" in str(w.message)]
+    assert len(said) == 1
+    assert "step_000000006" in said[0] and "trying step 4 next" in said[0]
+    # The copy the run left behind is deleted: its step is saved again as training replays.
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000004"]
+
+
+def test_every_local_copy_failing_falls_back_to_the_durable_root_with_a_warning(
+        tmp_path: Path) -> None:
+    weights = _train(tmp_path, 7, save_every=3)  # durable 3 and 6, local 4 and 6
+    for step in (4, 6):
+        _corrupt(tmp_path / "local" / "rank_00000" / f"step_00000000{step}")
+    with pytest.warns(ResumekitWarning, match="restoring from the durable root instead"):
+        step, tier, weight = _restore(tmp_path, save_every=3)
+    assert (step, tier) == (6, "durable")
+    assert torch.equal(weight, weights[6])
+
+
+def test_a_fenced_writers_local_copies_are_never_resumed(tmp_path: Path) -> None:
+    _train(tmp_path, 4, save_every=100)  # local 2 and 4 under the durable generation 1
+    # A requeued run (another process) claims the durable root; then the zombie of the
+    # first run goes on and commits a local copy of step 6 under its fenced generation.
+    zombie, opt = _objects()
+    with _manager(tmp_path, zombie, opt, save_every=100) as ckpt:
+        start = ckpt.restore()
+        generations.claim(Storage(tmp_path / "durable"), newest_step=None,
+                          identity=Lineage(hostname="elsewhere", pid=4242))
+        for step in range(start, 6):
+            ckpt.step_end(step + 1)
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000004", "step_000000006"]
+    with pytest.warns(ResumekitWarning, match="fenced writer's copy is never resumed"):
+        step, tier, _ = _restore(tmp_path, save_every=100)
+    assert (step, tier) == (0, None)  # nothing durable: a fresh start, not the zombie's 6
+    assert _steps(tmp_path / "local" / "rank_00000") == []
+
+
+def test_copies_of_another_durable_root_are_not_restored_and_say_why(tmp_path: Path) -> None:
+    _train(tmp_path, 4, durable="first")
+    with pytest.warns(ResumekitWarning, match="belongs to the run of durable root"):
+        step, tier, _ = _restore(tmp_path, durable="second")
+    assert (step, tier) == (0, None)
+
+
+def test_an_explicit_step_restores_from_the_durable_root_and_drops_newer_local_copies(
+        tmp_path: Path) -> None:
+    weights = _train(tmp_path, 8)  # durable 4 and 8, local 6 and 8
+    model, opt = _objects()
+    with _manager(tmp_path, model, opt) as ckpt:
+        assert ckpt.restore(4) == 4
+        assert ckpt.restored_from_tier == "durable"
+        assert torch.equal(model.weight, weights[4])
+        # The local copies of the timeline it left (6 and 8) are gone: 6 saves again.
+        assert _steps(tmp_path / "local" / "rank_00000") == []
+        for step in range(4, 6):
+            ckpt.step_end(step + 1)
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000006"]
+
+
+def test_a_failed_local_save_is_a_warning_and_training_and_durable_saves_go_on(
+        tmp_path: Path) -> None:
+    (tmp_path / "local").write_text("a file where the local tier's directory should be")
+    with pytest.warns(ResumekitWarning, match="local save of step 2 under .* failed"):
+        _train(tmp_path, 4)
+    assert _steps(tmp_path / "durable") == ["step_000000004"]
+
+
+def test_replicas_on_one_process_say_once_that_nothing_is_replicated(tmp_path: Path) -> None:
+    model, opt = _objects()
+    with pytest.warns(ResumekitWarning, match="no copy is replicated") as caught, \
+            resumekit.CheckpointManager(tmp_path / "durable", model=model, optimizer=opt,
+                                        local=resumekit.LocalTier(tmp_path / "l", 1)) as ckpt:
+        for step in range(3):
+            ckpt.step_end(step + 1)
+    assert sum("no copy is replicated" in str(w.message) for w in caught) == 1
+    assert _steps(tmp_path / "l" / "rank_00000") == ["step_000000002", "step_000000003"]
+
+
+# -- which copies a run may use -----------------------------------------------------------
+
+
+def _copy(**part: object) -> Manifest:
+    generation = WriterGeneration(number=3, token="t3")
+    fields: dict[str, object] = {"rank": 1, "world_size": 4, "node": "n1",
+                                 "durable_root": "file:///d", "durable_generation": generation}
+    fields.update(part)
+    return Manifest(step=10, local=LocalPart(**fields))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("manifest", "current", "said"), [
+    (_copy(), WriterGeneration(number=3, token="t3"), None),
+    (_copy(), None, None),
+    (_copy(rank=2), None, "rank 2's part, not rank 1's"),
+    (_copy(durable_root="file:///other"), None, "durable root file:///other"),
+    (_copy(world_size=8), None, "world size 8; this run has 4"),
+    (_copy(durable_generation=None), None, "no writer generation"),
+    (_copy(), WriterGeneration(number=4, token="t4"), "fenced"),
+    (Manifest(step=10), None, "not say it is a node-local copy"),
+])
+def test_a_copy_is_usable_only_by_its_rank_of_its_run_under_the_newest_claim(
+        manifest: Manifest, current: WriterGeneration | None, said: str | None) -> None:
+    why = unusable_reason(manifest, rank=1, world_size=4, durable_root="file:///d",
+                          current=current)
+    assert (why is None) if said is None else (why is not None and said in why)
+
+
+# -- resumekit inspect ------------------------------------------------------------------
+
+
+def test_inspect_of_a_local_root_lists_its_sub_roots(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    _train(tmp_path, 7)
+    code, document, _ = run_json(capsys, "inspect", str(tmp_path / "local"))
+    assert code == 0 and document["kind"] == "local_root"
+    [row] = document["sub_roots"]
+    assert (row["name"], row["kind"], row["rank"], row["steps"], row["world_size"]) == (
+        "rank_00000", "own", 0, [4, 6], 1)
+    assert row["durable_root"] == Storage(tmp_path / "durable").url_of()
+    code, out, _ = run_cli(capsys, "inspect", str(tmp_path / "local"))
+    assert code == 0 and "rank_00000" in out and "rank 0's own copies" in out and "4, 6" in out
+    code, document, _ = run_json(capsys, "inspect", str(tmp_path / "local" / "rank_00000"))
+    assert code == 0 and document["kind"] == "root" and document["resume_from"] == 6
