@@ -8,7 +8,10 @@ ones) and then, in interleaved rounds (``benchmarks.timing.interleave``):
   the other, which writes, checks and commits it (every file fsynced);
 * ``local_copy``: each rank copies its own step directory to another directory of the
   same disk (``shutil.copyfile`` per file, every file and directory fsynced): what the
-  bytes cost without the network, the checksums and the commit.
+  bytes cost without the network, the checksums and the commit;
+* ``local_copy_hashed``: the same copy through user memory as a replicate moves it (read
+  into a chunk buffer, XXH3 on both sides, write, fsync), without the network: what of a
+  replicate's time is the network's.
 
 Both run on both ranks at once (the same bytes written per round); a round's time is the
 slowest rank's. The source files are in the page cache for both (just written). Then the
@@ -39,7 +42,7 @@ from benchmarks.ranks import spawn_ranks
 from benchmarks.timing import fsync_tree, interleave, median, paired_ratios
 from resumekit.runtime import replicas
 from resumekit.store.commit import CommitProtocol
-from resumekit.store.manifest import Manifest
+from resumekit.store.manifest import Checksum, Manifest
 from resumekit.store.retention import keep_last, prune
 from resumekit.store.storage import Storage
 
@@ -113,7 +116,27 @@ def _rank(rank: int, world_size: int, base: str, megabytes: int, rounds: int, ke
         fsync_tree(target)
         return _slowest(time.perf_counter() - start)
 
-    samples = interleave({"replicate": replicate, "local_copy": local_copy}, rounds)
+    def local_copy_hashed() -> float:
+        target = local / "copy"
+        shutil.rmtree(target, ignore_errors=True)
+        dist.barrier()
+        start = time.perf_counter()
+        source_dir = Path(own.path(_name(1)))
+        buffer = memoryview(bytearray(replicas.CHUNK_BYTES))
+        for file in sorted(p for p in source_dir.rglob("*") if p.is_file()):
+            copy = target / file.relative_to(source_dir)
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            read, written = Checksum(), Checksum()
+            with open(file, "rb", buffering=0) as source_file, open(copy, "xb") as out:
+                while count := source_file.readinto(buffer):
+                    read.update(buffer[:count])
+                    written.update(buffer[:count])
+                    out.write(buffer[:count])
+        fsync_tree(target)
+        return _slowest(time.perf_counter() - start)
+
+    samples = interleave({"replicate": replicate, "local_copy": local_copy,
+                          "local_copy_hashed": local_copy_hashed}, rounds)
     rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     shutil.rmtree(local / "copy", ignore_errors=True)
     # disk with keep steps: save and replicate keep + 1 steps, own root pruned to keep
@@ -141,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="resumekit-replicas-", dir=args.dir) as base:
+        base_dir = str(Path(base).parent)
         results = spawn_ranks(_rank, 2, (base, args.mb, args.rounds, args.keep,
                                               args.chunk_mb))
     first = results[0]
@@ -156,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         "local_copy_seconds": copy_s,
         "replicate_mb_per_s": step_bytes / 1e6 / median(replicate_s),
         "local_copy_mb_per_s": step_bytes / 1e6 / median(copy_s),
+        "local_copy_hashed_seconds": samples["local_copy_hashed"],
+        "local_copy_hashed_mb_per_s": step_bytes / 1e6 / median(samples["local_copy_hashed"]),
         "replicate_vs_local_copy_time": median(paired_ratios(replicate_s, copy_s)),
+        "replicate_vs_local_copy_hashed_time": median(paired_ratios(
+            replicate_s, samples["local_copy_hashed"])),
+        "where": base_dir,
         "max_rss_growth_mb_during_rounds": [r["max_rss_growth_mb"] for r in results],
         "max_rss_mb": [r["max_rss_mb"] for r in results],
         "keep": args.keep,

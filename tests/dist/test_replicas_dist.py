@@ -8,8 +8,13 @@ size is cut to a few KB so that every file travels in several chunks.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +134,17 @@ def _uneven(rank: int, world_size: int, base: str) -> dict[str, Any]:
     """Ranks 0 and 1 on node0, rank 2 alone on node1: rank 2 keeps both of node0's."""
     own, partners, replica_root = _setup(rank, base, per_node=2)
     _commit(own, rank, 10)
+    crashed = Path(replica_root(0).path(".step_000000005.tmp-deadbeef"))
+    if rank == 2:  # a receive of this host whose process is gone left its staging
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        (crashed / "tensors").mkdir(parents=True)
+        (crashed / "tensors" / "__0_0.distcp").write_bytes(b"half")
+        (crashed / ".writer.json").write_text(json.dumps(
+            {"host": socket.gethostname(), "pid": gone.pid, "token": "deadbeef"}))
     replicate(own, _name(10), partners, replica_root)
     dist.barrier()
-    identical = {}
+    identical = {"swept": not crashed.exists()} if rank == 2 else {}
     for source in partners.sources:
         theirs = _node_root(base, source, 2) / f"rank_{source:05d}" / _name(10)
         identical[source] = _tree(theirs) == _tree(Path(replica_root(source).path(_name(10))))
@@ -142,7 +155,8 @@ def test_a_rank_alone_on_its_node_keeps_the_copies_of_both_ranks_of_the_other(
         tmp_path: Path) -> None:
     results = run_ranks(_uneven, world_size=3, args=(str(tmp_path),))
     assert [r["sources"] for r in results] == [[2], [], [0, 1]]
-    assert [r["identical"] for r in results] == [{2: True}, {}, {0: True, 1: True}]
+    assert [r["identical"] for r in results] == [{2: True}, {},
+                                                  {"swept": True, 0: True, 1: True}]
 
 
 def _missing_file(rank: int, world_size: int, base: str) -> str:
@@ -286,3 +300,36 @@ def test_a_peer_dying_mid_stream_raises_a_coordination_error_instead_of_hanging(
                         may_exit=(1,), group_timeout_s=20)
     assert results[1] is None
     assert "replication of step_000000010 failed on rank 0 of 2: the send/recv" in results[0]
+
+
+def _hangs_mid_stream(rank: int, world_size: int, base: str) -> str:
+    own, partners, replica_root = _setup(rank, base, per_node=1)
+    _commit(own, rank, 10)
+    if rank == 1:  # rank 1 stops answering (alive, stuck) halfway through the stream
+        received = dist.irecv
+        count = [0]
+
+        def stuck(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            if count[0] == 4:
+                time.sleep(12)  # past rank 0's group timeout (3 s), then gone
+                os._exit(0)
+            return received(*args, **kwargs)
+
+        dist.irecv = stuck
+    try:
+        replicate(own, _name(10), partners, replica_root)
+    except CoordinationError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_peer_that_stops_answering_mid_stream_raises_after_the_group_timeout(
+        tmp_path: Path) -> None:
+    results = run_ranks(_hangs_mid_stream, world_size=2, args=(str(tmp_path),),
+                        may_exit=(1,), group_timeout_s=3)
+    assert results[1] is None
+    assert "replication of step_000000010 failed on rank 0 of 2: the send/recv" in results[0]
+    assert "did not answer within" in results[0], results[0]
+    # rank 0 removed its staging of rank 1's copy (rank 1's is left to the sweep: killed)
+    assert not any(".tmp-" in p.name for p in (tmp_path / "node0").rglob("*"))
