@@ -92,9 +92,14 @@ def test_the_pytest_runs_of_make_test_cover_every_suite_once() -> None:
             assert "--dist" in run and run[run.index("--dist") + 1] == "loadfile", run
 
 
-def test_the_multi_host_suite_is_one_file_so_one_worker_builds_its_namespaces() -> None:
-    assert [path.name for path in (ROOT / "tests" / "multinode").glob("test_*.py")] == [
-        "test_lingbot_across_hosts.py"]
+def test_every_multi_host_file_goes_to_one_worker_so_one_worker_builds_its_namespaces(
+) -> None:
+    from tests.conftest import xdist_scope  # noqa: PLC0415
+
+    files = sorted(f"tests/multinode/{path.name}"
+                   for path in (ROOT / "tests" / "multinode").glob("test_*.py"))
+    assert len(files) >= 2, files
+    assert len({xdist_scope(f"{file}::t", file) for file in files}) == 1, files
 
 
 def test_the_cluster_suites_are_collected_first_multi_host_then_slurm() -> None:
