@@ -295,6 +295,7 @@ class LocalSite:
         above = -1 if restored is None else restored
         doomed: list[tuple[Storage, str, str]] = [
             (storage, entry.name, why) for storage, entry, why in survey.unusable]
+        newer_committed: dict[str, set[str]] = {}
         replica_roots = sorted({sub.rank for sub in sub_roots(self.base) if sub.kind
                                 == "replica"}) if with_replicas and self.base.is_dir() else []
         for storage in [self.own, *(self.replica_root(source) for source in replica_roots)]:
@@ -305,7 +306,10 @@ class LocalSite:
                                                            "corrupt"):
                     doomed.append((storage, entry.name,
                                    f"newer than the step restored ({restored})"))
+                    if entry.status == "committed":
+                        newer_committed.setdefault(storage.path(), set()).add(entry.name)
         done: set[tuple[str, str]] = set()
+        committed: list[str] = []  # committed copies of the timeline left: said in a warning
         for storage, name, why in doomed:
             if (storage.path(), name) in done or not storage.exists(name):
                 continue
@@ -313,6 +317,13 @@ class LocalSite:
             forget_newest_hint(storage)
             remove_retired(storage, name)
             logger.info("resumekit: deleted node-local %s: %s", storage.path(name), why)
+            if name in newer_committed.get(storage.path(), ()):
+                committed.append(storage.path(name))
+        if committed:
+            warn(f"rank {self.rank} deleted {len(committed)} committed node-local "
+                 f"cop{'y' if len(committed) == 1 else 'ies'} newer than the step restored "
+                 f"({restored}), a timeline this run left (training saves those steps "
+                 f"again): {', '.join(committed)}", ResumekitWarning, stacklevel=6)
 
     def entry(self, step: int) -> CheckpointEntry:
         """This rank's own committed copy of ``step`` (after a fetch, if it needed one).
