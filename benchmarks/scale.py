@@ -668,6 +668,7 @@ def main(argv: Sequence[str] | None = None,
             work = bench_dir / "plain"
             work.mkdir()
             config["stand_in_measured"] = None
+            config["stand_in_host_reference"] = None
             notes["stand_in"] = "--no-stand-in: a plain directory, no bandwidth bound"
             details.update(_run_all(methods, work, logs, shape, config, log))
         else:
@@ -675,11 +676,14 @@ def main(argv: Sequence[str] | None = None,
             with nas.NasStandIn(bench_dir, size, bandwidth) as stand_in:
                 measured = stand_in.verify(min(512 * MB, max(64 * MB, shape.state_bytes // 4)))
                 config["stand_in_measured"] = measured
+                config["stand_in_host_reference"] = stand_in.host_reference
                 config["stand_in"] = {"kind": f"loop-device ext4, cgroup {stand_in.kind} "
                                               "throttle", "size_bytes": size,
                                       "device": stand_in.majmin}
                 log("stand-in: " + ", ".join(f"{k} {v / MB:.0f} MB/s"
-                                             for k, v in measured.items()))
+                                             for k, v in measured.items())
+                    + "; outside it: " + ", ".join(
+                        f"{k} {v / MB:.0f} MB/s" for k, v in stand_in.host_reference.items()))
                 details.update(_run_all(methods, stand_in.mount, logs, shape,
                                         config, log))
     finally:

@@ -105,7 +105,9 @@ def test_the_json_and_png_are_written_and_everything_is_torn_down(
     if STAND_IN:
         measured = written["config"]["stand_in_measured"]
         assert set(measured) == {"direct_write", "buffered_write", "buffered_read",
-                                 "direct_read"}
+                                 "direct_read", "buffered_write_cold_memory"}
+        assert set(written["config"]["stand_in_host_reference"]) == {
+            "buffered_write_cold_memory"}
         device = written["config"]["stand_in"]["device"]
         loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
         assert str(smoke["bench_dir"]) not in loops
