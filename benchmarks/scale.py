@@ -812,7 +812,15 @@ def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
     details = {}
     for method in methods:
         log(f"{method}: schedule {config['schedule']}, {config['steps']} steps")
-        details[method] = run_method(method, work=work, logs=logs, shape=shape, config=config)
+        try:
+            details[method] = run_method(method, work=work, logs=logs, shape=shape,
+                                         config=config)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            # One method's failure (a trainer killed by the OOM killer, a timeout) is that
+            # method's result: the others still run, and the run still writes its JSON.
+            details[method] = {"failed": str(error)[-2000:]}
+            log(f"{method} failed: {str(error).splitlines()[0]}")
+            remove(work / method)
     return details
 
 
