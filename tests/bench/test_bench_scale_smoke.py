@@ -251,3 +251,28 @@ def test_combining_runs_takes_each_figures_median_and_keeps_every_run(tmp_path: 
     out = tmp_path / "out"
     scale.main(["--combine", *map(str, paths), "--out", str(out)])
     assert json.loads((out / "scale.json").read_text())["summary"] == combined["summary"]
+
+
+def test_a_method_that_fails_is_recorded_and_the_others_still_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def run_method(method: str, *, work: Path, **_: Any) -> dict[str, Any]:
+        ran.append(method)
+        (work / method).mkdir()
+        (work / method / "half-written").write_bytes(b"x")
+        if method == "dcp_async_process":
+            raise RuntimeError("the trainer exited (1) before step 4\nlog tail")
+        return {"goodput": {"goodput": 0.5}}
+
+    monkeypatch.setattr(scale, "run_method", run_method)
+    said: list[str] = []
+    details = scale._run_all(["dcp_async_process", "torch_save"], tmp_path, tmp_path / "logs",
+                             scale.shape_for(10_000_000), {"schedule": [], "steps": 1},
+                             said.append)
+    assert ran == ["dcp_async_process", "torch_save"]
+    assert details["dcp_async_process"] == {
+        "failed": "the trainer exited (1) before step 4\nlog tail"}
+    assert details["torch_save"] == {"goodput": {"goodput": 0.5}}
+    assert not (tmp_path / "dcp_async_process").exists()
+    assert "dcp_async_process failed: the trainer exited (1) before step 4" in said
