@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,8 +38,11 @@ from benchmarks.timing import evict
 
 BLKIO_V1 = Path("/sys/fs/cgroup/blkio")
 UNIFIED_CANDIDATES = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
-_TOOLS = ("fallocate", "losetup", "mkfs.ext4", "mount", "umount", "dd", "lsblk")
+_TOOLS = ("losetup", "mkfs.ext4", "mount", "umount", "dd", "lsblk")
 MB = 1_000_000
+# How long freed memory sits before the cold-memory write (the balloon reports free
+# pages to the host about every 2 s).
+COLD_MEMORY_S = 3.0
 
 
 class StandInError(RuntimeError):
@@ -86,6 +90,13 @@ def _run(*command: str) -> str:
     return done.stdout
 
 
+def _prewrite(path: Path, size_bytes: int) -> None:
+    """Write ``size_bytes`` of zeros to ``path`` with ``O_DIRECT`` (whole 16 MiB blocks)."""
+    block = 16 << 20
+    _run("dd", "if=/dev/zero", f"of={path}", f"bs={block}",
+         f"count={max(1, -(-size_bytes // block))}", "oflag=direct", "status=none")
+
+
 def _dd_rate(output: str) -> float:
     """Bytes per second from dd's last line (``N bytes ... copied, S s, ...``)."""
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", output)
@@ -107,6 +118,7 @@ class NasStandIn:
         device: The loop device; ``majmin`` its ``MAJ:MIN``.
         kind: ``"v1"`` or ``"v2"`` (the throttle used).
         measured: What :meth:`verify` measured (bytes per second per access kind).
+        host_reference: What :meth:`verify` measured outside the stand-in.
     """
 
     def __init__(self, work: Path, size_bytes: int, bandwidth: float) -> None:
@@ -119,6 +131,7 @@ class NasStandIn:
         self.majmin: str | None = None
         self.kind: str | None = None
         self.measured: dict[str, float] = {}
+        self.host_reference: dict[str, float] = {}
         self._mounted = False
         self._cgroup: Path | None = None
         self._previous_cgroup: Path | None = None
@@ -146,12 +159,16 @@ class NasStandIn:
 
     def _set_up(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        # The backing file goes through the host's page cache (no --direct-io): with
-        # direct I/O, a first write into each block of it is several times slower than
-        # the throttle (the host allocates or converts extents), and would be taken for
-        # the stand-in's bandwidth. The bound is on the loop device, above that cache.
-        _run("fallocate", "-l", str(self.size_bytes), str(self.backing))
-        self.device = _run("losetup", "--find", "--show", str(self.backing)).strip()
+        # The backing file is written out in full first (zeros, O_DIRECT: seconds for
+        # gigabytes here), so that no block of it is ever allocated or converted from an
+        # unwritten extent during a run, and the loop device reads and writes it with
+        # direct I/O: one copy of the data in the page cache (the stand-in filesystem's),
+        # not a second one of the backing file that would outlive the benchmark's evictions
+        # and take memory from the trainers. (fallocate + direct I/O made a first write
+        # into each block several times slower than the bound.)
+        _prewrite(self.backing, self.size_bytes)
+        self.device = _run("losetup", "--find", "--show", "--direct-io=on",
+                           str(self.backing)).strip()
         self.majmin = _run("lsblk", "-ndo", "MAJ:MIN", self.device).strip()
         _run("mkfs.ext4", "-q", "-F", "-E", "nodiscard,lazy_itable_init=0,lazy_journal_init=0",
              self.device)
@@ -231,20 +248,36 @@ class NasStandIn:
         ``direct_write`` (``oflag=direct``), ``buffered_write`` (through the page cache,
         ``conv=fsync``: the writeback is throttled too), ``buffered_read`` (after the
         file's pages are evicted) and ``direct_read`` (``iflag=direct``).
+
+        ``buffered_write`` is taken with page-cache memory the kernel has just freed.
+        ``buffered_write_cold_memory`` is the same write into memory left free for a few
+        seconds first: on a VM whose balloon reports free pages to the host (as here),
+        the host takes such memory back, and the guest's first touch of each page faults
+        in the host, which caps a buffered write below any bound, on every filesystem.
+        :attr:`host_reference` holds that write on the bench directory's own filesystem
+        (no stand-in, no throttle) to tell the two apart.
         """
         count = max(1, probe_bytes // (4 << 20))
         target = self.mount / "dd-probe"
+        host = self.work / "dd-probe-host"
         write = ("dd", "if=/dev/zero", f"of={target}", "bs=4M", f"count={count}")
         read = ("dd", f"if={target}", "of=/dev/null", "bs=4M")
         try:
+            self.host_reference = {"buffered_write_cold_memory": _dd(
+                "dd", "if=/dev/zero", f"of={host}", "bs=4M", f"count={count}", "conv=fsync")}
+            host.unlink()
             self.measured["direct_write"] = _dd(*write, "oflag=direct")
             target.unlink()
+            time.sleep(COLD_MEMORY_S)  # the freed page cache goes back to the host
+            self.measured["buffered_write_cold_memory"] = _dd(*write, "conv=fsync")
+            target.unlink()  # its page cache is freed; the next write takes it again
             self.measured["buffered_write"] = _dd(*write, "conv=fsync")
             evict(target)
             self.measured["buffered_read"] = _dd(*read)
             self.measured["direct_read"] = _dd(*read, "iflag=direct")
         finally:
             target.unlink(missing_ok=True)
+            host.unlink(missing_ok=True)
         return dict(self.measured)
 
 

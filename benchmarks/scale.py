@@ -103,6 +103,29 @@ TARGETS: dict[str, dict[str, Any]] = {
 
 _STARTED = time.monotonic()
 
+#: glibc malloc in every trainer: no ``mmap`` for large blocks and no trimming, so a
+#: step's freed buffers (FSDP2's all-gathered weights and gradients, AdamW's temporaries:
+#: gigabytes each step) stay in the process for the next step. Otherwise each step gives
+#: them back to the kernel and faults them in again, and on a VM whose balloon reports
+#: free pages to the host (as here) that refault costs the host's page faults too:
+#: steps took 17-47 s instead of 7-10 s at 2 GB per rank. The same for every method.
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+#: Per-method figures :func:`combine` takes the median of (a path into ``details``).
+METHOD_FIGURES: dict[str, tuple[str, ...]] = {
+    "goodput": ("goodput", "goodput"),
+    "save_blocked_s_median": ("save_blocked_s_median",),
+    "save_total_s_median": ("save_total_s_median",),
+    "save_vs_bandwidth": ("save_vs_bandwidth",),
+    "block_vs_memcpy": ("block_vs_memcpy",),
+    "step_s_alone_median": ("step_s_alone_median",),
+    "step_slowdown_during_save": ("step_slowdown_during_save",),
+    "restore_vs_bandwidth": ("restore_vs_bandwidth",),
+    "sigterm_steps_lost": ("sigterm_steps_lost",),
+    "emergency_save_vs_grace": ("emergency_save_vs_grace",),
+    "peak_extra_vs_state": ("peak_extra", "vs_state"),
+}
+
 
 def _log(message: str) -> None:
     print(f"[scale {time.monotonic() - _STARTED:7.1f}s] {message}", file=sys.stderr,
@@ -244,7 +267,7 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                        "--steps", str(config["steps"]),
                        "--save-every", str(config["save_every"]), "--grace", str(grace),
                        *(["--memcpy"] if index == 1 else [])]
-            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            env = {**os.environ, **MALLOC_KEEP, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
                                                   os.environ.get("PYTHONPATH", "")])}
             record: dict[str, Any] = {"index": index, "interruption": kind, "signal_at": at,
@@ -592,6 +615,71 @@ def plot(results: Mapping[str, Any], path: Path) -> bool:
     return True
 
 
+def _median_or_none(values: Sequence[Any]) -> float | None:
+    present = [float(v) for v in values if v is not None]
+    return median(present) if present else None
+
+
+def _dig(value: Any, path: Sequence[str]) -> Any:
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def combine(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Several runs' results as one: each summary figure's and method figure's median.
+
+    The summary keeps the single run's keys (their median over the runs that measured
+    them); ``summary_runs`` lists each run's value, ``method_medians`` each method's
+    figures (median and per run), ``runs`` each run whole (load averages included).
+    """
+    if not runs:
+        raise ValueError("combine needs at least one run")
+    keys = list(runs[0]["summary"])
+    summary = {key: _median_or_none([run["summary"].get(key) for run in runs])
+               for key in keys}
+    methods = [name for name in runs[0]["details"]
+               if isinstance(runs[0]["details"][name], dict)
+               and "goodput" in runs[0]["details"][name]]
+    method_medians: dict[str, Any] = {}
+    plotted: dict[str, Any] = {}
+    for name in methods:
+        figures = {}
+        for figure, path in METHOD_FIGURES.items():
+            values = [_dig(run["details"].get(name), path) for run in runs]
+            figures[figure] = {"median": _median_or_none(values), "runs": values}
+        method_medians[name] = figures
+        plotted[name] = {
+            "goodput": {"goodput": figures["goodput"]["median"]},
+            "peak_extra": {"vs_state": figures["peak_extra_vs_state"]["median"]},
+            **{figure: figures[figure]["median"] for figure in (
+                "save_blocked_s_median", "save_total_s_median", "restore_vs_bandwidth")}}
+    return {
+        "summary": summary,
+        "goals": {key: {**TARGETS[key], "value": value, "meets": meets(key, value)}
+                  for key, value in summary.items()},
+        "median_of": len(runs),
+        "summary_runs": {key: [run["summary"].get(key) for run in runs] for key in keys},
+        "summary_sources": runs[0].get("summary_sources"),
+        "method_medians": method_medians,
+        "config": runs[0]["config"],
+        "notes": runs[0].get("notes", {}),
+        "details": plotted,
+        "runs": [{"when": run.get("when"), "seconds": run.get("seconds"),
+                  "load_average_at_start": _dig(run, ("machine", "load_average_at_start")),
+                  "load_average_at_end": _dig(run, ("machine", "load_average_at_end")),
+                  "stand_in_measured": _dig(run, ("config", "stand_in_measured")),
+                  "stand_in_host_reference": _dig(run, ("config",
+                                                        "stand_in_host_reference")),
+                  "summary": run["summary"], "details": run["details"],
+                  "machine": run.get("machine")} for run in runs],
+        "when": runs[-1].get("when"),
+        "seconds": sum(float(run.get("seconds") or 0.0) for run in runs),
+    }
+
+
 # ------------------------------------------------------------------------ main
 
 
@@ -617,12 +705,12 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--grace-s", type=float, default=None,
                         help="grace window after SIGTERM (default: 3x the state's time at "
                              "the bandwidth, + 10 s)")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=3)
     parser.add_argument("--schedule", type=_parse_schedule,
-                        default=_parse_schedule("5:sigterm,9:sigkill"),
+                        default=_parse_schedule("4:sigterm,5:sigkill"),
                         help="STEP:sigterm|sigkill,... (one launch each, then one to the end)")
-    parser.add_argument("--batch", type=int, default=64,
+    parser.add_argument("--batch", type=int, default=16,
                         help="rows per step (sets the step's compute)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--bench-dir", type=Path, default=None,
@@ -636,7 +724,14 @@ def main(argv: Sequence[str] | None = None,
                              "with the bench directory)")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="run nothing: combine these runs' scale.json into one whose "
+                             "summary is each figure's median (written to --out)")
     args = parser.parse_args(argv)
+    if args.combine is not None:
+        combined = combine([json.loads(path.read_text()) for path in args.combine])
+        write_results(combined, args.out)
+        return combined
     log = progress or _log
     state_per_rank = int(args.state_gb * GB)
     shape = shape_for(state_per_rank * RANKS)
@@ -668,6 +763,7 @@ def main(argv: Sequence[str] | None = None,
             work = bench_dir / "plain"
             work.mkdir()
             config["stand_in_measured"] = None
+            config["stand_in_host_reference"] = None
             notes["stand_in"] = "--no-stand-in: a plain directory, no bandwidth bound"
             details.update(_run_all(methods, work, logs, shape, config, log))
         else:
@@ -675,11 +771,14 @@ def main(argv: Sequence[str] | None = None,
             with nas.NasStandIn(bench_dir, size, bandwidth) as stand_in:
                 measured = stand_in.verify(min(512 * MB, max(64 * MB, shape.state_bytes // 4)))
                 config["stand_in_measured"] = measured
+                config["stand_in_host_reference"] = stand_in.host_reference
                 config["stand_in"] = {"kind": f"loop-device ext4, cgroup {stand_in.kind} "
                                               "throttle", "size_bytes": size,
                                       "device": stand_in.majmin}
                 log("stand-in: " + ", ".join(f"{k} {v / MB:.0f} MB/s"
-                                             for k, v in measured.items()))
+                                             for k, v in measured.items())
+                    + "; outside it: " + ", ".join(
+                        f"{k} {v / MB:.0f} MB/s" for k, v in stand_in.host_reference.items()))
                 details.update(_run_all(methods, stand_in.mount, logs, shape,
                                         config, log))
     finally:
@@ -696,11 +795,16 @@ def main(argv: Sequence[str] | None = None,
         "seconds": time.monotonic() - began,
         "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    plot(results, args.out / "scale.png")
-    print(markdown(results))
+    write_results(results, args.out)
     return results
+
+
+def write_results(results: Mapping[str, Any], out: Path) -> None:
+    """``scale.json`` and ``scale.png`` under ``out``; the summary table on stdout."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scale.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot(results, out / "scale.png")
+    print(markdown(results))
 
 
 def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
@@ -708,7 +812,15 @@ def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
     details = {}
     for method in methods:
         log(f"{method}: schedule {config['schedule']}, {config['steps']} steps")
-        details[method] = run_method(method, work=work, logs=logs, shape=shape, config=config)
+        try:
+            details[method] = run_method(method, work=work, logs=logs, shape=shape,
+                                         config=config)
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            # One method's failure (a trainer killed by the OOM killer, a timeout) is that
+            # method's result: the others still run, and the run still writes its JSON.
+            details[method] = {"failed": str(error)[-2000:]}
+            log(f"{method} failed: {str(error).splitlines()[0]}")
+            remove(work / method)
     return details
 
 

@@ -105,7 +105,9 @@ def test_the_json_and_png_are_written_and_everything_is_torn_down(
     if STAND_IN:
         measured = written["config"]["stand_in_measured"]
         assert set(measured) == {"direct_write", "buffered_write", "buffered_read",
-                                 "direct_read"}
+                                 "direct_read", "buffered_write_cold_memory"}
+        assert set(written["config"]["stand_in_host_reference"]) == {
+            "buffered_write_cold_memory"}
         device = written["config"]["stand_in"]["device"]
         loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True, check=True).stdout
         assert str(smoke["bench_dir"]) not in loops
@@ -216,3 +218,61 @@ def test_the_summary_compares_with_the_better_dcp_executor_and_says_where_from()
     assert scale.meets("scale_step_slowdown_during_save", None) is None
     table = scale.markdown({"summary": summary})
     assert "| `scale_goodput` | 0.900 | >= 0.98 | **misses** |" in table
+
+
+def test_combining_runs_takes_each_figures_median_and_keeps_every_run(tmp_path: Path) -> None:
+    def run(goodput: float, lost: int | None, load: float) -> dict[str, Any]:
+        details = {"resumekit_sync": {"goodput": {"goodput": goodput},
+                                      "save_total_s_median": 10.0 * goodput,
+                                      "peak_extra": {"vs_state": 0.2}},
+                   "dcp_async_process": {"skipped": "not available"}}
+        return {"summary": {"scale_goodput": goodput, "scale_sigterm_steps_lost": lost},
+                "details": details, "when": f"run {goodput}",
+                "config": {"grace_s": 40.0, "state_bytes_per_rank": 1e9, "bandwidth": 4e8},
+                "machine": {"load_average_at_start": [load, load, load]}, "seconds": 100.0}
+
+    runs = [run(0.9, 0, 0.1), run(0.5, None, 0.2), run(0.7, 2, 0.3)]
+    combined = scale.combine(runs)
+    assert list(combined["summary"]) == ["scale_goodput", "scale_sigterm_steps_lost"]
+    assert combined["summary"]["scale_goodput"] == pytest.approx(0.7)
+    assert combined["summary"]["scale_sigterm_steps_lost"] == 1  # of the two that measured it
+    assert combined["goals"]["scale_goodput"]["meets"] is False
+    assert combined["summary_runs"]["scale_goodput"] == [0.9, 0.5, 0.7]
+    assert combined["median_of"] == 3 and combined["seconds"] == 300.0
+    assert [r["load_average_at_start"][0] for r in combined["runs"]] == [0.1, 0.2, 0.3]
+    figures = combined["method_medians"]["resumekit_sync"]
+    assert figures["save_total_s_median"]["runs"] == [9.0, 5.0, 7.0]
+    assert figures["save_total_s_median"]["median"] == pytest.approx(7.0)
+    assert "dcp_async_process" not in combined["method_medians"]
+    paths = []
+    for number, one in enumerate(runs):
+        paths.append(tmp_path / f"run{number}.json")
+        paths[-1].write_text(json.dumps(one))
+    out = tmp_path / "out"
+    scale.main(["--combine", *map(str, paths), "--out", str(out)])
+    assert json.loads((out / "scale.json").read_text())["summary"] == combined["summary"]
+
+
+def test_a_method_that_fails_is_recorded_and_the_others_still_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def run_method(method: str, *, work: Path, **_: Any) -> dict[str, Any]:
+        ran.append(method)
+        (work / method).mkdir()
+        (work / method / "half-written").write_bytes(b"x")
+        if method == "dcp_async_process":
+            raise RuntimeError("the trainer exited (1) before step 4\nlog tail")
+        return {"goodput": {"goodput": 0.5}}
+
+    monkeypatch.setattr(scale, "run_method", run_method)
+    said: list[str] = []
+    details = scale._run_all(["dcp_async_process", "torch_save"], tmp_path, tmp_path / "logs",
+                             scale.shape_for(10_000_000), {"schedule": [], "steps": 1},
+                             said.append)
+    assert ran == ["dcp_async_process", "torch_save"]
+    assert details["dcp_async_process"] == {
+        "failed": "the trainer exited (1) before step 4\nlog tail"}
+    assert details["torch_save"] == {"goodput": {"goodput": 0.5}}
+    assert not (tmp_path / "dcp_async_process").exists()
+    assert "dcp_async_process failed: the trainer exited (1) before step 4" in said
