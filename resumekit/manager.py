@@ -170,6 +170,8 @@ class CheckpointManager:
     _resume_guard: int | None
     _final_step: int | None
     _stager: Any = None  # the async staging buffers (sharded.CpuStager), made on demand
+    # stage_ahead: the optimizer had no state when the buffers were allocated
+    _optimizer_unstaged = False
     stage_ahead: bool
 
     def __init__(
@@ -381,8 +383,10 @@ class CheckpointManager:
     def _prepare_staging(self, *, stage_ahead: bool | None = None) -> None:
         """Allocate the async staging buffers now (``stage_ahead``), not at the first save.
 
-        An optimizer without state yet is left out: building its state would take
-        an optimizer step (``model_and_optimizer_state`` does one, at learning rate 0).
+        An optimizer without state yet is left out (building its state would take an
+        optimizer step): its buffers are allocated at the first :meth:`step_end` after
+        it has state, so that the first async save of a fresh run does not allocate them
+        while training waits.
 
         Args:
             stage_ahead: Record this setting first (the constructor's argument).
@@ -397,10 +401,11 @@ class CheckpointManager:
         if self._writer is not None and stage_ahead is not None:  # built just now
             self._writer.start()  # it starts up while the buffers are touched
         optimizer = self.state.optimizer
-        if optimizer is None or optimizer.state:
-            tensors = self.state.tensor_state()
-        else:
+        self._optimizer_unstaged = optimizer is not None and not optimizer.state
+        if self._optimizer_unstaged:
             tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
+        else:
+            tensors = self.state.tensor_state()
         self._stager.prepare(tensors)
 
     def _new_stager(self) -> sharded.CpuStager:
@@ -438,6 +443,8 @@ class CheckpointManager:
         """
         self._check_open()
         self._check_counts_on(step)
+        if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
+            self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):

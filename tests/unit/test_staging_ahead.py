@@ -120,3 +120,27 @@ def test_restore_prepares_the_optimizer_buffers_its_state_brought_and_steps_noth
         assert manager._stager.nbytes == _state_bytes(model, optimizer)
     finally:
         manager.close()
+
+
+def test_a_fresh_optimizers_buffers_are_staged_at_the_first_step_end_not_at_the_first_save(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # no state yet
+    manager = CheckpointManager(tmp_path / "run", model=model, optimizer=optimizer,
+                                async_save=True, save_every=3)
+    try:
+        assert manager._stager.nbytes == _state_bytes(model, None)  # the model only
+        for step in range(1, 4):
+            model(torch.randn(2, 64)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            manager.step_end(step)
+            # From the first step_end on, the optimizer's buffers are there too...
+            assert manager._stager.nbytes == _state_bytes(model, optimizer), step
+            if step == 1:
+                buffers = {p: b.data_ptr() for p, b in manager._stager._buffers.items()}
+        manager.wait()  # ...and the save of step 3 staged into them, allocating nothing
+        assert {p: b.data_ptr() for p, b in manager._stager._buffers.items()} == buffers
+    finally:
+        manager.close()
