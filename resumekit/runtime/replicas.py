@@ -94,6 +94,7 @@ from resumekit.store.coordination import (
     activity,
 )
 from resumekit.store.layout import MANIFEST_NAME, WRITER_FILE, NameFormat
+from resumekit.store.local_roots import parse_sub_root, replica_root_name
 from resumekit.store.manifest import Checksum, Manifest, hex_digest, parse_manifest
 from resumekit.store.newest import forget_newest_hint
 from resumekit.store.recovery import sweep_dead_writers
@@ -117,18 +118,19 @@ __all__ = [
 NODE_NAME_ENV = "RESUMEKIT_NODE_NAME"
 #: The most bytes of a file one send (and one receive buffer) holds.
 CHUNK_BYTES = 64 << 20
-_REPLICA_DIR = re.compile(r"^replica_of_rank_(?P<rank>\d{5,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 
 
 def replica_dir(rank: int) -> str:
     """The name of the sub-root of a local root holding ``rank``'s replicas.
 
+    The naming rule is :mod:`resumekit.store.local_roots`'s (``replica_root_name``).
+
     Example:
         >>> replica_dir(7)
         'replica_of_rank_00007'
     """
-    return f"replica_of_rank_{rank:05d}"
+    return replica_root_name(rank)
 
 
 def parse_replica_dir(name: str) -> int | None:
@@ -138,8 +140,8 @@ def parse_replica_dir(name: str) -> int | None:
         >>> parse_replica_dir("replica_of_rank_00007"), parse_replica_dir("rank_00007")
         (7, None)
     """
-    match = _REPLICA_DIR.match(name)
-    return None if match is None else int(match.group("rank"))
+    sub = parse_sub_root(name)
+    return None if sub is None or sub.kind != "replica" else sub.rank
 
 
 def node_name() -> str:
