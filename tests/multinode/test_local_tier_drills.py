@@ -405,18 +405,23 @@ def test_local_tier_preemption_saves_to_the_durable_root_and_the_requeue_resumes
     text = output.read_text()
     runs = runs_of(text)
     assert [r.restart for r in runs] == [0, 1], text
-    assert runs[0].preempted_at == at and at in runs[0].committed, runs[0]
+    # The ranks count the signal at their next vote: with poll_every="auto" and local
+    # saves making every other step longer, that can be a step or two after ``at``.
+    stopped = runs[0].preempted_at
+    assert stopped is not None and at <= stopped <= at + 2, runs[0]
+    assert stopped in runs[0].committed, runs[0]
     entries = {e.step: e for e in list_checkpoints(Storage(root / CHECKPOINT_DIR),
                                                     NameFormat(CHECKPOINT_NAME_FORMAT))}
-    assert entries[at].manifest is not None and entries[at].manifest.reason == "preemption"
+    assert entries[stopped].manifest is not None
+    assert entries[stopped].manifest.reason == "preemption"
     local0 = [int(s) for s in _LOCAL_COMMIT.findall(runs[0].text)]
-    assert local0 and max(local0) < at, local0
+    assert local0 and max(local0) < stopped, local0
     [restore] = restores_of(text)
-    assert (restore.tier, restore.step) == ("durable", at), restore.text
+    assert (restore.tier, restore.step) == ("durable", stopped), restore.text
     # The local copies were there and usable, only older: said why durable was read.
     assert f"step {max(local0)}" in restore.text, restore.text
     _assert_bit_identical(reference, root)
-    print(f"\n[local-tier c] job {job_id}: preempted at step {at} (emergency save to the "
+    print(f"\n[local-tier c] job {job_id}: preempted at step {stopped} (emergency save to the "
           f"durable root; newest local step {max(local0)}); the requeue resumed from the "
           f"durable root at step {restore.step}: steps lost 0; {time.monotonic() - began:.1f} s; "
           "bit-identical: yes")
