@@ -75,7 +75,6 @@ from resumekit.store.coordination import (
 )
 from resumekit.store.generations import Fence
 from resumekit.store.layout import (
-    DCP_METADATA_FILE,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
@@ -86,7 +85,6 @@ from resumekit.store.manifest import (
     Manifest,
     SaveReason,
     SaveThroughput,
-    checksum_chunks,
 )
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
@@ -704,20 +702,12 @@ class CheckpointManager:
                     process_group=group, background=job.background,
                     storage_options=self.storage.storage_options or None,
                     tensor_format=self.tensor_format, remote=job.writer)
-            entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
-                                 checksum=file.checksum) for file in written]
-            required = [f"{TENSORS_DIR}/{name}" for file in written
-                        for name in (file.name, *file.references) if file.references]
             small = [(rank_state_file(rank), job.ranks)]
             if rank == 0:
                 small.insert(0, (TRAIN_STATE_FILE, job.train))
-                if job.tensors:  # only the coordinating rank writes it
-                    required.append(f"{TENSORS_DIR}/{DCP_METADATA_FILE}")
-            for path, data in small:
-                self.storage.write_bytes(f"{pending.staging}/{path}", data, durable=True)
-                entries.append(FileEntry(path=path, size=len(data),
-                                         checksum=checksum_chunks([data])))
-            return entries, sorted(set(required))
+            # only the coordinating rank writes .metadata
+            return sharded.step_files(self.storage, pending.staging, written, small,
+                                      coordinating=rank == 0 and bool(job.tensors))
 
         described: tuple[list[FileEntry], list[str]] = run_on_every_rank(coordinator, write)
         return described

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
 import torch.distributed as dist
@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
+from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
+from resumekit.store.manifest import FileEntry, checksum_chunks
+from resumekit.store.storage import Storage
 from resumekit.tensors.context import (
     directory_str,
     local_path,
@@ -37,8 +40,15 @@ from resumekit.tensors.failures import from_failures
 from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
 from resumekit.tensors.remote import RemoteWrites, WriterSpec, shipped
 
-__all__ = ["DEFAULT_SYNC_FILES", "DEFAULT_THREAD_COUNT", "TENSOR_FORMATS", "TensorFormat",
-           "save", "tensor_format_for"]
+__all__ = [
+    "DEFAULT_SYNC_FILES",
+    "DEFAULT_THREAD_COUNT",
+    "TENSOR_FORMATS",
+    "TensorFormat",
+    "save",
+    "step_files",
+    "tensor_format_for",
+]
 
 logger = logging.getLogger("resumekit")
 
@@ -198,3 +208,36 @@ def _make_writer(
         directory, thread_count=thread_count, storage_options=storage_options))
 
 
+
+
+def step_files(storage: Storage, staging: str, written: Sequence[WrittenFile],
+               small: Sequence[tuple[str, bytes]], *, coordinating: bool
+               ) -> tuple[list[FileEntry], list[str]]:
+    """Describe a rank's files of one step and write its small ones into ``staging``.
+
+    The one rule of what a rank reports to the commit protocol, for durable saves and
+    node-local ones alike: every tensor file it wrote (size and checksum taken while
+    written), then each small file (``(path, bytes)``, written durably and hashed here).
+
+    Args:
+        storage: The root.
+        staging: The step's staging directory under it.
+        written: The tensor files this rank wrote (:func:`save`'s return).
+        small: The small files (training state, rank state) to write.
+        coordinating: Whether this rank wrote the tensors' ``.metadata`` (then it is
+            required).
+
+    Returns:
+        The file entries, and the files the tensor metadata references (which the commit
+        requires some rank to have reported).
+    """
+    entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
+                         checksum=file.checksum) for file in written]
+    required = {f"{TENSORS_DIR}/{name}" for file in written
+                for name in (file.name, *file.references) if file.references}
+    if coordinating:
+        required.add(f"{TENSORS_DIR}/{DCP_METADATA_FILE}")
+    for path, data in small:
+        storage.write_bytes(f"{staging}/{path}", data, durable=True)
+        entries.append(FileEntry(path=path, size=len(data), checksum=checksum_chunks([data])))
+    return entries, sorted(required)

@@ -55,6 +55,7 @@ from resumekit.tensors.save import (
     TENSOR_FORMATS,
     TensorFormat,
     save,
+    step_files,
     tensor_format_for,
 )
 from resumekit.tensors.staging import CpuStager
@@ -100,6 +101,7 @@ __all__ = [
     "read_tensor_index",
     "retie",
     "save",
+    "step_files",
     "tensor_format_for",
     "tensor_index_of",
     "untie",

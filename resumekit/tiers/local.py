@@ -28,7 +28,6 @@ from resumekit.store.catalog import CheckpointEntry, list_checkpoints
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.coordination import SingleProcess, run_on_every_rank
 from resumekit.store.layout import (
-    DCP_METADATA_FILE,
     TENSORS_DIR,
     TRAIN_STATE_FILE,
     NameFormat,
@@ -41,11 +40,9 @@ from resumekit.store.local_roots import (
     unusable_reason,
 )
 from resumekit.store.manifest import (
-    FileEntry,
     LocalPart,
     Manifest,
     WriterGeneration,
-    checksum_chunks,
 )
 from resumekit.store.newest import forget_newest_hint
 from resumekit.store.recovery import remove_retired
@@ -172,18 +169,11 @@ class LocalSite:
                 written = sharded.save(job.tensors,
                                        storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                                        alone=True, tensor_format=self.tensor_format)
-            entries = [FileEntry(path=f"{TENSORS_DIR}/{file.name}", size=file.size,
-                                 checksum=file.checksum) for file in written]
-            required = {f"{TENSORS_DIR}/{name}" for file in written
-                        for name in (file.name, *file.references) if file.references}
-            if job.tensors:
-                required.add(f"{TENSORS_DIR}/{DCP_METADATA_FILE}")
-            for path, data in ((TRAIN_STATE_FILE, job.train),
-                               (rank_state_file(self.rank), job.ranks)):
-                storage.write_bytes(f"{pending.staging}/{path}", data, durable=True)
-                entries.append(FileEntry(path=path, size=len(data),
-                                         checksum=checksum_chunks([data])))
-            protocol.publish(pending, manifest, described=entries, required=sorted(required))
+            entries, required = sharded.step_files(
+                storage, pending.staging, written,
+                ((TRAIN_STATE_FILE, job.train), (rank_state_file(self.rank), job.ranks)),
+                coordinating=bool(job.tensors))
+            protocol.publish(pending, manifest, described=entries, required=required)
         except BaseException:
             try:
                 protocol.abort(pending)
