@@ -131,6 +131,7 @@ if TYPE_CHECKING:
         import_checkpoint,
     )
     from resumekit.warnings import (
+        LocalTierMissWarning,
         ResumekitWarning,
         UnsupportedTorchWarning,
     )
@@ -172,6 +173,7 @@ _EXPORTS: dict[str, str] = {
     "ResumeStepError": "resumekit.errors",
     "ResumekitError": "resumekit.errors",
     "ResumekitWarning": "resumekit.warnings",
+    "LocalTierMissWarning": "resumekit.warnings",
     "RetentionPolicy": "resumekit.store.retention",
     "SaveReason": "resumekit.store.manifest",
     "SkipAheadSampler": "resumekit.state.sampler",
@@ -233,6 +235,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "Lineage",
     "LocalTier",
+    "LocalTierMissWarning",
     "Manifest",
     "ManifestError",
     "MissingDependencyError",

@@ -371,8 +371,7 @@ class CheckpointManager:
         step = None if manifest is None else manifest.step
         if durable:
             self.restored_from_tier = None if manifest is None else "durable"
-            logger.info("resumekit: restore: %s (%s)", "a fresh start" if step is None
-                        else f"step {step} from the durable tier", tiers.durable_why())
+            tiers.say_durable(step)
         tiers.tidy(step)
 
     def _warn(self, message: str, *, stacklevel: int = 4) -> None:

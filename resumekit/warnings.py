@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["ResumekitWarning", "UnsupportedTorchWarning", "warn"]
+__all__ = ["LocalTierMissWarning", "ResumekitWarning", "UnsupportedTorchWarning", "warn"]
 
 logger = logging.getLogger("resumekit")
 
@@ -26,6 +26,17 @@ class ResumekitWarning(UserWarning):
 
 class UnsupportedTorchWarning(ResumekitWarning):
     """``import resumekit`` found a torch outside the releases it supports (and goes on)."""
+
+
+class LocalTierMissWarning(ResumekitWarning):
+    """An in-job restart found no usable node-local copy: it read the durable root instead.
+
+    Given on every rank by a restore with a local tier when torchrun has restarted the
+    worker group (``TORCHELASTIC_RESTART_COUNT`` above 0 on any node) and no step of the
+    local tier restored; the message says why and which step the durable root gave.
+    Escalate it with ``warnings.simplefilter("error", LocalTierMissWarning)`` to stop a
+    job whose in-job restarts keep missing their local copies.
+    """
 
 
 def warn(message: str, category: type[Warning] = ResumekitWarning, *,

@@ -540,8 +540,11 @@ def _log_in_job_restart(restarts: int) -> None:
 
 def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBotConfig,
                world_size: int, scheduler: Any, sampler: ResumableDistributedSampler,
-               restarts: int) -> None:
-    """Say how this launch starts: fresh, resumed (and what), or already finished."""
+               ) -> None:
+    """Say how this launch starts: fresh, resumed (and what), or already finished.
+
+    (An in-job restart that found no usable node-local copy is resumekit's own warning.)
+    """
     if ckpt.finished and start >= config.train.num_steps:
         # A relaunch of a finished run (its final checkpoint restored): nothing to train,
         # and the job exits 0.
@@ -556,14 +559,6 @@ def _log_start(ckpt: CheckpointManager, start: int, dropped: int, config: LingBo
                     "streams and data position (epoch %d, %d samples consumed); %d metric "
                     "record(s) after step %d dropped", start, tier, scheduler.get_last_lr()[0],
                     sampler.epoch, sampler.consumed, dropped, start)
-    local_missed = ckpt.restored_from_tier in {"durable", None}
-    if restarts and ckpt.options.local is not None and local_missed:
-        # The in-job restart's promise is the local tier: say when it could not keep it.
-        what = (f"resumed from the durable root at step {start}"
-                if ckpt.resumed_from is not None else "started over from step 0")
-        logger.warning("in-job restart %d found no usable node-local copy at least as new as "
-                       "the durable root's newest: %s; the steps since are recomputed",
-                       restarts, what)
 
 
 def _optimizer_step(model: LingBotVA, optimizer: torch.optim.Optimizer, scheduler: Any,
@@ -655,8 +650,7 @@ def train(args: argparse.Namespace) -> int:
         start = ckpt.restore()
         dropped = metrics.truncate_after(start)
         if leader:
-            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler,
-                       restarts)
+            _log_start(ckpt, start, dropped, config, context.world_size, scheduler, sampler)
         run = _wandb_run(args.wandb, ckpt, config, leader)
         batches = MicroBatches(dataset, sampler, tcfg.micro_batch_size, context.device)
         progress = tqdm(total=tcfg.num_steps, initial=start, file=sys.stderr,

@@ -8,7 +8,10 @@ can get, newest first, each from the cheapest source (a rank's own copy, else th
 replica of the lowest rank that keeps one), as long as it is at least as new as the
 durable root's newest: the restore tries them in that order and falls back to the
 durable root when none restores. A step every rank holds itself is the ``"local"`` tier;
-one some rank must fetch from a partner is the ``"replica"`` tier.
+one some rank must fetch from a partner is the ``"replica"`` tier. Each candidate also
+names, for every rank reading its own copy, a partner keeping a replica of that copy (its
+*spare*): a rank whose own copy fails to verify reads the spare of the same step before
+the restore gives the step up for an older one.
 """
 
 from __future__ import annotations
@@ -52,11 +55,14 @@ class Candidate:
             rank fetches its copy from a partner.
         fetches: ``{rank: holder}``: each rank without its own copy, and the rank whose
             replica it fetches.
+        spares: ``{rank: holder}``: each rank reading its own copy whose copy of this step
+            is also kept as a replica, and the (lowest) rank keeping it.
     """
 
     step: int
     tier: Tier
     fetches: Mapping[int, int] = field(default_factory=dict)
+    spares: Mapping[int, int] = field(default_factory=dict)
 
     def why(self, durable_step: int | None) -> str:
         """One line: where each rank's copy comes from, and how it compares with durable."""
@@ -109,8 +115,9 @@ def decide(holdings: Sequence[Holdings], durable_step: int | None) -> TierChoice
 
     A step is a candidate when every rank can get its copy of it, its own or a replica
     another rank keeps of it, and it is not older than ``durable_step`` (equal is a
-    candidate: a local read is the cheaper one). A rank with its own copy never fetches;
-    one without fetches from the lowest rank keeping its replica of that step.
+    candidate: a local read is the cheaper one). A rank with its own copy never fetches
+    (the lowest rank keeping its replica of that step is its spare); one without fetches
+    from the lowest rank keeping its replica of that step.
 
     Args:
         holdings: Each rank's holdings, indexed by rank (its length is the world size).
@@ -134,14 +141,18 @@ def decide(holdings: Sequence[Holdings], durable_step: int | None) -> TierChoice
         if durable_step is not None and step < durable_step:
             break
         fetches: dict[int, int] = {}
+        spares: dict[int, int] = {}
         for rank, held in enumerate(holdings):
-            if step in held.own:
-                continue
             holders = keepers.get(rank, {}).get(step)
+            if step in held.own:
+                if holders:
+                    spares[rank] = min(holders)
+                continue
             if not holders:
                 break
             fetches[rank] = min(holders)
         else:
-            candidates.append(Candidate(step, "replica" if fetches else "local", fetches))
+            candidates.append(Candidate(step, "replica" if fetches else "local", fetches,
+                                        spares))
     return TierChoice(tuple(candidates), durable_step,
                       max(steps_anywhere) if steps_anywhere else None)

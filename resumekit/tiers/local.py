@@ -315,6 +315,13 @@ class LocalSite:
                  f"({restored}), a timeline this run left (training saves those steps "
                  f"again): {', '.join(committed)}", ResumekitWarning, stacklevel=6)
 
+    def discard(self, step: int, why: str) -> None:
+        """Delete this rank's own copy of ``step`` (one that failed to verify), logged."""
+        name = self.entry(step).name
+        forget_newest_hint(self.own)
+        remove_retired(self.own, name)
+        logger.info("resumekit: deleted node-local %s: %s", self.own.path(name), why)
+
     def entry(self, step: int) -> CheckpointEntry:
         """This rank's own committed copy of ``step`` (after a fetch, if it needed one).
 

@@ -13,10 +13,13 @@ root's own restore, when the manager has a local tier:
 4. each candidate in turn: ranks without their own copy fetch it from the partner's
    replica (:func:`resumekit.tiers.local.fetch_copies`), then every rank verifies and
    reads its copy (the manager's ``read``: checksums, compatibility, tensors read by the
-   rank alone); a failure on any rank is a warning naming the copy and why, and the next
-   candidate is tried;
+   rank alone); a rank whose own copy fails reads a partner's replica of the same step
+   instead when one is kept (a warning names the copy and why); any other failure is a
+   warning naming the copy and why, and the next candidate is tried;
 5. none restored: the durable root's restore runs (the manager), with a warning when a
-   candidate failed.
+   candidate failed, and one when the restore is an in-job restart (torchrun's
+   ``TORCHELASTIC_RESTART_COUNT``, the most any node counts): that restart missed the
+   local tier it exists for.
 
 The choice is logged in one INFO line (step, tier, why) and the manager records the tier
 in the lineage of the manifests it writes next (``Lineage.restored_from_tier``).
@@ -25,7 +28,8 @@ in the lineage of the manifests it writes next (``Lineage.restored_from_tier``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from resumekit.errors import CoordinationError, IncompatibleCheckpointError, ResumekitError
@@ -38,7 +42,7 @@ from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import Manifest, WriterGeneration
 from resumekit.store.storage import Storage
 from resumekit.tiers.local import LocalSite, LocalSurvey, fetch_copies, holdings_of
-from resumekit.warnings import ResumekitWarning, warn
+from resumekit.warnings import LocalTierMissWarning, ResumekitWarning, warn
 
 __all__ = ["TierRestore", "TierRestored"]
 
@@ -74,6 +78,7 @@ class TierRestore:
         self.survey = LocalSurvey()
         self.choice: TierChoice | None = None
         self.with_replicas = False
+        self.restarts = 0  # torchrun's in-job restarts of this job, the most any node counts
 
     def run(self, read: ReadCopy) -> TierRestored | None:
         """Restore from the newest usable candidate, or return None (read the durable root).
@@ -89,9 +94,10 @@ class TierRestore:
         """
         coordinator = self.channel.coordinator
         durable_step = self.prepare()
-        gathered = coordinator.all_gather(holdings_of(self.survey))
+        gathered = coordinator.all_gather((holdings_of(self.survey), in_job_restarts()))
+        self.restarts = max(restarts for _, restarts in gathered)
         choice = self.choice = decide(
-            [Holdings.of(own, replicas) for own, replicas in gathered], durable_step)
+            [Holdings.of(own, replicas) for (own, replicas), _ in gathered], durable_step)
         for number, candidate in enumerate(choice.candidates):
             try:
                 restored = self._try(candidate, read)
@@ -134,32 +140,66 @@ class TierRestore:
         return current, None if entry is None else entry.step
 
     def _try(self, candidate: Candidate, read: ReadCopy) -> TierRestored:
-        """Fetch what is missing, then verify and read every rank's copy (raises alike)."""
-        site, coordinator = self.site, self.channel.coordinator
+        """Fetch what is missing, then verify and read every rank's copy (raises alike).
+
+        A rank whose own copy fails and whose copy a partner keeps as a replica (the
+        candidate's spare) deletes its copy, fetches the replica and reads that instead,
+        with a warning; a failure without a spare, or of a spare, gives the step up.
+        """
         step = candidate.step
+        name = self.name_format.build(step)
         if candidate.fetches:
-            name = self.name_format.build(step)
-            fetch_copies(dict(candidate.fetches), step, name, site, self.channel)
+            fetch_copies(dict(candidate.fetches), step, name, self.site, self.channel)
+        manifests: dict[str, Manifest] = {}
+        failed = self._read_copies(step, read, manifests, readers=None)
+        if failed:
+            spares = {rank: candidate.spares.get(rank) for rank in failed}
+            if any(holder is None for holder in spares.values()):
+                raise ResumekitError(failed[min(failed)], step=step)
+            fetches = {rank: holder for rank, holder in spares.items() if holder is not None}
+            for rank, holder in sorted(fetches.items()):
+                warn(f"{failed[rank]}; rank {rank} reads rank {holder}'s replica of step "
+                     f"{step} instead (its own copy is deleted)", ResumekitWarning,
+                     stacklevel=4)
+            if self.site.rank in fetches:
+                self.site.discard(step, f"its copy of step {step} failed to verify; "
+                                        f"replaced by rank {fetches[self.site.rank]}'s replica")
+            fetch_copies(fetches, step, name, self.site, self.channel)
+            failed = self._read_copies(step, read, manifests, readers=set(fetches))
+            if failed:
+                raise ResumekitError(failed[min(failed)], step=step)
+            candidate = Candidate(step, "replica", {**candidate.fetches, **fetches})
+        assert self.choice is not None
+        return TierRestored(step, candidate.tier, manifests["own"],
+                            candidate.why(self.choice.durable_step))
 
-        manifests: list[Manifest] = []
+    def _read_copies(self, step: int, read: ReadCopy, manifests: dict[str, Manifest], *,
+                     readers: set[int] | None) -> dict[int, str]:
+        """Verify and read this rank's copy of ``step`` (if a reader); every rank's failures.
 
-        def read_own() -> None:
+        Returns ``{rank: why}`` for each rank whose copy failed (the same on every rank).
+        A copy that does not fit the run, or any other error, is raised on every rank.
+        """
+        site = self.site
+
+        def read_own() -> str | None:
+            if readers is not None and site.rank not in readers:
+                return None
             entry = site.entry(step)
             try:
                 read(site.own, entry)
             except IncompatibleCheckpointError:
                 raise
             except (ResumekitError, OSError) as error:
-                raise ResumekitError(
-                    f"rank {site.rank}'s copy {entry.path} failed: {type(error).__name__}: "
-                    f"{error}", path=entry.path, rank=site.rank, step=step) from error
+                return (f"rank {site.rank}'s copy {entry.path} failed: "
+                        f"{type(error).__name__}: {error}")
             assert entry.manifest is not None
-            manifests.append(entry.manifest)
+            manifests["own"] = entry.manifest
+            return None
 
-        run_on_every_rank(coordinator, read_own)
-        assert self.choice is not None
-        return TierRestored(step, candidate.tier, manifests[0],
-                            candidate.why(self.choice.durable_step))
+        outcome = run_on_every_rank(self.channel.coordinator, read_own)
+        gathered = self.channel.coordinator.all_gather(outcome)
+        return {rank: why for rank, why in enumerate(gathered) if why is not None}
 
     def tidy(self, restored: int | None) -> None:
         """Delete, on every rank, the node-local copies a run restored at ``restored`` drops.
@@ -173,3 +213,29 @@ class TierRestore:
         """Why the durable root is read (after :meth:`run` returned None, or a step)."""
         return ("a step was asked for" if self.choice is None
                 else self.choice.durable_why())
+
+    def say_durable(self, step: int | None) -> None:
+        """Log that the durable root was read and why; warn if an in-job restart missed.
+
+        An in-job restart (torchrun ``--max-restarts``) is meant to resume from the local
+        tier; when it reads the durable root instead (or starts over), every rank warns,
+        naming the restart, the step and why no local copy served.
+        """
+        what = "a fresh start" if step is None else f"step {step} from the durable tier"
+        why = self.durable_why()
+        logger.info("resumekit: restore: %s (%s)", what, why)
+        if self.restarts and self.choice is not None:
+            then = ("starting over from step 0" if step is None
+                    else f"restoring step {step} from the durable root")
+            warn(f"in-job restart {self.restarts} (torchrun --max-restarts) found no usable "
+                 f"node-local copy: {why}; {then}, the steps since are trained again",
+                 LocalTierMissWarning, stacklevel=4)
+
+
+def in_job_restarts(environ: Mapping[str, str] | None = None) -> int:
+    """The restart count of this node's worker group under torchrun (0: none, or not torchrun)."""
+    raw = (os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0")
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 0

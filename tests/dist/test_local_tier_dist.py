@@ -153,6 +153,47 @@ def test_a_rank_without_its_copy_or_a_replica_makes_every_rank_restore_from_dura
                                                            "step_000000006"]
 
 
+def _flip_a_byte(step_dir: Path) -> None:
+    """Flip one byte in the middle of a copy's largest tensor file (only checksums tell)."""
+    target = max((path for path in (step_dir / "tensors").rglob("*") if path.is_file()),
+                 key=lambda path: path.stat().st_size)
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def test_a_rank_whose_own_copy_fails_to_verify_reads_its_partners_replica_of_that_step(
+        tmp_path: Path) -> None:
+    saved = run_ranks(_train, world_size=2, args=(str(tmp_path),))
+    _flip_a_byte(tmp_path / "node1" / "rank_00001" / "step_000000006")
+    restored = run_ranks(_restore, world_size=2, args=(str(tmp_path),))
+    for rank in range(2):
+        # The same step, not the older one: rank 1 read rank 0's replica of its copy.
+        assert (restored[rank]["step"], restored[rank]["tier"]) == (STEPS, "replica")
+        assert _same_state(restored[rank]["state"], saved[rank]), f"rank {rank} differs"
+        assert restored[rank]["lineage"] == (STEPS + 2, "replica")
+        said = [w for w in restored[rank]["warnings"] if "replica of step 6 instead" in w]
+        assert len(said) == 1, restored[rank]["warnings"]
+        assert "rank 1's copy" in said[0] and "step_000000006" in said[0], said[0]
+        assert "rank 1 reads rank 0's replica" in said[0], said[0]
+        assert not [w for w in restored[rank]["warnings"] if "not restoring" in w]
+    # The bad copy was replaced by the replica (then the next local save joined it).
+    assert _steps_in(tmp_path / "node1" / "rank_00001") == ["step_000000006",
+                                                           "step_000000008"]
+
+
+def test_a_copy_and_its_replica_both_failing_give_the_step_up_for_the_next_candidate(
+        tmp_path: Path) -> None:
+    run_ranks(_train, world_size=2, args=(str(tmp_path),))
+    _flip_a_byte(tmp_path / "node1" / "rank_00001" / "step_000000006")
+    _flip_a_byte(tmp_path / "node0" / "replica_of_rank_00001" / "step_000000006")
+    restored = run_ranks(_restore, world_size=2, args=(str(tmp_path),))
+    for rank in range(2):
+        assert (restored[rank]["step"], restored[rank]["tier"]) == (4, "local")
+        said = [w for w in restored[rank]["warnings"] if "not restoring step 6" in w]
+        assert len(said) == 1 and "trying step 4 next" in said[0], restored[rank]["warnings"]
+
+
 def _one_rank_alone(rank: int, world: int, tmp: str) -> list[str]:
     """Rank 1 saves and loads its FSDP2 shards alone while rank 0 waits in a barrier.
 

@@ -67,6 +67,8 @@ _FROM_TIER = re.compile(r"resumekit: restore: step (\d+) from the (local|replica
 _FROM_DURABLE = re.compile(r"resumekit: restored step (\d+) from (\S+)")
 _IN_JOB = re.compile(r"lingbot\.train: in-job restart (\d+) of at most (\S+)")
 _PASSED_OVER = re.compile(r"not restoring step (\d+) from the (local|replica) tier: (.*)")
+_SPARED = re.compile(r"(rank (\d+)'s copy .*); rank \d+ reads rank (\d+)'s replica of step "
+                     r"(\d+) instead")
 _LOCAL_COMMIT = re.compile(r"resumekit: committed local step (\d+) under")
 _STAMP = r"^\[rank 0\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 _RESUMED_AT = re.compile(_STAMP + r"lingbot\.train: resumed at step (\d+)", re.MULTILINE)
@@ -140,6 +142,7 @@ class Restore:
     tier: str
     why: str
     passed_over: list[tuple[int, str, str]]
+    spared: list[tuple[int, int, int, str]]  # (step, rank, holder, why): a replica read instead
     text: str = field(repr=False)
 
 
@@ -161,7 +164,8 @@ def restores_of(output: str) -> list[Restore]:
             name, why = "durable", durable[-1][1]
         # Every rank warns: one entry per distinct warning.
         passed = sorted({(int(s), t, e) for s, t, e in _PASSED_OVER.findall(text)})
-        found.append(Restore(step, name, why, passed, text))
+        spared = sorted({(int(s), int(r), int(h), e) for e, r, h, s in _SPARED.findall(text)})
+        found.append(Restore(step, name, why, passed, spared, text))
     return found
 
 
@@ -286,12 +290,13 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
                                                      restores=2)
     assert durable_restore.tier == "durable", durable_restore.text
     assert durable_restore.step == max(durable_then), (durable_restore, durable_then)
-    # Why durable, at INFO (the library), and that the restart missed its promise, as a
-    # warning (the trainer).
+    # Why durable, at INFO, and that the restart missed its promise, as a warning (both
+    # the library's).
     assert f"restore: step {durable_restore.step} from the durable tier (" in \
         durable_restore.text, durable_restore.text
-    assert re.search(r"lingbot\.train: in-job restart 2 found no usable node-local copy .*: "
-                     rf"resumed from the durable root at step {durable_restore.step}",
+    assert re.search(r"LocalTierMissWarning: in-job restart 2 \(torchrun --max-restarts\) found "
+                     r"no usable node-local copy: .*; restoring step "
+                     rf"{durable_restore.step} from the durable root",
                      output.read_text()), output.read_text()[-3000:]
 
     done = _wait_done(cluster, job_id)
@@ -442,12 +447,13 @@ def _flip_a_byte(step_dir: Path) -> Path:
     return target
 
 
-def test_local_tier_corrupted_copy_is_passed_over_with_a_warning_for_the_next_candidate(
+def test_local_tier_corrupted_copy_is_passed_over_with_a_warning_for_the_partners_replica(
     cluster: NamespaceCluster, reference: Path, tmp_path: Path
 ) -> None:
     """(d) One byte of rank 1's newest own local copy is flipped, then rank 1 is killed: the
     in-job restart's restore finds the checksum mismatch, says so in a warning naming the
-    copy, and restores the next candidate step; the run ends bit-identical."""
+    copy, and takes the next candidate: the partner's replica of the same step (no step
+    lost to the corruption); the run ends bit-identical."""
     name = "drill-d"
     root, output = tmp_path / "run", tmp_path / "job.out"
     job_id = submit(cluster, root, output, env=_local_env(cluster, name))
@@ -458,30 +464,32 @@ def test_local_tier_corrupted_copy_is_passed_over_with_a_warning_for_the_next_ca
     with _all_frozen(rank0, rank1):
         reached = newest_step(root)
         own = {rank: set(_committed_steps(path)) for rank, path in roots.items()}
+        kept = set(_committed_steps(_local_root(cluster, "host1", name)
+                                    / f"replica_of_{_rank(1)}"))
         durable_then = max(_durable_steps(root), default=None)
         common = sorted(own[0] & own[1])
-        assert len(common) >= 2, own  # a next candidate exists
+        assert common, own
         bad = common[-1]
+        assert bad in kept, (bad, kept)  # host1 keeps rank 1's replica of it
         corrupted = _flip_a_byte(roots[1] / CHECKPOINT_NAME_FORMAT.format(step=bad))
         fault = Fault(reached)
         os.kill(rank1, signal.SIGKILL)
     restore, times = _await_recovery(cluster, job_id, output, fault, restores=1)
-    # The next candidate: the newest older step every rank holds, unless the durable root
-    # is newer (then the durable root).
-    older = common[-2]
-    if durable_then is not None and durable_then > older:
-        expected = (durable_then, "durable")
+    if durable_then is not None and durable_then > bad:
+        expected = (durable_then, "durable")  # the durable root is newer than any copy
     else:
-        expected = (older, "local")
+        expected = (bad, "replica")
     assert (restore.step, restore.tier) == expected, (restore, own, durable_then)
-    assert {(s, t) for s, t, _ in restore.passed_over} == {(bad, "local")}, restore.text
-    why = restore.passed_over[0][2]
-    assert "rank 1" in why and CHECKPOINT_NAME_FORMAT.format(step=bad) in why, why
+    assert restore.passed_over == [], restore.text  # no step given up
+    assert [(s, r, h) for s, r, h, _ in restore.spared] == [(bad, 1, 0)], restore.text
+    why = restore.spared[0][3]
+    assert CHECKPOINT_NAME_FORMAT.format(step=bad) in why, why
     assert re.search("checksum|Corrupt", why), why
     _wait_done(cluster, job_id)
     _assert_bit_identical(reference, root)
     print(f"\n[local-tier d] job {job_id}: rank 1's local copy of step {bad} corrupted "
-          f"({corrupted.name}, one byte), rank 1 SIGKILLed at step {reached}: passed over "
-          f"with a warning ({why[:140]}); resumed at step {restore.step} from the "
-          f"{restore.tier} tier; steps lost {reached - restore.step}; first step after the "
-          f"restore {times['first_step_s']} s after the kill; bit-identical: yes")
+          f"({corrupted.name}, one byte), rank 1 SIGKILLed at step {reached}: its copy "
+          f"failed with a warning ({why[:140]}); resumed at step {restore.step} from the "
+          f"{restore.tier} tier (rank 0's replica); steps lost {reached - restore.step}; "
+          f"first step after the restore {times['first_step_s']} s after the kill; "
+          f"bit-identical: yes")

@@ -65,3 +65,18 @@ def test_every_candidate_fetches_only_what_a_rank_lacks_from_a_rank_that_keeps_i
                 assert holder == min(  # the lowest rank keeping it: the same on every rank
                     other for other, kept in enumerate(holdings) if other != rank
                     and candidate.step in kept.replicas.get(rank, frozenset()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(worlds())
+def test_a_rank_reading_its_own_copy_has_as_spare_the_lowest_rank_keeping_its_replica(
+        world: tuple[list[Holdings], int | None]) -> None:
+    holdings, durable = world
+    for candidate in decide(holdings, durable).candidates:
+        for rank, held in enumerate(holdings):
+            keepers = [other for other, kept in enumerate(holdings) if other != rank
+                       and candidate.step in kept.replicas.get(rank, frozenset())]
+            if candidate.step in held.own and keepers:
+                assert candidate.spares[rank] == min(keepers)
+            else:
+                assert rank not in candidate.spares  # a fetching rank has no spare

@@ -183,6 +183,49 @@ def test_every_local_copy_failing_falls_back_to_the_durable_root_with_a_warning(
     assert torch.equal(weight, weights[6])
 
 
+def test_an_in_job_restart_that_reads_the_durable_root_warns_that_it_missed_the_local_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    weights = _train(tmp_path, 7, save_every=3)  # durable 3 and 6, local 4 and 6
+    for step in (4, 6):
+        _corrupt(tmp_path / "local" / "rank_00000" / f"step_00000000{step}")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # torchrun's second restart
+    with pytest.warns(resumekit.LocalTierMissWarning) as caught:
+        step, tier, weight = _restore(tmp_path, save_every=3)
+    assert (step, tier) == (6, "durable")
+    assert torch.equal(weight, weights[6])
+    said = [str(w.message) for w in caught if "in-job restart" in str(w.message)]
+    assert said == ["in-job restart 2 (torchrun --max-restarts) found no usable node-local "
+                    "copy: no node-local step could be restored; the durable root's newest "
+                    "restorable is step 6; restoring step 6 from the durable root, the steps "
+                    "since are trained again"]
+
+
+def test_an_in_job_restart_with_nothing_anywhere_warns_that_it_starts_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.warns(ResumekitWarning, match=r"in-job restart 1 .*no rank holds a usable "
+                      r"node-local copy.*starting over from step 0"):
+        assert _restore(tmp_path)[:2] == (0, None)
+
+
+def test_a_first_attempt_or_a_local_restore_says_nothing_of_in_job_restarts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    _train(tmp_path, 5, save_every=3)  # durable 3, local 2 and 4
+    assert _restore(tmp_path, save_every=3)[:2] == (4, "local")  # no restart: no warning
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _restore(tmp_path, save_every=3)[:2] == (4, "local")  # the restart's promise kept
+    assert not [w for w in recwarn if "in-job restart" in str(w.message)]
+
+
+def test_in_job_restarts_reads_torchruns_count_and_takes_a_bad_value_as_none() -> None:
+    from resumekit.tiers.restore import in_job_restarts
+
+    assert in_job_restarts({}) == 0
+    assert in_job_restarts({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
+    assert in_job_restarts({"TORCHELASTIC_RESTART_COUNT": "three"}) == 0
+
+
 def test_a_fenced_writers_local_copies_are_never_resumed(tmp_path: Path) -> None:
     _train(tmp_path, 4, save_every=100)  # local 2 and 4 under the durable generation 1
     # A requeued run (another process) claims the durable root; then the zombie of the

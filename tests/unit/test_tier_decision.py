@@ -12,8 +12,14 @@ def test_a_step_every_rank_holds_itself_is_the_local_tier_and_the_newest_comes_f
 
 def test_a_rank_without_its_copy_fetches_it_from_the_rank_keeping_its_replica() -> None:
     choice = decide([Holdings.of({20}, {1: {20}}), Holdings.of({10}, {0: {20}})], None)
-    assert choice.candidates[0] == Candidate(20, "replica", {1: 0})
+    # Rank 0 reads its own copy; rank 1 keeps a replica of it: rank 0's spare.
+    assert choice.candidates[0] == Candidate(20, "replica", {1: 0}, spares={0: 1})
     assert "rank 1 from rank 0's replica" in choice.candidates[0].why(None)
+
+
+def test_a_rank_whose_own_copy_is_also_kept_by_a_partner_has_that_partner_as_spare() -> None:
+    choice = decide([Holdings.of({20}, {1: {20}}), Holdings.of({20}, {0: {10}})], None)
+    assert choice.candidates == (Candidate(20, "local", spares={1: 0}),)
 
 
 def test_a_step_one_rank_cannot_get_is_no_candidate_and_durable_explains_why() -> None:
