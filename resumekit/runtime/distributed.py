@@ -781,11 +781,25 @@ def _rendezvous(launch: LaunchEnvironment, wait: timedelta) -> Store:
         arrived = store.add(_ARRIVAL_KEY, 0)
         raise DistributedSetupError(
             f"only {arrived} of {launch.world_size} ranks reached the rendezvous store at "
-            f"MASTER_ADDR:MASTER_PORT={address} within {wait}: {error}",
+            f"MASTER_ADDR:MASTER_PORT={address} within {wait}: {error}"
+            + _split_attempt_hint(launch),
             variable="WORLD_SIZE",
             address=address,
         ) from None
     return store
+
+
+def _split_attempt_hint(launch: LaunchEnvironment) -> str:
+    """Why a multi-node in-job restart on torchrun's shared store may not meet, if it is one."""
+    if not (launch.agent_store and launch.num_nodes > 1 and launch.restart_count > 0):
+        return ""
+    return (
+        f"; this is torchrun's restart {launch.restart_count} as node {launch.node_rank} "
+        f"counts it, on the store torchrun's agents share: a node restarted for another "
+        f"node's failure does not count the restart, so the ranks of one restart can wait "
+        f"under different attempts; run torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        f"(a new store for every attempt; docs/local-tier.md, \"In-job restart\")"
+    )
 
 
 # ---------------------------------------------------------------------------------------

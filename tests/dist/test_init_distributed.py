@@ -254,3 +254,31 @@ def test_a_rank_that_never_arrives_makes_meet_fail_with_the_meeting_reason(
     reason, message = results[0].split("|", 1)
     assert reason == "end of restore from step_000000100"
     assert "did not all meet" in message and "0:00:02" in message
+
+
+def _join_split_on_the_agent_store(rank: int, world_size: int) -> str:
+    # Two "nodes" of one rank each; only node 1 counted the restart.
+    os.environ.update({"TORCHELASTIC_RESTART_COUNT": str(rank), "GROUP_RANK": str(rank),
+                       "GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    try:
+        init_distributed(timeout=5, checkpoint_timeout=5)
+    except DistributedSetupError as error:
+        return str(error)
+    shutdown()
+    return "met"
+
+
+def test_a_restart_counted_on_one_node_only_on_the_agents_store_fails_naming_the_cure() -> None:
+    # torchrun's agents share one store: the per-node restart counts (0 here, 1 there)
+    # split the ranks; the error says why and what to set, within the rendezvous budget.
+    port = free_port()
+    agent_store = dist.TCPStore(
+        "127.0.0.1", port, None, True, timeout=timedelta(seconds=60), wait_for_workers=False
+    )
+    env = {"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    said = run_ranks(_join_split_on_the_agent_store, world_size=2, init_group=False, env=env)
+    assert said[0].startswith("only 1 of 2 ranks reached the rendezvous store"), said[0]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" not in said[0]  # attempt 0: no hint
+    assert "restart 1 as node 1 counts it" in said[1], said[1]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said[1], said[1]
+    del agent_store
