@@ -378,12 +378,12 @@ def checkpoint_memory(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
     while it is still the save's.
 
     Returns:
-        ``extra_bytes`` (the figure), ``held_bytes`` (held at the end) and
+        ``extra_bytes`` (the figure), ``held_bytes`` (the most held at once) and
         ``raised_bytes`` (the largest rise above what was held), or None without events.
     """
     if not segments:
         return None
-    held = extra = raised = 0
+    held = held_most = extra = raised = 0
     for segment in segments:
         if segment.get("live_begin") is None or segment.get("live_end") is None:
             allocated = segment["rss_end"] - segment["rss_begin"]  # no mallinfo2: the RSS
@@ -392,12 +392,13 @@ def checkpoint_memory(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any] |
         allocated += segment.get("shmem_end", 0) - segment.get("shmem_begin", 0)
         if segment["part"] == "checkpoint":
             held = max(0, held + allocated)
+            held_most = max(held_most, held)
             rise = max(0, segment["peak"] - segment["rss_begin"] - max(0, allocated))
             raised = max(raised, rise)
             extra = max(extra, held + rise)
         elif segment["part"] == "training" and allocated < 0:
             held = max(0, held + allocated)
-    return {"extra_bytes": max(extra, held), "held_bytes": held, "raised_bytes": raised}
+    return {"extra_bytes": extra, "held_bytes": held_most, "raised_bytes": raised}
 
 
 def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
