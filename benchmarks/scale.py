@@ -26,9 +26,13 @@ process writer where the option exists, else with its thread, as "resumekit asyn
   the most over resumekit's methods;
 * ``scale_goodput``: :func:`benchmarks.goodput.analyse` over the schedule, resumekit async;
 * ``scale_goodput_vs_dcp_async``: that / the better of DCP's two ``async_save`` executors;
-* ``scale_peak_rss_async_vs_state``: peak host memory above a training step's own peak,
-  per rank (its process's high-water mark, plus the private memory of processes it
-  started, sampled), / the rank's state; resumekit async, the larger rank.
+* ``scale_peak_rss_async_vs_state``, ``scale_peak_rss_sync_vs_state``: the host memory
+  the method itself needs at its most, per rank (:func:`checkpoint_memory`: what its
+  calls leave allocated and the most one of them raises the resident set above that,
+  plus the private memory of processes it started, sampled), / the rank's state;
+  resumekit async and sync, the larger rank. ``details`` keeps beside it the launch's
+  high-water mark above that of a step without a save (``peak_extra_launch``), which
+  under :data:`MALLOC_KEEP` also counts the heap's growth over the steps.
 
 Writes ``benchmarks/results/scale.json`` and ``scale.png``; prints a markdown table.
 """
@@ -90,11 +94,11 @@ TARGETS: dict[str, dict[str, Any]] = {
     "scale_goodput_vs_dcp_async": {"better": "higher", "target": 1.0,
                                    "what": "goodput / DCP async_save's (better executor)"},
     "scale_peak_rss_async_vs_state": {"better": "lower", "target": 1.25,
-                                      "what": "peak host memory above a step's / state, "
-                                              "async"},
+                                      "what": "host memory checkpointing holds + raises "
+                                              "at its most / state, async"},
     "scale_peak_rss_sync_vs_state": {"better": "lower", "target": 0.25,
-                                     "what": "peak host memory above a step's / state, "
-                                             "sync"},
+                                     "what": "host memory checkpointing holds + raises "
+                                             "at its most / state, sync"},
     "scale_async_total_vs_sync": {"better": "lower", "target": 1.1,
                                   "what": "async save, call to committed / sync save"},
     "scale_emergency_save_vs_grace": {"better": "lower", "target": 1.0,
@@ -124,6 +128,7 @@ METHOD_FIGURES: dict[str, tuple[str, ...]] = {
     "sigterm_steps_lost": ("sigterm_steps_lost",),
     "emergency_save_vs_grace": ("emergency_save_vs_grace",),
     "peak_extra_vs_state": ("peak_extra", "vs_state"),
+    "peak_extra_launch_vs_state": ("peak_extra_launch", "vs_state"),
 }
 
 
@@ -353,6 +358,49 @@ def _spans(launch: Sequence[dict[str, Any]], what: str) -> list[dict[str, Any]]:
     return spans
 
 
+def checkpoint_memory(segments: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The memory a rank's checkpointing needs at its most, from its ``memory`` events.
+
+    The worker (:class:`benchmarks.scale_worker.Memory`) cuts each launch into segments:
+    ``training`` (a step), ``checkpoint`` (a call into the method: building it, a fresh
+    launch's restore, ``step_end`` with the saves it makes, ``close``) and ``restore``.
+    What checkpointing *holds* grows by what a checkpoint segment leaves allocated
+    (malloc's live bytes, ``mallinfo2``, plus mapped shared memory) and shrinks by what
+    a training segment gives back (a background save's buffers freed by its thread); on
+    top of it, each checkpoint segment may *raise* the resident set for a while (its peak
+    above its starting RSS, less what it left held). The figure is the most of held +
+    raised over the segments.
+
+    Why not the launch's high-water mark above a step's: the bench runs with
+    :data:`MALLOC_KEEP`, so the process keeps every freed block, its RSS only ever grows,
+    and the heap's fragmentation adds to it step after step whether or not anything is
+    saved; and memory a save allocates from blocks a step freed adds nothing to the RSS
+    while it is still the save's.
+
+    Returns:
+        ``extra_bytes`` (the figure), ``held_bytes`` (the most held at once) and
+        ``raised_bytes`` (the largest rise above what was held), or None without events.
+    """
+    if not segments:
+        return None
+    held = held_most = extra = raised = 0
+    for segment in segments:
+        if segment.get("live_begin") is None or segment.get("live_end") is None:
+            allocated = segment["rss_end"] - segment["rss_begin"]  # no mallinfo2: the RSS
+        else:
+            allocated = segment["live_end"] - segment["live_begin"]
+        allocated += segment.get("shmem_end", 0) - segment.get("shmem_begin", 0)
+        if segment["part"] == "checkpoint":
+            held = max(0, held + allocated)
+            held_most = max(held_most, held)
+            rise = max(0, segment["peak"] - segment["rss_begin"] - max(0, allocated))
+            raised = max(raised, rise)
+            extra = max(extra, held + rise)
+        elif segment["part"] == "training" and allocated < 0:
+            held = max(0, held + allocated)
+    return {"extra_bytes": extra, "held_bytes": held_most, "raised_bytes": raised}
+
+
 def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
                    launches: Sequence[Mapping[str, Any]], commits: Mapping[int, Any],
                    config: Mapping[str, Any]) -> dict[str, Any]:
@@ -460,23 +508,36 @@ def analyse_method(method: str, rank_events: Sequence[Sequence[dict[str, Any]]],
     emergency = [i["emergency_save_vs_grace"] for i in sigterms
                  if "emergency_save_vs_grace" in i]
     figures["emergency_save_vs_grace"] = max(emergency) if emergency else None
-    # Peak host memory above a step's own, per rank, from the first launch that has both.
+    # The method's own memory per rank (checkpoint_memory), from the first launch that
+    # has it on every rank; beside it the launch's peak above a step's (the figure before).
     figures["peak_extra"] = None
+    figures["peak_extra_launch"] = None
     for number, info in enumerate(launches):
-        per_rank = []
+        per_rank, whole = [], []
         for rank, events in enumerate(rank_events):
             rank_launches = goodput.launches_of(events)
             if number >= len(rank_launches):
                 break
-            base = next((e for e in rank_launches[number] if e["kind"] == "baseline"), None)
-            end = next((e for e in rank_launches[number] if e["kind"] == "exit"), None)
+            launch = rank_launches[number]
+            base = next((e for e in launch if e["kind"] == "baseline"), None)
+            end = next((e for e in launch if e["kind"] == "exit"), None)
             if base is None or end is None:
                 break
             children = int(info.get("child_private_peak", {}).get(rank, 0))
-            extra = max(0, end["hwm"] - base["hwm"]) + children
-            per_rank.append({"rank": rank, "extra_bytes": extra, "children_bytes": children,
-                             "state_bytes": base["state_bytes"], "exact": base["exact"],
-                             "vs_state": extra / base["state_bytes"]})
+            state = base["state_bytes"]
+            whole_extra = max(0, end["hwm"] - base["hwm"]) + children
+            whole.append({"rank": rank, "extra_bytes": whole_extra,
+                          "vs_state": whole_extra / state})
+            own = checkpoint_memory([e for e in launch if e["kind"] == "memory"])
+            if own is None:
+                break
+            extra = own["extra_bytes"] + children
+            per_rank.append({"rank": rank, **own, "extra_bytes": extra,
+                             "children_bytes": children, "state_bytes": state,
+                             "exact": base["exact"], "vs_state": extra / state})
+        if len(whole) == len(rank_events) and figures["peak_extra_launch"] is None:
+            figures["peak_extra_launch"] = {"launch": number + 1, "ranks": whole,
+                                            "vs_state": max(r["vs_state"] for r in whole)}
         if len(per_rank) == len(rank_events):
             figures["peak_extra"] = {"launch": number + 1, "ranks": per_rank,
                                      "vs_state": max(r["vs_state"] for r in per_rank)}
@@ -604,7 +665,7 @@ def plot(results: Mapping[str, Any], path: Path) -> bool:
     bars(grid[1][0], [d.get("restore_vs_bandwidth") for d in details.values()],
          "restore: fraction of the stand-in's bandwidth", "ratio")
     bars(grid[1][1], [(d.get("peak_extra") or {}).get("vs_state") for d in details.values()],
-         "peak host memory above a step's / state (per rank, max)", "ratio")
+         "host memory the method holds + raises / state (per rank, max)", "ratio")
     config = results["config"]
     figure.suptitle(f"scale: 2 ranks x {config['state_bytes_per_rank'] / GB:.2f} GB (FSDP2, "
                     f"AdamW fp32) on a {config['bandwidth'] / MB:.0f} MB/s NAS stand-in, "

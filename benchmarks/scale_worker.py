@@ -10,7 +10,10 @@ the method's way (an emergency save, then exit 75). Each rank appends an event p
 ``step_begin``/``step``, ``blocked_begin``/``blocked_end`` around every call that makes
 training wait on checkpointing (``what`` and ``step`` say which), ``memcpy`` (the first
 launch: a copy of a state of the rank's size into preallocated buffers), ``baseline``
-(the peak RSS of a step without a save) and ``exit`` (the peak RSS of the launch).
+(the peak RSS of a step without a save), ``exit`` (the peak RSS of the launch) and
+``memory`` (:class:`Memory`: each step and each call into the method as a segment, with
+its peak RSS and its RSS, malloc's live bytes and shared memory at both ends, from
+which :mod:`benchmarks.scale` takes the method's own share of the memory).
 
 The methods (:data:`METHODS`): resumekit sync, async with its writer thread, async with
 ``async_writer="process"`` (where the option exists), DCP's ``async_save`` with its thread
@@ -23,6 +26,7 @@ the way a trainer would: a SIGTERM sets a flag, the ranks agree at the next step
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -87,6 +91,62 @@ def _reset_peak() -> bool:
     except OSError:
         return False
     return True
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def malloc_live() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back (``mallinfo2``), or None.
+
+    Unlike the RSS, this does not count freed memory malloc keeps (with
+    :data:`benchmarks.scale.MALLOC_KEEP`, every freed block stays resident).
+    """
+    try:
+        call = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+    call.restype = _MallInfo2
+    info = call()
+    return int(info.uordblks + info.hblkhd)
+
+
+class Memory:
+    """The rank's life cut into segments, each logged as a ``memory`` event.
+
+    At every :meth:`cut` the segment that ends is logged with its ``part``
+    (``"training"``: a step; ``"checkpoint"``: a call into the method: building it, a
+    fresh launch's restore, ``step_end``, ``close``; ``"restore"``: a restore that reads
+    a checkpoint), its peak RSS (``VmHWM``, reset at every cut), its RSS, malloc's live
+    bytes and the shared memory mapped (``RssShmem``) at both ends. ``peak`` also keeps
+    the high-water mark since :meth:`mark` (the max of the segments' peaks), which the
+    ``baseline`` and ``exit`` events report as before.
+    """
+
+    def __init__(self, events: Events) -> None:
+        self.events = events
+        self.exact = _reset_peak()
+        self.rss, self.live, self.shmem = (_rss_status("VmRSS"), malloc_live(),
+                                           _rss_status("RssShmem"))
+        self.since_mark = self.rss
+
+    def mark(self) -> None:
+        """Start :attr:`since_mark` over from the current RSS."""
+        self.since_mark = _rss_status("VmRSS")
+
+    def cut(self, part: str) -> None:
+        """Log the segment that ends now as ``part``; start the next."""
+        peak, rss = _rss_status("VmHWM"), _rss_status("VmRSS")
+        live, shmem = malloc_live(), _rss_status("RssShmem")
+        self.exact = _reset_peak() and self.exact
+        self.events.log("memory", part=part, peak=peak, rss_begin=self.rss, rss_end=rss,
+                        live_begin=self.live, live_end=live, shmem_begin=self.shmem,
+                        shmem_end=shmem, exact=self.exact)
+        self.since_mark = max(self.since_mark, peak)
+        self.rss, self.live, self.shmem = rss, live, shmem
 
 
 def memcpy_seconds(model: torch.nn.Module, rounds: int = 3) -> float:
@@ -412,25 +472,32 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = build_optimizer(model)
     if args.memcpy:
         events.log("memcpy", seconds=memcpy_seconds(model))
+    memory = Memory(events)  # the method's share of the memory from here on
     saver = SAVERS[args.method](args, model, optimizer, events)
+    memory.cut("checkpoint")
     events.log("restore_begin")
     start = saver.restore()
     events.log("restore_end", step=start)
-    code, exact = 0, True
+    memory.cut("checkpoint" if start == 0 else "restore")  # fresh: the method's own work
+    code = 0
     for step in range(start + 1, args.steps + 1):
         events.log("step_begin", step=step)
         train_step(model, optimizer, batch=args.batch, seed=step)
         events.log("step", step=step)
+        memory.cut("training")
         if step == start + 1:
-            exact = _reset_peak()  # the peak from here on: training and saving only
-        elif step == start + 2:  # a step without a save: the baseline of the peak
-            events.log("baseline", hwm=_rss_status("VmHWM"), rss=_rss_status("VmRSS"),
-                       exact=exact, state_bytes=tensor_bytes(model, optimizer))
-        if saver.step_end(step):
+            memory.mark()  # the whole-launch peak from here on: training and saving only
+        elif step == start + 2:  # a step without a save: the launch peak's baseline
+            events.log("baseline", hwm=memory.since_mark, rss=memory.rss, exact=memory.exact,
+                       state_bytes=tensor_bytes(model, optimizer))
+        stop = saver.step_end(step)
+        memory.cut("checkpoint")
+        if stop:
             code = EXIT_PREEMPTED
             break
     saver.close()
-    events.log("exit", code=code, hwm=_rss_status("VmHWM"), rss=_rss_status("VmRSS"))
+    memory.cut("checkpoint")
+    events.log("exit", code=code, hwm=memory.since_mark, rss=memory.rss)
     dist.destroy_process_group()
     return code
 

@@ -136,21 +136,73 @@ def _events(*records: tuple[float, str, dict[str, Any]]) -> list[dict[str, Any]]
     return [{"t": t, "kind": kind, **fields} for t, kind, fields in records]
 
 
+def _segment(part: str, rss_begin: int, peak: int, rss_end: int, live_begin: int | None,
+             live_end: int | None, shmem_begin: int = 0, shmem_end: int = 0
+             ) -> dict[str, Any]:
+    return {"part": part, "rss_begin": rss_begin, "peak": peak, "rss_end": rss_end,
+            "live_begin": live_begin, "live_end": live_end, "shmem_begin": shmem_begin,
+            "shmem_end": shmem_end, "exact": True}
+
+
+def test_a_steps_heap_growth_under_malloc_keep_is_not_counted_as_the_saves() -> None:
+    # Each step grows the RSS by 1000 (freed blocks kept); the saves allocate nothing
+    # that stays and raise the RSS 5 above where they began.
+    segments = []
+    rss = 0
+    for _ in range(3):
+        segments.append(_segment("training", rss, rss + 1000, rss + 1000, 10, 10))
+        rss += 1000
+        segments.append(_segment("checkpoint", rss, rss + 5, rss, 10, 10))
+    assert scale.checkpoint_memory(segments) == {"extra_bytes": 5, "held_bytes": 0,
+                                                 "raised_bytes": 5}
+
+
+def test_what_a_save_holds_counts_even_when_it_fits_in_kept_blocks_and_once_per_cycle(
+        ) -> None:
+    # A staging copy of 400 allocated from blocks the heap kept (the RSS does not move),
+    # freed by the background thread during the next step, allocated again by the next
+    # save: held 400 at most, not 800. Shared memory counts as held too.
+    segments = [
+        _segment("checkpoint", 2000, 2000, 2000, 100, 500),
+        _segment("training", 2000, 2100, 2000, 500, 100),
+        _segment("checkpoint", 2000, 2000, 2000, 100, 500),
+        _segment("checkpoint", 2000, 2150, 2150, 500, 500, 0, 150),
+    ]
+    assert scale.checkpoint_memory(segments) == {"extra_bytes": 550, "held_bytes": 550,
+                                                 "raised_bytes": 0}
+    # Without mallinfo2 the RSS stands in for the live bytes.
+    assert scale.checkpoint_memory([_segment("checkpoint", 0, 70, 50, None, None)]) == {
+        "extra_bytes": 70, "held_bytes": 50, "raised_bytes": 20}
+    assert scale.checkpoint_memory([]) is None
+
+
 def test_the_analysis_splits_saves_steps_restores_and_interruptions() -> None:
     config = {"bandwidth": 100.0, "save_every": 2, "steps": 4, "grace_s": 10.0}
     # Launch 1: steps 1-3, an async save of step 2 (blocks 0.5 s, committed at t=9), a
     # SIGTERM at t=10 answered by an emergency save of step 3 committed at t=12.
+    # Its memory: building the manager leaves 200 allocated (staging); step 2's save
+    # leaves 50 more and raises the RSS 10 above that; step 3 grows the RSS by 180 (the
+    # heap's own growth: not the method's) while the background save frees 30; the
+    # emergency save raises it 40. The method's most: 250 held + 10 = 260.
     first = _events(
         (0, "launch", {"pid": 1}), (0.5, "memcpy", {"seconds": 0.25}),
+        (0.7, "memory", _segment("checkpoint", 1000, 1200, 1200, 500, 700)),
         (1, "restore_begin", {}), (2, "restore_end", {"step": 0}),
+        (2, "memory", _segment("checkpoint", 1200, 1200, 1200, 700, 700)),
         (2, "step_begin", {"step": 1}), (3, "step", {"step": 1}),
+        (3, "memory", _segment("training", 1200, 1600, 1500, 700, 900)),
+        (3, "memory", _segment("checkpoint", 1500, 1500, 1500, 900, 900)),
         (3, "step_begin", {"step": 2}), (4, "step", {"step": 2}),
+        (4, "memory", _segment("training", 1500, 1550, 1500, 900, 900)),
         (4, "baseline", {"hwm": 1000, "rss": 900, "exact": True, "state_bytes": 400}),
         (4, "blocked_begin", {"what": "save", "step": 2}),
         (4.5, "blocked_end", {"what": "save", "step": 2}),
+        (4.5, "memory", _segment("checkpoint", 1500, 1560, 1520, 900, 950)),
         (4.5, "step_begin", {"step": 3}), (6.5, "step", {"step": 3}),
+        (6.5, "memory", _segment("training", 1520, 1700, 1700, 950, 920)),
         (10.5, "blocked_begin", {"what": "save", "step": 3}),
         (12, "blocked_end", {"what": "save", "step": 3}),
+        (12, "memory", _segment("checkpoint", 1700, 1740, 1700, 920, 920)),
         (12.5, "exit", {"code": 75, "hwm": 1300, "rss": 900}))
     # Launch 2: restores step 3 (200 bytes in 4 s), trains step 4, ends.
     second = _events(
@@ -159,6 +211,7 @@ def test_the_analysis_splits_saves_steps_restores_and_interruptions() -> None:
         (26, "exit", {"code": 0, "hwm": 1000, "rss": 900}))
     other_rank = _events((0, "launch", {"pid": 3}), (1, "restore_begin", {}),
                          (2, "restore_end", {"step": 0}),
+                         (3, "memory", _segment("checkpoint", 0, 100, 0, 0, 0)),
                          (4, "baseline", {"hwm": 2000, "rss": 0, "exact": True,
                                           "state_bytes": 400}),
                          (12.5, "exit", {"code": 75, "hwm": 2100, "rss": 0}),
@@ -189,8 +242,12 @@ def test_the_analysis_splits_saves_steps_restores_and_interruptions() -> None:
     assert sigterm["steps_lost"] == 0 and sigterm["last_step_trained"] == 3
     assert sigterm["emergency_save_s"] == pytest.approx(2.0)
     assert sigterm["emergency_save_vs_grace"] == pytest.approx(0.2)
-    # Rank 0: 300 above its baseline peak + 100 held by its child; rank 1: 100.
-    assert figures["peak_extra"]["vs_state"] == pytest.approx(400 / 400)
+    # The method's own memory: rank 0's 260 + 100 held by its child; rank 1's 100.
+    assert [rank["extra_bytes"] for rank in figures["peak_extra"]["ranks"]] == [360, 100]
+    assert figures["peak_extra"]["ranks"][0]["held_bytes"] == 250
+    assert figures["peak_extra"]["vs_state"] == pytest.approx(360 / 400)
+    # The launch's peak above a step's, as before: rank 0's 300 + 100; rank 1's 100.
+    assert figures["peak_extra_launch"]["vs_state"] == pytest.approx(400 / 400)
     assert figures["goodput"]["complete"]
 
 
