@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import json
 import os
@@ -37,37 +36,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale import MALLOC_KEEP
+from benchmarks.scale_worker import malloc_live, rss_status
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("none", "resumekit_sync", "torch_save")
 #: glibc's settings of the scale bench (:data:`benchmarks.scale.MALLOC_KEEP`) or none.
-MALLOC = {"keep": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)},
-          "default": {}}
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def malloc_live() -> int | None:
-    """Bytes glibc's malloc has handed out and not had back (``mallinfo2``), or None."""
-    try:
-        libc = ctypes.CDLL(None)
-        call = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    call.restype = _MallInfo2
-    info = call()
-    return int(info.uordblks + info.hblkhd)
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+MALLOC = {"keep": dict(MALLOC_KEEP), "default": {}}
 
 
 class Segments:
@@ -85,7 +60,7 @@ class Segments:
 
     def cut(self, label: str) -> None:
         """End the current segment (recording its peak and end RSS); start ``label``."""
-        peak, rss = _status("VmHWM"), _status("VmRSS")
+        peak, rss = rss_status("VmHWM"), rss_status("VmRSS")
         self.records.append({"label": self.label, "peak": peak, "rss_end": rss,
                              "live_end": malloc_live()})
         self._reset()

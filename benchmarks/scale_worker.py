@@ -76,7 +76,8 @@ class Events:
             self.handle.write(json.dumps({"t": time.time(), "kind": kind, **fields}) + "\n")
 
 
-def _rss_status(field: str) -> int:
+def rss_status(field: str) -> int:
+    """A byte count of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...)."""
     with open("/proc/self/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
@@ -129,18 +130,18 @@ class Memory:
     def __init__(self, events: Events) -> None:
         self.events = events
         self.exact = _reset_peak()
-        self.rss, self.live, self.shmem = (_rss_status("VmRSS"), malloc_live(),
-                                           _rss_status("RssShmem"))
+        self.rss, self.live, self.shmem = (rss_status("VmRSS"), malloc_live(),
+                                           rss_status("RssShmem"))
         self.since_mark = self.rss
 
     def mark(self) -> None:
         """Start :attr:`since_mark` over from the current RSS."""
-        self.since_mark = _rss_status("VmRSS")
+        self.since_mark = rss_status("VmRSS")
 
     def cut(self, part: str) -> None:
         """Log the segment that ends now as ``part``; start the next."""
-        peak, rss = _rss_status("VmHWM"), _rss_status("VmRSS")
-        live, shmem = malloc_live(), _rss_status("RssShmem")
+        peak, rss = rss_status("VmHWM"), rss_status("VmRSS")
+        live, shmem = malloc_live(), rss_status("RssShmem")
         self.exact = _reset_peak() and self.exact
         self.events.log("memory", part=part, peak=peak, rss_begin=self.rss, rss_end=rss,
                         live_begin=self.live, live_end=live, shmem_begin=self.shmem,
