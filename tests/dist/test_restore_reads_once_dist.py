@@ -252,7 +252,8 @@ def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dic
     load_module.SharedReads = SmallRounds  # type: ignore[misc]
     state = _mixed_state()
     sharded.save(state, root)
-    data = max(Path(root).glob("*.distcp"), key=lambda path: path.stat().st_size)
+    dist.barrier()  # every rank's file is in place before any rank picks the largest
+    data = max(Path(root).glob("*.distcp"), key=lambda path: (path.stat().st_size, path.name))
     if corrupt and rank == 0:
         damaged = bytearray(data.read_bytes())
         damaged[len(damaged) * 3 // 4] ^= 0xFF
