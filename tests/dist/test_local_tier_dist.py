@@ -23,18 +23,10 @@ import resumekit
 from resumekit.runtime.replicas import NODE_NAME_ENV
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
+from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
 STEPS = 6
-
-
-def _objects() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
-    for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _manager(tmp: str, rank: int, model: nn.Module, opt: torch.optim.Optimizer
@@ -67,7 +59,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
 
 
 def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
-    model, opt = _objects()
+    model, opt = tiny_fsdp2_adamw()
     with _manager(tmp, rank, model, opt) as ckpt:
         for step in range(ckpt.restore(), STEPS):
             _step(model, opt, step)
@@ -77,7 +69,7 @@ def _train(rank: int, world: int, tmp: str) -> dict[str, Any]:
 
 def _restore(rank: int, world: int, tmp: str) -> dict[str, Any]:
     """Restore, snapshot, then train to the next local save (it records the tier)."""
-    model, opt = _objects()
+    model, opt = tiny_fsdp2_adamw()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with _manager(tmp, rank, model, opt) as ckpt:

@@ -11,23 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 
 from resumekit.errors import AsyncSaveError, WriterProcessError
 from resumekit.manager import CheckpointManager
 from resumekit.tools.testing import Probe, check_resume_equivalence, crash_after, stop_after
+from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
 DATA = torch.randn(64, 6, generator=torch.Generator().manual_seed(7))
-
-
-def _objects() -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
-    for layer in (model[0], model[2]):
-        fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
@@ -41,7 +32,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> floa
 
 
 def _train(root: str, num_steps: int, probe: Probe) -> dict[str, Any]:
-    model, optimizer = _objects()
+    model, optimizer = tiny_fsdp2_adamw()
     ckpt = CheckpointManager(root, model=model, optimizer=optimizer, save_every=2,
                              async_save=True, async_writer="process")
     start = ckpt.restore()
@@ -67,7 +58,7 @@ def test_fsdp2_shards_written_by_writer_processes_resume_bit_identically(
 
 
 def _killed_writer(rank: int, world: int, root: str) -> tuple[str, Any, Any, bool]:
-    model, optimizer = _objects()
+    model, optimizer = tiny_fsdp2_adamw()
     ckpt = CheckpointManager(root, model=model, optimizer=optimizer, async_save=True,
                              async_writer="process")
     _step(model, optimizer, 0)
@@ -94,7 +85,7 @@ def _killed_writer(rank: int, world: int, root: str) -> tuple[str, Any, Any, boo
         assert isinstance(cause, WriterProcessError), repr(cause)
         outcome = (str(error), cause.pid, cause.signal)
     ckpt.close()
-    fresh, fresh_optimizer = _objects()
+    fresh, fresh_optimizer = tiny_fsdp2_adamw()
     reader = CheckpointManager(root, model=fresh, optimizer=fresh_optimizer)
     restored = reader.restore()
     same = restored == 1 and all(
