@@ -23,11 +23,11 @@ from resumekit.restore import plan as restore_plan
 from resumekit.restore.compatibility import check_compatibility
 from resumekit.restore.entries import EntryKeeper
 from resumekit.restore.plan import Survey
-from resumekit.restore.verification import refuse_links_share, verify_share
+from resumekit.restore.verification import refuse_links_share, share_metadata, verify_share
 from resumekit.runtime.channels import Channel
 from resumekit.state.train_state import TrainState, read_plain
 from resumekit.store.catalog import CheckpointEntry
-from resumekit.store.coordination import run_on_every_rank, run_on_leader
+from resumekit.store.coordination import SingleProcess, run_on_every_rank, run_on_leader
 from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
 from resumekit.store.manifest import Manifest, SaveReason
 from resumekit.store.storage import Storage
@@ -208,19 +208,30 @@ class RootRestore:
                 _warn(message)
 
     def _restore_entry(self, entry: CheckpointEntry) -> None:
-        """Verify, check and load one committed checkpoint on every rank."""
+        """Verify, check and load one committed checkpoint on every rank.
+
+        ``.metadata`` is read and checked on group rank 0 only and sent to the others
+        (:func:`~resumekit.restore.verification.share_metadata`); its failure is every
+        rank's.
+        """
         manifest = entry.manifest
         assert manifest is not None
         ranks = self.channel.coordinator
-        check = verify_share if self.options.verify_on_restore else refuse_links_share
-        run_on_every_rank(ranks, lambda: check(
-            self.storage, entry.name, manifest, rank=ranks.rank,
-            world_size=ranks.world_size))
+        verify = self.options.verify_on_restore
+        metadata = share_metadata(self.storage, entry.name, manifest, ranks, verify=verify)
+        if verify:
+            run_on_every_rank(ranks, lambda: verify_share(
+                self.storage, entry.name, manifest, rank=ranks.rank,
+                world_size=ranks.world_size, metadata=metadata))
+        else:
+            run_on_every_rank(ranks, lambda: refuse_links_share(
+                self.storage, entry.name, manifest, rank=ranks.rank,
+                world_size=ranks.world_size))
         check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
                             world_size=self.world_size, on_mismatch=self.options.on_mismatch,
                             stacklevel=5)
         fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(
-            self.storage, entry.name, manifest))
+            self.storage, entry.name, manifest, metadata=metadata))
         if fresh:
             recorded = bool((manifest.fingerprint or {}).get("config"))
             _warn(restore_plan.imported_warning(
@@ -239,12 +250,17 @@ class RootRestore:
         """
         manifest = entry.manifest
         assert manifest is not None
-        check = verify_share if self.options.verify_on_restore else refuse_links_share
-        check(storage, entry.name, manifest, rank=0, world_size=1)
+        verify = self.options.verify_on_restore
+        metadata = share_metadata(storage, entry.name, manifest, SingleProcess(),
+                                  verify=verify)
+        if verify:
+            verify_share(storage, entry.name, manifest, metadata=metadata)
+        else:
+            refuse_links_share(storage, entry.name, manifest)
         check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
                             world_size=self.world_size, on_mismatch=self.options.on_mismatch,
                             stacklevel=6)
-        self._read_entry(storage, entry.name, manifest, alone=True)
+        self._read_entry(storage, entry.name, manifest, alone=True, metadata=metadata)
 
     def adopt(self, step: int) -> None:
         """A restore from another tier read ``step``: take the durable root over as ``run`` does.
@@ -262,7 +278,8 @@ class RootRestore:
         self._entries.report_leftovers(entries, above=step)
 
     def _read_entry(self, storage: Storage, name: str, manifest: Manifest, *,
-                    alone: bool = False) -> list[str]:
+                    alone: bool = False, metadata: sharded.CheckedMetadata | None = None
+                    ) -> list[str]:
         """Read step directory ``name`` into the run's state; return the parts left fresh.
 
         A checkpoint converted by ``resumekit import`` holds what the source tool saved
@@ -270,17 +287,18 @@ class RootRestore:
         position: those parts start fresh, and are returned to be named in one warning.
         Anything else missing from one of resumekit's own checkpoints stays an error.
         ``alone``: a node-local copy of this rank's part, read by this rank alone.
+        ``metadata``: the tensors' ``.metadata``, already read and checked.
         """
         imported = manifest.reason == SaveReason.IMPORTED
         with_optimizer = not imported or manifest.state.get("optimizer") is not False
         tied = _tied_of(manifest)
         source = storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}")
         options = storage.storage_options or None
-        tensors = self.state.load_target(tied, optimizer=with_optimizer,
-                                         source=source, storage_options=options)
+        tensors = self.state.load_target(tied, optimizer=with_optimizer, source=source,
+                                         storage_options=options, metadata=metadata)
         if tensors and alone:
             sharded.load(tensors, source, verify=self.options.verify_on_restore,
-                         storage_options=options, alone=True)
+                         storage_options=options, alone=True, metadata=metadata)
             self.state.apply_tensor_state(tensors, tied)
         elif tensors:
             # Each rank plans its own reads (DCP's load plans need no coordination); one
@@ -288,7 +306,8 @@ class RootRestore:
             run_on_every_rank(self.channel.coordinator, functools.partial(
                 sharded.load, tensors, source, process_group=self.channel.group,
                 verify=self.options.verify_on_restore, storage_options=options,
-                plan_locally=True, read_once=self.options.restore_reads == "once"))
+                plan_locally=True, read_once=self.options.restore_reads == "once",
+                metadata=metadata))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

@@ -3,8 +3,14 @@
 Restore checks every byte it loads against the manifest (``verify_on_restore``). The work
 is split so that no rank reads a file twice and no rank waits long for the others:
 
-1. ``tensors/.metadata`` is hashed first, on every rank: it holds the per-block checksums
-   of the raw tensor files (:mod:`resumekit.tensors.raw`);
+1. ``tensors/.metadata`` is read and hashed first, on one rank (:func:`share_metadata`,
+   group rank 0), and sent to the others over the checkpoint group: it holds the
+   per-block checksums of the raw tensor files (:mod:`resumekit.tensors.raw`), and every
+   rank plans its reads from it, but the store serves it once per restore, not once per
+   rank. A failure there (missing, wrong size or checksum, a link, an unsafe or
+   unreadable pickle) is raised on every rank, naming the file, so all ranks fall back
+   together. Where there is no group (a node-local copy read alone), each reader reads
+   it itself;
 2. those raw tensor files then only need the size the manifest records: every block is
    checked against its checksum while it is read (:func:`resumekit.tensors.sharded.load`);
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
@@ -17,17 +23,62 @@ The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. W
 
 from __future__ import annotations
 
-from resumekit.store.catalog import refuse_links, verify_checkpoint
+from resumekit.store.catalog import read_checked_file, refuse_links, verify_checkpoint
+from resumekit.store.coordination import Coordinator, run_on_leader
 from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
 from resumekit.store.manifest import Manifest
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded
 
-__all__ = ["refuse_links_share", "verify_share"]
+__all__ = ["METADATA_PATH", "refuse_links_share", "share_metadata", "verify_share"]
+
+METADATA_PATH = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
+"""The manifest's name of a checkpoint's DCP metadata."""
+
+
+def share_metadata(storage: Storage, name: str, manifest: Manifest,
+                   coordinator: Coordinator, *, verify: bool = True
+                   ) -> sharded.CheckedMetadata | None:
+    """Read ``.metadata`` of step directory ``name`` on group rank 0; give it to every rank.
+
+    Collective: every rank of ``coordinator`` calls it, with the same arguments. Rank 0
+    refuses a link, reads the file whole, checks its size and (with ``verify``) its
+    checksum against ``manifest`` and parses it with the allow-list unpickler; then one
+    broadcast (on the checkpoint group, within its ``checkpoint_timeout``) carries the
+    bytes, or rank 0's error, to every rank. No other rank opens the file.
+
+    Args:
+        storage: The checkpoint root.
+        name: The step directory, relative to the root.
+        manifest: Its manifest (the same on every rank: the survey's).
+        coordinator: The ranks that restore together.
+        verify: Compare the bytes with the manifest's checksum.
+
+    Returns:
+        The checked metadata, or None when the manifest lists no ``.metadata`` (each
+        reader then finds that out itself, as before).
+
+    Raises:
+        CorruptCheckpointError: Its checksum differs, or it is not a readable pickle.
+        IncompleteCheckpointError: It is missing or has the wrong size.
+        UnsafeCheckpointError: It is a symbolic link, or its pickle would run code.
+        CoordinationError: The group broke during the broadcast.
+    """
+    entry = next((e for e in manifest.files if e.path == METADATA_PATH), None)
+    if entry is None:
+        return None
+
+    def read() -> sharded.CheckedMetadata:
+        data = read_checked_file(storage, name, manifest, entry, verify=verify)
+        return sharded.CheckedMetadata.parse(
+            data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
+
+    return run_on_leader(coordinator, read)
 
 
 def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,
-                 world_size: int = 1, under: str | None = None) -> None:
+                 world_size: int = 1, under: str | None = None,
+                 metadata: sharded.CheckedMetadata | None = None) -> None:
     """Check rank ``rank``'s share of step directory ``name`` against ``manifest``.
 
     Args:
@@ -38,6 +89,8 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int =
         world_size: The ranks that share the work (each calls this).
         under: Only the files under this directory of the step directory (``tensors``
             for a weights-only load).
+        metadata: ``.metadata``, already read and checked by :func:`share_metadata`: it
+            is not read again.
 
     Raises:
         CorruptCheckpointError: A checksum or a size differs.
@@ -47,15 +100,16 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int =
     if under is not None:
         manifest = manifest.model_copy(update={"files": [
             entry for entry in manifest.files if entry.path.startswith(f"{under}/")]})
-    metadata_path = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
-    first = [entry for entry in manifest.files if entry.path == metadata_path]
-    rest = [entry for entry in manifest.files if entry.path != metadata_path]
+    first = [entry for entry in manifest.files if entry.path == METADATA_PATH]
+    rest = [entry for entry in manifest.files if entry.path != METADATA_PATH]
     sizes_only: set[str] = set()
     if first:
-        verify_checkpoint(storage, name, manifest=manifest.model_copy(update={"files": first}))
+        if metadata is None:
+            verify_checkpoint(storage, name,
+                              manifest=manifest.model_copy(update={"files": first}))
         sizes_only = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
             storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}"),
-            storage_options=storage.storage_options or None)}
+            storage_options=storage.storage_options or None, metadata=metadata)}
     mine = manifest.model_copy(update={"files": rest[rank::world_size]})
     verify_checkpoint(storage, name, manifest=mine, sizes_only=sizes_only)
 

@@ -273,7 +273,8 @@ class TrainState:
 
     def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True,
                     source: str | None = None,
-                    storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                    storage_options: Mapping[str, Any] | None = None,
+                    metadata: sharded.CheckedMetadata | None = None) -> dict[str, Any]:
         """Return the destination tensors for loading a checkpoint that stored ``tied`` once.
 
         Args:
@@ -285,12 +286,15 @@ class TrainState:
                 (:func:`resumekit.tensors.state_dicts.preallocate_optimizer_state`) instead of by
                 DCP's zero-learning-rate step.
             storage_options: fsspec options for ``source``.
+            metadata: ``source``'s ``.metadata``, already read and checked (a restore
+                reads it on one rank): nothing is read.
         """
         if self.model is None:
             return {}
         if optimizer and source is not None and self.optimizer is not None:
             state_dicts.preallocate_optimizer_state(self.model, self.optimizer, source,
-                                                storage_options=storage_options)
+                                                    storage_options=storage_options,
+                                                    metadata=metadata)
         state = state_dicts.model_and_optimizer_state(
             self.model, self.optimizer if optimizer else None)
         return state_dicts.untie(state, tied)

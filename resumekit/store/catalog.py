@@ -57,7 +57,7 @@ from resumekit.store.layout import (
     MANIFEST_NAME,
     NameFormat,
 )
-from resumekit.store.manifest import Manifest, checksum_chunks, parse_manifest
+from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks, parse_manifest
 from resumekit.store.retry import read_with_retry
 from resumekit.store.storage import FileInfo, Storage
 
@@ -73,6 +73,7 @@ __all__ = [
     "list_root",
     "other_entries",
     "other_name_checkpoints",
+    "read_checked_file",
     "read_manifest",
     "refuse_links",
     "sort_entries",
@@ -247,6 +248,70 @@ def _link_entry(storage: Storage, name: str, name_format: NameFormat,
         return None
     return CheckpointEntry(step, name, storage.path(name), "corrupt", problem=problem,
                            defect="symlink")
+
+
+def read_checked_file(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
+                      verify: bool = True) -> bytes:
+    """Read one file of checkpoint ``name`` whole, checked as :func:`verify_checkpoint` does.
+
+    A restore reads ``tensors/.metadata`` with it on one rank and sends the bytes to the
+    others (:func:`resumekit.restore.verification.share_metadata`).
+
+    Args:
+        storage: The checkpoint root.
+        name: The step directory name.
+        manifest: Its manifest.
+        entry: The manifest's entry of the file (``tensors/.metadata``).
+        verify: Also compare the bytes with the manifest's checksum (without it, the
+            link and the size are still checked).
+
+    Returns:
+        The file's bytes.
+
+    Raises:
+        IncompleteCheckpointError: The file is missing or has the wrong size.
+        CorruptCheckpointError: Its checksum differs.
+        UnsafeCheckpointError: It (or a directory on its way) is a symbolic link; nothing
+            was read.
+    """
+    refuse_links(storage, name, manifest.model_copy(update={"files": [entry]}))
+    relative = f"{name}/{manifest.data_path(entry.path)}"
+    try:
+        data = read_with_retry(storage.path(relative),
+                               functools.partial(storage.read_bytes, relative))
+    except FileNotFoundError:
+        raise _missing(storage, name, manifest, entry) from None
+    if len(data) != entry.size:
+        raise _wrong_size(storage, name, manifest, entry, len(data))
+    if verify:
+        actual = checksum_chunks([data])
+        if actual != entry.checksum:
+            raise _wrong_checksum(storage, name, manifest, entry, actual)
+    return data
+
+
+def _missing(storage: Storage, name: str, manifest: Manifest, entry: FileEntry
+             ) -> IncompleteCheckpointError:
+    where = storage.path(f"{name}/{manifest.data_path(entry.path)}")
+    return IncompleteCheckpointError(
+        f"{where} is missing (listed in the manifest of step {manifest.step})",
+        path=storage.path(name), file=entry.path, step=manifest.step)
+
+
+def _wrong_size(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
+                size: int) -> IncompleteCheckpointError:
+    where = storage.path(f"{name}/{manifest.data_path(entry.path)}")
+    return IncompleteCheckpointError(
+        f"{where} has {size} bytes, the manifest of step {manifest.step} says {entry.size}",
+        path=storage.path(name), file=entry.path, step=manifest.step)
+
+
+def _wrong_checksum(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
+                    actual: str) -> CorruptCheckpointError:
+    where = storage.path(f"{name}/{manifest.data_path(entry.path)}")
+    return CorruptCheckpointError(
+        f"{where} fails its checksum (step {manifest.step}): expected {entry.checksum}, "
+        f"got {actual}", path=storage.path(name), file=entry.path, step=manifest.step)
 
 
 def refuse_links(storage: Storage, name: str, manifest: Manifest) -> None:
@@ -541,16 +606,9 @@ def verify_checkpoint(
         try:
             size = read_with_retry(where, functools.partial(storage.size, relative))
         except FileNotFoundError:
-            raise IncompleteCheckpointError(
-                f"{where} is missing (listed in the manifest of step {manifest.step})",
-                path=storage.path(name), file=entry.path, step=manifest.step,
-            ) from None
+            raise _missing(storage, name, manifest, entry) from None
         if size != entry.size:
-            raise IncompleteCheckpointError(
-                f"{where} has {size} bytes, the manifest of step {manifest.step} "
-                f"says {entry.size}",
-                path=storage.path(name), file=entry.path, step=manifest.step,
-            )
+            raise _wrong_size(storage, name, manifest, entry, size)
         if entry.path in sizes_only:
             continue
 
@@ -565,11 +623,7 @@ def verify_checkpoint(
 
         actual = read_with_retry(where, hashed)  # a transient error hashes it again
         if actual != entry.checksum:
-            raise CorruptCheckpointError(
-                f"{where} fails its checksum (step {manifest.step}): expected "
-                f"{entry.checksum}, got {actual}",
-                path=storage.path(name), file=entry.path, step=manifest.step,
-            )
+            raise _wrong_checksum(storage, name, manifest, entry, actual)
     return manifest
 
 

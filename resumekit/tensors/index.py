@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.tensors.context import directory_str
 from resumekit.tensors.raw import raw_files
-from resumekit.tensors.reader import make_reader
+from resumekit.tensors.reader import CheckedMetadata, make_reader
 
 __all__ = ["METADATA_FILE", "TensorInfo", "files_verified_on_read", "read_metadata",
            "read_tensor_index", "tensor_index_of"]
@@ -89,7 +89,8 @@ def tensor_index_of(metadata: Metadata) -> dict[str, TensorInfo]:
 
 
 def files_verified_on_read(
-    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    directory: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None, *,
+    metadata: CheckedMetadata | None = None,
 ) -> set[str]:
     """Name the data files whose every byte :func:`load` checks against a checksum.
 
@@ -100,12 +101,14 @@ def files_verified_on_read(
     Args:
         directory: A local path, ``file://`` URL or fsspec URL.
         storage_options: fsspec options for URLs.
+        metadata: ``directory``'s ``.metadata``, already read and checked (nothing is read).
 
     Returns:
         File names relative to ``directory``.
     """
-    metadata = make_reader(directory_str(directory), storage_options).read_metadata()
-    return raw_files(metadata.storage_data or {})
+    parsed = (metadata.parsed() if metadata is not None
+              else make_reader(directory_str(directory), storage_options).read_metadata())
+    return raw_files(parsed.storage_data or {})
 
 
 def _tensor_index(metadata: Metadata) -> dict[str, TensorInfo]:

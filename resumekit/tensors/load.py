@@ -38,7 +38,7 @@ from resumekit.tensors.failures import from_failures, incompatible, load_error
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.raw import raw_files
-from resumekit.tensors.reader import _SafeReader, load_plain_value, make_reader
+from resumekit.tensors.reader import CheckedMetadata, _SafeReader, load_plain_value, make_reader
 from resumekit.tensors.shared_reads import SharedReads
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -57,6 +57,7 @@ def load(
     plan_locally: bool = False,
     read_once: bool = False,
     alone: bool = False,
+    metadata: CheckedMetadata | None = None,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -90,6 +91,8 @@ def load(
         alone: This rank reads by itself, whatever group exists (a node-local copy of
             its own part, written by ``save(..., alone=True)``): no collective runs and
             nothing is read once for others (``read_once`` is ignored).
+        metadata: ``directory``'s ``.metadata``, already read and checked (a restore reads
+            it on one rank and sends it to the others): this rank never opens the file.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -100,7 +103,7 @@ def load(
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
                   reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
-                  alone=alone)
+                  alone=alone, metadata=metadata)
 
 
 def load_subset(
@@ -126,7 +129,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   process_group: dist.ProcessGroup | None,
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
-                  read_once: bool = False, alone: bool = False) -> None:
+                  read_once: bool = False, alone: bool = False,
+                  metadata: CheckedMetadata | None = None) -> None:
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     shared = None
@@ -138,7 +142,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                  f"was asked for, but the process group is {dist.get_backend(group)!r}, "
                  "which cannot move CPU tensors between ranks; the checkpoint group of "
                  "init_distributed() can)", ResumekitWarning, stacklevel=3)
-    reader = make_reader(target, storage_options, verify=verify, shared=shared)
+    reader = make_reader(target, storage_options, verify=verify, shared=shared,
+                         metadata=metadata)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
     try:
         _run_load(
@@ -150,10 +155,10 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
             shared.settle(error)
         raise
     if logger.isEnabledFor(logging.DEBUG):
-        metadata = reader.read_metadata()
+        read = reader.read_metadata()
         logger.debug(
             "tensor load: %s format, DCP load %s, %d items of %s%s",
-            "raw" if raw_files(metadata.storage_data or {}) else "dcp",
+            "raw" if raw_files(read.storage_data or {}) else "dcp",
             "without collectives" if no_dist or plan_locally else "on the process group",
             len(planner.state_dict), target,
             "" if shared is None else f", read once: {shared.stats}")

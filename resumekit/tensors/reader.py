@@ -37,7 +37,59 @@ from resumekit.tensors.raw import FsspecFiles, RawTensorReading
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.shared_reads import SharedReads
 
-__all__ = ["StorageReader", "load_plain_value", "make_reader"]
+__all__ = ["CheckedMetadata", "StorageReader", "load_plain_value", "make_reader"]
+
+
+class CheckedMetadata:
+    """A checkpoint's ``.metadata`` read and checked once, for every reader of one restore.
+
+    A restore reads the file on one rank (checked against the manifest there, and parsed
+    there, so an unsafe or unreadable pickle fails on that rank), sends this object to the
+    others over the checkpoint group, and each rank's readers take the metadata from it
+    instead of opening the file: the store serves it once per restore, not once per rank.
+    Only the bytes travel (pickling drops the parsed copy); each process parses them once,
+    on first use, and its readers share that parse.
+
+    Args:
+        data: The file's bytes.
+        source: Its path or URL (named in errors).
+        digest: Its checksum (``xxh3_128:<hex>``).
+    """
+
+    def __init__(self, data: bytes, source: str, digest: str) -> None:
+        self.data = data
+        self.source = source
+        self.digest = digest
+        self._parsed: Metadata | None = None
+
+    @classmethod
+    def parse(cls, data: bytes, source: str) -> CheckedMetadata:
+        """The checked copy of ``data``, parsed now (with the allow-list unpickler).
+
+        Raises:
+            UnsafeCheckpointError: The pickle references a disallowed global.
+            CorruptCheckpointError: It is unreadable.
+        """
+        checked = cls(data, source, checksum_chunks([data]))
+        checked.parsed()
+        return checked
+
+    def parsed(self) -> Metadata:
+        """The metadata, unpickled on first use with the allow-list unpickler."""
+        if self._parsed is None:
+            with paused_collection(False):
+                metadata = cast(Metadata, load_dcp_metadata(self.data, source=self.source))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._parsed = metadata
+        return self._parsed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": self.data, "source": self.source, "digest": self.digest}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.data, self.source, self.digest = state["data"], state["source"], state["digest"]
+        self._parsed = None
 
 
 class _SafeReaderMixin:
@@ -51,12 +103,23 @@ class _SafeReaderMixin:
     verify: bool = True
     file_checksums: Mapping[str, str] | None = None
     metadata_digest: str | None = None
+    checked_metadata: CheckedMetadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Return the checkpoint metadata, read safely on first use."""
         rank = kwargs.get("rank")
         if self._metadata is not None and rank is None:
             return self._metadata
+        if self.checked_metadata is not None and rank is None:
+            try:
+                metadata = self.checked_metadata.parsed()
+            except ResumekitError as error:
+                self.metadata_error = error
+                raise
+            self.metadata_digest = self.checked_metadata.digest
+            cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
+            self._metadata = metadata
+            return metadata
         data, source, _ = self.metadata_bytes(rank)
         return self._parse_metadata(data, source, rank)
 
@@ -67,6 +130,10 @@ class _SafeReaderMixin:
             CheckpointNotFoundError: No metadata file.
             CorruptCheckpointError: It does not match the manifest.
         """
+        checked = self.checked_metadata
+        if checked is not None and rank is None:
+            self.metadata_digest = checked.digest
+            return checked.data, checked.source, checked.digest
         source = os.fspath(_compat.dcp_metadata_path(cast(FileSystemReader, self), rank))
 
         def read() -> bytes:
@@ -238,7 +305,8 @@ class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
 
 
 def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
-                verify: bool = True, shared: SharedReads | None = None) -> _SafeReader:
+                verify: bool = True, shared: SharedReads | None = None,
+                metadata: CheckedMetadata | None = None) -> _SafeReader:
     """The safe DCP reader of ``directory`` (a local path or fsspec URL; no manifest needed).
 
     Args:
@@ -247,10 +315,13 @@ def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
         verify: Check every byte read against its recorded checksum.
         shared: Split the reads of pieces several ranks want among them (see
             :mod:`resumekit.tensors.shared_reads`).
+        metadata: ``directory``'s ``.metadata``, already read and checked (on another
+            rank): the reader never opens the file.
     """
     reader = _SafeReader(directory, storage_options)
     reader.verify = verify
     reader.shared = shared
+    reader.checked_metadata = metadata
     return reader
 
 

@@ -48,7 +48,7 @@ from resumekit.tensors.index import (
 )
 from resumekit.tensors.load import iter_full_tensors, load, load_subset, read_full_state
 from resumekit.tensors.raw import WrittenFile
-from resumekit.tensors.reader import StorageReader
+from resumekit.tensors.reader import CheckedMetadata, StorageReader
 from resumekit.tensors.save import (
     DEFAULT_SYNC_FILES,
     DEFAULT_THREAD_COUNT,
@@ -77,6 +77,7 @@ __all__ = [
     "DEFAULT_THREAD_COUNT",
     "METADATA_FILE",
     "TENSOR_FORMATS",
+    "CheckedMetadata",
     "CpuStager",
     "StorageReader",
     "TensorFormat",

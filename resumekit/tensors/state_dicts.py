@@ -45,6 +45,7 @@ from resumekit.tensors.failures import incompatible as _incompatible
 from resumekit.tensors.fit import compare_flat as _compare_flat
 from resumekit.tensors.fit import describe as _describe
 from resumekit.tensors.fit import flatten_state
+from resumekit.tensors.reader import CheckedMetadata as _CheckedMetadata
 from resumekit.tensors.reader import make_reader as _make_reader
 
 __all__ = [
@@ -427,6 +428,7 @@ def preallocate_optimizer_state(
     directory: str | os.PathLike[str],
     *,
     storage_options: Mapping[str, Any] | None = None,
+    metadata: _CheckedMetadata | None = None,
 ) -> bool:
     """Give an optimizer that never stepped the state a checkpoint holds, as zeros.
 
@@ -453,6 +455,7 @@ def preallocate_optimizer_state(
         optimizer: The optimizer; one that already has state is left as it is.
         directory: The checkpoint's ``tensors/`` directory (local path or fsspec URL).
         storage_options: fsspec options for URLs.
+        metadata: ``directory``'s ``.metadata``, already read and checked (nothing is read).
 
     Returns:
         Whether the state was preallocated.
@@ -463,13 +466,13 @@ def preallocate_optimizer_state(
     """
     if optimizer.state:
         return False
-    reader = _make_reader(_directory_str(directory), storage_options)
-    metadata = reader.read_metadata()
+    reader = _make_reader(_directory_str(directory), storage_options, metadata=metadata)
+    read = reader.read_metadata()
     stored: dict[str, dict[str, TensorStorageMetadata]] = {}
-    for key, path in (metadata.planner_data or {}).items():
+    for key, path in (read.planner_data or {}).items():
         if len(path) != 4 or tuple(path[:2]) != ("optimizer", "state"):
             continue
-        entry = metadata.state_dict_metadata.get(key)
+        entry = read.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata):
             return False  # a non-tensor value: DCP's initialisation makes its placeholder
         stored.setdefault(str(path[2]), {})[str(path[3])] = entry

@@ -57,3 +57,63 @@ def test_the_tensor_metadata_is_checked_on_every_rank(tmp_path: Path) -> None:
 def test_an_intact_checkpoint_passes_on_every_rank(tmp_path: Path, world_size: int) -> None:
     storage, name = _saved(tmp_path)
     assert _failing_ranks(storage, name, world_size) == []
+
+
+def _metadata_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every read of a ``.metadata`` file through resumekit's storage or DCP's file system."""
+    from torch.distributed.checkpoint import filesystem
+
+    reads: list[str] = []
+    inside = [0]  # Storage.read_bytes may open the file through Storage.open: one read
+    for owner, method in ((Storage, "read_bytes"), (Storage, "iter_chunks"),
+                          (Storage, "open"), (filesystem.FileSystem, "create_stream")):
+        original = getattr(owner, method)
+
+        def counted(self: object, path: object, *args: object,
+                    _original: object = original, **kwargs: object) -> object:
+            if str(path).endswith(".metadata") and not inside[0]:
+                reads.append(str(path))
+            inside[0] += 1
+            try:
+                return _original(self, path, *args, **kwargs)  # type: ignore[operator]
+            finally:
+                inside[0] -= 1
+
+        monkeypatch.setattr(owner, method, counted)
+    return reads
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_single_process_restore_reads_the_metadata_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool) -> None:
+    _saved(tmp_path)
+    model = torch.nn.Linear(3, 2)
+    reads = _metadata_reads(monkeypatch)
+    with CheckpointManager(tmp_path, model=model, verify_on_restore=verify,
+                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ckpt:
+        assert ckpt.restore() == 1
+    assert len(reads) == 1, reads
+
+
+def test_shared_metadata_names_a_corrupt_file_and_travels_as_bytes_only(
+        tmp_path: Path) -> None:
+    import pickle
+
+    from resumekit.restore.verification import share_metadata
+    from resumekit.store.coordination import SingleProcess
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    checked = share_metadata(storage, name, manifest, SingleProcess())
+    assert checked is not None
+    sent = pickle.loads(pickle.dumps(checked))
+    assert sent.__dict__["_parsed"] is None and sent.data == checked.data
+    assert sent.parsed().state_dict_metadata.keys() == \
+        checked.parsed().state_dict_metadata.keys()
+    metadata = tmp_path / name / "tensors" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    metadata.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="fails its checksum") as caught:
+        share_metadata(storage, name, manifest, SingleProcess())
+    assert caught.value.fields["file"] == "tensors/.metadata"
