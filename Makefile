@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check \
+.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-world gpu-check \
 	gpu-wheels clean test-torch test-matrix
 
 $(PY):
@@ -128,6 +128,14 @@ bench: $(STAMP)
 bench-scale: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	$(PY) -m benchmarks.scale $(BENCH_SCALE_ARGS)
+
+# Issue 40's world-size bench (docs/performance.md, "World size"): real gloo ranks W = 2..32
+# (tiny FSDP2 model) and a simulated W = 8..1,024 over the 5B LingBot-VA shapes on the meta
+# device, side by side with plain DCP; benchmarks/results/world.json and world.png.
+# BENCH_WORLD_ARGS="--real 2,4,8 --fake 8,64,256" for a quick look.
+bench-world: $(STAMP)
+	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
+	$(PY) -m benchmarks.world $(BENCH_WORLD_ARGS)
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU
 # mode; add GPU_CHECK_ARGS=--require-cuda to fail instead. On a bare GPU machine without this

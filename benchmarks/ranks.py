@@ -58,15 +58,21 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
         pickle.dump(payload, handle)
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...]) -> list[Any]:
+def spawn_ranks(fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], *,
+                start_method: str = "spawn") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each result.
+
+    ``start_method="forkserver"`` forks each rank from a server that imported torch once
+    (the caller sets its preload): many ranks on few cores start in seconds, sharing
+    torch's pages.
 
     Raises:
         RuntimeError: A rank failed (its traceback is in the message).
     """
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-ranks-") as out_dir:
         context = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args),
-                                     nprocs=world_size, start_method="spawn", join=False)
+                                     nprocs=world_size, start_method=start_method,
+                                     join=False)
         while not context.join():
             pass
         results = []

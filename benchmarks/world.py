@@ -1,0 +1,382 @@
+"""``make bench-world``: what a save and a restore cost as the world size grows (issue 40).
+
+Three parts, side by side with plain DCP, into ``benchmarks/results/world.json`` and
+``world.png``:
+
+* **real ranks**: W = 2..32 gloo ranks on loopback (forked from one server that imported
+  torch once, one intra-op thread each), a tiny FSDP2 model with AdamW, so that what
+  grows with W is the coordination, not the bytes: per W, rank 0's CPU seconds in a sync
+  ``CheckpointManager.save`` and in ``dcp.save``, every rank's CPU seconds in
+  ``CheckpointManager.restore()`` and in ``dcp.load`` (with ``get_state_dict`` and
+  ``set_state_dict``, as a DCP trainer restores), ``.metadata``'s bytes, the bytes of
+  ``.metadata`` files each rank opened during the restore (counted with an audit hook:
+  every open of the process), and the files of each checkpoint. CPU seconds are
+  ``time.process_time``: the whole process, every thread;
+* **simulated ranks** (:mod:`benchmarks.world_fake`): W = 8..1,024 over the real 5B
+  LingBot-VA shapes on the meta device, a fake process group;
+* **a save's CPU per GB** (issue 40's item 4): one process, a sync save of a few hundred
+  MB, CPU seconds of all threads per GB written, beside hashing the same bytes once.
+
+``save_vs_odirect_under_cpu_load`` needs a CPU-loaded host (``stress-ng --cpu 4``) and a
+quiet disk: it is not measured here (null, with the reason).
+
+Usage: ``python -m benchmarks.world [--real 2,4,8,16,32] [--fake 8,...,1024]
+[--save-mb 256] [--out benchmarks/results/world.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import xxhash
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from benchmarks import world_fake
+from benchmarks.ranks import spawn_ranks
+from resumekit.manager import CheckpointManager
+from resumekit.store.retention import keep_last
+
+REAL_WORLDS = (2, 4, 8, 16, 32)
+FAKE_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+WIDTH = 32  # tiny layers: what grows with W is the coordination
+LAYERS = 4
+OUT = Path("benchmarks/results/world.json")
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp", "resumekit", "resumekit.manager", "benchmarks.world")
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(2, WIDTH)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _metadata_opens() -> tuple[list[str], list[bool]]:
+    """Paths of ``.metadata`` files this process opens while the flag is set."""
+    opened: list[str] = []
+    active = [False]
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if (active[0] and event == "open" and isinstance(args[0], (str, Path))
+                and str(args[0]).endswith(".metadata")):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)
+    return opened, active
+
+
+def _cpu(action: Any) -> float:
+    dist.barrier()
+    start = time.process_time()
+    action()
+    return time.process_time() - start
+
+
+def real_rank(rank: int, world: int, root: str, repeats: int) -> dict[str, Any]:
+    """One rank: resumekit's saves and restores, then DCP's, each timed in CPU seconds.
+
+    Each is done ``repeats`` times (the median is kept); the restores read the last save.
+    """
+    opened, active = _metadata_opens()
+    ours = f"{root}/resumekit"
+    model, optimizer = _model()
+    _step(model, optimizer)
+    manager = CheckpointManager(ours, model=model, optimizer=optimizer, retention=None)
+    save_cpu = [_cpu(lambda step=step: manager.save(step)) for step in range(1, repeats + 1)]
+    manager.close()
+
+    def dcp_save(number: int) -> None:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optim_state},
+                 checkpoint_id=f"{root}/dcp{number}")
+
+    dcp_save_cpu = [_cpu(lambda n=n: dcp_save(n)) for n in range(repeats)]
+
+    restore_cpu, ours_opened = [], []
+    for _ in range(repeats):
+        model, optimizer = _model()
+        restorer = CheckpointManager(ours, model=model, optimizer=optimizer)
+        opened.clear()
+        active[0] = True
+        restore_cpu.append(_cpu(restorer.restore))
+        active[0] = False
+        restorer.close()
+        ours_opened = list(opened)
+
+    def dcp_load() -> None:
+        model, optimizer = _model()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        dcp.load(state, checkpoint_id=f"{root}/dcp{repeats - 1}")
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    dcp_restore_cpu = []
+    for _ in range(repeats):
+        opened.clear()
+        active[0] = True
+        dcp_restore_cpu.append(_cpu(dcp_load))
+        active[0] = False
+    return {"save_cpu_s": _median(save_cpu), "dcp_save_cpu_s": _median(dcp_save_cpu),
+            "restore_cpu_s": _median(restore_cpu),
+            "dcp_restore_cpu_s": _median(dcp_restore_cpu),
+            "metadata_opened": ours_opened, "dcp_metadata_opened": list(opened)}
+
+
+def _files(directory: Path) -> int:
+    return sum(1 for path in directory.rglob("*") if path.is_file())
+
+
+def _read_bytes(paths: list[str]) -> int:
+    return sum(os.path.getsize(path) for path in paths)
+
+
+def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
+    """The real-rank rows, one per W."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as root:
+            ranks = spawn_ranks(real_rank, world, (root, repeats), start_method="forkserver")
+            step = Path(root) / "resumekit" / f"step_{repeats:09d}"
+            metadata = step / "tensors" / ".metadata"
+            dcp_dir = Path(root) / f"dcp{repeats - 1}"
+            dcp_metadata = dcp_dir / ".metadata"
+            reads = [_read_bytes(r["metadata_opened"]) for r in ranks]
+            dcp_reads = [_read_bytes(r["dcp_metadata_opened"]) for r in ranks]
+            others = ranks[1:]  # the restoring ranks that do not lead
+            rows.append({
+                "world_size": world,
+                "save_cpu_rank0_s": ranks[0]["save_cpu_s"],
+                "dcp_save_cpu_rank0_s": ranks[0]["dcp_save_cpu_s"],
+                "restore_cpu_per_rank_s": _median([r["restore_cpu_s"] for r in others]),
+                "restore_cpu_rank0_s": ranks[0]["restore_cpu_s"],
+                "dcp_restore_cpu_per_rank_s": _median(
+                    [r["dcp_restore_cpu_s"] for r in others]),
+                "metadata_bytes": metadata.stat().st_size,
+                "dcp_metadata_bytes": dcp_metadata.stat().st_size,
+                "metadata_bytes_read_per_rank": max(reads[1:]),
+                "metadata_bytes_read_leader": reads[0],
+                "dcp_metadata_bytes_read_per_rank": max(dcp_reads[1:]),
+                "files_per_checkpoint": _files(step),
+                "dcp_files_per_checkpoint": _files(dcp_dir),
+            })
+        print(f"world real W={world}: " + ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
+    """A sync save of ``megabytes`` of fp32 tensors in one process: CPU (all threads) per GB.
+
+    Beside it: hashing the same bytes once with XXH3-128 (what a save must do at least to
+    record its checksums) and the bytes copied once (``torch.clone``).
+    """
+    tensors = [torch.randn(4 << 20, generator=torch.Generator().manual_seed(n))
+               for n in range(max(1, megabytes // 16))]
+    model = nn.Module()
+    for number, tensor in enumerate(tensors):
+        model.register_parameter(f"p{number}", nn.Parameter(tensor, requires_grad=False))
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    gb = total / 1e9
+    with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-save-",
+                                     dir=os.environ.get("BENCH_WORLD_DIR")) as root:
+        manager = CheckpointManager(root, model=model, retention=keep_last(1))
+        manager.save(0)  # warm-up: the first save's plan, the writer threads
+        gc.collect()
+        wall, cpu = time.perf_counter(), time.process_time()
+        manager.save(1)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        manager.close()
+    start = time.process_time()
+    for tensor in tensors:
+        xxhash.xxh3_128_intdigest(tensor.numpy().data)
+    hash_cpu = time.process_time() - start
+    start = time.process_time()
+    for tensor in tensors:
+        tensor.clone()
+    copy_cpu = time.process_time() - start
+    return {"bytes": total, "save_cpu_s": cpu, "save_wall_s": wall,
+            "save_cpu_s_per_gb": cpu / gb, "hash_once_cpu_s_per_gb": hash_cpu / gb,
+            "copy_once_cpu_s_per_gb": copy_cpu / gb,
+            "save_cpu_vs_hash_once": cpu / hash_cpu if hash_cpu else None}
+
+
+def _row(rows: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
+    return next((row for row in rows if row["world_size"] == world), None)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
+              save: dict[str, Any] | None) -> dict[str, Any]:
+    """The issue's contract keys (null where a part did not run, with the reason)."""
+    real_worlds = [row["world_size"] for row in real_rows]
+    fake_worlds = [row["world_size"] for row in fake_rows]
+    low, high = (real_rows[0], real_rows[-1]) if real_rows else (None, None)
+    w8, w1024 = _row(fake_rows, 8), (fake_rows[-1] if fake_rows else None)
+    w256 = _row(fake_rows, 256)
+    summary: dict[str, Any] = {
+        "restore_cpu_per_rank_w32_vs_w2": None if low is None or high is None else _ratio(
+            high["restore_cpu_per_rank_s"], low["restore_cpu_per_rank_s"]),
+        "restore_cpu_per_rank_w32_vs_w2_worlds": [real_worlds[0], real_worlds[-1]]
+        if real_worlds else None,
+        "dcp_restore_cpu_per_rank_w32_vs_w2": None if low is None or high is None else _ratio(
+            high["dcp_restore_cpu_per_rank_s"], low["dcp_restore_cpu_per_rank_s"]),
+        "restore_cpu_per_rank_w1024_vs_w8": None if w8 is None or w1024 is None else _ratio(
+            w1024["restore_cpu_per_rank_s"], w8["restore_cpu_per_rank_s"]),
+        "restore_cpu_per_rank_w1024_vs_w8_worlds": [8, fake_worlds[-1]]
+        if fake_worlds else None,
+        "restore_cpu_per_rank_before_w1024_vs_w8": None if w8 is None or w1024 is None
+        else _ratio(w1024["restore_cpu_per_rank_before_s"],
+                    w8["restore_cpu_per_rank_before_s"]),
+        "dcp_restore_cpu_per_rank_w1024_vs_w8": None if w8 is None or w1024 is None
+        else _ratio(w1024["dcp_restore_cpu_per_rank_s"], w8["dcp_restore_cpu_per_rank_s"]),
+        "metadata_bytes_vs_dcp_w256": None if w256 is None else _ratio(
+            w256["metadata_bytes"], w256["dcp_metadata_bytes"]),
+        "files_per_checkpoint_w32": None if high is None else high["files_per_checkpoint"],
+        "files_per_checkpoint_w32_world": None if high is None else high["world_size"],
+        "save_cpu_rank0_w32_vs_dcp": None if high is None else _ratio(
+            high["save_cpu_rank0_s"], high["dcp_save_cpu_rank0_s"]),
+        "save_cpu_rank0_w256_vs_dcp_simulated": None if w256 is None else _ratio(
+            w256["save_cpu_rank0_s"], w256["dcp_save_cpu_rank0_s"]),
+        "save_vs_odirect_under_cpu_load": None,
+        "save_vs_odirect_under_cpu_load_reason": (
+            "not measured: it needs a host whose cores are busy (stress-ng --cpu 4 beside "
+            "the save) and a quiet disk to compare with a plain 4-thread O_DIRECT writer; "
+            "this bench runs on a shared machine where no CPU-load tool may run"),
+        "save_cpu_s_per_gb": None if save is None else save["save_cpu_s_per_gb"],
+        "save_cpu_vs_hash_once": None if save is None else save["save_cpu_vs_hash_once"],
+    }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--real", default=",".join(map(str, REAL_WORLDS)))
+    parser.add_argument("--fake", default=",".join(map(str, FAKE_WORLDS)))
+    parser.add_argument("--save-mb", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--config", default="furniture_all_e128")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--rows-to", default=None,
+                        help="append each simulated row to this file as it is done")
+    parser.add_argument("--parts", nargs="*", default=[],
+                        help="earlier outputs whose rows to take (the parts run apart)")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.real.split(",") if w]
+    fake_worlds = [int(w) for w in args.fake.split(",") if w]
+    started = time.perf_counter()
+    save = save_cpu_per_gb(args.save_mb) if args.save_mb > 0 else None
+    real_rows = real(worlds, args.repeats)
+    fake_rows = world_fake.run(fake_worlds, config=args.config,
+                               rows_to=Path(args.rows_to) if args.rows_to else None)
+    for part in args.parts:  # e.g. the real ranks and the simulation run side by side
+        if part.endswith(".jsonl"):  # rows of a simulation stopped before its end
+            fake_rows += [json.loads(line) for line in Path(part).read_text().splitlines()]
+            continue
+        earlier = json.loads(Path(part).read_text())
+        real_rows += earlier["real"]
+        fake_rows += earlier["simulated"]
+        save = save or earlier["save_cpu_per_gb"]
+    real_rows.sort(key=lambda row: row["world_size"])
+    fake_rows.sort(key=lambda row: row["world_size"])
+    result = {
+        "summary": summarize(real_rows, fake_rows, save),
+        "real": real_rows,
+        "simulated": fake_rows,
+        "save_cpu_per_gb": save,
+        "setup": {"real_model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}), FSDP2, AdamW",
+                  "simulated_model": f"LingBot-VA {args.config} (meta device), FSDP2 "
+                                     "dim-0 shards, AdamW",
+                  "torch": torch.__version__, "python": platform.python_version(),
+                  "cpus": os.cpu_count(), "seconds": time.perf_counter() - started},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    if not args.no_plot:
+        plot(result, out.with_suffix(".png"))
+    print(json.dumps(result["summary"], indent=1))
+    return result
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Per-rank restore CPU, rank 0's save CPU and ``.metadata`` bytes against W."""
+    import matplotlib  # noqa: PLC0415 - the bench extra
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for rows, style, label in ((result["real"], "o-", "real gloo"),
+                               (result["simulated"], "s--", "simulated 5B")):
+        if not rows:
+            continue
+        worlds = [row["world_size"] for row in rows]
+        axes[0].plot(worlds, [r["restore_cpu_per_rank_s"] for r in rows], style,
+                     label=f"resumekit ({label})")
+        axes[0].plot(worlds, [r["dcp_restore_cpu_per_rank_s"] for r in rows], style,
+                     label=f"DCP ({label})", alpha=0.6)
+        if "restore_cpu_per_rank_before_s" in rows[0]:
+            axes[0].plot(worlds, [r["restore_cpu_per_rank_before_s"] for r in rows], ":",
+                         label=f"resumekit before #40 ({label})")
+        axes[1].plot(worlds, [r["save_cpu_rank0_s"] for r in rows], style,
+                     label=f"resumekit ({label})")
+        axes[1].plot(worlds, [r["dcp_save_cpu_rank0_s"] for r in rows], style,
+                     label=f"DCP ({label})", alpha=0.6)
+        axes[2].plot(worlds, [r["metadata_bytes"] / 1e6 for r in rows], style,
+                     label=f"resumekit ({label})")
+        axes[2].plot(worlds, [r["dcp_metadata_bytes"] / 1e6 for r in rows], style,
+                     label=f"DCP ({label})", alpha=0.6)
+    titles = ("a restoring rank's CPU (s)", "rank 0's save CPU (s)", ".metadata (MB)")
+    for axis, title in zip(axes, titles, strict=True):
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("world size W")
+        axis.set_title(title)
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""The simulated part of ``make bench-world``: a fake process group of W = 8..1,024 ranks.
+
+One process plays rank 0 of a save and one restoring rank of W ranks over the real
+5B LingBot-VA shapes (``examples.lingbot``'s ``furniture_all_e128``, built on the meta
+device), FSDP2-sharded along dim 0 (``torch.chunk``'s split, as ``fully_shard`` does), with
+AdamW's state. Nothing is read or written but ``.metadata``: the figures are what grows
+with W, run through the real code of each side.
+
+* **rank 0's save coordination**: DCP's ``DefaultSavePlanner.create_global_plan`` over
+  the W local plans (what the coordinator gathers; the plans are built from the shapes,
+  as each rank's planner would) and the writer's ``finish`` writing ``.metadata`` from
+  the W ranks' write results: DCP's ``FileSystemWriter`` (one file per rank, an offset
+  and a length per item) and resumekit's ``RawTensorWriter`` (four files per rank, a
+  descriptor with one XXH3-128 per block per item, small items packed in regions whose
+  checksums are in each rank's sidecar file); the results carry the byte counts the
+  writers would record (the checksum strings are random of the real length);
+* **a restoring rank's CPU**: a rank in the middle of the group (not the leader) with
+  its real ``DTensor`` shards on the meta device (fake process group, backend
+  ``"fake"``): DCP: ``.metadata`` read and unpickled, ``DefaultLoadPlanner`` set up and
+  its local plan made, the reader set up; resumekit: the same through its own planner
+  (the fit check of every key, shape and dtype) and reader, from the ``.metadata`` bytes
+  rank 0 broadcast (parsed once with the allow-list unpickler; no file opened), and, as
+  before issue 40, from four reads of the file (one hashed, three parsed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from resumekit.store.manifest import checksum_chunks
+from resumekit.tensors.load import _CheckedLoadPlanner
+from resumekit.tensors.raw import format as raw_format
+from resumekit.tensors.raw.writer import RawTensorWriter
+from resumekit.tensors.reader import CheckedMetadata, make_reader
+
+FILES_PER_RANK = 4  # resumekit's DEFAULT_THREAD_COUNT data files per rank
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One parameter of the model: its name, global shape and dtype."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def lingbot_params(config_name: str = "furniture_all_e128") -> list[Param]:
+    """The parameters of LingBot-VA ``config_name``, built on the meta device (fp32)."""
+    from examples.lingbot.config import get_config  # noqa: PLC0415 - examples are optional
+    from examples.lingbot.model import LingBotVA  # noqa: PLC0415
+
+    with torch.device("meta"):
+        model = LingBotVA(get_config(config_name).model)
+    return [Param(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()]
+
+
+def _shard(length: int, rank: int, world: int) -> tuple[int, int]:
+    """``(offset, size)`` of ``rank``'s dim-0 shard (``torch.chunk``'s split, FSDP2's)."""
+    size = math.ceil(length / world)
+    offset = min(rank * size, length)
+    return offset, max(0, min(size, length - offset))
+
+
+def _stored(params: list[Param]) -> list[tuple[str, Param, tuple[str, ...]]]:
+    """Every sharded tensor a checkpoint stores: (flat name, its parameter, nesting path)."""
+    found = [(f"model.{p.fqn}", p, ("model", p.fqn)) for p in params]
+    for state in OPTIMIZER_STATES:
+        found += [(f"optimizer.state.{p.fqn}.{state}", p, ("optimizer", "state", p.fqn, state))
+                  for p in params]
+    return found
+
+
+def local_plans(params: list[Param], world: int) -> list[SavePlan]:
+    """The W local save plans DCP's planner makes (one per rank), from the shapes alone."""
+    stored = _stored(params)
+    mappings: dict[str, tuple[str | int, ...]] = {name: path for name, _, path in stored}
+    steps = [f"optimizer.state.{p.fqn}.step" for p in params]
+    mappings.update({name: ("optimizer", "state", p.fqn, "step")
+                     for name, p in zip(steps, params, strict=True)})
+    groups = {f"optimizer.param_groups.0.{key}": ("optimizer", "param_groups", 0, key)
+              for key in ("lr", "params")}
+    mappings.update(groups)
+    plans = []
+    scalar = TensorProperties(dtype=torch.float32)
+    for rank in range(world):
+        items = []
+        for name, param, _ in stored:
+            offset, size = _shard(param.shape[0], rank, world)
+            offsets = torch.Size((offset,) + (0,) * (len(param.shape) - 1))
+            items.append(WriteItem(
+                index=MetadataIndex(name, offsets), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets,
+                                               sizes=torch.Size((size, *param.shape[1:]))),
+                    properties=TensorProperties(dtype=param.dtype),
+                    size=torch.Size(param.shape))))
+        for name in steps:  # AdamW's step: a plain scalar tensor on every rank
+            items.append(WriteItem(
+                index=MetadataIndex(name, torch.Size(())), type=WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(()), sizes=torch.Size(())),
+                    properties=scalar, size=torch.Size(()))))
+        items += [WriteItem(index=MetadataIndex(name), type=WriteItemType.BYTE_IO)
+                  for name in groups]
+        plans.append(SavePlan(items, planner_data=mappings))
+    return plans
+
+
+def _nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 20_000  # a param_groups entry: a small pickled value
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
+def _hexes(count: int) -> list[str]:
+    return [secrets.token_hex(16) for _ in range(count)]  # XXH3-128: 32 hex digits
+
+
+def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]]:
+    """What each rank's writer would return for its final plan (the byte counts it records)."""
+    results = []
+    for rank, plan in enumerate(plans):
+        mine: list[WriteResult] = []
+        files = FILES_PER_RANK if raw else 1
+        offsets = [0] * files
+        region: list[int] = [0, 0]  # bytes used in the current packed region, its file
+        for number, item in enumerate(plan.items):
+            length = _nbytes(item)
+            file = number % files
+            name = f"__{rank}_{file}.distcp"
+            descriptors: list[str] | None = None
+            if raw:
+                if length < raw_format.PACK_ITEM_BYTES:
+                    first = region[0] == 0 or region[0] + length > raw_format.PACK_BYTES
+                    region[0] = length if first else region[0] + length
+                    head = f"{raw_format.FORMAT_NAME}/{raw_format.PACK_FORMAT_VERSION}"
+                    descriptors = ([f"{head};{raw_format.PACK_BYTES};__{rank}_checksums.json"]
+                                   if first else list(raw_format.MEMBER_DESCRIPTORS))
+                else:
+                    block = raw_format.block_bytes_for(length)
+                    dtype = (None if item.tensor_data is None
+                             else item.tensor_data.properties.dtype)
+                    shape = () if item.tensor_data is None else tuple(item.tensor_data.chunk.sizes)
+                    descriptors = [raw_format._Descriptor(
+                        dtype, shape, block, tuple(_hexes(-(-length // block)))).encode()]
+            mine.append(WriteResult(index=item.index, size_in_bytes=length,
+                                    storage_data=_StorageInfo(name, offsets[file], length,
+                                                              transform_descriptors=descriptors)))
+            offsets[file] += length
+        results.append(mine)
+    return results
+
+
+def cpu_of(action: Callable[[], Any]) -> tuple[float, Any]:
+    """CPU seconds (this process, all threads) ``action`` took, and its result."""
+    gc.collect()
+    start = time.process_time()
+    result = action()
+    return time.process_time() - start, result
+
+
+def save_side(params: list[Param], world: int, directory: Path, *, raw: bool
+              ) -> dict[str, Any]:
+    """Rank 0's coordination of a save of W ranks: global plan, then ``.metadata`` written."""
+    plans = local_plans(params, world)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({}, None, is_coordinator=True)
+    plan_cpu, (final, metadata) = cpu_of(lambda: planner.create_global_plan(plans))
+    results = write_results(final, raw=raw)
+    directory.mkdir(parents=True, exist_ok=True)
+    if raw:
+        writer: Any = RawTensorWriter(directory, thread_count=FILES_PER_RANK, sync_files=False)
+        writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    else:
+        writer = FileSystemWriter(directory)
+        writer.set_up_storage_writer(True)
+    writer.prepare_global_plan(final)
+    finish_cpu, _ = cpu_of(lambda: writer.finish(metadata, results))
+    data = (directory / ".metadata").read_bytes()
+    return {"plan_cpu_s": plan_cpu, "finish_cpu_s": finish_cpu,
+            "save_cpu_rank0_s": plan_cpu + finish_cpu, "metadata_bytes": len(data),
+            "data": data}
+
+
+def _state_of(params: list[Param], mesh: Any) -> dict[str, Any]:
+    """This rank's destination state: DTensor shards on the meta device, AdamW's state."""
+    world = mesh.size()
+
+    def shard(param: Param) -> DTensor:
+        _, size = _shard(param.shape[0], mesh.get_local_rank(), world)
+        local = torch.empty((size, *param.shape[1:]), dtype=param.dtype, device="meta")
+        stride = tuple(math.prod(param.shape[i + 1:]) for i in range(len(param.shape)))
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                  shape=torch.Size(param.shape), stride=stride)
+
+    model = {p.fqn: shard(p) for p in params}
+    state = {p.fqn: {"step": torch.tensor(0.0), **{s: shard(p) for s in OPTIMIZER_STATES}}
+             for p in params}
+    return {"model": model, "optimizer": {"state": state, "param_groups": [
+        {"lr": 0.0, "params": [p.fqn for p in params]}]}}
+
+
+def _plan_load(state: dict[str, Any], planner: Any, reader: Any) -> int:
+    metadata = reader.read_metadata()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    reader.set_up_storage_reader(metadata, False)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    return len(plan.items)
+
+
+def restore_side(params: list[Param], world: int, rank: int, dcp_dir: Path, raw_dir: Path,
+                 raw_data: bytes) -> dict[str, Any]:
+    """One restoring rank's CPU: DCP, resumekit now (shared bytes), resumekit before."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        dcp_cpu, dcp_items = cpu_of(lambda: _plan_load(
+            _state_of(params, mesh), DefaultLoadPlanner(), FileSystemReader(dcp_dir)))
+
+        def ours() -> int:
+            checked = CheckedMetadata(raw_data, str(raw_dir / ".metadata"),
+                                      checksum_chunks([raw_data]))
+            return _plan_load(_state_of(params, mesh),
+                              _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
+                              make_reader(str(raw_dir), None, metadata=checked))
+
+        now_cpu, now_items = cpu_of(ours)
+
+        def before() -> int:  # four reads: hashed once (verify), parsed three times
+            source = raw_dir / ".metadata"
+            checksum_chunks([source.read_bytes()])
+            for _ in range(2):  # files_verified_on_read, the optimizer's preallocation
+                make_reader(str(raw_dir), None).read_metadata()
+            return _plan_load(_state_of(params, mesh),
+                              _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
+                              make_reader(str(raw_dir), None))
+
+        before_cpu, before_items = cpu_of(before)
+    finally:
+        dist.destroy_process_group()
+    assert dcp_items == now_items == before_items, (dcp_items, now_items, before_items)
+    return {"dcp_restore_cpu_s": dcp_cpu, "restore_cpu_s": now_cpu,
+            "restore_cpu_before_s": before_cpu, "load_items": now_items}
+
+
+def run(worlds: list[int], *, config: str = "furniture_all_e128",
+        rows_to: Path | None = None) -> list[dict[str, Any]]:
+    """Both sides for each W; one row per W (each also appended to ``rows_to`` as a line
+    of JSON when it is done, so a run stopped at a large W keeps the smaller ones)."""
+    params = lingbot_params(config)
+    with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
+        # Warm-up (imports, DTensor's caches, the allocator): the first W's figures would
+        # carry them, for whichever side ran first.
+        warm = [save_side(params, 2, Path(scratch) / side, raw=side == "raw")
+                for side in ("dcp", "raw")]
+        restore_side(params, 2, 1, Path(scratch) / "dcp", Path(scratch) / "raw",
+                     warm[1]["data"])
+    rows = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
+            root = Path(scratch)
+            dcp = save_side(params, world, root / "dcp", raw=False)
+            ours = save_side(params, world, root / "raw", raw=True)
+            raw_data = ours.pop("data")
+            dcp.pop("data")
+            gc.collect()
+            restore = restore_side(params, world, world // 2 + 1 if world > 2 else 1,
+                                   root / "dcp", root / "raw", raw_data)
+            metadata_bytes = ours["metadata_bytes"]
+            rows.append({
+                "world_size": world,
+                "save_cpu_rank0_s": ours["save_cpu_rank0_s"],
+                "dcp_save_cpu_rank0_s": dcp["save_cpu_rank0_s"],
+                "restore_cpu_per_rank_s": restore["restore_cpu_s"],
+                "restore_cpu_per_rank_before_s": restore["restore_cpu_before_s"],
+                "dcp_restore_cpu_per_rank_s": restore["dcp_restore_cpu_s"],
+                "metadata_bytes": metadata_bytes,
+                "dcp_metadata_bytes": dcp["metadata_bytes"],
+                "metadata_bytes_read_per_rank": 0,
+                "metadata_bytes_read_leader": metadata_bytes,
+                "metadata_bytes_read_per_rank_before": 4 * metadata_bytes,
+                "dcp_metadata_bytes_read_per_rank": dcp["metadata_bytes"],
+                "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,
+                "dcp_files_per_checkpoint": world + 1,
+                "load_items": restore["load_items"],
+            })
+            del raw_data
+        if rows_to is not None:
+            with rows_to.open("a") as handle:
+                handle.write(json.dumps(rows[-1]) + "\n")
+        print(f"world fake W={world}: " + ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in rows[-1].items()), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    import sys
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(run([int(w) for w in sys.argv[1:]] or [8, 16]))

@@ -1,0 +1,49 @@
+"""A smoke run of ``python -m benchmarks.world`` at tiny size: structure, not speed.
+
+No timing is compared: the contract keys exist, every CPU figure was measured, the files
+and ``.metadata`` bytes are what the layouts say, and the non-leading restoring ranks
+opened no ``.metadata`` while DCP's ranks each read theirs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.world import main
+
+CONTRACT = ("restore_cpu_per_rank_w32_vs_w2", "restore_cpu_per_rank_w1024_vs_w8",
+            "metadata_bytes_vs_dcp_w256", "files_per_checkpoint_w32",
+            "save_cpu_rank0_w32_vs_dcp", "save_vs_odirect_under_cpu_load")
+
+
+def test_a_tiny_run_writes_every_contract_key_with_sane_figures(tmp_path: Path) -> None:
+    out = tmp_path / "world.json"
+    main(["--real", "2,3", "--fake", "8,256", "--config", "tiny", "--repeats", "1",
+          "--save-mb", "16", "--out", str(out)])
+    report = json.loads(out.read_text())
+    summary = report["summary"]
+    assert all(key in summary for key in CONTRACT), sorted(summary)
+    assert summary["save_vs_odirect_under_cpu_load"] is None
+    assert "stress-ng" in summary["save_vs_odirect_under_cpu_load_reason"]
+    for key in CONTRACT[:-1]:
+        assert isinstance(summary[key], (int, float)) and summary[key] > 0, (key, summary)
+    for row in report["real"]:
+        world = row["world_size"]
+        assert row["files_per_checkpoint"] == 6 * world + 3, row
+        assert row["dcp_files_per_checkpoint"] == world + 1, row
+        assert row["metadata_bytes_read_per_rank"] == 0, row
+        assert row["metadata_bytes_read_leader"] == row["metadata_bytes"], row
+        assert row["dcp_metadata_bytes_read_per_rank"] == row["dcp_metadata_bytes"], row
+        assert all(row[key] > 0 for key in ("save_cpu_rank0_s", "dcp_save_cpu_rank0_s",
+                                            "restore_cpu_per_rank_s",
+                                            "dcp_restore_cpu_per_rank_s")), row
+    assert summary["files_per_checkpoint_w32"] == 6 * 3 + 3
+    small, large = report["simulated"]
+    assert 0 < small["dcp_metadata_bytes"] < large["dcp_metadata_bytes"]
+    assert small["metadata_bytes"] < large["metadata_bytes"]
+    assert summary["metadata_bytes_vs_dcp_w256"] == (
+        large["metadata_bytes"] / large["dcp_metadata_bytes"])
+    assert large["load_items"] > 0 and large["restore_cpu_per_rank_s"] > 0
+    assert report["save_cpu_per_gb"]["bytes"] >= 16 << 20
+    assert out.with_suffix(".png").stat().st_size > 10_000
