@@ -49,7 +49,6 @@ from torch.distributed.fsdp import fully_shard
 from benchmarks import world_fake
 from benchmarks.ranks import spawn_ranks
 from resumekit.manager import CheckpointManager
-from resumekit.store.retention import keep_last
 
 REAL_WORLDS = (2, 4, 8, 16, 32)
 FAKE_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -212,7 +211,7 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
     gb = total / 1e9
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-save-",
                                      dir=os.environ.get("BENCH_WORLD_DIR")) as root:
-        manager = CheckpointManager(root, model=model, retention=keep_last(1))
+        manager = CheckpointManager(root, model=model, retention=None)
         manager.save(0)  # warm-up: the first save's plan, the writer threads
         gc.collect()
         wall, cpu = time.perf_counter(), time.process_time()

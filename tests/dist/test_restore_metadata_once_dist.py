@@ -107,3 +107,4 @@ def test_a_corrupt_metadata_read_by_rank_0_is_named_on_both_ranks_which_fall_bac
     step_1 = target.replace("step_000000002", "step_000000001")
     assert results[0]["opened"] == [target, step_1], results[0]["opened"]
     assert results[1]["opened"] == [], results[1]["opened"]
+

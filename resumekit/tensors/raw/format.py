@@ -33,7 +33,7 @@ import bisect
 import dataclasses
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
@@ -293,13 +293,17 @@ class _FileLayout:
         checksums: ``checksums(checksum file)`` gives ``{(data file, offset): (length,
             hex)}`` of the regions a checksum file (format 3) lists; None: not verified
             (the regions' checksums are then empty).
+        files: Only these data files (those a rank's plan reads): the checksum files of
+            the others are not read. None: every file.
     """
 
     def __init__(self, storage_data: Mapping[Any, StoredItem], where: Any,
-                 checksums: Any = None) -> None:
+                 checksums: Any = None, files: Collection[str] | None = None) -> None:
         self.raw: set[str] = set()
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for info in storage_data.values():
+            if files is not None and info.relative_path not in files:
+                continue
             if not is_raw(info):
                 continue
             self.raw.add(info.relative_path)

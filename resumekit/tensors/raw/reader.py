@@ -127,7 +127,8 @@ class RawTensorReading:
         """Read every item of ``plan`` into the planner's destinations."""
         raw: list[ReadItem] = []
         stock: list[ReadItem] = []
-        layout = self._layout()
+        layout = self._layout({self.storage_data[request.storage_index].relative_path
+                               for request in plan.items})
         for request in plan.items:
             info = self.storage_data[request.storage_index]
             (raw if info.relative_path in layout.raw else stock).append(request)
@@ -203,7 +204,8 @@ class RawTensorReading:
 
     def _read_raw(self, requests: list[ReadItem], planner: LoadPlanner) -> None:
         per_file: dict[str, list[_Job]] = {}
-        layout = self._layout()
+        layout = self._layout({self.storage_data[request.storage_index].relative_path
+                               for request in requests})
         for request in requests:
             info: StoredItem = self.storage_data[request.storage_index]
             text = (info.transform_descriptors or ("",))[0]
@@ -243,14 +245,19 @@ class RawTensorReading:
     def _where(self, info: StoredItem) -> str:
         return str(os.fspath(self.fs.concat_path(self.path, info.relative_path)))
 
-    def _layout(self) -> _FileLayout:
-        """The raw files and packed regions of ``storage_data`` (worked out once)."""
+    def _layout(self, files: set[str]) -> _FileLayout:
+        """The raw files and packed regions of ``files`` (worked out once for them).
+
+        Only the data files a read touches: a rank reads the checksum files of the ranks
+        whose files it reads, not every rank's (a restore's per-rank cost would grow with
+        the world size that wrote the checkpoint).
+        """
         cached = self.__dict__.get("_raw_layout")
-        if cached is not None and cached[0] is self.storage_data:
-            return cast(_FileLayout, cached[1])
+        if cached is not None and cached[0] is self.storage_data and files <= cached[1]:
+            return cast(_FileLayout, cached[2])
         layout = _FileLayout(self.storage_data, self._where,
-                             self._read_checksums if self.verify else None)
-        self.__dict__["_raw_layout"] = (self.storage_data, layout)
+                             self._read_checksums if self.verify else None, files=files)
+        self.__dict__["_raw_layout"] = (self.storage_data, frozenset(files), layout)
         return layout
 
     def _read_checksums(self, name: str) -> dict[tuple[str, int], tuple[int, str]]:
@@ -279,7 +286,8 @@ class RawTensorReading:
                 path=os.fspath(self.path), file=where) from error
         check_listed_checksum(self.file_checksums, name, data, where)
         parsed = decode_checksums(data, where=where)
-        cache.clear()
+        for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
+            del cache[stale]
         cache[key] = parsed
         return parsed
 
