@@ -21,6 +21,7 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any, Literal
 
 import xxhash
@@ -48,6 +49,7 @@ from resumekit.store.storage import parse_json
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "MANIFEST_NAME",
+    "SCHEMA_HISTORY",
     "SCHEMA_VERSION",
     "Checksum",
     "FileEntry",
@@ -65,7 +67,25 @@ __all__ = [
     "version_skew",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The format version every checkpoint this release writes records (``schema_version``).
+
+It moves whenever a write uses anything an older release cannot read, so that an older
+release refuses the checkpoint by its manifest (``UnsupportedSchemaError``: nothing set
+aside, no fallback past it, no fresh start beside it) instead of failing inside its files
+and setting it aside as damaged. Every older version is still read. :data:`SCHEMA_HISTORY`
+says what each version added; ``tests/unit/test_schema_version.py`` fails when the writer
+emits a format the current version does not name.
+"""
+SCHEMA_HISTORY: Mapping[int, str] = MappingProxyType({
+    1: "the manifest and the raw tensor format before issue 29 (e.g. commit b0a6499, a 0.2 "
+       "release): items stored alone ('resumekit-raw/1'), packed regions ('resumekit-raw/2', "
+       "'resumekit-raw/3' with the checksum files 'resumekit-raw-checksums/1')",
+    2: "the members of a packed region after its first carry the descriptor "
+       "'resumekit-raw/member' (issue 29), which readers of version 1 cannot parse; "
+       "checkpoints written with it before 0.3.0 record schema_version 1",
+})
+"""What each ``schema_version`` added to what an older one holds."""
 CHECKSUM_ALGORITHM = "xxh3_128"
 
 
