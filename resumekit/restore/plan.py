@@ -5,8 +5,10 @@ catalog lists, so that each is read and tested without a manager, a model or a p
 group. The manager runs them in this order and does what they say (it loads, sets aside
 through :func:`resumekit.store.recovery.set_aside`, warns and logs):
 
-1. :func:`survey` the root (leader only): undo an interrupted replacement, list it, and
-   check whether the root itself is another tool's checkpoint;
+1. :func:`survey` the root (leader only): undo an interrupted replacement, put back the
+   copies another resumekit version set aside that this one reads
+   (:func:`resumekit.store.aside.put_back_set_aside`), list it, and check whether the root
+   itself is another tool's checkpoint;
 2. :func:`candidates`: the committed checkpoints it may load, newest last (only the one
    of an explicit ``step``);
 3. refuse what must never be restored past: :func:`refuse_broken_newest` (with
@@ -44,6 +46,7 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.store import generations
+from resumekit.store.aside import put_back_set_aside
 from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
@@ -127,12 +130,15 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
     if whole:
         if recover and storage.is_dir():
             recover_interrupted(storage, name_format)
+            put_back_set_aside(storage, name_format, list_root(storage))
         entries = list_checkpoints(storage, name_format)
         top = reference = None
     else:
         reference = generations.newest_generation(storage) if storage.is_dir() else None
         listing = list_root(storage)
         if recover and recover_interrupted(storage, name_format, listing=listing):
+            listing = list_root(storage)
+        if recover and put_back_set_aside(storage, name_format, listing):
             listing = list_root(storage)
         # latest() on S3 finds a commit by the newest-step hint; a lagging listing must not
         # make restore resume an older step than that one

@@ -250,6 +250,10 @@ class WriterGeneration(BaseModel):
         newest_step: Newest step committed by a not-fenced writer when the claim was made
             (None for an empty root): a checkpoint of an older generation with a higher
             step was committed after this claim, by a zombie.
+        reads_schema: The newest ``schema_version`` the claimer reads (None: recorded by a
+            release before 0.3.0, which reads up to 1). A checkpoint of a newer schema
+            was not seen by the claim (it was no checkpoint to it), so ``newest_step``
+            says nothing about it.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -262,6 +266,7 @@ class WriterGeneration(BaseModel):
     pid: int = 0
     claimed_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     newest_step: int | None = None
+    reads_schema: int | None = None
 
     def same_run(self, other: WriterGeneration) -> bool:
         """Whether both describe one run.

@@ -22,8 +22,11 @@ import torch
 from torch import nn
 
 from resumekit import CheckpointManager
+from resumekit.store import generations
+from resumekit.store.generations import zombie_reason
 from resumekit.store.layout import TENSORS_DIR
-from resumekit.store.manifest import SCHEMA_HISTORY, SCHEMA_VERSION
+from resumekit.store.manifest import SCHEMA_HISTORY, SCHEMA_VERSION, Manifest, WriterGeneration
+from resumekit.store.storage import Storage
 from resumekit.tensors.index import read_metadata
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -100,3 +103,26 @@ def test_every_format_the_writer_emits_is_one_the_current_schema_version_names(
         assert WRITTEN[SCHEMA_VERSION][kind] == emitted, (
             f"WRITTEN[{SCHEMA_VERSION}] names {kind} the writer no longer emits: "
             f"{sorted(WRITTEN[SCHEMA_VERSION][kind] - emitted)}")
+
+
+def test_a_claim_by_a_release_that_reads_an_older_schema_fences_no_checkpoint_it_could_not_see(
+) -> None:
+    """The previous release claims a root of schema 2 seeing no checkpoint (it takes each
+    for a newer resumekit's, not one); that claim must not make today's checkpoints read
+    as a fenced writer's commits."""
+    writer = WriterGeneration(number=1, token="a", newest_step=None,
+                              reads_schema=SCHEMA_VERSION)
+    older_release = WriterGeneration(number=2, token="b", newest_step=None)  # records none
+    now = WriterGeneration(number=2, token="b", newest_step=None,
+                           reads_schema=SCHEMA_VERSION)
+    written_now = Manifest(step=10, generation=writer)
+    written_before = Manifest(step=10, generation=writer, schema_version=1)
+    assert zombie_reason(written_now, older_release) is None
+    assert zombie_reason(written_before, older_release) is not None  # it saw that one
+    assert zombie_reason(written_now, now) is not None
+
+
+def test_a_claim_records_the_newest_schema_version_its_writer_reads(tmp_path: Path) -> None:
+    claimed = generations.claim(Storage(tmp_path), newest_step=None)
+    assert claimed.reads_schema == SCHEMA_VERSION
+    assert generations.newest_generation(Storage(tmp_path)) == claimed
