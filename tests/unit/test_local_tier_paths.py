@@ -76,9 +76,11 @@ def test_a_local_root_that_is_the_durable_root_through_a_link_is_refused_naming_
     assert sorted(os.listdir(durable)) in ([], [".resumekit-generations"])
 
 
-@pytest.mark.parametrize("spelt", ["inside", "inside-through-a-link", "parent-link"])
+@pytest.mark.parametrize(("spelt", "said"), [("inside", "not the durable root"),
+                                             ("inside-through-a-link", "is a symbolic link"),
+                                             ("parent-link", "not the durable root")])
 def test_a_local_root_inside_the_durable_root_is_refused_naming_both(
-        tmp_path: Path, spelt: str) -> None:
+        tmp_path: Path, spelt: str, said: str) -> None:
     durable = tmp_path / "durable"
     (durable / "node").mkdir(parents=True)
     if spelt == "inside":
@@ -89,7 +91,7 @@ def test_a_local_root_inside_the_durable_root_is_refused_naming_both(
     else:  # a link above the local root leads into the durable root
         (tmp_path / "scratch").symlink_to(durable)
         local = tmp_path / "scratch" / "local"
-    with pytest.raises(ConfigurationError, match="not the durable root|symbolic link") as raised:
+    with pytest.raises(ConfigurationError, match=said) as raised:
         _manager(durable, local)
     assert str(local) in str(raised.value) and str(durable) in str(raised.value)
 
@@ -169,3 +171,36 @@ def test_a_confined_storage_refuses_to_delete_or_write_through_a_link_on_its_roo
     assert (target / "step_000000001" / "manifest.json").read_text() == "{}"
     plain = Storage(tmp_path / "local" / "rank_00000")  # a root the user chose may be a link
     assert plain.root_link() is None
+
+
+# -- resumekit inspect of a durable root holding a local tier's directory -----------------
+
+
+@pytest.mark.parametrize("held", ["empty", "copies"])
+def test_inspect_of_a_durable_root_lists_its_checkpoints_and_names_a_local_tier_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], held: str) -> None:
+    from tests.unit.test_cli_support import run_cli, run_json  # noqa: PLC0415
+
+    durable = tmp_path / "durable"
+    with _manager(durable, tmp_path / "local", save_every=10) as manager:
+        _train(manager, 20)  # durable 10 and 20; local copies 18 and 20
+    if held == "empty":
+        (durable / "rank_00000").mkdir()  # made by hand
+    else:  # what a local root that was the durable root through a link left there
+        (tmp_path / "local" / "rank_00000").rename(durable / "rank_00000")
+    code, document, _ = run_json(capsys, "inspect", str(durable))
+    assert code == 1
+    assert document["kind"] == "root" and document["resume_from"] == 20
+    assert [row["step"] for row in document["checkpoints"]] == [10, 20]
+    [problem] = document["problems"]
+    assert problem["name"] == "rank_00000"
+    assert problem["path"] == str(durable / "rank_00000")
+    assert "local tier" in problem["problem"]
+    code, out, err = run_cli(capsys, "inspect", str(durable))
+    assert code == 1
+    assert "Checkpoint root" in out and "Local tier directory" not in out
+    assert "step_000000020" in out or " 20 " in out
+    assert str(durable / "rank_00000") in out and "rank_00000" in err
+    # The local tier's own directory is still inspected as one.
+    assert run_json(capsys, "inspect", str(tmp_path / "local"))[1]["kind"] == (
+        "local_root" if held == "empty" else "root")
