@@ -138,7 +138,7 @@ def check_local_root(local_root: str, durable: Storage) -> None:
     Raises:
         ConfigurationError: One of the above (``name="local.root"``).
     """
-    spelt = os.path.abspath(local_root)
+    spelt = Storage(local_root).root  # absolute; the path of a file:// URL
     real = os.path.realpath(spelt)
     if os.path.islink(spelt):
         raise _refusal(f"local.root {spelt} is a symbolic link (to {real}); a local tier's "

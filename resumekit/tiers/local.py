@@ -102,8 +102,9 @@ class LocalSite:
         # Every node-local root is confined to the local root's parent: nothing is ever
         # deleted, renamed or written through a link on the way to a copy (the local root
         # or a sub-root that is one: another run's directory), checked at each operation.
-        self._above = os.path.dirname(os.path.abspath(tier.root))
-        self.base = Storage(tier.root, confined_to=self._above)
+        self.base = Storage(tier.root)
+        self._above = os.path.dirname(self.base.root)  # (a file:// URL's path)
+        self.base.confined_to = self._above
         self.own = Storage(os.path.join(tier.root, own_root_name(rank)),
                            confined_to=self._above)
         # This rank alone commits here: its own coordinator and writer generations.

@@ -204,3 +204,18 @@ def test_inspect_of_a_durable_root_lists_its_checkpoints_and_names_a_local_tier_
     # The local tier's own directory is still inspected as one.
     assert run_json(capsys, "inspect", str(tmp_path / "local"))[1]["kind"] == (
         "local_root" if held == "empty" else "root")
+
+
+def test_a_file_url_local_root_is_checked_as_its_path(tmp_path: Path) -> None:
+    durable = tmp_path / "durable"
+    durable.mkdir()
+    (tmp_path / "alias").symlink_to(durable)
+    with pytest.raises(ConfigurationError, match="symbolic link") as raised:
+        _manager(durable, f"file://{tmp_path / 'alias'}")  # type: ignore[arg-type]
+    assert str(durable) in str(raised.value)
+    with _manager(durable, f"file://{tmp_path / 'local'}") as manager:  # type: ignore[arg-type]
+        _train(manager, 2)
+        assert manager._local is not None  # noqa: SLF001
+        own = manager._local.own  # noqa: SLF001
+    assert own.confined_to == str(tmp_path) and own.root_link() is None
+    assert (tmp_path / "local" / "rank_00000" / "step_000000002").is_dir()
