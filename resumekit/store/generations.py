@@ -19,7 +19,10 @@ complete. A claimer whose listing missed a newer record (it was created after th
 listing, or the listing was stale) asks for a number that record already holds: the
 create fails, and the claimer reads that number before it tries again. So a claim that
 succeeds has read every record below its own, and an older restart that raced a newer
-one of its job is refused, whichever read first. Where the store cannot create
+one of its job is refused, whichever read first. A claimer whose own run holds the newest
+record listed creates nothing: it reads the number after that record once more (a claim
+made after its listing is there), and with a record there it goes on as after a lost
+create, so an older restart holding the newest claim is refused too. Where the store cannot create
 exclusively the claimer reads its record back once (the record that stays decides).
 
 A writer holding generation ``n`` may commit while record ``n`` still holds its token and
@@ -274,6 +277,12 @@ def claim(storage: Storage, *, newest_step: int | None,
             reads_schema=SCHEMA_VERSION,
         )
         if isinstance(newest, WriterGeneration) and newest.same_run(mine):
+            # The same run holds the newest record listed; a claim created after the
+            # listing (a newer restart of the job, between the listing and the reads)
+            # is read before the claim is taken over: no create decides this path.
+            if _fetch(storage, top + 1) is not None:
+                taken.add(top + 1)
+                continue
             return newest
         storage.make_dirs()
         name = generation_record_name(mine.number)
