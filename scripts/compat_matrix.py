@@ -144,7 +144,7 @@ def _install_from_lock(python: Path, venv: Path, torch: str) -> None:
     """
     constraints = venv / "constraints-from-dev-lock.txt"
     constraints.write_text(dev_lock.constraints_without_torch(dev_lock.LOCK.read_text()))
-    command = [str(python), "-m", "pip", "install", "-q", "--progress-bar", "off",
+    command = [str(python), "-m", "pip", "install", "--progress-bar", "off",
                f"torch=={torch}", "-e", ".[dev]", "-c", str(constraints)]
     env = dict(os.environ)
     cap = _configured_torch_cap(torch)
@@ -158,7 +158,11 @@ def _install_from_lock(python: Path, venv: Path, torch: str) -> None:
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                           check=False)
     if done.returncode != 0:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
+        said = [line for line in (done.stdout + done.stderr).splitlines()
+                if not line.startswith("WARNING: Location")]  # the local index's noise
+        cause = next((i for i, line in enumerate(said)
+                      if line.startswith(("ERROR", "The conflict is caused by"))), None)
+        tail = "\n".join(said[cause:][:40] if cause is not None else said[-30:])
         raise SystemExit(f"[compat] FAILED: pip exited {done.returncode} installing "
                          f"torch=={torch} with the lock into {venv}:\n  {' '.join(command)}"
                          f"\n{tail}")

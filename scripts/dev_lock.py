@@ -45,7 +45,12 @@ HEADER = """\
 # package, so pip never backtracks. torch is not in it: the Makefile pins it (TORCH_PIN),
 # and a second torch's venv brings its own (scripts/compat_matrix.py).
 # Made beside {torch} for .[{extras}].
+# torch requires: {torch_requires}
 """
+# The header line naming the packages torch itself requires: another torch release may need
+# other versions of them (torch 2.12 caps setuptools below 82), so a second torch's venv
+# leaves them to torch's own requirement instead of the lock.
+TORCH_REQUIRES = re.compile(r"^# torch requires: (.*)$", re.M)
 
 
 def _name(line: str) -> str | None:
@@ -63,6 +68,21 @@ def lock_lines(freeze: str) -> list[str]:
             continue
         kept.append(line.strip())
     return sorted(kept, key=lambda line: _name(line) or line)
+
+
+def torch_requirements(python: Path) -> list[str]:
+    """The normalised names of what the venv's torch requires (markers evaluated there)."""
+    probe = ("import importlib.metadata as m, re\n"
+             "from packaging.requirements import Requirement\n"
+             "names = set()\n"
+             "for text in m.distribution('torch').requires or []:\n"
+             "    r = Requirement(text)\n"
+             "    if r.marker is None or r.marker.evaluate({'extra': ''}):\n"
+             "        names.add(re.sub(r'[-_.]+', '-', r.name).lower())\n"
+             "print(' '.join(sorted(names)))\n")
+    shown = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
+                           check=True).stdout.split()
+    return [name for name in shown if not TORCH_OWN.match(name)]
 
 
 def freeze(python: Path) -> str:
@@ -84,7 +104,7 @@ def command_write(args: argparse.Namespace) -> int:
     pin = torch_pin()
     if args.venv:
         python = Path(args.venv) / "bin" / "python"
-        text = freeze(python)
+        text, requires = freeze(python), torch_requirements(python)
     else:
         with tempfile.TemporaryDirectory(prefix="resumekit-lock-") as scratch:
             python = Path(scratch) / "bin" / "python"
@@ -92,17 +112,25 @@ def command_write(args: argparse.Namespace) -> int:
             print(f"[lock] resolving {pin} + .[{EXTRAS}] in a fresh venv", flush=True)
             subprocess.run([str(python), "-m", "pip", "install", "-q", pin,
                             "-e", f".[{EXTRAS}]"], cwd=REPO, check=True)
-            text = freeze(python)
+            text, requires = freeze(python), torch_requirements(python)
     lines = lock_lines(text)
     LOCK.parent.mkdir(parents=True, exist_ok=True)
-    LOCK.write_text(HEADER.format(torch=pin, extras=EXTRAS) + "\n".join(lines) + "\n")
+    LOCK.write_text(HEADER.format(torch=pin, extras=EXTRAS, torch_requires=" ".join(requires))
+                    + "\n".join(lines) + "\n")
     print(f"[lock] wrote {len(lines)} pins to {LOCK.relative_to(REPO)}", flush=True)
     return 0
 
 
 def constraints_without_torch(lock_text: str) -> str:
-    """The lock's pins for a venv whose torch is another release (its torch lines dropped)."""
-    return "\n".join(lock_lines(lock_text)) + "\n"
+    """The lock's pins for a venv whose torch is another release.
+
+    Dropped: torch's own stack, and the packages the lock's header names as torch's own
+    requirements (left to that torch's requirement: each release bounds them itself).
+    """
+    named = TORCH_REQUIRES.search(lock_text)
+    left_to_torch = set(named.group(1).split()) if named else set()
+    return "\n".join(line for line in lock_lines(lock_text)
+                     if _name(line) not in left_to_torch) + "\n"
 
 
 def command_constraints(args: argparse.Namespace) -> int:

@@ -59,6 +59,16 @@ def test_a_freeze_becomes_the_lock_without_torch_its_cuda_stack_pip_or_resumekit
     assert lock.constraints_without_torch(freeze) == "Sympy==1.14.0\nzipp==3.23.0\n"
 
 
+def test_another_torch_release_resolves_what_torch_itself_requires_the_rest_stays_pinned() -> None:
+    lock = _script("dev_lock")
+    text = ("# torch requires: setuptools sympy\nboto3==1.40.0\nsetuptools==84.2.1\n"
+            "sympy==1.14.0\nzipp==3.23.0\n")
+    # torch 2.12 caps setuptools below 82: the lock's 84 would make its venv impossible.
+    assert lock.constraints_without_torch(text) == "boto3==1.40.0\nzipp==3.23.0\n"
+    committed = lock.TORCH_REQUIRES.search(lock.LOCK.read_text())
+    assert committed is not None and "setuptools" in committed.group(1).split()
+
+
 def test_the_second_torch_is_installed_with_pip_configuration_off_only_above_its_cap(
         tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     matrix = _script("compat_matrix")
