@@ -248,8 +248,8 @@ def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
     real_worlds = [row["world_size"] for row in real_rows]
     fake_worlds = [row["world_size"] for row in fake_rows]
     low, high = (real_rows[0], real_rows[-1]) if real_rows else (None, None)
-    w8, w1024 = _row(fake_rows, 8), (fake_rows[-1] if fake_rows else None)
-    w256 = _row(fake_rows, 256)
+    w8, w1024, w256 = _row(fake_rows, 8), _row(fake_rows, 1024), _row(fake_rows, 256)
+    largest = fake_rows[-1] if fake_rows else None
     summary: dict[str, Any] = {
         "restore_cpu_per_rank_w32_vs_w2": None if low is None or high is None else _ratio(
             high["restore_cpu_per_rank_s"], low["restore_cpu_per_rank_s"]),
@@ -259,8 +259,17 @@ def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
             high["dcp_restore_cpu_per_rank_s"], low["dcp_restore_cpu_per_rank_s"]),
         "restore_cpu_per_rank_w1024_vs_w8": None if w8 is None or w1024 is None else _ratio(
             w1024["restore_cpu_per_rank_s"], w8["restore_cpu_per_rank_s"]),
-        "restore_cpu_per_rank_w1024_vs_w8_worlds": [8, fake_worlds[-1]]
-        if fake_worlds else None,
+        "restore_cpu_per_rank_w1024_vs_w8_reason": None if w1024 is not None else (
+            f"the simulation reached W = {max(fake_worlds, default=0)}, not 1,024 (see "
+            "restore_cpu_per_rank_wmax_vs_w8)"),
+        "restore_cpu_per_rank_wmax_vs_w8": None if w8 is None or largest is None else _ratio(
+            largest["restore_cpu_per_rank_s"], w8["restore_cpu_per_rank_s"]),
+        "dcp_restore_cpu_per_rank_wmax_vs_w8": None if w8 is None or largest is None
+        else _ratio(largest["dcp_restore_cpu_per_rank_s"], w8["dcp_restore_cpu_per_rank_s"]),
+        "restore_cpu_per_rank_before_wmax_vs_w8": None if w8 is None or largest is None
+        else _ratio(largest["restore_cpu_per_rank_before_s"],
+                    w8["restore_cpu_per_rank_before_s"]),
+        "wmax": None if largest is None else largest["world_size"],
         "restore_cpu_per_rank_before_w1024_vs_w8": None if w8 is None or w1024 is None
         else _ratio(w1024["restore_cpu_per_rank_before_s"],
                     w8["restore_cpu_per_rank_before_s"]),

@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.world import main
+
+pytestmark = pytest.mark.timeout(600)  # ranks forked and joined in gloo: slow on a busy host
 
 CONTRACT = ("restore_cpu_per_rank_w32_vs_w2", "restore_cpu_per_rank_w1024_vs_w8",
             "metadata_bytes_vs_dcp_w256", "files_per_checkpoint_w32",
@@ -19,8 +23,8 @@ CONTRACT = ("restore_cpu_per_rank_w32_vs_w2", "restore_cpu_per_rank_w1024_vs_w8"
 
 def test_a_tiny_run_writes_every_contract_key_with_sane_figures(tmp_path: Path) -> None:
     out = tmp_path / "world.json"
-    main(["--real", "2,3", "--fake", "8,256", "--config", "tiny", "--repeats", "1",
-          "--save-mb", "16", "--out", str(out)])
+    main(["--real", "2,3", "--fake", "8,256,1024", "--config", "tiny", "--repeats", "1",
+          "--save-mb", "8", "--out", str(out)])
     report = json.loads(out.read_text())
     summary = report["summary"]
     assert all(key in summary for key in CONTRACT), sorted(summary)
@@ -39,11 +43,11 @@ def test_a_tiny_run_writes_every_contract_key_with_sane_figures(tmp_path: Path) 
                                             "restore_cpu_per_rank_s",
                                             "dcp_restore_cpu_per_rank_s")), row
     assert summary["files_per_checkpoint_w32"] == 6 * 3 + 3
-    small, large = report["simulated"]
+    small, large, _ = report["simulated"]
     assert 0 < small["dcp_metadata_bytes"] < large["dcp_metadata_bytes"]
     assert small["metadata_bytes"] < large["metadata_bytes"]
     assert summary["metadata_bytes_vs_dcp_w256"] == (
         large["metadata_bytes"] / large["dcp_metadata_bytes"])
     assert large["load_items"] > 0 and large["restore_cpu_per_rank_s"] > 0
-    assert report["save_cpu_per_gb"]["bytes"] >= 16 << 20
+    assert report["save_cpu_per_gb"]["bytes"] >= 8 << 20
     assert out.with_suffix(".png").stat().st_size > 10_000
