@@ -11,6 +11,15 @@ tree per parameter on every call; ``docs/design.md`` gives the figure that keeps
 shortcut. Whether DCP would rename anything is asked of the few torch names that decide
 it, which live in :mod:`resumekit._compat`.
 
+A model whose state dict is not its parameters (a state-dict hook renames, splits or
+fuses parameters, or adds entries no attribute holds: torchtitan's ``FusedQKVLinear``
+saves its fused ``wqkv.weight`` as ``wq/wk/wv.weight``) is one DCP's state-dict API cannot
+name (its ``get_state_dict`` looks every key up as an attribute and raises). Its
+checkpoint holds the model's own state dict, keys and values as the hooks make them, and
+the optimizer's state under the parameters' canonical names (as torchtitan keys it); a
+load goes back through the model's own ``load_state_dict``, so its load hooks run
+(:func:`hooked_state`).
+
 Also here: tied weights (:func:`find_tied`, :func:`untie`, :func:`retie`), zero optimizer
 state preallocated from a checkpoint's metadata (:func:`preallocate_optimizer_state`), and
 full weights loaded into a sharded model (:func:`apply_full_model_state`).
@@ -28,6 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -52,6 +62,8 @@ __all__ = [
     "apply_model_and_optimizer_state",
     "canonical_param_name",
     "find_tied",
+    "hooked_state",
+    "load_model_state",
     "load_named_optimizer_state",
     "model_and_optimizer_state",
     "model_state_dict",
@@ -92,6 +104,10 @@ def model_and_optimizer_state(
             named = named_state(model, optimizer)
         if named is not None:
             return {"model": named[0], "optimizer": named[1]}
+        hooked = hooked_state(model)
+        if hooked is not None:  # keys DCP cannot name: the optimizer's names are DCP's
+            return {"model": hooked,
+                    "optimizer": get_optimizer_state_dict(model, optimizer)}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -112,7 +128,9 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
     instances, every parameter's name a key of the state dict (activation
     checkpointing's wrapper names its parameters with a prefix its state dict strips),
     an optimizer that has state (DCP would initialise it by a step) and whose every
-    parameter is one of the model's. Anything else: None (ask DCP).
+    parameter is one of the model's. Anything else: None (ask DCP). A model whose state
+    dict has keys of a state-dict hook's own (see :func:`hooked_state`) is taken here too
+    (DCP would raise for it), its optimizer keyed by the parameters' canonical names.
     """
     if "state_dict" in vars(model) or "state_dict" in vars(optimizer) or not optimizer.state:
         return None
@@ -121,7 +139,10 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
         return None
     names = {id(param): name for name, param in model.named_parameters()}
     if any(name not in state for name in names.values()):
-        return None  # a name the state dict renames (activation checkpointing's wrapper)
+        if not _hook_made(model, state):
+            return None  # a name the state dict renames (activation checkpointing's wrapper)
+        # A state-dict hook's own keys: the optimizer keeps the parameters' names.
+        names = {key: _without_checkpoint_prefix(name) for key, name in names.items()}
     stored = optimizer.state_dict()
     params = [param for group in optimizer.param_groups for param in group["params"]]
     if any(id(param) not in names for param in params):
@@ -154,7 +175,76 @@ def model_state_dict(model: nn.Module, *, options: StateDictOptions | None = Non
         own = _state_under_own_names(model, _renamers())
         if own is not None:
             return own
+        hooked = hooked_state(model)
+        if hooked is not None:
+            return hooked
     return get_model_state_dict(model, options=options)
+
+
+def hooked_state(model: nn.Module) -> dict[str, Any] | None:
+    """The model's own state dict where a state-dict hook made keys DCP cannot name, or None.
+
+    DCP's ``get_state_dict`` / ``get_model_state_dict`` look each key of
+    ``model.state_dict()`` up as an attribute path of the module tree, to rename it; a key
+    a hook made (``wq.weight`` of a module whose parameter is ``wqkv.weight``, a tensor a
+    hook adds) is no attribute, and DCP raises ``AttributeError``. For such a model the
+    checkpoint holds the state dict as the model makes it: the module inside any DDP or
+    ``torch.compile`` wrapper (whose names DCP strips, so its own keys are the canonical
+    ones), its ``state_dict()`` under ``no_grad``, without meta tensors. With FSDP2 the
+    values are what the hooks return (torchtitan's gathers its fused parameter to a
+    replicated ``DTensor``; DCP saves one copy of it).
+
+    Returns:
+        That state, or None: every key names a parameter, buffer or extra state (DCP's
+        rules stand), or a module inside the wrappers renames for DCP (FSDP1,
+        ``_fqn_modifiers``, a nested DDP: DCP decides, and raises if it cannot).
+    """
+    inner = _own_keys_root(model)
+    if inner is None:
+        return None
+    with torch.no_grad():
+        state = inner.state_dict()
+    if not state or not _hook_made(inner, state):
+        return None
+    for key in [key for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.is_meta]:
+        del state[key]
+    return state
+
+
+def _own_keys_root(model: nn.Module) -> nn.Module | None:
+    """The module inside DDP and ``torch.compile`` wrappers, if nothing in it renames for DCP."""
+    compiled = _compat.compiled_module_type()
+    inner = model
+    while True:
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        elif compiled is not None and isinstance(inner, compiled):
+            inner = _compat.compiled_inner_module(inner)
+        else:
+            break
+    if any(_is_wrapper(module, _renamers()) for module in inner.modules()):
+        return None
+    return inner
+
+
+def _hook_made(model: nn.Module, keys: Iterable[str]) -> bool:
+    """Whether a key names no parameter, buffer or extra state of ``model`` (a hook's own).
+
+    Names are compared without activation checkpointing's prefix, which its wrapper's own
+    hook strips from the state dict's keys.
+    """
+    known = {_without_checkpoint_prefix(name)
+             for name, _ in model.named_parameters(remove_duplicate=False)}
+    known.update(_without_checkpoint_prefix(name)
+                 for name, _ in model.named_buffers(remove_duplicate=False))
+    extra = _compat.extra_state_key_suffix()
+    return any(key not in known and key.rsplit(".", 1)[-1] != extra for key in keys)
+
+
+def _without_checkpoint_prefix(name: str) -> str:
+    """``name`` without activation checkpointing's wrapper atom (DCP's canonical name)."""
+    return name.replace(_compat.checkpoint_wrapper_prefix(), "")
 
 
 def _renamers() -> tuple[type, ...]:
@@ -289,6 +379,16 @@ def apply_model_and_optimizer_state(
     if differences:
         raise _incompatible("the state to apply", differences)
     strict = options if options is not None else StateDictOptions(strict=True)
+    inner = _own_keys_root(model) if options is None else None
+    if inner is not None and _hook_made(inner, expected["model"]):
+        # Keys a state-dict hook made (see hooked_state): the model's own load_state_dict,
+        # whose load hooks turn them back into its parameters.
+        with torch.no_grad():
+            inner.load_state_dict(dict(state["model"]), strict=True)
+        if optimizer is not None and not load_named_optimizer_state(
+                model, optimizer, state["optimizer"]):
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=strict)
+        return
     if (options is None and _loads_by_itself(model)
             and _same_memory(state["model"], expected["model"])):
         # The load wrote into the model's own tensors (the usual restore): copying each
@@ -305,6 +405,30 @@ def apply_model_and_optimizer_state(
         optim_state_dict=state.get("optimizer", {}),
         options=strict,
     )
+
+
+def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool,
+                     model_keys: Iterable[str]) -> None:
+    """DCP's ``set_model_state_dict(model, state)``, or the model's own load for hook keys.
+
+    Where the model's state dict has keys a state-dict hook made (``model_keys``, as
+    :func:`model_state_dict` returned them; see :func:`hooked_state`), DCP cannot name
+    them: ``state`` goes to the ``load_state_dict`` of the module inside any DDP or
+    ``torch.compile`` wrapper, so the model's load hooks turn it back into its
+    parameters. Anything else is DCP's.
+
+    Args:
+        model: The module to load into.
+        state: ``{canonical name: tensor}``, read into tensors like the model's.
+        strict: Every key of the model must be in ``state`` and no other.
+        model_keys: The keys of the model's own state (:func:`model_state_dict`).
+    """
+    inner = _own_keys_root(model)
+    if inner is not None and _hook_made(inner, model_keys):
+        with torch.no_grad():
+            inner.load_state_dict(dict(state), strict=strict)
+        return
+    set_model_state_dict(model, dict(state), options=StateDictOptions(strict=strict))
 
 
 def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
