@@ -99,3 +99,22 @@ def fake_steps(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *
                 param.grad = full
         optimizer.step()
         optimizer.zero_grad()
+
+
+def optimizers_container(model: nn.Module) -> torch.optim.Optimizer:
+    """torchtitan's ``OptimizersContainer``: Adam for the norms, AdamW for the rest (two).
+
+    Built from its own config, as its trainer builds it (``implementation="for-loop"``:
+    the default ``fused`` is CUDA's), its parameter groups carrying ``param_names``.
+    """
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+
+    config = OptimizersContainer.Config(
+        implementation="for-loop",
+        param_groups=[
+            ParamGroupConfig(pattern=r"norm", optimizer_name="Adam",
+                             optimizer_kwargs={"lr": 1e-3}),
+            ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
+                             optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1}),
+        ])
+    return OptimizersContainer(config, model_parts=[model])

@@ -58,6 +58,7 @@ from resumekit.tensors.fit import flatten_state
 from resumekit.tensors.reader import make_reader as _make_reader
 
 __all__ = [
+    "Optimizers",
     "apply_full_model_state",
     "apply_model_and_optimizer_state",
     "canonical_param_name",
@@ -68,15 +69,25 @@ __all__ = [
     "model_and_optimizer_state",
     "model_state_dict",
     "named_state",
+    "optimizer_parts",
     "plain_state_dict",
     "preallocate_optimizer_state",
     "retie",
     "untie",
 ]
 
+Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...]
+"""One optimizer, or several that update disjoint parameters of one model (saved as one)."""
+
+
+def optimizer_parts(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers of ``optimizer``: itself alone, or the tuple it is."""
+    return optimizer if isinstance(optimizer, tuple) else (optimizer,)
+
+
 def model_and_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     *,
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
@@ -88,9 +99,11 @@ def model_and_optimizer_state(
 
     Args:
         model: The module (plain, DDP-wrapped or ``fully_shard``-ed).
-        optimizer: Its optimizer, or ``None`` to capture the model alone. An optimizer
-            that has not stepped yet gets its state initialised (DCP needs destination
-            tensors to load into) by a zero-learning-rate step on zero gradients.
+        optimizer: Its optimizer, a tuple of optimizers (each updating its own
+            parameters: their states and groups are saved as one optimizer's), or
+            ``None`` to capture the model alone. An optimizer that has not stepped yet
+            gets its state initialised (DCP needs destination tensors to load into) by a
+            zero-learning-rate step on zero gradients.
         options: DCP ``StateDictOptions``; the default keeps tensors sharded and in place.
 
     Returns:
@@ -112,7 +125,7 @@ def model_and_optimizer_state(
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
+def named_state(model: nn.Module, optimizer: Optimizers
                 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """DCP's ``get_state_dict(model, optimizer)``, without its walks, where it is the same.
 
@@ -132,7 +145,9 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
     dict has keys of a state-dict hook's own (see :func:`hooked_state`) is taken here too
     (DCP would raise for it), its optimizer keyed by the parameters' canonical names.
     """
-    if "state_dict" in vars(model) or "state_dict" in vars(optimizer) or not optimizer.state:
+    parts = optimizer_parts(optimizer)
+    if "state_dict" in vars(model) or any("state_dict" in vars(part) or not part.state
+                                           for part in parts):
         return None
     state = _state_under_own_names(model, _renamers())
     if state is None:
@@ -143,16 +158,18 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
             return None  # a name the state dict renames (activation checkpointing's wrapper)
         # A state-dict hook's own keys: the optimizer keeps the parameters' names.
         names = {key: _without_checkpoint_prefix(name) for key, name in names.items()}
-    stored = optimizer.state_dict()
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    if any(id(param) not in names for param in params):
-        return None
-    name_of = {number: names[id(param)] for number, param in enumerate(params)}
-    optimizer_state = {
-        "state": {name_of[number]: value for number, value in stored["state"].items()},
-        "param_groups": [{**group, "params": [name_of[number] for number in group["params"]]}
-                         for group in stored["param_groups"]],
-    }
+    optimizer_state: dict[str, Any] = {"state": {}, "param_groups": []}
+    for part in parts:  # several optimizers: DCP's merge, each one's state and groups
+        stored = part.state_dict()
+        params = [param for group in part.param_groups for param in group["params"]]
+        if any(id(param) not in names for param in params):
+            return None
+        name_of = {number: names[id(param)] for number, param in enumerate(params)}
+        optimizer_state["state"].update(
+            (name_of[number], value) for number, value in stored["state"].items())
+        optimizer_state["param_groups"].extend(
+            {**group, "params": [name_of[number] for number in group["params"]]}
+            for group in stored["param_groups"])
     return state, optimizer_state
 
 
@@ -340,7 +357,7 @@ def _loads_by_itself(model: nn.Module) -> bool:
 
 def apply_model_and_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     state: Mapping[str, Any],
     *,
     options: StateDictOptions | None = None,
@@ -352,7 +369,7 @@ def apply_model_and_optimizer_state(
 
     Args:
         model: The module to load into.
-        optimizer: Its optimizer, or ``None`` to load the model alone.
+        optimizer: Its optimizer (or tuple of them), or ``None`` to load the model alone.
         state: ``{"model": ..., "optimizer": ...}``.
         options: The ``StateDictOptions`` the state was captured with.
 
@@ -431,7 +448,7 @@ def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool
     set_model_state_dict(model, dict(state), options=StateDictOptions(strict=strict))
 
 
-def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_named_optimizer_state(model: nn.Module, optimizer: Optimizers,
                                state: Mapping[str, Any]) -> bool:
     """DCP's strict ``set_optimizer_state_dict``, without its walks, where it is the same.
 
@@ -448,7 +465,8 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
     Args:
         model: The module the optimizer updates.
-        optimizer: The optimizer to load into.
+        optimizer: The optimizer to load into, or a tuple of them (each takes the state
+            of its own parameters and the stored groups that hold them).
         state: ``{"state": {name: ...}, "param_groups": [...]}`` as :func:`named_state`
             (and DCP's ``get_optimizer_state_dict``) returns it.
 
@@ -465,21 +483,37 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     if names is None:
         return False
     holders = _groups_holding(stored_groups)
+    plans: list[tuple[torch.optim.Optimizer, dict[str, Any]]] = []
+    for part in optimizer_parts(optimizer):
+        plan = _named_load(part, names, stored, stored_groups, holders)
+        if plan is None:
+            return False
+        plans.append((part, plan))
+    with torch.no_grad():
+        for part, plan in plans:
+            part.load_state_dict(plan)
+    return True
+
+
+def _named_load(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                stored: Mapping[str, Any], stored_groups: list[Mapping[str, Any]],
+                holders: Mapping[str, list[Mapping[str, Any]]]) -> dict[str, Any] | None:
+    """The state dict :func:`load_named_optimizer_state` hands ``optimizer``, or None."""
     loaded: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}  # id(stored group) -> the optimizer's group it fills
     for group in optimizer.param_groups:
         if not group["params"]:
-            return False
+            return None
         params: list[str] = []
         for param in group["params"]:
             name = names.get(id(param))
             if name is None:
-                return False
+                return None
             params.append(name)
             if param.requires_grad:
                 if name not in stored:
-                    return False
+                    return None
                 loaded[name] = stored[name]
             for stored_group in holders.get(name, ()):
                 index_of[id(stored_group)] = len(groups)
@@ -488,9 +522,7 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
         if id(stored_group) in index_of:
             groups[index_of[id(stored_group)]].update(
                 (key, value) for key, value in stored_group.items() if key != "params")
-    with torch.no_grad():
-        optimizer.load_state_dict({"state": loaded, "param_groups": groups})
-    return True
+    return {"state": loaded, "param_groups": groups}
 
 
 def _groups_holding(groups: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -547,7 +579,7 @@ def _same_memory(given: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
 
 def preallocate_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     directory: str | os.PathLike[str],
     *,
     storage_options: Mapping[str, Any] | None = None,
@@ -574,7 +606,8 @@ def preallocate_optimizer_state(
 
     Args:
         model: The module the optimizer updates.
-        optimizer: The optimizer; one that already has state is left as it is.
+        optimizer: The optimizer (or tuple of them); one that already has state is left
+            as it is.
         directory: The checkpoint's ``tensors/`` directory (local path or fsspec URL).
         storage_options: fsspec options for URLs.
 
@@ -585,7 +618,8 @@ def preallocate_optimizer_state(
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
         UnsafeCheckpointError: The metadata would execute code.
     """
-    if optimizer.state:
+    parts = optimizer_parts(optimizer)
+    if any(part.state for part in parts):
         return False
     reader = _make_reader(_directory_str(directory), storage_options)
     metadata = reader.read_metadata()
@@ -599,20 +633,22 @@ def preallocate_optimizer_state(
         stored.setdefault(str(path[2]), {})[str(path[3])] = entry
     names = {id(param): canonical_param_name(name)
              for name, param in model.named_parameters(remove_duplicate=False)}
-    plan: list[tuple[torch.Tensor, dict[str, TensorStorageMetadata]]] = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not param.requires_grad:
-                continue
-            entries = stored.get(names.get(id(param), ""))
-            if not entries or not all(
-                    tuple(entry.size) in ((), tuple(param.shape)) for entry in entries.values()):
-                return False
-            plan.append((param, entries))
+    plan: list[tuple[torch.optim.Optimizer, torch.Tensor,
+                     dict[str, TensorStorageMetadata]]] = []
+    for part in parts:
+        for group in part.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                entries = stored.get(names.get(id(param), ""))
+                if not entries or not all(tuple(entry.size) in ((), tuple(param.shape))
+                                          for entry in entries.values()):
+                    return False
+                plan.append((part, param, entries))
     if not plan:
         return False
-    for param, entries in plan:
-        optimizer.state[param] = {
+    for part, param, entries in plan:
+        part.state[param] = {
             name: (torch.zeros((), dtype=entry.properties.dtype) if tuple(entry.size) == ()
                    else _zeros_like(param, entry.properties.dtype))
             for name, entry in entries.items()}

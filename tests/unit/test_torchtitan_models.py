@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from resumekit.manager import CheckpointManager
-from tests.torchtitan_models import fake_steps, llama3
+from tests.torchtitan_models import fake_steps, llama3, optimizers_container
 
 
 def _moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -47,3 +47,23 @@ def test_torchtitans_unfused_llama3_takes_the_weights_of_the_fused_ones(tmp_path
     reference = fused.state_dict()
     for key, value in unfused.state_dict().items():
         assert torch.equal(value, reference[key]), key
+
+
+def test_torchtitans_optimizers_container_is_saved_and_restored_exactly(tmp_path: Path) -> None:
+    model = llama3()
+    container = optimizers_container(model)
+    assert len(container.optimizers) == 2
+    fake_steps(model, container, 2)
+    ckpt = CheckpointManager(tmp_path, model=[model], optimizer=container)  # model_parts
+    ckpt.save(2)  # raised a bare KeyError: 'state'
+    ckpt.close()
+
+    fresh = llama3(seed=1)
+    fresh_container = optimizers_container(fresh)
+    assert CheckpointManager(tmp_path, model=[fresh], optimizer=fresh_container).restore() == 2
+    for want, have in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(want, have)
+    for part, fresh_part in zip(container.optimizers, fresh_container.optimizers, strict=True):
+        assert fresh_part.param_groups[0]["param_names"] == part.param_groups[0]["param_names"]
+        for want, have in zip(_moments(part), _moments(fresh_part), strict=True):
+            assert torch.equal(want, have)
