@@ -303,7 +303,7 @@ class TrainState:
                                                 storage_options=storage_options)
         state = state_dicts.model_and_optimizer_state(
             self.model, self.optimizer if optimizer else None)
-        return state_dicts.untie(state, tied)
+        return state_dicts.untie(state_dicts.without_param_names(state), tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""

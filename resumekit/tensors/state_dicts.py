@@ -52,6 +52,7 @@ from resumekit.errors import IncompatibleCheckpointError
 from resumekit.tensors.context import directory_str as _directory_str
 from resumekit.tensors.context import paused_collection as _collection_paused
 from resumekit.tensors.failures import incompatible as _incompatible
+from resumekit.tensors.fit import PARAM_NAMES as _PARAM_NAMES
 from resumekit.tensors.fit import compare_flat as _compare_flat
 from resumekit.tensors.fit import describe as _describe
 from resumekit.tensors.fit import flatten_state
@@ -74,6 +75,7 @@ __all__ = [
     "preallocate_optimizer_state",
     "retie",
     "untie",
+    "without_param_names",
 ]
 
 Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...]
@@ -668,6 +670,22 @@ def _zeros_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                                       param.device_mesh, param.placements, run_check=False,
                                       shape=param.shape, stride=param.stride())
         return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def without_param_names(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (``{"model": ..., "optimizer": ...}``) whose optimizer groups lack ``param_names``.
+
+    The destination of a restore: a group's ``param_names`` is never read from a
+    checkpoint (see :data:`resumekit.tensors.fit.PARAM_NAMES`), so a checkpoint restores
+    into an optimizer built with names (torchtitan's) or without, whichever wrote it.
+    """
+    optimizer = state.get("optimizer")
+    if not isinstance(optimizer, Mapping) or not isinstance(
+            optimizer.get("param_groups"), list):
+        return dict(state)
+    groups = [{key: value for key, value in group.items() if key != _PARAM_NAMES}
+              if isinstance(group, Mapping) else group for group in optimizer["param_groups"]]
+    return {**state, "optimizer": {**optimizer, "param_groups": groups}}
 
 
 def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:

@@ -185,3 +185,29 @@ def test_a_model_that_is_no_module_or_several_is_refused_and_one_in_a_list_is_ta
     assert ckpt.state.model is model
     ckpt.save(1)
     assert CheckpointManager(tmp_path, model=model).restore() == 1
+
+
+def _named_adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(list(model.named_parameters()), lr=1e-2)  # groups get param_names
+
+
+@pytest.mark.parametrize("names_when", ["saved", "restored"])
+def test_a_groups_param_names_on_one_side_only_do_not_stop_a_restore(
+        tmp_path: Path, names_when: str) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = (_named_adamw(model) if names_when == "saved"
+                 else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(model, optimizer, 2, seed=1)
+    CheckpointManager(tmp_path, model=model, optimizer=optimizer).save(2)
+
+    fresh = _net()
+    fresh_optimizer = (torch.optim.AdamW(fresh.parameters(), lr=1e-2) if names_when == "saved"
+                       else _named_adamw(fresh))
+    assert CheckpointManager(tmp_path, model=fresh, optimizer=fresh_optimizer).restore() == 2
+    assert torch.equal(fresh_optimizer.state[fresh[0].weight]["exp_avg"],
+                       optimizer.state[model[0].weight]["exp_avg"])
+    has_names = "param_names" in fresh_optimizer.param_groups[0]
+    assert has_names == (names_when == "restored")  # the live optimizer's own, kept
+    if has_names:
+        assert fresh_optimizer.param_groups[0]["param_names"][0] == "0.weight"
