@@ -118,3 +118,66 @@ def optimizers_container(model: nn.Module) -> torch.optim.Optimizer:
                              optimizer_kwargs={"lr": 8e-4, "weight_decay": 0.1}),
         ])
     return OptimizersContainer(config, model_parts=[model])
+
+
+class TrainProgress:
+    """The ``train_state`` torchtitan's trainer hands its checkpointer: step, tokens seen."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.ntokens_seen = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.ntokens_seen = state["step"], state["ntokens_seen"]
+
+
+def write_torchtitan_checkpoints(folder: str, *, fuse_qkv: bool, steps: int,
+                                 interval: int) -> dict[str, Any]:
+    """Train with torchtitan's own checkpointer (every ``interval`` steps) under ``folder``.
+
+    Its ``CheckpointManager`` (``torchtitan.components.checkpointer``) writes
+    ``<folder>/checkpoint/step-N`` as torchtitan does: the model's keys at the top level,
+    ``optimizer`` (its containers' flat form), ``lr_scheduler`` and ``train_state``.
+    Under a process group of several ranks the model is FSDP2-sharded. Returns the state
+    at the last step, whole: ``params`` by name, ``exp_avg`` by name, ``last_epoch``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.checkpointer import CheckpointManager as TorchtitanManager
+    from torchtitan.components.optimizer import LRSchedulersContainer
+
+    model = llama3(fuse_qkv=fuse_qkv)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for layer in model.layers.values():
+            fully_shard(layer)
+        fully_shard(model)
+    optimizers = optimizers_container(model)
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+        optimizers=optimizers, training_steps=steps)
+    progress = TrainProgress()
+    checkpointer = TorchtitanManager(
+        TorchtitanManager.Config(enable=True, folder="checkpoint", interval=interval),
+        dataloader=None, model_parts=[model], optimizers=optimizers,
+        lr_schedulers=schedulers, states={"train_state": progress}, sd_adapter=None,
+        base_folder=folder)
+    for step in range(1, steps + 1):
+        fake_steps(model, optimizers, 1, seed=step)
+        schedulers.step()
+        progress.step, progress.ntokens_seen = step, progress.ntokens_seen + 512
+        checkpointer.save(curr_step=step)
+    checkpointer.close()
+
+    def whole(value: torch.Tensor) -> torch.Tensor:
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value
+        return full.detach().clone()
+
+    names = {id(param): name for name, param in model.named_parameters()}
+    return {"params": {name: whole(param) for name, param in model.named_parameters()},
+            "exp_avg": {names[id(param)]: whole(state["exp_avg"])
+                        for part in optimizers.optimizers
+                        for param, state in part.state.items()},
+            "last_epoch": schedulers.state_dict()["last_epoch"],
+            "ntokens_seen": progress.ntokens_seen}
