@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from resumekit.errors import ConfigurationError
+from resumekit.errors import ConfigurationError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
 
 
@@ -211,3 +211,20 @@ def test_a_groups_param_names_on_one_side_only_do_not_stop_a_restore(
     assert has_names == (names_when == "restored")  # the live optimizer's own, kept
     if has_names:
         assert fresh_optimizer.param_groups[0]["param_names"][0] == "0.weight"
+
+
+def test_a_scheduler_missing_on_one_side_is_named_as_the_fix_for_initial_lr(
+        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)  # initial_lr
+    _train(model, optimizer, 1, seed=1)
+    CheckpointManager(tmp_path, model=model, optimizer=optimizer, scheduler=scheduler).save(1)
+    fresh = _net()
+    ckpt = CheckpointManager(tmp_path, model=fresh,
+                             optimizer=torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    with pytest.raises(IncompatibleCheckpointError) as caught:
+        ckpt.restore()
+    assert "initial_lr" in str(caught.value)
+    assert "build it, and pass it as scheduler=" in str(caught.value)
