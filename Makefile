@@ -21,6 +21,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs]" -c $(LOCK)
+	@# torchtitan's model classes for the tests, without torchtitan's own requirements
+	$(PIP) install -q --no-deps -c $(LOCK) $$($(PYTHON) scripts/dev_lock.py no-deps)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

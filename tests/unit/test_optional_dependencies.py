@@ -36,7 +36,7 @@ from resumekit.errors import ConfigurationError, MissingDependencyError, Resumek
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: The project's own extras (not features of the library).
-PROJECT_EXTRAS = {"dev", "bench", "docs"}
+PROJECT_EXTRAS = {"dev", "bench", "docs", "test-models"}
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -247,7 +247,7 @@ def _imported_modules(folder: Path) -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.parametrize(("folder", "extras"), [
-    ("tests", ("dev",)), ("benchmarks", ("dev", "bench")), ("examples", ("plot",)),
+    ("tests", ("dev", "test-models")), ("benchmarks", ("dev", "bench")), ("examples", ("plot",)),
 ])
 def test_every_module_a_suite_imports_is_declared_by_the_extra_it_runs_with(
     folder: str, extras: tuple[str, ...],
