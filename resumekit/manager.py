@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch import nn
 
 from resumekit import saving
-from resumekit.background import BackgroundSave, WriterProcess
+from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
+from resumekit.background.emergency import optimizer_groups
 from resumekit.errors import (
     ConfigurationError,
     ResumekitError,
@@ -59,7 +60,7 @@ from resumekit.options import (
 from resumekit.restoring import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
-from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.runtime.preemption import SAVE_TIME_MARGIN, PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
@@ -256,6 +257,13 @@ class CheckpointManager:
                                      "not the durable root", name="local.root",
                                      value=self._local.tier.root)
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
+        # At a preemption signal: the last completed step, copied and written at once
+        # (resumekit.background.emergency), on a group of its own.
+        self._emergency: EmergencyCapture | None = None
+        self._emergency_channel = self._main
+        self._emergency_cuda = False
+        if preemption is not None and not self.read_only and model is not None:
+            self._start_emergency(preemption, optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
 
     # -- process groups -----------------------------------------------------------------
@@ -323,6 +331,9 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
+        if self._emergency is not None:  # no completed step to copy until the next one
+            self._emergency.mark(None)
+            self._emergency.set_template(None)
         restore = RootRestore(
             self.storage, self.name_format, self.state, self._main, self.options,
             fingerprint=self._fingerprint(), config_set=bool(self.config), rank=self.rank,
@@ -403,6 +414,7 @@ class CheckpointManager:
             tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
         else:
             tensors = self.state.tensor_state()
+            self._set_template(tensors)
         self._stager.prepare(tensors)
 
     def _new_stager(self) -> sharded.CpuStager:
@@ -452,6 +464,7 @@ class CheckpointManager:
                           metrics=metrics)
             if self._local is not None and self._local.due(step):
                 self._save_local(step, micro_step, metrics)
+            self._mark_boundary(step, micro_step)
             return False
         finally:
             self._clock.step_returned(step)
@@ -473,6 +486,7 @@ class CheckpointManager:
                     metrics: Mapping[str, float] | None) -> None:
         """Commit every rank's own copy of ``step`` to the local tier (and replicate it)."""
         assert self._local is not None
+        self._settle_emergency()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
         tensors, train, ranks, manifest = self._capture(
@@ -495,8 +509,10 @@ class CheckpointManager:
         pending = self._pending_async
         if (handler is not None and pending is not None and handler.seconds_left() is not None
                 and self._emergency_save_skipped(step, nbytes, pending, scheduled)):
+            self._settle_emergency()
             self.wait()  # the save in flight is the newest that can be committed
             return
+        self._settle_emergency()  # the copy of the last completed step, written or not
         self.wait()  # an interval save in flight commits first
         newest = self.last_saved_step
         if step == newest:
@@ -533,6 +549,135 @@ class CheckpointManager:
             since, self._clock.expected_save_seconds(),
             steps_since_last_commit=steps, estimate=estimate,
             newest_step=None if newest is None else newest[0])
+
+    # -- the emergency capture (resumekit.background.emergency) ---------------------------
+    def _start_emergency(self, preemption: PreemptionHandler,
+                         optimizer: torch.optim.Optimizer | None) -> None:
+        """Start the capture thread (and, with several ranks, its own gloo group)."""
+        if self._distributed:
+            self._emergency_channel = open_channel(self.storage, self.name_format,
+                                                   self._fence, new_save_group())
+        self._emergency = EmergencyCapture(
+            preemption, optimizer=optimizer, stager=self._emergency_stager,
+            before_copy=self._background.join, agree=self._agree_emergency,
+            write=self._write_emergency)
+
+    def _set_template(self, tensors: dict[str, Any]) -> None:
+        """Give the emergency capture the tensor state just built (live views)."""
+        if self._emergency is None:
+            return
+        self._emergency_cuda = any(
+            isinstance(value, torch.Tensor) and value.device.type == "cuda"
+            for value in _leaves(tensors))
+        self._emergency.set_template(tensors)
+
+    def _mark_boundary(self, step: int, micro_step: int) -> None:
+        """Step ``step`` is complete: record its small state for an emergency capture."""
+        capture = self._emergency
+        if capture is None:
+            return
+        optimizer = self.state.optimizer
+        if not capture.has_template:
+            if optimizer is not None and not optimizer.state:
+                return  # building its state would take an optimizer step
+            self._set_template(self.state.tensor_state())
+        event = None
+        if self._emergency_cuda:
+            event = torch.cuda.Event()
+            event.record()  # the capture's stream waits for the step's kernels
+        self.state.step, self.state.micro_step = step, micro_step
+        capture.mark(Boundary(
+            step=step, micro_step=micro_step,
+            train=dump_plain(self.state.train_state(self.world_size),
+                             what=f"training state of step {step}"),
+            ranks=dump_plain(self.state.rank_state(watch=False),
+                             what=f"rank {self.rank} state of step {step}"),
+            groups=optimizer_groups(optimizer), captured_at=datetime.now(timezone.utc),
+            resumed=time.monotonic(), event=event))
+
+    def _emergency_stager(self) -> sharded.CpuStager:
+        """The staging buffers an emergency capture copies into (the async ones, if any)."""
+        if self._stager is None:
+            self._stager = self._new_stager()
+        stager: sharded.CpuStager = self._stager
+        return stager
+
+    def _settle_emergency(self) -> None:
+        """A settle point of the emergency capture: every rank calls it at the same places."""
+        if self._emergency is None:
+            return
+        outcome = self._emergency.settle()
+        if outcome is not None and outcome.committed is not None:
+            self.last_saved_step = max(self.last_saved_step or 0, outcome.committed)
+
+    def _agree_emergency(self, capture: Capture | None) -> tuple[int | None, str]:
+        """On the capture thread: do all ranks hold a copy of one step that fits? Say it."""
+        step = -1 if capture is None else capture.boundary.step
+        newest = self._newest_step
+        why = ""
+        if capture is not None and newest is not None and step <= newest:
+            why = f"step {step} is already committed"
+            step = -1
+        nofit = 0
+        if capture is not None and step >= 0:
+            nbytes = state_bytes(capture.tensors)
+            estimate = self._clock.estimate(nbytes)
+            left = None if self.preemption is None else self.preemption.seconds_left()
+            needed = estimate.seconds
+            if left is not None and needed is not None and needed * SAVE_TIME_MARGIN > left:
+                nofit = 1
+                why = (f"its write ({estimate.describe()}) does not fit the {left:.1f} s "
+                       "left of the grace period")
+        low = high = step
+        if self._distributed:
+            ballot = torch.tensor([step, -step, nofit], dtype=torch.int64)
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX,
+                            group=self._emergency_channel.group)
+            high, negated_low, nofit = (int(value) for value in ballot.tolist())
+            low = -negated_low
+        if capture is None:
+            return None, "this rank holds no copy"
+        copied = (f"copied in {capture.copied_in:.2f} s, "
+                  f"{capture.copied_at - capture.signal_at:.2f} s after the signal")
+        if low != high or low < 0:
+            said = (f"not written: {why or 'the ranks hold no copy of one same step'} "
+                    f"(ranks hold steps {low}..{high}; -1: none); the agreed preemption "
+                    "saves as without it")
+        elif nofit:
+            why = why or "its write does not fit the grace period on some rank"
+            said = f"not written: {why}; the agreed preemption decides"
+        else:
+            said = ""
+        if said:
+            logger.warning("resumekit: emergency copy of step %d (%s) %s",
+                           capture.boundary.step, copied, said)
+            return None, said
+        return step, f"step {step} {copied}"
+
+    def _write_emergency(self, capture: Capture) -> None:
+        """On the capture thread: write and commit the copy every rank agreed on."""
+        boundary = capture.boundary
+        contents = {**self.state.contents(), "micro_step": boundary.micro_step}
+        source = self.initialized_from
+        manifest = Manifest(
+            step=boundary.step, world_size=self.world_size, reason=SaveReason.PREEMPTION,
+            lineage=saving.lineage(self.resumed_from,
+                                   None if source is None else (source.path, source.step),
+                                   tier=self.restored_from_tier),
+            extras=jsonable.plain_extras(self.extras), metrics={}, state=contents,
+            fingerprint=self._fingerprint(self.state.captured_params),
+            captured_at=boundary.captured_at,
+            tensor_format=self.tensor_format if capture.tensors else None)
+        started = time.monotonic()
+        logger.warning("resumekit: emergency save of step %d: copied in %.2f s, writing "
+                       "from %.2f s after the signal, while the step in progress runs",
+                       boundary.step, capture.copied_in, started - capture.signal_at)
+        job = SaveJob(boundary.step, False, capture.tensors, boundary.train, boundary.ranks,
+                      manifest, capture.signal_at)
+        with activity(f"emergency save of step {boundary.step}", step=boundary.step):
+            self._write(job, self._emergency_channel)
+        self._newest_step = boundary.step
+        self._clock.captured(boundary.step, boundary.resumed)
 
     def _state_nbytes(self) -> int:
         """Bytes a save of the state would write: the model's and optimizer's tensors."""
@@ -574,6 +719,7 @@ class CheckpointManager:
                 f"cannot save step {step} under {self.storage.path()}: this manager is "
                 "read_only (it restores without claiming the root)",
                 name="read_only", value=True)
+        self._settle_emergency()
         self._background.wait()
         self._pending_async = None
         if self._newest_step is not None and step <= self._newest_step and not replace:
@@ -619,6 +765,7 @@ class CheckpointManager:
         captured_at = datetime.now(timezone.utc)
         self.state.step, self.state.micro_step = step, micro_step
         tensors = self.state.tensor_state()
+        self._set_template(tensors)
         train = dump_plain(self.state.train_state(self.world_size),
                            what=f"training state of step {step}")
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
@@ -841,6 +988,11 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        if self._emergency is not None:
+            try:
+                self._settle_emergency()
+            finally:
+                self._emergency.close()
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
@@ -864,3 +1016,11 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _leaves(tree: Any) -> list[Any]:
+    """Every leaf of nested dicts, lists and tuples."""
+    if isinstance(tree, Mapping):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]

@@ -49,6 +49,15 @@ class BackgroundSave:
         self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
         self._thread.start()
 
+    def join(self) -> None:
+        """Block until the job in flight (if any) is done, from any thread; raise nothing.
+
+        Its error stays for the owner's next :meth:`wait`.
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def raise_if_failed(self) -> None:
         """Re-raise a finished job's error without blocking on a running one."""
         if self._thread is not None and not self._thread.is_alive():
