@@ -90,6 +90,7 @@ from resumekit.store.manifest import (
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors.raw.files import restore_lowered_priorities
 from resumekit.tiers.local import LocalJob, LocalSite
 from resumekit.tiers.restore import TierRestore
 from resumekit.tools import weights
@@ -232,7 +233,9 @@ class CheckpointManager:
         self._newest_step: int | None = None
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
-        self._background = BackgroundSave()
+        # A save training waits for runs at normal priority (wait, finish, the next save,
+        # the agreed preemption, the emergency capture): its writers are raised.
+        self._background = BackgroundSave(boost=self._raise_writers)
         # async_writer="process": the writer process, started at the first background save
         # or when staging ahead; it maps the stager's shared segments.
         self._writer = (WriterProcess(lambda: [] if self._stager is None
@@ -549,6 +552,13 @@ class CheckpointManager:
             since, self._clock.expected_save_seconds(),
             steps_since_last_commit=steps, estimate=estimate,
             newest_step=None if newest is None else newest[0])
+
+    def _raise_writers(self) -> None:
+        """Put this process's and the writer process's idle-priority threads back to normal."""
+        restore_lowered_priorities(os.getpid())
+        pid = None if self._writer is None else self._writer.pid
+        if pid is not None:
+            restore_lowered_priorities(pid)
 
     # -- the emergency capture (resumekit.background.emergency) ---------------------------
     def _start_emergency(self, preemption: PreemptionHandler,
