@@ -62,6 +62,11 @@ from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
 from resumekit.runtime.preemption import SAVE_TIME_MARGIN, PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
+from resumekit.runtime.save_interval import (
+    INTERRUPTIONS_EVERY_PRIOR,
+    AutoSaveEvery,
+    history_interruptions,
+)
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import Stateful, TrainState, dump_plain
@@ -205,7 +210,8 @@ class CheckpointManager:
         self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
         self.extras: MutableMapping[str, Any] = jsonable.live_extras(extras)
-        self.save_every = options.save_every
+        self.save_every, self.interruptions_every = (options.save_every,
+                                                     options.interruptions_every)
         self.retention = options.retention
         self.async_save = options.async_save
         self.async_writer = options.async_writer
@@ -227,6 +233,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
+        self._auto_every = self._start_auto_every()  # save_every="auto", else None
         # The background save submitted and not yet waited for here: (step, when training
         # after its capture resumed).
         self._pending_async: tuple[int, float] | None = None
@@ -334,6 +341,8 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
+        if self._auto_every is not None:
+            self._auto_every.restart()
         if self._emergency is not None:  # no completed step to copy until the next one
             self._emergency.mark(None)
             self._emergency.set_template(None)
@@ -458,19 +467,26 @@ class CheckpointManager:
         if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
             self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
+        if self._auto_every is not None:
+            self._auto_every.step_ended(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):
                 self._save_for_preemption(step, micro_step, metrics)
                 return True
             if self._scheduled(step) and step != self.last_saved_step:
+                began = None if self._auto_every is None else self._auto_every.clock()
                 self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step,
                           metrics=metrics)
+                if began is not None:
+                    self._choose_interval(step, began)
             if self._local is not None and self._local.due(step):
                 self._save_local(step, micro_step, metrics)
             self._mark_boundary(step, micro_step)
             return False
         finally:
             self._clock.step_returned(step)
+            if self._auto_every is not None:
+                self._auto_every.step_returned(step)
 
     def _check_counts_on(self, step: int) -> None:
         """The first ``step_end`` after a restore must be past the step restore returned."""
@@ -499,7 +515,49 @@ class CheckpointManager:
                              self._fence.generation)
 
     def _scheduled(self, step: int) -> bool:
-        return self.save_every is not None and step % self.save_every == 0
+        if self._auto_every is not None:
+            return self._auto_every.due(step)
+        return isinstance(self.save_every, int) and step % self.save_every == 0
+
+    # -- save_every="auto" (resumekit.runtime.save_interval) ------------------------------
+    def _start_auto_every(self) -> AutoSaveEvery | None:
+        """The auto interval's state, with the MTBI of the override, history or prior."""
+        if self.save_every != "auto":
+            return None
+        if self.interruptions_every is not None:
+            return AutoSaveEvery(self.interruptions_every,
+                                 "interruptions_every= (given)")
+        seconds, said = history_interruptions(self.storage, self.name_format)
+        if seconds is None:
+            return AutoSaveEvery(INTERRUPTIONS_EVERY_PRIOR,
+                                 f"the prior ({said}; interruptions_every= overrides it)")
+        return AutoSaveEvery(seconds, said)
+
+    @property
+    def save_interval(self) -> int | None:
+        """The interval in force: ``save_every``, or what ``"auto"`` chose (None before)."""
+        if self._auto_every is not None:
+            return self._auto_every.steps
+        return self.save_every if isinstance(self.save_every, int) else None
+
+    def _choose_interval(self, step: int, began: float) -> None:
+        """After the interval save of ``step`` (begun at ``began``): the next interval."""
+        auto = self._auto_every
+        assert auto is not None
+        blocking = max(0.0, auto.clock() - began)
+        overlapped = bool(self.async_save)
+        write = self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped)
+        proposal = auto.propose(blocking_s=blocking, write_s=write or 0.0,
+                                overlapped=overlapped)
+        steps = proposal.steps
+        if self._distributed:  # every rank saves at the same steps: the largest wish
+            wish = torch.tensor([steps], dtype=torch.int64)
+            dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=self._main.group)
+            steps = int(wish.item())
+        if auto.adopt(step, steps, proposal):
+            logger.info("resumekit: save_every='auto' saves every %d steps from step %d "
+                        "(%s; interruptions from %s)", steps, step, proposal.inputs,
+                        auto.source)
 
     def _save_for_preemption(self, step: int, micro_step: int,
                              metrics: Mapping[str, float] | None) -> None:

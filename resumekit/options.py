@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
 
 from fsspec.core import split_protocol
 from pydantic import (
@@ -123,7 +123,13 @@ class CheckpointOptions(BaseModel):
     Attributes:
         save_every: Save every this many steps in
             :meth:`~resumekit.CheckpointManager.step_end` (None: only explicit saves and
-            preemption saves).
+            preemption saves). ``"auto"``: the Young/Daly interval from the measured step
+            time, the time a save holds training and its write time, and how often this
+            run loses work to an interruption (:mod:`resumekit.runtime.save_interval`),
+            chosen again after each interval save and logged when it changes.
+        interruptions_every: With ``save_every="auto"``: seconds between interruptions
+            that cost the work since the last save, overriding the root's history and the
+            prior (:data:`~resumekit.runtime.save_interval.INTERRUPTIONS_EVERY_PRIOR`).
         retention: Which committed checkpoints to keep after each save (default
             ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
@@ -198,7 +204,8 @@ class CheckpointOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
                               validate_default=False)
 
-    save_every: int | None = Field(default=None, ge=1)
+    save_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    interruptions_every: float | None = Field(default=None, gt=0)
     retention: RetentionPolicy | None = DEFAULT_RETENTION
     name_format: str = DEFAULT_NAME_FORMAT
     async_save: bool = False
@@ -309,7 +316,8 @@ class CheckpointOptions(BaseModel):
 class OptionKeywords(TypedDict, total=False):
     """The fields of :class:`CheckpointOptions`, as the manager's keyword arguments."""
 
-    save_every: int | None
+    save_every: int | Literal["auto"] | None
+    interruptions_every: float | None
     retention: RetentionPolicy | None
     name_format: str
     async_save: bool

@@ -21,12 +21,26 @@ measures and the MTBI from the root's own lineage (:func:`interruptions_every`),
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Final
 
-__all__ = ["INTERRUPTIONS_EVERY_PRIOR", "AutoInterval", "auto_interval",
-           "interruptions_every"]
+from resumekit.errors import ResumekitError
+from resumekit.store.catalog import classify_step
+from resumekit.store.generations import claims
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
+
+__all__ = [
+    "INTERRUPTIONS_EVERY_PRIOR",
+    "AutoInterval",
+    "AutoSaveEvery",
+    "auto_interval",
+    "history_interruptions",
+    "interruptions_every",
+]
 
 INTERRUPTIONS_EVERY_PRIOR: Final = 4 * 3600.0
 """Seconds between interruptions assumed before a root has any history: 4 hours.
@@ -94,9 +108,13 @@ def auto_interval(*, step_s: float, blocking_s: float, write_s: float,
 def interruptions_every(launch_seconds: Sequence[float], interruptions: int) -> float | None:
     """Mean seconds between interruptions from a run's history, or None without one.
 
+    Only interruptions that cost the work since the last interval save count: a crash,
+    or a preemption that committed no step at its end. A preemption whose emergency save
+    committed cost at most the step in progress, whatever the interval.
+
     Args:
         launch_seconds: Seconds each launch of the run trained (its lineage).
-        interruptions: Launches that ended in an interruption (a preemption or a crash).
+        interruptions: Launches that ended in such an interruption.
 
     Returns:
         Training seconds over interruptions; None when nothing was interrupted yet (the
@@ -106,3 +124,112 @@ def interruptions_every(launch_seconds: Sequence[float], interruptions: int) -> 
         return None
     total = float(sum(max(0.0, seconds) for seconds in launch_seconds))
     return total / interruptions if total > 0 else None
+
+
+class AutoSaveEvery:
+    """The live state of ``save_every="auto"`` in one manager (the same on every rank).
+
+    The manager calls :meth:`step_ended` at each ``step_end`` and :meth:`saved` after
+    each interval save, with what that save cost; :meth:`due` says whether a step saves.
+    Until a step was timed, no save is due; the first interval save comes at the first
+    step whose predecessor was timed (it measures what a save costs); after each interval
+    save the rule picks the next interval (:meth:`propose`), which the ranks agree on
+    (the largest) before :meth:`adopt`.
+
+    Args:
+        interruptions_every_s: Mean seconds between interruptions that cost work (the
+            user's override, the root's history, or the prior).
+        source: Where that figure comes from, in words.
+        clock: The monotonic clock (``time.monotonic``; a test's fake).
+    """
+
+    def __init__(self, interruptions_every_s: float, source: str, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interruptions_every_s = interruptions_every_s
+        self.source = source
+        self.clock = clock
+        self.steps: int | None = None
+        """The interval in force (None before the first interval save)."""
+        self.chosen: AutoInterval | None = None
+        self._next_due: int | None = None
+        self._last_end: tuple[int, float] | None = None
+        self._step_s: float | None = None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The measured seconds of a step (smoothed), or None before one was timed."""
+        return self._step_s
+
+    def step_ended(self, step: int) -> None:
+        """``step_end(step)`` was entered: time the step since the previous one."""
+        now = self.clock()
+        last = self._last_end
+        if last is not None and step == last[0] + 1:
+            sample = now - last[1]
+            self._step_s = sample if self._step_s is None else (
+                self._step_s + 0.2 * (sample - self._step_s))
+        self._last_end = (step, now)
+
+    def step_returned(self, step: int) -> None:
+        """``step_end(step)`` returns (a save inside it is not a step's time)."""
+        self._last_end = (step, self.clock())
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is an interval save."""
+        if self._next_due is None:
+            return self._step_s is not None
+        return step >= self._next_due
+
+    def restart(self) -> None:
+        """A restore: the interval in force stays; the next save is due as it was."""
+        self._last_end = None
+
+    def propose(self, *, blocking_s: float, write_s: float, overlapped: bool) -> AutoInterval:
+        """This rank's interval after a save that held training ``blocking_s``."""
+        assert self._step_s is not None
+        return auto_interval(step_s=self._step_s, blocking_s=blocking_s, write_s=write_s,
+                             interruptions_every_s=self.interruptions_every_s,
+                             overlapped=overlapped)
+
+    def adopt(self, step: int, steps: int, proposal: AutoInterval) -> bool:
+        """Take the agreed interval after the save of ``step``; whether it changed."""
+        changed = steps != self.steps
+        self.steps, self.chosen = steps, proposal
+        self._next_due = step + steps
+        return changed
+
+
+def history_interruptions(storage: Storage, name_format: NameFormat, *,
+                          now: datetime | None = None) -> tuple[float | None, str]:
+    """The MTBI of lost work from the root's own generation records, and in words.
+
+    Each claim after the first is a relaunch; it followed an interruption that cost work
+    unless the step it found newest was committed by a ``preemption`` or ``final`` save
+    (read from that step's manifest; a step no longer in the root counts as lost). The
+    run's span is from the oldest kept claim to ``now``.
+
+    Returns:
+        ``(seconds, said)``; seconds is None when the root has no relaunch yet. With
+        relaunches that all lost nothing, the span itself (one interruption at most).
+    """
+    records = claims(storage)
+    if len(records) < 2:
+        return None, "no relaunch in the root's history"
+    now = now or datetime.now(timezone.utc)
+    span = max(0.0, (now - records[0].claimed_at).total_seconds())
+    lost = 0
+    for record in records[1:]:
+        step = record.newest_step
+        reason = None
+        if step is not None:
+            try:
+                manifest = classify_step(storage, step, name_format).manifest
+            except ResumekitError:  # an unreadable step counts as a lost one here
+                manifest = None
+            reason = None if manifest is None else str(manifest.reason.value)
+        if reason not in ("preemption", "final"):
+            lost += 1
+    seconds = interruptions_every([span], max(1, lost))
+    relaunches = len(records) - 1
+    return seconds, (f"{lost} of {relaunches} relaunches in {span:.0f} s lost the work "
+                     "since an interval save (the root's generation records)")
