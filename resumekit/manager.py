@@ -89,6 +89,7 @@ from resumekit.store.layout import (
 from resumekit.store.manifest import (
     FileEntry,
     Manifest,
+    SaveInterval,
     SaveReason,
     SaveThroughput,
 )
@@ -540,6 +541,17 @@ class CheckpointManager:
             return self._auto_every.steps
         return self.save_every if isinstance(self.save_every, int) else None
 
+    def _interval_record(self) -> SaveInterval:
+        """The interval in force, for the manifest (what ``resumekit inspect`` shows)."""
+        auto = self._auto_every
+        if auto is None:
+            return SaveInterval(steps=self.save_interval)
+        chosen = auto.chosen
+        inputs = ("not chosen yet (the first interval save measures a save's cost); "
+                  f"interruptions from {auto.source}") if chosen is None else (
+            f"{chosen.inputs}; interruptions from {auto.source}")
+        return SaveInterval(steps=auto.steps, auto=True, inputs=inputs)
+
     def _choose_interval(self, step: int, began: float) -> None:
         """After the interval save of ``step`` (begun at ``began``): the next interval."""
         auto = self._auto_every
@@ -871,7 +883,8 @@ class CheckpointManager:
             # The write phase: staging area made to every rank's files durable (the
             # files' all-gather waits for the slowest rank).
             seconds = time.monotonic() - started
-            manifest = job.manifest
+            manifest = job.manifest.model_copy(
+                update={"save_interval": self._interval_record()})
             if nbytes > 0 and seconds > 0:
                 manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
                     bytes=nbytes, seconds=seconds, blocking=blocking)})

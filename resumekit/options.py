@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from fsspec.core import split_protocol
 from pydantic import (
@@ -204,7 +204,7 @@ class CheckpointOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
                               validate_default=False)
 
-    save_every: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    save_every: int | Literal["auto"] | None = None
     interruptions_every: float | None = Field(default=None, gt=0)
     retention: RetentionPolicy | None = DEFAULT_RETENTION
     name_format: str = DEFAULT_NAME_FORMAT
@@ -235,6 +235,10 @@ class CheckpointOptions(BaseModel):
     def _not_a_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):  # True would read as every step
             raise ValueError("a number of steps, not a bool")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("input should be greater than or equal to 1")
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("a number of steps or 'auto'")
         return value
 
     @field_validator("name_format")

@@ -54,6 +54,7 @@ __all__ = [
     "Lineage",
     "LocalPart",
     "Manifest",
+    "SaveInterval",
     "SaveReason",
     "SaveThroughput",
     "WriterGeneration",
@@ -208,6 +209,24 @@ class SaveThroughput(BaseModel):
     def bytes_per_second(self) -> float:
         """The measured write throughput."""
         return self.bytes / self.seconds
+
+
+class SaveInterval(BaseModel):
+    """The save interval in force when a checkpoint was written (``resumekit inspect``).
+
+    Attributes:
+        steps: Steps between interval saves (None: no interval save, or
+            ``save_every="auto"`` before its first choice).
+        auto: Whether ``save_every="auto"`` chose it.
+        inputs: For ``"auto"``: the rule's inputs in words (step time, blocking and write
+            seconds, interruptions and where that figure came from).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    steps: int | None = Field(default=None, ge=1)
+    auto: bool = False
+    inputs: str = ""
 
 
 class WriterGeneration(BaseModel):
@@ -371,6 +390,8 @@ class Manifest(BaseModel):
             files) or ``"dcp"`` (DCP's own format); ``None`` when the checkpoint has no
             tensors or was written before this field existed. Readers detect the format
             per item, so this is for people and tools, not needed to load.
+        save_interval: The save interval in force when it was written (None: not
+            recorded, an older resumekit).
         save_throughput: How fast this save wrote (bytes and seconds of its write
             phase); None in manifests written before resumekit recorded it, and for a
             save that wrote no tensors.
@@ -398,6 +419,7 @@ class Manifest(BaseModel):
     versions: dict[str, str] = Field(default_factory=running_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
     save_throughput: SaveThroughput | None = None
+    save_interval: SaveInterval | None = None
     local: LocalPart | None = None
 
     @field_validator("data_dir")

@@ -23,7 +23,7 @@ _BAD = [
     ("save_every", 0, "greater than or equal to 1"),
     ("save_every", -5, "greater than or equal to 1"),
     ("save_every", True, "not a bool"),
-    ("save_every", "every", "'auto'"),
+    ("save_every", "every", "a number of steps or 'auto'"),
     ("interruptions_every", 0, "greater than 0"),
     ("interruptions_every", -60.0, "greater than 0"),
     ("retention", 3, "RetentionPolicy"),

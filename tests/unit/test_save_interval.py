@@ -22,6 +22,7 @@ from resumekit.runtime.save_interval import (
 )
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import WriterGeneration
+from tests.unit.test_cli_support import run_cli, run_json
 
 
 def test_the_interval_is_the_square_root_of_twice_the_blocking_cost_times_the_mtbi() -> None:
@@ -123,7 +124,7 @@ class FakeClock:
 
 def test_the_manager_saves_at_the_interval_its_measurements_choose_and_logs_a_change(
         tmp_path: Path, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     clock = FakeClock()
@@ -155,6 +156,30 @@ def test_the_manager_saves_at_the_interval_its_measurements_choose_and_logs_a_ch
     assert len(changes) == 1  # logged once: the interval did not change after
     assert "every 12 steps from step 2" in changes[0]
     assert "sqrt(2 x 2.00 x 3600) = 120 s" in changes[0]
+    # resumekit inspect shows the interval in force when each checkpoint was written.
+    code, document, _ = run_json(capsys, "inspect", str(tmp_path))
+    assert code == 0
+    rows = {row["step"]: row for row in document["checkpoints"]}
+    newest = rows[saved[-1]]["save_interval"]
+    assert newest["steps"] == 12 and newest["auto"]
+    assert "interruptions_every= (given)" in newest["inputs"]
+    code, out, _ = run_cli(capsys, "inspect", rows[saved[-1]]["path"])
+    assert code == 0 and "every 12 steps (save_every='auto'" in out
+
+
+def test_a_fixed_interval_is_recorded_for_inspect_too(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    model = nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, model=model, save_every=5) as manager:
+        manager.restore()
+        assert manager.save_interval == 5
+        for step in range(1, 6):
+            manager.step_end(step)
+    code, document, _ = run_json(capsys, "inspect", str(tmp_path))
+    assert code == 0
+    assert document["checkpoints"][0]["save_interval"] == {"steps": 5, "auto": False,
+                                                           "inputs": ""}
 
 
 def test_the_auto_state_starts_no_save_before_a_step_was_timed() -> None:
