@@ -234,7 +234,8 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
-        self._auto_every = self._start_auto_every()  # save_every="auto", else None
+        # save_every="auto" (and LocalTier(save_every="auto")): else None
+        self._auto_every, self._local_auto = self._start_auto_every()
         # The background save submitted and not yet waited for here: (step, when training
         # after its capture resumed).
         self._pending_async: tuple[int, float] | None = None
@@ -342,8 +343,8 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        if self._auto_every is not None:
-            self._auto_every.restart()
+        for auto in self._autos():
+            auto.restart()
         if self._emergency is not None:  # no completed step to copy until the next one
             self._emergency.mark(None)
             self._emergency.set_template(None)
@@ -468,8 +469,8 @@ class CheckpointManager:
         if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
             self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
-        if self._auto_every is not None:
-            self._auto_every.step_ended(step)
+        for auto in self._autos():
+            auto.step_ended(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):
                 self._save_for_preemption(step, micro_step, metrics)
@@ -480,14 +481,17 @@ class CheckpointManager:
                           metrics=metrics)
                 if began is not None:
                     self._choose_interval(step, began)
-            if self._local is not None and self._local.due(step):
+            if self._local is not None and self._local_due(step):
+                began = None if self._local_auto is None else self._local_auto.clock()
                 self._save_local(step, micro_step, metrics)
+                if began is not None:
+                    self._choose_interval(step, began, local=True)
             self._mark_boundary(step, micro_step)
             return False
         finally:
             self._clock.step_returned(step)
-            if self._auto_every is not None:
-                self._auto_every.step_returned(step)
+            for auto in self._autos():
+                auto.step_returned(step)
 
     def _check_counts_on(self, step: int) -> None:
         """The first ``step_end`` after a restore must be past the step restore returned."""
@@ -521,18 +525,39 @@ class CheckpointManager:
         return isinstance(self.save_every, int) and step % self.save_every == 0
 
     # -- save_every="auto" (resumekit.runtime.save_interval) ------------------------------
-    def _start_auto_every(self) -> AutoSaveEvery | None:
-        """The auto interval's state, with the MTBI of the override, history or prior."""
-        if self.save_every != "auto":
-            return None
+    def _start_auto_every(self) -> tuple[AutoSaveEvery | None, AutoSaveEvery | None]:
+        """The auto intervals' state (durable, local), with the override, history or prior."""
+        local = self.options.local
+        local_auto = local is not None and local.save_every == "auto"
+        if self.save_every != "auto" and not local_auto:
+            return None, None
         if self.interruptions_every is not None:
-            return AutoSaveEvery(self.interruptions_every,
-                                 "interruptions_every= (given)")
-        seconds, said = history_interruptions(self.storage, self.name_format)
-        if seconds is None:
-            return AutoSaveEvery(INTERRUPTIONS_EVERY_PRIOR,
-                                 f"the prior ({said}; interruptions_every= overrides it)")
-        return AutoSaveEvery(seconds, said)
+            seconds, source = self.interruptions_every, "interruptions_every= (given)"
+        else:
+            found, said = history_interruptions(self.storage, self.name_format)
+            seconds, source = ((INTERRUPTIONS_EVERY_PRIOR,
+                                f"the prior ({said}; interruptions_every= overrides it)")
+                               if found is None else (found, said))
+        return (AutoSaveEvery(seconds, source) if self.save_every == "auto" else None,
+                AutoSaveEvery(seconds, source) if local_auto else None)
+
+    def _autos(self) -> list[AutoSaveEvery]:
+        return [auto for auto in (self._auto_every, self._local_auto) if auto is not None]
+
+    def _local_due(self, step: int) -> bool:
+        assert self._local is not None
+        if self._local_auto is not None:
+            return self._local_auto.due(step)
+        return self._local.due(step)
+
+    @property
+    def local_save_interval(self) -> int | None:
+        """The local tier's interval in force (``"auto"``: None before its first choice)."""
+        if self._local_auto is not None:
+            return self._local_auto.steps
+        local = self.options.local
+        return local.save_every if local is not None and isinstance(
+            local.save_every, int) else None
 
     @property
     def save_interval(self) -> int | None:
@@ -552,13 +577,17 @@ class CheckpointManager:
             f"{chosen.inputs}; interruptions from {auto.source}")
         return SaveInterval(steps=auto.steps, auto=True, inputs=inputs)
 
-    def _choose_interval(self, step: int, began: float) -> None:
-        """After the interval save of ``step`` (begun at ``began``): the next interval."""
-        auto = self._auto_every
+    def _choose_interval(self, step: int, began: float, *, local: bool = False) -> None:
+        """After the interval save of ``step`` (begun at ``began``): the next interval.
+
+        ``local``: the local tier's (its saves block: the write is in the blocking time).
+        """
+        auto = self._local_auto if local else self._auto_every
         assert auto is not None
         blocking = max(0.0, auto.clock() - began)
-        overlapped = bool(self.async_save)
-        write = self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped)
+        overlapped = bool(self.async_save) and not local
+        write = (None if local else
+                 self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped))
         proposal = auto.propose(blocking_s=blocking, write_s=write or 0.0,
                                 overlapped=overlapped)
         steps = proposal.steps
@@ -567,9 +596,9 @@ class CheckpointManager:
             dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=self._main.group)
             steps = int(wish.item())
         if auto.adopt(step, steps, proposal):
-            logger.info("resumekit: save_every='auto' saves every %d steps from step %d "
-                        "(%s; interruptions from %s)", steps, step, proposal.inputs,
-                        auto.source)
+            logger.info("resumekit: %ssave_every='auto' saves every %d steps from step %d "
+                        "(%s; interruptions from %s)", "local." if local else "", steps,
+                        step, proposal.inputs, auto.source)
 
     def _save_for_preemption(self, step: int, micro_step: int,
                              metrics: Mapping[str, float] | None) -> None:

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+import resumekit
+from resumekit.errors import ConfigurationError
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.save_interval import (
     INTERRUPTIONS_EVERY_PRIOR,
@@ -194,3 +196,40 @@ def test_the_auto_state_starts_no_save_before_a_step_was_timed() -> None:
     proposal = auto.propose(blocking_s=0.5, write_s=0.0, overlapped=False)
     assert auto.adopt(2, proposal.steps, proposal)
     assert not auto.adopt(2 + proposal.steps, proposal.steps, proposal)  # unchanged
+
+
+def test_a_local_tier_with_save_every_auto_saves_at_its_own_measured_interval(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = FakeClock()
+    local_saves: list[int] = []
+    manager = CheckpointManager(
+        tmp_path / "durable", model=model, optimizer=optimizer, save_every=1000,
+        interruptions_every=1800.0,
+        local=resumekit.LocalTier(tmp_path / "local", save_every="auto", replicas=False))
+    assert manager._local_auto is not None and manager._auto_every is None
+    manager._local_auto.clock = clock
+    real = CheckpointManager._save_local
+
+    def timed_local(self: CheckpointManager, step: int, *args: object) -> None:
+        real(self, step, *args)  # type: ignore[arg-type]
+        clock.now += 0.25  # a local save holds training 0.25 s
+        local_saves.append(step)
+
+    monkeypatch.setattr(CheckpointManager, "_save_local", timed_local)
+    for step in range(manager.restore() + 1, 40):
+        clock.now += 5.0
+        manager.step_end(step)
+    manager.close()
+    # sqrt(2 x 0.25 x 1800) = 30 s = 6 steps of 5 s; the first at the first timed step.
+    assert local_saves[:3] == [2, 8, 14]
+    assert manager.local_save_interval == 6
+    assert manager.save_interval == 1000
+
+
+def test_a_local_tier_refuses_an_interval_that_is_neither_a_count_nor_auto() -> None:
+    with pytest.raises(ConfigurationError, match="a number of steps or 'auto'") as raised:
+        resumekit.LocalTier("/tmp/x", save_every="often")
+    assert raised.value.fields["name"] == "local.save_every"
+    assert resumekit.LocalTier("/tmp/x", save_every="auto").save_every == "auto"
