@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 from datetime import datetime, timedelta, timezone
@@ -24,6 +25,7 @@ from resumekit.runtime.save_interval import (
 )
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import WriterGeneration
+from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import run_cli, run_json
 
 
@@ -233,3 +235,19 @@ def test_a_local_tier_refuses_an_interval_that_is_neither_a_count_nor_auto() -> 
         resumekit.LocalTier("/tmp/x", save_every="often")
     assert raised.value.fields["name"] == "local.save_every"
     assert resumekit.LocalTier("/tmp/x", save_every="auto").save_every == "auto"
+
+
+def test_a_garbled_save_interval_in_a_manifest_is_ignored_with_a_warning_not_a_failure(
+        tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    with CheckpointManager(tmp_path, model=model, save_every=5) as manager:
+        manager.save(5)
+    manifest_path = next(tmp_path.glob("step_*/manifest.json"))
+    document = json.loads(manifest_path.read_text())
+    assert document["save_interval"] == {"steps": 5, "auto": False, "inputs": ""}
+    document["save_interval"] = {"steps": "often", "auto": "maybe"}
+    manifest_path.write_text(json.dumps(document))
+    with pytest.warns(ResumekitWarning, match=r"ignoring its save_interval \(steps: "):
+        manager = CheckpointManager(tmp_path, model=model, save_every=5)
+        assert manager.restore() == 5  # the checkpoint stays what the rest says
+    manager.close()
