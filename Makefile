@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check \
+.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-goodput gpu-check \
 	gpu-wheels clean test-torch test-matrix
 
 $(PY):
@@ -130,6 +130,12 @@ bench: $(STAMP)
 bench-scale: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	$(PY) -m benchmarks.scale $(BENCH_SCALE_ARGS)
+
+# The goodput of the incident's week, modelled per method from the scale bench's measured
+# figures (benchmarks/results/scale.json, latest.json); writes benchmarks/results/goodput.json
+# and goodput.png. A model, not a run: ~2 minutes of CPU, no device.
+bench-goodput: $(STAMP)
+	$(PY) -m benchmarks.goodput_model $(BENCH_GOODPUT_ARGS)
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU
 # mode; add GPU_CHECK_ARGS=--require-cuda to fail instead. On a bare GPU machine without this

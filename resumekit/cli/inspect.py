@@ -140,6 +140,9 @@ def entry_json(
         "resume_from": resume is not None and entry.name == resume.name,
         "seconds_since_previous": since_previous,
         "format": entry.format,
+        # The save interval in force when it was written (save_every="auto": its inputs).
+        "save_interval": None if manifest is None or manifest.save_interval is None
+        else manifest.save_interval.model_dump(mode="json"),
     }
 
 
@@ -585,6 +588,12 @@ def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
         facts.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items())
                       or "- (not recorded)")
         facts.add_row("schema", str(manifest.schema_version))
+        if manifest.save_interval is not None:
+            interval = manifest.save_interval
+            said = "-" if interval.steps is None else f"every {interval.steps} steps"
+            if interval.auto:
+                said += f" (save_every='auto': {interval.inputs})"
+            facts.add_row("save interval", said)
         if manifest.data_dir != ".":
             facts.add_row("data dir", manifest.data_dir)
         facts.add_row("next resume", "-" if resume is None else

@@ -27,8 +27,10 @@ Typical loop::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -84,12 +86,13 @@ DEFAULT_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
 """SIGTERM (what SLURM, Kubernetes and torchrun's agent send) and SIGUSR1 (a common
 ``sbatch --signal=B:USR1@<seconds>`` choice for the time-limit warning)."""
 
-SAVE_TIME_MARGIN: Final = 1.5
-"""An emergency save is attempted only if ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
+SAVE_TIME_MARGIN: Final = 1.0
+"""An emergency save is attempted whenever ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
 in the time left of the grace period (with an asynchronous save in flight: the seconds it
-still needs plus the new save's, times this margin). The margin covers what the measured
-write rate leaves out - the commit, a slower store than at the last save - and the time
-between the decision and the exit."""
+still needs plus the new save's, times this margin). It was 1.5; it is 1.0 because a save
+that the kill cuts costs nothing the commit protocol does not already protect (its staging
+area is never read; the newest committed step stays the newest), while a margin turned away
+saves that would have fit - at a step as long as the grace window, most of them."""
 
 
 
@@ -259,6 +262,9 @@ class PreemptionHandler:
         self._blocking_vote_seconds: float | None = None
         # The clock of these timings; a test injects one to make steps "long".
         self._timer: Callable[[], float] = time.perf_counter
+        # Write ends of the pipes a signal (or request()) wakes (add_wakeup): a tuple,
+        # replaced whole, so the handler reads it without a lock.
+        self._wakeups: tuple[int, ...] = ()
 
     # -- installation ---------------------------------------------------------------------
 
@@ -320,8 +326,32 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs between two bytecodes of the main thread, possibly in the middle of a save:
-        # record and return. No I/O, no locks, no collectives, no exception.
+        # record and return. No locks, no collectives, no exception; the one system call
+        # is a byte into each wakeup pipe (non-blocking), for the emergency capture.
         self._received.append(SignalRecord(signum, time.monotonic()))
+        self._wake()
+
+    def _wake(self) -> None:
+        for fd in self._wakeups:
+            # full (a byte is already waiting) or closed: nothing to do
+            with contextlib.suppress(OSError):
+                os.write(fd, b"\0")
+
+    def add_wakeup(self, fd: int) -> None:
+        """Write a byte to ``fd`` (a non-blocking pipe's write end) at every signal.
+
+        Also at :meth:`request`, and at once when this rank already recorded one. How a
+        thread (the manager's emergency capture) learns of a signal the moment it is
+        recorded, without polling. The caller owns ``fd``; remove it with
+        :meth:`remove_wakeup` before closing it.
+        """
+        self._wakeups = (*self._wakeups, fd)
+        if self.requested:
+            self._wake()
+
+    def remove_wakeup(self, fd: int) -> None:
+        """Stop writing to ``fd`` (see :meth:`add_wakeup`)."""
+        self._wakeups = tuple(item for item in self._wakeups if item != fd)
 
     # -- local state ----------------------------------------------------------------------
 
@@ -348,6 +378,7 @@ class PreemptionHandler:
     def request(self) -> None:
         """Ask for a stop from code (a stop file, a health check); it votes like a signal."""
         self._requested_by_code = True
+        self._wake()
 
     def _signal_age(self) -> float:
         if not self._received:
