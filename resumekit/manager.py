@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from resumekit import saving
 from resumekit.background import BackgroundSave, WriterProcess
@@ -141,7 +142,9 @@ class CheckpointManager:
         preemption: A :class:`~resumekit.runtime.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
-            already is.
+            already is. A ``DataLoader`` passed as ``data`` is made to start worker
+            processes that ignore the handler's signals (its own ``worker_init_fn`` still
+            runs, after): see :func:`~resumekit.runtime.preemption.protect_loader_workers`.
         process_group: Group for checkpoint coordination (default: the checkpoint group
             of :func:`~resumekit.init_distributed`, else a new gloo group).
         options: How it saves and restores (:class:`~resumekit.options.CheckpointOptions`:
@@ -218,6 +221,10 @@ class CheckpointManager:
         self._installed_preemption = preemption is not None and not preemption.installed
         if preemption is not None and self._installed_preemption:
             preemption.install()
+        if preemption is not None and isinstance(data, DataLoader):
+            # Its workers get the signal too (torchrun's agent signals process groups,
+            # SLURM every process of the step): they must not die before the save.
+            preemption.protect_loader(data)
         self.import_legacy = options.import_legacy
         self.foreign = options.foreign
         self.resumed_from: int | None = None
