@@ -277,3 +277,13 @@ def test_the_callback_makes_the_train_loaders_workers_ignore_the_preemption_sign
     assert len(model.seen) == 10 and (rows[:, 1] != os.getpid()).all()  # made by workers
     expected = 1.0 if preemption else 0.0
     assert (rows[:, 2:] == expected).all()  # across two epochs (8 batches an epoch)
+
+
+def test_a_lightning_whose_train_data_source_moved_is_warned_about_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("resumekit.integrations.lightning.lightning_train_source",
+                        lambda fit_loop: None)
+    with pytest.warns(ResumekitWarning, match="protect_loader_workers"):
+        _fit(tmp_path, tmp_path / "root", 4, [])
+    assert list(_committed(tmp_path / "root")) == [4]
