@@ -28,12 +28,12 @@ import pytest
 from resumekit import list_checkpoints
 from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
+from tests.limits import HANG_S, TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(3600)  # hang detectors only: ~1 min when idle
+pytestmark = pytest.mark.timeout(TEST_HANG_S)  # hang detectors only: ~1 min when idle
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = REPO_ROOT / "tests" / "dist" / "quickstart_runner.py"
-HANG_S = 1200.0  # a launch that takes this long is stuck, not slow
 PAUSE_AT = 5
 
 

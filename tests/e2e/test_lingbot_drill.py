@@ -17,8 +17,9 @@ import pytest
 
 from examples.lingbot import drill
 from examples.lingbot.train import METRICS_FILE, read_metrics
+from tests.limits import HANG_S, TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(1800)  # a hang detector: the drill takes ~90 s when idle
+pytestmark = pytest.mark.timeout(TEST_HANG_S)  # a hang detector: the drill takes ~90 s when idle
 
 
 def test_the_drill_passes_when_the_emergency_save_is_skipped_and_cuts_run_c_where_it_resumed(
@@ -26,7 +27,8 @@ def test_the_drill_passes_when_the_emergency_save_is_skipped_and_cuts_run_c_wher
 ) -> None:
     out = tmp_path / "demo"
     # SIGTERM once step 6 is logged: checkpoint 5 is committed, the agreed step is later.
-    status = drill.main(["--out", str(out), "--term-at", "6", "--grace-period", "1e-9"])
+    status = drill.main(["--out", str(out), "--term-at", "6", "--grace-period", "1e-9",
+                         "--timeout", str(HANG_S)])
     printed = capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert status == 0, printed[-6000:]
