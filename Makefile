@@ -6,22 +6,31 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # The CPU wheel of this machine kind; a bare "torch" would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# Every package but torch at the version of requirements/dev.lock (scripts/dev_lock.py):
+# pip gets one candidate per package, so an install never turns into a resolver search.
+LOCK := requirements/dev.lock
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: venv test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check gpu-wheels \
-	clean test-torch test-matrix
+.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale gpu-check \
+	gpu-wheels clean test-torch test-matrix
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs]"
+	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs]" -c $(LOCK)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Regenerate requirements/dev.lock: .[dev,docs,bench] resolved afresh beside TORCH_PIN in a
+# throwaway venv (after a change of pyproject.toml's requirements; a unit test names any
+# requirement the lock no longer satisfies).
+lock:
+	$(PYTHON) scripts/dev_lock.py write
 
 # Every suite. With CI=true nothing may skip for lack of a service (tests/conftest.py enforces it).
 # The unit and property suites run first, one worker per core (as test-fast); then every other
@@ -59,8 +68,8 @@ lint: $(STAMP)
 # -- torch releases (docs/compatibility.md) ------------------------------------------------
 # `make test-torch TORCH=X.Y.Z`: the unit, property and dist suites (CI=true: a skip fails)
 # and the LingBot drill on that torch, from this checkout, in .venv-torch-X.Y.Z (made when
-# missing: torch==X.Y.Z and -e .[dev]; with PIP_CONFIG_FILE=/dev/null only when pip's own
-# configuration refuses that torch). TORCH_VENV=DIR: an existing venv instead. Writes
+# missing: torch==X.Y.Z and -e .[dev], every other package pinned by requirements/dev.lock;
+# with PIP_CONFIG_FILE=/dev/null only when pip's configured constraints cap torch below X.Y.Z). TORCH_VENV=DIR: an existing venv instead. Writes
 # .compat/torch-X.Y.Z.json (suite -> passed, failed, errors, skipped, seconds, commit).
 # `make test-torch-X.Y.Z` is the same (a failure names the version in make's own error line).
 # `make test-matrix`: the declared floor, the CI pin and the newest release, the cross-version
@@ -100,7 +109,7 @@ demo: $(STAMP)
 	$(PY) -m examples.lingbot.drill
 
 bench: $(STAMP)
-	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]"
+	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	@# fio measures the disk's best (save_vs_disk_best, load_vs_disk_best); without it the
 	@# bench skips those two figures and says so.
 	@if ! command -v fio >/dev/null 2>&1; then \
@@ -117,7 +126,7 @@ bench: $(STAMP)
 # machine (not yet timed at full size there: 0.5 GB per rank took 30 min at load 12-16).
 # BENCH_SCALE_ARGS="--state-gb 0.2" for a quick look; --no-stand-in without root.
 bench-scale: $(STAMP)
-	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]"
+	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	$(PY) -m benchmarks.scale $(BENCH_SCALE_ARGS)
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU

@@ -81,6 +81,7 @@ from resumekit.store.layout import (
     NameFormat,
     rank_state_file,
 )
+from resumekit.store.local_roots import check_local_root
 from resumekit.store.manifest import (
     FileEntry,
     Manifest,
@@ -258,10 +259,8 @@ class CheckpointManager:
             options.local, durable_root=self.storage.url_of(), name_format=self.name_format,
             tensor_format=sharded.tensor_format_for(options.local.root, tensor_format or "raw"),
             rank=self.rank, world_size=self.world_size)
-        if self._local is not None and self._local.base.path() == self.storage.path():
-            raise ConfigurationError("local.root must be a node-local directory of its own, "
-                                     "not the durable root", name="local.root",
-                                     value=self._local.tier.root)
+        if options.local is not None:
+            check_local_root(options.local.root, self.storage)
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         self._prepare_staging(stage_ahead=options.stage_ahead)
 

@@ -26,6 +26,7 @@ from resumekit.restore.plan import Survey
 from resumekit.restore.verification import refuse_links_share, verify_share
 from resumekit.runtime.channels import Channel
 from resumekit.state.train_state import TrainState, read_plain
+from resumekit.store.aside import refuse_fresh_start_beside
 from resumekit.store.catalog import CheckpointEntry
 from resumekit.store.coordination import run_on_every_rank, run_on_leader
 from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
@@ -115,6 +116,8 @@ class RootRestore:
         found: Survey = run_on_leader(self.channel.coordinator, lambda: restore_plan.survey(
             self.storage, self.name_format, recover=not self.options.read_only,
             whole=step is not None))
+        if step is None and not any(e.status == "committed" for e in found.entries):
+            self._refuse_fresh_start(found.entries)  # before a claim records an empty root
         entries = self._entries.claim_generation(found.entries)
         committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.options.fallback:
@@ -125,13 +128,24 @@ class RootRestore:
         if restored is not None:
             self._entries.report_leftovers(entries, above=restored.step)
             return Restored(restored, restored.manifest)
-        restore_plan.refuse_newer_schema(entries, below=None)  # nothing committed
+        self._refuse_fresh_start(entries)  # nothing committed
         imported = self._import_newest_legacy(entries)
         if imported is not None:
             self._entries.report_leftovers(entries, above=imported.step)
             return Restored(imported, None)
         self._account_for_fresh_start(found, entries)
         return Restored(None, None)
+
+    def _refuse_fresh_start(self, entries: list[CheckpointEntry]) -> None:
+        """Nothing committed: never start at step 0 past a newer resumekit's checkpoint.
+
+        Nor beside copies an earlier restore set aside
+        (:func:`~resumekit.store.aside.refuse_fresh_start_beside`).
+        """
+        restore_plan.refuse_newer_schema(entries, below=None)
+        if any(e.defect == "set-aside" for e in entries):
+            run_on_leader(self.channel.coordinator, lambda: refuse_fresh_start_beside(
+                self.storage, self.name_format, -1))
 
     def _newest_committed(
             self, entries: list[CheckpointEntry], committed: list[CheckpointEntry], *,

@@ -38,6 +38,10 @@ from pathlib import Path
 from typing import Any
 from xml.etree import ElementTree
 
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded from its file by a test
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import dev_lock  # scripts/dev_lock.py: the lock every venv installs from
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / ".compat"
 DOC = REPO / "docs" / "compatibility.md"
@@ -79,8 +83,10 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     installed = _torch_of(python)
     wanted = torch is None or (installed is not None and _release(installed) == torch)
-    # A venv kept between runs (CI's) is brought up to date when pyproject.toml changes.
-    digest = hashlib.sha1((REPO / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    # A venv kept between runs (CI's) is brought up to date when pyproject.toml or the lock
+    # changes.
+    digest = hashlib.sha1((REPO / "pyproject.toml").read_bytes() +
+                          dev_lock.LOCK.read_bytes()).hexdigest()[:12]
     stamp = venv / f".resumekit-dev-{digest}"
     current = stamp.exists() or (torch is None and _has_dev_dependencies(python))
     if wanted and current:
@@ -93,19 +99,74 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
         return python
     if torch is None:
         raise SystemExit(f"{venv} lacks torch or the dev dependencies; name --torch X.Y.Z")
-    command = [str(python), "-m", "pip", "install", "-q", f"torch=={torch}", "-e", ".[dev]"]
-    print(f"[compat] installing torch=={torch} and resumekit[dev] into {venv}", flush=True)
-    started = time.monotonic()
-    if subprocess.run(command, cwd=REPO, check=False).returncode != 0:
-        print(f"[compat] pip's configuration refused torch=={torch} (a constraints file may "
-              "cap it); installing again with PIP_CONFIG_FILE=/dev/null", flush=True)
-        subprocess.run(command, cwd=REPO, check=True,
-                       env={**os.environ, "PIP_CONFIG_FILE": "/dev/null"})
-    print(f"[compat] installed in {time.monotonic() - started:.0f} s", flush=True)
+    _install_from_lock(python, venv, torch)
     for old in venv.glob(".resumekit-dev-*"):
         old.unlink()
     stamp.touch()
     return python
+
+
+def _configured_torch_cap(torch: str) -> str | None:
+    """The line of pip's configured constraints file that refuses ``torch==X.Y.Z``, if any.
+
+    This machine kind's pip configuration names a constraints file that caps torch at the
+    releases on its disk; a torch above the cap is installed with pip's configuration off.
+    """
+    shown = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
+                           capture_output=True, text=True, check=False).stdout
+    wanted = tuple(int(part) for part in torch.split("."))
+    for line in shown.splitlines():
+        key, _, value = line.partition("=")
+        if not key.endswith(".constraint"):
+            continue
+        for name in value.strip().strip("'\"").split():
+            path = Path(name)
+            if not path.is_file():
+                continue
+            for pin in path.read_text().splitlines():
+                match = re.match(r"^\s*torch\s*(<=|<|==)\s*([\d.]+)", pin)
+                if match is None:
+                    continue
+                cap = tuple(int(part) for part in match.group(2).split("."))
+                refused = {"<=": wanted > cap, "<": wanted >= cap,
+                           "==": wanted != cap}[match.group(1)]
+                if refused:
+                    return f"{path}: {pin.strip()}"
+    return None
+
+
+def _install_from_lock(python: Path, venv: Path, torch: str) -> None:
+    """``torch==X.Y.Z`` and ``-e .[dev]`` into the venv, every other package from the lock.
+
+    The lock (requirements/dev.lock, less its torch lines) leaves pip one candidate per
+    package: an install, never a resolver search. A failure raises naming the command, its
+    exit status and pip's last lines.
+    """
+    constraints = venv / "constraints-from-dev-lock.txt"
+    constraints.write_text(dev_lock.constraints_without_torch(dev_lock.LOCK.read_text()))
+    command = [str(python), "-m", "pip", "install", "--progress-bar", "off",
+               f"torch=={torch}", "-e", ".[dev]", "-c", str(constraints)]
+    env = dict(os.environ)
+    cap = _configured_torch_cap(torch)
+    if cap is not None:
+        print(f"[compat] pip's configured constraints refuse torch=={torch} ({cap}); "
+              "installing with PIP_CONFIG_FILE=/dev/null", flush=True)
+        env["PIP_CONFIG_FILE"] = "/dev/null"
+    print(f"[compat] installing torch=={torch} and resumekit[dev] into {venv}, every "
+          f"other package pinned by {dev_lock.LOCK.relative_to(REPO)}", flush=True)
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        said = [line for line in (done.stdout + done.stderr).splitlines()
+                if not line.startswith("WARNING: Location")]  # the local index's noise
+        cause = next((i for i, line in enumerate(said)
+                      if line.startswith(("ERROR", "The conflict is caused by"))), None)
+        tail = "\n".join(said[cause:][:40] if cause is not None else said[-30:])
+        raise SystemExit(f"[compat] FAILED: pip exited {done.returncode} installing "
+                         f"torch=={torch} with the lock into {venv}:\n  {' '.join(command)}"
+                         f"\n{tail}")
+    print(f"[compat] installed in {time.monotonic() - started:.0f} s", flush=True)
 
 
 def _suite_env() -> dict[str, str]:

@@ -8,7 +8,9 @@ torch that wrote it; the checkpoint the next run resumes from; and the requeue c
 On one checkpoint: its manifest, the state it holds, its files and, with ``--tensors``,
 every tensor from the metadata alone. Another tool's checkpoint (``foreign``, with its
 format) is never taken for an empty root: a root holding only such entries, or a
-directory that is one, exits 1 with the ``resumekit import`` command that converts it.
+directory that is one, exits 1 with the ``resumekit import`` command that converts it. A
+root is never taken for a local tier's directory because one lies in it: its checkpoints
+are listed, and the local tier's directory is named as a problem (exit 1).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from resumekit.cli._common import (
     storage_options,
     table,
 )
-from resumekit.cli.inspect_local import is_local_root, run_local_root
+from resumekit.cli.inspect_local import is_local_root, misplaced_sub_roots, run_local_root
 from resumekit.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
@@ -48,7 +50,7 @@ from resumekit.errors import (
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, refuse_links
 from resumekit.store.foreign import ForeignCheckpoint, detect_foreign, import_command
-from resumekit.store.layout import TRAIN_STATE_FILE, parse_rank_state_file
+from resumekit.store.layout import TRAIN_STATE_FILE, NameFormat, parse_rank_state_file
 from resumekit.store.manifest import Lineage, Manifest, describe
 from resumekit.store.storage import Storage, parse_json
 from resumekit.store.targets import CheckpointTarget, open_target, tensors_url
@@ -71,7 +73,8 @@ def add_parser(subparsers: Any, summary: str) -> None:
         "(*), and the requeue chain. On one checkpoint directory: its manifest and "
         "state; --tensors adds every tensor (from metadata, no tensor data read). Exit 1 "
         "when a root holds a corrupt checkpoint, holds only another tool's checkpoints "
-        "(status foreign) or is one, or the directory is not a committed checkpoint.",
+        "(status foreign) or is one, holds a local tier's directory (rank_XXXXX) among its "
+        "checkpoints, or the directory is not a committed checkpoint.",
     )
     parser.add_argument("path", help="checkpoint root or one checkpoint directory "
                         "(path or fsspec URL)")
@@ -86,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``inspect``; return the exit code."""
     options = storage_options(args.storage_option)
     local = Storage(args.path, options)
-    if not args.tensors and is_local_root(local):
+    if not args.tensors and is_local_root(
+            local, NameFormat(args.name_format) if args.name_format else None):
         return run_local_root(local, args, SCHEMA)
     target = open_target(args.path, storage_options=options, name_format=args.name_format)
     if target.is_root:
@@ -231,6 +235,7 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
     corrupt = [entry for entry in entries if entry.status == "corrupt"]
     itself = detect_foreign(storage) if not entries else None
     refused = _foreign_refusal(storage, entries, itself)
+    problems = misplaced_sub_roots(storage) if itself is None else []
     if args.json:
         emit_json({
             "schema": SCHEMA,
@@ -244,9 +249,12 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
                 "path": itself.path, "format": itself.format, "step": itself.step,
                 "marker": itself.marker, "command": getattr(refused, "command", None),
             },
+            "problems": problems,
         })
     else:
         _print_root(storage, target, rows, chain, resume, itself=itself, refused=refused)
+        for problem in problems:
+            console().print(f"problem: {problem['path']} is {problem['problem']}")
     if refused is not None:
         raise refused
     if corrupt:
@@ -255,6 +263,13 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
             f"{len(corrupt)} corrupt checkpoint(s) under {storage.path()}; first: "
             f"{first.name}: {first.problem}", path=first.path, step=first.step,
         )
+    if problems:
+        raise ResumekitError(
+            f"{storage.path()} holds {len(problems)} local tier director"
+            f"{'y' if len(problems) == 1 else 'ies'} among its checkpoints: "
+            + ", ".join(problem["name"] for problem in problems)
+            + " (node-local copies do not belong in a checkpoint root; move them out)",
+            path=problems[0]["path"])
     return 0
 
 

@@ -15,18 +15,49 @@ from typing import Any
 from resumekit.cli._common import console, emit_json, format_bytes, or_dash, table
 from resumekit.errors import CorruptCheckpointError
 from resumekit.store.catalog import list_checkpoints
-from resumekit.store.layout import NameFormat
+from resumekit.store.layout import GENERATIONS_DIR, NameFormat
 from resumekit.store.local_roots import SubRoot, sub_roots
 from resumekit.store.storage import Storage
 
-__all__ = ["is_local_root", "run_local_root"]
+__all__ = ["is_local_root", "misplaced_sub_roots", "run_local_root"]
 
 
-def is_local_root(storage: Storage) -> bool:
-    """Whether ``storage`` is a local tier's directory: it holds sub-roots, no steps."""
+def is_local_root(storage: Storage, name_format: NameFormat | None = None) -> bool:
+    """Whether ``storage`` is a local tier's directory: it holds sub-roots and nothing else.
+
+    A directory that also holds anything of a checkpoint root (writer generations, a step
+    directory of either name format, committed or not, another tool's checkpoint) is a
+    root, whatever else lies beside its entries: ``inspect`` lists its checkpoints and
+    names a sub-root in it as a problem (:func:`misplaced_sub_roots`).
+    """
     if not storage.is_dir() or storage.exists("manifest.json"):
         return False
-    return bool(sub_roots(storage))
+    if not sub_roots(storage) or storage.exists(GENERATIONS_DIR):
+        return False
+    return not list_checkpoints(storage, name_format)
+
+
+def misplaced_sub_roots(storage: Storage) -> list[dict[str, str]]:
+    """A local tier's directories inside the checkpoint root ``storage``, each a problem.
+
+    Node-local copies do not belong among durable checkpoints (a local root that was the
+    durable root through a link left them there, or a directory was made by hand); they
+    are named, never read as the root's kind, never touched.
+
+    Returns:
+        ``{"name", "path", "problem"}`` of each (the ``problems`` of ``inspect --json``).
+    """
+    return [{"name": sub.name, "path": storage.path(sub.name),
+             "problem": (f"a local tier's directory ({_holds(sub)}) inside a checkpoint "
+                         "root: node-local copies do not belong among durable checkpoints "
+                         "(LocalTier.root must be a directory of its own); restore ignores "
+                         "it. Move it out of the root")}
+            for sub in sub_roots(storage)]
+
+
+def _holds(sub: SubRoot) -> str:
+    return (f"rank {sub.rank}'s own copies" if sub.kind == "own"
+            else f"rank {sub.rank}'s replicas")
 
 
 def _sub_root_json(storage: Storage, sub: SubRoot, name_format: NameFormat | None
@@ -69,8 +100,7 @@ def run_local_root(storage: Storage, args: argparse.Namespace, schema: str) -> i
         grid = table("sub-root", "holds", "committed steps", "newest size", "world",
                      "node", "durable root", "not committed")
         for row in rows:
-            holds = (f"rank {row['rank']}'s own copies" if row["kind"] == "own"
-                     else f"rank {row['rank']}'s replicas")
+            holds = _holds(SubRoot(row["name"], row["kind"], row["rank"]))
             grid.add_row(row["name"], holds,
                          ", ".join(str(step) for step in row["steps"]) or "-",
                          "-" if row["bytes"] is None else format_bytes(row["bytes"]),

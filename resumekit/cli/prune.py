@@ -6,7 +6,9 @@ never leaves a half-deleted "checkpoint"; the newest committed checkpoint is nev
 deleted; staging directories are swept only when their writer is gone and they are older
 than an hour. Entries that vanish under it (another process removed them) are skipped
 with a note; a deletion that fails is printed and makes the exit status 1, after the
-other entries were handled. The command line adds one protection: the step the newest
+other entries were handled; so does every step directory whose manifest cannot be read
+(garbled, nested too deep, unsafe, naming another step, a newer schema): each is named on
+an ``unreadable:`` line and left as it is. The command line adds one protection: the step the newest
 checkpoint's run resumed from (its manifest's ``lineage.resumed_from_step``) is kept,
 since that run may still fall back to it; ``--protect`` keeps more.
 """
@@ -87,11 +89,11 @@ def run(args: argparse.Namespace) -> int:
             "schema": SCHEMA, "root": target.storage.path(), "policy": policy.description,
             "dry_run": report.dry_run, "protected": protect, "kept": report.kept,
             "deleted": report.deleted, "swept": report.swept, "notes": report.notes,
-            "failures": report.failures,
+            "failures": report.failures, "unreadable": report.unreadable,
         })
     else:
         _print_report(target.storage.path(), policy.description, protect, report)
-    return 1 if report.failures else 0
+    return 1 if report.failures or report.unreadable else 0
 
 
 def _protected(target: CheckpointTarget, given: list[int]) -> list[int]:
@@ -121,5 +123,7 @@ def _print_report(root: str, policy: str, protect: list[int], report: PruneRepor
               f"{'would be swept' if report.dry_run else 'swept'}")
     for line in report.notes:
         out.print(f"note: {line}")
+    for line in report.unreadable:
+        out.print(f"unreadable: {line}")
     for line in report.failures:
         out.print(f"failed: {line}")

@@ -5,8 +5,10 @@ catalog lists, so that each is read and tested without a manager, a model or a p
 group. The manager runs them in this order and does what they say (it loads, sets aside
 through :func:`resumekit.store.recovery.set_aside`, warns and logs):
 
-1. :func:`survey` the root (leader only): undo an interrupted replacement, list it, and
-   check whether the root itself is another tool's checkpoint;
+1. :func:`survey` the root (leader only): undo an interrupted replacement, put back the
+   copies another resumekit version set aside that this one reads
+   (:func:`resumekit.store.aside.put_back_set_aside`), list it, and check whether the root
+   itself is another tool's checkpoint;
 2. :func:`candidates`: the committed checkpoints it may load, newest last (only the one
    of an explicit ``step``);
 3. refuse what must never be restored past: :func:`refuse_broken_newest` (with
@@ -44,6 +46,7 @@ from resumekit.errors import (
     UnsupportedSchemaError,
 )
 from resumekit.store import generations
+from resumekit.store.aside import put_back_set_aside
 from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
@@ -127,12 +130,15 @@ def survey(storage: Storage, name_format: NameFormat, *, recover: bool = True,
     if whole:
         if recover and storage.is_dir():
             recover_interrupted(storage, name_format)
+            put_back_set_aside(storage, name_format, list_root(storage))
         entries = list_checkpoints(storage, name_format)
         top = reference = None
     else:
         reference = generations.newest_generation(storage) if storage.is_dir() else None
         listing = list_root(storage)
         if recover and recover_interrupted(storage, name_format, listing=listing):
+            listing = list_root(storage)
+        if recover and put_back_set_aside(storage, name_format, listing):
             listing = list_root(storage)
         # latest() on S3 finds a commit by the newest-step hint; a lagging listing must not
         # make restore resume an older step than that one
@@ -165,16 +171,25 @@ def fallback_order(entries: list[CheckpointEntry], committed: Sequence[Checkpoin
                    ) -> Iterator[CheckpointEntry]:
     """``committed`` newest first, then (read when reached) the committed ones below.
 
+    After an unusable step the next candidate is always the next-newest committed one,
+    whatever order ``committed`` and ``more`` give them in: each is sorted by step here,
+    highest first, so a fallback never skips a usable checkpoint for an older one.
+
     ``more`` returns the entries below those of a top-only survey; they join ``entries``
     (in place, sorted) when the fallback reaches them, so what restore reports afterwards
     covers them too.
     """
-    yield from reversed(committed)
+    yield from _newest_first(committed)
     if more is None:
         return
     below = more()
     entries[:] = sort_entries([*entries, *below])
-    yield from reversed([e for e in below if e.status == "committed"])
+    yield from _newest_first([e for e in below if e.status == "committed"])
+
+
+def _newest_first(entries: Sequence[CheckpointEntry]) -> list[CheckpointEntry]:
+    """``entries`` by step, highest first (a stable sort: equal steps keep their order)."""
+    return sorted(entries, key=lambda entry: entry.step, reverse=True)
 
 
 def candidates(entries: Sequence[CheckpointEntry], step: int | None, *, root: str
@@ -413,7 +428,9 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
     older ones are only logged (they block nothing: steps only increase); a set-aside
     copy of the same step is named in the warning (it is kept). A symbolic link
     in a checkpoint's place is warned about whatever its step, and never set aside (it
-    is left as it is: restore neither used it nor touches it). Then (with
+    is left as it is: restore neither used it nor touches it). A copy set aside earlier
+    whose step is newer than ``above`` (>= 0) is warned about too, so that a restore run
+    again after one killed part-way still names every step it passed over. Then (with
     ``foreign``) every foreign checkpoint of a newer step is warned about (it may hold
     the run's newest state), the others logged.
 
@@ -429,6 +446,11 @@ def leftovers(entries: Sequence[CheckpointEntry], storage: Storage, *, above: in
             aside.setdefault(entry.step, []).append(entry.path)
     found = [_own_leftover(entry, above, aside.get(entry.step, [])) for entry in entries
              if entry.defect in _REPORTED]
+    named = {leftover.entry.step for leftover in found}
+    if above >= 0:
+        found.extend(_set_aside_leftover(entry, above) for entry in entries
+                     if entry.defect == "set-aside" and entry.step > above
+                     and entry.step not in named)
     if foreign:
         found.extend(_foreign_leftover(entry, above, storage) for entry in entries
                      if entry.status == "foreign")
@@ -455,6 +477,19 @@ def _own_leftover(entry: CheckpointEntry, above: int, aside: Sequence[str] = ()
                "it is: restore never loads a set-aside copy, nor deletes it)" if aside else "")
     return Leftover(entry, "set-aside", f"{entry.path} (step {entry.step}) is not a usable "
                     f"checkpoint: {entry.problem}{earlier}")
+
+
+def _set_aside_leftover(entry: CheckpointEntry, restored: int) -> Leftover:
+    """A copy set aside earlier, newer than the step restored: the run is behind it.
+
+    Warned about on every restore until the run saves past its step, so that a restore
+    after one that was killed part-way (or after an earlier fallback) still names every
+    step it passed over. It is kept as it is (never loaded, moved or deleted).
+    """
+    return Leftover(entry, "warn", f"{entry.path} (step {entry.step}) is newer than step "
+                    f"{restored} restored but was set aside earlier as unusable (a restore "
+                    "failed to verify or read it); it is kept as it is for inspection and "
+                    "never loaded: the run resumes behind it")
 
 
 def _foreign_leftover(entry: CheckpointEntry, restored: int, storage: Storage) -> Leftover:

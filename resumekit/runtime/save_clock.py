@@ -10,6 +10,7 @@ against the grace period left.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -166,9 +167,9 @@ class CommitClock:
         """The save of ``step`` wrote ``nbytes`` of tensor state in ``seconds``.
 
         Records the root's newest write throughput of that kind; a save of no bytes, or
-        one timed at zero seconds, measures nothing and is ignored.
+        one timed at zero seconds (or at no finite rate), measures nothing and is ignored.
         """
-        if nbytes <= 0 or not seconds > 0:
+        if not _measures(nbytes, seconds):
             return
         kind = "blocking" if blocking else "background"
         self._throughput[blocking] = (nbytes, seconds, f"the {kind} save of step {step}")
@@ -187,7 +188,7 @@ class CommitClock:
             seconds: The seconds of its write phase.
             blocking: Whether that save was blocking (``SaveThroughput.blocking``).
         """
-        if nbytes <= 0 or not seconds > 0:
+        if not _measures(nbytes, seconds):
             return
         kind = "blocking" if blocking else "background"
         self._throughput[blocking] = (
@@ -269,6 +270,14 @@ class CommitClock:
         if self._blocking_save_seconds is not None:
             return self._blocking_save_seconds
         return self.last_save_seconds
+
+
+def _measures(nbytes: int, seconds: float) -> bool:
+    """Whether ``nbytes`` written in ``seconds`` is a rate: both positive, the rate finite."""
+    if nbytes <= 0 or not math.isfinite(seconds) or not seconds > 0:
+        return False
+    rate = nbytes / seconds
+    return math.isfinite(rate) and rate > 0
 
 
 def state_bytes(tree: Any) -> int:

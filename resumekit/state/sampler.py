@@ -511,13 +511,26 @@ class SkipAheadSampler(Sampler[T], Generic[T]):
             state: What :meth:`state_dict` returned on this rank of the saved run.
 
         Raises:
-            IncompatibleCheckpointError: the state is malformed or was written by another
-                world size (a skip count cannot be re-partitioned).
+            IncompatibleCheckpointError: the state is malformed, was written by another
+                world size (a skip count cannot be re-partitioned), or its position does
+                not fit the inner sampler (more consumed than it yields now: the dataset
+                shrank), as :class:`ResumableDistributedSampler` refuses it.
         """
         _check_version(state)
         epoch = _state_value(state, "epoch", int)
         consumed = _state_value(state, "consumed", int)
         world_size = _state_value(state, "world_size", int)
+        length = len(self._inner) if isinstance(self._inner, Sized) else None
+        if epoch < 0 or consumed < 0 or (length is not None and consumed > length):
+            fits = "" if length is None else f" of the {length} the sampler yields now"
+            raise IncompatibleCheckpointError(
+                f"sampler state 'consumed' is {consumed} in epoch {epoch}, a position that "
+                f"does not fit this sampler ({consumed} items consumed{fits}; the dataset "
+                "changed since the save?): resuming there would skip the epoch silently",
+                key="consumed",
+                differences=[f"epoch/consumed: {epoch}/{consumed} out of range"
+                             + ("" if length is None else f" (length now {length})")],
+            )
         if world_size != self._world_size:
             raise IncompatibleCheckpointError(
                 f"sampler state 'world_size' is {world_size}, this run has "

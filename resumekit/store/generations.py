@@ -19,7 +19,10 @@ complete. A claimer whose listing missed a newer record (it was created after th
 listing, or the listing was stale) asks for a number that record already holds: the
 create fails, and the claimer reads that number before it tries again. So a claim that
 succeeds has read every record below its own, and an older restart that raced a newer
-one of its job is refused, whichever read first. Where the store cannot create
+one of its job is refused, whichever read first. A claimer whose own run holds the newest
+record listed creates nothing: it reads the number after that record once more (a claim
+made after its listing is there), and with a record there it goes on as after a lost
+create, so an older restart holding the newest claim is refused too. Where the store cannot create
 exclusively the claimer reads its record back once (the record that stays decides).
 
 A writer holding generation ``n`` may commit while record ``n`` still holds its token and
@@ -49,7 +52,7 @@ from resumekit.store.layout import (
     NameFormat,
     generation_record_name,
 )
-from resumekit.store.manifest import Lineage, Manifest, WriterGeneration
+from resumekit.store.manifest import SCHEMA_VERSION, Lineage, Manifest, WriterGeneration
 from resumekit.store.newest import generation_record_numbers, newest_committed
 from resumekit.store.retry import READ_ATTEMPTS, is_transient, read_with_retry
 from resumekit.store.storage import RECORD_LIMIT, Storage, parse_json
@@ -179,11 +182,15 @@ def zombie_reason(manifest: Manifest, current: WriterGeneration | None) -> str |
     A checkpoint of an older generation whose step is above the newest step the current
     generation saw when it claimed the root was committed after that claim: by a writer
     that had been fenced (a zombie, inside the race window of the commit, or a resumekit
-    without fencing). Manifests without a generation are never a zombie's.
+    without fencing). Manifests without a generation are never a zombie's, nor is one of a
+    newer ``schema_version`` than the claimer reads (an older release took it for no
+    checkpoint: :attr:`~resumekit.store.manifest.WriterGeneration.reads_schema`).
     """
     written = manifest.generation
     if current is None or written is None or not fenced_by(written, current):
         return None
+    if manifest.schema_version > (current.reads_schema or 1):
+        return None  # the claimer could not read it: its newest_step says nothing of it
     if current.newest_step is not None and manifest.step <= current.newest_step:
         return None  # committed before the claim: part of the history the claimer saw
     seen = ("an empty root" if current.newest_step is None
@@ -267,8 +274,15 @@ def claim(storage: Storage, *, newest_step: int | None,
             number=top + 1, token=secrets.token_hex(8),
             slurm_job_id=me.slurm_job_id, slurm_restart_count=me.slurm_restart_count,
             hostname=me.hostname, pid=me.pid, newest_step=newest_step,
+            reads_schema=SCHEMA_VERSION,
         )
         if isinstance(newest, WriterGeneration) and newest.same_run(mine):
+            # The same run holds the newest record listed; a claim created after the
+            # listing (a newer restart of the job, between the listing and the reads)
+            # is read before the claim is taken over: no create decides this path.
+            if _fetch(storage, top + 1) is not None:
+                taken.add(top + 1)
+                continue
             return newest
         storage.make_dirs()
         name = generation_record_name(mine.number)

@@ -21,6 +21,7 @@ import socket
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
+from types import MappingProxyType
 from typing import Any, Literal
 
 import xxhash
@@ -44,10 +45,12 @@ from resumekit.errors import (
 )
 from resumekit.store.layout import MANIFEST_NAME
 from resumekit.store.storage import parse_json
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "MANIFEST_NAME",
+    "SCHEMA_HISTORY",
     "SCHEMA_VERSION",
     "Checksum",
     "FileEntry",
@@ -62,10 +65,29 @@ __all__ = [
     "parse_manifest",
     "running_versions",
     "safe_relative_path",
+    "throughput_problem",
     "version_skew",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The format version every checkpoint this release writes records (``schema_version``).
+
+It moves whenever a write uses anything an older release cannot read, so that an older
+release refuses the checkpoint by its manifest (``UnsupportedSchemaError``: nothing set
+aside, no fallback past it, no fresh start beside it) instead of failing inside its files
+and setting it aside as damaged. Every older version is still read. :data:`SCHEMA_HISTORY`
+says what each version added; ``tests/unit/test_schema_version.py`` fails when the writer
+emits a format the current version does not name.
+"""
+SCHEMA_HISTORY: Mapping[int, str] = MappingProxyType({
+    1: "the manifest and the raw tensor format before issue 29 (e.g. commit b0a6499, a 0.2 "
+       "release): items stored alone ('resumekit-raw/1'), packed regions ('resumekit-raw/2', "
+       "'resumekit-raw/3' with the checksum files 'resumekit-raw-checksums/1')",
+    2: "the members of a packed region after its first carry the descriptor "
+       "'resumekit-raw/member' (issue 29), which readers of version 1 cannot parse; "
+       "checkpoints written with it before 0.3.0 record schema_version 1",
+})
+"""What each ``schema_version`` added to what an older one holds."""
 CHECKSUM_ALGORITHM = "xxh3_128"
 
 
@@ -204,10 +226,54 @@ class SaveThroughput(BaseModel):
     seconds: float = Field(gt=0)
     blocking: bool = True
 
+    @field_validator("seconds")
+    @classmethod
+    def _usable_seconds(cls, value: float) -> float:
+        if not math.isfinite(value) or not THROUGHPUT_SECONDS[0] <= value <= \
+                THROUGHPUT_SECONDS[1]:
+            raise ValueError(f"{value!r} seconds is not between {THROUGHPUT_SECONDS[0]} "
+                             f"and {THROUGHPUT_SECONDS[1]:g}")
+        return value
+
     @property
     def bytes_per_second(self) -> float:
         """The measured write throughput."""
         return self.bytes / self.seconds
+
+
+#: The bounds of a recorded save's write seconds: 1 µs to about 116 days.
+THROUGHPUT_SECONDS = (1e-6, 1e7)
+#: The most bytes a recorded save may have written (4 EiB), and the highest rate it may
+#: have written them at (1 PB/s: more than any storage system's).
+THROUGHPUT_MAX_BYTES = 1 << 62
+THROUGHPUT_MAX_RATE = 1e15
+
+
+def throughput_problem(record: Any) -> str | None:
+    """Why a ``save_throughput`` read from disk is not a usable rate (None: it is).
+
+    Usable: an object whose ``bytes`` is an integer from 1 to
+    :data:`THROUGHPUT_MAX_BYTES`, whose ``seconds`` is a finite number within
+    :data:`THROUGHPUT_SECONDS` and whose rate is at most :data:`THROUGHPUT_MAX_RATE`
+    (``blocking``, if there, a boolean).
+    """
+    if not isinstance(record, dict):
+        return f"{type(record).__name__}, not an object"
+    nbytes, seconds = record.get("bytes"), record.get("seconds")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or \
+            not 0 < nbytes <= THROUGHPUT_MAX_BYTES:
+        return f"bytes {nbytes!r} is not a whole number from 1 to {THROUGHPUT_MAX_BYTES}"
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or \
+            not math.isfinite(seconds) or \
+            not THROUGHPUT_SECONDS[0] <= seconds <= THROUGHPUT_SECONDS[1]:
+        return (f"seconds {seconds!r} is not a finite number from {THROUGHPUT_SECONDS[0]} "
+                f"to {THROUGHPUT_SECONDS[1]:g}")
+    if nbytes / seconds > THROUGHPUT_MAX_RATE:
+        return (f"{nbytes} bytes in {seconds!r} s is {nbytes / seconds:.3g} bytes/s, above "
+                f"{THROUGHPUT_MAX_RATE:g}")
+    if not isinstance(record.get("blocking", True), bool):
+        return f"blocking {record.get('blocking')!r} is not true or false"
+    return None
 
 
 class WriterGeneration(BaseModel):
@@ -230,6 +296,10 @@ class WriterGeneration(BaseModel):
         newest_step: Newest step committed by a not-fenced writer when the claim was made
             (None for an empty root): a checkpoint of an older generation with a higher
             step was committed after this claim, by a zombie.
+        reads_schema: The newest ``schema_version`` the claimer reads (None: recorded by a
+            release before 0.3.0, which reads up to 1). A checkpoint of a newer schema
+            was not seen by the claim (it was no checkpoint to it), so ``newest_step``
+            says nothing about it.
     """
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -242,6 +312,7 @@ class WriterGeneration(BaseModel):
     pid: int = 0
     claimed_at: datetime = Field(default_factory=lambda: datetime.now(timezone.utc))
     newest_step: int | None = None
+    reads_schema: int | None = None
 
     def same_run(self, other: WriterGeneration) -> bool:
         """Whether both describe one run.
@@ -476,6 +547,7 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     # one read from disk that records none must not claim to be this process's.
     document.setdefault("versions", {})
     _check_step_and_paths(document, source)
+    _drop_unusable_throughput(document, source)
     try:
         manifest = Manifest.model_validate(document, context={_FROM_JSON: True})
     except ValidationError as error:
@@ -485,6 +557,25 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
             f"{source}: invalid field {where!r}: {first['msg']}", path=source, key=where
         ) from None
     return manifest
+
+
+def _drop_unusable_throughput(document: dict[str, Any], source: str) -> None:
+    """Ignore, with a warning naming ``source``, a recorded save rate that is not usable.
+
+    ``save_throughput`` is advice (the emergency-save decision of a requeued process), never
+    what makes a checkpoint: a value that is not a finite, positive, bounded rate
+    (:func:`throughput_problem`: ``seconds`` of ``1e999`` or ``1e-320``) is dropped here,
+    where it is read, and the checkpoint stays what the rest of its manifest says.
+    """
+    record = document.get("save_throughput")
+    if record is None:
+        return
+    problem = throughput_problem(record)
+    if problem is None:
+        return
+    document["save_throughput"] = None
+    warn(f"{source}: ignoring its save_throughput ({problem}): the recorded save rate is "
+         "not used (the checkpoint itself is unaffected)", ResumekitWarning, stacklevel=4)
 
 
 def _check_step_and_paths(document: dict[str, Any], source: str) -> None:

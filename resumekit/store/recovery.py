@@ -30,6 +30,7 @@ from resumekit.errors import (
     UnsafeCheckpointError,
     UnsupportedSchemaError,
 )
+from resumekit.store.aside import aside_token
 from resumekit.store.catalog import (
     BROKEN,
     CheckpointEntry,
@@ -208,7 +209,10 @@ def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
               ) -> tuple[str | None, str | None]:
     """Rename a step directory that cannot be restored to a hidden ``.bad-`` name.
 
-    Nothing is deleted: the files stay for forensics, but the step no longer counts as
+    The name's token says this version set it aside
+    (:func:`~resumekit.store.aside.aside_token`), so that another version that reads it
+    puts it back (:func:`~resumekit.store.aside.put_back_set_aside`) and this one never
+    does. Nothing is deleted: the files stay for forensics, but the step no longer counts as
     taken, so a resumed run can save that step again. Object stores (no atomic rename)
     and roots this process cannot write keep the entry; the reason comes back so that
     the caller's warning can say what to do. Run it on one process (the leader).
@@ -224,7 +228,7 @@ def set_aside(storage: Storage, name_format: NameFormat, entry: CheckpointEntry
     if not storage.atomic_rename:
         return None, (f"{storage.url} is an object store, where a directory cannot "
                       f"be renamed atomically: move or delete {entry.path} by hand")
-    aside = name_format.quarantine_name(entry.step, os.urandom(6).hex())
+    aside = name_format.quarantine_name(entry.step, aside_token(os.urandom(6).hex()))
     try:
         forget_newest_hint(storage)
         storage.rename_dir(entry.name, aside)

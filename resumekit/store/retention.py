@@ -200,6 +200,10 @@ class PruneReport:
         failures: Deletions or sweeps that failed (e.g. ``EBUSY`` from NFS ``.nfsXXXX``
             files), one line each naming the directory and the error; the prune went on
             with the other entries.
+        unreadable: With ``scope="all"``, every step directory whose manifest could not
+            be read as a committed checkpoint (garbled, nested too deep, unsafe, naming
+            another step, written by a newer resumekit), one line each naming it and
+            why. Prune neither counts nor deletes them; the policy ran on the others.
     """
 
     kept: list[int] = field(default_factory=list)
@@ -208,11 +212,12 @@ class PruneReport:
     dry_run: bool = False
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def problems(self) -> list[str]:
-        """Notes and failures together, in that order."""
-        return [*self.notes, *self.failures]
+        """Notes, unreadable entries and failures together, in that order."""
+        return [*self.notes, *self.unreadable, *self.failures]
 
 
 class _StorageClock:
@@ -406,6 +411,8 @@ def prune(
         doomed = [e for e in entries if e.status == "committed" and e.step not in keep]
         report.notes.extend(f"left {e.path} alone: {e.problem}" for e in entries
                             if e.defect == "symlink")
+        report.unreadable.extend(f"cannot read {e.path} (step {e.step}): {e.problem}"
+                                 for e in entries if e.defect in _UNREADABLE)
     else:
         entries, doomed = _decide_from_names(storage, policy, name_format, set(protect),
                                              report, rolling=rolling)
@@ -537,11 +544,16 @@ def _sweep_abandoned(storage: Storage, entries: list[CheckpointEntry], report: P
                             "checked from here were kept (their age is unknown)")
 
 
+#: Defects of a step directory whose manifest is there but cannot be read as a committed
+#: checkpoint: :func:`prune` names each (``PruneReport.unreadable``).
+_UNREADABLE = frozenset({"bad-manifest", "unsafe-manifest", "wrong-step", "newer-schema"})
+
+
 def _report(storage: Storage, report: PruneReport,
             errors: Literal["raise", "warn", "report"]) -> None:
     """Log every note and failure; warn or raise as ``errors`` says."""
     warned = [] if errors == "report" else \
-        report.notes if errors == "raise" else report.problems
+        [*report.notes, *report.unreadable] if errors == "raise" else report.problems
     for line in report.problems:
         if line not in warned:  # a line is said once: as a warning, else as a log line
             logger.warning("resumekit: retention: %s", line)

@@ -10,7 +10,11 @@ ever deleted, renamed or written through a link. :meth:`Storage.link_on_path` fi
 first link on a path below the root (``lstat`` of each part; the root itself may be a
 link: the user chose it), :meth:`Storage.is_link` tells whether one entry is a link, and
 every deletion, rename and write here refuses a path with a link on it
-(:class:`~resumekit.errors.StorageError` naming the link and where it points). Deciding
+(:class:`~resumekit.errors.StorageError` naming the link and where it points). A root
+resumekit derives from another (a node-local sub-root ``<local_root>/rank_00003``) is
+built ``confined_to`` the directory it was derived under: then a link on the root's own
+path below that directory is refused the same way (:meth:`Storage.root_link`), so a
+sub-root that is a link to another run's directory is never deleted or written through. Deciding
 what a link in a root *is* (never a checkpoint) is the catalog's job; this is the net
 under it. Object stores and ``memory://`` have no links.
 """
@@ -114,7 +118,8 @@ class Storage:
         b'hi'
     """
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None):
+    def __init__(self, url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
+                 *, confined_to: str | None = None):
         url = os.fspath(url)
         self.storage_options: dict[str, Any] = dict(storage_options or {})
         fs, path = open_filesystem(url, self.storage_options)
@@ -122,6 +127,10 @@ class Storage:
         self.is_local = isinstance(fs, LocalFileSystem)
         self.root: str = os.path.abspath(path) if self.is_local else path.rstrip("/")
         self.url = url
+        #: A directory above the root: no part of the root's path below it may be a
+        #: link for a deletion, rename or write to go ahead (None: the root may be one).
+        self.confined_to: str | None = (os.path.abspath(confined_to)
+                                        if confined_to is not None and self.is_local else None)
         self.weak_commit_warned = False
         """Whether the commit protocol has said that this root's commit marker is not
         atomic (said once per ``Storage``, see :attr:`conditional_create`)."""
@@ -258,6 +267,29 @@ class Storage:
                 return prefix
         return None
 
+    def root_link(self) -> str | None:
+        """The first part of the root's own path below :attr:`confined_to` that is a link.
+
+        ``confined_to=/scratch`` and root ``/scratch/local/rank_00000``: ``/scratch/local``,
+        then ``/scratch/local/rank_00000`` (one ``lstat`` each, stopping at the first link
+        or missing part). None without ``confined_to``, or when none is a link.
+        """
+        if self.confined_to is None:
+            return None
+        below = os.path.relpath(self.root, self.confined_to)
+        if below == "." or below.startswith(".."):
+            return None
+        path = self.confined_to
+        for part in below.split(os.sep):
+            path = os.path.join(path, part)
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                return None
+            if stat.S_ISLNK(mode):
+                return path
+        return None
+
     def link_target(self, relative: str) -> str:
         """Where the link ``relative`` points, as it is written (``?`` if unreadable)."""
         try:
@@ -269,9 +301,18 @@ class Storage:
         """Raise before ``verb`` touches a path with a symbolic link on it (local only).
 
         Raises:
-            StorageError: One of ``relatives`` is, or lies below, a link in the root;
-                the message names the link and its target. Nothing was done.
+            StorageError: One of ``relatives`` is, or lies below, a link in the root (or
+                the root's own path is one, :meth:`root_link`); the message names the
+                link and its target. Nothing was done.
         """
+        linked_root = self.root_link()
+        if linked_root is not None:
+            target = self.path(relatives[0]) if relatives else self.root
+            raise StorageError(
+                f"refusing to {verb} {target}: {linked_root} is a symbolic link (to "
+                f"{_link_target(linked_root)}); resumekit never deletes, renames or writes "
+                f"through a link below {self.confined_to}",
+                path=linked_root, operation=operation, link=linked_root)
         for relative in relatives:
             link = self.link_on_path(relative)
             if link is not None:
@@ -589,6 +630,7 @@ class Storage:
         """Create the directory ``relative``; fail if it exists (local only)."""
         target = self.path(relative)
         if self.is_local:
+            self._refuse_links("create", "mkdir", relative)
             with _storage_errors("create directory", target, "mkdir"):
                 os.mkdir(target)
 
@@ -698,6 +740,14 @@ class Storage:
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+
+def _link_target(path: str) -> str:
+    """Where the link ``path`` points, as it is written (``?`` if unreadable)."""
+    try:
+        return os.readlink(path)
+    except OSError:
+        return "?"
 
 
 def _require_regular(target: str, found: os.stat_result) -> None:

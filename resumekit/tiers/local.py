@@ -99,8 +99,14 @@ class LocalSite:
         self.tier, self.durable_root, self.name_format = tier, durable_root, name_format
         self.tensor_format = tensor_format
         self.rank, self.world_size = rank, world_size
+        # Every node-local root is confined to the local root's parent: nothing is ever
+        # deleted, renamed or written through a link on the way to a copy (the local root
+        # or a sub-root that is one: another run's directory), checked at each operation.
         self.base = Storage(tier.root)
-        self.own = Storage(os.path.join(tier.root, own_root_name(rank)))
+        self._above = os.path.dirname(self.base.root)  # (a file:// URL's path)
+        self.base.confined_to = self._above
+        self.own = Storage(os.path.join(tier.root, own_root_name(rank)),
+                           confined_to=self._above)
         # This rank alone commits here: its own coordinator and writer generations.
         self.protocol = CommitProtocol(self.own, name_format, SingleProcess())
         self._rolling = RollingSweep()
@@ -109,7 +115,23 @@ class LocalSite:
 
     def replica_root(self, rank: int) -> Storage:
         """The root under which this rank keeps ``rank``'s replicas."""
-        return Storage(os.path.join(self.tier.root, replica_root_name(rank)))
+        return Storage(os.path.join(self.tier.root, replica_root_name(rank)),
+                       confined_to=self._above)
+
+    def _linked(self, storage: Storage, what: str) -> bool:
+        """Whether ``storage`` (a sub-root) is reached through a link; warn if it is.
+
+        Construction refuses such a sub-root (:func:`check_local_root`); one made since
+        is left as it is, its target never read, written or deleted.
+        """
+        link = storage.root_link()
+        if link is None:
+            return False
+        warn(f"not {what} {storage.path()}: {link} is a symbolic link (to "
+             f"{os.path.realpath(link)}), made after this manager was built; node-local "
+             "copies are never read, written or deleted through a link (remove the link; its "
+             "target is left as it is)", ResumekitWarning, stacklevel=5)
+        return True
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is on the local interval."""
@@ -255,6 +277,8 @@ class LocalSite:
             if sub.rank != self.rank if sub.kind == "own" else not with_replicas:
                 continue  # another rank of this node reads it
             storage = self.own if sub.kind == "own" else self.replica_root(sub.rank)
+            if self._linked(storage, "restoring from"):
+                continue
             for entry in list_checkpoints(storage, self.name_format):
                 if entry.status != "committed" or entry.manifest is None:
                     continue
@@ -284,12 +308,13 @@ class LocalSite:
         """
         above = -1 if restored is None else restored
         doomed: list[tuple[Storage, str, str]] = [
-            (storage, entry.name, why) for storage, entry, why in survey.unusable]
+            (storage, entry.name, why) for storage, entry, why in survey.unusable
+            if storage.root_link() is None]
         newer_committed: dict[str, set[str]] = {}
         replica_roots = sorted({sub.rank for sub in sub_roots(self.base) if sub.kind
                                 == "replica"}) if with_replicas and self.base.is_dir() else []
         for storage in [self.own, *(self.replica_root(source) for source in replica_roots)]:
-            if not storage.is_dir():
+            if not storage.is_dir() or self._linked(storage, "deleting copies under"):
                 continue
             for entry in list_checkpoints(storage, self.name_format):
                 if entry.step > above and entry.status in ("committed", "partial",

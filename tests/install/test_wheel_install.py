@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,7 +181,10 @@ def test_import_and_the_command_line_work_with_only_the_runtime_dependencies(
     assert Path(made.stdout.splitlines()[0]).is_relative_to(env.root), made.stdout
 
     version = env.run("resumekit", "--version", cwd=tmp_path)
-    assert version.returncode == 0 and "0.1.0" in version.stdout, version
+    released = re.search(r'__version__ = "(.+)"', (REPO / "resumekit" / "_version.py").read_text())
+    assert released is not None
+    assert version.returncode == 0 and version.stdout.strip() == f"resumekit {released[1]}", \
+        version
     usage = env.run("resumekit", "--help", cwd=tmp_path)
     assert usage.returncode == 0, usage.stderr
     commands = ("inspect", "verify", "export", "import", "diff", "prune")

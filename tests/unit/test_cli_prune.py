@@ -67,3 +67,28 @@ def test_prune_usage_errors_exit_2(root: Path, capsys: pytest.CaptureFixture[str
     code, _, err = run_cli(capsys, "prune", str(root / "step_000000100"), "--keep-last", "1")
     assert code == 2 and "prune needs a checkpoint root" in err
     assert len(_steps(root)) == 5
+
+
+@pytest.mark.parametrize("damage", ["garbled", "nested-100k-deep", "other-step"])
+def test_prune_names_every_entry_it_cannot_read_and_exits_1(
+    root: Path, capsys: pytest.CaptureFixture[str], damage: str
+) -> None:
+    manifest = root / "step_000000500" / "manifest.json"
+    if damage == "garbled":
+        manifest.write_text('{"schema_version": 1, "step": ')
+    elif damage == "nested-100k-deep":
+        manifest.write_text("[" * 100_000)
+    else:
+        manifest.write_text(manifest.read_text().replace('"step": 500', '"step": 7'))
+    (root / "step_000000300" / "manifest.json").write_text("not json")
+    code, out, _ = run_cli(capsys, "prune", str(root), "--keep-last", "1", "--dry-run")
+    assert code == 1
+    for step in ("step_000000500", "step_000000300"):
+        assert [line for line in out.splitlines()
+                if line.startswith("unreadable:") and step in line], out
+    code, document, _ = run_json(capsys, "prune", str(root), "--keep-last", "1")
+    assert code == 1
+    assert [line.split(" (step")[0] for line in document["unreadable"]] == [
+        f"cannot read {root / 'step_000000300'}", f"cannot read {root / 'step_000000500'}"]
+    assert document["kept"] == [400] and document["deleted"] == [100, 200]
+    assert _steps(root) == ["step_000000300", "step_000000400", "step_000000500"]  # left as is

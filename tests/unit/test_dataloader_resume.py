@@ -171,3 +171,31 @@ def test_a_sampler_checkpoint_restores_into_a_dataloader_and_back(tmp_path: Path
     assert third.restore() == 3
     assert back.consumed == 8 + BATCH
     third.close()
+
+
+def test_a_restore_over_a_dataset_that_shrank_below_the_wrapped_position_is_refused(
+    tmp_path: Path,
+) -> None:
+    from torch.utils.data import SequentialSampler  # noqa: PLC0415
+
+    from resumekit.errors import IncompatibleCheckpointError  # noqa: PLC0415
+
+    def loader(length: int) -> DataLoader[int]:
+        return DataLoader(list(range(length)), batch_size=1, sampler=wrap_sampler(
+            SequentialSampler(range(length)), world_size=1))
+
+    first = loader(100)
+    ckpt = CheckpointManager(tmp_path, model=nn.Linear(2, 2), data=first, retention=None)
+    ckpt.restore()
+    taken = iter(first)
+    for _ in range(80):
+        next(taken)
+    ckpt.save(80)
+    ckpt.close()
+    second = CheckpointManager(tmp_path, model=nn.Linear(2, 2), data=loader(50),
+                               retention=None)
+    with pytest.raises(IncompatibleCheckpointError, match="80 items consumed of the 50"):
+        second.restore()
+    second.close()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(("step_", ".step_"))] == [
+        "step_000000080"]  # refused, never set aside

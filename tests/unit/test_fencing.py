@@ -35,7 +35,13 @@ from resumekit.store.layout import (
     generation_record_name,
     parse_generation_record_name,
 )
-from resumekit.store.manifest import Lineage, Manifest, WriterGeneration, parse_manifest
+from resumekit.store.manifest import (
+    SCHEMA_VERSION,
+    Lineage,
+    Manifest,
+    WriterGeneration,
+    parse_manifest,
+)
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
@@ -361,7 +367,7 @@ def test_claims_are_totally_ordered_and_only_the_newest_may_commit(
 
 def test_a_checkpoint_is_a_zombies_only_if_an_older_generation_committed_it_after_a_claim(
 ) -> None:
-    claim = WriterGeneration(number=3, token="c", newest_step=200)
+    claim = WriterGeneration(number=3, token="c", newest_step=200, reads_schema=SCHEMA_VERSION)
     older = WriterGeneration(number=2, token="b")
     lost_race = WriterGeneration(number=3, token="x")
     assert generations.zombie_reason(Manifest(step=200, generation=older), claim) is None
@@ -369,7 +375,7 @@ def test_a_checkpoint_is_a_zombies_only_if_an_older_generation_committed_it_afte
     assert generations.zombie_reason(Manifest(step=300, generation=lost_race), claim)
     assert generations.zombie_reason(Manifest(step=300, generation=claim), claim) is None
     assert generations.zombie_reason(Manifest(step=300), claim) is None
-    empty = WriterGeneration(number=1, token="a", newest_step=None)
+    empty = WriterGeneration(number=1, token="a", newest_step=None, reads_schema=SCHEMA_VERSION)
     assert generations.zombie_reason(Manifest(step=0, generation=older), empty) is None
     assert generations.zombie_reason(
         Manifest(step=0, generation=WriterGeneration(number=0 + 1, token="z")), empty)

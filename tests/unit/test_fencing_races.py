@@ -152,6 +152,102 @@ def test_a_claim_that_loses_the_number_to_a_racing_claimer_reads_that_claimer_be
     generations.check(store, current, action="commit step 1")  # the newer run may commit
 
 
+def test_an_older_restart_holding_the_newest_claim_is_refused_when_a_newer_one_claims_mid_read(
+    storage: Storage,
+) -> None:
+    # Issue 37, finding 8: the older restart already holds the newest record, so its claim
+    # would take the "same run" shortcut on what it listed; the newer restart of its job
+    # claims between that listing and the reads.
+    store = storage  # on every backend: local, file://, memory://, S3
+    newer = Lineage(hostname="h", pid=3, slurm_job_id=JOB, slurm_restart_count=1)
+    zombie = Lineage(hostname="h", pid=2, slurm_job_id=JOB, slurm_restart_count=0)
+    held = generations.claim(store, newest_step=None, identity=zombie)
+    real_list = Storage.list_names
+    listings: list[int] = []
+
+    def newer_claim_after_the_listing(self: Storage, relative: str = "", **kwargs: Any
+                                      ) -> Any:
+        names = real_list(self, relative, **kwargs)
+        if relative == GENERATIONS_DIR and not listings:
+            listings.append(1)
+            generations.claim(Storage(store.url, store.storage_options), newest_step=None,
+                              identity=newer)
+        return names
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Storage, "list_names", newer_claim_after_the_listing)
+        with pytest.raises(FencedWriterError, match="later restart of the same job"):
+            generations.claim(store, newest_step=None, identity=zombie)
+    assert listings
+    current = generations.newest_generation(store)
+    assert current is not None and current.slurm_restart_count == 1
+    assert current.number == held.number + 1  # the older restart created nothing
+    generations.check(store, current, action="commit step 1")  # the newer run may commit
+
+
+def _on_listing_inside_claim(monkeypatch: pytest.MonkeyPatch,
+                             action: Callable[[], None]) -> list[str]:
+    """Run ``action`` once, right after a claim lists the generation records."""
+    inside: list[bool] = []
+    done: list[str] = []
+    real_claim = generations.claim
+    real_list = Storage.list_names
+
+    def claim(*args: Any, **kwargs: Any) -> Any:
+        inside.append(True)
+        try:
+            return real_claim(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    def list_names(self: Storage, relative: str = "", **kwargs: Any) -> Any:
+        names = real_list(self, relative, **kwargs)
+        if inside and not done and relative == GENERATIONS_DIR:
+            done.append(relative)
+            action()  # the other claimer runs between this listing and the reads
+        return names
+
+    monkeypatch.setattr(generations, "claim", claim)
+    monkeypatch.setattr(Storage, "list_names", list_names)
+    return done
+
+
+@pytest.mark.parametrize("order", ["before-the-listing", "between-the-listing-and-the-reads"])
+def test_an_older_restart_is_refused_whichever_order_its_listing_and_the_newer_claim_land_in(
+    tmp_path: Path, restart: Callable[[int], None], order: str,
+) -> None:
+    # Through restore(): restart 0 claimed the root (its restore), and restores again
+    # while restart 1 of the same job claims, before or during that restore's claim.
+    restart(0)
+    first = _manager(tmp_path, 1.0)
+    first.save(100)
+    first.close()
+    requeued: list[CheckpointManager] = []
+
+    def the_newer_restart_claims() -> None:
+        restart(1)
+        requeued.append(_manager(tmp_path, 0.0))
+        assert requeued[0].restore() == 100
+        restart(0)
+
+    with pytest.MonkeyPatch.context() as patch:
+        if order == "before-the-listing":
+            the_newer_restart_claims()
+        else:
+            assert _on_listing_inside_claim(patch, the_newer_restart_claims) == []
+        older = _manager(tmp_path, 1.0)
+        with pytest.raises(FencedWriterError, match="later restart of the same job"):
+            older.restore()
+    assert requeued
+    with pytest.raises(FencedWriterError):
+        older.save(200)
+    requeued[0].save(200)  # the newer restart goes on
+    store = Storage(tmp_path)
+    assert latest_committed(store).step == 200  # type: ignore[union-attr]
+    newest = generations.newest_generation(store)
+    assert newest is not None and newest.slurm_restart_count == 1
+
+
 # ----------------------------------------------------------------------- finding 4b
 
 

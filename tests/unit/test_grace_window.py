@@ -31,6 +31,7 @@ from resumekit.runtime.preemption import (
 from resumekit.runtime.save_clock import CommitClock, SaveEstimate, state_bytes
 from resumekit.store.manifest import Manifest, SaveThroughput, parse_manifest
 from resumekit.tensors import sharded
+from resumekit.warnings import ResumekitWarning
 from tests.bandwidth import ThrottledWrites
 from tests.limits import HANG_S
 
@@ -378,3 +379,63 @@ def test_with_a_background_save_in_flight_it_says_so_at_once_and_lets_that_save_
     again, _, _ = _manager(tmp_path)
     assert again.restore() == 10
     again.close()
+
+
+# -- numbers read from disk -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("literal", ["1e999", "1e-320", "-2.0", "NaN", "0"])
+def test_a_recorded_save_rate_that_is_not_a_usable_number_is_ignored_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, literal: str
+) -> None:
+    caplog.set_level(logging.INFO, "resumekit")
+    first, model, optimizer = _manager(tmp_path)
+    _train(model, optimizer)
+    first.save(5, blocking=True)
+    first.close()
+    path, _ = _manifest(tmp_path, 5)
+    document = json.loads(path.read_text())
+    document["save_throughput"]["seconds"] = "SECONDS"
+    path.write_text(json.dumps(document).replace('"SECONDS"', literal))
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
+    ckpt, model, optimizer = _manager(tmp_path, preemption=handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.restore() == 5
+        for step in range(6, 9):
+            _train(model, optimizer)
+            if step == 8:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            stop = ckpt.step_end(step)  # the emergency save: never a ZeroDivisionError
+    said = [str(w.message) for w in caught]
+    assert any(str(path) in message and "save_throughput" in message for message in said), said
+    assert "recorded before this restart" not in caplog.text  # the rate was not used
+    latest = ckpt.latest()
+    ckpt.close()
+    assert stop is True and latest is not None
+    assert (latest.step, latest.manifest.reason.value) == (8, "preemption")
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e-320, float("nan"), -1.0])
+def test_the_clock_takes_no_rate_from_seconds_that_are_not_a_usable_number(
+        seconds: float) -> None:
+    clock = CommitClock()
+    clock.seed_throughput(40, nbytes=188, seconds=seconds)
+    clock.wrote(41, 188, seconds, blocking=False)
+    assert clock.bytes_per_second is None
+    clock.write_started(45, 10_000_000)  # a save in flight: no ZeroDivisionError
+    estimate = clock.estimate(1_000_000)
+    assert estimate.seconds is None and estimate.in_flight_seconds is None
+    assert clock.expected_save_seconds(1_000_000) == 0.0
+
+
+def test_a_manifest_with_an_unusable_save_rate_still_reads_without_it_and_says_so() -> None:
+    recorded = Manifest(step=4, save_throughput=SaveThroughput(bytes=8_000_000, seconds=2.0))
+    raw = recorded.to_json().replace(b'"seconds": 2.0', b'"seconds": 1e999')
+    assert raw != recorded.to_json()
+    with pytest.warns(ResumekitWarning, match=r"run/step_4/manifest\.json: ignoring its "
+                      r"save_throughput \(seconds inf"):
+        manifest = parse_manifest(raw, source="run/step_4/manifest.json")
+    assert manifest.step == 4 and manifest.save_throughput is None
+    with pytest.raises(ValueError, match="seconds"):  # nor can one be built in code
+        SaveThroughput(bytes=1, seconds=float("inf"))

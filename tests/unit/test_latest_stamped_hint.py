@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from resumekit.errors import ResumekitError
 from resumekit.manager import CheckpointManager
 from resumekit.store import commit, generations
 from resumekit.store.catalog import CheckpointEntry, classify_step, list_root, step_directories
@@ -437,8 +438,10 @@ class StampedHintMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.root.exists())
     @rule(above=st.integers(1, 3), pick=st.integers(0, 10))
     def copy_by_hand(self, above: int, pick: int) -> None:
-        committed = [name for _, name in self._step_dirs()
-                     if (self.root / name / MANIFEST_NAME).exists()]
+        # a broken newest stays where it is when a fresh start beside set-aside copies
+        # is refused
+        committed = [name for step, name in self._step_dirs()
+                     if classify_step(self.storage, step, NAMES).status == "committed"]
         if committed:
             copy_as_step(self.root, committed[pick % len(committed)],
                          self._next_step() + above)
@@ -469,7 +472,11 @@ class StampedHintMachine(RuleBasedStateMachine):
         self._fresh_manager()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.manager.restore()
+            try:
+                self.manager.restore()
+            except ResumekitError as error:  # nothing left but what restores set aside
+                assert str(error).startswith("refusing to start fresh at step 0"), error
+                assert any(".bad-" in path.name for path in self.root.iterdir())
 
     @precondition(lambda self: self.root.exists())
     @rule()

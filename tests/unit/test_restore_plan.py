@@ -226,3 +226,29 @@ def test_an_unreadable_checkpoint_of_other_versions_is_refused_not_fallen_back_f
                                                                "resumekit": "0.1.0"}))
     assert restore_plan.judge_failure(same, unreadable, gone=False, may_fall_back=True,
                                       running=here).error is unreadable
+
+
+# ---------------------------------------------------------------------- fallback order
+
+
+def test_the_fallback_order_is_newest_first_whatever_order_the_entries_below_come_in() -> None:
+    top = [_entry(50)]
+    below = [_entry(40), _entry(30), _entry(20), _entry(10)]  # as read: highest first
+    entries = list(top)
+    order = restore_plan.fallback_order(entries, top, lambda: below)
+    assert [entry.step for entry in order] == [50, 40, 30, 20, 10]
+    assert [entry.step for entry in entries] == [10, 20, 30, 40, 50]  # joined, sorted
+    shuffled = [_entry(30), _entry(10), _entry(40)]
+    assert [e.step for e in restore_plan.fallback_order(
+        list(shuffled), shuffled, lambda: [_entry(5), _entry(7)])] == [40, 30, 10, 7, 5]
+
+
+def test_a_copy_set_aside_earlier_newer_than_the_step_restored_is_warned_about(
+        tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    aside = _entry(50, "corrupt", "set-aside")
+    older = _entry(30, "corrupt", "set-aside")
+    found = restore_plan.leftovers([older, _entry(40), aside], storage, above=40)
+    assert [(leftover.entry.step, leftover.action) for leftover in found] == [(50, "warn")]
+    assert "newer than step 40 restored" in found[0].message
+    assert restore_plan.leftovers([aside], storage, above=-1) == []  # the fresh start says it

@@ -412,3 +412,34 @@ def test_a_wrapped_sampler_keeps_the_inner_len_and_says_what_is_left_as_remainin
     wrapped = SkipAheadSampler(SequentialSampler(range(10)))
     wrapped.advance(4)
     assert (len(wrapped), wrapped.remaining, list(wrapped)) == (10, 6, list(range(4, 10)))
+
+
+@pytest.mark.parametrize("inner", ["sequential", "batch"])
+def test_a_wrapped_sampler_refuses_a_position_the_dataset_no_longer_fits(inner: str) -> None:
+    from torch.utils.data import SequentialSampler  # noqa: PLC0415
+
+    def build(length: int) -> Any:
+        sampler = SequentialSampler(range(length))
+        return wrap_sampler(sampler if inner == "sequential" else
+                            BatchSampler(sampler, batch_size=1, drop_last=False), world_size=1)
+
+    first = build(100)
+    first.advance(80)
+    state = _reload(first.state_dict())
+    shrunk = build(50)
+    with pytest.raises(IncompatibleCheckpointError, match="80") as caught:
+        shrunk.load_state_dict(state)
+    assert caught.value.differences == ["epoch/consumed: 0/80 out of range (length now 50)"]
+    assert (shrunk.epoch, shrunk.consumed, len(list(shrunk))) == (0, 0, 50)  # untouched
+    exact = build(80)  # the end of the epoch fits: the epoch is done
+    exact.load_state_dict(state)
+    assert list(exact) == []
+    resumed = build(100)
+    resumed.load_state_dict(state)
+    assert len(list(resumed)) == 20
+
+
+def test_a_wrapped_sampler_refuses_a_negative_position_as_an_incompatible_checkpoint() -> None:
+    state = SkipAheadSampler(range(10), world_size=1).state_dict()
+    with pytest.raises(IncompatibleCheckpointError, match="consumed"):
+        SkipAheadSampler(range(10), world_size=1).load_state_dict({**state, "consumed": -3})

@@ -19,6 +19,7 @@ import torch
 
 from examples.lingbot import drill
 from resumekit import _compat
+from resumekit._version import __version__
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,9 +101,10 @@ def _import_resumekit_with_torch(version: str | None) -> subprocess.CompletedPro
 
 def test_import_resumekit_on_an_unsupported_torch_warns_naming_the_range_and_imports() -> None:
     done = _import_resumekit_with_torch("2.8.0+cpu")
-    assert done.returncode == 0 and done.stdout.strip() == "0.1.0"  # never a refusal
+    assert done.returncode == 0 and done.stdout.strip() == __version__  # never a refusal
     (line,) = [line for line in done.stderr.splitlines() if "Warning:" in line]
-    assert "UnsupportedTorchWarning: resumekit 0.1.0: torch 2.8.0+cpu is older than" in line
+    assert f"UnsupportedTorchWarning: resumekit {__version__}: torch 2.8.0+cpu is older than" \
+        in line
     assert f"(torch{_compat.SUPPORTED_TORCH})" in line
 
 
@@ -110,7 +112,7 @@ def test_import_resumekit_on_an_unsupported_torch_warns_naming_the_range_and_imp
 def test_import_resumekit_on_a_supported_torch_or_none_says_nothing(
         version: str | None) -> None:
     done = _import_resumekit_with_torch(version)
-    assert done.returncode == 0 and done.stdout.strip() == "0.1.0"
+    assert done.returncode == 0 and done.stdout.strip() == __version__
     assert done.stderr == ""
 
 
