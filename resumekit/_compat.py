@@ -274,6 +274,21 @@ def compiled_module_type() -> type | None:
     return compiled if isinstance(compiled, type) else None
 
 
+def compiled_inner_module(module: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (:func:`compiled_module_type`) wraps."""
+    # Why: the wrapper exports it only as ``_orig_mod``. If it moves: AttributeError on the
+    # first capture of a compiled model with state-dict hooks (the canary fails first).
+    return module._orig_mod
+
+
+def extra_state_key_suffix() -> str:
+    """The last atom of a module's extra-state key (``get_extra_state``) in a state dict."""
+    # Why: such a key names no attribute, yet DCP accepts it; telling it from a key a
+    # state-dict hook made needs the name. If it moves: AttributeError on the first capture
+    # of a model with state-dict hooks (the canary fails first).
+    return str(importlib.import_module("torch.nn.modules.module")._EXTRA_STATE_KEY_SUFFIX)
+
+
 FSDP2_LOAD_HOOK_OWNER = "FSDPParam."
 """The qualified-name prefix of the load post-hook FSDP2 puts on each module it shards."""
 # Why: that hook only re-derives FSDP2's sharded views, so a load into the very memory of

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, Literal
@@ -64,7 +64,13 @@ from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
-from resumekit.state.train_state import Stateful, TrainState, dump_plain
+from resumekit.state.train_state import (
+    Stateful,
+    TrainState,
+    capturable_model,
+    capturable_optimizer,
+    dump_plain,
+)
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
 from resumekit.store.commit import PendingCheckpoint
@@ -124,8 +130,14 @@ class CheckpointManager:
 
     Args:
         root: Checkpoint root: a local path or an fsspec URL (``s3://bucket/run``).
-        model: The model (plain, DDP or FSDP2 ``fully_shard``-ed).
-        optimizer: Its optimizer.
+        model: The model (plain, DDP, ``torch.compile``-d or FSDP2 ``fully_shard``-ed; a
+            list of exactly one module is taken as it). Its checkpoint keys are its own
+            state-dict keys, state-dict hooks included (docs/concepts.md).
+        optimizer: Its optimizer, or several over disjoint parameters of the model,
+            saved as one: a list, tuple or dict of optimizers, or an ``Optimizer``
+            wrapping them in ``optimizers`` (torchtitan's ``OptimizersContainer``).
+            What cannot be captured is refused here (``ConfigurationError``), not at
+            the first save.
         scheduler: LR scheduler (or any object with state_dict/load_state_dict).
         data: Data position: the ``DataLoader`` the loop iterates (over a resumable
             sampler; resumekit counts the batches it hands out and saves its generator per
@@ -162,7 +174,8 @@ class CheckpointManager:
 
     Raises:
         ConfigurationError: A knob that cannot work (its ``name`` says which), one
-            given twice, or ``options`` that are not a ``CheckpointOptions``.
+            given twice, ``options`` that are not a ``CheckpointOptions``, or a model or
+            optimizer a save could not capture (named, with the forms taken).
         TypeError: A keyword that is neither an object above nor a knob, or ``extras``
             or ``config`` that JSON cannot hold.
     """
@@ -180,8 +193,9 @@ class CheckpointManager:
         self,
         root: str | os.PathLike[str],
         *,
-        model: nn.Module | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
+        model: nn.Module | Sequence[nn.Module] | None = None,
+        optimizer: (torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+                    | Mapping[str, torch.optim.Optimizer] | None) = None,
         scheduler: Stateful | Any | None = None,
         data: Stateful | Any | None = None,
         generators: Mapping[str, torch.Generator] | None = None,
@@ -204,7 +218,10 @@ class CheckpointManager:
                        "there, hashed while it is uploaded; pass tensor_format='dcp' to "
                        "choose it explicitly", stacklevel=3)
         self.name_format = NameFormat(options.name_format)
-        self.state = TrainState(model=model, optimizer=optimizer, scheduler=scheduler,
+        captured_model = capturable_model(model)  # refused now, not at the first save
+        self.state = TrainState(model=captured_model,
+                                optimizer=capturable_optimizer(optimizer, captured_model),
+                                scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
         self.extras: MutableMapping[str, Any] = jsonable.live_extras(extras)
         self.save_every = options.save_every
@@ -404,7 +421,8 @@ class CheckpointManager:
         if self._writer is not None and stage_ahead is not None:  # built just now
             self._writer.start()  # it starts up while the buffers are touched
         optimizer = self.state.optimizer
-        self._optimizer_unstaged = optimizer is not None and not optimizer.state
+        self._optimizer_unstaged = optimizer is not None and not all(
+            part.state for part in state_dicts.optimizer_parts(optimizer))
         if self._optimizer_unstaged:
             tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
         else:
@@ -544,7 +562,9 @@ class CheckpointManager:
         """Bytes a save of the state would write: the model's and optimizer's tensors."""
         model, optimizer = self.state.model, self.state.optimizer
         return state_bytes([{} if model is None else model.state_dict(),
-                            [] if optimizer is None else list(optimizer.state.values())])
+                            [] if optimizer is None else [
+                                list(part.state.values())
+                                for part in state_dicts.optimizer_parts(optimizer)]])
 
     def save(
         self,

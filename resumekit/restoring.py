@@ -127,6 +127,8 @@ class RootRestore:
             more=None if found.complete else lambda: self._entries.survey_below(found))
         if restored is not None:
             self._entries.report_leftovers(entries, above=restored.step)
+            if step is not None:
+                self._say_newer_committed(entries, restored)
             return Restored(restored, restored.manifest)
         self._refuse_fresh_start(entries)  # nothing committed
         imported = self._import_newest_legacy(entries)
@@ -135,6 +137,28 @@ class RootRestore:
             return Restored(imported, None)
         self._account_for_fresh_start(found, entries)
         return Restored(None, None)
+
+    def _say_newer_committed(self, entries: list[CheckpointEntry],
+                             restored: CheckpointEntry) -> None:
+        """Warn now when an asked-for step has newer committed steps above it.
+
+        Steps only ever increase: the run's next saves (``restored.step`` + 1 onwards)
+        would be refused until they pass the newest, a ``StepCollisionError`` many steps
+        into the rolled-back run. A read-only manager never saves: nothing to say.
+        """
+        newer = sorted((e for e in entries if e.status == "committed" and e.step > restored.step),
+                       key=lambda e: e.step)
+        if not newer or self.options.read_only:
+            return
+        steps = ", ".join(str(e.step) for e in newer)
+        names = ", ".join(e.name for e in newer)
+        _warn(f"restored step {restored.step} of {self.storage.path()}, which also holds "
+              f"the newer committed step{'s' if len(newer) > 1 else ''} {steps} ({names}): "
+              f"steps only ever increase, so every save up to step {newer[-1].step} would "
+              "be refused (StepCollisionError). To train on from step "
+              f"{restored.step}, move {names} out of the root, or save into a new root "
+              f"(restore from this one with read_only=True, save with a manager on the "
+              "new root)", stacklevel=5)
 
     def _refuse_fresh_start(self, entries: list[CheckpointEntry]) -> None:
         """Nothing committed: never start at step 0 past a newer resumekit's checkpoint.

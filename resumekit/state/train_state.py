@@ -57,6 +57,8 @@ __all__ = [
     "Stateful",
     "StatefulGroup",
     "TrainState",
+    "capturable_model",
+    "capturable_optimizer",
     "dump_plain",
     "load_plain",
     "rank_state_file",
@@ -217,8 +219,14 @@ class TrainState:
     """Everything one rank contributes to, and restores from, a checkpoint.
 
     Attributes:
-        model: The model (plain, DDP or FSDP2-sharded).
-        optimizer: Its optimizer; its state is saved sharded like the parameters.
+        model: The model (plain, DDP or FSDP2-sharded); a list or tuple of exactly one
+            module is taken as that module.
+        optimizer: Its optimizer; its state is saved sharded like the parameters. Also
+            several optimizers over disjoint parameters of the model, saved as one: a
+            list, tuple or dict of them, or an ``Optimizer`` wrapping them in its
+            ``optimizers`` attribute (torchtitan's ``OptimizersContainer``). Held as
+            the optimizer itself or a tuple of the optimizers (see
+            :func:`capturable_optimizer`).
         scheduler: A learning-rate scheduler (anything with state_dict/load_state_dict).
         data: The data position: the ``DataLoader`` the loop iterates (adopted as a
             :class:`~resumekit.state.loader.LoaderPosition`: its generator and the batches it
@@ -233,7 +241,7 @@ class TrainState:
     """
 
     model: nn.Module | None = None
-    optimizer: torch.optim.Optimizer | None = None
+    optimizer: state_dicts.Optimizers | None = None
     scheduler: Stateful | None = None
     data: Stateful | None = None
     generators: dict[str, torch.Generator] = field(default_factory=dict)
@@ -247,6 +255,8 @@ class TrainState:
                                                             repr=False)
 
     def __post_init__(self) -> None:
+        self.model = capturable_model(self.model)
+        self.optimizer = capturable_optimizer(self.optimizer, self.model)
         if isinstance(self.data, DataLoader):
             self.data = LoaderPosition(self.data)
         for what, value in (("scheduler", self.scheduler), ("data", self.data)):
@@ -293,7 +303,7 @@ class TrainState:
                                                 storage_options=storage_options)
         state = state_dicts.model_and_optimizer_state(
             self.model, self.optimizer if optimizer else None)
-        return state_dicts.untie(state, tied)
+        return state_dicts.untie(state_dicts.without_param_names(state), tied)
 
     def train_state(self, world_size: int) -> dict[str, Any]:
         """Return the global, rank-0 part: step, accumulation position, scheduler."""
@@ -457,6 +467,133 @@ class TrainState:
             f"{type(self.data).__name__}.advance() after each batch, so this checkpoint "
             "records the old position and a resume retrains the data since it",
             ResumekitWarning, stacklevel=4)
+
+
+_SUPPORTED_OPTIMIZERS = (
+    "resumekit takes a torch.optim.Optimizer whose state_dict() has 'state' and "
+    "'param_groups', several of them as a list, tuple or dict, or an Optimizer that wraps "
+    "several in its 'optimizers' attribute (torchtitan's OptimizersContainer)")
+
+
+def capturable_model(model: Any) -> nn.Module | None:
+    """``model`` as a checkpoint captures it, refused here if it cannot be.
+
+    A module is taken as it is (plain, DDP, ``torch.compile``-d, FSDP2); a list or tuple
+    of exactly one module (torchtitan's ``model_parts`` without pipeline parallelism) is
+    taken as that module.
+
+    Raises:
+        ConfigurationError: Anything else, named, with the forms taken.
+    """
+    if model is None or isinstance(model, nn.Module):
+        return model
+    if isinstance(model, (list, tuple)) and len(model) == 1 and isinstance(model[0], nn.Module):
+        return model[0]
+    kind = type(model).__name__
+    detail = (f"a {kind} of {len(model)} modules (pipeline-parallel model parts are not "
+              "supported)" if isinstance(model, (list, tuple)) else f"a {kind}")
+    raise ConfigurationError(
+        f"model= cannot be checkpointed: it is {detail}; resumekit takes a torch.nn.Module "
+        "(plain, DDP, torch.compile-d or FSDP2 fully_shard-ed), or a list of exactly one",
+        name="model", value=kind)
+
+
+def capturable_optimizer(optimizer: Any, model: nn.Module | None
+                         ) -> state_dicts.Optimizers | None:
+    """``optimizer`` as a checkpoint captures it, refused here if it cannot be.
+
+    One ``torch.optim.Optimizer`` is taken as it is; several (a list, tuple or dict of
+    them, or an ``Optimizer`` holding them in its ``optimizers`` attribute, as
+    torchtitan's ``OptimizersContainer`` does, whose own ``state_dict()`` is a flat form
+    DCP cannot load) become a tuple of the optimizers inside, saved as one optimizer
+    (each parameter's state under its name, every group). One optimizer alone inside a
+    container is taken alone: its checkpoint is a plain optimizer's.
+
+    Checked here, when the manager is built, not at the first save: each is an
+    ``Optimizer`` whose ``state_dict()`` (called once, for an optimizer that overrides
+    it) has ``state`` and ``param_groups``; each parameter it updates is one of the
+    model's, and in one optimizer only.
+
+    Raises:
+        ConfigurationError: What resumekit cannot capture, naming the object (and the
+            optimizer and group at fault) and the forms it takes.
+    """
+    if optimizer is None:
+        return None
+    parts = _optimizer_parts(optimizer, "optimizer")
+    if model is not None:
+        owners: dict[int, str] = {}
+        params = {id(param) for param in model.parameters()}
+        for where, part in parts:
+            for number, group in enumerate(part.param_groups):
+                for param in group["params"]:
+                    at = f"{where} ({type(part).__name__}) param_groups[{number}]"
+                    if id(param) not in params:
+                        raise ConfigurationError(
+                            f"{at} updates a tensor of shape {list(param.shape)} that is not "
+                            "a parameter of model=: build the optimizer from the model's "
+                            "parameters after wrapping it (DDP, fully_shard)",
+                            name="optimizer", value=type(part).__name__)
+                    if id(param) in owners and owners[id(param)] != where:
+                        raise ConfigurationError(
+                            f"{at} updates a parameter {owners[id(param)]} updates too: "
+                            "several optimizers are saved as one only when each updates "
+                            "its own parameters", name="optimizer",
+                            value=type(part).__name__)
+                    owners[id(param)] = where
+    if len(parts) == 1:
+        return parts[0][1]
+    return tuple(part for _, part in parts)
+
+
+def _optimizer_parts(value: Any, where: str) -> list[tuple[str, torch.optim.Optimizer]]:
+    """``[(where, optimizer)]`` inside ``value``; ConfigurationError for anything else."""
+    kind = type(value).__name__
+    if isinstance(value, torch.optim.Optimizer):
+        inner = getattr(value, "optimizers", None)
+        if (type(value).state_dict is not torch.optim.Optimizer.state_dict
+                and isinstance(inner, (list, tuple)) and inner):
+            return _optimizer_parts(list(inner), f"{where}.optimizers")
+        if type(value).state_dict is not torch.optim.Optimizer.state_dict:
+            _refuse_unusual_state(value, where)
+        return [(where, value)]
+    if isinstance(value, Mapping) and value:
+        return [part for name, item in value.items()
+                for part in _optimizer_parts(item, f"{where}[{name!r}]")]
+    if isinstance(value, (list, tuple)) and value:
+        parts = [part for number, item in enumerate(value)
+                 for part in _optimizer_parts(item, f"{where}[{number}]")]
+        seen: set[int] = set()
+        for name, part in parts:
+            if id(part) in seen:
+                raise ConfigurationError(f"{name} ({type(part).__name__}) is listed twice",
+                                         name="optimizer", value=type(part).__name__)
+            seen.add(id(part))
+        return parts
+    empty = isinstance(value, (list, tuple, Mapping))
+    raise ConfigurationError(
+        f"{where} cannot be checkpointed: it is {'an empty ' if empty else 'a '}{kind}; "
+        f"{_SUPPORTED_OPTIMIZERS}", name="optimizer", value=kind)
+
+
+def _refuse_unusual_state(optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuse an optimizer whose own ``state_dict()`` is not torch's form."""
+    kind = type(optimizer).__name__
+    try:
+        state = optimizer.state_dict()
+    except Exception as error:
+        raise ConfigurationError(
+            f"{where} ({kind}) cannot be checkpointed: its state_dict() raised {error!r}; "
+            f"{_SUPPORTED_OPTIMIZERS}", name="optimizer", value=kind) from error
+    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    if (not isinstance(state, Mapping) or not isinstance(state.get("state"), Mapping)
+            or not isinstance(groups, list)
+            or not all(isinstance(group, Mapping) and "params" in group for group in groups)):
+        keys = sorted(map(str, state))[:5] if isinstance(state, Mapping) else []
+        raise ConfigurationError(
+            f"{where} ({kind}) cannot be checkpointed: its state_dict() is not torch's form "
+            f"('state' and 'param_groups'; it has {keys or type(state).__name__}); "
+            f"{_SUPPORTED_OPTIMIZERS}", name="optimizer", value=kind)
 
 
 def _refuse_unsaveable(what: str, value: Any) -> None:

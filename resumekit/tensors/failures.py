@@ -30,6 +30,11 @@ def incompatible(where: str, differences: Sequence[str]) -> IncompatibleCheckpoi
     shown = "; ".join(differences[:_MAX_LISTED])
     more = len(differences) - _MAX_LISTED
     suffix = f"; and {more} more" if more > 0 else ""
+    if any(difference.split(":")[-1].strip().endswith(".initial_lr")
+           for difference in differences):
+        suffix += (" (a learning-rate scheduler writes initial_lr into the optimizer's "
+                   "groups when it is built: build it, and pass it as scheduler=, on the "
+                   "side that lacks it, before restore())")
     return IncompatibleCheckpointError(
         f"{where} does not fit the state being restored "
         f"({len(differences)} differences, nothing loaded): {shown}{suffix}",

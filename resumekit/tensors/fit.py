@@ -10,7 +10,21 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from resumekit.store.tree import flatten
 
-__all__ = ["check_against_metadata", "compare_flat", "describe", "flatten_state"]
+__all__ = ["check_against_metadata", "compare_flat", "derived", "describe", "flatten_state"]
+
+#: The optimizer group entry a restore never reads: torch records the names of a group's
+#: parameters there when the optimizer was built with ``(name, parameter)`` pairs
+#: (torchtitan's are), and the live optimizer's own names are the right ones whether the
+#: checkpoint has them or not (``Optimizer.load_state_dict`` keeps them when the loaded
+#: group has none).
+PARAM_NAMES = "param_names"
+
+
+def derived(key: str) -> bool:
+    """Whether a flattened key is a group's ``param_names`` (never compared nor read)."""
+    parts = key.split(".")
+    return (len(parts) == 4 and parts[0] == "optimizer" and parts[1] == "param_groups"
+            and parts[3] == PARAM_NAMES)
 
 
 def describe(value: Any) -> str:
@@ -34,7 +48,7 @@ def check_against_metadata(
         for key in stored:
             path = paths.get(key)
             top = str(path[0]) if isinstance(path, tuple) and path else key.split(".", 1)[0]
-            if key not in flat and top in scope:
+            if key not in flat and top in scope and not derived(key):
                 differences.append(f"unexpected in checkpoint: {key}")
     for key, value in flat.items():
         entry = stored.get(key)
@@ -66,8 +80,10 @@ def flatten_state(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 def compare_flat(given: Mapping[str, Any], expected: Mapping[str, Any]) -> list[str]:
     """Every way the flattened ``given`` differs from ``expected``."""
-    differences = [f"missing: {key}" for key in expected if key not in given]
-    differences += [f"unexpected: {key}" for key in given if key not in expected]
+    differences = [f"missing: {key}" for key in expected
+                   if key not in given and not derived(key)]
+    differences += [f"unexpected: {key}" for key in given
+                    if key not in expected and not derived(key)]
     for key, want in expected.items():
         if key not in given:
             continue

@@ -11,6 +11,15 @@ tree per parameter on every call; ``docs/design.md`` gives the figure that keeps
 shortcut. Whether DCP would rename anything is asked of the few torch names that decide
 it, which live in :mod:`resumekit._compat`.
 
+A model whose state dict is not its parameters (a state-dict hook renames, splits or
+fuses parameters, or adds entries no attribute holds: torchtitan's ``FusedQKVLinear``
+saves its fused ``wqkv.weight`` as ``wq/wk/wv.weight``) is one DCP's state-dict API cannot
+name (its ``get_state_dict`` looks every key up as an attribute and raises). Its
+checkpoint holds the model's own state dict, keys and values as the hooks make them, and
+the optimizer's state under the parameters' canonical names (as torchtitan keys it); a
+load goes back through the model's own ``load_state_dict``, so its load hooks run
+(:func:`hooked_state`).
+
 Also here: tied weights (:func:`find_tied`, :func:`untie`, :func:`retie`), zero optimizer
 state preallocated from a checkpoint's metadata (:func:`preallocate_optimizer_state`), and
 full weights loaded into a sharded model (:func:`apply_full_model_state`).
@@ -28,6 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -42,29 +52,44 @@ from resumekit.errors import IncompatibleCheckpointError
 from resumekit.tensors.context import directory_str as _directory_str
 from resumekit.tensors.context import paused_collection as _collection_paused
 from resumekit.tensors.failures import incompatible as _incompatible
+from resumekit.tensors.fit import PARAM_NAMES as _PARAM_NAMES
 from resumekit.tensors.fit import compare_flat as _compare_flat
 from resumekit.tensors.fit import describe as _describe
 from resumekit.tensors.fit import flatten_state
 from resumekit.tensors.reader import make_reader as _make_reader
 
 __all__ = [
+    "Optimizers",
     "apply_full_model_state",
     "apply_model_and_optimizer_state",
     "canonical_param_name",
     "find_tied",
+    "hooked_state",
+    "load_model_state",
     "load_named_optimizer_state",
     "model_and_optimizer_state",
     "model_state_dict",
     "named_state",
+    "optimizer_parts",
     "plain_state_dict",
     "preallocate_optimizer_state",
     "retie",
     "untie",
+    "without_param_names",
 ]
+
+Optimizers = torch.optim.Optimizer | tuple[torch.optim.Optimizer, ...]
+"""One optimizer, or several that update disjoint parameters of one model (saved as one)."""
+
+
+def optimizer_parts(optimizer: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    """The optimizers of ``optimizer``: itself alone, or the tuple it is."""
+    return optimizer if isinstance(optimizer, tuple) else (optimizer,)
+
 
 def model_and_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Optimizers | None = None,
     *,
     options: StateDictOptions | None = None,
 ) -> dict[str, Any]:
@@ -76,9 +101,11 @@ def model_and_optimizer_state(
 
     Args:
         model: The module (plain, DDP-wrapped or ``fully_shard``-ed).
-        optimizer: Its optimizer, or ``None`` to capture the model alone. An optimizer
-            that has not stepped yet gets its state initialised (DCP needs destination
-            tensors to load into) by a zero-learning-rate step on zero gradients.
+        optimizer: Its optimizer, a tuple of optimizers (each updating its own
+            parameters: their states and groups are saved as one optimizer's), or
+            ``None`` to capture the model alone. An optimizer that has not stepped yet
+            gets its state initialised (DCP needs destination tensors to load into) by a
+            zero-learning-rate step on zero gradients.
         options: DCP ``StateDictOptions``; the default keeps tensors sharded and in place.
 
     Returns:
@@ -92,11 +119,15 @@ def model_and_optimizer_state(
             named = named_state(model, optimizer)
         if named is not None:
             return {"model": named[0], "optimizer": named[1]}
+        hooked = hooked_state(model)
+        if hooked is not None:  # keys DCP cannot name: the optimizer's names are DCP's
+            return {"model": hooked,
+                    "optimizer": get_optimizer_state_dict(model, optimizer)}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
+def named_state(model: nn.Module, optimizer: Optimizers
                 ) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """DCP's ``get_state_dict(model, optimizer)``, without its walks, where it is the same.
 
@@ -112,26 +143,35 @@ def named_state(model: nn.Module, optimizer: torch.optim.Optimizer
     instances, every parameter's name a key of the state dict (activation
     checkpointing's wrapper names its parameters with a prefix its state dict strips),
     an optimizer that has state (DCP would initialise it by a step) and whose every
-    parameter is one of the model's. Anything else: None (ask DCP).
+    parameter is one of the model's. Anything else: None (ask DCP). A model whose state
+    dict has keys of a state-dict hook's own (see :func:`hooked_state`) is taken here too
+    (DCP would raise for it), its optimizer keyed by the parameters' canonical names.
     """
-    if "state_dict" in vars(model) or "state_dict" in vars(optimizer) or not optimizer.state:
+    parts = optimizer_parts(optimizer)
+    if "state_dict" in vars(model) or any("state_dict" in vars(part) or not part.state
+                                           for part in parts):
         return None
     state = _state_under_own_names(model, _renamers())
     if state is None:
         return None
     names = {id(param): name for name, param in model.named_parameters()}
     if any(name not in state for name in names.values()):
-        return None  # a name the state dict renames (activation checkpointing's wrapper)
-    stored = optimizer.state_dict()
-    params = [param for group in optimizer.param_groups for param in group["params"]]
-    if any(id(param) not in names for param in params):
-        return None
-    name_of = {number: names[id(param)] for number, param in enumerate(params)}
-    optimizer_state = {
-        "state": {name_of[number]: value for number, value in stored["state"].items()},
-        "param_groups": [{**group, "params": [name_of[number] for number in group["params"]]}
-                         for group in stored["param_groups"]],
-    }
+        if not _hook_made(model, state):
+            return None  # a name the state dict renames (activation checkpointing's wrapper)
+        # A state-dict hook's own keys: the optimizer keeps the parameters' names.
+        names = {key: _without_checkpoint_prefix(name) for key, name in names.items()}
+    optimizer_state: dict[str, Any] = {"state": {}, "param_groups": []}
+    for part in parts:  # several optimizers: DCP's merge, each one's state and groups
+        stored = part.state_dict()
+        params = [param for group in part.param_groups for param in group["params"]]
+        if any(id(param) not in names for param in params):
+            return None
+        name_of = {number: names[id(param)] for number, param in enumerate(params)}
+        optimizer_state["state"].update(
+            (name_of[number], value) for number, value in stored["state"].items())
+        optimizer_state["param_groups"].extend(
+            {**group, "params": [name_of[number] for number in group["params"]]}
+            for group in stored["param_groups"])
     return state, optimizer_state
 
 
@@ -154,7 +194,76 @@ def model_state_dict(model: nn.Module, *, options: StateDictOptions | None = Non
         own = _state_under_own_names(model, _renamers())
         if own is not None:
             return own
+        hooked = hooked_state(model)
+        if hooked is not None:
+            return hooked
     return get_model_state_dict(model, options=options)
+
+
+def hooked_state(model: nn.Module) -> dict[str, Any] | None:
+    """The model's own state dict where a state-dict hook made keys DCP cannot name, or None.
+
+    DCP's ``get_state_dict`` / ``get_model_state_dict`` look each key of
+    ``model.state_dict()`` up as an attribute path of the module tree, to rename it; a key
+    a hook made (``wq.weight`` of a module whose parameter is ``wqkv.weight``, a tensor a
+    hook adds) is no attribute, and DCP raises ``AttributeError``. For such a model the
+    checkpoint holds the state dict as the model makes it: the module inside any DDP or
+    ``torch.compile`` wrapper (whose names DCP strips, so its own keys are the canonical
+    ones), its ``state_dict()`` under ``no_grad``, without meta tensors. With FSDP2 the
+    values are what the hooks return (torchtitan's gathers its fused parameter to a
+    replicated ``DTensor``; DCP saves one copy of it).
+
+    Returns:
+        That state, or None: every key names a parameter, buffer or extra state (DCP's
+        rules stand), or a module inside the wrappers renames for DCP (FSDP1,
+        ``_fqn_modifiers``, a nested DDP: DCP decides, and raises if it cannot).
+    """
+    inner = _own_keys_root(model)
+    if inner is None:
+        return None
+    with torch.no_grad():
+        state = inner.state_dict()
+    if not state or not _hook_made(inner, state):
+        return None
+    for key in [key for key, value in state.items()
+                if isinstance(value, torch.Tensor) and value.is_meta]:
+        del state[key]
+    return state
+
+
+def _own_keys_root(model: nn.Module) -> nn.Module | None:
+    """The module inside DDP and ``torch.compile`` wrappers, if nothing in it renames for DCP."""
+    compiled = _compat.compiled_module_type()
+    inner = model
+    while True:
+        if isinstance(inner, DistributedDataParallel):
+            inner = inner.module
+        elif compiled is not None and isinstance(inner, compiled):
+            inner = _compat.compiled_inner_module(inner)
+        else:
+            break
+    if any(_is_wrapper(module, _renamers()) for module in inner.modules()):
+        return None
+    return inner
+
+
+def _hook_made(model: nn.Module, keys: Iterable[str]) -> bool:
+    """Whether a key names no parameter, buffer or extra state of ``model`` (a hook's own).
+
+    Names are compared without activation checkpointing's prefix, which its wrapper's own
+    hook strips from the state dict's keys.
+    """
+    known = {_without_checkpoint_prefix(name)
+             for name, _ in model.named_parameters(remove_duplicate=False)}
+    known.update(_without_checkpoint_prefix(name)
+                 for name, _ in model.named_buffers(remove_duplicate=False))
+    extra = _compat.extra_state_key_suffix()
+    return any(key not in known and key.rsplit(".", 1)[-1] != extra for key in keys)
+
+
+def _without_checkpoint_prefix(name: str) -> str:
+    """``name`` without activation checkpointing's wrapper atom (DCP's canonical name)."""
+    return name.replace(_compat.checkpoint_wrapper_prefix(), "")
 
 
 def _renamers() -> tuple[type, ...]:
@@ -250,7 +359,7 @@ def _loads_by_itself(model: nn.Module) -> bool:
 
 def apply_model_and_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     state: Mapping[str, Any],
     *,
     options: StateDictOptions | None = None,
@@ -262,7 +371,7 @@ def apply_model_and_optimizer_state(
 
     Args:
         model: The module to load into.
-        optimizer: Its optimizer, or ``None`` to load the model alone.
+        optimizer: Its optimizer (or tuple of them), or ``None`` to load the model alone.
         state: ``{"model": ..., "optimizer": ...}``.
         options: The ``StateDictOptions`` the state was captured with.
 
@@ -289,6 +398,16 @@ def apply_model_and_optimizer_state(
     if differences:
         raise _incompatible("the state to apply", differences)
     strict = options if options is not None else StateDictOptions(strict=True)
+    inner = _own_keys_root(model) if options is None else None
+    if inner is not None and _hook_made(inner, expected["model"]):
+        # Keys a state-dict hook made (see hooked_state): the model's own load_state_dict,
+        # whose load hooks turn them back into its parameters.
+        with torch.no_grad():
+            inner.load_state_dict(dict(state["model"]), strict=True)
+        if optimizer is not None and not load_named_optimizer_state(
+                model, optimizer, state["optimizer"]):
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=strict)
+        return
     if (options is None and _loads_by_itself(model)
             and _same_memory(state["model"], expected["model"])):
         # The load wrote into the model's own tensors (the usual restore): copying each
@@ -307,7 +426,31 @@ def apply_model_and_optimizer_state(
     )
 
 
-def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_model_state(model: nn.Module, state: Mapping[str, Any], *, strict: bool,
+                     model_keys: Iterable[str]) -> None:
+    """DCP's ``set_model_state_dict(model, state)``, or the model's own load for hook keys.
+
+    Where the model's state dict has keys a state-dict hook made (``model_keys``, as
+    :func:`model_state_dict` returned them; see :func:`hooked_state`), DCP cannot name
+    them: ``state`` goes to the ``load_state_dict`` of the module inside any DDP or
+    ``torch.compile`` wrapper, so the model's load hooks turn it back into its
+    parameters. Anything else is DCP's.
+
+    Args:
+        model: The module to load into.
+        state: ``{canonical name: tensor}``, read into tensors like the model's.
+        strict: Every key of the model must be in ``state`` and no other.
+        model_keys: The keys of the model's own state (:func:`model_state_dict`).
+    """
+    inner = _own_keys_root(model)
+    if inner is not None and _hook_made(inner, model_keys):
+        with torch.no_grad():
+            inner.load_state_dict(dict(state), strict=strict)
+        return
+    set_model_state_dict(model, dict(state), options=StateDictOptions(strict=strict))
+
+
+def load_named_optimizer_state(model: nn.Module, optimizer: Optimizers,
                                state: Mapping[str, Any]) -> bool:
     """DCP's strict ``set_optimizer_state_dict``, without its walks, where it is the same.
 
@@ -324,7 +467,8 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
 
     Args:
         model: The module the optimizer updates.
-        optimizer: The optimizer to load into.
+        optimizer: The optimizer to load into, or a tuple of them (each takes the state
+            of its own parameters and the stored groups that hold them).
         state: ``{"state": {name: ...}, "param_groups": [...]}`` as :func:`named_state`
             (and DCP's ``get_optimizer_state_dict``) returns it.
 
@@ -341,21 +485,37 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
     if names is None:
         return False
     holders = _groups_holding(stored_groups)
+    plans: list[tuple[torch.optim.Optimizer, dict[str, Any]]] = []
+    for part in optimizer_parts(optimizer):
+        plan = _named_load(part, names, stored, stored_groups, holders)
+        if plan is None:
+            return False
+        plans.append((part, plan))
+    with torch.no_grad():
+        for part, plan in plans:
+            part.load_state_dict(plan)
+    return True
+
+
+def _named_load(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                stored: Mapping[str, Any], stored_groups: list[Mapping[str, Any]],
+                holders: Mapping[str, list[Mapping[str, Any]]]) -> dict[str, Any] | None:
+    """The state dict :func:`load_named_optimizer_state` hands ``optimizer``, or None."""
     loaded: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     index_of: dict[int, int] = {}  # id(stored group) -> the optimizer's group it fills
     for group in optimizer.param_groups:
         if not group["params"]:
-            return False
+            return None
         params: list[str] = []
         for param in group["params"]:
             name = names.get(id(param))
             if name is None:
-                return False
+                return None
             params.append(name)
             if param.requires_grad:
                 if name not in stored:
-                    return False
+                    return None
                 loaded[name] = stored[name]
             for stored_group in holders.get(name, ()):
                 index_of[id(stored_group)] = len(groups)
@@ -364,9 +524,7 @@ def load_named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimize
         if id(stored_group) in index_of:
             groups[index_of[id(stored_group)]].update(
                 (key, value) for key, value in stored_group.items() if key != "params")
-    with torch.no_grad():
-        optimizer.load_state_dict({"state": loaded, "param_groups": groups})
-    return True
+    return {"state": loaded, "param_groups": groups}
 
 
 def _groups_holding(groups: list[Mapping[str, Any]]) -> dict[str, list[Mapping[str, Any]]]:
@@ -423,7 +581,7 @@ def _same_memory(given: Mapping[str, Any], live: Mapping[str, Any]) -> bool:
 
 def preallocate_optimizer_state(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizers,
     directory: str | os.PathLike[str],
     *,
     storage_options: Mapping[str, Any] | None = None,
@@ -450,7 +608,8 @@ def preallocate_optimizer_state(
 
     Args:
         model: The module the optimizer updates.
-        optimizer: The optimizer; one that already has state is left as it is.
+        optimizer: The optimizer (or tuple of them); one that already has state is left
+            as it is.
         directory: The checkpoint's ``tensors/`` directory (local path or fsspec URL).
         storage_options: fsspec options for URLs.
 
@@ -461,7 +620,8 @@ def preallocate_optimizer_state(
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
         UnsafeCheckpointError: The metadata would execute code.
     """
-    if optimizer.state:
+    parts = optimizer_parts(optimizer)
+    if any(part.state for part in parts):
         return False
     reader = _make_reader(_directory_str(directory), storage_options)
     metadata = reader.read_metadata()
@@ -475,20 +635,22 @@ def preallocate_optimizer_state(
         stored.setdefault(str(path[2]), {})[str(path[3])] = entry
     names = {id(param): canonical_param_name(name)
              for name, param in model.named_parameters(remove_duplicate=False)}
-    plan: list[tuple[torch.Tensor, dict[str, TensorStorageMetadata]]] = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not param.requires_grad:
-                continue
-            entries = stored.get(names.get(id(param), ""))
-            if not entries or not all(
-                    tuple(entry.size) in ((), tuple(param.shape)) for entry in entries.values()):
-                return False
-            plan.append((param, entries))
+    plan: list[tuple[torch.optim.Optimizer, torch.Tensor,
+                     dict[str, TensorStorageMetadata]]] = []
+    for part in parts:
+        for group in part.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad:
+                    continue
+                entries = stored.get(names.get(id(param), ""))
+                if not entries or not all(tuple(entry.size) in ((), tuple(param.shape))
+                                          for entry in entries.values()):
+                    return False
+                plan.append((part, param, entries))
     if not plan:
         return False
-    for param, entries in plan:
-        optimizer.state[param] = {
+    for part, param, entries in plan:
+        part.state[param] = {
             name: (torch.zeros((), dtype=entry.properties.dtype) if tuple(entry.size) == ()
                    else _zeros_like(param, entry.properties.dtype))
             for name, entry in entries.items()}
@@ -508,6 +670,22 @@ def _zeros_like(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
                                       param.device_mesh, param.placements, run_check=False,
                                       shape=param.shape, stride=param.stride())
         return torch.zeros_like(param, dtype=dtype, memory_format=torch.preserve_format)
+
+
+def without_param_names(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` (``{"model": ..., "optimizer": ...}``) whose optimizer groups lack ``param_names``.
+
+    The destination of a restore: a group's ``param_names`` is never read from a
+    checkpoint (see :data:`resumekit.tensors.fit.PARAM_NAMES`), so a checkpoint restores
+    into an optimizer built with names (torchtitan's) or without, whichever wrote it.
+    """
+    optimizer = state.get("optimizer")
+    if not isinstance(optimizer, Mapping) or not isinstance(
+            optimizer.get("param_groups"), list):
+        return dict(state)
+    groups = [{key: value for key, value in group.items() if key != _PARAM_NAMES}
+              if isinstance(group, Mapping) else group for group in optimizer["param_groups"]]
+    return {**state, "optimizer": {**optimizer, "param_groups": groups}}
 
 
 def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:

@@ -132,6 +132,9 @@ class _Source:
     scheduler: dict[str, Any] | None = None
     step: int | None = None
     not_carried: list[str] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+    """JSON data the source holds that resumekit keeps as ``extras`` (torchtitan's
+    ``train_state`` beyond its step); the caller's ``extras`` win over it."""
     lightning: dict[str, Any] | None = None
     """A Lightning ``.ckpt``'s dict without its weights and optimizer states: kept as
     ``lightning.ckpt`` so that ``ResumekitCheckpointIO`` resumes the run (loops,
@@ -208,13 +211,15 @@ def import_checkpoint(
     final_step = _final_step(source.step, step, parent.path(name), form)
     carried = ["model"] + (["optimizer"] if source.optimizer is not None else []) + (
         ["scheduler"] if source.scheduler is not None else []) + (
-        ["step"] if source.step is not None and step is None else [])
+        ["step"] if source.step is not None and step is None else []) + (
+        [f"extras {sorted(source.extras)}"] if source.extras else [])
     not_carried = [*source.not_carried, "RNG streams", "data position"]
     if source.scheduler is None:
         not_carried.append("LR scheduler")
     committed = _write(
         Storage(os.fspath(root), options), NameFormat(name_format), source, final_step,
-        imported_from={"path": given, "format": form}, config=config, extras=extras,
+        imported_from={"path": given, "format": form}, config=config,
+        extras={**source.extras, **dict(extras or {})},
     )
     message = (
         f"imported {form} checkpoint {given} as step {final_step} ({committed}): carried "
@@ -516,7 +521,18 @@ def _map_optimizer(optimizer: Mapping[str, Any], model_state: Mapping[str, Any],
 
 
 def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
-    """Plain ``dcp.save`` or torchtitan ``step-N``: model at ``model`` or the top level."""
+    """Plain ``dcp.save`` or torchtitan ``step-N``: model at ``model`` or the top level.
+
+    torchtitan's checkpointer writes the model's own state-dict keys at the top level (a
+    fused ``wqkv`` saved as ``wq/wk/wv`` by its hooks), ``optimizer`` in its containers'
+    flat form keyed by parameter name (``state.<name>.<entry>``, ``param_groups.<name>.
+    <hyperparameter>``: the fused parameter's own name), ``lr_scheduler``
+    (``{"last_epoch": N}``, what its ``LRSchedulersContainer`` loads), ``train_state``
+    (``step``, ``ntokens_seen``) and ``dataloader``. The scheduler entry becomes the
+    checkpoint's scheduler state, ``train_state``'s step the step (checked against the
+    directory's) and its other entries ``extras["train_state"]``; the data loader's
+    state (per-rank pickles of torchtitan's loader) is not carried.
+    """
     where = storage.path(name)
     full = sharded.read_full_state(storage.url_of(name), storage.storage_options or None)
     if isinstance(full.get("model"), Mapping):
@@ -533,14 +549,57 @@ def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
         raw = dict(full[key])
         if _STATE not in raw and any(k.startswith((f"{_STATE}.", f"{_GROUPS}."))
                                      for k in raw):
-            raw = _unflatten_optimizer(raw, list(weights), where=where)
+            raw = _unflatten_optimizer(raw, _flat_parameter_names(raw) or list(weights),
+                                       where=where)
         optimizer = _map_optimizer(raw, weights, model=model, ordered=True, where=where) \
             if _by_index(raw) else raw
     found = detect_foreign(storage, name)
+    step = None if found is None else found.step
+    scheduler, step, extras = _torchtitan_progress(full, step, where=where)
+    carried = {key, "lr_scheduler" if scheduler is not None else None,
+               "train_state" if "train_state" in full else None}
     not_carried = [f"the {k!r} entry" for k in sorted(full)
-                   if k in NOT_MODEL_KEYS and k != key]
-    return _Source(weights, optimizer, None, None if found is None else found.step,
-                   not_carried)
+                   if k in NOT_MODEL_KEYS and k not in carried]
+    return _Source(weights, optimizer, scheduler, step, not_carried, extras=extras)
+
+
+def _flat_parameter_names(flat: Mapping[str, Any]) -> list[str]:
+    """The parameter names of a flat optimizer state, in the order its groups list them.
+
+    Each ``param_groups.<name>.<hyperparameter>`` key ends in one hyperparameter (a Python
+    name, no dot), so what lies between is exactly a parameter's name, whatever the
+    model's state dict calls its tensors (a fused parameter torchtitan saves split).
+    """
+    names: dict[str, None] = {}
+    for key in flat:
+        kind, _, rest = key.partition(".")
+        if kind == _GROUPS and "." in rest:
+            names.setdefault(rest.rsplit(".", 1)[0])
+    return list(names)
+
+
+def _torchtitan_progress(full: Mapping[str, Any], step: int | None, *, where: str
+                         ) -> tuple[dict[str, Any] | None, int | None, dict[str, Any]]:
+    """The ``lr_scheduler`` and ``train_state`` torchtitan writes: (scheduler, step, extras)."""
+    scheduler = full.get("lr_scheduler")
+    scheduler = dict(scheduler) if isinstance(scheduler, Mapping) and scheduler else None
+    train = full.get("train_state")
+    if not isinstance(train, Mapping):
+        return scheduler, step, {}
+    recorded = train.get("step")
+    if isinstance(recorded, int) and not isinstance(recorded, bool):
+        if step is not None and recorded != step:
+            raise CorruptCheckpointError(
+                f"{where}: its train_state records step {recorded}, its name step {step}",
+                path=where, key="train_state.step")
+        step = recorded
+    rest = {k: (v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v)
+            for k, v in train.items() if k != "step"}
+    try:
+        extras = {"train_state": json.loads(json.dumps(rest))} if rest else {}
+    except (TypeError, ValueError):
+        extras = {}
+    return scheduler, step, extras
 
 
 def _unflatten_optimizer(flat: Mapping[str, Any], names: Sequence[str], *, where: str
@@ -633,7 +692,7 @@ def _from_lightning(storage: Storage, name: str, model: nn.Module | None) -> _So
             ("state_dict", "optimizer_states")}
     return _Source(weights, optimizer, schedulers[0] if schedulers else None,
                    None if step is None else checked_step(step, source=where, key="global_step"),
-                   not_carried, rest)
+                   not_carried, lightning=rest)
 
 
 def _from_hf_trainer(storage: Storage, name: str, model: nn.Module | None) -> _Source:

@@ -20,11 +20,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
 from resumekit.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from resumekit.restore.verification import verify_share
@@ -154,7 +149,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
     recorded = source.manifest.state.get("tied")
     tied: dict[str, str] = {str(k): str(v) for k, v in recorded.items()} \
         if isinstance(recorded, dict) else {}
-    full = get_model_state_dict(model)
+    full = state_dicts.model_state_dict(model)
     target = state_dicts.untie({"model": full}, tied)
     skipped: list[str] = []
     if not strict:
@@ -180,7 +175,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
         _load_model_part(target, source, process_group, storage_options, verify,
                          allow_more=True, read_once=read_once)
         loaded = state_dicts.retie(target, {a: k for a, k in tied.items() if k in fits})
-        set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
+        state_dicts.load_model_state(model, loaded["model"], strict=False, model_keys=full)
         return skipped
     try:
         _load_model_part(target, source, process_group, storage_options, verify,
@@ -190,8 +185,8 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
             f"the weights of {source.path} (step {source.step}) do not fit the model "
             f"(nothing was loaded; pass strict=False to load what fits): {error}",
             path=source.path, differences=getattr(error, "differences", None)) from error
-    set_model_state_dict(model, state_dicts.retie(target, tied)["model"],
-                         options=StateDictOptions(strict=True))
+    state_dicts.load_model_state(model, state_dicts.retie(target, tied)["model"],
+                                 strict=True, model_keys=full)
     return skipped
 
 

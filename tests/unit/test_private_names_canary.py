@@ -235,6 +235,23 @@ def test_torch_compile_wraps_a_module_in_the_class_dcp_strips_orig_mod_for() -> 
     assert list(get_model_state_dict(compiled)) == names
 
 
+def test_a_compiled_modules_wrapped_module_is_the_one_compat_hands_out() -> None:
+    inner = _Pair()
+    assert _compat.compiled_inner_module(torch.compile(inner)) is inner
+
+
+def test_a_modules_extra_state_is_saved_under_the_suffix_compat_names() -> None:
+    class WithExtra(nn.Module):
+        def get_extra_state(self) -> object:
+            return {"kind": "extra"}
+
+        def set_extra_state(self, state: object) -> None:
+            pass
+
+    model = nn.Sequential(WithExtra())
+    assert list(model.state_dict()) == [f"0.{_compat.extra_state_key_suffix()}"]
+
+
 def test_fsdp2_puts_its_load_post_hook_on_a_method_of_the_class_compat_names() -> None:
     fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
     assert f"{fsdp_param.FSDPParam.__qualname__}." == _compat.FSDP2_LOAD_HOOK_OWNER
