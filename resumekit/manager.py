@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from resumekit import saving
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
@@ -162,7 +163,9 @@ class CheckpointManager:
         preemption: A :class:`~resumekit.runtime.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
-            already is.
+            already is. A ``DataLoader`` passed as ``data`` is made to start worker
+            processes that ignore the handler's signals (its own ``worker_init_fn`` still
+            runs, after): see :func:`~resumekit.runtime.preemption.protect_loader_workers`.
         process_group: Group for checkpoint coordination (default: the checkpoint group
             of :func:`~resumekit.init_distributed`, else a new gloo group).
         options: How it saves and restores (:class:`~resumekit.options.CheckpointOptions`:
@@ -240,11 +243,7 @@ class CheckpointManager:
         self.fallback = options.fallback
         self.verify_on_restore = options.verify_on_restore
         self.preemption = preemption
-        # The manager installs a handler it is given (and removes it on close) unless the
-        # caller already installed it.
-        self._installed_preemption = preemption is not None and not preemption.installed
-        if preemption is not None and self._installed_preemption:
-            preemption.install()
+        self._installed_preemption = self._take_preemption(preemption, data)
         self.import_legacy, self.foreign = options.import_legacy, options.foreign
         self.resumed_from: int | None = None
         self.initialized_from: weights.WeightsSource | None = None
@@ -297,6 +296,23 @@ class CheckpointManager:
         if preemption is not None and not self.read_only and model is not None:
             self._start_emergency(preemption, optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
+
+    @staticmethod
+    def _take_preemption(preemption: PreemptionHandler | None, data: object) -> bool:
+        """Install the handler unless the caller did (True: the manager removes it on close).
+
+        A ``DataLoader`` given as ``data`` has its workers protected: torchrun's agent
+        signals process groups and SLURM every process of the step, and a worker that dies
+        of the signal takes the loader, and the emergency save, with it.
+        """
+        if preemption is None:
+            return False
+        installed_here = not preemption.installed
+        if installed_here:
+            preemption.install()
+        if isinstance(data, DataLoader):
+            preemption.protect_loader(data)
+        return installed_here
 
     # -- process groups -----------------------------------------------------------------
     @property

@@ -52,9 +52,11 @@ __all__ = [
     "EXIT_CODE_PREEMPTED",
     "SAVE_TIME_MARGIN",
     "EmergencySaveSkippedWarning",
+    "IgnoreSignalsInWorkers",
     "PreemptionHandler",
     "SignalRecord",
     "as_signal",
+    "protect_loader_workers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -153,6 +155,80 @@ def as_signal(value: signal.Signals | int | str) -> signal.Signals:
         raise ConfigurationError(
             f"signals: {value!r} is not a signal number", name="signals", value=value
         ) from None
+
+
+class IgnoreSignalsInWorkers:
+    """A ``DataLoader`` ``worker_init_fn``: ignore the preemption signals, then the user's.
+
+    torch's DataLoader worker installs a SIGTERM handler of its own that ends the worker,
+    and SIGUSR1 ends any process without a handler. A scheduler or torchrun's agent
+    signals every process of the job (its process group, its cgroup), workers included:
+    a dead worker makes the next ``next(loader)`` raise ``DataLoader worker (pid ...) is
+    killed by signal`` before the ranks can agree on a step and save. The workers need not
+    hear the signal: the main process decides, and ends them when it exits.
+
+    Picklable (a loader with the ``spawn`` or ``forkserver`` start method pickles its
+    ``worker_init_fn``) as long as ``then`` is.
+
+    Args:
+        signals: The signals the workers ignore (a handler's ``signals``).
+        then: The loader's own ``worker_init_fn``, called after, with the worker id.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals | int | str],
+                 then: Callable[[int], None] | None = None) -> None:
+        self.signals: tuple[int, ...] = tuple(dict.fromkeys(
+            int(as_signal(item)) for item in signals))
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        """In worker ``worker_id``: ignore the signals, then run the loader's own function."""
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+    def __repr__(self) -> str:
+        names = "/".join(signal.Signals(sig).name for sig in self.signals)
+        return f"IgnoreSignalsInWorkers({names}, then={self.then!r})"
+
+
+def protect_loader_workers(loader: Any,
+                           signals: Iterable[signal.Signals | int | str] = DEFAULT_SIGNALS,
+                           ) -> Any:
+    """Make the worker processes ``loader`` starts from now on ignore ``signals``.
+
+    Sets ``loader.worker_init_fn`` to an ``IgnoreSignalsInWorkers`` (picklable) that calls the
+    loader's own ``worker_init_fn`` after (protecting a loader twice keeps one wrapper,
+    with both calls' signals). Workers read it when they start - at ``iter(loader)``, once
+    for ``persistent_workers=True`` - so call it before the first ``iter(loader)``.
+    ``CheckpointManager(data=loader, preemption=...)`` does this for its loader; call it
+    for the others (a validation loader, ``data=sampler``).
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` (or any object with a
+            ``worker_init_fn`` attribute: torchdata's ``StatefulDataLoader``).
+        signals: What the workers ignore (default: :data:`DEFAULT_SIGNALS`; pass a
+            handler's ``signals``).
+
+    Returns:
+        ``loader``.
+
+    Raises:
+        ConfigurationError: ``loader`` has no ``worker_init_fn``, or a signal is unknown.
+    """
+    if not hasattr(loader, "worker_init_fn"):
+        raise ConfigurationError(
+            f"{type(loader).__name__} has no worker_init_fn: pass the DataLoader whose "
+            "worker processes must ignore the preemption signals", name="loader",
+            value=type(loader).__name__)
+    current = loader.worker_init_fn
+    wanted = list(signals)
+    if isinstance(current, IgnoreSignalsInWorkers):
+        wanted = [*current.signals, *wanted]
+        current = current.then
+    loader.worker_init_fn = IgnoreSignalsInWorkers(wanted, current)
+    return loader
 
 
 class PreemptionHandler:
@@ -374,6 +450,17 @@ class PreemptionHandler:
     def agreed_step(self) -> int | None:
         """The step at which the ranks agreed to stop, or None."""
         return self._agreed_step
+
+    def protect_loader(self, loader: Any) -> Any:
+        """Make ``loader``'s worker processes ignore this handler's signals.
+
+        ``protect_loader_workers`` with :attr:`signals`; ``CheckpointManager`` calls it
+        for its ``data=`` loader.
+
+        Returns:
+            ``loader``.
+        """
+        return protect_loader_workers(loader, self.signals)
 
     def request(self) -> None:
         """Ask for a stop from code (a stop file, a health check); it votes like a signal."""

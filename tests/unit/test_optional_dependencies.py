@@ -32,6 +32,7 @@ from torch import nn
 
 from resumekit._optional import EXTRAS, install_command, missing, require
 from resumekit.errors import ConfigurationError, MissingDependencyError, ResumekitError
+from tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -74,7 +75,7 @@ def _without(names: str, code: str) -> subprocess.CompletedProcess[str]:
         sys.meta_path.insert(0, _Refuse())
     """)
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
+                          capture_output=True, text=True, timeout=HANG_S, check=False, cwd=ROOT)
 
 
 # --------------------------------------------------------------------------- the helper
