@@ -294,7 +294,7 @@ class CheckpointManager:
         self._emergency_channel = self._main
         self._emergency_cuda = False
         if preemption is not None and not self.read_only and model is not None:
-            self._start_emergency(preemption, optimizer)
+            self._start_emergency(preemption, self.state.optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
 
     @staticmethod
@@ -721,7 +721,7 @@ class CheckpointManager:
 
     # -- the emergency capture (resumekit.background.emergency) ---------------------------
     def _start_emergency(self, preemption: PreemptionHandler,
-                         optimizer: torch.optim.Optimizer | None) -> None:
+                         optimizer: state_dicts.Optimizers | None) -> None:
         """Start the capture thread (and, with several ranks, its own gloo group)."""
         if self._distributed:
             self._emergency_channel = open_channel(self.storage, self.name_format,
@@ -747,7 +747,8 @@ class CheckpointManager:
             return
         optimizer = self.state.optimizer
         if not capture.has_template:
-            if optimizer is not None and not optimizer.state:
+            if optimizer is not None and not all(
+                    part.state for part in state_dicts.optimizer_parts(optimizer)):
                 return  # building its state would take an optimizer step
             self._set_template(self.state.tensor_state())
         event = None

@@ -44,6 +44,7 @@ import torch
 
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.tensors.staging import CpuStager
+from resumekit.tensors.state_dicts import Optimizers, optimizer_parts
 
 __all__ = ["Boundary", "Capture", "EmergencyCapture", "RoundOutcome"]
 
@@ -120,7 +121,8 @@ class EmergencyCapture:
         write: Writes and commits a capture (on the capture thread); may raise.
     """
 
-    def __init__(self, handler: PreemptionHandler, *, optimizer: torch.optim.Optimizer | None,
+    def __init__(self, handler: PreemptionHandler, *,
+                 optimizer: Optimizers | None,
                  stager: Callable[[], CpuStager], before_copy: Callable[[], None],
                  agree: Callable[[Capture | None], tuple[int | None, str]],
                  write: Callable[[Capture], None]) -> None:
@@ -139,8 +141,8 @@ class EmergencyCapture:
         self._capturing = False  # a signal's round is in its copy phase
         self._signal_read, self._signal_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._control_read, self._control_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._hook = None if optimizer is None else optimizer.register_step_pre_hook(
-            self._hold)
+        self._hooks = [part.register_step_pre_hook(self._hold)
+                       for part in _optimizer_parts(optimizer)]
         self._side_stream: Any = None
         handler.add_wakeup(self._signal_write)
         self._thread = threading.Thread(target=self._main, name="resumekit-emergency",
@@ -219,8 +221,9 @@ class EmergencyCapture:
             self._cond.notify_all()
         _poke(self._control_write)
         self._thread.join()
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         for fd in (self._signal_read, self._signal_write, self._control_read,
                    self._control_write):
             with contextlib.suppress(OSError):
@@ -341,12 +344,18 @@ class EmergencyCapture:
         return staged
 
 
-def optimizer_groups(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
-    """The optimizer's hyperparameters per group (``params`` left out), copied."""
-    if optimizer is None:
-        return []
+def _optimizer_parts(optimizer: Optimizers | None) -> tuple[torch.optim.Optimizer, ...]:
+    return () if optimizer is None else optimizer_parts(optimizer)
+
+
+def optimizer_groups(optimizer: Optimizers | None) -> list[dict[str, Any]]:
+    """The hyperparameters per group (``params`` left out), copied.
+
+    Several optimizers' groups come one after the other, as their merged state dict lists
+    them.
+    """
     return [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
-            for group in optimizer.param_groups]
+            for part in _optimizer_parts(optimizer) for group in part.param_groups]
 
 
 def _first_signal(handler: PreemptionHandler) -> float:

@@ -207,3 +207,46 @@ def test_a_signal_while_a_background_save_is_in_flight_lets_it_commit_first(
     assert steps == [2, 3, 4]
     assert [entry.manifest.reason for entry in ckpt.checkpoints()
             if entry.manifest is not None] == ["interval", "preemption", "preemption"]
+
+
+def test_a_signal_commits_the_last_completed_step_of_every_optimizer_in_a_list(
+    tmp_path: Path,
+) -> None:
+    def build() -> tuple[nn.Module, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+        return model, [torch.optim.AdamW(model[0].parameters(), lr=0.1),
+                       torch.optim.SGD(model[2].parameters(), lr=0.05, momentum=0.9)]
+
+    def train(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        for part in optimizers:
+            part.zero_grad()
+        model(torch.randn(4, 32)).square().mean().backward()
+        for part in optimizers:
+            part.step()
+
+    model, optimizers = build()
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizers, preemption=handler,
+                             save_every=100)
+    assert ckpt.restore() == 0
+    for step in (1, 2):
+        train(model, optimizers)
+        assert not ckpt.step_end(step)
+    at_two = [{key: value.clone() for key, value in part.state_dict()["state"][0].items()
+               if isinstance(value, torch.Tensor)} for part in optimizers]
+    os.kill(os.getpid(), signal.SIGUSR1)  # during step 3
+    train(model, optimizers)  # each optimizer's step() waits for the copy of step 2
+    assert ckpt._emergency is not None
+    outcome = ckpt._emergency.settle()
+    assert outcome is not None and outcome.committed == 2
+    ckpt.close()
+    fresh, fresh_optimizers = build()
+    reader = CheckpointManager(tmp_path, model=fresh, optimizer=fresh_optimizers,
+                               read_only=True)
+    assert reader.restore(2) == 2
+    reader.close()
+    for saved, part in zip(at_two, fresh_optimizers, strict=True):
+        restored = part.state_dict()["state"][0]
+        for key, value in saved.items():
+            assert torch.equal(restored[key], value), key  # step 2's, not step 3's
