@@ -21,12 +21,14 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit.background import EmergencyCapture
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.tensors import sharded
 from resumekit.tensors.staging import CpuStager
+from tests.limits import HANG_S
 
-LIMIT_S = 60.0
+LIMIT_S = HANG_S  # a hang detector (tests/limits.py), never a timing
 
 
 @pytest.fixture(autouse=True)
@@ -101,6 +103,16 @@ def test_the_optimizer_step_after_a_signal_waits_for_the_copy_of_the_last_step(
         return original(self, state, **kwargs)
 
     monkeypatch.setattr(CpuStager, "stage", held)
+    # The step either reaches the hold (the hook works) or, if nothing holds it, finishes
+    # and changes the weights before the copy is released: no wait on the clock decides.
+    reached = threading.Event()
+    hold = EmergencyCapture._hold
+
+    def noted_hold(self: EmergencyCapture, *args: Any) -> None:
+        reached.set()
+        hold(self, *args)
+
+    monkeypatch.setattr(EmergencyCapture, "_hold", noted_hold)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler)
@@ -110,9 +122,10 @@ def test_the_optimizer_step_after_a_signal_waits_for_the_copy_of_the_last_step(
     at_one = _snapshot(model)
     os.kill(os.getpid(), signal.SIGUSR1)
     assert copying.wait(LIMIT_S)  # the capture thread has the state of step 1 ...
-    stepping = threading.Thread(target=_train, args=(model, optimizer))
+    reached.clear()
+    stepping = threading.Thread(target=lambda: (_train(model, optimizer), reached.set()))
     stepping.start()  # ... and this optimizer.step() must wait for its copy
-    stepping.join(timeout=2.0)  # bounded wait: whether it ran or waits, the copy decides
+    assert reached.wait(LIMIT_S)  # in the hold, or (no hold) already stepped
     release.set()
     stepping.join()
     assert ckpt._emergency is not None

@@ -21,6 +21,7 @@ from resumekit.store.local_roots import unusable_reason
 from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S
 from tests.unit.test_cli_support import run_cli, run_json
 
 
@@ -342,7 +343,7 @@ def test_a_local_save_holds_training_for_its_staging_copy_only(
 
     def held_write(self: LocalSite, job: object, manifest: object) -> str:
         writing.append(job.step)  # type: ignore[attr-defined]
-        assert release.wait(timeout=60), "the test never released the write"
+        assert release.wait(timeout=HANG_S), "the test never released the write"
         return real(self, job, manifest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(LocalSite, "_write", held_write)
