@@ -11,7 +11,8 @@ TORCH_PIN ?= torch==2.13.0
 LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
-.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-world gpu-check \
+.PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-goodput \
+	bench-world gpu-check \
 	gpu-wheels clean test-torch test-matrix
 
 $(PY):
@@ -21,6 +22,8 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml $(LOCK)
 	$(PIP) install -q "$(TORCH_PIN)"
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs]" -c $(LOCK)
+	@# torchtitan's model classes for the tests, without torchtitan's own requirements
+	$(PIP) install -q --no-deps -c $(LOCK) $$($(PYTHON) scripts/dev_lock.py no-deps)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -136,6 +139,12 @@ bench-scale: $(STAMP)
 bench-world: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	$(PY) -m benchmarks.world $(BENCH_WORLD_ARGS)
+
+# The goodput of the incident's week, modelled per method from the scale bench's measured
+# figures (benchmarks/results/scale.json, latest.json); writes benchmarks/results/goodput.json
+# and goodput.png. A model, not a run: ~2 minutes of CPU, no device.
+bench-goodput: $(STAMP)
+	$(PY) -m benchmarks.goodput_model $(BENCH_GOODPUT_ARGS)
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU
 # mode; add GPU_CHECK_ARGS=--require-cuda to fail instead. On a bare GPU machine without this

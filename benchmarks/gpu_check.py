@@ -236,6 +236,8 @@ def _worker(args: argparse.Namespace) -> int:
     run("async_save_d2h", lambda: _check_async_save(state, sizes, scratch), needs=("ctx",))
     run("restore_cuda_dtensor", lambda: _check_restore(state, sizes, scratch),
         needs=("ctx",))
+    run("emergency_capture_d2h", lambda: _check_emergency(state, sizes, scratch),
+        needs=("ctx",))
     if cuda and world == 1:
         run("scale_d2h_staging", lambda: _check_scale(state, scratch, "thread"),
             needs=("ctx",))
@@ -670,6 +672,68 @@ def _check_sync_save(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
            "no file went through the aligned bounce buffer (device tensors are copied "
            "to unaligned host memory, so one must)")
     return figures
+
+
+def _check_emergency(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dict[str, Any]:
+    """A signal mid-step: the last completed step copied (CUDA: its own stream, pinned) and
+    committed before the step in progress ends; the optimizer step after it waited."""
+    import os
+    import signal
+
+    import torch
+
+    from resumekit.manager import CheckpointManager
+    from resumekit.runtime.preemption import PreemptionHandler
+
+    ctx = state["ctx"]
+    device = ctx.device
+    root = _shared_dir(state, scratch, "emergency")
+    model, optimizer = _build(sizes, device, bf16=False, seed=3)
+    handler = PreemptionHandler(signals=("SIGUSR2",), grace_period=600, poll_every=1,
+                                overlap=False)
+    manager = CheckpointManager(root, model=model, optimizer=optimizer, preemption=handler,
+                                save_every=1000, retention=None)
+    try:
+        manager.restore()
+        _train_step(model, optimizer, sizes, device, seed=11)
+        manager.step_end(1)
+        _synchronize(device)
+        snap = _snapshot(model, optimizer)
+        started = time.perf_counter()
+        os.kill(os.getpid(), signal.SIGUSR2)  # every rank: the step in progress is 2
+        _train_step(model, optimizer, sizes, device, seed=12)  # its optimizer.step waits
+        capture = manager._emergency
+        expect(capture is not None, "no emergency capture with a preemption handler")
+        outcome = capture.settle()
+        seconds = time.perf_counter() - started
+        expect(outcome is not None and outcome.committed == 1,
+               f"the signal's copy of step 1 was not committed: {outcome}")
+        cuda = device.type == "cuda"
+        stager = manager._stager
+        if cuda:
+            expect(capture._side_stream is not None,
+                   "the device-to-host copy did not run on a stream of its own")
+            expect(stager is not None and all(buffer.is_pinned() for buffer
+                                              in stager._buffers.values()),
+                   "the emergency staging buffers are not pinned")
+        stopped = manager.step_end(2)
+        expect(stopped, "the agreed preemption did not stop the run")
+    finally:
+        manager.close()
+        handler.uninstall()
+    model2, optimizer2 = _build(sizes, device, bf16=False, seed=4)
+    reader = CheckpointManager(root, model=model2, optimizer=optimizer2, read_only=True)
+    try:
+        expect(reader.restore(1) == 1, "step 1 is not restorable")
+        back = _snapshot(model2, optimizer2)
+    finally:
+        reader.close()
+    for path, value in snap.items():
+        if isinstance(value, torch.Tensor) and path[0] == "model":
+            expect(torch.equal(back[path], value),
+                   f"{'/'.join(path)}: the emergency copy is not step 1's (the optimizer "
+                   "step after the signal did not wait for the copy)")
+    return {"signal_to_commit_s": seconds, "side_stream": device.type == "cuda"}
 
 
 def _check_async_save(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dict[str, Any]:

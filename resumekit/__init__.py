@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         EXIT_CODE_PREEMPTED,
         EmergencySaveSkippedWarning,
         PreemptionHandler,
+        protect_loader_workers,
     )
     from resumekit.runtime.requeue import REQUEUE_SIGNALS, requeue_after_signal, requeue_slurm_job
     from resumekit.runtime.save_clock import CommitClock, SaveEstimate
@@ -167,6 +168,7 @@ _EXPORTS: dict[str, str] = {
     "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
     "PreemptionHandler": "resumekit.runtime.preemption",
+    "protect_loader_workers": "resumekit.runtime.preemption",
     "EmergencySaveSkippedWarning": "resumekit.runtime.preemption",
     "REQUEUE_SIGNALS": "resumekit.runtime.requeue",
     "ResumableDistributedSampler": "resumekit.state.sampler",
@@ -274,6 +276,7 @@ __all__ = [
     "latest_committed",
     "list_checkpoints",
     "meet",
+    "protect_loader_workers",
     "prune",
     "read_manifest",
     "requeue_after_signal",

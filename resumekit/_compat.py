@@ -195,6 +195,20 @@ def lightning_combined_loader(fit_loop: Any) -> Any | None:
     return getattr(fit_loop, "_combined_loader", None)
 
 
+def lightning_train_source(fit_loop: Any) -> Any | None:
+    """The fit loop's train data source (``dataloader()`` makes the loaders); None if moved.
+
+    Args:
+        fit_loop: ``trainer.fit_loop``.
+    """
+    # Lightning 2.x asks this _DataLoaderSource for the train loaders (a LightningModule's
+    # or DataModule's train_dataloader(), or the loaders given to fit()) and iterates them
+    # at once, before any callback hook sees them. If it moves: the callback cannot make the
+    # train loaders' workers ignore the preemption signals (it warns).
+    source = getattr(fit_loop, "_data_source", None)
+    return source if callable(getattr(source, "dataloader", None)) else None
+
+
 def lightning_data_fetcher(fit_loop: Any) -> Any | None:
     """The fit loop's data fetcher (its ``length`` counts the epoch); None if it moved.
 

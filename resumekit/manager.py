@@ -40,9 +40,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader
 
 from resumekit import saving
-from resumekit.background import BackgroundSave, WriterProcess
+from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
+from resumekit.background.emergency import optimizer_groups
 from resumekit.errors import (
     ConfigurationError,
     ResumekitError,
@@ -59,8 +61,13 @@ from resumekit.options import (
 from resumekit.restoring import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
-from resumekit.runtime.preemption import PreemptionHandler
+from resumekit.runtime.preemption import SAVE_TIME_MARGIN, PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
+from resumekit.runtime.save_interval import (
+    INTERRUPTIONS_EVERY_PRIOR,
+    AutoSaveEvery,
+    history_interruptions,
+)
 from resumekit.saving import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import (
@@ -90,12 +97,14 @@ from resumekit.store.local_roots import check_local_root
 from resumekit.store.manifest import (
     FileEntry,
     Manifest,
+    SaveInterval,
     SaveReason,
     SaveThroughput,
 )
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors.raw.files import restore_lowered_priorities
 from resumekit.tiers.local import LocalJob, LocalSite
 from resumekit.tiers.restore import TierRestore
 from resumekit.tools import weights
@@ -154,7 +163,9 @@ class CheckpointManager:
         preemption: A :class:`~resumekit.runtime.preemption.PreemptionHandler`; when all ranks
             agree a signal arrived, :meth:`step_end` writes a ``preemption`` checkpoint
             and returns True. Installed here (and removed by :meth:`close`) unless it
-            already is.
+            already is. A ``DataLoader`` passed as ``data`` is made to start worker
+            processes that ignore the handler's signals (its own ``worker_init_fn`` still
+            runs, after): see :func:`~resumekit.runtime.preemption.protect_loader_workers`.
         process_group: Group for checkpoint coordination (default: the checkpoint group
             of :func:`~resumekit.init_distributed`, else a new gloo group).
         options: How it saves and restores (:class:`~resumekit.options.CheckpointOptions`:
@@ -221,7 +232,8 @@ class CheckpointManager:
                                 scheduler=scheduler,
                                 data=data, generators=dict(generators or {}))
         self.extras: MutableMapping[str, Any] = jsonable.live_extras(extras)
-        self.save_every = options.save_every
+        self.save_every, self.interruptions_every = (options.save_every,
+                                                     options.interruptions_every)
         self.retention = options.retention
         self.async_save = options.async_save
         self.async_writer = options.async_writer
@@ -231,25 +243,24 @@ class CheckpointManager:
         self.fallback = options.fallback
         self.verify_on_restore = options.verify_on_restore
         self.preemption = preemption
-        # The manager installs a handler it is given (and removes it on close) unless the
-        # caller already installed it.
-        self._installed_preemption = preemption is not None and not preemption.installed
-        if preemption is not None and self._installed_preemption:
-            preemption.install()
-        self.import_legacy = options.import_legacy
-        self.foreign = options.foreign
+        self._installed_preemption = self._take_preemption(preemption, data)
+        self.import_legacy, self.foreign = options.import_legacy, options.foreign
         self.resumed_from: int | None = None
         self.initialized_from: weights.WeightsSource | None = None
         self.last_saved_step: int | None = None
         self._resume_guard = self._final_step = None
         self._clock = CommitClock()  # the inputs of the emergency-save decision
+        # save_every="auto" (and LocalTier(save_every="auto")): else None
+        self._auto_every, self._local_auto = self._start_auto_every()
         # The background save submitted and not yet waited for here: (step, when training
         # after its capture resumed).
         self._pending_async: tuple[int, float] | None = None
         self._newest_step: int | None = None
         # Closed yet; where retention after a save goes on into older step directories.
         self._closed, self._rolling_sweep = False, RollingSweep()
-        self._background = BackgroundSave()
+        # A save training waits for runs at normal priority (wait, finish, the next save,
+        # the agreed preemption, the emergency capture): its writers are raised.
+        self._background = BackgroundSave(boost=self._raise_writers)
         # async_writer="process": the writer process, started at the first background save
         # or when staging ahead; it maps the stager's shared segments.
         self._writer = (WriterProcess(lambda: [] if self._stager is None
@@ -271,8 +282,37 @@ class CheckpointManager:
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
+        # Local saves are staged on the training thread and written (and replicated) on
+        # a thread of their own, on a group of their own: a local save blocks training
+        # for its staging copy only (issue 38.2).
+        self._local_background, self._local_channel, self._local_stager = (
+            self._local_writer())
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
+        # At a preemption signal: the last completed step, copied and written at once
+        # (resumekit.background.emergency), on a group of its own.
+        self._emergency: EmergencyCapture | None = None
+        self._emergency_channel = self._main
+        self._emergency_cuda = False
+        if preemption is not None and not self.read_only and model is not None:
+            self._start_emergency(preemption, self.state.optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
+
+    @staticmethod
+    def _take_preemption(preemption: PreemptionHandler | None, data: object) -> bool:
+        """Install the handler unless the caller did (True: the manager removes it on close).
+
+        A ``DataLoader`` given as ``data`` has its workers protected: torchrun's agent
+        signals process groups and SLURM every process of the step, and a worker that dies
+        of the signal takes the loader, and the emergency save, with it.
+        """
+        if preemption is None:
+            return False
+        installed_here = not preemption.installed
+        if installed_here:
+            preemption.install()
+        if isinstance(data, DataLoader):
+            preemption.protect_loader(data)
+        return installed_here
 
     # -- process groups -----------------------------------------------------------------
     @property
@@ -339,6 +379,12 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
+        self._local_background.wait()  # a restore reads the local copies
+        for auto in self._autos():
+            auto.restart()
+        if self._emergency is not None:  # no completed step to copy until the next one
+            self._emergency.mark(None)
+            self._emergency.set_template(None)
         restore = RootRestore(
             self.storage, self.name_format, self.state, self._main, self.options,
             fingerprint=self._fingerprint(), config_set=bool(self.config), rank=self.rank,
@@ -420,6 +466,7 @@ class CheckpointManager:
             tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
         else:
             tensors = self.state.tensor_state()
+            self._set_template(tensors)
         self._stager.prepare(tensors)
 
     def _new_stager(self) -> sharded.CpuStager:
@@ -460,18 +507,29 @@ class CheckpointManager:
         if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
             self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
+        for auto in self._autos():
+            auto.step_ended(step)
         try:
             if self.preemption is not None and self.preemption.agreed(step):
                 self._save_for_preemption(step, micro_step, metrics)
                 return True
             if self._scheduled(step) and step != self.last_saved_step:
+                began = None if self._auto_every is None else self._auto_every.clock()
                 self.save(step, reason=SaveReason.INTERVAL, micro_step=micro_step,
                           metrics=metrics)
-            if self._local is not None and self._local.due(step):
+                if began is not None:
+                    self._choose_interval(step, began)
+            if self._local is not None and self._local_due(step):
+                began = None if self._local_auto is None else self._local_auto.clock()
                 self._save_local(step, micro_step, metrics)
+                if began is not None:
+                    self._choose_interval(step, began, local=True)
+            self._mark_boundary(step, micro_step)
             return False
         finally:
             self._clock.step_returned(step)
+            for auto in self._autos():
+                auto.step_returned(step)
 
     def _check_counts_on(self, step: int) -> None:
         """The first ``step_end`` after a restore must be past the step restore returned."""
@@ -486,20 +544,121 @@ class CheckpointManager:
             f"it would retrain steps already in the checkpoint",
             name="step", value=step, step=step, restored=restored, path=self.storage.path())
 
+    def _local_writer(self) -> tuple[BackgroundSave, Channel, sharded.CpuStager | None]:
+        """The local tier's writer thread, channel (a group of its own, with ranks), stager."""
+        channel = (open_channel(self.storage, self.name_format, self._fence,
+                                new_save_group())
+                   if self._local is not None and self._distributed else self._main)
+        return BackgroundSave(boost=self._raise_writers), channel, None
+
     def _save_local(self, step: int, micro_step: int,
                     metrics: Mapping[str, float] | None) -> None:
-        """Commit every rank's own copy of ``step`` to the local tier (and replicate it)."""
-        assert self._local is not None
+        """Commit every rank's own copy of ``step`` to the local tier (and replicate it).
+
+        Training waits for the previous local save (its staging buffers are reused) and
+        for the staging copy of this one; the write, the commit and the replication run
+        on the local tier's own thread and process group.
+        """
+        local = self._local
+        assert local is not None
+        self._settle_emergency()
+        self._local_background.wait()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
         tensors, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
-        with activity(f"local save of step {step}", step=step):
-            self._local.save(LocalJob(step, tensors, train, ranks, manifest), self._main,
-                             self._fence.generation)
+        if self._local_stager is None:
+            self._local_stager = sharded.CpuStager(
+                page_aligned=local.tensor_format == "raw", shared=False)
+        job = LocalJob(step, self._local_stager.stage(tensors), train, ranks, manifest)
+        channel, generation = self._local_channel, self._fence.generation
+
+        def write_in_background() -> None:
+            with activity(f"local save of step {step}", step=step):
+                local.save(job, channel, generation)
+
+        self._local_background.submit(step, write_in_background)
 
     def _scheduled(self, step: int) -> bool:
-        return self.save_every is not None and step % self.save_every == 0
+        if self._auto_every is not None:
+            return self._auto_every.due(step)
+        return isinstance(self.save_every, int) and step % self.save_every == 0
+
+    # -- save_every="auto" (resumekit.runtime.save_interval) ------------------------------
+    def _start_auto_every(self) -> tuple[AutoSaveEvery | None, AutoSaveEvery | None]:
+        """The auto intervals' state (durable, local), with the override, history or prior."""
+        local = self.options.local
+        local_auto = local is not None and local.save_every == "auto"
+        if self.save_every != "auto" and not local_auto:
+            return None, None
+        if self.interruptions_every is not None:
+            seconds, source = self.interruptions_every, "interruptions_every= (given)"
+        else:
+            found, said = history_interruptions(self.storage, self.name_format)
+            seconds, source = ((INTERRUPTIONS_EVERY_PRIOR,
+                                f"the prior ({said}; interruptions_every= overrides it)")
+                               if found is None else (found, said))
+        return (AutoSaveEvery(seconds, source) if self.save_every == "auto" else None,
+                AutoSaveEvery(seconds, source) if local_auto else None)
+
+    def _autos(self) -> list[AutoSaveEvery]:
+        return [auto for auto in (self._auto_every, self._local_auto) if auto is not None]
+
+    def _local_due(self, step: int) -> bool:
+        assert self._local is not None
+        if self._local_auto is not None:
+            return self._local_auto.due(step)
+        return self._local.due(step)
+
+    @property
+    def local_save_interval(self) -> int | None:
+        """The local tier's interval in force (``"auto"``: None before its first choice)."""
+        if self._local_auto is not None:
+            return self._local_auto.steps
+        local = self.options.local
+        return local.save_every if local is not None and isinstance(
+            local.save_every, int) else None
+
+    @property
+    def save_interval(self) -> int | None:
+        """The interval in force: ``save_every``, or what ``"auto"`` chose (None before)."""
+        if self._auto_every is not None:
+            return self._auto_every.steps
+        return self.save_every if isinstance(self.save_every, int) else None
+
+    def _interval_record(self) -> SaveInterval:
+        """The interval in force, for the manifest (what ``resumekit inspect`` shows)."""
+        auto = self._auto_every
+        if auto is None:
+            return SaveInterval(steps=self.save_interval)
+        chosen = auto.chosen
+        inputs = ("not chosen yet (the first interval save measures a save's cost); "
+                  f"interruptions from {auto.source}") if chosen is None else (
+            f"{chosen.inputs}; interruptions from {auto.source}")
+        return SaveInterval(steps=auto.steps, auto=True, inputs=inputs)
+
+    def _choose_interval(self, step: int, began: float, *, local: bool = False) -> None:
+        """After the interval save of ``step`` (begun at ``began``): the next interval.
+
+        ``local``: the local tier's (its saves block: the write is in the blocking time).
+        """
+        auto = self._local_auto if local else self._auto_every
+        assert auto is not None
+        blocking = max(0.0, auto.clock() - began)
+        overlapped = bool(self.async_save) and not local
+        write = (None if local else
+                 self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped))
+        proposal = auto.propose(blocking_s=blocking, write_s=write or 0.0,
+                                overlapped=overlapped)
+        steps = proposal.steps
+        if self._distributed:  # every rank saves at the same steps: the largest wish
+            wish = torch.tensor([steps], dtype=torch.int64)
+            dist.all_reduce(wish, op=dist.ReduceOp.MAX, group=self._main.group)
+            steps = int(wish.item())
+        if auto.adopt(step, steps, proposal):
+            logger.info("resumekit: %ssave_every='auto' saves every %d steps from step %d "
+                        "(%s; interruptions from %s)", "local." if local else "", steps,
+                        step, proposal.inputs, auto.source)
 
     def _save_for_preemption(self, step: int, micro_step: int,
                              metrics: Mapping[str, float] | None) -> None:
@@ -512,8 +671,10 @@ class CheckpointManager:
         pending = self._pending_async
         if (handler is not None and pending is not None and handler.seconds_left() is not None
                 and self._emergency_save_skipped(step, nbytes, pending, scheduled)):
+            self._settle_emergency()
             self.wait()  # the save in flight is the newest that can be committed
             return
+        self._settle_emergency()  # the copy of the last completed step, written or not
         self.wait()  # an interval save in flight commits first
         newest = self.last_saved_step
         if step == newest:
@@ -550,6 +711,143 @@ class CheckpointManager:
             since, self._clock.expected_save_seconds(),
             steps_since_last_commit=steps, estimate=estimate,
             newest_step=None if newest is None else newest[0])
+
+    def _raise_writers(self) -> None:
+        """Put this process's and the writer process's idle-priority threads back to normal."""
+        restore_lowered_priorities(os.getpid())
+        pid = None if self._writer is None else self._writer.pid
+        if pid is not None:
+            restore_lowered_priorities(pid)
+
+    # -- the emergency capture (resumekit.background.emergency) ---------------------------
+    def _start_emergency(self, preemption: PreemptionHandler,
+                         optimizer: state_dicts.Optimizers | None) -> None:
+        """Start the capture thread (and, with several ranks, its own gloo group)."""
+        if self._distributed:
+            self._emergency_channel = open_channel(self.storage, self.name_format,
+                                                   self._fence, new_save_group())
+        self._emergency = EmergencyCapture(
+            preemption, optimizer=optimizer, stager=self._emergency_stager,
+            before_copy=self._background.join, agree=self._agree_emergency,
+            write=self._write_emergency)
+
+    def _set_template(self, tensors: dict[str, Any]) -> None:
+        """Give the emergency capture the tensor state just built (live views)."""
+        if self._emergency is None:
+            return
+        self._emergency_cuda = any(
+            isinstance(value, torch.Tensor) and value.device.type == "cuda"
+            for value in _leaves(tensors))
+        self._emergency.set_template(tensors)
+
+    def _mark_boundary(self, step: int, micro_step: int) -> None:
+        """Step ``step`` is complete: record its small state for an emergency capture."""
+        capture = self._emergency
+        if capture is None:
+            return
+        optimizer = self.state.optimizer
+        if not capture.has_template:
+            if optimizer is not None and not all(
+                    part.state for part in state_dicts.optimizer_parts(optimizer)):
+                return  # building its state would take an optimizer step
+            self._set_template(self.state.tensor_state())
+        event = None
+        if self._emergency_cuda:
+            event = torch.cuda.Event()
+            event.record()  # the capture's stream waits for the step's kernels
+        self.state.step, self.state.micro_step = step, micro_step
+        capture.mark(Boundary(
+            step=step, micro_step=micro_step,
+            train=dump_plain(self.state.train_state(self.world_size),
+                             what=f"training state of step {step}"),
+            ranks=dump_plain(self.state.rank_state(watch=False),
+                             what=f"rank {self.rank} state of step {step}"),
+            groups=optimizer_groups(optimizer), captured_at=datetime.now(timezone.utc),
+            resumed=time.monotonic(), event=event))
+
+    def _emergency_stager(self) -> sharded.CpuStager:
+        """The staging buffers an emergency capture copies into (the async ones, if any)."""
+        if self._stager is None:
+            self._stager = self._new_stager()
+        stager: sharded.CpuStager = self._stager
+        return stager
+
+    def _settle_emergency(self) -> None:
+        """A settle point of the emergency capture: every rank calls it at the same places."""
+        if self._emergency is None:
+            return
+        outcome = self._emergency.settle()
+        if outcome is not None and outcome.committed is not None:
+            self.last_saved_step = max(self.last_saved_step or 0, outcome.committed)
+
+    def _agree_emergency(self, capture: Capture | None) -> tuple[int | None, str]:
+        """On the capture thread: do all ranks hold a copy of one step that fits? Say it."""
+        step = -1 if capture is None else capture.boundary.step
+        newest = self._newest_step
+        why = ""
+        if capture is not None and newest is not None and step <= newest:
+            why = f"step {step} is already committed"
+            step = -1
+        nofit = 0
+        if capture is not None and step >= 0:
+            nbytes = state_bytes(capture.tensors)
+            estimate = self._clock.estimate(nbytes)
+            left = None if self.preemption is None else self.preemption.seconds_left()
+            needed = estimate.seconds
+            if left is not None and needed is not None and needed * SAVE_TIME_MARGIN > left:
+                nofit = 1
+                why = (f"its write ({estimate.describe()}) does not fit the {left:.1f} s "
+                       "left of the grace period")
+        low = high = step
+        if self._distributed:
+            ballot = torch.tensor([step, -step, nofit], dtype=torch.int64)
+            dist.all_reduce(ballot, op=dist.ReduceOp.MAX,
+                            group=self._emergency_channel.group)
+            high, negated_low, nofit = (int(value) for value in ballot.tolist())
+            low = -negated_low
+        if capture is None:
+            return None, "this rank holds no copy"
+        copied = (f"copied in {capture.copied_in:.2f} s, "
+                  f"{capture.copied_at - capture.signal_at:.2f} s after the signal")
+        if low != high or low < 0:
+            said = (f"not written: {why or 'the ranks hold no copy of one same step'} "
+                    f"(ranks hold steps {low}..{high}; -1: none); the agreed preemption "
+                    "saves as without it")
+        elif nofit:
+            why = why or "its write does not fit the grace period on some rank"
+            said = f"not written: {why}; the agreed preemption decides"
+        else:
+            said = ""
+        if said:
+            logger.warning("resumekit: emergency copy of step %d (%s) %s",
+                           capture.boundary.step, copied, said)
+            return None, said
+        return step, f"step {step} {copied}"
+
+    def _write_emergency(self, capture: Capture) -> None:
+        """On the capture thread: write and commit the copy every rank agreed on."""
+        boundary = capture.boundary
+        contents = {**self.state.contents(), "micro_step": boundary.micro_step}
+        source = self.initialized_from
+        manifest = Manifest(
+            step=boundary.step, world_size=self.world_size, reason=SaveReason.PREEMPTION,
+            lineage=saving.lineage(self.resumed_from,
+                                   None if source is None else (source.path, source.step),
+                                   tier=self.restored_from_tier),
+            extras=jsonable.plain_extras(self.extras), metrics={}, state=contents,
+            fingerprint=self._fingerprint(self.state.captured_params),
+            captured_at=boundary.captured_at,
+            tensor_format=self.tensor_format if capture.tensors else None)
+        started = time.monotonic()
+        logger.warning("resumekit: emergency save of step %d: copied in %.2f s, writing "
+                       "from %.2f s after the signal, while the step in progress runs",
+                       boundary.step, capture.copied_in, started - capture.signal_at)
+        job = SaveJob(boundary.step, False, capture.tensors, boundary.train, boundary.ranks,
+                      manifest, capture.signal_at)
+        with activity(f"emergency save of step {boundary.step}", step=boundary.step):
+            self._write(job, self._emergency_channel)
+        self._newest_step = boundary.step
+        self._clock.captured(boundary.step, boundary.resumed)
 
     def _state_nbytes(self) -> int:
         """Bytes a save of the state would write: the model's and optimizer's tensors."""
@@ -593,6 +891,7 @@ class CheckpointManager:
                 f"cannot save step {step} under {self.storage.path()}: this manager is "
                 "read_only (it restores without claiming the root)",
                 name="read_only", value=True)
+        self._settle_emergency()
         self._background.wait()
         self._pending_async = None
         if self._newest_step is not None and step <= self._newest_step and not replace:
@@ -638,6 +937,7 @@ class CheckpointManager:
         captured_at = datetime.now(timezone.utc)
         self.state.step, self.state.micro_step = step, micro_step
         tensors = self.state.tensor_state()
+        self._set_template(tensors)
         train = dump_plain(self.state.train_state(self.world_size),
                            what=f"training state of step {step}")
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
@@ -675,7 +975,8 @@ class CheckpointManager:
             # The write phase: staging area made to every rank's files durable (the
             # files' all-gather waits for the slowest rank).
             seconds = time.monotonic() - started
-            manifest = job.manifest
+            manifest = job.manifest.model_copy(
+                update={"save_interval": self._interval_record()})
             if nbytes > 0 and seconds > 0:
                 manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
                     bytes=nbytes, seconds=seconds, blocking=blocking)})
@@ -850,23 +1151,34 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
 
-        Idempotent.
+        Also the local tier's save in flight. Idempotent.
         """
         self._background.wait()
         self._pending_async = None
+        self._local_background.wait()
 
     def close(self) -> None:
         """Wait for the background save and release resources. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._emergency is not None:
+            try:
+                self._settle_emergency()
+            finally:
+                self._emergency.close()
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
+        self._local_background.wait()
         if self._saver is not self._main and self._saver.group is not None:
             dist.barrier(group=self._saver.group)
             dist.destroy_process_group(self._saver.group)
             self._saver = self._main
+        if self._local_channel is not self._main and self._local_channel.group is not None:
+            dist.barrier(group=self._local_channel.group)
+            dist.destroy_process_group(self._local_channel.group)
+            self._local_channel = self._main
         if self._writer is not None:
             self._writer.close()
             if self._stager is not None:
@@ -876,6 +1188,7 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
+        self._local_background.raise_if_failed()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -883,3 +1196,11 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _leaves(tree: Any) -> list[Any]:
+    """Every leaf of nested dicts, lists and tuples."""
+    if isinstance(tree, Mapping):
+        return [leaf for value in tree.values() for leaf in _leaves(value)]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for value in tree for leaf in _leaves(value)]
+    return [tree]

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -59,7 +60,9 @@ class LocalTier(BaseModel):
     Attributes:
         root: The node-local directory, the same path on every node (``$SLURM_TMPDIR/ckpt``,
             ``/dev/shm/run``, a local NVMe): a local filesystem path, one per run.
-        save_every: Save to the local tier every this many steps.
+        save_every: Save to the local tier every this many steps; ``"auto"``: the
+            Young/Daly interval from the measured local save (as the durable
+            ``save_every="auto"``, with the same interruptions figure).
         keep: Committed local steps kept per sub-root (own copies and each replica root).
         replicas: Send each rank's copy to a partner rank on another node.
     """
@@ -67,7 +70,7 @@ class LocalTier(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     root: str
-    save_every: int = Field(ge=1)
+    save_every: int | Literal["auto"]
     keep: int = Field(default=2, ge=1)
     replicas: bool = True
 
@@ -82,8 +85,8 @@ class LocalTier(BaseModel):
             except ValidationError as error:
                 raise _refusal(error, prefix="local.") from None
     else:
-        def __init__(self, root: str | os.PathLike[str], save_every: int, keep: int = 2,
-                     replicas: bool = True) -> None: ...
+        def __init__(self, root: str | os.PathLike[str], save_every: int | Literal["auto"],
+                     keep: int = 2, replicas: bool = True) -> None: ...
 
     @field_validator("root", mode="before")
     @classmethod
@@ -100,9 +103,14 @@ class LocalTier(BaseModel):
 
     @field_validator("save_every", "keep", mode="before")
     @classmethod
-    def _a_count_not_a_bool(cls, value: Any) -> Any:
+    def _a_count_not_a_bool(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, bool):
             raise ValueError("a number, not a bool")
+        if info.field_name == "save_every":
+            if isinstance(value, int) and value < 1:
+                raise ValueError("input should be greater than or equal to 1")
+            if isinstance(value, str) and value != "auto":
+                raise ValueError("a number of steps or 'auto'")
         return value
 
 
@@ -123,7 +131,13 @@ class CheckpointOptions(BaseModel):
     Attributes:
         save_every: Save every this many steps in
             :meth:`~resumekit.CheckpointManager.step_end` (None: only explicit saves and
-            preemption saves).
+            preemption saves). ``"auto"``: the Young/Daly interval from the measured step
+            time, the time a save holds training and its write time, and how often this
+            run loses work to an interruption (:mod:`resumekit.runtime.save_interval`),
+            chosen again after each interval save and logged when it changes.
+        interruptions_every: With ``save_every="auto"``: seconds between interruptions
+            that cost the work since the last save, overriding the root's history and the
+            prior (:data:`~resumekit.runtime.save_interval.INTERRUPTIONS_EVERY_PRIOR`).
         retention: Which committed checkpoints to keep after each save (default
             ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
@@ -198,7 +212,8 @@ class CheckpointOptions(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True,
                               validate_default=False)
 
-    save_every: int | None = Field(default=None, ge=1)
+    save_every: int | Literal["auto"] | None = None
+    interruptions_every: float | None = Field(default=None, gt=0)
     retention: RetentionPolicy | None = DEFAULT_RETENTION
     name_format: str = DEFAULT_NAME_FORMAT
     async_save: bool = False
@@ -228,6 +243,10 @@ class CheckpointOptions(BaseModel):
     def _not_a_bool(cls, value: Any) -> Any:
         if isinstance(value, bool):  # True would read as every step
             raise ValueError("a number of steps, not a bool")
+        if isinstance(value, int) and value < 1:
+            raise ValueError("input should be greater than or equal to 1")
+        if isinstance(value, str) and value != "auto":
+            raise ValueError("a number of steps or 'auto'")
         return value
 
     @field_validator("name_format")
@@ -309,7 +328,8 @@ class CheckpointOptions(BaseModel):
 class OptionKeywords(TypedDict, total=False):
     """The fields of :class:`CheckpointOptions`, as the manager's keyword arguments."""
 
-    save_every: int | None
+    save_every: int | Literal["auto"] | None
+    interruptions_every: float | None
     retention: RetentionPolicy | None
     name_format: str
     async_save: bool

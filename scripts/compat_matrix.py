@@ -166,6 +166,13 @@ def _install_from_lock(python: Path, venv: Path, torch: str) -> None:
         raise SystemExit(f"[compat] FAILED: pip exited {done.returncode} installing "
                          f"torch=={torch} with the lock into {venv}:\n  {' '.join(command)}"
                          f"\n{tail}")
+    no_deps = [str(python), "-m", "pip", "install", "-q", "--no-deps", "-c", str(constraints),
+               *dev_lock.no_deps_requirements()]
+    done = subprocess.run(no_deps, cwd=REPO, env=env, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"[compat] FAILED: pip exited {done.returncode} installing the "
+                         f"test models (--no-deps) into {venv}:\n{done.stderr[-3000:]}")
     print(f"[compat] installed in {time.monotonic() - started:.0f} s", flush=True)
 
 

@@ -19,6 +19,11 @@ lock it is an install.
     python3 scripts/dev_lock.py write --venv .venv    # freeze an existing venv instead
     python3 scripts/dev_lock.py constraints OUT       # the lock less torch, for another torch
     python3 scripts/dev_lock.py check                 # does the lock satisfy pyproject.toml?
+    python3 scripts/dev_lock.py no-deps               # what to install with --no-deps
+
+The ``test-models`` extra (torchtitan's model classes, for the tests) is installed with
+``pip install --no-deps``: torchtitan's own requirements would pin fsspec below the S3
+stack's.
 
 Standard library only at import; ``check`` runs under the venv's python (``packaging``).
 """
@@ -37,6 +42,8 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "dev.lock"
 EXTRAS = "dev,docs,bench"
+# Extras installed without their dependencies (pyproject.toml says why), after the others.
+NO_DEPS_EXTRAS = ("test-models",)
 # What a second torch brings itself: never constrained by the lock.
 TORCH_OWN = re.compile(r"^(torch|triton|nvidia-.*|cuda-.*)$")
 HEADER = """\
@@ -112,12 +119,27 @@ def command_write(args: argparse.Namespace) -> int:
             print(f"[lock] resolving {pin} + .[{EXTRAS}] in a fresh venv", flush=True)
             subprocess.run([str(python), "-m", "pip", "install", "-q", pin,
                             "-e", f".[{EXTRAS}]"], cwd=REPO, check=True)
+            subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps",
+                            *no_deps_requirements()], cwd=REPO, check=True)
             text, requires = freeze(python), torch_requirements(python)
     lines = lock_lines(text)
     LOCK.parent.mkdir(parents=True, exist_ok=True)
     LOCK.write_text(HEADER.format(torch=pin, extras=EXTRAS, torch_requires=" ".join(requires))
                     + "\n".join(lines) + "\n")
     print(f"[lock] wrote {len(lines)} pins to {LOCK.relative_to(REPO)}", flush=True)
+    return 0
+
+
+def no_deps_requirements(pyproject_text: str | None = None) -> list[str]:
+    """The requirements of the extras installed with ``--no-deps`` (NO_DEPS_EXTRAS)."""
+    text = pyproject_text or (REPO / "pyproject.toml").read_text()
+    extras = tomllib.loads(text)["project"]["optional-dependencies"]
+    return [requirement for name in NO_DEPS_EXTRAS for requirement in extras[name]]
+
+
+def command_no_deps(args: argparse.Namespace) -> int:
+    """``no-deps``: print the requirements to install with ``pip install --no-deps``."""
+    print(" ".join(no_deps_requirements()))  # no spaces in them: the shell may split
     return 0
 
 
@@ -190,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     constraints = commands.add_parser("constraints", help="the lock for another torch")
     constraints.add_argument("out")
     commands.add_parser("check", help="does the lock satisfy pyproject.toml?")
+    commands.add_parser("no-deps", help="the requirements installed with --no-deps")
     args = parser.parse_args(argv)
     return {"write": command_write, "constraints": command_constraints,
-            "check": command_check}[args.command](args)
+            "check": command_check, "no-deps": command_no_deps}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from tests.limits import COLLECTIVE_HANG_S
+
 #: Imported once by the fork server every rank is forked from (``start_method="forkserver"``):
 #: a rank then starts without paying torch's and resumekit's import time (most of a short
 #: multi-rank test's). The server is a clean process (no threads, no process group), started
@@ -97,7 +99,7 @@ def run_ranks(
     args: tuple[Any, ...] = (),
     *,
     init_group: bool = True,
-    group_timeout_s: float = 120.0,
+    group_timeout_s: float = COLLECTIVE_HANG_S,
     env: dict[str, str] | None = None,
     may_exit: Collection[int] = (),
 ) -> list[Any]:

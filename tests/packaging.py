@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.limits import HANG_S
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -28,5 +30,5 @@ def build_distributions(out: Path, *kinds: str) -> Path:
                     ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "build", "--no-isolation",
                     *(f"--{kind}" for kind in kinds), "--outdir", str(out), str(project)],
-                   check=True, capture_output=True, timeout=240)
+                   check=True, capture_output=True, timeout=HANG_S)
     return out

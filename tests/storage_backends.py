@@ -38,13 +38,14 @@ from resumekit.store.commit import CommitProtocol
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import Manifest
 from resumekit.store.storage import Storage
+from tests.limits import HANG_S
 
 BACKENDS = ("local", "file", "memory", "s3")
 #: Backends whose commit point is an atomic directory rename.
 POSIX_BACKENDS = frozenset({"local", "file"})
 
 _BUCKET = "resumekit-tests"
-_STARTUP_S = 60.0
+_STARTUP_S = HANG_S  # a hang detector: a loaded machine starts it late
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,19 @@ CPU ranks (torchrun, gloo) three times, always with the same command::
 * **B - preempted and crashed**: SIGTERM to the torchrun agent once step ``--term-at`` is
   in ``metrics.jsonl`` (the agent forwards it; the ranks agree on a step, save a
   ``preemption`` checkpoint and exit with status 75); relaunch; SIGKILL to the whole
-  process tree (agent and both workers) once step ``--kill-at`` is logged - a crash with
-  no save; relaunch until done. The steps since the last checkpoint are replayed.
+  process tree (agent and both workers) once step ``--kill-at`` is logged by the relaunch
+  (a later step when the SIGTERM launch already got that far) - a crash with no save;
+  relaunch until done. The steps since the last checkpoint are replayed.
 * **C - resumed on one rank**: a copy of B's run directory right after the SIGTERM,
   resumed with ``--nproc_per_node=1`` (the accumulation doubles so the effective batch
   stays 8); the sampler re-deals the rest of the epoch and the state is resharded.
+
+The verdict follows what was committed, not what the timing was: after the SIGTERM the
+ranks agree on some step and either commit a ``preemption`` checkpoint of it or - when
+resumekit's rule skips the emergency save (the newest checkpoint is younger than a save
+takes, or the grace period is too short) - keep the newest one, and the trainer says so.
+Either way each relaunch resumes from the newest committed step, and that step (C's switch
+from two ranks to one) is what the comparison with A is cut at.
 
 Every wait is on a real event - a step appearing in ``metrics.jsonl``, a process exiting -
 never on a sleep. Then the drill prints a table comparing B and C with A (per-step
@@ -21,7 +29,8 @@ metrics, steps replayed, final loss, the largest difference of any final weight)
 checkpoint chain of B, and writes ``loss.png`` with the three loss curves (matplotlib:
 ``pip install 'resumekit[plot]'``; without it one line says so and the drill goes on). It
 exits with status 1 when B differs from A in any bit (metrics of any step, any tensor of
-the final checkpoint) or when C's history before the world-size change differs from A's.
+the final checkpoint), when C's history up to the step it resumed from differs from A's, or
+when C's metrics do not switch from two ranks to one exactly there.
 
 Outputs under ``--out``: ``A/``, ``B/``, ``C/`` run directories (checkpoints, metrics,
 one log per launch), ``loss.png``, ``summary.json``.
@@ -78,7 +87,9 @@ __all__ = [
     "main",
     "process_tree",
     "run_segment",
+    "switch_step",
     "wait_for_step",
+    "world_size_problems",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -442,7 +453,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-world-size-change", action="store_true",
                         help="skip run C (resume on one rank)")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds any single wait may take")
+                        help="seconds any single wait may take (a hang detector)")
+    parser.add_argument("--grace-period", type=float, default=None,
+                        help="the trainer's --grace-period (every launch): seconds between "
+                             "the signal and the kill; a tiny one (1e-9) makes resumekit "
+                             "skip the emergency save, the path the verdict must also pass")
     return parser
 
 
@@ -453,6 +468,7 @@ class _Drill:
     out: Path
     console: Console
     timeout: float
+    train_args: tuple[str, ...] = ("--keep-last", "0", "--no-progress")
     segments: list[Segment] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -463,8 +479,7 @@ class _Drill:
     def run(self, name: str, index: int, *, nproc: int = 2, interruption: str | None = None,
             signal_at: int | None = None) -> Segment:
         """One launch of run ``name`` with the same command as every other, printed."""
-        launch = Launch(self.root(name), nproc=nproc,
-                        train_args=("--keep-last", "0", "--no-progress"))
+        launch = Launch(self.root(name), nproc=nproc, train_args=self.train_args)
         segment = run_segment(name, index, launch, interruption=interruption,
                               signal_at=signal_at, log_dir=self.root(name) / "logs",
                               timeout=self.timeout)
@@ -484,17 +499,55 @@ class _Drill:
 
 
 def _check_preemption_checkpoint(drill: _Drill, term: Segment) -> None:
-    """After the SIGTERM the newest checkpoint is a preemption save of the last step."""
-    if "emergency save skipped" in Path(term.log).read_text():
-        # resumekit's rule: the last commit was younger than a save takes
-        drill.console.print(f"note: the emergency save was skipped (checkpoint "
-                            f"{term.newest_checkpoint} is recent); the resume replays "
-                            "from there")
-    elif term.newest_reason != "preemption" or term.newest_checkpoint != term.last_step:
-        drill.problems.append(
-            f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
-            f"({term.newest_reason}), expected a preemption checkpoint of the "
-            f"last logged step {term.last_step}")
+    """After the SIGTERM: a checkpoint of the agreed step, or the trainer said why not.
+
+    The ranks stop at the step they agreed on (the last logged one). resumekit commits a
+    checkpoint of it unless its rule skips the emergency save (the last commit is younger
+    than a save takes, or the grace period is too short); then the newest checkpoint stays
+    and the resume replays from there - a decision, not a failure, but never a silent one.
+    """
+    if term.newest_checkpoint == term.last_step:
+        return
+    said = f"emergency save skipped, newest checkpoint is step {term.newest_checkpoint}"
+    if said in Path(term.log).read_text():
+        drill.console.print(f"note: the emergency save of step {term.last_step} was skipped "
+                            f"(resumekit's rule); the newest checkpoint is step "
+                            f"{term.newest_checkpoint}, and the resumes replay from there")
+        return
+    drill.problems.append(
+        f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
+        f"({term.newest_reason}), not the last logged step {term.last_step}, and the "
+        f"trainer did not say the emergency save was skipped (see {term.log})")
+
+
+def switch_step(drill: _Drill) -> int:
+    """The step run C switched from two ranks to one: the step its relaunch resumed from.
+
+    That is the newest checkpoint committed when it launched - the preemption save of the
+    agreed step, or an older one when the emergency save was skipped - never the step the
+    SIGTERM stopped at.
+    """
+    return drill.launches("C")[0].resumed_from
+
+
+def world_size_problems(records: Sequence[dict[str, Any]], switch: int) -> list[str]:
+    """What is wrong with run C's metrics around ``switch`` (empty when nothing is).
+
+    Every record up to ``switch`` must come from the two-rank launch, every later one from
+    the one-rank resume: one history, cut where the resume actually started.
+    """
+    problems = []
+    steps = [record["step"] for record in records]
+    if steps != list(range(1, len(steps) + 1)):
+        problems.append(f"run C: its metrics are not one history of steps 1..{len(steps)}: "
+                        f"{steps}")
+    wrong = [record["step"] for record in records
+             if record["world_size"] != (2 if record["step"] <= switch else 1)]
+    if wrong:
+        problems.append(f"run C: resumed from step {switch} on 1 rank, but the metrics of "
+                        f"step(s) {wrong} have world_size "
+                        f"{[r['world_size'] for r in records if r['step'] in wrong]}")
+    return problems
 
 
 def _run_all(drill: _Drill, args: argparse.Namespace) -> Segment:
@@ -510,10 +563,13 @@ def _run_all(drill: _Drill, args: argparse.Namespace) -> Segment:
     if not args.no_world_size_change:
         shutil.copytree(drill.root("B"), drill.root("C"),
                         ignore=shutil.ignore_patterns("logs"))
-    drill.run("B", 2, interruption="sigkill", signal_at=args.kill_at)
+    # The kill waits for a step this launch logged: past every step the SIGTERM launch
+    # logged (the ranks may have agreed late, even past --kill-at, and until the relaunch
+    # drops them those records are still in metrics.jsonl).
+    drill.run("B", 2, interruption="sigkill", signal_at=max(args.kill_at, term.last_step + 1))
     drill.run("B", 3)
     if not args.no_world_size_change:
-        drill.console.rule("C: resume B's preemption checkpoint on 1 rank")
+        drill.console.rule("C: resume B's newest checkpoint after the SIGTERM on 1 rank")
         drill.run("C", 2, nproc=1)
     return term
 
@@ -584,11 +640,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{', '.join(dropped)} (its agent's default grace period applies)")
     started = time.monotonic()
     drill = _Drill(out, console, args.timeout)
+    if args.grace_period is not None:
+        drill.train_args += ("--grace-period", repr(args.grace_period))
     term = _run_all(drill, args)
 
+    # C is A's history up to the step its relaunch resumed from (what was committed),
+    # whether or not the emergency save was made.
     switch = term.last_step
     comparisons = {"B": compare_runs(drill.root("A"), drill.root("B"))}
     if not args.no_world_size_change:
+        switch = switch_step(drill)
+        drill.problems.extend(world_size_problems(
+            read_metrics(drill.root("C") / METRICS_FILE), switch))
         comparisons["C"] = compare_runs(drill.root("A"), drill.root("C"),
                                         steps=range(0, switch + 1))
     replayed = _replayed(drill, term)
@@ -609,6 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "segments": [asdict(s) for s in drill.segments],
         "comparisons": {name: asdict(c) for name, c in comparisons.items()},
         "replayed": replayed,
+        "switch": None if args.no_world_size_change else switch,
         "problems": drill.problems,
         "exit_code_preempted": EXIT_CODE_PREEMPTED,
     }

@@ -390,7 +390,7 @@ class MicroBatches(Iterator[dict[str, Tensor]]):
         self._position: tuple[int, int] | None = None
 
     def __next__(self) -> dict[str, Tensor]:
-        if len(self.sampler) == 0:
+        if self.sampler.remaining == 0:
             self.sampler.set_epoch(self.sampler.epoch + 1)
         position = (self.sampler.epoch, self.sampler.consumed)
         if self._indices is None or position != self._position:

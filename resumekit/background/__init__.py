@@ -4,11 +4,14 @@
   time; its error re-raised by the next wait). Every background save runs there.
 * :mod:`.process`: :class:`WriterProcess`, the long-lived writer process of
   ``async_writer="process"``, to which the save thread hands the rank's tensor bytes.
+* :mod:`.emergency`: :class:`EmergencyCapture`, which copies the last completed step at a
+  preemption signal and writes it while the step in progress runs.
 """
 
 from __future__ import annotations
 
+from resumekit.background.emergency import Boundary, Capture, EmergencyCapture
 from resumekit.background.process import WriterProcess
 from resumekit.background.thread import BackgroundSave
 
-__all__ = ["BackgroundSave", "WriterProcess"]
+__all__ = ["BackgroundSave", "Boundary", "Capture", "EmergencyCapture", "WriterProcess"]

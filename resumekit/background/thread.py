@@ -17,6 +17,9 @@ from resumekit.errors import AsyncSaveError
 
 __all__ = ["BackgroundSave"]
 
+_BOOST_EVERY_S = 0.25
+"""While the owner waits for a save, how often its writers' priority is raised again."""
+
 
 class BackgroundSave:
     """One thread, one job at a time; the job's error re-raised by the next wait.
@@ -26,7 +29,9 @@ class BackgroundSave:
     next :meth:`wait`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, boost: Callable[[], object] | None = None) -> None:
+        # Raises the writers' idle CPU priority while someone waits for the job.
+        self._boost = boost
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
@@ -49,6 +54,26 @@ class BackgroundSave:
         self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
         self._thread.start()
 
+    def join(self) -> None:
+        """Block until the job in flight (if any) is done, from any thread; raise nothing.
+
+        Its error stays for the owner's next :meth:`wait`.
+        """
+        thread = self._thread
+        if thread is not None:
+            self._join(thread)
+
+    def _join(self, thread: threading.Thread) -> None:
+        """Join ``thread``; while it runs, keep its writers at normal priority."""
+        if self._boost is None:
+            thread.join()
+            return
+        while thread.is_alive():
+            # Writer threads lower their priority as each file starts: raised again
+            # at every turn, so a save someone waits for is never starved.
+            self._boost()
+            thread.join(_BOOST_EVERY_S)
+
     def raise_if_failed(self) -> None:
         """Re-raise a finished job's error without blocking on a running one."""
         if self._thread is not None and not self._thread.is_alive():
@@ -62,7 +87,7 @@ class BackgroundSave:
         """
         thread, self._thread = self._thread, None
         if thread is not None:
-            thread.join()
+            self._join(thread)
         error, self._error = self._error, None
         if error is not None:
             remote = getattr(error, "remote_traceback", None)

@@ -16,6 +16,7 @@ and ``inspect`` of one checkpoint's state or tensors do).
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -95,6 +96,51 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, arguments: Sequence[str]
+           ) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit status argparse (or an unknown argument) ended with."""
+    try:
+        args, extras = parser.parse_known_args(arguments)
+    except SystemExit as stop:  # argparse: --help/--version (0) or a usage error (2)
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+    if extras:
+        return _unrecognized(_command_parser(parser, args.command) or parser, extras)
+    return args
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str
+                    ) -> argparse.ArgumentParser | None:
+    """The sub-parser of ``command`` in ``parser`` (None if it has none)."""
+    for action in parser._actions:  # argparse lists no sub-parsers publicly
+        if isinstance(action, argparse._SubParsersAction):
+            found = action.choices.get(command)
+            return found if isinstance(found, argparse.ArgumentParser) else None
+    return None
+
+
+def _unrecognized(command: argparse.ArgumentParser, extras: Sequence[str]) -> int:
+    """Report arguments ``command`` does not take with its own usage line; return 2.
+
+    argparse reports them with the top-level usage and ``resumekit: error:``; the
+    command's own usage names the options it does take, and a near miss is suggested.
+    """
+    options = [option for action in command._actions for option in action.option_strings
+               if option.startswith("--")]
+    hints = []
+    for extra in extras:
+        name = extra.split("=", 1)[0]
+        if name.startswith("-"):
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{name}: did you mean {close[0]}?")
+    message = f"unrecognized arguments: {' '.join(extras)}"
+    if hints:
+        message += " (" + "; ".join(hints) + ")"
+    command.print_usage(sys.stderr)
+    print(f"{command.prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (0 ok, 1 problem found, 2 usage).
 
@@ -111,10 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:  # e.g. export/diff in an environment without torch
         print(error_line(f"resumekit {chosen} cannot run here: {error}"), file=sys.stderr)
         return 1
-    try:
-        args = parser.parse_args(arguments)
-    except SystemExit as stop:  # argparse: --help/--version (0) or a usage error (2)
-        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 2)
+    args = _parse(parser, arguments)
+    if isinstance(args, int):
+        return args
     try:
         status: int = args.run(args)
     except UsageError as error:

@@ -26,6 +26,7 @@ from resumekit.cli._common import (
     fail,
     flatten,
     plain,
+    progress_bar,
     storage_options,
     table,
 )
@@ -192,7 +193,9 @@ def _load(target: CheckpointTarget, entry: CheckpointEntry, path: str) -> Any:
 
 
 def _compare_tensor_state(result: _Comparison, sides: list[tuple[CheckpointTarget,
-                          CheckpointEntry]], options: dict[str, Any]) -> None:
+                          CheckpointEntry]], options: dict[str, Any], *,
+                          progress: bool = False) -> None:
+    """Compare every tensor of both sides; ``progress``: a byte bar on a TTY stderr."""
     urls = [tensors_url(target.storage, entry) for target, entry in sides]
     index_a, index_b = (sharded.read_tensor_index(url, storage_options=options or None)
                         for url in urls)
@@ -211,12 +214,17 @@ def _compare_tensor_state(result: _Comparison, sides: list[tuple[CheckpointTarge
             common.append(key)
     stream_a = sharded.iter_full_tensors(urls[0], common, storage_options=options or None)
     stream_b = sharded.iter_full_tensors(urls[1], common, storage_options=options or None)
-    for (key, left_tensor), (_, right_tensor) in zip(stream_a, stream_b, strict=True):
-        result.tensors += 1
-        found = compare_tensors(left_tensor, right_tensor, result.atol)
-        if found is not None:
-            result.add(key, "tensor", found)
-        del left_tensor, right_tensor
+    # Bytes read: both sides of every tensor compared (a GB checkpoint takes minutes).
+    total = 2 * sum(index_a[key].nbytes for key in common)
+    step_a, step_b = (entry.step for _, entry in sides)
+    with progress_bar(total, f"diff step {step_a} vs {step_b}", enabled=progress) as advance:
+        for (key, left_tensor), (_, right_tensor) in zip(stream_a, stream_b, strict=True):
+            result.tensors += 1
+            found = compare_tensors(left_tensor, right_tensor, result.atol)
+            if found is not None:
+                result.add(key, "tensor", found)
+            advance(2 * index_a[key].nbytes)
+            del left_tensor, right_tensor
 
 
 def _rank_files(entry: CheckpointEntry) -> set[str]:
@@ -261,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         target = open_target(path, storage_options=options, name_format=args.name_format)
         sides.append((target, select_committed(target, step)))
     result = _Comparison(args.atol)
-    _compare_tensor_state(result, sides, options)
+    _compare_tensor_state(result, sides, options,
+                          progress=not (args.json or args.no_progress))
     _compare_plain_state(result, sides)
     (_, entry_a), (_, entry_b) = sides
     equal = not result.differences

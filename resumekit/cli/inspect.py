@@ -45,6 +45,7 @@ from resumekit.errors import (
     CorruptCheckpointError,
     ForeignCheckpointError,
     ResumekitError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from resumekit.store import generations
@@ -140,6 +141,9 @@ def entry_json(
         "resume_from": resume is not None and entry.name == resume.name,
         "seconds_since_previous": since_previous,
         "format": entry.format,
+        # The save interval in force when it was written (save_every="auto": its inputs).
+        "save_interval": None if manifest is None or manifest.save_interval is None
+        else manifest.save_interval.model_dump(mode="json"),
     }
 
 
@@ -228,7 +232,8 @@ def _root_rows(storage: Storage, entries: list[CheckpointEntry],
 
 def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
     storage = target.storage
-    entries = target.entries()
+    unreadable: list[tuple[str, str]] = []  # listed beside the readable steps, not instead
+    entries = target.entries(unreadable=unreadable)
     committed = [entry for entry in entries if entry.status == "committed"]
     rows, resume = _root_rows(storage, entries, committed)
     chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
@@ -250,13 +255,23 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
                 "marker": itself.marker, "command": getattr(refused, "command", None),
             },
             "problems": problems,
+            "unreadable": [{"name": name, "path": storage.path(name), "error": error}
+                           for name, error in unreadable],
         })
     else:
         _print_root(storage, target, rows, chain, resume, itself=itself, refused=refused)
         for problem in problems:
             console().print(f"problem: {problem['path']} is {problem['problem']}")
+        for name, error in unreadable:
+            console().print(f"unreadable: {storage.path(name)}: {error}")
     if refused is not None:
         raise refused
+    if unreadable:
+        raise StorageError(
+            f"{len(unreadable)} entr{'y' if len(unreadable) == 1 else 'ies'} of "
+            f"{storage.path()} could not be read (listed above, the others with them): "
+            + "; ".join(f"{name}: {error}" for name, error in unreadable),
+            path=storage.path(unreadable[0][0]))
     if corrupt:
         first = corrupt[0]
         raise CorruptCheckpointError(
@@ -585,6 +600,12 @@ def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
         facts.add_row("versions", ", ".join(f"{k} {v}" for k, v in manifest.versions.items())
                       or "- (not recorded)")
         facts.add_row("schema", str(manifest.schema_version))
+        if manifest.save_interval is not None:
+            interval = manifest.save_interval
+            said = "-" if interval.steps is None else f"every {interval.steps} steps"
+            if interval.auto:
+                said += f" (save_every='auto': {interval.inputs})"
+            facts.add_row("save interval", said)
         if manifest.data_dir != ".":
             facts.add_row("data dir", manifest.data_dir)
         facts.add_row("next resume", "-" if resume is None else

@@ -58,6 +58,7 @@ from resumekit._compat import (
     lightning_cluster_environment,
     lightning_combined_loader,
     lightning_data_fetcher,
+    lightning_train_source,
 )
 from resumekit._optional import missing
 from resumekit.errors import (
@@ -67,7 +68,11 @@ from resumekit.errors import (
     StepCollisionError,
     UnsafeCheckpointError,
 )
-from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler
+from resumekit.runtime.preemption import (
+    EXIT_CODE_PREEMPTED,
+    PreemptionHandler,
+    protect_loader_workers,
+)
 from resumekit.runtime.requeue import requeue_after_signal
 from resumekit.state.rng import capture_rng, restore_rng, select_rank_rng
 from resumekit.state.train_state import dump_plain
@@ -508,7 +513,11 @@ class ResumekitCallback(Callback):
       one SLURM does not requeue after (SIGUSR1), and every rank raises
       ``SystemExit(EXIT_CODE_PREEMPTED)``: the process exits 75. Lightning's SLURM
       auto-requeue must be off (``SLURMEnvironment(auto_requeue=False)``): it would save
-      from inside its own SIGUSR1 handler; a trainer with it on is refused.
+      from inside its own SIGUSR1 handler; a trainer with it on is refused. The train
+      ``DataLoader`` workers ignore the handler's signals (the loaders the fit loop makes
+      get a ``worker_init_fn`` that ignores them, then runs their own): a scheduler or
+      torchrun's agent signals them too, and a dead worker would stop the run before the
+      save.
     * **``ckpt_path="last"``.** At the start of training rank 0 writes a small
       :data:`LAST_MARKER` file naming the root into each ``ModelCheckpoint`` folder, where
       Lightning looks for ``last*.ckpt``; the plugin resolves it to the newest committed
@@ -569,7 +578,9 @@ class ResumekitCallback(Callback):
                 name="SLURMEnvironment.auto_requeue", value=True)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """A fine-tune that did not resume: load ``init_weights`` into the module."""
+        """Protect the train loaders' workers; a fine-tune: load ``init_weights``."""
+        if self.preemption is not None:
+            self._protect_train_loaders(trainer)
         if self.init_weights is None:
             return
         io = _plugin_of(trainer)
@@ -634,6 +645,28 @@ class ResumekitCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Give the signals back to Lightning."""
         self._uninstall()
+
+    def _protect_train_loaders(self, trainer: Trainer) -> None:
+        """Make the workers of every train ``DataLoader`` ignore the preemption signals.
+
+        Lightning makes the train loaders and starts their workers (``iter``) before any
+        hook after this one: the callback wraps the fit loop's data source, so that each
+        loader it makes (every reload too) gets its ``worker_init_fn`` wrapped by
+        :func:`~resumekit.runtime.preemption.protect_loader_workers`.
+        """
+        assert self.preemption is not None
+        source = lightning_train_source(trainer.fit_loop)
+        if source is None:
+            warn("resumekit cannot reach this Lightning's train data source: make the train "
+                 "DataLoader's workers ignore the preemption signals yourself (resumekit."
+                 "protect_loader_workers(loader, callback.preemption.signals) where you "
+                 "build it), or a preemption signal may kill them before the emergency save",
+                 ResumekitWarning, stacklevel=2)
+            return
+        make = source.dataloader
+        if isinstance(make, _ProtectedSource):
+            make = make.make
+        source.dataloader = _ProtectedSource(make, self.preemption.signals)
 
     def _uninstall(self) -> None:
         if self.preemption is not None and self.preemption.installed:
@@ -805,6 +838,33 @@ class ResumekitCallback(Callback):
         if self.requeue:
             requeue_after_signal(self.preemption)
         raise SystemExit(EXIT_CODE_PREEMPTED)
+
+
+class _ProtectedSource:
+    """A Lightning data source's ``dataloader``: its loaders, with protected workers."""
+
+    def __init__(self, make: Callable[[], Any], signals: tuple[int, ...]) -> None:
+        self.make = make
+        self.signals = signals
+
+    def __call__(self) -> Any:
+        loaders = self.make()
+        for loader in _data_loaders(loaders):
+            protect_loader_workers(loader, self.signals)
+        return loaders
+
+
+def _data_loaders(loaders: Any) -> list[torch.utils.data.DataLoader[Any]]:
+    """The ``DataLoader`` objects in what a ``train_dataloader()`` returned."""
+    if isinstance(loaders, torch.utils.data.DataLoader):
+        return [loaders]
+    if isinstance(loaders, Mapping):
+        loaders = list(loaders.values())
+    elif hasattr(loaders, "flattened"):  # Lightning's CombinedLoader
+        loaders = list(loaders.flattened)
+    if isinstance(loaders, (list, tuple)):
+        return [found for item in loaders for found in _data_loaders(item)]
+    return []
 
 
 def _plugin_of(trainer: Trainer) -> ResumekitCheckpointIO:

@@ -27,8 +27,10 @@ Typical loop::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -50,9 +52,11 @@ __all__ = [
     "EXIT_CODE_PREEMPTED",
     "SAVE_TIME_MARGIN",
     "EmergencySaveSkippedWarning",
+    "IgnoreSignalsInWorkers",
     "PreemptionHandler",
     "SignalRecord",
     "as_signal",
+    "protect_loader_workers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,12 +88,13 @@ DEFAULT_SIGNALS: Final = (signal.SIGTERM, signal.SIGUSR1)
 """SIGTERM (what SLURM, Kubernetes and torchrun's agent send) and SIGUSR1 (a common
 ``sbatch --signal=B:USR1@<seconds>`` choice for the time-limit warning)."""
 
-SAVE_TIME_MARGIN: Final = 1.5
-"""An emergency save is attempted only if ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
+SAVE_TIME_MARGIN: Final = 1.0
+"""An emergency save is attempted whenever ``expected_save_seconds * SAVE_TIME_MARGIN`` fits
 in the time left of the grace period (with an asynchronous save in flight: the seconds it
-still needs plus the new save's, times this margin). The margin covers what the measured
-write rate leaves out - the commit, a slower store than at the last save - and the time
-between the decision and the exit."""
+still needs plus the new save's, times this margin). It was 1.5; it is 1.0 because a save
+that the kill cuts costs nothing the commit protocol does not already protect (its staging
+area is never read; the newest committed step stays the newest), while a margin turned away
+saves that would have fit - at a step as long as the grace window, most of them."""
 
 
 
@@ -150,6 +155,80 @@ def as_signal(value: signal.Signals | int | str) -> signal.Signals:
         raise ConfigurationError(
             f"signals: {value!r} is not a signal number", name="signals", value=value
         ) from None
+
+
+class IgnoreSignalsInWorkers:
+    """A ``DataLoader`` ``worker_init_fn``: ignore the preemption signals, then the user's.
+
+    torch's DataLoader worker installs a SIGTERM handler of its own that ends the worker,
+    and SIGUSR1 ends any process without a handler. A scheduler or torchrun's agent
+    signals every process of the job (its process group, its cgroup), workers included:
+    a dead worker makes the next ``next(loader)`` raise ``DataLoader worker (pid ...) is
+    killed by signal`` before the ranks can agree on a step and save. The workers need not
+    hear the signal: the main process decides, and ends them when it exits.
+
+    Picklable (a loader with the ``spawn`` or ``forkserver`` start method pickles its
+    ``worker_init_fn``) as long as ``then`` is.
+
+    Args:
+        signals: The signals the workers ignore (a handler's ``signals``).
+        then: The loader's own ``worker_init_fn``, called after, with the worker id.
+    """
+
+    def __init__(self, signals: Iterable[signal.Signals | int | str],
+                 then: Callable[[int], None] | None = None) -> None:
+        self.signals: tuple[int, ...] = tuple(dict.fromkeys(
+            int(as_signal(item)) for item in signals))
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        """In worker ``worker_id``: ignore the signals, then run the loader's own function."""
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.then is not None:
+            self.then(worker_id)
+
+    def __repr__(self) -> str:
+        names = "/".join(signal.Signals(sig).name for sig in self.signals)
+        return f"IgnoreSignalsInWorkers({names}, then={self.then!r})"
+
+
+def protect_loader_workers(loader: Any,
+                           signals: Iterable[signal.Signals | int | str] = DEFAULT_SIGNALS,
+                           ) -> Any:
+    """Make the worker processes ``loader`` starts from now on ignore ``signals``.
+
+    Sets ``loader.worker_init_fn`` to an ``IgnoreSignalsInWorkers`` (picklable) that calls the
+    loader's own ``worker_init_fn`` after (protecting a loader twice keeps one wrapper,
+    with both calls' signals). Workers read it when they start - at ``iter(loader)``, once
+    for ``persistent_workers=True`` - so call it before the first ``iter(loader)``.
+    ``CheckpointManager(data=loader, preemption=...)`` does this for its loader; call it
+    for the others (a validation loader, ``data=sampler``).
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` (or any object with a
+            ``worker_init_fn`` attribute: torchdata's ``StatefulDataLoader``).
+        signals: What the workers ignore (default: :data:`DEFAULT_SIGNALS`; pass a
+            handler's ``signals``).
+
+    Returns:
+        ``loader``.
+
+    Raises:
+        ConfigurationError: ``loader`` has no ``worker_init_fn``, or a signal is unknown.
+    """
+    if not hasattr(loader, "worker_init_fn"):
+        raise ConfigurationError(
+            f"{type(loader).__name__} has no worker_init_fn: pass the DataLoader whose "
+            "worker processes must ignore the preemption signals", name="loader",
+            value=type(loader).__name__)
+    current = loader.worker_init_fn
+    wanted = list(signals)
+    if isinstance(current, IgnoreSignalsInWorkers):
+        wanted = [*current.signals, *wanted]
+        current = current.then
+    loader.worker_init_fn = IgnoreSignalsInWorkers(wanted, current)
+    return loader
 
 
 class PreemptionHandler:
@@ -259,6 +338,9 @@ class PreemptionHandler:
         self._blocking_vote_seconds: float | None = None
         # The clock of these timings; a test injects one to make steps "long".
         self._timer: Callable[[], float] = time.perf_counter
+        # Write ends of the pipes a signal (or request()) wakes (add_wakeup): a tuple,
+        # replaced whole, so the handler reads it without a lock.
+        self._wakeups: tuple[int, ...] = ()
 
     # -- installation ---------------------------------------------------------------------
 
@@ -320,8 +402,32 @@ class PreemptionHandler:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Runs between two bytecodes of the main thread, possibly in the middle of a save:
-        # record and return. No I/O, no locks, no collectives, no exception.
+        # record and return. No locks, no collectives, no exception; the one system call
+        # is a byte into each wakeup pipe (non-blocking), for the emergency capture.
         self._received.append(SignalRecord(signum, time.monotonic()))
+        self._wake()
+
+    def _wake(self) -> None:
+        for fd in self._wakeups:
+            # full (a byte is already waiting) or closed: nothing to do
+            with contextlib.suppress(OSError):
+                os.write(fd, b"\0")
+
+    def add_wakeup(self, fd: int) -> None:
+        """Write a byte to ``fd`` (a non-blocking pipe's write end) at every signal.
+
+        Also at :meth:`request`, and at once when this rank already recorded one. How a
+        thread (the manager's emergency capture) learns of a signal the moment it is
+        recorded, without polling. The caller owns ``fd``; remove it with
+        :meth:`remove_wakeup` before closing it.
+        """
+        self._wakeups = (*self._wakeups, fd)
+        if self.requested:
+            self._wake()
+
+    def remove_wakeup(self, fd: int) -> None:
+        """Stop writing to ``fd`` (see :meth:`add_wakeup`)."""
+        self._wakeups = tuple(item for item in self._wakeups if item != fd)
 
     # -- local state ----------------------------------------------------------------------
 
@@ -345,9 +451,21 @@ class PreemptionHandler:
         """The step at which the ranks agreed to stop, or None."""
         return self._agreed_step
 
+    def protect_loader(self, loader: Any) -> Any:
+        """Make ``loader``'s worker processes ignore this handler's signals.
+
+        ``protect_loader_workers`` with :attr:`signals`; ``CheckpointManager`` calls it
+        for its ``data=`` loader.
+
+        Returns:
+            ``loader``.
+        """
+        return protect_loader_workers(loader, self.signals)
+
     def request(self) -> None:
         """Ask for a stop from code (a stop file, a health check); it votes like a signal."""
         self._requested_by_code = True
+        self._wake()
 
     def _signal_age(self) -> float:
         if not self._received:

@@ -206,6 +206,11 @@ class CommitClock:
                        "rate")
         return nbytes / seconds, source
 
+    def write_seconds(self, nbytes: int, *, blocking: bool) -> float | None:
+        """Seconds a write of ``nbytes`` of that kind takes at the measured rate, or None."""
+        rate = self._rate(blocking=blocking)
+        return None if rate is None else nbytes / rate[0]
+
     @property
     def bytes_per_second(self) -> float | None:
         """The root's write throughput for a blocking save, or None before any measurement.

@@ -226,7 +226,7 @@ def _counted(loader: DataLoader[Any]) -> tuple[_Target, int]:
 def _left(sampler: _Target) -> int | None:
     """Samples this rank has left in the epoch; None when the sampler cannot say."""
     try:
-        return len(sampler)
+        return sampler.remaining
     except TypeError:
         return None
 

@@ -248,13 +248,26 @@ class ResumableDistributedSampler(Sampler[int]):
     # ------------------------------------------------------------------ Sampler protocol
 
     def _per_rank_remaining(self) -> int:
-        remaining = self._dataset_len - self._consumed
+        return self._per_rank(self._dataset_len - self._consumed)
+
+    def _per_rank(self, samples: int) -> int:
         if self._drop_last:
-            return remaining // self._num_replicas
-        return math.ceil(remaining / self._num_replicas)
+            return samples // self._num_replicas
+        return math.ceil(samples / self._num_replicas)
 
     def __len__(self) -> int:
-        """Indices the next ``iter()`` yields on this rank: its share of the remaining tail."""
+        """This rank's share of a whole epoch, as ``DistributedSampler``'s ``len()``.
+
+        ``ceil(dataset_len / num_replicas)`` (``floor`` with ``drop_last``), whatever the
+        position: code written for ``DistributedSampler`` (``steps_per_epoch =
+        len(loader)``, a schedule's total) counts the same epochs. After a mid-epoch
+        resume the next ``iter()`` yields only the rest of the epoch: :attr:`remaining`.
+        """
+        return self._per_rank(self._dataset_len)
+
+    @property
+    def remaining(self) -> int:
+        """Indices the next ``iter()`` yields on this rank: its share of the epoch's rest."""
         return self._per_rank_remaining()
 
     def __iter__(self) -> Iterator[int]:
@@ -425,10 +438,23 @@ class SkipAheadSampler(Sampler[T], Generic[T]):
         return self._consumed
 
     def __len__(self) -> int:
-        """Items the next ``iter()`` yields (needs a sized inner sampler)."""
+        """The inner sampler's ``len()``: a whole epoch, whatever the position.
+
+        Raises:
+            TypeError: The inner sampler has no ``len()``.
+        """
         if not isinstance(self._inner, Sized):
             raise TypeError(f"{type(self._inner).__name__} has no len()")
-        return max(0, len(self._inner) - self._consumed)
+        return len(self._inner)
+
+    @property
+    def remaining(self) -> int:
+        """Items the next ``iter()`` yields (needs a sized inner sampler).
+
+        Raises:
+            TypeError: The inner sampler has no ``len()``.
+        """
+        return max(0, len(self) - self._consumed)
 
     def __iter__(self) -> Iterator[T]:
         """The inner sampler's output after the consumed items (skip fixed at ``iter()``)."""

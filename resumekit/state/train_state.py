@@ -318,15 +318,17 @@ class TrainState:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
         }
 
-    def rank_state(self) -> dict[str, Any]:
+    def rank_state(self, *, watch: bool = True) -> dict[str, Any]:
         """Return this rank's part: RNG streams and data position.
 
-        Warns once (:class:`~resumekit.warnings.ResumekitWarning`) when a resumable
-        sampler's position has not moved while steps have since it was last seen moving
-        (built, restored or saved): the loop does not call ``sampler.advance()``, and a
-        resume would retrain the data it already consumed.
+        With ``watch`` (a save), warns once (:class:`~resumekit.warnings.ResumekitWarning`)
+        when a resumable sampler's position has not moved while steps have since it was
+        last seen moving (built, restored or saved): the loop does not call
+        ``sampler.advance()``, and a resume would retrain the data it already consumed.
+        Without it (the step-boundary snapshot of an emergency capture) nothing is checked.
         """
-        self._watch_data_position()
+        if watch:
+            self._watch_data_position()
         return {
             "rng": _rng.capture_rng(self.generators),
             "data": None if self.data is None else self.data.state_dict(),

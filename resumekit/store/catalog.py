@@ -362,6 +362,7 @@ def list_checkpoints(
     name_format: NameFormat | None = None,
     *,
     legacy_format: NameFormat | None = None,
+    unreadable: list[tuple[str, str]] | None = None,
 ) -> list[CheckpointEntry]:
     """List every checkpoint-like entry of a root, sorted by step (numerically).
 
@@ -370,6 +371,10 @@ def list_checkpoints(
         name_format: How step directories are named (default ``step_{step:09d}``).
         legacy_format: Also recognise weights-only directories of this format (default
             ``checkpoint_step_{step}``).
+        unreadable: None (the default): an entry that cannot be read (a step directory
+            without read permission) raises, as every reader that picks a step must. A
+            list: such an entry is appended as ``(name, error message)`` and the others
+            are listed (``resumekit inspect`` names it beside the readable steps).
 
     Returns:
         Entries sorted by (step, committed last), hidden work in progress as ``partial``.
@@ -380,9 +385,17 @@ def list_checkpoints(
     _check_root(storage)
     entries = []
     for info in storage.list_dir():
-        nested = _foreign_entries_in(storage, info.name) \
-            if info.is_dir and not info.is_link and info.name in _FOREIGN_CONTAINERS else []
-        entry = None if nested else classify_entry(storage, info, name_format, legacy_format)
+        try:
+            nested = _foreign_entries_in(storage, info.name) \
+                if info.is_dir and not info.is_link and info.name in _FOREIGN_CONTAINERS \
+                else []
+            entry = None if nested else classify_entry(storage, info, name_format,
+                                                       legacy_format)
+        except (StorageError, OSError) as error:
+            if unreadable is None:
+                raise
+            unreadable.append((info.name, " ".join(str(error).split())))
+            continue
         entries.extend(nested if entry is None else [entry])
     return sorted(entries, key=_entry_order)
 

@@ -62,6 +62,7 @@ __all__ = [
     "Fence",
     "check",
     "claim",
+    "claims",
     "fenced_by",
     "newest_generation",
     "newest_restorable",
@@ -156,6 +157,16 @@ def _read(storage: Storage, number: int) -> WriterGeneration | None:
 def newest_generation(storage: Storage) -> WriterGeneration | None:
     """Return the newest readable generation record of the root (None if there is none)."""
     return _newest_readable(storage, _numbers(storage))
+
+
+def claims(storage: Storage) -> list[WriterGeneration]:
+    """Every readable generation record kept in the root, oldest first (the run's history).
+
+    At most :data:`RECORDS_KEPT`; a torn record is left out (logged).
+    """
+    found = (_read(storage, number) for number in _numbers(storage))
+    return sorted((record for record in found if record is not None),
+                  key=lambda record: record.number)
 
 
 def _newest_readable(storage: Storage, numbers: list[int]) -> WriterGeneration | None:

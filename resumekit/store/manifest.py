@@ -57,6 +57,7 @@ __all__ = [
     "Lineage",
     "LocalPart",
     "Manifest",
+    "SaveInterval",
     "SaveReason",
     "SaveThroughput",
     "WriterGeneration",
@@ -276,6 +277,24 @@ def throughput_problem(record: Any) -> str | None:
     return None
 
 
+class SaveInterval(BaseModel):
+    """The save interval in force when a checkpoint was written (``resumekit inspect``).
+
+    Attributes:
+        steps: Steps between interval saves (None: no interval save, or
+            ``save_every="auto"`` before its first choice).
+        auto: Whether ``save_every="auto"`` chose it.
+        inputs: For ``"auto"``: the rule's inputs in words (step time, blocking and write
+            seconds, interruptions and where that figure came from).
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    steps: int | None = Field(default=None, ge=1)
+    auto: bool = False
+    inputs: str = ""
+
+
 class WriterGeneration(BaseModel):
     """A writer generation: one claim of a checkpoint root by one run.
 
@@ -442,6 +461,8 @@ class Manifest(BaseModel):
             files) or ``"dcp"`` (DCP's own format); ``None`` when the checkpoint has no
             tensors or was written before this field existed. Readers detect the format
             per item, so this is for people and tools, not needed to load.
+        save_interval: The save interval in force when it was written (None: not
+            recorded, an older resumekit).
         save_throughput: How fast this save wrote (bytes and seconds of its write
             phase); None in manifests written before resumekit recorded it, and for a
             save that wrote no tensors.
@@ -469,6 +490,7 @@ class Manifest(BaseModel):
     versions: dict[str, str] = Field(default_factory=running_versions)
     tensor_format: Literal["raw", "dcp"] | None = None
     save_throughput: SaveThroughput | None = None
+    save_interval: SaveInterval | None = None
     local: LocalPart | None = None
 
     @field_validator("data_dir")
@@ -548,6 +570,7 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     document.setdefault("versions", {})
     _check_step_and_paths(document, source)
     _drop_unusable_throughput(document, source)
+    _drop_unusable_interval(document, source)
     try:
         manifest = Manifest.model_validate(document, context={_FROM_JSON: True})
     except ValidationError as error:
@@ -576,6 +599,25 @@ def _drop_unusable_throughput(document: dict[str, Any], source: str) -> None:
     document["save_throughput"] = None
     warn(f"{source}: ignoring its save_throughput ({problem}): the recorded save rate is "
          "not used (the checkpoint itself is unaffected)", ResumekitWarning, stacklevel=4)
+
+
+def _drop_unusable_interval(document: dict[str, Any], source: str) -> None:
+    """Ignore, with a warning naming ``source``, a recorded save interval that is not usable.
+
+    ``save_interval`` only says what interval was in force (``resumekit inspect``); a value
+    that does not parse never makes the checkpoint unreadable: it is dropped here.
+    """
+    record = document.get("save_interval")
+    if record is None:
+        return
+    try:
+        SaveInterval.model_validate(record)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "save_interval"
+        document["save_interval"] = None
+        warn(f"{source}: ignoring its save_interval ({where}: {first['msg']}): the "
+             "checkpoint itself is unaffected", ResumekitWarning, stacklevel=4)
 
 
 def _check_step_and_paths(document: dict[str, Any], source: str) -> None:

@@ -173,11 +173,17 @@ class CheckpointTarget:
         """True when the path is a checkpoint root rather than one checkpoint."""
         return self.entry is None
 
-    def entries(self) -> list[CheckpointEntry]:
-        """List the root's entries (for a single checkpoint: that one)."""
+    def entries(self, *, unreadable: list[tuple[str, str]] | None = None
+                ) -> list[CheckpointEntry]:
+        """List the root's entries (for a single checkpoint: that one).
+
+        Args:
+            unreadable: Collects the entries that cannot be read instead of raising
+                (see :func:`~resumekit.store.catalog.list_checkpoints`).
+        """
         if self.entry is not None:
             return [self.entry]
-        return list_checkpoints(self.storage, self.name_format)
+        return list_checkpoints(self.storage, self.name_format, unreadable=unreadable)
 
 
 def _formats(name_format: str | NameFormat | None) -> list[NameFormat]:

@@ -240,12 +240,16 @@ class CpuStager:
         assert buffer is not None
         return buffer
 
-    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    def stage(self, state_dict: Mapping[str, Any], *, synchronize: bool = True
+              ) -> dict[str, Any]:
         """Return a copy of ``state_dict`` whose tensors live in this stager's CPU buffers.
 
         Args:
             state_dict: Nested dicts/lists/tuples of tensors, ``DTensor``s, ``Stateful``s
                 and other (deep-copyable) values.
+            synchronize: Wait for the device-to-host copies (``torch.cuda.synchronize``).
+                False: they are queued on the current stream, which the caller waits for
+                (the emergency capture's own stream).
 
         Returns:
             The same structure, detached from the originals.
@@ -256,7 +260,7 @@ class CpuStager:
         staged = {
             key: self._stage(value, (str(key),), seen) for key, value in state_dict.items()
         }
-        if any(
+        if synchronize and any(
             isinstance(source, torch.Tensor) and source.device.type == "cuda"
             for source, _ in seen.values()
         ):

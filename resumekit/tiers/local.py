@@ -134,8 +134,9 @@ class LocalSite:
         return True
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is on the local interval."""
-        return step % self.tier.save_every == 0
+        """Whether ``step`` is on a fixed local interval (``"auto"``: the manager decides)."""
+        every = self.tier.save_every
+        return isinstance(every, int) and step % every == 0
 
     # -- saving -------------------------------------------------------------------------
     def save(self, job: LocalJob, channel: Channel, generation: WriterGeneration | None

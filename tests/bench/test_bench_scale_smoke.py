@@ -18,8 +18,9 @@ import pytest
 
 from benchmarks import nas, scale
 from benchmarks.scale_worker import process_writer_available
+from tests.limits import TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 STAND_IN = nas.missing() is None
 #: resumekit's async save with the process writer where it exists, else with its thread.

@@ -28,6 +28,7 @@ from benchmarks.workload import (
     state_tensors,
     train_step,
 )
+from tests.limits import TEST_HANG_S
 
 TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-rounds", "2",
         "--load-rounds", "2", "--rss-saves", "3", "--rss-peak-rounds", "1",
@@ -41,7 +42,7 @@ TINY = ["--state-mb", "6", "--dist-state-mb", "3", "--rounds", "2", "--overlap-r
 FIO = shutil.which("fio") is not None
 #: The smoke run (the module fixture, in its first test's time) starts seven processes; in
 #: `make test` it shares the cores with the other suites' workers.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import nas, tier_recovery
+from tests.limits import TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 STAND_IN = nas.missing() is None
 

@@ -50,10 +50,11 @@ from resumekit.store.manifest import MANIFEST_NAME
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from tests.crash.writer import CATEGORIES, POLICY, expected_files
+from tests.limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("RESUMEKIT_CRASH_SEED", "20240611"))
-MESSAGE_TIMEOUT = 60.0
+MESSAGE_TIMEOUT = HANG_S  # a hang detector
 
 
 @dataclass

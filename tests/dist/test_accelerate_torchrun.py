@@ -30,13 +30,14 @@ from examples.lingbot.drill import kill_tree
 from resumekit.store.catalog import read_manifest
 from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
+from tests.limits import HANG_S, TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DRILL = REPO_ROOT / "tests" / "dist" / "accelerate_drill.py"
 NUM_STEPS = 10
-LAUNCH_TIMEOUT_S = 120.0
+LAUNCH_TIMEOUT_S = HANG_S  # a hang detector
 
 
 def _doc_script(folder: Path) -> Path:

@@ -49,7 +49,7 @@ def _two_rank_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def two_rank_save(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     root = tmp_path_factory.mktemp("two-ranks")
-    results = run_ranks(_two_rank_save, world_size=2, args=(str(root),), group_timeout_s=60)
+    results = run_ranks(_two_rank_save, world_size=2, args=(str(root),))
     return root, results
 
 

@@ -20,13 +20,14 @@ from resumekit.store.catalog import list_checkpoints
 from resumekit.store.manifest import SaveReason
 from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
+from tests.limits import HANG_S, TEST_HANG_S
 
 WORKER = Path(__file__).with_name("lightning_ddp_worker.py")
 REPO = Path(__file__).resolve().parents[2]  # the worker imports tests.lightning_noisy
 STEPS = 16  # 64 samples, 2 ranks x 4 a batch: 8 steps an epoch
 #: Five launches (nine processes importing Lightning); in `make test` it shares the cores
 #: with the other suites' workers.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 
 def _launch(root: Path, out: Path, action: str, world: int = 2, **extra: str
@@ -51,7 +52,7 @@ def _launch(root: Path, out: Path, action: str, world: int = 2, **extra: str
 def _wait(procs: list[subprocess.Popen[bytes]]) -> list[int]:
     codes = []
     for proc in procs:
-        output, _ = proc.communicate(timeout=300)
+        output, _ = proc.communicate(timeout=HANG_S)
         codes.append(proc.returncode)
         if proc.returncode not in (0, EXIT_CODE_PREEMPTED):
             print(output.decode(errors="replace")[-4000:])
@@ -86,11 +87,11 @@ def test_lightning_ddp_after_sigterm_and_sigkill_ends_bit_for_bit_as_uninterrupt
     # The relaunch resumes it; rank 0 is SIGKILLed after step 10 (step 8 committed):
     # the job is gone (torchrun's agent would end the other rank: so does the test).
     procs = _launch(root, final, "sigkill:10:0")
-    procs[0].communicate(timeout=300)
+    procs[0].communicate(timeout=HANG_S)
     assert procs[0].returncode == -signal.SIGKILL
     if procs[1].poll() is None:
         procs[1].kill()
-    procs[1].communicate(timeout=60)
+    procs[1].communicate(timeout=HANG_S)
     assert max(_committed(root)) == 8
     # The last relaunch resumes step 8 and finishes.
     assert _wait(_launch(root, final, "none")) == [0, 0]

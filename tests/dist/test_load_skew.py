@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from resumekit.runtime.distributed import before_meet, init_distributed, meet, shutdown
 from tests.distributed_harness import run_ranks
+from tests.limits import COLLECTIVE_HANG_S, HANG_S
 
 TRAINING_TIMEOUT_S = 3.0
 SLOW_LOAD_S = 3 * TRAINING_TIMEOUT_S
-HANDSHAKE_LIMIT_S = 120.0
+HANDSHAKE_LIMIT_S = HANG_S  # a hang detector
 
 
 def _wait_for(path: Path, what: str) -> str:
@@ -39,7 +40,7 @@ def _publish(path: Path, text: str) -> None:
 
 
 def _restore_then_train(rank: int, world_size: int, shared: str) -> int:
-    context = init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=60.0)
+    context = init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=COLLECTIVE_HANG_S)
     rank0_waiting = Path(shared) / "rank0-in-meet"
 
     def slow_nas_load(reason: str) -> None:
@@ -60,7 +61,7 @@ def _restore_then_train(rank: int, world_size: int, shared: str) -> int:
 
 
 def _train_without_meeting(rank: int, world_size: int, shared: str) -> str:
-    init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=60.0)
+    init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=COLLECTIVE_HANG_S)
     outcome = Path(shared) / "rank0-outcome"
     if rank == 0:
         try:

@@ -19,6 +19,7 @@ from resumekit.manager import CheckpointManager
 from resumekit.runtime.distributed import before_meet, init_distributed, shutdown
 from tests.dist.test_load_skew import SLOW_LOAD_S, TRAINING_TIMEOUT_S, _publish, _wait_for
 from tests.distributed_harness import run_ranks
+from tests.limits import COLLECTIVE_HANG_S
 
 
 def _model() -> nn.Module:
@@ -30,7 +31,7 @@ def _model() -> nn.Module:
 
 
 def _save_restore_then_train(rank: int, world_size: int, shared: str) -> tuple[int, float]:
-    context = init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=120.0)
+    context = init_distributed(timeout=TRAINING_TIMEOUT_S, checkpoint_timeout=COLLECTIVE_HANG_S)
     model = _model()
     opt = torch.optim.AdamW(model.parameters())
     ckpt = CheckpointManager(Path(shared) / "ckpt", model=model, optimizer=opt)

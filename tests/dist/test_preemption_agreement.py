@@ -20,8 +20,9 @@ from resumekit.runtime.distributed import init_distributed, shutdown
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.runtime.requeue import requeue_slurm_job
 from tests.distributed_harness import run_ranks
+from tests.limits import COLLECTIVE_HANG_S, HANG_S
 
-HANDSHAKE_LIMIT_S = 120.0
+HANDSHAKE_LIMIT_S = HANG_S  # a hang detector
 SIGNALLED_RANK = 1
 SIGNAL_AFTER_STEP = 5
 GRACE_S = 600.0
@@ -45,7 +46,7 @@ def _wait_for(path: Path) -> str:
 def _train_until_agreed(
     rank: int, world_size: int, shared: str, poll_every: int, overlap: bool, scontrol: str
 ) -> dict[str, object]:
-    init_distributed(timeout=60)
+    init_distributed(timeout=COLLECTIVE_HANG_S)
     folder = Path(shared)
     with PreemptionHandler(
         poll_every=poll_every, overlap=overlap, grace_period=GRACE_S
@@ -129,7 +130,7 @@ def test_a_signal_to_one_rank_stops_both_ranks_at_the_same_step(
 
 
 def _time_votes(rank: int, world_size: int, steps: int, compute_s: float) -> dict[str, object]:
-    init_distributed(timeout=60)
+    init_distributed(timeout=COLLECTIVE_HANG_S)
     timings: dict[str, object] = {}
     for overlap in (False, True):
         samples: list[float] = []
@@ -172,7 +173,7 @@ REQUEST_AT_STEP = 60
 
 
 def _auto_polling(rank: int, world_size: int, step_seconds: float) -> dict[str, object]:
-    init_distributed(timeout=60)
+    init_distributed(timeout=COLLECTIVE_HANG_S)
     intervals: list[tuple[int, int]] = []
     with PreemptionHandler() as preemption:  # poll_every="auto", the default
         step = 0

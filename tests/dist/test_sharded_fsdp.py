@@ -330,7 +330,6 @@ def one_process_checkpoint(
     results = run_ranks(
         _one_process_checkpoint_scenarios, world_size=2,
         args=(str(root / "ckpt"), str(root / "scratch"), model.state_dict()),
-        group_timeout_s=60,
     )
     return full_state(model, optimizer), results
 

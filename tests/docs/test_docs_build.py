@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import unavailable
+from tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-        cwd=config.parent, env=env, capture_output=True, text=True, timeout=240, check=False,
+        cwd=config.parent, env=env, capture_output=True, text=True, timeout=HANG_S, check=False,
     )
 
 

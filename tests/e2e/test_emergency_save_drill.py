@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.limits import HANG_S
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREEMPTIONS = 10
 SEED = 20240612
@@ -28,7 +30,7 @@ def _drill(root: Path, mode: str) -> dict[str, object]:
     completed = subprocess.run(
         [sys.executable, "-m", "tests.e2e.emergency_drill", str(root), "--mode", mode,
          "--preemptions", str(PREEMPTIONS), "--seed", str(SEED)],
-        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT, env=environment, capture_output=True, text=True, timeout=HANG_S,
         check=False,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]

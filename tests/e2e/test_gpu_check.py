@@ -23,8 +23,9 @@ from examples.lingbot.config import get_config
 from examples.lingbot.errors import ConfigError
 from examples.lingbot.train import _with_dtype, build_parser
 from resumekit.tensors import raw as raw_tensor_files
+from tests.limits import HANG_S, TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,7 +44,7 @@ def test_the_cpu_mode_runs_every_check_and_lists_the_cuda_only_one_as_not_applic
     out = tmp_path / "result.json"
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--cpu", "--out", str(out)],
-        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=550, check=False)
+        cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=HANG_S, check=False)
     assert completed.returncode == 0, completed.stderr[-6000:]
     document = json.loads(out.read_text())
     assert document["passed"] is True
@@ -90,7 +91,7 @@ def test_require_cuda_without_cuda_fails_naming_every_cuda_path(tmp_path: Path) 
     completed = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--require-cuda"],
         cwd=REPO_ROOT, env=_env(CUDA_VISIBLE_DEVICES="", OUT=str(tmp_path)),
-        capture_output=True, text=True, timeout=300, check=False)
+        capture_output=True, text=True, timeout=HANG_S, check=False)
     assert completed.returncode == 2, completed.stderr
     assert "CUDA paths could NOT be run" in completed.stderr
     for name, path in gpu_check.CUDA_PATHS.items():

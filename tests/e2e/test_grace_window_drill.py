@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.limits import HANG_S
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BANDWIDTH = 4.2e6  # bytes/s: about 3 s for the drill's state
 
@@ -30,7 +32,7 @@ def _drill(root: Path, grace: float, *signal_after: int) -> list[dict[str, Any]]
     for steps in signal_after:
         command += ["--signal-after", str(steps)]
     completed = subprocess.run(command, cwd=REPO_ROOT, env=environment,
-                               capture_output=True, text=True, timeout=300, check=False)
+                               capture_output=True, text=True, timeout=HANG_S, check=False)
     # -9: the watchdog killed it at the end of the grace period (a save was cut).
     assert completed.returncode == 0, (completed.returncode, completed.stderr[-4000:])
     report = json.loads(completed.stdout.strip().splitlines()[-1])

@@ -32,8 +32,9 @@ from examples.lingbot.train import (
 from resumekit.manager import CheckpointManager
 from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S, TEST_HANG_S
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NUM_STEPS = 12
@@ -47,7 +48,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted 2-rank run of NUM_STEPS steps."""
     root = tmp_path_factory.mktemp("lingbot") / "reference"
     segment = run_segment("A", 1, Launch(root, nproc=2, train_args=TRAIN_ARGS),
-                          log_dir=root / "logs", timeout=500)
+                          log_dir=root / "logs", timeout=HANG_S)
     assert segment.returncode == 0
     return root
 
@@ -123,7 +124,7 @@ def test_a_two_rank_run_resumes_on_one_process_and_exports_the_upstream_bf16_lay
         [sys.executable, "-m", "examples.lingbot.train", "--config", "tiny", "--save-root",
          str(root), "--num-steps", str(extended), "--save-interval", str(SAVE_INTERVAL),
          "--keep-last", "0", "--no-progress", "--export", str(export)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=500, check=False,
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=HANG_S, check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert f"resumed at step {NUM_STEPS}" in completed.stderr
@@ -174,7 +175,7 @@ def test_a_relaunch_of_a_finished_run_trains_no_extra_step_and_exits_0(
     completed = subprocess.run(
         [sys.executable, "-m", "examples.lingbot.train", "--config", "tiny", "--save-root",
          str(root), *TRAIN_ARGS], cwd=REPO_ROOT, capture_output=True, text=True,
-        timeout=500, check=False,
+        timeout=HANG_S, check=False,
     )
     assert completed.returncode == 0, completed.stderr
     assert f"run already finished at step {NUM_STEPS}" in completed.stderr

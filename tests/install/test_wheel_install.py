@@ -35,9 +35,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.limits import HANG_S, TEST_HANG_S
 from tests.packaging import REPO, build_distributions
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
 #: This environment's torch: the one "already on the cluster" that pip must keep.
 CLUSTER_TORCH = torch.__version__
@@ -64,7 +65,8 @@ class Environment:
     installed: list[str]
     pip_log: str
 
-    def run(self, *args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    def run(self, *args: str, cwd: Path,
+            timeout: float = HANG_S) -> subprocess.CompletedProcess[str]:
         """Run ``args`` (``python`` or a console script of this environment) from ``cwd``."""
         program = self.root / "bin" / args[0]
         return subprocess.run([str(program), *args[1:]], cwd=cwd, env=_user_env(),
@@ -80,14 +82,14 @@ def _user_env() -> dict[str, str]:
 def _pip(python: Path, *args: str) -> str:
     done = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check",
                            "--no-input", *args], env=_user_env(), capture_output=True,
-                          text=True, timeout=900, check=False)
+                          text=True, timeout=HANG_S, check=False)
     assert done.returncode == 0, f"pip {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
     return done.stdout + done.stderr
 
 
 def _torch_identity(python: Path) -> dict[str, Any]:
     done = subprocess.run([str(python), "-c", _IDENTITY], env=_user_env(), capture_output=True,
-                          text=True, timeout=300, check=True)
+                          text=True, timeout=HANG_S, check=True)
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
@@ -96,7 +98,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Environment:
     base = tmp_path_factory.mktemp("install")
     (wheel,) = build_distributions(base / "dist", "wheel").glob("resumekit-*.whl")
     root = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=300,
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=HANG_S,
                    env=_user_env())
     python = root / "bin" / "python"
     _pip(python, "install", f"torch=={CLUSTER_TORCH}")
@@ -115,7 +117,7 @@ def test_pip_install_of_the_wheel_keeps_the_torch_already_installed(env: Environ
     assert "Uninstalling torch" not in env.pip_log
     assert not set(OPTIONAL) & set(env.installed), env.installed
     check = subprocess.run([str(env.root / "bin" / "python"), "-m", "pip", "check"],
-                           env=_user_env(), capture_output=True, text=True, timeout=300,
+                           env=_user_env(), capture_output=True, text=True, timeout=HANG_S,
                            check=False)
     assert check.returncode == 0, check.stdout + check.stderr
 
@@ -227,7 +229,8 @@ def test_the_lingbot_drill_runs_on_the_runtime_dependencies_and_skips_only_its_p
                     ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path / "demo"
     drill = env.run("python", "-m", "examples.lingbot.drill", "--out", str(out),
-                    "--no-world-size-change", "--timeout", "500", cwd=work, timeout=1000)
+                    "--no-world-size-change", "--timeout", str(HANG_S), cwd=work,
+                    timeout=HANG_S)
     lines = drill.stdout.splitlines()
     assert drill.returncode == 0, drill.stdout[-4000:] + drill.stderr[-4000:]
     assert lines[-1] == ("OK the preempted and crashed run is bit-identical to the "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from resumekit.cli import main
 from resumekit.cli.diff import compare_tensors
 from tests.unit.test_cli_support import Trainer, assert_one_error_line, run_cli, run_json
 
@@ -114,3 +117,32 @@ def test_diff_usage_and_missing_checkpoints(
     code, _, err = run_cli(capsys, "diff", str(a), str(a), "--step-b", "99")
     assert code == 1
     assert_one_error_line(err, "no checkpoint of step 99")
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal: where the CLI draws its progress bars."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_diff_draws_a_byte_progress_bar_on_a_terminal_only(
+    twins: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # A diff of two ~1 GB checkpoints ran minutes with nothing on screen.
+    a, copy, _ = twins
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert main(["diff", str(a), str(copy)]) == 0
+    drawn = terminal.getvalue()
+    # The first frame (drawn at once; later ones at tqdm's pace) names the work and its
+    # total: both sides' tensor bytes.
+    assert drawn.startswith("\rdiff step 10 vs 10:   0%|")
+    assert "/1.60k [" in drawn
+    capsys.readouterr()
+    for quiet in (["--no-progress"], ["--json"]):
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(["diff", str(a), str(copy), *quiet]) == 0
+        assert terminal.getvalue() == "", quiet

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from resumekit.cli import COMMANDS, build_parser
+from tests.limits import HANG_S
 from tests.unit.test_cli_support import write_checkpoints
 
 # Runs the command lines given as JSON in argv[1], in order, in one process with torch made
@@ -40,7 +41,7 @@ for argv in json.loads(sys.argv[1]):
 
 def _run_without_torch(*commands: list[str]) -> list[dict[str, object]]:
     done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, json.dumps(commands)],
-                          capture_output=True, text=True, timeout=120, check=False)
+                          capture_output=True, text=True, timeout=HANG_S, check=False)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 

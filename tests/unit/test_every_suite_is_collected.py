@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from tests.limits import HANG_S
+
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
 
@@ -109,7 +111,7 @@ def test_the_cluster_suites_are_collected_first_multi_host_then_slurm() -> None:
              "tests/slurm/test_lingbot_preempted_under_slurm.py"]
     completed = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
-         *files], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+         *files], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S, check=False)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     order = [line.split("/")[1] for line in completed.stdout.splitlines()
              if line.startswith("tests/")]

@@ -45,6 +45,7 @@ from resumekit.store.manifest import (
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = "4242"
@@ -303,7 +304,7 @@ def test_a_real_zombie_process_is_fenced_by_the_requeued_run_in_another_process(
         assert requeued.restore() == 100
         requeued.save(200)
         go.write_text("go")
-        out, err = zombie.communicate(timeout=120)
+        out, err = zombie.communicate(timeout=HANG_S)
     finally:
         if zombie.poll() is None:
             zombie.kill()

@@ -160,8 +160,9 @@ def test_prune_keeps_a_step_whose_manifest_is_nested_too_deep_and_prunes_the_res
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     _nest(root / STEP_20 / "manifest.json")
-    code, _, err = run_cli(capsys, "prune", str(root), "--keep-last", "1")
-    assert code == 0, err
+    code, out, err = run_cli(capsys, "prune", str(root), "--keep-last", "1")
+    assert code == 1, err  # prune names every entry it cannot read, and exits 1
+    assert STEP_20 in out + err
     assert (root / STEP_20 / "manifest.json").exists()  # not ours to delete: corrupt
     assert (root / STEP_10).exists()  # the newest committed step is always kept
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import grimp
 import pytest
 
+from tests.limits import HANG_S
 from tests.lint_contracts import ExternalSubpackageContract, imported_names
 
 _REPO = Path(__file__).resolve().parents[2]
@@ -62,6 +63,6 @@ def test_lint_imports_keeps_every_layer_contract() -> None:
     if command is None:
         pytest.skip("import-linter is not installed (the dev extra installs it)")
     done = subprocess.run([command, "--no-cache"], cwd=_REPO, capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=HANG_S, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout

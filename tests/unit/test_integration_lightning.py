@@ -22,6 +22,7 @@ from resumekit.store.retention import keep_best, keep_last, prune
 from resumekit.store.storage import Storage
 from resumekit.tools.importers import import_checkpoint
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S
 
 
 class Module(L.LightningModule):
@@ -124,7 +125,7 @@ def test_importing_resumekit_and_its_integrations_package_imports_no_framework()
             "print(sorted(m for m in ('lightning', 'accelerate', 'transformers') "
             "if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=120)
+                          check=True, timeout=HANG_S)
     assert done.stdout.strip() == "[]"
 
 

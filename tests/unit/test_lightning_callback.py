@@ -231,3 +231,59 @@ def test_a_fine_tune_starts_from_init_weights_and_its_relaunch_resumes_its_own_c
     resumed, _ = tune(tmp_path / "tune", [], tmp_path / "tune")
     _same_weights(whole, resumed)
     assert _committed(tmp_path / "tune")[8].lineage.resumed_from_step == 4
+
+
+class _SignalsOfWorkers(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Each item says whether the process that made it ignores SIGTERM and SIGUSR1."""
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        ignored = [signal.getsignal(sig) == signal.SIG_IGN
+                   for sig in (signal.SIGTERM, signal.SIGUSR1)]
+        return torch.tensor([index, os.getpid(), *ignored], dtype=torch.float64)
+
+
+class _WithWorkers(Noisy):
+    """``Noisy`` whose train loader has a worker process; it records what the items say."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(_SignalsOfWorkers(), batch_size=4,
+                                           sampler=self.sampler, num_workers=1)
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        self.seen.append(batch)
+        return self.net(batch[:, :1].float().repeat(1, 8)).pow(2).mean()
+
+
+@pytest.mark.parametrize("preemption", [True, None], ids=["with-preemption", "without"])
+def test_the_callback_makes_the_train_loaders_workers_ignore_the_preemption_signals(
+    tmp_path: Path, preemption: bool | None
+) -> None:
+    # Lightning starts the workers of the first epoch before on_train_start: the callback
+    # protects the loaders its fit loop makes (a SIGTERM to the job reaches the workers).
+    model = _WithWorkers()
+    callback = ResumekitCallback(data=lambda trainer: model.sampler, preemption=preemption)
+    L.Trainer(max_steps=10, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu", callbacks=[callback],
+              plugins=[ResumekitCheckpointIO(tmp_path / "root", retention=None)],
+              num_sanity_val_steps=0).fit(model)
+    rows = torch.cat(model.seen)
+    assert len(model.seen) == 10 and (rows[:, 1] != os.getpid()).all()  # made by workers
+    expected = 1.0 if preemption else 0.0
+    assert (rows[:, 2:] == expected).all()  # across two epochs (8 batches an epoch)
+
+
+def test_a_lightning_whose_train_data_source_moved_is_warned_about_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("resumekit.integrations.lightning.lightning_train_source",
+                        lambda fit_loop: None)
+    with pytest.warns(ResumekitWarning, match="protect_loader_workers"):
+        _fit(tmp_path, tmp_path / "root", 4, [])
+    assert list(_committed(tmp_path / "root")) == [4]

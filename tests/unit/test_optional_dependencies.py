@@ -32,11 +32,12 @@ from torch import nn
 
 from resumekit._optional import EXTRAS, install_command, missing, require
 from resumekit.errors import ConfigurationError, MissingDependencyError, ResumekitError
+from tests.limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 #: The project's own extras (not features of the library).
-PROJECT_EXTRAS = {"dev", "bench", "docs"}
+PROJECT_EXTRAS = {"dev", "bench", "docs", "test-models"}
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -74,7 +75,7 @@ def _without(names: str, code: str) -> subprocess.CompletedProcess[str]:
         sys.meta_path.insert(0, _Refuse())
     """)
     return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
-                          capture_output=True, text=True, timeout=180, check=False, cwd=ROOT)
+                          capture_output=True, text=True, timeout=HANG_S, check=False, cwd=ROOT)
 
 
 # --------------------------------------------------------------------------- the helper
@@ -247,7 +248,7 @@ def _imported_modules(folder: Path) -> Iterator[tuple[str, Path]]:
 
 
 @pytest.mark.parametrize(("folder", "extras"), [
-    ("tests", ("dev",)), ("benchmarks", ("dev", "bench")), ("examples", ("plot",)),
+    ("tests", ("dev", "test-models")), ("benchmarks", ("dev", "bench")), ("examples", ("plot",)),
 ])
 def test_every_module_a_suite_imports_is_declared_by_the_extra_it_runs_with(
     folder: str, extras: tuple[str, ...],

@@ -189,7 +189,7 @@ def test_a_save_that_would_not_finish_within_the_grace_period_is_skipped(
         signal.raise_signal(signal.SIGTERM)
         assert handler.agreed(7)
         with pytest.warns(EmergencySaveSkippedWarning, match="at step 7: .* grace period"):
-            assert handler.should_skip_emergency_save(3600.0, expected_save_seconds=25.0)
+            assert handler.should_skip_emergency_save(3600.0, expected_save_seconds=35.0)
 
 
 def test_without_a_grace_period_only_recency_decides() -> None:
@@ -242,13 +242,13 @@ def test_a_skipped_emergency_save_names_every_input_of_the_decision(
         signal.raise_signal(signal.SIGTERM)
         assert handler.agreed(7)
         expected = (r"at step 7: .* grace period .*\[inputs on rank 0: last commit captured "
-                    r"12.00 s ago, 3 step\(s\) since it, expected save 25.00 s, grace period "
+                    r"12.00 s ago, 3 step\(s\) since it, expected save 35.00 s, grace period "
                     r"30 s, \d+\.\d s left\]")
         with pytest.warns(EmergencySaveSkippedWarning, match=expected):
             assert handler.should_skip_emergency_save(
-                12.0, expected_save_seconds=25.0, steps_since_last_commit=3)
+                12.0, expected_save_seconds=35.0, steps_since_last_commit=3)
     assert "skipping the emergency save at step 7" in caplog.text
-    assert "expected save 25.00 s" in caplog.text
+    assert "expected save 35.00 s" in caplog.text
 
 
 def test_the_preempted_exit_code_is_a_retryable_failure_not_success_or_a_signal_death() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import resumekit
+from tests.limits import HANG_S
 
 _INIT = Path(resumekit.__file__)
 
@@ -54,7 +55,7 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
             "resumekit.keep_last, resumekit.CheckpointEntry, resumekit.ResumekitError; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=HANG_S, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 

@@ -10,7 +10,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    SequentialSampler,
+)
 
 from resumekit.errors import (
     ConfigurationError,
@@ -236,7 +242,8 @@ def test_samples_prefetched_by_two_workers_but_not_consumed_are_served_after_res
             resumed_loader = DataLoader(
                 resumed_dataset, batch_size=3, sampler=resumed, num_workers=2
             )
-            assert len(resumed_loader) == 4  # 34 left over 3 ranks: 12 each, 4 batches
+            assert -(-resumed.remaining // 3) == 4  # the rest: 4 batches of 3 here
+            assert len(resumed_loader) == 5  # a whole epoch, as DistributedSampler's: 14
             rest.extend(i for batch in resumed_loader for i in batch.tolist())
         else:
             rest.extend(resumed)
@@ -255,9 +262,9 @@ def test_setting_the_restored_epoch_keeps_the_position_and_a_new_epoch_starts_ov
     restored.load_state_dict(sampler.state_dict())
 
     restored.set_epoch(4)
-    assert (restored.epoch, restored.consumed, len(restored)) == (4, 6, 7)
+    assert (restored.epoch, restored.consumed, restored.remaining) == (4, 6, 7)
     restored.set_epoch(5)
-    assert (restored.epoch, restored.consumed, len(restored)) == (5, 0, 10)
+    assert (restored.epoch, restored.consumed, restored.remaining) == (5, 0, 10)
 
 
 def test_an_iteration_already_started_is_not_changed_by_advance() -> None:
@@ -272,7 +279,7 @@ def test_an_iteration_already_started_is_not_changed_by_advance() -> None:
 
 def test_finishing_the_share_marks_the_epoch_done_even_with_padding() -> None:
     sampler = ResumableDistributedSampler(7, num_replicas=2, rank=1)
-    sampler.advance(len(sampler))
+    sampler.advance(sampler.remaining)
     assert sampler.consumed == 7
     assert list(sampler) == []
 
@@ -361,7 +368,7 @@ def test_a_wrapped_batch_sampler_resumes_by_skipping_consumed_batches_without_re
     rest = [batch.tolist() for batch in DataLoader(resumed_dataset, batch_sampler=resumed)]
 
     assert resumed.epoch == 1
-    assert len(resumed) == 2
+    assert resumed.remaining == 2
     assert rest == everything[2:]
     assert sorted(resumed_dataset.reads()) == sorted(i for batch in rest for i in batch)
 
@@ -379,6 +386,32 @@ def test_wrap_sampler_returns_resumable_samplers_unchanged_and_wraps_others() ->
     wrapped = wrap_sampler(range(5), world_size=1)
     assert isinstance(wrapped, SkipAheadSampler)
     assert wrap_sampler(wrapped) is wrapped
+
+
+@pytest.mark.parametrize(("samples", "world", "drop_last"),
+                         [(40, 3, False), (40, 3, True), (7, 2, False), (7, 2, True),
+                          (8, 4, False)])
+def test_len_is_the_per_rank_epoch_length_of_torchs_distributed_sampler_at_any_position(
+    samples: int, world: int, drop_last: bool
+) -> None:
+    # A drop-in swap for DistributedSampler: len() means the same, also mid-epoch and at
+    # the epoch's end (len() of what was left made a step loop divide by zero there).
+    theirs = DistributedSampler(range(samples), num_replicas=world, rank=0, shuffle=True,
+                                seed=1, drop_last=drop_last)
+    ours = ResumableDistributedSampler(samples, num_replicas=world, rank=0, seed=1,
+                                       drop_last=drop_last)
+    assert len(ours) == len(theirs) == ours.remaining == len(list(ours))
+    ours.advance(1)  # one sample trained on this rank
+    assert len(ours) == len(theirs)
+    assert ours.remaining == len(list(ours)) == len(theirs) - 1
+    ours.advance(ours.remaining)
+    assert (len(ours), ours.remaining, list(ours)) == (len(theirs), 0, [])
+
+
+def test_a_wrapped_sampler_keeps_the_inner_len_and_says_what_is_left_as_remaining() -> None:
+    wrapped = SkipAheadSampler(SequentialSampler(range(10)))
+    wrapped.advance(4)
+    assert (len(wrapped), wrapped.remaining, list(wrapped)) == (10, 6, list(range(4, 10)))
 
 
 @pytest.mark.parametrize("inner", ["sequential", "batch"])

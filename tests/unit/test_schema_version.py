@@ -46,7 +46,9 @@ WRITTEN: dict[int, dict[str, frozenset[str]]] = {
         "manifest fields": frozenset({
             "schema_version", "step", "created_at", "captured_at", "world_size", "reason",
             "files", "data_dir", "lineage", "generation", "extras", "metrics", "state",
-            "fingerprint", "versions", "tensor_format", "save_throughput", "local"}),
+            "fingerprint", "versions", "tensor_format", "save_throughput", "local",
+            # optional advice (the interval in force); readers of 2 ignore it
+            "save_interval"}),
     },
 }
 

@@ -42,6 +42,7 @@ from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors import sharded, state_dicts
 from resumekit.tensors.reader import make_reader
+from tests.limits import HANG_S
 
 STEP = "step_000000003"
 
@@ -399,7 +400,7 @@ def test_torchs_format_utils_command_converts_a_dcp_format_checkpoint(tmp_path: 
     out = tmp_path / "full.pt"
     subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils",
                     "dcp_to_torch", f"{step_dir}/tensors", str(out)],
-                   check=True, capture_output=True, timeout=120)
+                   check=True, capture_output=True, timeout=HANG_S)
     assert_bit_identical(torch.load(out, weights_only=True), expected)
 
 

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.limits import HANG_S
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
@@ -23,7 +25,7 @@ check_compatibility(Manifest(step=3, world_size=2, fingerprint={"params": {}}),
 
 def _stderr_of(script: str) -> str:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=REPO, check=True, timeout=120)
+                          cwd=REPO, check=True, timeout=HANG_S)
     return done.stderr
 
 

@@ -30,6 +30,7 @@ from resumekit.tensors import state_dicts
 from resumekit.tensors.remote import SharedTensor, WriteReply, WriteRequest
 from resumekit.tensors.staging import CpuStager
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:torch.distributed is disabled:UserWarning")
@@ -301,7 +302,7 @@ def test_the_writer_process_exits_when_the_trainer_dies(tmp_path: Path) -> None:
     """)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     result = subprocess.run([sys.executable, "-c", trainer], capture_output=True, text=True,
-                            env=env, timeout=600, check=False)
+                            env=env, timeout=HANG_S, check=False)
     assert result.returncode == -signal.SIGKILL, result.stderr
     pid = int(result.stdout.split()[0])
     # The writer sees its socket's EOF and exits: an orphan, reaped by init. Its pidfd
