@@ -91,11 +91,12 @@ def ensure_venv(venv: Path, torch: str | None) -> Path:
     current = stamp.exists() or (torch is None and _has_dev_dependencies(python))
     if wanted and current:
         # A kept venv (CI's, outside the clone) may point at another checkout, or lack the
-        # console script the CLI tests run: install this checkout (no dependencies: seconds).
+        # console script the CLI tests run, or the test models: install this checkout and
+        # them (no dependencies: seconds).
         print(f"[compat] installing this checkout's resumekit into {venv} (--no-deps)",
               flush=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", "."],
-                       cwd=REPO, check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", ".",
+                        *dev_lock.no_deps_requirements()], cwd=REPO, check=True)
         return python
     if torch is None:
         raise SystemExit(f"{venv} lacks torch or the dev dependencies; name --torch X.Y.Z")
