@@ -143,8 +143,8 @@ def test_a_sub_root_linked_after_construction_is_never_deleted_or_written_throug
         warnings.simplefilter("always")
         assert manager.restore() == 4
         for step in range(4, 6):
-            manager.step_end(step + 1)  # a local save at 6
-    manager.close()
+            manager.step_end(step + 1)  # a local save at 6, written in the background
+        manager.close()  # waits for it: its warning is said here at the latest
     said = [str(w.message) for w in caught if issubclass(w.category, ResumekitWarning)]
     assert any("symbolic link" in m and str(local / "rank_00000") in m for m in said), said
     assert any("local save of step 6" in m for m in said), said

@@ -16,7 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.serialization import get_crc32_options, set_crc32_options
 
+from resumekit.tensors import context
 from resumekit.tensors.raw import (
     CheckedDcpWriter,
     FsspecFiles,
@@ -54,7 +56,18 @@ def test_the_checked_writer_stores_every_item_with_the_bytes_of_dcps_stock_write
     tmp_path: Path,
 ) -> None:
     stock, checked = tmp_path / "stock", tmp_path / "checked"
-    dcp.save(_state(), storage_writer=FileSystemWriter(stock, sync_files=False), no_dist=True)
+    # torch.save's zip CRC is a process-wide switch that a resumekit save in flight turns
+    # off (tensors.context.without_zip_crc32), and the checked writer always writes it: the
+    # stock save holds the switch on, so a background save another test left running in
+    # this process cannot make the two differ in that field alone.
+    with context._CRC32_LOCK:
+        before = get_crc32_options()
+        set_crc32_options(True)
+        try:
+            dcp.save(_state(), storage_writer=FileSystemWriter(stock, sync_files=False),
+                     no_dist=True)
+        finally:
+            set_crc32_options(before)
     writer = CheckedDcpWriter(str(checked), thread_count=3)
     dcp.save(_state(), storage_writer=writer, no_dist=True)
 
