@@ -125,3 +125,19 @@ def test_the_drill_launches_torchrun_with_the_shutdown_timeout_only_where_torchr
     monkeypatch.setattr(_compat, "torch_version", lambda: "2.9.1+cu128")
     assert not any(part.startswith("--shutdown-timeout") for part in launch.command())
     assert drill.torchrun_options(45) == ([], ["--shutdown-timeout=45"])
+
+
+def test_every_release_the_pages_say_was_run_is_a_row_of_the_compatibility_table() -> None:
+    page = (REPO / "docs" / "compatibility.md").read_text()
+    table = page.split("compat-matrix:begin", 1)[1].split("compat-matrix:end", 1)[0]
+    rows = {line.split("|")[1].strip().split("+")[0] for line in table.splitlines()
+            if re.match(r"\| \d+\.\d+\.\d+", line) and "passed" in line}
+    for name in ("README.md", "docs/faq.md", "docs/compatibility.md", "pyproject.toml"):
+        text = (REPO / name).read_text()
+        claimed = set(re.findall(r"\b2\.\d+\.\d+\b", text.split("compat-matrix:begin")[0]))
+        said_run = {v for v in claimed if v not in {"2.10.0", "2.11.0"}}
+        assert said_run <= rows | {"2.6.0", "2.7.0", "2.8.0"}, (name, said_run - rows)
+        # A release in the range without a row is said to be not run, never tested.
+        for release in ("2.10", "2.11"):
+            if not any(row.startswith(release + ".") for row in rows):
+                assert "not yet run" in text or "not been run" in text, (name, release)
