@@ -84,6 +84,7 @@ WORKER_CHECKS = (
     "sync_save_odirect",
     "async_save_d2h",
     "restore_cuda_dtensor",
+    "emergency_capture_d2h",
     "scale_d2h_staging",
     "scale_process_writer",
 )
@@ -112,6 +113,10 @@ CUDA_PATHS = {
                          "blocking time (pinned D2H staging) vs a plain pinned D2H copy, "
                          "a GPU step while the writer thread writes vs alone",
     "scale_process_writer": "the same with async_writer='process' (the writer process)",
+    "emergency_capture_d2h": "the emergency save's capture at a preemption signal: D2H on "
+                             "its own CUDA stream into pinned buffers, the next "
+                             "optimizer.step() held until it is complete "
+                             "(resumekit/background/emergency.py)",
 }
 """Every path the check must run on CUDA; ``--require-cuda`` names those it could not."""
 

@@ -141,8 +141,7 @@ class EmergencyCapture:
         self._capturing = False  # a signal's round is in its copy phase
         self._signal_read, self._signal_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._control_read, self._control_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._hooks = [part.register_step_pre_hook(self._hold)
-                       for part in _optimizer_parts(optimizer)]
+        self._hooks = [_register_hold(part, self._hold) for part in _optimizer_parts(optimizer)]
         self._side_stream: Any = None
         handler.add_wakeup(self._signal_write)
         self._thread = threading.Thread(target=self._main, name="resumekit-emergency",
@@ -346,6 +345,22 @@ class EmergencyCapture:
 
 def _optimizer_parts(optimizer: Optimizers | None) -> tuple[torch.optim.Optimizer, ...]:
     return () if optimizer is None else optimizer_parts(optimizer)
+
+
+def _register_hold(optimizer: torch.optim.Optimizer, hold: Callable[..., None]) -> Any:
+    """Register ``hold`` as a step pre-hook of ``optimizer``, or of the one it wraps.
+
+    A wrapper that subclasses ``Optimizer`` without running its constructor (Accelerate's
+    ``AcceleratedOptimizer``) has no hooks of its own; its ``step()`` calls the wrapped
+    optimizer's, whose hook then holds it.
+    """
+    try:
+        return optimizer.register_step_pre_hook(hold)
+    except AttributeError:
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            raise
+        return _register_hold(inner, hold)
 
 
 def optimizer_groups(optimizer: Optimizers | None) -> list[dict[str, Any]]:

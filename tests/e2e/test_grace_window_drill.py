@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from resumekit.runtime.preemption import SAVE_TIME_MARGIN
 from tests.limits import HANG_S
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,17 +59,18 @@ def test_when_a_new_save_would_be_cut_it_is_not_started_and_the_save_in_flight_c
     tmp_path: Path,
 ) -> None:
     # 5.5 s of grace: the save of step 10 in flight (about 3 s) fits, a save of step 11
-    # after it (3 s more, x 1.5) does not. Then a relaunch only restores.
+    # after it (3 s more, x SAVE_TIME_MARGIN) does not. Then a relaunch only restores.
     preempted, relaunched = _drill(tmp_path, 5.5, 11, 0)
     assert preempted["stopped_at"] == preempted["signalled_after"] == 11, preempted
     [warning] = preempted["skipped"]
     assert warning.startswith("skipping the emergency save at step 11: a save would write "
                               "12.6 MB at the measured "), warning
     for words in ("MB/s (the background save of step 5, which overlapped training: a lower "
-                  "bound", "after the in-flight save of "
-                  "step 10 (about", "x 1.5 margin =", "s left of the 5.5 s grace period, "
-                  "so it is not started", "the in-flight save of step 10 is left to "
-                  "complete and stays the newest checkpoint"):
+                  "bound", "after the in-flight save of step 10 (about",
+                  f"x {SAVE_TIME_MARGIN} margin =",
+                  "s left of the 5.5 s grace period, so it is not started",
+                  "the in-flight save of step 10 is left to complete and stays the newest "
+                  "checkpoint"):
         assert words in warning, (words, warning)
     assert any(warning in line for line in preempted["log"])  # and the log line
     assert preempted["newest_committed"] == 10  # the save in flight committed
