@@ -282,11 +282,6 @@ class CheckpointManager:
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
-        # Local saves are staged on the training thread and written (and replicated) on
-        # a thread of their own, on a group of their own: a local save blocks training
-        # for its staging copy only (issue 38.2).
-        self._local_background, self._local_channel, self._local_stager = (
-            self._local_writer())
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         # At a preemption signal: the last completed step, copied and written at once
         # (resumekit.background.emergency), on a group of its own.
@@ -379,7 +374,6 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        self._local_background.wait()  # a restore reads the local copies
         for auto in self._autos():
             auto.restart()
         if self._emergency is not None:  # no completed step to copy until the next one
@@ -544,40 +538,18 @@ class CheckpointManager:
             f"it would retrain steps already in the checkpoint",
             name="step", value=step, step=step, restored=restored, path=self.storage.path())
 
-    def _local_writer(self) -> tuple[BackgroundSave, Channel, sharded.CpuStager | None]:
-        """The local tier's writer thread, channel (a group of its own, with ranks), stager."""
-        channel = (open_channel(self.storage, self.name_format, self._fence,
-                                new_save_group())
-                   if self._local is not None and self._distributed else self._main)
-        return BackgroundSave(boost=self._raise_writers), channel, None
-
     def _save_local(self, step: int, micro_step: int,
                     metrics: Mapping[str, float] | None) -> None:
-        """Commit every rank's own copy of ``step`` to the local tier (and replicate it).
-
-        Training waits for the previous local save (its staging buffers are reused) and
-        for the staging copy of this one; the write, the commit and the replication run
-        on the local tier's own thread and process group.
-        """
-        local = self._local
-        assert local is not None
+        """Commit every rank's own copy of ``step`` to the local tier (and replicate it)."""
+        assert self._local is not None
         self._settle_emergency()
-        self._local_background.wait()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
         tensors, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
-        if self._local_stager is None:
-            self._local_stager = sharded.CpuStager(
-                page_aligned=local.tensor_format == "raw", shared=False)
-        job = LocalJob(step, self._local_stager.stage(tensors), train, ranks, manifest)
-        channel, generation = self._local_channel, self._fence.generation
-
-        def write_in_background() -> None:
-            with activity(f"local save of step {step}", step=step):
-                local.save(job, channel, generation)
-
-        self._local_background.submit(step, write_in_background)
+        with activity(f"local save of step {step}", step=step):
+            self._local.save(LocalJob(step, tensors, train, ranks, manifest), self._main,
+                             self._fence.generation)
 
     def _scheduled(self, step: int) -> bool:
         if self._auto_every is not None:
@@ -1151,11 +1123,10 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
 
-        Also the local tier's save in flight. Idempotent.
+        Idempotent.
         """
         self._background.wait()
         self._pending_async = None
-        self._local_background.wait()
 
     def close(self) -> None:
         """Wait for the background save and release resources. Idempotent."""
@@ -1170,15 +1141,10 @@ class CheckpointManager:
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
-        self._local_background.wait()
         if self._saver is not self._main and self._saver.group is not None:
             dist.barrier(group=self._saver.group)
             dist.destroy_process_group(self._saver.group)
             self._saver = self._main
-        if self._local_channel is not self._main and self._local_channel.group is not None:
-            dist.barrier(group=self._local_channel.group)
-            dist.destroy_process_group(self._local_channel.group)
-            self._local_channel = self._main
         if self._writer is not None:
             self._writer.close()
             if self._stager is not None:
@@ -1188,7 +1154,6 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
-        self._local_background.raise_if_failed()
 
     def __enter__(self) -> CheckpointManager:
         return self

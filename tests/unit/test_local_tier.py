@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from resumekit.store.local_roots import unusable_reason
 from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
-from tests.limits import HANG_S
 from tests.unit.test_cli_support import run_cli, run_json
 
 
@@ -331,69 +329,3 @@ def test_inspect_of_a_local_root_lists_its_sub_roots(tmp_path: Path,
     assert code == 0 and "rank_00000" in out and "rank 0's own copies" in out and "4, 6" in out
     code, document, _ = run_json(capsys, "inspect", str(tmp_path / "local" / "rank_00000"))
     assert code == 0 and document["kind"] == "root" and document["resume_from"] == 6
-
-
-def test_a_local_save_holds_training_for_its_staging_copy_only(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
-
-    release = threading.Event()
-    writing: list[int] = []
-    real = LocalSite._write
-
-    def held_write(self: LocalSite, job: object, manifest: object) -> str:
-        writing.append(job.step)  # type: ignore[attr-defined]
-        assert release.wait(timeout=HANG_S), "the test never released the write"
-        return real(self, job, manifest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(LocalSite, "_write", held_write)
-    model, opt = _objects()
-    ckpt = _manager(tmp_path, model, opt, save_every=100)
-    ckpt.restore()
-    model(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    ckpt.step_end(1)
-    staged = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    model(torch.ones(1, 4)).sum().backward()
-    opt.step()
-    ckpt.step_end(2)  # a local save is due: it returns while its write is held
-    with torch.no_grad():  # training goes on and changes the weights meanwhile
-        model.weight.add_(1.0)
-    own = tmp_path / "local" / "rank_00000"
-    assert not own.exists() or _steps(own) == []
-    release.set()
-    ckpt.wait()  # waits for the local save too
-    assert writing == [2]
-    assert _steps(own) == ["step_000000002"]
-    ckpt.close()
-    # The copy is of step 2 as it was staged, not of the weights changed after.
-    step, tier, weight = _restore(tmp_path, save_every=100)
-    assert (step, tier) == (2, "local")
-    assert not torch.equal(weight, staged["weight"])  # step 2's, not step 1's
-    assert not torch.equal(weight, model.weight.detach())
-
-
-def test_a_restore_waits_for_the_local_save_in_flight(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
-
-    order: list[str] = []
-    real = LocalSite._write
-
-    def slow_write(self: LocalSite, job: object, manifest: object) -> str:
-        name = real(self, job, manifest)  # type: ignore[arg-type]
-        order.append("written")
-        return name
-
-    monkeypatch.setattr(LocalSite, "_write", slow_write)
-    model, opt = _objects()
-    with _manager(tmp_path, model, opt, save_every=100) as ckpt:
-        ckpt.restore()
-        for step in (1, 2):
-            model(torch.ones(1, 4)).sum().backward()
-            opt.step()
-            ckpt.step_end(step)
-        assert ckpt.restore() == 2  # the copy of step 2 was committed before it read
-        order.append("restored")
-        assert ckpt.restored_from_tier == "local"
-    assert order == ["written", "restored"]
