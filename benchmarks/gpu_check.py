@@ -696,7 +696,8 @@ def _check_emergency(state: dict[str, Any], sizes: Sizes, scratch: Path) -> dict
     model, optimizer = _build(sizes, device, bf16=False, seed=3)
     handler = PreemptionHandler(signals=("SIGUSR2",), grace_period=600, poll_every=1,
                                 overlap=False)
-    manager = CheckpointManager(root, model=model, optimizer=optimizer, preemption=handler,
+    manager = CheckpointManager(root, model=model, optimizer=optimizer,
+                                capture_at_signal=True, preemption=handler,
                                 save_every=1000, retention=None)
     try:
         manager.restore()

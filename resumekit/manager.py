@@ -288,7 +288,8 @@ class CheckpointManager:
         self._emergency: EmergencyCapture | None = None
         self._emergency_channel = self._main
         self._emergency_cuda = False
-        if preemption is not None and not self.read_only and model is not None:
+        if (preemption is not None and options.capture_at_signal and not self.read_only
+                and model is not None):
             self._start_emergency(preemption, self.state.optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
 

@@ -47,7 +47,7 @@ def _ranks(rank: int, world_size: int, root: str, signalled: list[int]) -> dict[
     model, optimizer = _build()
     handler = resumekit.PreemptionHandler(grace_period=600, poll_every=1, overlap=False)
     ckpt = resumekit.CheckpointManager(root, model=model, optimizer=optimizer,
-                                       save_every=100, preemption=handler)
+                                       save_every=100, capture_at_signal=True, preemption=handler)
     ckpt.restore()
     for step in (1, 2):
         _train(model, optimizer)

@@ -67,7 +67,8 @@ def test_a_signal_mid_step_commits_the_last_completed_step_before_the_step_ends(
 ) -> None:
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler,
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler,
                              save_every=100)
     assert ckpt.restore() == 0
     for step in (1, 2):
@@ -115,7 +116,8 @@ def test_the_optimizer_step_after_a_signal_waits_for_the_copy_of_the_last_step(
     monkeypatch.setattr(EmergencyCapture, "_hold", noted_hold)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler)
     ckpt.restore()
     _train(model, optimizer)
     ckpt.step_end(1)
@@ -139,7 +141,8 @@ def test_the_optimizer_step_after_a_signal_waits_for_the_copy_of_the_last_step(
 def test_a_second_signal_starts_no_second_copy_and_rewrites_nothing(tmp_path: Path) -> None:
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler)
     ckpt.restore()
     _train(model, optimizer)
     ckpt.step_end(1)
@@ -170,7 +173,8 @@ def test_a_signal_during_a_restore_copies_the_first_step_completed_after_it(
 
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler)
     os.kill(os.getpid(), signal.SIGUSR1)  # before the restore: nothing to copy yet
     assert ckpt.restore() == 5
     _train(model, optimizer)
@@ -203,7 +207,8 @@ def test_a_signal_while_a_background_save_is_in_flight_lets_it_commit_first(
     monkeypatch.setattr(sharded, "save", gated)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, preemption=handler,
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler,
                              async_save=True, save_every=2)
     ckpt.restore()
     for step in (1, 2, 3):
@@ -240,7 +245,8 @@ def test_a_signal_commits_the_last_completed_step_of_every_optimizer_in_a_list(
 
     model, optimizers = build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizers, preemption=handler,
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizers,
+                             capture_at_signal=True, preemption=handler,
                              save_every=100)
     assert ckpt.restore() == 0
     for step in (1, 2):
