@@ -41,7 +41,7 @@ _BAD = [
     ("read_only", 2, "boolean"),
     ("foreign", "import", "'error' or 'ignore'"),
     ("stage_ahead", "later", "boolean"),
-    ("capture_at_signal", "yes", "boolean"),
+    ("capture_at_signal", "at once", "boolean"),
     ("restore_reads", "twice", "'once' or 'every_rank'"),
     ("local", "/dev/shm/run", "LocalTier"),
 ]
