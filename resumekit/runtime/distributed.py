@@ -604,7 +604,8 @@ def init_distributed(
 
     The steps: read the launcher's variables (:func:`detect_launch`); bind the device
     (``torch.cuda.set_device(local_rank)``); start or reach the TCP rendezvous store and wait
-    there, with ``checkpoint_timeout``, until every rank has arrived; create the default group
+    there, for the longer of ``timeout`` and ``checkpoint_timeout``, until every rank has
+    arrived; create the default group
     with the short ``timeout`` (NCCL gets ``device_id``, so it connects eagerly); create the
     always-gloo checkpoint group with ``checkpoint_timeout``.
 
@@ -681,7 +682,9 @@ def _init_group(
     if owns:
         backend = _choose_backend(request.backend, chosen)
         assert launch.master_addr is not None and launch.master_port is not None
-        store = _rendezvous(launch, request.checkpoint_timeout)
+        # Start-up skew is bounded by the longer of the two timeouts: a short checkpoint
+        # timeout (one chosen to catch a hung peer quickly) must not fail a late start.
+        store = _rendezvous(launch, max(request.timeout, request.checkpoint_timeout))
         dist.init_process_group(
             backend=backend,
             store=store,

@@ -197,6 +197,22 @@ def test_ranks_starting_two_training_timeouts_apart_still_form_the_group() -> No
     assert run_ranks(_start_late, world_size=2, args=(4.0,), init_group=False) == [3, 3]
 
 
+def _start_late_with_a_short_checkpoint_timeout(rank: int, world_size: int, late_s: float) -> int:
+    if rank == 1:
+        time.sleep(late_s)  # a node that boots late; rank 0 is already waiting in init
+    init_distributed(timeout=600, checkpoint_timeout=late_s / 4)
+    total = _sum_over(checkpoint_group(), rank)
+    shutdown()
+    return total
+
+
+def test_a_short_checkpoint_timeout_does_not_fail_a_start_within_the_training_timeout() -> None:
+    # A checkpoint timeout chosen short, to catch a hung peer quickly, bounds the save and
+    # restore collectives; the start-up meeting waits for the longer of the two timeouts.
+    assert run_ranks(_start_late_with_a_short_checkpoint_timeout, world_size=2, args=(4.0,),
+                     init_group=False) == [3, 3]
+
+
 def _use_occupied_port(rank: int, world_size: int, port: int) -> str:
     os.environ["MASTER_PORT"] = str(port)
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from resumekit.errors import CoordinationError
@@ -22,17 +23,21 @@ from resumekit.manager import CheckpointManager
 from resumekit.runtime.distributed import init_distributed
 from resumekit.tensors import sharded
 from tests.distributed_harness import run_ranks
-from tests.limits import HANG_S
+from tests.limits import COLLECTIVE_HANG_S, HANG_S
 
-CHECKPOINT_TIMEOUT_S = 3
+# Short, so that the hung peer is given up on quickly; the ranks meet on the training group
+# (a hang detector's timeout) before each checkpoint-group step, so a rank slowed by machine
+# load never runs into it.
+CHECKPOINT_TIMEOUT_S = 10
 RELEASE_LIMIT_S = HANG_S  # a hang detector
 FAILING_RANK = 1
 
 
 def _save_with_a_failing_peer(rank: int, world_size: int, root: str, how: str
                               ) -> dict[str, Any] | None:
-    init_distributed(timeout=60, checkpoint_timeout=CHECKPOINT_TIMEOUT_S)
+    init_distributed(timeout=COLLECTIVE_HANG_S, checkpoint_timeout=CHECKPOINT_TIMEOUT_S)
     torch.manual_seed(0)
+    dist.barrier()
     model = nn.Linear(8, 8)
     manager = CheckpointManager(root, model=model,
                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
@@ -47,6 +52,7 @@ def _save_with_a_failing_peer(rank: int, world_size: int, root: str, how: str
             os._exit(0)
 
         sharded.save = fail  # rank 1 enters the save of step 5, then fails inside it
+    dist.barrier()
     try:
         manager.save(5)
     except CoordinationError as error:
