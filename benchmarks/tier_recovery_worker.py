@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             events.log("step", step=step, attempt=attempt,
                        state_bytes=tensor_bytes(model, optimizer))
             if step in (args.crash_local, args.crash_durable) and attempt < 2:
+                ckpt.wait()  # local saves write in the background: this one committed
                 _crash(rank, step == args.crash_durable, args, events)
     return 0
 

@@ -282,6 +282,12 @@ class CheckpointManager:
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
+        # Local saves are staged on the training thread and written (and replicated) on
+        # a thread of their own, on a group of their own: a local save blocks training
+        # for its staging copy only (issue 38.2).
+        self._local_background, self._local_channel, self._local_stager = (
+            self._local_writer())
+        self._local_write_s: float | None = None  # the last local save's write, measured
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         # At a preemption signal: the last completed step, copied and written at once
         # (resumekit.background.emergency), on a group of its own.
@@ -375,6 +381,7 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
+        self._local_background.wait()  # a restore reads the local copies
         for auto in self._autos():
             auto.restart()
         if self._emergency is not None:  # no completed step to copy until the next one
@@ -539,18 +546,43 @@ class CheckpointManager:
             f"it would retrain steps already in the checkpoint",
             name="step", value=step, step=step, restored=restored, path=self.storage.path())
 
+    def _local_writer(self) -> tuple[BackgroundSave, Channel, sharded.CpuStager | None]:
+        """The local tier's writer thread, channel (a group of its own, with ranks), stager."""
+        channel = (open_channel(self.storage, self.name_format, self._fence,
+                                new_save_group())
+                   if self._local is not None and self._distributed else self._main)
+        return (BackgroundSave(boost=self._raise_writers, what="local save",
+                               thread="local-save"), channel, None)
+
     def _save_local(self, step: int, micro_step: int,
                     metrics: Mapping[str, float] | None) -> None:
-        """Commit every rank's own copy of ``step`` to the local tier (and replicate it)."""
-        assert self._local is not None
+        """Commit every rank's own copy of ``step`` to the local tier (and replicate it).
+
+        Training waits for the previous local save (its staging buffers are reused) and
+        for the staging copy of this one; the write, the commit and the replication run
+        on the local tier's own thread and process group.
+        """
+        local = self._local
+        assert local is not None
         self._settle_emergency()
+        self._local_background.wait()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
         tensors, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
-        with activity(f"local save of step {step}", step=step):
-            self._local.save(LocalJob(step, tensors, train, ranks, manifest), self._main,
-                             self._fence.generation)
+        if self._local_stager is None:
+            self._local_stager = sharded.CpuStager(
+                page_aligned=local.tensor_format == "raw", shared=False)
+        job = LocalJob(step, self._local_stager.stage(tensors), train, ranks, manifest)
+        channel, generation = self._local_channel, self._fence.generation
+
+        def write_in_background() -> None:
+            began = time.monotonic()
+            with activity(f"local save of step {step}", step=step):
+                local.save(job, channel, generation)
+            self._local_write_s = time.monotonic() - began  # for save_every="auto"
+
+        self._local_background.submit(step, write_in_background)
 
     def _scheduled(self, step: int) -> bool:
         if self._auto_every is not None:
@@ -613,13 +645,15 @@ class CheckpointManager:
     def _choose_interval(self, step: int, began: float, *, local: bool = False) -> None:
         """After the interval save of ``step`` (begun at ``began``): the next interval.
 
-        ``local``: the local tier's (its saves block: the write is in the blocking time).
+        ``local``: the local tier's. Its saves write in the background (the blocking time
+        is the staging copy), so the interval holds at least the last local write measured
+        (the one just submitted is still writing).
         """
         auto = self._local_auto if local else self._auto_every
         assert auto is not None
         blocking = max(0.0, auto.clock() - began)
-        overlapped = bool(self.async_save) and not local
-        write = (None if local else
+        overlapped = bool(self.async_save) or local
+        write = (self._local_write_s if local else
                  self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped))
         proposal = auto.propose(blocking_s=blocking, write_s=write or 0.0,
                                 overlapped=overlapped)
@@ -1009,11 +1043,12 @@ class CheckpointManager:
 
         ``step_end`` saves only on its interval, so a run whose last step is not a
         multiple of ``save_every`` would otherwise end unsaved. Blocking (waits for a
-        background save first). Nothing is written when ``step`` is already committed as
-        ``final`` (a relaunch of a finished run); when it is committed for another reason
-        (its ``save_every`` save), it is replaced, atomically, by the same state marked
-        ``final``, so that :attr:`finished` and the newest manifest's ``reason`` tell a
-        relaunch or a wrapper script that the run is done.
+        background save and the local tier's save in flight first). Nothing is written
+        when ``step`` is already committed as ``final`` (a relaunch of a finished run);
+        when it is committed for another reason (its ``save_every`` save), it is
+        replaced, atomically, by the same state marked ``final``, so that :attr:`finished`
+        and the newest manifest's ``reason`` tell a relaunch or a wrapper script that the
+        run is done.
 
         Args:
             step: Optimizer steps completed (the loop's last ``step_end`` step).
@@ -1023,6 +1058,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._background.wait()
+        self._local_background.wait()  # the run ends: its last local save committed too
         if self._final_step == step:
             logger.info("resumekit: step %d is already committed as final", step)
             return
@@ -1124,10 +1160,11 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until the background save (if any) is committed; re-raise its error.
 
-        Idempotent.
+        Also the local tier's save in flight. Idempotent.
         """
         self._background.wait()
         self._pending_async = None
+        self._local_background.wait()
 
     def close(self) -> None:
         """Wait for the background save and release resources. Idempotent."""
@@ -1142,10 +1179,15 @@ class CheckpointManager:
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
+        self._local_background.wait()
         if self._saver is not self._main and self._saver.group is not None:
             dist.barrier(group=self._saver.group)
             dist.destroy_process_group(self._saver.group)
             self._saver = self._main
+        if self._local_channel is not self._main and self._local_channel.group is not None:
+            dist.barrier(group=self._local_channel.group)
+            dist.destroy_process_group(self._local_channel.group)
+            self._local_channel = self._main
         if self._writer is not None:
             self._writer.close()
             if self._stager is not None:
@@ -1155,6 +1197,7 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
+        self._local_background.raise_if_failed()
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -27,11 +27,18 @@ class BackgroundSave:
     The job's exception (including DCP's ``CheckpointException``, a ``BaseException``)
     is stored and re-raised, wrapped in :class:`~resumekit.errors.AsyncSaveError`, by the
     next :meth:`wait`.
+
+    Args:
+        boost: Called while someone waits for the job (raises its writers' priority).
+        what: The job in words, for its error (``"local save"``).
+        thread: The thread's name: ``resumekit-<thread>-<step>``.
     """
 
-    def __init__(self, boost: Callable[[], object] | None = None) -> None:
+    def __init__(self, boost: Callable[[], object] | None = None, *,
+                 what: str = "background save", thread: str = "save") -> None:
         # Raises the writers' idle CPU priority while someone waits for the job.
         self._boost = boost
+        self._what, self._name = what, thread  # the job in its error, its thread's name
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
@@ -51,7 +58,8 @@ class BackgroundSave:
                 self._error = error
 
         self._step = step
-        self._thread = threading.Thread(target=run, name=f"resumekit-save-{step}", daemon=True)
+        self._thread = threading.Thread(target=run, name=f"resumekit-{self._name}-{step}",
+                                        daemon=True)
         self._thread.start()
 
     def join(self) -> None:
@@ -93,7 +101,7 @@ class BackgroundSave:
             remote = getattr(error, "remote_traceback", None)
             shown = f"\nthe writer process's traceback:\n{remote}" if remote else ""
             raise AsyncSaveError(
-                f"background save of step {self._step} failed: {type(error).__name__}: "
+                f"{self._what} of step {self._step} failed: {type(error).__name__}: "
                 f"{error}{shown}",
                 step=self._step,
             ) from error

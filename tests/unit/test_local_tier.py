@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from resumekit.store.local_roots import unusable_reason
 from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
 from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning
+from tests.limits import HANG_S
 from tests.unit.test_cli_support import run_cli, run_json
 
 
@@ -329,3 +331,190 @@ def test_inspect_of_a_local_root_lists_its_sub_roots(tmp_path: Path,
     assert code == 0 and "rank_00000" in out and "rank 0's own copies" in out and "4, 6" in out
     code, document, _ = run_json(capsys, "inspect", str(tmp_path / "local" / "rank_00000"))
     assert code == 0 and document["kind"] == "root" and document["resume_from"] == 6
+
+
+def test_a_local_save_holds_training_for_its_staging_copy_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+
+    release = threading.Event()
+    writing: list[int] = []
+    real = LocalSite._write
+
+    def held_write(self: LocalSite, job: object, manifest: object) -> str:
+        writing.append(job.step)  # type: ignore[attr-defined]
+        # Held until the test releases it, unless training itself writes (then the test
+        # fails below rather than waiting for itself).
+        assert threading.current_thread() is not threading.main_thread(), \
+            "the local save wrote on the training thread"
+        assert release.wait(timeout=HANG_S), "the test never released the write"
+        return real(self, job, manifest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalSite, "_write", held_write)
+    model, opt = _objects()
+    ckpt = _manager(tmp_path, model, opt, save_every=100)
+    ckpt.restore()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    ckpt.step_end(1)
+    at_one = model.weight.detach().clone()
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    at_two = model.weight.detach().clone()
+    ckpt.step_end(2)  # a local save is due: it returns while its write is held
+    with torch.no_grad():  # training goes on and changes the weights meanwhile
+        model.weight.add_(1.0)
+    own = tmp_path / "local" / "rank_00000"
+    assert not own.exists() or _steps(own) == []
+    release.set()
+    ckpt.wait()  # waits for the local save too
+    assert writing == [2]
+    assert _steps(own) == ["step_000000002"]
+    ckpt.close()
+    # The copy is of step 2 as it was staged, not of the weights changed after.
+    step, tier, weight = _restore(tmp_path, save_every=100)
+    assert (step, tier) == (2, "local")
+    assert torch.equal(weight, at_two) and not torch.equal(weight, at_one)
+    assert not torch.equal(weight, model.weight.detach())
+
+
+def test_a_restore_waits_for_the_local_save_in_flight(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+
+    order: list[str] = []
+    calling, restoring = threading.Event(), threading.Event()
+    real = LocalSite._write
+    real_autos = resumekit.CheckpointManager._autos
+
+    def held_write(self: LocalSite, job: object, manifest: object) -> str:
+        # Held until the test calls restore(). A restore that did not wait would go on
+        # at once (and say so, below); one that waits does not, and the write goes on
+        # after a second: then the order says it waited, whatever the machine's load.
+        if threading.current_thread() is not threading.main_thread():
+            assert calling.wait(timeout=HANG_S), "the test never called restore()"
+            if restoring.wait(timeout=1.0):
+                order.append("the restore began while the write was held")
+        name = real(self, job, manifest)  # type: ignore[arg-type]
+        order.append("written")
+        return name
+
+    def autos(self: resumekit.CheckpointManager) -> object:
+        restoring.set()  # the restore, past its wait for the local save
+        return real_autos(self)
+
+    monkeypatch.setattr(LocalSite, "_write", held_write)
+    model, opt = _objects()
+    with _manager(tmp_path, model, opt, save_every=100) as ckpt:
+        ckpt.restore()
+        for step in (1, 2):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            ckpt.step_end(step)
+        order.append("restoring")
+        monkeypatch.setattr(resumekit.CheckpointManager, "_autos", autos)
+        calling.set()
+        assert ckpt.restore() == 2  # the copy of step 2 was committed before it read
+        assert ckpt.restored_from_tier == "local"
+    assert order == ["restoring", "written"]
+
+
+def test_a_failed_background_local_save_is_one_warning_and_hides_no_committed_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+
+    real = LocalSite._write
+
+    def full_at_four(self: LocalSite, job: object, manifest: object) -> str:
+        if job.step == 4:  # type: ignore[attr-defined]
+            raise OSError(28, "No space left on device")
+        return real(self, job, manifest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalSite, "_write", full_at_four)
+    with pytest.warns(ResumekitWarning) as caught:
+        weights = _train(tmp_path, 7, save_every=100)
+    said = [str(w.message) for w in caught if "failed" in str(w.message)]
+    assert len(said) == 1, said
+    assert "local save of step 4 under" in said[0] and "No space left on device" in said[0]
+    # Step 2 stays committed beside 6 (the failed step 4 took nothing away), and the
+    # newest copy is what a restore reads.
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000002", "step_000000006"]
+    step, tier, weight = _restore(tmp_path, save_every=100)
+    assert (step, tier) == (6, "local") and torch.equal(weight, weights[6])
+
+
+def test_an_unexpected_error_of_a_background_local_save_is_raised_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit.errors import AsyncSaveError  # noqa: PLC0415
+    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+
+    def broken(self: LocalSite, job: object, manifest: object) -> str:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(LocalSite, "_write", broken)
+    model, opt = _objects()
+    ckpt = _manager(tmp_path, model, opt, save_every=100)
+    ckpt.restore()
+    for step in (1, 2):
+        ckpt.step_end(step)
+    with pytest.raises(AsyncSaveError, match=r"local save of step 2 failed: RuntimeError: "
+                                             r"a bug in the writer") as raised:
+        ckpt.wait()
+    assert raised.value.fields["step"] == 2
+    ckpt.wait()  # raised once
+    ckpt.close()
+
+
+_KILLED_MID_WRITE = """
+import os, sys, threading, torch
+from torch import nn
+import resumekit
+from resumekit.tiers.local import LocalSite
+
+real = LocalSite._write
+def held(self, job, manifest):
+    if job.step == 4:
+        print("writing 4", flush=True)
+        threading.Event().wait()  # killed here
+    return real(self, job, manifest)
+LocalSite._write = held
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+ckpt = resumekit.CheckpointManager(
+    sys.argv[1] + "/durable", model=model, optimizer=opt, save_every=3,
+    local=resumekit.LocalTier(sys.argv[1] + "/local", save_every=2, keep=1, replicas=False))
+ckpt.restore()
+for step in range(1, 7):
+    model(torch.full((1, 4), float(step))).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.step_end(step)
+    if step == 3:
+        ckpt.wait()
+        torch.save(model.weight.detach(), sys.argv[1] + "/weight3.pt")
+print("not killed", flush=True)
+"""
+
+
+def test_a_kill_while_a_local_save_writes_in_the_background_leaves_the_newest_committed(
+        tmp_path: Path) -> None:
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    worker = subprocess.Popen([sys.executable, "-c", _KILLED_MID_WRITE, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None
+        line = worker.stdout.readline()  # blocks until the write of step 4 is held
+        assert line == "writing 4\n", line
+        os.kill(worker.pid, signal.SIGKILL)
+    finally:
+        worker.kill()
+        worker.wait(timeout=HANG_S)
+    # keep=1: step 2's copy stays until step 4's commits; durable step 3 is newer.
+    assert _steps(tmp_path / "local" / "rank_00000") == ["step_000000002"]
+    step, tier, weight = _restore(tmp_path, save_every=3, keep=1)
+    assert (step, tier) == (3, "durable")
+    assert torch.equal(weight, torch.load(tmp_path / "weight3.pt"))

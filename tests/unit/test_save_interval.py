@@ -230,6 +230,39 @@ def test_a_local_tier_with_save_every_auto_saves_at_its_own_measured_interval(
     assert manager.save_interval == 1000
 
 
+def test_a_local_tier_with_save_every_auto_holds_at_least_its_background_write(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Local saves write in the background: the blocking time is the staging copy, and
+    # the interval is floored by the last local write measured (issue 38.2).
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = CheckpointManager(
+        tmp_path / "durable", model=model, optimizer=optimizer, save_every=1000,
+        interruptions_every=1800.0,
+        local=resumekit.LocalTier(tmp_path / "local", save_every="auto", replicas=False))
+    seen: list[tuple[dict[str, object], float | None]] = []
+    real = AutoSaveEvery.propose
+
+    def spy(self: AutoSaveEvery, **inputs: object) -> object:
+        seen.append((inputs, manager._local_write_s))
+        return real(self, **inputs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(AutoSaveEvery, "propose", spy)
+    assert manager._local_auto is not None
+    clock = FakeClock()  # 5 s steps, saves that hold nothing: an interval of one step
+    manager._local_auto.clock = clock
+    for step in range(manager.restore() + 1, 8):
+        clock.now += 5.0
+        manager.step_end(step)
+        manager._local_background.join()  # the write measured before the next choice
+    manager.close()
+    assert len(seen) >= 2, seen
+    assert all(inputs["overlapped"] is True for inputs, _ in seen), seen
+    assert seen[0][0]["write_s"] == 0.0  # none measured before the first local save
+    for inputs, measured in seen[1:]:
+        assert measured is not None and measured > 0 and inputs["write_s"] == measured
+
+
 def test_a_local_tier_refuses_an_interval_that_is_neither_a_count_nor_auto() -> None:
     with pytest.raises(ConfigurationError, match="a number of steps or 'auto'") as raised:
         resumekit.LocalTier("/tmp/x", save_every="often")
