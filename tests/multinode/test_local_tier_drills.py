@@ -50,6 +50,7 @@ from tests.multinode.drills import (
     preempt_at,
     runs_of,
     submit,
+    wait_for_output,
     wait_for_step,
     wait_requeued,
 )
@@ -70,6 +71,10 @@ _PASSED_OVER = re.compile(r"not restoring step (\d+) from the (local|replica) ti
 _SPARED = re.compile(r"(rank (\d+)'s copy .*); rank \d+ reads rank (\d+)'s replica of step "
                      r"(\d+) instead")
 _LOCAL_COMMIT = re.compile(r"resumekit: committed local step (\d+) under")
+#: Rank 0's line once a local step is committed on every rank and rank 0's replication
+#: (its own copy sent, its partner's received) is done (rank 1 logs warnings only).
+_RANK0_LOCAL_COMMIT = re.compile(r"^\[rank 0\] .*resumekit: committed local step (\d+) under",
+                                 re.MULTILINE)
 _STAMP = r"^\[rank 0\] (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) "
 _RESUMED_AT = re.compile(_STAMP + r"lingbot\.train: resumed at step (\d+)", re.MULTILINE)
 _FIRST_STEP_AT = re.compile(_STAMP + r"lingbot\.train: first step after resuming at step "
@@ -132,6 +137,44 @@ def _all_frozen(*pids: int) -> Iterator[None]:
         for pid in pids:
             stack.enter_context(frozen(pid))
         yield
+
+
+def _local_step_of(step: int) -> int:
+    """The newest local step at or below ``step`` (0: none yet)."""
+    return step - step % LOCAL_EVERY
+
+
+def _committed_local(output: Path, after: int) -> set[int]:
+    """Local steps rank 0 logged committed (and replicated) past offset ``after``."""
+    text = output.read_text(errors="replace") if output.exists() else ""
+    return {int(s) for s in _RANK0_LOCAL_COMMIT.findall(text, after)}
+
+
+@contextmanager
+def _frozen_settled(cluster: NamespaceCluster, job_id: int, root: Path, output: Path,
+                    pids: Collection[int], *, step: int, after: int = 0) -> Iterator[int]:
+    """``pids`` frozen once the run reached ``step`` and no local save is in flight.
+
+    Local saves write, commit and replicate in the background (issue 38.2), so the step a
+    rank reached says nothing of which local copies exist. Frozen with step ``R`` the
+    newest in ``metrics.jsonl`` (rank 0 appends it before its ``step_end``), the newest
+    local save any rank can have agreed on is ``L``, the local step at or below ``R``;
+    the moment is settled when rank 0 logged ``L`` committed and replicated (past offset
+    ``after``: this run's lines). Otherwise the ranks are continued, the test waits for
+    that line (an event), and freezes again. Yields ``R``.
+    """
+    while True:
+        wait_for_step(cluster, job_id, root, step)
+        with _all_frozen(*pids):
+            reached = newest_step(root)
+            local = _local_step_of(reached)
+            if local and local in _committed_local(output, after):
+                yield reached
+                return
+        if local:  # its write is in flight: wait for its commit line, then freeze again
+            wait_for_output(cluster, output, rf"(?m)^\[rank 0\] .*resumekit: committed "
+                            rf"local step {local} under", after=after)
+        step = max(reached, LOCAL_EVERY)
 
 
 @dataclass
@@ -251,9 +294,9 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
     assert placement == {0: "host1", 1: "host2"}
 
     # --- fault 1: rank 1's worker SIGKILLed; local copies of step 2 (at least) exist ------
-    wait_for_step(cluster, job_id, root, 3)
-    with frozen(rank0):  # rank 0 logs the steps: frozen, the step reached is exact
-        reached = newest_step(root)
+    # Rank 0 logs the steps: frozen, the step reached is exact; and no local save of a
+    # step at or below it is still writing.
+    with _frozen_settled(cluster, job_id, root, output, [rank0], step=3) as reached:
         own = {h: _committed_steps(_local_root(cluster, h, name) / _rank(r))
                for r, h in placement.items()}
         durable_at_first = _durable_steps(root)
@@ -263,13 +306,14 @@ def test_in_job_restart_after_a_worker_sigkill_resumes_from_the_local_tier_else_
     # its step from then on: a tiny run is done seconds after its restore.
     restarted = {rank: _worker(cluster, job_id, rank, not_one_of=(rank0, rank1))
                  for rank in (0, 1)}
+    # The restarted group's lines come after its "resumed at step" line.
+    resumed, _ = wait_for_output(cluster, output, _RESUMED.pattern, after=0)
     # Restarted in the job, on the same hosts: no requeue.
     assert {r: _host_of(cluster, pid) for r, pid in restarted.items()} == placement
 
     # --- fault 2: every node-local copy gone (both hosts), rank 1 SIGKILLed again --------
-    wait_for_step(cluster, job_id, root, DURABLE_EVERY + 3)
-    with _all_frozen(restarted[0], restarted[1]):
-        reached2 = newest_step(root)
+    with _frozen_settled(cluster, job_id, root, output, restarted.values(),
+                         step=DURABLE_EVERY + 3, after=resumed.end()) as reached2:
         durable_then = _durable_steps(root)
         for rank, host in placement.items():
             wiped = _local_root(cluster, host, name)
@@ -349,10 +393,9 @@ def test_local_tier_host_lost_with_its_disk_requeues_onto_a_fresh_host_from_the_
     assert _host_of(cluster, rank0) == "host1"
     assert _host_of(cluster, _worker(cluster, job_id, 1)) == "host2"
     # Step 9: local steps 6 and 8 are held (own and partner's replica), durable step 6.
-    wait_for_step(cluster, job_id, root, DURABLE_EVERY + 3)
     replicas = _local_root(cluster, "host1", name) / f"replica_of_{_rank(1)}"
-    with frozen(rank0):
-        reached = newest_step(root)
+    with _frozen_settled(cluster, job_id, root, output, [rank0],
+                         step=DURABLE_EVERY + 3) as reached:
         held = _committed_steps(replicas)
         own0 = _committed_steps(_local_root(cluster, "host1", name) / _rank(0))
         durable_then = _durable_steps(root)
@@ -458,11 +501,10 @@ def test_local_tier_corrupted_copy_is_passed_over_with_a_warning_for_the_partner
     root, output = tmp_path / "run", tmp_path / "job.out"
     job_id = submit(cluster, root, output, env=_local_env(cluster, name))
     rank0, rank1 = (_worker(cluster, job_id, rank) for rank in (0, 1))
-    wait_for_step(cluster, job_id, root, 2 * LOCAL_EVERY + 1)
     roots = {rank: _local_root(cluster, host, name) / _rank(rank)
              for rank, host in ((0, "host1"), (1, "host2"))}
-    with _all_frozen(rank0, rank1):
-        reached = newest_step(root)
+    with _frozen_settled(cluster, job_id, root, output, [rank0, rank1],
+                         step=2 * LOCAL_EVERY + 1) as reached:
         own = {rank: set(_committed_steps(path)) for rank, path in roots.items()}
         kept = set(_committed_steps(_local_root(cluster, "host1", name)
                                     / f"replica_of_{_rank(1)}"))
