@@ -26,6 +26,9 @@ process writer where the option exists, else with its thread, as "resumekit asyn
   the most over resumekit's methods;
 * ``scale_goodput``: :func:`benchmarks.goodput.analyse` over the schedule, resumekit async;
 * ``scale_goodput_vs_dcp_async``: that / the better of DCP's two ``async_save`` executors;
+* ``scale_step_slowdown_local_every_step``: a step with a local tier saving every step
+  (written in the background) / a step with no checkpointing, side by side in one launch
+  (:mod:`benchmarks.scale_local`; ``--local-rounds 0`` leaves it out);
 * ``scale_peak_rss_async_vs_state``, ``scale_peak_rss_sync_vs_state``: the host memory
   the method itself needs at its most, per rank (:func:`checkpoint_memory`: what its
   calls leave allocated and the most one of them raises the resident set above that,
@@ -54,7 +57,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import goodput, nas
+from benchmarks import goodput, nas, scale_local
 from benchmarks.scale_worker import (
     DCP_DONE,
     KEEP,
@@ -73,6 +76,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 GB = 1_000_000_000
 MB = 1_000_000
 RANKS = 2
+#: ``details`` key of the local tier at ``save_every=1`` (:mod:`benchmarks.scale_local`).
+LOCAL_EVERY_STEP = "local_every_step"
 
 #: Summary key -> goal (issue 27). "higher"/"lower" is better; ``target`` None: no goal.
 TARGETS: dict[str, dict[str, Any]] = {
@@ -103,6 +108,9 @@ TARGETS: dict[str, dict[str, Any]] = {
                                   "what": "async save, call to committed / sync save"},
     "scale_emergency_save_vs_grace": {"better": "lower", "target": 1.0,
                                       "what": "SIGTERM to committed / grace window"},
+    "scale_step_slowdown_local_every_step": {"better": "lower", "target": 1.05,
+                                             "what": "step with a local save every step / "
+                                                     "step with no checkpointing"},
 }
 
 _STARTED = time.monotonic()
@@ -592,6 +600,8 @@ def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "scale_emergency_save_vs_grace": max(
             (v for v in (get(ran[name], "emergency_save_vs_grace") for name in ran
                          if name.startswith("resumekit")) if v is not None), default=None),
+        "scale_step_slowdown_local_every_step": get(details.get(LOCAL_EVERY_STEP) or {},
+                                                    "ratio"),
     }
     sources = {key: ("resumekit_sync" if key in (
         "scale_save_vs_bandwidth", "scale_restore_vs_bandwidth",
@@ -600,6 +610,9 @@ def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     sources["scale_emergency_save_vs_grace"] = "every resumekit method (the most)"
     sources["scale_goodput_vs_dcp_async"] = f"{best_async} / better of dcp_async_*"
     sources["scale_async_total_vs_sync"] = f"{best_async} / resumekit_sync"
+    sources["scale_step_slowdown_local_every_step"] = (
+        f"{LOCAL_EVERY_STEP} (benchmarks.scale_local): local tier, save_every=1 / no "
+        "checkpointing")
     return summary, sources
 
 
@@ -783,6 +796,10 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep the launches' logs and events here (default: removed "
                              "with the bench directory)")
+    parser.add_argument("--local-rounds", type=int, default=3,
+                        help="rounds of the local tier at save_every=1 against no "
+                             "checkpointing (each: a block of each; 0: not measured)")
+    parser.add_argument("--local-block", type=int, default=3, help="steps per such block")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
@@ -807,6 +824,7 @@ def main(argv: Sequence[str] | None = None,
         "grace_s": grace, "steps": args.steps, "save_every": args.save_every,
         "schedule": args.schedule, "batch": args.batch, "methods": args.methods,
         "ideal_save_s": ideal, "timeout_s": args.timeout_s, "stand_in": not args.no_stand_in,
+        "local_rounds": args.local_rounds, "local_block": args.local_block,
     }
     notes: dict[str, str] = {}
     methods = list(args.methods)
@@ -827,6 +845,7 @@ def main(argv: Sequence[str] | None = None,
             config["stand_in_host_reference"] = None
             notes["stand_in"] = "--no-stand-in: a plain directory, no bandwidth bound"
             details.update(_run_all(methods, work, logs, shape, config, log))
+            details.update(_run_local(work, bench_dir, logs, shape, config, log))
         else:
             size = int(shape.state_bytes * (KEEP + 2) * 1.25) + GB
             with nas.NasStandIn(bench_dir, size, bandwidth) as stand_in:
@@ -842,6 +861,8 @@ def main(argv: Sequence[str] | None = None,
                         f"{k} {v / MB:.0f} MB/s" for k, v in stand_in.host_reference.items()))
                 details.update(_run_all(methods, stand_in.mount, logs, shape,
                                         config, log))
+                details.update(_run_local(stand_in.mount, bench_dir, logs, shape, config,
+                                          log))
     finally:
         remove(bench_dir)
     summary, sources = summarise(details)
@@ -883,6 +904,30 @@ def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
             log(f"{method} failed: {str(error).splitlines()[0]}")
             remove(work / method)
     return details
+
+
+def _run_local(work: Path, bench_dir: Path, logs: Path, shape: Shape,
+               config: Mapping[str, Any], log: Callable[[str], None]) -> dict[str, Any]:
+    """The local tier at ``save_every=1`` against no checkpointing (``details`` entry)."""
+    rounds = int(config["local_rounds"])
+    if rounds <= 0:
+        return {}
+    local_root = scale_local.node_local_root(bench_dir, shape.state_bytes)
+    log(f"{LOCAL_EVERY_STEP}: {rounds} rounds of {config['local_block']} steps each way, "
+        f"local root {local_root}")
+    try:
+        figures = scale_local.run(
+            work=work, local_root=local_root, logs=logs, layers=shape.layers,
+            width=shape.width, batch=int(config["batch"]), rounds=rounds,
+            block=int(config["local_block"]), timeout_s=float(config["timeout_s"]),
+            env=MALLOC_KEEP)
+    except (RuntimeError, subprocess.TimeoutExpired) as error:
+        log(f"{LOCAL_EVERY_STEP} failed: {str(error).splitlines()[0]}")
+        return {LOCAL_EVERY_STEP: {"failed": str(error)[-2000:]}}
+    log(f"{LOCAL_EVERY_STEP}: step with a local save every step / without: "
+        f"{figures['ratio']} (rounds {figures['rounds']}; first round "
+        f"{figures['first_round_ratio']})")
+    return {LOCAL_EVERY_STEP: figures}
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import nas, scale
+from benchmarks import nas, scale, scale_local
 from benchmarks.scale_worker import process_writer_available
 from tests.limits import TEST_HANG_S
 
@@ -27,6 +27,7 @@ STAND_IN = nas.missing() is None
 ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_async_thread"
 TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "6", "--save-every", "2",
         "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
+        "--local-rounds", "2", "--local-block", "2",
         *([] if STAND_IN else ["--no-stand-in"])]
 
 
@@ -53,7 +54,8 @@ def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> N
     # Measured in this run: both resumekit methods ran the schedule.
     for key in ("scale_async_block_vs_memcpy", "scale_save_vs_bandwidth",
                 "scale_restore_vs_bandwidth", "scale_sigterm_steps_lost", "scale_goodput",
-                "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state"):
+                "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state",
+                "scale_step_slowdown_local_every_step"):
         assert summary[key] is not None, key
     # DCP was not run: the ratio to it is absent, not made up.
     assert summary["scale_goodput_vs_dcp_async"] is None
@@ -81,6 +83,55 @@ def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> 
     assert sync["restores"][0]["bytes"] > 0
 
 
+def test_the_local_tier_every_step_is_measured_side_by_side_with_no_checkpointing(
+        smoke: dict[str, Any]) -> None:
+    local = smoke["results"]["details"][scale.LOCAL_EVERY_STEP]
+    # A warm-up round and two measured ones, each a block of every mode, in turn.
+    blocks = local["blocks"]
+    assert [(b["round"], b["mode"]) for b in blocks] == [
+        (0, "off"), (0, "local"), (0, "blocking"), (1, "local"), (1, "blocking"),
+        (1, "off"), (2, "blocking"), (2, "off"), (2, "local")]
+    assert all(b["steps"] == 2 and b["seconds"] > 0 for b in blocks)
+    # Training waited for nothing in a block without checkpointing.
+    assert all(b["held_s"] == 0 for b in blocks if b["mode"] == "off")
+    assert len(local["rounds"]) == 2 and local["first_round_ratio"] > 0
+    assert smoke["results"]["summary"]["scale_step_slowdown_local_every_step"] == \
+        local["ratio"] > 0
+    assert not Path(local["local_root"]).exists()  # removed with the run
+
+
+def test_the_local_every_step_figure_is_the_median_of_the_measured_rounds() -> None:
+    def block(number: int, mode: str, seconds: float, held: float = 0.0) -> dict[str, Any]:
+        return {"round": number, "mode": mode, "steps": 2, "seconds": seconds,
+                "held_s": held}
+
+    figures = scale_local.analyse([
+        block(0, "off", 2.0), block(0, "local", 6.0, 3.0), block(0, "blocking", 8.0, 5.0),
+        block(1, "local", 2.2, 0.2), block(1, "blocking", 3.0, 1.0), block(1, "off", 2.0),
+        block(2, "blocking", 4.0, 1.0), block(2, "off", 4.0), block(2, "local", 4.0, 0.4),
+        block(3, "off", 1.0), block(3, "local", 1.5, 0.2), block(3, "blocking", 2.0, 1.0)])
+    assert figures["first_round_ratio"] == pytest.approx(3.0)  # the warm-up, apart
+    assert figures["rounds"] == pytest.approx([1.1, 1.0, 1.5])
+    assert figures["ratio"] == pytest.approx(1.1)
+    assert figures["blocking_rounds"] == pytest.approx([1.5, 1.0, 2.0])
+    assert figures["blocking_ratio"] == pytest.approx(1.5)
+    assert figures["step_s_off_median"] == pytest.approx(1.0)  # of 1.0, 2.0, 0.5 per step
+    assert figures["held_s_per_step_median"] == pytest.approx(0.1)
+    assert scale_local.analyse([block(0, "off", 1.0), block(0, "local", 2.0)])["ratio"] is None
+
+
+def test_the_local_root_is_in_shared_memory_where_it_fits_else_on_the_bench_disk(
+        tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    chosen = scale_local.node_local_root(tmp_path / "bench", 1_000, shm=shm)
+    assert chosen.parent == shm and chosen.is_dir()
+    assert scale_local.node_local_root(tmp_path / "bench", 1 << 60, shm=shm) == \
+        tmp_path / "bench" / "node-local"
+    assert scale_local.node_local_root(tmp_path / "bench", 1_000, shm=tmp_path / "none") == \
+        tmp_path / "bench" / "node-local"
+
+
 def test_the_process_writer_is_run_where_it_exists_and_named_as_missing_elsewhere(
         request: pytest.FixtureRequest, tmp_path: Path) -> None:
     if process_writer_available():
@@ -89,6 +140,7 @@ def test_the_process_writer_is_run_where_it_exists_and_named_as_missing_elsewher
         assert smoke["results"]["details"][ASYNC]["goodput"]["complete"]
         return
     results = scale.main(["--methods", "resumekit_async_process", "--no-stand-in",
+                          "--local-rounds", "0",
                           "--bench-dir", str(tmp_path), "--out", str(tmp_path / "out")],
                          progress=lambda message: None)  # nothing to launch
     assert "async_writer" in results["details"]["resumekit_async_process"]["skipped"]
