@@ -46,6 +46,7 @@ from resumekit import saving
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
 from resumekit.background.emergency import optimizer_groups
 from resumekit.errors import (
+    AsyncSaveError,
     ConfigurationError,
     ResumekitError,
     ResumeStepError,
@@ -679,10 +680,10 @@ class CheckpointManager:
         if (handler is not None and pending is not None and handler.seconds_left() is not None
                 and self._emergency_save_skipped(step, nbytes, pending, scheduled)):
             self._settle_emergency()
-            self.wait()  # the save in flight is the newest that can be committed
+            self._wait_before_stopping()  # the save in flight is the newest committed
             return
         self._settle_emergency()  # the copy of the last completed step, written or not
-        self.wait()  # an interval save in flight commits first
+        self._wait_before_stopping()  # an interval save in flight commits first
         newest = self.last_saved_step
         if step == newest:
             logger.info("resumekit: preempted at step %d, which is already committed", step)
@@ -697,6 +698,20 @@ class CheckpointManager:
             return
         self.save(step, reason=SaveReason.PREEMPTION, micro_step=micro_step, blocking=True,
                   metrics=metrics)
+
+    def _wait_before_stopping(self) -> None:
+        """:meth:`wait`, at an agreed preemption: a failed local save does not stop it.
+
+        The local tier is a cache: its save's error is one warning, and the preemption's
+        durable save goes on (a durable background save's error still raises).
+        """
+        self._background.wait()
+        self._pending_async = None
+        try:
+            self._local_background.wait()
+        except AsyncSaveError as error:
+            self._warn(f"{error}; the preemption's save to the durable root goes on",
+                       stacklevel=5)
 
     def _emergency_save_skipped(self, step: int, nbytes: int,
                                 newest: tuple[int, float | None] | None,
@@ -1197,7 +1212,9 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
-        self._local_background.raise_if_failed()
+        # A failed local save is raised by the next local save, wait(), restore(),
+        # finish() or close(); at an agreed preemption it is a warning (the durable
+        # save goes on): not here, before step_end could see the preemption.
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -465,6 +465,33 @@ def test_an_unexpected_error_of_a_background_local_save_is_raised_naming_it(
     ckpt.close()
 
 
+def test_a_failed_background_local_save_does_not_stop_a_preemptions_durable_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+
+    def broken(self: LocalSite, job: object, manifest: object) -> str:
+        raise RuntimeError("a bug in the writer")
+
+    monkeypatch.setattr(LocalSite, "_write", broken)
+    model, opt = _objects()
+    handler = resumekit.PreemptionHandler()
+    ckpt = resumekit.CheckpointManager(
+        tmp_path / "durable", model=model, optimizer=opt, save_every=100, preemption=handler,
+        local=resumekit.LocalTier(tmp_path / "local", save_every=2, replicas=False))
+    ckpt.restore()
+    for step in (1, 2):
+        ckpt.step_end(step)
+    ckpt._local_background.join()  # the local save of step 2 has failed by now
+    handler.request()
+    with pytest.warns(ResumekitWarning, match=r"local save of step 2 failed: RuntimeError: a "
+                      r"bug in the writer; the preemption's save to the durable root goes on"):
+        assert ckpt.step_end(3) is True
+    ckpt.close()
+    entry = resumekit.latest_committed(Storage(tmp_path / "durable"))
+    assert entry is not None and entry.step == 3 and entry.manifest is not None
+    assert entry.manifest.reason == "preemption"
+
+
 _KILLED_MID_WRITE = """
 import os, sys, threading, torch
 from torch import nn
