@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 from resumekit import saving
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
 from resumekit.background.emergency import optimizer_groups
+from resumekit.background.local import LocalSaves
 from resumekit.errors import (
     AsyncSaveError,
     ConfigurationError,
@@ -283,12 +284,10 @@ class CheckpointManager:
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
-        # Local saves are staged on the training thread and written (and replicated) on
-        # a thread of their own, on a group of their own: a local save blocks training
-        # for its staging copy only (issue 38.2).
-        self._local_background, self._local_channel, self._local_stager = (
-            self._local_writer())
-        self._local_write_s: float | None = None  # the last local save's write, measured
+        self._local_saves = LocalSaves(  # staged in step_end, written in the background
+            open_channel(self.storage, self.name_format, self._fence, new_save_group())
+            if self._local is not None and self._distributed else self._main,
+            boost=self._raise_writers, page_aligned=self.tensor_format == "raw")
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         # At a preemption signal: the last completed step, copied and written at once
         # (resumekit.background.emergency), on a group of its own.
@@ -382,7 +381,7 @@ class CheckpointManager:
             ResumekitError: Every candidate failed and ``fallback`` could not help.
         """
         self._check_open()
-        self._local_background.wait()  # a restore reads the local copies
+        self._local_saves.wait()  # a restore reads the local copies
         for auto in self._autos():
             auto.restart()
         if self._emergency is not None:  # no completed step to copy until the next one
@@ -547,43 +546,23 @@ class CheckpointManager:
             f"it would retrain steps already in the checkpoint",
             name="step", value=step, step=step, restored=restored, path=self.storage.path())
 
-    def _local_writer(self) -> tuple[BackgroundSave, Channel, sharded.CpuStager | None]:
-        """The local tier's writer thread, channel (a group of its own, with ranks), stager."""
-        channel = (open_channel(self.storage, self.name_format, self._fence,
-                                new_save_group())
-                   if self._local is not None and self._distributed else self._main)
-        return (BackgroundSave(boost=self._raise_writers, what="local save",
-                               thread="local-save"), channel, None)
-
     def _save_local(self, step: int, micro_step: int,
                     metrics: Mapping[str, float] | None) -> None:
-        """Commit every rank's own copy of ``step`` to the local tier (and replicate it).
+        """Stage every rank's own copy of ``step``; commit (and replicate) it in the background.
 
-        Training waits for the previous local save (its staging buffers are reused) and
-        for the staging copy of this one; the write, the commit and the replication run
-        on the local tier's own thread and process group.
+        Training waits for the previous local save (its buffers are reused) and for the
+        staging copy (:class:`~resumekit.background.local.LocalSaves`).
         """
         local = self._local
         assert local is not None
         self._settle_emergency()
-        self._local_background.wait()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
         tensors, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
-        if self._local_stager is None:
-            self._local_stager = sharded.CpuStager(
-                page_aligned=local.tensor_format == "raw", shared=False)
-        job = LocalJob(step, self._local_stager.stage(tensors), train, ranks, manifest)
-        channel, generation = self._local_channel, self._fence.generation
-
-        def write_in_background() -> None:
-            began = time.monotonic()
-            with activity(f"local save of step {step}", step=step):
-                local.save(job, channel, generation)
-            self._local_write_s = time.monotonic() - began  # for save_every="auto"
-
-        self._local_background.submit(step, write_in_background)
+        generation = self._fence.generation
+        self._local_saves.submit(step, tensors, lambda staged, channel: local.save(
+            LocalJob(step, staged, train, ranks, manifest), channel, generation))
 
     def _scheduled(self, step: int) -> bool:
         if self._auto_every is not None:
@@ -646,15 +625,14 @@ class CheckpointManager:
     def _choose_interval(self, step: int, began: float, *, local: bool = False) -> None:
         """After the interval save of ``step`` (begun at ``began``): the next interval.
 
-        ``local``: the local tier's. Its saves write in the background (the blocking time
-        is the staging copy), so the interval holds at least the last local write measured
-        (the one just submitted is still writing).
+        ``local``: the local tier's; its saves write in the background, so the interval
+        holds at least the last local write measured (this one is still writing).
         """
         auto = self._local_auto if local else self._auto_every
         assert auto is not None
         blocking = max(0.0, auto.clock() - began)
         overlapped = bool(self.async_save) or local
-        write = (self._local_write_s if local else
+        write = (self._local_saves.write_seconds if local else
                  self._clock.write_seconds(self._state_nbytes(), blocking=not overlapped))
         proposal = auto.propose(blocking_s=blocking, write_s=write or 0.0,
                                 overlapped=overlapped)
@@ -700,18 +678,13 @@ class CheckpointManager:
                   metrics=metrics)
 
     def _wait_before_stopping(self) -> None:
-        """:meth:`wait`, at an agreed preemption: a failed local save does not stop it.
-
-        The local tier is a cache: its save's error is one warning, and the preemption's
-        durable save goes on (a durable background save's error still raises).
-        """
+        """:meth:`wait` at an agreed preemption: a failed local save (a cache) only warns."""
         self._background.wait()
         self._pending_async = None
         try:
-            self._local_background.wait()
+            self._local_saves.wait()
         except AsyncSaveError as error:
-            self._warn(f"{error}; the preemption's save to the durable root goes on",
-                       stacklevel=5)
+            self._warn(f"{error}; the preemption's save to the durable root goes on", stacklevel=5)
 
     def _emergency_save_skipped(self, step: int, nbytes: int,
                                 newest: tuple[int, float | None] | None,
@@ -1073,7 +1046,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._background.wait()
-        self._local_background.wait()  # the run ends: its last local save committed too
+        self._local_saves.wait()  # the run ends: its last local save committed too
         if self._final_step == step:
             logger.info("resumekit: step %d is already committed as final", step)
             return
@@ -1179,7 +1152,7 @@ class CheckpointManager:
         """
         self._background.wait()
         self._pending_async = None
-        self._local_background.wait()
+        self._local_saves.wait()
 
     def close(self) -> None:
         """Wait for the background save and release resources. Idempotent."""
@@ -1194,15 +1167,11 @@ class CheckpointManager:
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
         self._background.wait()
-        self._local_background.wait()
+        self._local_saves.close(self._main)
         if self._saver is not self._main and self._saver.group is not None:
             dist.barrier(group=self._saver.group)
             dist.destroy_process_group(self._saver.group)
             self._saver = self._main
-        if self._local_channel is not self._main and self._local_channel.group is not None:
-            dist.barrier(group=self._local_channel.group)
-            dist.destroy_process_group(self._local_channel.group)
-            self._local_channel = self._main
         if self._writer is not None:
             self._writer.close()
             if self._stager is not None:
@@ -1212,9 +1181,7 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
-        # A failed local save is raised by the next local save, wait(), restore(),
-        # finish() or close(); at an agreed preemption it is a warning (the durable
-        # save goes on): not here, before step_end could see the preemption.
+        # (A failed local save: raised by the next local save, wait(), restore(), close().)
 
     def __enter__(self) -> CheckpointManager:
         return self

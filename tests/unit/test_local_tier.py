@@ -481,7 +481,7 @@ def test_a_failed_background_local_save_does_not_stop_a_preemptions_durable_save
     ckpt.restore()
     for step in (1, 2):
         ckpt.step_end(step)
-    ckpt._local_background.join()  # the local save of step 2 has failed by now
+    ckpt._local_saves.join()  # the local save of step 2 has failed by now
     handler.request()
     with pytest.warns(ResumekitWarning, match=r"local save of step 2 failed: RuntimeError: a "
                       r"bug in the writer; the preemption's save to the durable root goes on"):

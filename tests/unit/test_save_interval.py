@@ -244,7 +244,7 @@ def test_a_local_tier_with_save_every_auto_holds_at_least_its_background_write(
     real = AutoSaveEvery.propose
 
     def spy(self: AutoSaveEvery, **inputs: object) -> object:
-        seen.append((inputs, manager._local_write_s))
+        seen.append((inputs, manager._local_saves.write_seconds))
         return real(self, **inputs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(AutoSaveEvery, "propose", spy)
@@ -254,7 +254,7 @@ def test_a_local_tier_with_save_every_auto_holds_at_least_its_background_write(
     for step in range(manager.restore() + 1, 8):
         clock.now += 5.0
         manager.step_end(step)
-        manager._local_background.join()  # the write measured before the next choice
+        manager._local_saves.join()  # the write measured before the next choice
     manager.close()
     assert len(seen) >= 2, seen
     assert all(inputs["overlapped"] is True for inputs, _ in seen), seen
