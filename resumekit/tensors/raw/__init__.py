@@ -51,7 +51,6 @@ from resumekit.tensors.raw.writer import (
     RankFiles,
     RawTensorWriter,
     run_writer_threads,
-    written_metadata,
 )
 
 __all__ = [
@@ -88,5 +87,4 @@ __all__ = [
     "run_writer_threads",
     "write_checksums",
     "write_new_file",
-    "written_metadata",
 ]

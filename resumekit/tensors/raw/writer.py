@@ -48,7 +48,7 @@ from torch.futures import Future
 
 from resumekit.errors import StorageError
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
-from resumekit.store.manifest import checksum_chunks, hex_digest
+from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw.files import (
     _METADATA_TMP,
     FsspecFiles,
@@ -65,8 +65,8 @@ from resumekit.tensors.raw.format import (
     PACK_ITEM_BYTES,
     WrittenFile,
     _byte_view,
-    _Descriptor,
     _StorageInfo,
+    alone_descriptors,
     block_bytes_for,
     checksum_files,
 )
@@ -77,7 +77,6 @@ __all__ = [
     "RankFiles",
     "RawTensorWriter",
     "run_writer_threads",
-    "written_metadata",
 ]
 
 SMALL_SAVE_BYTES = 16 << 20
@@ -333,6 +332,11 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                    prefix: str) -> list[WriteResult]:
         """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
 
+        The checksum file (``__<rank>_checksums.json``) holds the block checksums of the
+        items stored alone and the checksums of the packed regions, of every file of the
+        rank: what only a reader of these files needs stays beside them, out of
+        ``.metadata``.
+
         :meth:`write_data` writes DCP's plan with it, and a replayed plan
         (:mod:`resumekit.tensors.replayed_save`) the same files in the same order with it: the
         same bytes. Resets and fills :attr:`written`.
@@ -346,19 +350,25 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         self.written = []
         results: list[WriteResult] = []
         sidecar = raw_checksums_file(prefix)
+        alone = alone_descriptors(sidecar)  # one tuple: pickled once in .metadata
         outcomes = run_writer_threads([
-            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs],
+            functools.partial(self._write_file, name, items, sidecar, alone)
+            for name, items in jobs],
             on_caller=not self.background and _is_small(
                 [item for _, items in jobs for item, _ in items]))
         regions: dict[str, list[tuple[int, int, str]]] = {}
-        for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
+        blocks: dict[str, list[tuple[int, int, int, str]]] = {}
+        for (name, _), (file_results, written, packed, stored) in zip(jobs, outcomes,
+                                                                        strict=True):
             results.extend(file_results)
             self.written.append(written)
             if packed:
                 regions[name] = packed
-        if regions:
+            if stored:
+                blocks[name] = stored
+        if regions or blocks:
             self.written.append(write_checksums(
-                os.path.join(os.fspath(self.path), sidecar), sidecar, regions,
+                os.path.join(os.fspath(self.path), sidecar), sidecar, regions, blocks,
                 sync=self.sync_files))
         return results
 
@@ -372,21 +382,32 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
 
     def _write_file(
         self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
-        sidecar: str,
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        sidecar: str, alone: tuple[str],
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
+               list[tuple[int, int, int, str]]]:
         if self.background:
             _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
         try:
-            return self._write_items(path, name, items, sidecar)
+            return self._write_items(path, name, items, sidecar, alone)
         except OSError as error:
             raise _write_failure(path, error, "write") from error
 
     def _write_items(
         self, path: str, name: str,
         items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], sidecar: str,
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        alone: tuple[str],
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
+               list[tuple[int, int, int, str]]]:
+        """Write one data file.
+
+        Returns:
+            Its results, the file, its packed regions ``(offset, length, hex)`` and its
+            items stored alone ``(offset, length, block bytes, concatenated hex of each
+            block)``.
+        """
         results: list[WriteResult] = []
+        stored: list[tuple[int, int, int, str]] = []
         with _AlignedFile(path) as handle:
             pack = _Pack(name, sidecar)
             for item, data in items:
@@ -396,7 +417,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                         results.extend(pack.flush(handle))
                     pack.add_from(item, *small)
                     continue
-                view, address, dtype, shape = _bytes_of(data)
+                view, address = _bytes_of(data)
                 if len(view) < PACK_ITEM_BYTES:
                     if not pack.fits(len(view)):
                         results.extend(pack.flush(handle))
@@ -413,78 +434,27 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                                   for at in range(0, len(chunk), block))
                     handle.write(chunk, None if address is None else address + start)
                 handle.pad()  # the next item starts on an ALIGNMENT boundary
-                descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
+                stored.append((offset, len(view), block, "".join(blocks)))
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
                     storage_data=_StorageInfo(name, offset, len(view),
-                                              transform_descriptors=[descriptor]),
+                                              transform_descriptors=alone),
                 ))
             results.extend(pack.flush(handle))
             if self.sync_files:
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
-        return results, written, pack.regions
+        return results, written, pack.regions, stored
 
-    def write_small(self, name: str, tensors: Sequence[torch.Tensor], sidecar: str
-                    ) -> tuple[list[int], WrittenFile, list[tuple[int, int, str]]]:
-        """Write small contiguous CPU tensors into data file ``name`` as packed regions.
-
-        The same bytes :meth:`write_data` writes for the same items in this order (a
-        replayed plan, :func:`resumekit.tensors.sharded.save`), without DCP's plan objects.
-
-        Returns:
-            Each tensor's offset in the file, the file, and its regions ``(offset,
-            length, hex)``.
-
-        Raises:
-            StorageError: The file could not be written (naming it).
-        """
-        if self.background:
-            _lower_thread_priority()
-        path = os.path.join(os.fspath(self.path), name)
-        offsets: list[int] = []
-        try:
-            with _AlignedFile(path) as handle:
-                pack = _Pack(name, sidecar)
-                for tensor in tensors:
-                    length = tensor.numel() * tensor.element_size()
-                    if not pack.fits(length):
-                        offsets.extend(pack.flush_offsets(handle))
-                    pack.add_from(None, tensor.data_ptr(), length)
-                offsets.extend(pack.flush_offsets(handle))
-                if self.sync_files:
-                    os.fsync(handle.fd)
-                written = WrittenFile(name, handle.offset, handle.checksum.value())
-        except OSError as error:
-            raise _write_failure(path, error, "write") from error
-        return offsets, written, pack.regions
-
-
-
-def written_metadata(writer: _ReportingWriter) -> tuple[bytes, WrittenFile] | None:
-    """The ``.metadata`` bytes ``writer``'s last save wrote, read back, and their entry.
-
-    None unless exactly one ``.metadata`` was reported and the file's bytes still have the
-    checksum computed while it was written.
-    """
-    entries = [file for file in writer.written if file.name == DCP_METADATA_FILE]
-    if len(entries) != 1:
-        return None
-    with open(os.path.join(os.fspath(writer.path), DCP_METADATA_FILE), "rb") as handle:
-        data = handle.read()
-    return (data, entries[0]) if checksum_chunks([data]) == entries[0].checksum else None
-
-
-def _bytes_of(data: torch.Tensor | io.BytesIO
-              ) -> tuple[memoryview, int | None, torch.dtype | None, tuple[int, ...]]:
-    """The bytes to store, their address in memory (tensors only), dtype and shape."""
+def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, int | None]:
+    """The bytes to store and their address in memory (tensors only)."""
     if isinstance(data, io.BytesIO):
-        return data.getbuffer(), None, None, ()
+        return data.getbuffer(), None
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+    return _byte_view(tensor), tensor.data_ptr()
 
 
 
