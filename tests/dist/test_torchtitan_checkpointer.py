@@ -156,3 +156,25 @@ def test_a_sigkill_mid_run_resumes_from_the_newest_commit_bit_identical(
     for rank, (reference, resumed) in enumerate(zip(uninterrupted, _final_states(relaunch),
                                                     strict=True)):
         _assert_identical(reference, resumed, f"rank {rank}")
+
+
+def test_torchtitans_own_checkpointer_in_the_same_loop_loses_the_steps_since_its_save_and_rng(
+        tmp_path: Path, uninterrupted: list[dict[str, Any]]) -> None:
+    """The comparison of docs/integrations.md: the same SIGTERM, torchtitan's own line."""
+    own = {"TITAN_CHECKPOINTER": "torchtitan"}
+    process, out = _launch(tmp_path, "sigterm", TITAN_PAUSE_AT="5", **own)
+    _wait_paused(process, out)
+    os.kill(process.pid, signal.SIGTERM)  # as above: the agent signals each rank
+    assert process.wait(timeout=HANG_S) != 0
+    assert not (out / "rank_0.json").exists()  # killed by the signal: no handler, no save
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-4"]
+
+    relaunch = _run(tmp_path, "relaunch", **own)
+    assert [(r["restored"], r["steps"]) for r in _records(relaunch)] == [
+        (4, [5, 6, 7, 8])] * 2  # step 5 trained again
+    resumed = _final_states(relaunch)
+    for rank in range(2):  # the data position is restored; the RNG is not, so it diverges
+        assert torch.equal(resumed[rank]["next_batch"], uninterrupted[rank]["next_batch"])
+        assert not torch.equal(resumed[rank]["rng"], uninterrupted[rank]["rng"])
+        assert any(not torch.equal(resumed[rank]["params"][name], value)
+                   for name, value in uninterrupted[rank]["params"].items())

@@ -19,7 +19,9 @@ and backward are replaced by gradients drawn from the global RNG (restored by th
 checkpoint: a resume that lost it diverges) plus the batch's mean (the data position: a
 resume that replays or skips data diverges).
 
-Environment: ``TITAN_STEPS`` (default 8), ``TITAN_INTERVAL`` (4), ``TITAN_STOP_AFTER``
+Environment: ``TITAN_CHECKPOINTER=torchtitan`` builds torchtitan's own
+``CheckpointManager.Config`` there instead (the comparison), ``TITAN_STEPS`` (default 8),
+``TITAN_INTERVAL`` (4), ``TITAN_STOP_AFTER``
 (leave the loop after this step, as a job that ran out of time would), ``TITAN_PAUSE_AT``
 (after ``save`` of this step returned, write ``OUT/paused_<rank>`` (the pid) and wait: for a
 preemption signal when ``TITAN_PAUSE_FOR=signal``, else until killed). Each rank writes
@@ -95,6 +97,7 @@ def main() -> None:
 
 def _train(out: Path, rank: int, steps: int, interval: int, stop_after: int | None,
            pause_at: int | None, record: dict[str, Any]) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.optimizer import LRSchedulersContainer
 
@@ -117,8 +120,12 @@ def _train(out: Path, rank: int, steps: int, interval: int, stop_after: int | No
     # The one line: torchtitan's llama3_debugmodel has CheckpointManager.Config(...) here.
     # (preemption_poll_every=1: these steps take milliseconds, the automatic vote interval
     # would let the run end before a vote counts the signal)
-    config = ResumekitCheckpointer.Config(enable=True, interval=interval, keep_latest_k=0,
-                                          last_save_model_only=False, preemption_poll_every=1)
+    config: Any = ResumekitCheckpointer.Config(
+        enable=True, interval=interval, keep_latest_k=0, last_save_model_only=False,
+        preemption_poll_every=1)
+    if os.environ.get("TITAN_CHECKPOINTER") == "torchtitan":  # its own, for the comparison
+        config = CheckpointManager.Config(enable=True, interval=interval, keep_latest_k=0,
+                                          last_save_model_only=False)
     checkpointer = config.build(
         dataloader=dataloader, model_parts=[model], optimizers=optimizers,
         lr_schedulers=lr_schedulers, states={"train_state": train_state}, sd_adapter=None,
