@@ -14,19 +14,28 @@ import pytest
 import torch
 
 from resumekit import ConfigurationError, ResumekitWarning, list_checkpoints
+from resumekit.cli import main as cli_main
 from resumekit.store.storage import Storage
-from tests.torchtitan_models import TrainProgress, fake_steps, llama3, optimizers_container
+from tests.distributed_harness import run_ranks
+from tests.torchtitan_models import (
+    TrainProgress,
+    fake_steps,
+    llama3,
+    optimizers_container,
+    write_torchtitan_checkpoints,
+)
 
 
 class Run:
     """torchtitan's components and the checkpointer its trainer would build from ``fields``."""
 
-    def __init__(self, folder: Path, *, seed: int = 0, parts: int = 1, **fields: Any) -> None:
+    def __init__(self, folder: Path, *, seed: int = 0, parts: int = 1, n_layers: int = 1,
+                 **fields: Any) -> None:
         from torchtitan.components.optimizer import LRSchedulersContainer
 
         from resumekit.integrations.torchtitan import ResumekitCheckpointer
 
-        self.model = llama3(n_layers=1, seed=seed)
+        self.model = llama3(n_layers=n_layers, seed=seed)
         self.optimizers = optimizers_container(self.model)
         self.schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
             optimizers=self.optimizers, training_steps=10)
@@ -211,3 +220,26 @@ def test_async_mode_async_saves_in_the_background_and_commits(tmp_path: Path) ->
     run.train(4)
     run.checkpointer.close()
     assert _committed(tmp_path / "checkpoint") == [(2, "interval"), (4, "interval")]
+
+
+def _write_with_torchtitan(rank: int, world: int, folder: str) -> dict[str, Any]:
+    return write_torchtitan_checkpoints(folder, fuse_qkv=True, steps=4, interval=4)
+
+
+def test_a_torchtitan_run_imported_with_resumekit_import_resumes_in_the_checkpointer(
+        tmp_path: Path) -> None:
+    """The way over for a run torchtitan's own checkpointer saved: import, switch the line."""
+    # torchtitan's checkpointer needs a process group (its purge asks dist.get_rank())
+    reference = run_ranks(_write_with_torchtitan, 1, args=(str(tmp_path / "titan"),))[0]
+    source = tmp_path / "titan" / "checkpoint" / "step-4"
+    assert cli_main(["import", str(source), str(tmp_path / "run" / "checkpoint")]) == 0
+    run = Run(tmp_path / "run", seed=5, n_layers=2)
+    assert run.checkpointer.load() is True
+    assert run.train_state.state_dict() == {"step": 4,
+                                            "ntokens_seen": reference["ntokens_seen"]}
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param, reference["params"][name]), name
+    assert run.schedulers.state_dict()["last_epoch"] == reference["last_epoch"]
+    run.train(2)
+    run.checkpointer.close()
+    assert _committed(tmp_path / "run" / "checkpoint")[-1] == (6, "interval")
