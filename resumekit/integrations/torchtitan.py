@@ -42,11 +42,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch.distributed as dist
 from torch import nn
 
 from resumekit.errors import ConfigurationError, MissingDependencyError
 from resumekit.manager import CheckpointManager
 from resumekit.options import LocalTier
+from resumekit.runtime import distributed
+from resumekit.runtime.channels import is_distributed, new_save_group
 from resumekit.runtime.preemption import EXIT_CODE_PREEMPTED, PreemptionHandler
 from resumekit.runtime.requeue import requeue_after_signal
 from resumekit.store.retention import keep_last
@@ -82,6 +85,18 @@ _UNSUPPORTED = {
     "create_seed_checkpoint": "a seed checkpoint: start from initial_load_path "
                               "(model-only) instead",
 }
+
+
+def _vote_group() -> dist.ProcessGroup | None:
+    """A gloo group for the preemption vote (its ballots are CPU tensors).
+
+    torchtitan's default group is NCCL on GPUs, which cannot reduce CPU tensors; the
+    preemption handler would take it as the vote's group unless given another. The group
+    of :func:`resumekit.init_distributed`, if the job made one, else a new gloo group.
+    """
+    if not is_distributed():
+        return None
+    return distributed.preemption_group() or new_save_group()
 
 
 class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
@@ -194,7 +209,8 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         self.states = states
         self.extras: dict[str, Any] = {}
         self._record_states()
-        self.preemption = (PreemptionHandler(poll_every=config.preemption_poll_every or "auto")
+        self.preemption = (PreemptionHandler(poll_every=config.preemption_poll_every or "auto",
+                                             group=_vote_group())
                            if config.preemption and not config.load_only else None)
         local = (None if config.local_folder is None
                  else LocalTier(root=config.local_folder, save_every=config.local_interval))

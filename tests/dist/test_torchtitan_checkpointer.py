@@ -25,7 +25,7 @@ import torch
 
 from resumekit import list_checkpoints
 from resumekit.store.storage import Storage
-from tests.distributed_harness import free_port
+from tests.distributed_harness import free_port, run_ranks
 from tests.limits import HANG_S, TEST_HANG_S
 from tests.torchtitan_models import llama3
 
@@ -178,3 +178,21 @@ def test_torchtitans_own_checkpointer_in_the_same_loop_loses_the_steps_since_its
         assert not torch.equal(resumed[rank]["rng"], uninterrupted[rank]["rng"])
         assert any(not torch.equal(resumed[rank]["params"][name], value)
                    for name, value in uninterrupted[rank]["params"].items())
+
+
+def _vote_backend(rank: int, world: int, folder: str) -> tuple[str, bool]:
+    from resumekit.integrations.torchtitan import ResumekitCheckpointer
+
+    model = llama3(n_layers=1)
+    checkpointer = ResumekitCheckpointer.Config(enable=True, folder="unused").build(
+        dataloader=None, model_parts=[model], optimizers=torch.optim.SGD(model.parameters()),
+        lr_schedulers=None, states={}, sd_adapter=None, base_folder=folder)
+    group = checkpointer.preemption._vote_group()
+    checkpointer.close()
+    return str(torch.distributed.get_backend(group)), group is torch.distributed.group.WORLD
+
+
+def test_the_preemption_vote_runs_on_a_gloo_group_of_its_own_not_torchtitans_default_group(
+        tmp_path: Path) -> None:
+    """On GPUs torchtitan's default group is NCCL, which cannot reduce the CPU ballots."""
+    assert run_ranks(_vote_backend, 2, args=(str(tmp_path),)) == [("gloo", False)] * 2
