@@ -243,3 +243,46 @@ def test_a_torchtitan_run_imported_with_resumekit_import_resumes_in_the_checkpoi
     run.train(2)
     run.checkpointer.close()
     assert _committed(tmp_path / "run" / "checkpoint")[-1] == (6, "interval")
+
+
+def test_torchtitans_command_line_overrides_the_fields_of_the_switched_config() -> None:
+    """tyro, with torchtitan's registry, parses ``--checkpoint.*`` into our config as set."""
+    import dataclasses
+
+    import tyro
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.config.manager import custom_registry
+
+    from resumekit.integrations.torchtitan import ResumekitCheckpointer
+
+    # the trainer's field, as Trainer.Config declares it (a real type, not a string)
+    TrainerConfig = dataclasses.make_dataclass(  # noqa: N806
+        "TrainerConfig", [("checkpoint", BaseCheckpointManager.Config,
+                           dataclasses.field(default_factory=CheckpointManager.Config))],
+        kw_only=True, slots=True)
+    switched = TrainerConfig(checkpoint=ResumekitCheckpointer.Config(enable=True, interval=5))
+    parsed = tyro.cli(TrainerConfig, default=switched, registry=custom_registry, args=[
+        "--checkpoint.interval", "3", "--checkpoint.local_folder", "/tmp/local",
+        "--checkpoint.local_interval", "1"])
+    assert isinstance(parsed.checkpoint, ResumekitCheckpointer.Config)
+    assert (parsed.checkpoint.enable, parsed.checkpoint.interval,
+            parsed.checkpoint.local_folder, parsed.checkpoint.local_interval) == (
+        True, 3, "/tmp/local", 1)
+
+
+def test_a_local_folder_without_its_interval_is_refused_by_name() -> None:
+    from resumekit.integrations.torchtitan import ResumekitCheckpointer
+
+    with pytest.raises(ConfigurationError) as caught:
+        ResumekitCheckpointer.Config(local_folder="/tmp/local")
+    assert caught.value.name == "checkpoint.local_interval"  # type: ignore[attr-defined]
+
+
+def test_local_folder_commits_each_ranks_copy_to_the_local_tier(tmp_path: Path) -> None:
+    run = Run(tmp_path / "dump", interval=4, local_folder=str(tmp_path / "local"),
+              local_interval=1)
+    run.train(2)
+    run.checkpointer.close()
+    assert [step for step, _ in _committed(tmp_path / "local" / "rank_00000")] == [1, 2]
+    assert _committed(tmp_path / "dump" / "checkpoint") == []
