@@ -80,8 +80,8 @@ TRAIN_STATE = "train_state"
 _UNSUPPORTED = {
     "initial_load_in_hf": "loading Hugging Face safetensors: convert them once with "
                           "`resumekit import`, then name that root in initial_load_path",
-    "last_save_in_hf": "a final Hugging Face export: run `resumekit export --format hf` on "
-                       "the final checkpoint",
+    "last_save_in_hf": "a final Hugging Face export: `resumekit export` writes the final "
+                       "checkpoint's weights as safetensors",
     "create_seed_checkpoint": "a seed checkpoint: start from initial_load_path "
                               "(model-only) instead",
 }
@@ -153,6 +153,12 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
+            self.async_mode = self.async_mode.lower()  # type: ignore[assignment]
+            if self.async_mode not in ("disabled", "async", "async_with_pinned_mem"):
+                raise ConfigurationError(
+                    f"checkpoint.async_mode={self.async_mode!r} is not one of 'disabled', "
+                    "'async', 'async_with_pinned_mem'", name="checkpoint.async_mode",
+                    value=self.async_mode)
             if self.local_folder is not None and self.local_interval < 1:
                 raise ConfigurationError(
                     f"checkpoint.local_folder={self.local_folder!r} needs "

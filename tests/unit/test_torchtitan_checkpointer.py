@@ -286,3 +286,20 @@ def test_local_folder_commits_each_ranks_copy_to_the_local_tier(tmp_path: Path) 
     run.checkpointer.close()
     assert [step for step, _ in _committed(tmp_path / "local" / "rank_00000")] == [1, 2]
     assert _committed(tmp_path / "dump" / "checkpoint") == []
+
+
+def test_async_mode_with_pinned_memory_commits_through_the_writer_process(
+        tmp_path: Path) -> None:
+    run = Run(tmp_path, async_mode="async_with_pinned_mem")
+    assert run.checkpointer.manager.async_writer == "process"
+    run.train(4)
+    run.checkpointer.close()
+    assert _committed(tmp_path / "checkpoint") == [(2, "interval"), (4, "interval")]
+
+
+def test_an_unknown_async_mode_is_refused_by_name() -> None:
+    from resumekit.integrations.torchtitan import ResumekitCheckpointer
+
+    with pytest.raises(ConfigurationError) as caught:
+        ResumekitCheckpointer.Config(async_mode="threads")  # type: ignore[arg-type]
+    assert caught.value.name == "checkpoint.async_mode"  # type: ignore[attr-defined]
