@@ -196,3 +196,22 @@ def test_the_preemption_vote_runs_on_a_gloo_group_of_its_own_not_torchtitans_def
         tmp_path: Path) -> None:
     """On GPUs torchtitan's default group is NCCL, which cannot reduce the CPU ballots."""
     assert run_ranks(_vote_backend, 2, args=(str(tmp_path),)) == [("gloo", False)] * 2
+
+
+def test_torchtitans_own_checkpointer_after_a_sigkill_resumes_its_last_save_without_the_rng(
+        tmp_path: Path, uninterrupted: list[dict[str, Any]]) -> None:
+    """The comparison of docs/integrations.md: the same SIGKILL, torchtitan's own line."""
+    own = {"TITAN_CHECKPOINTER": "torchtitan"}
+    process, out = _launch(tmp_path, "sigkill", TITAN_PAUSE_AT="6", **own)
+    _wait_paused(process, out)
+    for rank in range(2):
+        os.kill(int((out / f"paused_{rank}").read_text()), signal.SIGKILL)
+    assert process.wait(timeout=HANG_S) != 0
+
+    relaunch = _run(tmp_path, "relaunch", **own)
+    assert [(r["restored"], r["steps"]) for r in _records(relaunch)] == [
+        (4, [5, 6, 7, 8])] * 2
+    resumed = _final_states(relaunch)
+    for rank in range(2):
+        assert torch.equal(resumed[rank]["next_batch"], uninterrupted[rank]["next_batch"])
+        assert not torch.equal(resumed[rank]["rng"], uninterrupted[rank]["rng"])
