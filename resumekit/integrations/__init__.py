@@ -14,4 +14,9 @@ own module is imported:
 Accelerate needs no adapter (``CheckpointManager`` takes what ``accelerator.prepare()``
 returns) and the Hugging Face ``Trainer`` cannot have one (its callbacks run after its
 own save); ``docs/integrations.md`` shows both recipes.
+
+Where to start reading: the adapter of the framework in question.
+
+What it may import: every layer of resumekit below it (it is the top layer, beside
+``cli``), and its framework only inside its own module.
 """
