@@ -116,14 +116,6 @@ class _ReportingWriter:
     fs: Any
     path: Any
     written: list[WrittenFile]
-    last_metadata: Metadata | None = None
-    """The ``Metadata`` the last :meth:`finish` wrote (coordinating rank)."""
-    last_jobs: list[tuple[str, list[WriteItem]]] | None = None
-    """The files the last ``write_data`` wrote, each with its items in file order."""
-    last_prefix: str | None = None
-    """The file-name prefix DCP's final plan gave the last ``write_data`` (raw writer)."""
-    last_results: list[WriteResult] | None = None
-    """What the last ``write_data`` stored for each of its items (raw writer)."""
 
     def _start_reporting(self) -> None:
         self.written = []
@@ -163,7 +155,6 @@ class _ReportingWriter:
         where = os.fspath(self.path)
         _check_every_item_stored(metadata, results, where)
         super().finish(metadata, results)  # type: ignore[misc]
-        self.last_metadata = metadata
         recorder = cast(_RecordingFileSystem, self.fs)
         with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
@@ -320,9 +311,6 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             for number, bucket in enumerate(buckets)
         ]
         results = self.write_jobs(jobs, prefix)
-        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
-        self.last_prefix = prefix
-        self.last_results = results
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -337,9 +325,9 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         rank: what only a reader of these files needs stays beside them, out of
         ``.metadata``.
 
-        :meth:`write_data` writes DCP's plan with it, and a replayed plan
-        (:mod:`resumekit.tensors.replayed_save`) the same files in the same order with it: the
-        same bytes. Resets and fills :attr:`written`.
+        :meth:`write_data` writes DCP's plan with it, and the writer process
+        (:mod:`resumekit.tensors.remote`) the same files in the same order: the same bytes.
+        Resets and fills :attr:`written`.
 
         Returns:
             Every item's result, file by file in ``jobs`` order.
@@ -445,6 +433,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
         return results, written, pack.regions, stored
+
+
 
 def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, int | None]:
     """The bytes to store and their address in memory (tensors only)."""
