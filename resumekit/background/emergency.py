@@ -98,10 +98,20 @@ class Capture:
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What a round did: the step it committed (or None) and why, in words."""
+    """What a round did: the step it committed (or None) and why, in words.
+
+    Attributes:
+        committed: The step it committed, or None.
+        said: Why, in words.
+        copied_in: Seconds this rank's copy took (None: no copy).
+        write_from: Seconds from the signal to the start of this rank's write (None: no
+            write started); the figure the emergency save's log line gives.
+    """
 
     committed: int | None
     said: str
+    copied_in: float | None = None
+    write_from: float | None = None
 
 
 class EmergencyCapture:
@@ -291,8 +301,10 @@ class EmergencyCapture:
             logger.warning("resumekit: emergency capture failed (%s: %s); the agreed "
                            "preemption saves as without it", type(error).__name__, error)
             return RoundOutcome(None, f"failed: {type(error).__name__}: {error}")
+        copied_in = None if capture is None else capture.copied_in
         if capture is None or step != capture.boundary.step:
-            return RoundOutcome(None, said)
+            return RoundOutcome(None, said, copied_in)
+        write_from = time.monotonic() - capture.signal_at
         try:
             self._write(capture)
         except Exception as error:  # noqa: BLE001 - the newest commit stays as it was
@@ -300,8 +312,8 @@ class EmergencyCapture:
                            "nothing was committed by it", capture.boundary.step,
                            type(error).__name__, error)
             return RoundOutcome(None, f"the write of step {capture.boundary.step} failed: "
-                                      f"{error}")
-        return RoundOutcome(capture.boundary.step, said)
+                                      f"{error}", copied_in, write_from)
+        return RoundOutcome(capture.boundary.step, said, copied_in, write_from)
 
     def _capture(self, signal_at: float) -> Capture | None:
         """Copy the last completed step into the staging buffers (None: none to copy)."""

@@ -80,6 +80,10 @@ def test_a_signal_mid_step_commits_the_last_completed_step_before_the_step_ends(
     assert ckpt._emergency is not None
     outcome = ckpt._emergency.settle()  # the write started at the signal; done by now
     assert outcome is not None and outcome.committed == 2
+    # The log line's figures: the copy's seconds, and the signal to the write's start,
+    # which holds the copy (what benchmarks/emergency_latency.py compares).
+    assert outcome.copied_in is not None and outcome.write_from is not None
+    assert 0 <= outcome.copied_in <= outcome.write_from
     latest = ckpt.latest()
     assert latest is not None and latest.step == 2  # before step_end(3)
     assert latest.manifest.reason == "preemption"
