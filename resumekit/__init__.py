@@ -12,10 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from resumekit import _compat, _moved_modules
+from resumekit import _compat
 from resumekit._version import __version__
-
-_moved_modules.install()
 
 
 def _warn_if_torch_unsupported() -> None:

@@ -499,7 +499,9 @@ class CheckpointManager:
         """
         self._check_open()
         self._check_counts_on(step)
-        if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
+        optimizer = self.state.optimizer
+        if self._optimizer_unstaged and optimizer is not None and all(
+                part.state for part in state_dicts.optimizer_parts(optimizer)):  # each one
             self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
         for auto in self._autos():

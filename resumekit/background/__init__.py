@@ -6,6 +6,13 @@
   ``async_writer="process"``, to which the save thread hands the rank's tensor bytes.
 * :mod:`.emergency`: :class:`EmergencyCapture`, which copies the last completed step at a
   preemption signal and writes it while the step in progress runs.
+
+Where to start reading: :mod:`.thread`; the manager hands it every background save.
+
+What it may import: of resumekit ``options`` and the wings below it (tools, restore, state,
+tensors, runtime, store), ``errors`` and ``warnings``; the layer beside it (``saving``,
+``restoring``, ``tiers``) and the manager above it never. :mod:`.thread` imports no torch
+(a contract in pyproject.toml); the writer process and the emergency capture do.
 """
 
 from __future__ import annotations

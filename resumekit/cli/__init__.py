@@ -11,6 +11,14 @@ Each command lives in its own module, registered in :data:`COMMANDS` by module p
 imported only when it runs: ``resumekit --help`` imports none of them, and ``inspect``
 of a root, ``verify`` and ``prune`` import no torch (only ``export``, ``diff``, ``import``
 and ``inspect`` of one checkpoint's state or tensors do).
+
+Where to start reading: :func:`main` and :data:`COMMANDS` here, then the command in
+question; :mod:`._common` holds what they share.
+
+What it may import: every layer of resumekit below it (it is the top layer, beside
+``integrations``), with three limits checked by contracts in pyproject.toml: this module,
+``_common``, ``verify`` and ``prune`` import no torch and nothing of ``tools``,
+``tensors`` or ``state``; only ``export`` and ``import_`` reach the exporter.
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from rich.text import Text
 
 from resumekit.errors import ConfigurationError
 from resumekit.store import tree as _tree
-from resumekit.store.catalog import CheckpointEntry
 from resumekit.store.layout import NameFormat
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "add_common_options",
     "console",
     "emit_json",
-    "entry_bytes",
     "error_line",
     "fail",
     "flatten",
@@ -279,10 +277,3 @@ def flatten(value: Any, prefix: str) -> dict[str, Any]:
     containers stay as leaves (``{}`` differs from a missing key).
     """
     return _tree.flatten(value, prefix, keep_empty=True)
-
-
-def entry_bytes(entry: CheckpointEntry, walked: int | None) -> int | None:
-    """Bytes of an entry: its manifest's total, else what a directory walk found."""
-    if entry.manifest is not None:
-        return entry.manifest.total_bytes
-    return walked

@@ -458,10 +458,6 @@ class CommitProtocol:
         return write_stamped_hint(self.storage, self.name_format, pending.step,
                                   pending.generation.number)
 
-    def staging_url(self, pending: PendingCheckpoint) -> str:
-        """Return the path/URL data writers (e.g. DCP) should write into."""
-        return self.storage.url_of(pending.staging)
-
     # -- 3-6: publish -----------------------------------------------------------------
     def publish(self, pending: PendingCheckpoint, manifest: Manifest, *,
                 described: Sequence[FileEntry] = (),

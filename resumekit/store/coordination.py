@@ -27,7 +27,6 @@ __all__ = [
     "ProcessGroupCoordinator",
     "SingleProcess",
     "activity",
-    "current_activity",
     "run_on_every_rank",
     "run_on_leader",
 ]
@@ -65,12 +64,6 @@ def activity(what: str, **fields: Any) -> Iterator[None]:
         yield
     finally:
         _activity.reset(token)
-
-
-def current_activity() -> str | None:
-    """What the collectives of this thread are for right now (see :func:`activity`)."""
-    named = _activity.get()
-    return None if named is None else named[0]
 
 
 class Coordinator(Protocol):

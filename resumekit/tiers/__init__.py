@@ -4,4 +4,13 @@
 keeps, its local saves); :mod:`resumekit.tiers.restore` runs a restore across tiers on
 every rank, by the decision of :mod:`resumekit.restore.tiers`. The manager calls both
 when it has a ``LocalTier`` (``docs/local-tier.md``).
+
+Where to start reading: :mod:`.local`. The rest of the feature lives in
+``resumekit.store.local_roots`` (the directory's sub-roots and which copies a run may use),
+``resumekit.runtime.replicas`` (sending copies between partners),
+``resumekit.restore.tiers`` (the decision) and ``resumekit.cli.inspect_local``.
+
+What it may import: of resumekit ``options`` and the wings below it, ``errors`` and
+``warnings``; the layer beside it (``background``, ``saving``, ``restoring``) and the
+manager above it never.
 """

@@ -49,7 +49,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -86,11 +86,8 @@ from resumekit.tools import legacy
 from resumekit.tools.export import NOT_MODEL_KEYS
 from resumekit.warnings import ResumekitWarning, warn
 
-__all__ = ["IMPORT_FORMATS", "ImportFormat", "ImportResult", "import_checkpoint"]
+__all__ = ["IMPORT_FORMATS", "ImportResult", "import_checkpoint"]
 
-
-ImportFormat = Literal["auto", "dcp", "torchtitan", "accelerate", "lightning", "hf-trainer",
-                       "lingbot"]
 #: Every value of ``--format`` (``auto`` detects the others from their own files).
 IMPORT_FORMATS: tuple[str, ...] = ("auto", *FOREIGN_FORMATS, "lingbot")
 

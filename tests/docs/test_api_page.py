@@ -1,12 +1,12 @@
 """docs/api.md documents the public API, all of it, at the paths a user imports.
 
-The public API is ``resumekit.__all__`` plus four modules imported by path (and the
+The public API is ``resumekit.__all__`` plus five modules imported by path (and the
 command line, documented on its own page). The documentation build checks that each
 ``:::`` reference renders; these tests check what the build cannot: that every path the
 page gives imports, that each rendered object sits at a public path (not at the layer
-module that happens to define it), that no public name is left out, that the page's list
-of old 0.2 module paths is the one ``resumekit._moved_modules`` keeps working, and that
-the other pages' code imports only from public paths.
+module that happens to define it), that no public name is left out, that 0.2's flat module
+paths are gone and docs/migration.md says where each went, and that the other pages' code
+imports only from public paths.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from typing import Any
 import pytest
 
 import resumekit
-from resumekit import _moved_modules
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 API = (DOCS / "api.md").read_text()
 PUBLIC_MODULES = ("resumekit.export", "resumekit.testing", "resumekit.legacy",
-                  "resumekit.integrations.lightning")
+                  "resumekit.integrations.lightning", "resumekit.integrations.torchtitan")
 RENDERED = re.findall(r"^::: *([\w.]+)", API, flags=re.M)
 DOTTED = sorted(set(re.findall(r"`(resumekit(?:\.\w+)+)`", API)))
 
@@ -77,29 +76,46 @@ def test_every_public_name_is_on_the_page() -> None:
     assert "`resumekit.__version__`" in API
 
 
-LAYERS = {f"resumekit.{layer}" for layer in
-          ("store", "state", "tensors", "restore", "runtime", "tools", "cli", "integrations")}
+#: 0.2's flat module paths. 0.3.0 kept them importing as aliases, with a DeprecationWarning;
+#: they went after 0.3.0 (issue 41, CHANGELOG.md).
+OLD_0_2_PATHS = frozenset({
+    "resumekit._tree", "resumekit.catalog", "resumekit.commit", "resumekit.compatibility",
+    "resumekit.coordination", "resumekit.distributed", "resumekit.generations",
+    "resumekit.importers", "resumekit.jsonable", "resumekit.layout", "resumekit.loader",
+    "resumekit.manifest", "resumekit.preemption", "resumekit.raw_tensor_files",
+    "resumekit.restore_plan", "resumekit.retention", "resumekit.retry", "resumekit.rng",
+    "resumekit.safe_pickle", "resumekit.sampler", "resumekit.sharded", "resumekit.storage",
+    "resumekit.verification", "resumekit.weights",
+})
+MIGRATION = (DOCS / "migration.md").read_text()
 
 
-def test_the_pages_list_of_old_module_paths_is_the_one_that_still_imports() -> None:
-    note = API.split("## Module paths", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(resumekit\.\w+)`", note))
-    old = named - LAYERS - set(PUBLIC_MODULES)
-    assert old == set(_moved_modules.MOVED), {
-        "on the page only": sorted(old - set(_moved_modules.MOVED)),
-        "kept working but not on the page": sorted(set(_moved_modules.MOVED) - old)}
-    assert "removed in 0.4" in note
+def _moved_table() -> dict[str, str]:
+    """docs/migration.md's table of 0.2's module paths: old path -> where its code is now."""
+    section = MIGRATION.split("## From resumekit 0.2's module paths", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"^\| `(resumekit[\w.]*)` \| `(resumekit[\w.]*)` \|", section,
+                           flags=re.M))
 
 
-def test_an_old_module_path_imports_the_moved_module_itself_with_a_deprecation_warning(
-) -> None:
-    old = "resumekit.retention"
-    new = _moved_modules.MOVED[old]
+def test_the_migration_page_says_where_each_old_module_path_went() -> None:
+    moved = _moved_table()
+    assert set(moved) == OLD_0_2_PATHS, {
+        "on the page only": sorted(set(moved) - OLD_0_2_PATHS),
+        "not on the page": sorted(OLD_0_2_PATHS - set(moved))}
+    for new in moved.values():
+        importlib.import_module(new)
+
+
+@pytest.mark.parametrize("old", sorted(OLD_0_2_PATHS))
+def test_an_old_module_path_of_0_2_no_longer_imports(old: str) -> None:
     sys.modules.pop(old, None)
-    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
-        module = importlib.import_module(old)
-    assert module is importlib.import_module(new)
-    assert module.__spec__ is not None and module.__spec__.name == new
+    with pytest.raises(ModuleNotFoundError, match=re.escape(f"No module named '{old}'")):
+        importlib.import_module(old)
+
+
+def test_the_api_page_names_no_old_module_path() -> None:
+    named = set(re.findall(r"`(resumekit(?:\.\w+)+)`", API))
+    assert not named & OLD_0_2_PATHS, sorted(named & OLD_0_2_PATHS)
 
 
 _IMPORT = re.compile(r"^\s*(?:from\s+(resumekit[\w.]*)\s+import|import\s+(resumekit[\w.]*))",

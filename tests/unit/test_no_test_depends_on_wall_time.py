@@ -27,7 +27,6 @@ SUBJECT_IS_A_TIMEOUT = {
     "dist/test_replicas_dist.py": "a peer that stops answering raises after the timeout",
     "dist/test_restore_reads_once_dist.py": "a rank that fails: its peer's wait ends by it",
     "dist/test_init_distributed.py": "the training and checkpoint timeouts themselves",
-    "dist/test_save_peer_failures.py": "a peer that dies in a save: the survivor's timeout",
     "unit/test_preemption.py": "a hanging scontrol is an error after its timeout",
     "unit/test_distributed_env.py": "one process: the values are checked, no collective waits",
 }

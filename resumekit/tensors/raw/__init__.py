@@ -19,8 +19,6 @@ from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw.files import (
     FsspecFiles,
     aligned_empty,
-    publish_metadata,
-    refuse_existing_checkpoint,
     write_checksums,
     write_new_file,
 )
@@ -39,7 +37,6 @@ from resumekit.tensors.raw.format import (
     checksum_files,
     decode_checksums,
     encode_checksums,
-    is_described_pack,
     is_packed_member,
     is_raw,
     raw_files,
@@ -51,7 +48,6 @@ from resumekit.tensors.raw.writer import (
     RankFiles,
     RawTensorWriter,
     run_writer_threads,
-    written_metadata,
 )
 
 __all__ = [
@@ -79,14 +75,10 @@ __all__ = [
     "decode_checksums",
     "encode_checksums",
     "hex_digest",
-    "is_described_pack",
     "is_packed_member",
     "is_raw",
-    "publish_metadata",
     "raw_files",
-    "refuse_existing_checkpoint",
     "run_writer_threads",
     "write_checksums",
     "write_new_file",
-    "written_metadata",
 ]

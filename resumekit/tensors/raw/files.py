@@ -11,7 +11,7 @@ The pieces :mod:`resumekit.tensors.raw.writer`'s storage writers are made of:
   store then keeps no partial object), never completed by its close.
 * :class:`FsspecFiles`: DCP's public ``FileSystemBase`` over fsspec (``s3://``,
   ``memory://``, ...).
-* :func:`write_new_file`, :func:`publish_metadata`, :func:`write_checksums`: small files,
+* :func:`write_new_file`, :func:`write_checksums`: small files,
   never over an existing one.
 * :func:`_write_failure`: an ``OSError`` as a :class:`~resumekit.errors.StorageError`
   naming the file (a full disk also names the free space).
@@ -64,8 +64,6 @@ from resumekit.tensors.raw.format import (
 __all__ = [
     "FsspecFiles",
     "aligned_empty",
-    "publish_metadata",
-    "refuse_existing_checkpoint",
     "write_checksums",
     "write_new_file",
 ]
@@ -361,36 +359,6 @@ def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
 
 
 
-def refuse_existing_checkpoint(directory: str) -> None:
-    """Create ``directory`` if needed; raise if it already holds a ``.metadata``.
-
-    What DCP's writer refuses (``overwrite=False``), for the saves that write without it.
-
-    Raises:
-        StorageError: A checkpoint is already there (it is never overwritten).
-    """
-    os.makedirs(directory, exist_ok=True)
-    if os.path.lexists(os.path.join(directory, DCP_METADATA_FILE)):
-        raise StorageError(
-            f"writing checkpoint {directory} failed: a checkpoint already exists there "
-            "(never overwritten)", path=directory, operation="save", file=DCP_METADATA_FILE)
-
-
-def publish_metadata(directory: str, data: bytes, *, sync: bool) -> None:
-    """Write ``.metadata`` as DCP's writer does: to ``.metadata.tmp``, then renamed.
-
-    Raises:
-        StorageError: It could not be written or renamed (naming it).
-    """
-    temporary = os.path.join(directory, _METADATA_TMP)
-    write_new_file(temporary, data, sync=sync)
-    try:
-        os.replace(temporary, os.path.join(directory, DCP_METADATA_FILE))
-    except OSError as error:
-        raise _write_failure(temporary, error, "rename") from error
-
-
-
 class _Pack:
     """Small items gathered into one region of a data file, written and hashed as one.
 
@@ -415,7 +383,7 @@ class _Pack:
         self.buffer = bytearray(PACK_BYTES)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.buffer))
         self.used = 0
-        self.members: list[tuple[WriteItem | None, int, int]] = []  # item, offset, length
+        self.members: list[tuple[WriteItem, int, int]] = []  # item, offset, length
 
     def fits(self, length: int) -> bool:
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
@@ -429,7 +397,7 @@ class _Pack:
         self.used = start + len(view)
         self.members.append((item, start, len(view)))
 
-    def add_from(self, item: WriteItem | None, address: int, length: int) -> None:
+    def add_from(self, item: WriteItem, address: int, length: int) -> None:
         """Add ``length`` bytes at ``address`` in memory (a contiguous CPU tensor's)."""
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
         self.buffer[self.used:start] = bytes(start - self.used)
@@ -443,7 +411,7 @@ class _Pack:
         if not self.members:
             return []
         base, descriptor = self._write_region(handle)
-        results = [WriteResult(index=cast(WriteItem, item).index, size_in_bytes=length,
+        results = [WriteResult(index=item.index, size_in_bytes=length,
                                storage_data=_StorageInfo(
                                    self.name, base + start, length,
                                    transform_descriptors=MEMBER_DESCRIPTORS
@@ -451,15 +419,6 @@ class _Pack:
                    for number, (item, start, length) in enumerate(self.members)]
         self.members, self.used = [], 0
         return results
-
-    def flush_offsets(self, handle: _AlignedFile) -> list[int]:
-        """Write the region as :meth:`flush` does; the members' file offsets only."""
-        if not self.members:
-            return []
-        base, _ = self._write_region(handle)
-        offsets = [base + start for _, start, _ in self.members]
-        self.members, self.used = [], 0
-        return offsets
 
     def _write_region(self, handle: _AlignedFile) -> tuple[int, str]:
         """Write the members, the table and the footer; the region's offset, descriptor."""

@@ -61,7 +61,6 @@ __all__ = [
     "checksum_files",
     "decode_checksums",
     "encode_checksums",
-    "is_described_pack",
     "is_packed_member",
     "is_raw",
     "raw_files",
@@ -267,11 +266,6 @@ def is_packed_member(descriptors: Sequence[str] | None) -> bool:
     see :func:`raw_files`).
     """
     return not descriptors or tuple(descriptors) == MEMBER_DESCRIPTORS
-
-
-def is_described_pack(descriptors: Sequence[str]) -> bool:
-    """Whether ``descriptors`` are those of a format-3 region's first member."""
-    return len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX)
 
 
 def checksum_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:

@@ -48,7 +48,7 @@ from torch.futures import Future
 
 from resumekit.errors import StorageError
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
-from resumekit.store.manifest import checksum_chunks, hex_digest
+from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw.files import (
     _METADATA_TMP,
     FsspecFiles,
@@ -77,7 +77,6 @@ __all__ = [
     "RankFiles",
     "RawTensorWriter",
     "run_writer_threads",
-    "written_metadata",
 ]
 
 SMALL_SAVE_BYTES = 16 << 20
@@ -117,14 +116,6 @@ class _ReportingWriter:
     fs: Any
     path: Any
     written: list[WrittenFile]
-    last_metadata: Metadata | None = None
-    """The ``Metadata`` the last :meth:`finish` wrote (coordinating rank)."""
-    last_jobs: list[tuple[str, list[WriteItem]]] | None = None
-    """The files the last ``write_data`` wrote, each with its items in file order."""
-    last_prefix: str | None = None
-    """The file-name prefix DCP's final plan gave the last ``write_data`` (raw writer)."""
-    last_results: list[WriteResult] | None = None
-    """What the last ``write_data`` stored for each of its items (raw writer)."""
 
     def _start_reporting(self) -> None:
         self.written = []
@@ -164,7 +155,6 @@ class _ReportingWriter:
         where = os.fspath(self.path)
         _check_every_item_stored(metadata, results, where)
         super().finish(metadata, results)  # type: ignore[misc]
-        self.last_metadata = metadata
         recorder = cast(_RecordingFileSystem, self.fs)
         with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
@@ -321,9 +311,6 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             for number, bucket in enumerate(buckets)
         ]
         results = self.write_jobs(jobs, prefix)
-        self.last_jobs = [(name, [item for item, _ in items]) for name, items in jobs]
-        self.last_prefix = prefix
-        self.last_results = results
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -333,9 +320,9 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                    prefix: str) -> list[WriteResult]:
         """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
 
-        :meth:`write_data` writes DCP's plan with it, and a replayed plan
-        (:mod:`resumekit.tensors.replayed_save`) the same files in the same order with it: the
-        same bytes. Resets and fills :attr:`written`.
+        :meth:`write_data` writes DCP's plan with it, and the writer process
+        (:mod:`resumekit.tensors.remote`) the same files in the same order: the same bytes.
+        Resets and fills :attr:`written`.
 
         Returns:
             Every item's result, file by file in ``jobs`` order.
@@ -424,55 +411,6 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
         return results, written, pack.regions
-
-    def write_small(self, name: str, tensors: Sequence[torch.Tensor], sidecar: str
-                    ) -> tuple[list[int], WrittenFile, list[tuple[int, int, str]]]:
-        """Write small contiguous CPU tensors into data file ``name`` as packed regions.
-
-        The same bytes :meth:`write_data` writes for the same items in this order (a
-        replayed plan, :func:`resumekit.tensors.sharded.save`), without DCP's plan objects.
-
-        Returns:
-            Each tensor's offset in the file, the file, and its regions ``(offset,
-            length, hex)``.
-
-        Raises:
-            StorageError: The file could not be written (naming it).
-        """
-        if self.background:
-            _lower_thread_priority()
-        path = os.path.join(os.fspath(self.path), name)
-        offsets: list[int] = []
-        try:
-            with _AlignedFile(path) as handle:
-                pack = _Pack(name, sidecar)
-                for tensor in tensors:
-                    length = tensor.numel() * tensor.element_size()
-                    if not pack.fits(length):
-                        offsets.extend(pack.flush_offsets(handle))
-                    pack.add_from(None, tensor.data_ptr(), length)
-                offsets.extend(pack.flush_offsets(handle))
-                if self.sync_files:
-                    os.fsync(handle.fd)
-                written = WrittenFile(name, handle.offset, handle.checksum.value())
-        except OSError as error:
-            raise _write_failure(path, error, "write") from error
-        return offsets, written, pack.regions
-
-
-
-def written_metadata(writer: _ReportingWriter) -> tuple[bytes, WrittenFile] | None:
-    """The ``.metadata`` bytes ``writer``'s last save wrote, read back, and their entry.
-
-    None unless exactly one ``.metadata`` was reported and the file's bytes still have the
-    checksum computed while it was written.
-    """
-    entries = [file for file in writer.written if file.name == DCP_METADATA_FILE]
-    if len(entries) != 1:
-        return None
-    with open(os.path.join(os.fspath(writer.path), DCP_METADATA_FILE), "rb") as handle:
-        data = handle.read()
-    return (data, entries[0]) if checksum_chunks([data]) == entries[0].checksum else None
 
 
 def _bytes_of(data: torch.Tensor | io.BytesIO
