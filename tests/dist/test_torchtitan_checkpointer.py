@@ -131,7 +131,11 @@ def test_a_sigterm_mid_run_commits_the_agreed_step_exits_75_and_the_relaunch_los
     assert [r["exit"] for r in records] == [75, 75], log[-6000:]
     agreed = records[0]["steps"][-1]
     assert records[1]["steps"][-1] == agreed >= 5  # no step lost but the one in progress
-    assert _committed(tmp_path / "checkpoint") == [(4, "interval"), (agreed, "preemption")]
+    committed = _committed(tmp_path / "checkpoint")
+    assert committed[0] == (4, "interval") and committed[-1] == (agreed, "preemption")
+    # The capture at the signal (on by default) may commit step 5, the last step completed
+    # when the signal came, before the ranks agree to stop at a newer one.
+    assert committed[1:-1] in ([], [(5, "preemption")]), committed
 
     relaunch = _run(tmp_path, "relaunch")
     assert [(r["restored"], r["steps"]) for r in _records(relaunch)] == [
