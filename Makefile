@@ -12,6 +12,7 @@ LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
 .PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-goodput \
+	bench-emergency \
 	bench-world gpu-check \
 	gpu-wheels clean test-torch test-matrix
 
@@ -145,6 +146,10 @@ bench-world: $(STAMP)
 # and goodput.png. A model, not a run: ~2 minutes of CPU, no device.
 bench-goodput: $(STAMP)
 	$(PY) -m benchmarks.goodput_model $(BENCH_GOODPUT_ARGS)
+
+# From a preemption signal to the emergency write's start, against a staging copy (issue 38).
+bench-emergency: $(STAMP)
+	$(PY) -m benchmarks.emergency_latency
 
 # Every CUDA path in one short run (docs/performance.md, "GPU"). Without CUDA it runs the CPU
 # mode; add GPU_CHECK_ARGS=--require-cuda to fail instead. On a bare GPU machine without this

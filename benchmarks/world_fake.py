@@ -30,7 +30,6 @@ import gc
 import json
 import math
 import os
-import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -144,10 +143,6 @@ def _nbytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
 
 
-def _hexes(count: int) -> list[str]:
-    return [secrets.token_hex(16) for _ in range(count)]  # XXH3-128: 32 hex digits
-
-
 def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]]:
     """What each rank's writer would return for its final plan (the byte counts it records)."""
     results = []
@@ -156,25 +151,21 @@ def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]
         files = FILES_PER_RANK if raw else 1
         offsets = [0] * files
         region: list[int] = [0, 0]  # bytes used in the current packed region, its file
+        alone: Any = raw_format.alone_descriptors(f"__{rank}_checksums.json")
         for number, item in enumerate(plan.items):
             length = _nbytes(item)
             file = number % files
             name = f"__{rank}_{file}.distcp"
-            descriptors: list[str] | None = None
+            descriptors: Any = None
             if raw:
                 if length < raw_format.PACK_ITEM_BYTES:
                     first = region[0] == 0 or region[0] + length > raw_format.PACK_BYTES
                     region[0] = length if first else region[0] + length
                     head = f"{raw_format.FORMAT_NAME}/{raw_format.PACK_FORMAT_VERSION}"
                     descriptors = ([f"{head};{raw_format.PACK_BYTES};__{rank}_checksums.json"]
-                                   if first else list(raw_format.MEMBER_DESCRIPTORS))
-                else:
-                    block = raw_format.block_bytes_for(length)
-                    dtype = (None if item.tensor_data is None
-                             else item.tensor_data.properties.dtype)
-                    shape = () if item.tensor_data is None else tuple(item.tensor_data.chunk.sizes)
-                    descriptors = [raw_format._Descriptor(
-                        dtype, shape, block, tuple(_hexes(-(-length // block)))).encode()]
+                                   if first else raw_format.MEMBER_DESCRIPTORS)
+                else:  # stored alone: its blocks are in the rank's checksum file
+                    descriptors = alone
             mine.append(WriteResult(index=item.index, size_in_bytes=length,
                                     storage_data=_StorageInfo(name, offsets[file], length,
                                                               transform_descriptors=descriptors)))

@@ -506,7 +506,9 @@ class CheckpointManager:
         """
         self._check_open()
         self._check_counts_on(step)
-        if self._optimizer_unstaged and self.state.optimizer.state:  # type: ignore[union-attr]
+        optimizer = self.state.optimizer
+        if self._optimizer_unstaged and optimizer is not None and all(
+                part.state for part in state_dicts.optimizer_parts(optimizer)):  # each one
             self._prepare_staging()  # the optimizer's buffers, now that it has state
         self._clock.step_started(step)
         for auto in self._autos():
@@ -1146,9 +1148,9 @@ class CheckpointManager:
 
     # -- lifecycle ----------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until the background save (if any) is committed; re-raise its error.
+        """Block until the background and local saves in flight commit; re-raise an error.
 
-        Also the local tier's save in flight. Idempotent.
+        Idempotent.
         """
         self._background.wait()
         self._pending_async = None
@@ -1181,7 +1183,6 @@ class CheckpointManager:
         if self._closed:
             raise ResumekitError("this CheckpointManager is closed", path=self.storage.path())
         self._background.raise_if_failed()
-        # (A failed local save: raised by the next local save, wait(), restore(), close().)
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -98,10 +98,20 @@ class Capture:
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What a round did: the step it committed (or None) and why, in words."""
+    """What a round did: the step it committed (or None) and why, in words.
+
+    Attributes:
+        committed: The step it committed, or None.
+        said: Why, in words.
+        copied_in: Seconds this rank's copy took (None: no copy).
+        write_from: Seconds from the signal to the start of this rank's write (None: no
+            write started); the figure the emergency save's log line gives.
+    """
 
     committed: int | None
     said: str
+    copied_in: float | None = None
+    write_from: float | None = None
 
 
 class EmergencyCapture:
@@ -139,6 +149,7 @@ class EmergencyCapture:
         self._started = self._done = self._settled = 0  # rounds
         self._outcomes: list[RoundOutcome] = []
         self._capturing = False  # a signal's round is in its copy phase
+        self._signal_round: int | None = None  # the index of the round a signal started
         self._signal_read, self._signal_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._control_read, self._control_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._hooks = [_register_hold(part, self._hold) for part in _optimizer_parts(optimizer)]
@@ -236,6 +247,9 @@ class EmergencyCapture:
             with self._cond:
                 if self._stopping:
                     return
+                if pending and self._signal_used:  # a further signal: said, then dropped
+                    pending = False
+                    self._say_further_signal()
                 wanted = self._settle_wanted
                 # A signal starts one round per manager, and only when no round started
                 # since the last settle point (else the next settle point's round is it).
@@ -246,6 +260,7 @@ class EmergencyCapture:
                     if by_signal:
                         self._signal_used, pending = True, False
                         self._capturing = True
+                        self._signal_round = self._started
                     self._started += 1
             if not (wanted or by_signal):
                 select.select([self._signal_read, self._control_read], [], [])
@@ -258,6 +273,23 @@ class EmergencyCapture:
                 self._hurry = self._capturing = False
                 self._cond.notify_all()
 
+    def _say_further_signal(self) -> None:
+        """One line for signals after the one that started this manager's copy (locked)."""
+        received = self._handler.received
+        first = received[0].received_at if received else None
+        if self._signal_round is not None and self._signal_round < len(self._outcomes):
+            outcome = self._outcomes[self._signal_round]
+            done = (f"committed step {outcome.committed}" if outcome.committed is not None
+                    else f"committed nothing ({outcome.said})")
+        else:
+            done = "is still under way"
+        names = ", ".join(record.name for record in received[1:]) or "a request"
+        after = ("" if first is None or len(received) < 2
+                 else f", the last {received[-1].received_at - first:.2f} s after the first")
+        logger.warning("resumekit: a further preemption signal on this rank (%d recorded: "
+                       "%s%s) starts no second emergency copy; the first signal's round "
+                       "%s", len(received), names, after, done)
+
     def _round(self, by_signal: bool) -> RoundOutcome:
         capture: Capture | None = None
         try:
@@ -269,8 +301,10 @@ class EmergencyCapture:
             logger.warning("resumekit: emergency capture failed (%s: %s); the agreed "
                            "preemption saves as without it", type(error).__name__, error)
             return RoundOutcome(None, f"failed: {type(error).__name__}: {error}")
+        copied_in = None if capture is None else capture.copied_in
         if capture is None or step != capture.boundary.step:
-            return RoundOutcome(None, said)
+            return RoundOutcome(None, said, copied_in)
+        write_from = time.monotonic() - capture.signal_at
         try:
             self._write(capture)
         except Exception as error:  # noqa: BLE001 - the newest commit stays as it was
@@ -278,8 +312,8 @@ class EmergencyCapture:
                            "nothing was committed by it", capture.boundary.step,
                            type(error).__name__, error)
             return RoundOutcome(None, f"the write of step {capture.boundary.step} failed: "
-                                      f"{error}")
-        return RoundOutcome(capture.boundary.step, said)
+                                      f"{error}", copied_in, write_from)
+        return RoundOutcome(capture.boundary.step, said, copied_in, write_from)
 
     def _capture(self, signal_at: float) -> Capture | None:
         """Copy the last completed step into the staging buffers (None: none to copy)."""
@@ -290,9 +324,13 @@ class EmergencyCapture:
                     if self._stopping or self._settle_wanted or self._hurry:
                         self._capturing = False
                         self._cond.notify_all()
-                        logger.info("resumekit: a preemption signal arrived, but no "
-                                    "completed step could be copied before this settle "
-                                    "point; the agreed preemption saves")
+                        why = ("no step was completed since the restore or the start "
+                               "of the step in progress" if self._boundary is None
+                               else "the optimizer has no state to copy yet")
+                        logger.warning("resumekit: a preemption signal arrived %.2f s ago, "
+                                       "but nothing could be copied before this settle "
+                                       "point (%s); the agreed preemption saves",
+                                       time.monotonic() - signal_at, why)
                         return None
                     self._cond.wait()
                 if joined:

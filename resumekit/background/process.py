@@ -13,8 +13,10 @@ go over the same socket (``SCM_RIGHTS``) once each.
 The process is a fresh interpreter (``python -c``, fork + exec at once: it inherits no
 process group, thread or lock of the trainer, and never imports the trainer's
 ``__main__``), one per manager and rank, started at the first background save or when the
-manager stages ahead. It ignores SIGINT and SIGTERM (the trainer decides what a signal
-means; a SLURM ``scancel`` reaches the whole process group) and exits when the trainer
+manager stages ahead. It ignores SIGINT and SIGTERM from its first instruction, and has
+them blocked from the fork until then (the trainer decides what a signal means;
+torchrun's agent and a SLURM ``scancel`` reach the whole process group, also while the
+process still imports torch) and exits when the trainer
 says so (:meth:`WriterProcess.close`), when its end of the socket reports EOF (the
 trainer died) or when its parent changes. An error there comes back with its type,
 message and traceback; a process that died (SIGKILL, the OOM killer) is noticed at once
@@ -52,9 +54,20 @@ __all__ = ["WriterProcess", "serve"]
 
 logger = logging.getLogger("resumekit")
 
-_BOOT = ("import json, sys; sys.path[:0] = json.loads(sys.argv[3]); "
+_SHIELDED = (signal.SIGINT, signal.SIGTERM)
+"""The signals the writer process ignores from its first instruction (and, blocked, before)."""
+_BOOT = ("import signal; "
+         "[signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]; "
+         "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM)); "
+         "import json, sys; sys.path[:0] = json.loads(sys.argv[3]); "
          "from resumekit.background.process import serve; "
          "serve(int(sys.argv[1]), int(sys.argv[2]))")
+"""The writer process's program. Its first statements ignore SIGINT and SIGTERM, and only
+then unblock them: :meth:`WriterProcess.start` forks it with both blocked (a blocked
+signal stays pending across ``exec``; one pending when it is ignored is discarded), so a
+signal sent to the whole process group while it starts - torchrun's agent ``killpg``-s
+each worker's group at a SIGTERM, SLURM signals every process of the step - never kills
+it, however long its ``import torch`` takes on a busy host."""
 _POLL_SECONDS = 0.5
 """How often a waiting side looks at the other's liveness when no message came."""
 _STOP_SECONDS = 60.0
@@ -96,6 +109,10 @@ class WriterProcess:
                  ResumekitWarning, stacklevel=3)
         self._forget()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Blocked on this thread while it forks: the child inherits the mask, so a signal
+        # that reaches it before _BOOT ignores it stays pending and is then discarded. One
+        # for the trainer meanwhile goes to another thread, or is delivered when unblocked.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SHIELDED)
         try:
             process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()),
@@ -105,6 +122,7 @@ class WriterProcess:
             ours.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         self._process, self._socket = process, ours
         self._connection = Connection(os.dup(ours.fileno()))
@@ -254,8 +272,8 @@ def serve(fd: int, parent: int) -> None:
         fd: Its end of the socket to the trainer.
         parent: The trainer's pid (it exits once its parent is another).
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for shielded in _SHIELDED:  # _BOOT did it already; a direct call does it here
+        signal.signal(shielded, signal.SIG_IGN)
     torch.set_num_threads(1)
     ours = socket.socket(fileno=fd)
     connection = Connection(os.dup(fd))

@@ -7,6 +7,9 @@ own module is imported:
   ``CheckpointIO`` plugin writing every checkpoint as a resumekit atomic commit, and
   ``ResumekitCallback``: per-rank RNG streams, the data position, the agreed emergency
   save with exit 75 on SIGTERM/SIGUSR1, ``ckpt_path="last"`` and a fine-tune's start.
+* :mod:`resumekit.integrations.torchtitan`: ``ResumekitCheckpointer``, the checkpointer
+  torchtitan's trainer builds from ``checkpoint=ResumekitCheckpointer.Config(...)`` (one
+  line of its config) in place of its own ``CheckpointManager``.
 
 Accelerate needs no adapter (``CheckpointManager`` takes what ``accelerator.prepare()``
 returns) and the Hugging Face ``Trainer`` cannot have one (its callbacks run after its

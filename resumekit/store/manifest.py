@@ -70,7 +70,7 @@ __all__ = [
     "version_skew",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The format version every checkpoint this release writes records (``schema_version``).
 
 It moves whenever a write uses anything an older release cannot read, so that an older
@@ -87,6 +87,10 @@ SCHEMA_HISTORY: Mapping[int, str] = MappingProxyType({
     2: "the members of a packed region after its first carry the descriptor "
        "'resumekit-raw/member' (issue 29), which readers of version 1 cannot parse; "
        "checkpoints written with it before 0.3.0 record schema_version 1",
+    3: "items stored alone record the shared descriptor 'resumekit-raw/4;<checksum file>' "
+       "(issue 40): their block size and block checksums moved out of .metadata into the "
+       "writing rank's checksum file, now 'resumekit-raw-checksums/2' (packed regions and "
+       "items stored alone), which readers of version 2 cannot parse",
 })
 """What each ``schema_version`` added to what an older one holds."""
 CHECKSUM_ALGORITHM = "xxh3_128"

@@ -1,6 +1,6 @@
 """docs/api.md documents the public API, all of it, at the paths a user imports.
 
-The public API is ``resumekit.__all__`` plus four modules imported by path (and the
+The public API is ``resumekit.__all__`` plus five modules imported by path (and the
 command line, documented on its own page). The documentation build checks that each
 ``:::`` reference renders; these tests check what the build cannot: that every path the
 page gives imports, that each rendered object sits at a public path (not at the layer
@@ -25,7 +25,7 @@ import resumekit
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 API = (DOCS / "api.md").read_text()
 PUBLIC_MODULES = ("resumekit.export", "resumekit.testing", "resumekit.legacy",
-                  "resumekit.integrations.lightning")
+                  "resumekit.integrations.lightning", "resumekit.integrations.torchtitan")
 RENDERED = re.findall(r"^::: *([\w.]+)", API, flags=re.M)
 DOTTED = sorted(set(re.findall(r"`(resumekit(?:\.\w+)+)`", API)))
 

@@ -80,6 +80,10 @@ def test_a_signal_mid_step_commits_the_last_completed_step_before_the_step_ends(
     assert ckpt._emergency is not None
     outcome = ckpt._emergency.settle()  # the write started at the signal; done by now
     assert outcome is not None and outcome.committed == 2
+    # The log line's figures: the copy's seconds, and the signal to the write's start,
+    # which holds the copy (what benchmarks/emergency_latency.py compares).
+    assert outcome.copied_in is not None and outcome.write_from is not None
+    assert 0 <= outcome.copied_in <= outcome.write_from
     latest = ckpt.latest()
     assert latest is not None and latest.step == 2  # before step_end(3)
     assert latest.manifest.reason == "preemption"
@@ -269,3 +273,117 @@ def test_a_signal_commits_the_last_completed_step_of_every_optimizer_in_a_list(
         restored = part.state_dict()["state"][0]
         for key, value in saved.items():
             assert torch.equal(restored[key], value), key  # step 2's, not step 3's
+
+
+def test_the_capture_is_on_by_default_with_a_handler_and_off_when_turned_off(
+    tmp_path: Path,
+) -> None:
+    model, optimizer = _build()
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
+    on = CheckpointManager(tmp_path / "on", model=model, optimizer=optimizer,
+                           preemption=handler)
+    assert on._emergency is not None
+    on.close()
+    off = CheckpointManager(tmp_path / "off", model=model, optimizer=optimizer,
+                            preemption=handler, capture_at_signal=False)
+    assert off._emergency is None
+    off.close()
+    assert CheckpointManager(tmp_path / "none", model=model,
+                             optimizer=optimizer)._emergency is None
+
+
+def test_a_second_signal_during_the_emergency_write_starts_nothing_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    writing, release = threading.Event(), threading.Event()
+    original = sharded.step_files
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "resumekit-emergency":
+            writing.set()  # the tensor files of the copy are written; the rest waits
+            if not release.wait(LIMIT_S):
+                raise TimeoutError("the test never released the emergency write")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, "step_files", held)
+    model, optimizer = _build()
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             preemption=handler, save_every=2)
+    ckpt.restore()
+    for step in (1, 2, 3):
+        _train(model, optimizer)
+        assert not ckpt.step_end(step)
+    [two] = tmp_path.glob("*2/manifest.json")
+    before = two.read_bytes()
+    at_three = _snapshot(model)
+    caplog.set_level("WARNING", logger="resumekit")
+    os.kill(os.getpid(), signal.SIGUSR1)  # the capture copies step 3 and writes it
+    assert writing.wait(LIMIT_S)
+    os.kill(os.getpid(), signal.SIGUSR1)  # a second signal, mid-write
+    assert len(handler.received) == 2
+    release.set()
+    _train(model, optimizer)
+    assert ckpt.step_end(4) is True  # the agreed preemption: step 4 saved as before
+    ckpt.close()
+    assert [entry.step for entry in ckpt.checkpoints()] == [2, 3, 4]
+    assert two.read_bytes() == before  # the committed step 2 never rewritten
+    writes = [r.getMessage() for r in caplog.records if "emergency save of step" in
+              r.getMessage()]
+    assert len(writes) == 1 and "step 3" in writes[0]  # one copy, one write
+    [further] = [r.getMessage() for r in caplog.records
+                 if "further preemption signal" in r.getMessage()]
+    assert "(2 recorded: SIGUSR1, the last" in further
+    assert "starts no second emergency copy" in further and "committed step 3" in further
+    saved = _weights(tmp_path, 3, model)
+    for name, value in at_three.items():
+        assert torch.equal(saved[name], value), name
+
+
+def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    model, optimizer = _build()
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             preemption=handler, save_every=2)
+    ckpt.restore()
+    for step in (1, 2):
+        _train(model, optimizer)
+        assert not ckpt.step_end(step)
+    at_two = _snapshot(model)
+    _train(model, optimizer)
+    assert not ckpt.step_end(3)  # step 3 completed: a copy of it could be taken now
+    [two] = tmp_path.glob("*2/manifest.json")
+    before = two.read_bytes()
+
+    loading, release = threading.Event(), threading.Event()
+    original = sharded.load
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        if not release.wait(LIMIT_S):
+            raise TimeoutError("the test never released the restore")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sharded, "load", held)
+    caplog.set_level("WARNING", logger="resumekit")
+    restoring = threading.Thread(target=lambda: restored.append(ckpt.restore(2)))
+    restored: list[int] = []
+    restoring.start()  # roll back to step 2 (a restore on another thread, held mid-load)
+    assert loading.wait(LIMIT_S)
+    os.kill(os.getpid(), signal.SIGUSR1)  # the signal arrives in the middle of the restore
+    release.set()
+    restoring.join(LIMIT_S)
+    assert restored == [2]
+    for name, value in at_two.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    _train(model, optimizer)
+    assert ckpt.step_end(3) is True  # the agreed preemption saves step 3 (retrained)
+    ckpt.close()
+    assert [entry.step for entry in ckpt.checkpoints()] == [2, 3]
+    assert two.read_bytes() == before
+    nothing = [r.getMessage() for r in caplog.records
+               if "nothing could be copied" in r.getMessage()]
+    assert len(nothing) == 1 and "s ago" in nothing[0], nothing
+    assert not any("emergency save of step" in r.getMessage() for r in caplog.records)

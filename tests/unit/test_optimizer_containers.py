@@ -112,6 +112,22 @@ def test_several_optimizers_are_saved_as_one_and_restored_exactly(tmp_path: Path
         assert torch.equal(want, have)
 
 
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_several_optimizers_fresh_at_the_start_of_an_async_run_are_staged_once_they_have_state(
+        tmp_path: Path, form: str) -> None:
+    torch.manual_seed(0)
+    model = _net()
+    parts = _two(model)
+    optimizer = FORMS[form](parts)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer, async_save=True,
+                             save_every=2)
+    for step in (1, 2):  # step_end read `.state` of the tuple of parts: AttributeError
+        _train(model, optimizer, 1, seed=step)
+        assert ckpt.step_end(step) is False
+    ckpt.close()
+    assert [entry.step for entry in ckpt.checkpoints() if entry.status == "committed"] == [2]
+
+
 def test_a_checkpoint_of_several_optimizers_restores_into_a_container_of_other_shape(
         tmp_path: Path) -> None:
     torch.manual_seed(0)

@@ -165,6 +165,19 @@ def test_the_lightning_integration_without_lightning_names_the_lightning_extra()
                                    "is not installed: pip install 'resumekit[lightning]'")
 
 
+def test_the_torchtitan_integration_without_torchtitan_says_how_to_install_it() -> None:
+    done = _without("torchtitan", """
+        from resumekit import MissingDependencyError
+        try:
+            import resumekit.integrations.torchtitan
+        except MissingDependencyError as error:
+            print(error)
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("resumekit.integrations.torchtitan needs torchtitan, which "
+                                   "is not installed: pip install 'torchtitan>=0.3'")
+
+
 def test_an_hf_trainer_import_with_a_model_but_without_transformers_names_the_hf_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

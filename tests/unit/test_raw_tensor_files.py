@@ -6,6 +6,7 @@ import errno
 import fcntl
 import json
 import os
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from resumekit import CorruptCheckpointError, IncompleteCheckpointError
 from resumekit.errors import ConfigurationError, ResumekitError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
-from resumekit.store.layout import GENERATIONS_DIR
-from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
+from resumekit.store.layout import DCP_METADATA_FILE, GENERATIONS_DIR, raw_checksums_file
+from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks, hex_digest
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
@@ -38,9 +40,11 @@ from resumekit.tensors.raw import (
     PACK_ITEM_BYTES,
     RawTensorWriter,
     aligned_empty,
+    block_bytes_for,
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
+from resumekit.tensors.raw.format import _Descriptor, alone_descriptors, decode_checksum_file
 from resumekit.tensors.reader import make_reader
 from tests.conftest import unavailable
 
@@ -88,6 +92,33 @@ def storage_info(directory: Path) -> dict[str, Any]:
     """``{fqn: _StorageInfo}`` from the checkpoint's DCP metadata."""
     metadata = make_reader(str(directory), None).read_metadata()
     return {index.fqn: info for index, info in metadata.storage_data.items()}
+
+
+def as_format_1(directory: Path) -> None:
+    """Rewrite a one-rank checkpoint's items stored alone as written up to schema_version 2.
+
+    Their dtype, shape and block checksums go into their descriptors (format 1), from the
+    checksum file, which is removed when no packed region needs it.
+    """
+    sidecar = directory / raw_checksums_file("__0_")
+    listed = decode_checksum_file(sidecar.read_bytes(), where=str(sidecar))
+    with open(directory / DCP_METADATA_FILE, "rb") as handle:
+        metadata = pickle.load(handle)  # written by this test just before
+    for index, info in metadata.storage_data.items():
+        descriptors = info.transform_descriptors
+        if not (descriptors and descriptors[0].startswith(f"{FORMAT_NAME}/4;")):
+            continue
+        _, block, blocks = listed.items[(info.relative_path, info.offset)]
+        entry = metadata.state_dict_metadata[index.fqn]
+        dtype, shape = None, ()
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            shape = next(tuple(chunk.sizes) for chunk in entry.chunks
+                         if tuple(chunk.offsets) == tuple(index.offset or ()))
+        info.transform_descriptors = [_Descriptor(dtype, shape, block, blocks).encode()]
+    (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
+    if not listed.regions:
+        sidecar.unlink()
 
 
 def leads(info: Any) -> bool:
@@ -182,9 +213,15 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         assert info.length == tensor.numel() * tensor.element_size(), key
         assert data[info.offset:info.offset + info.length] == tensor_bytes(tensor), key
         descriptor = (info.transform_descriptors or [None])[0]
-        if key == "large":  # stored alone: its own dtype, shape and blocks
-            assert descriptor.split(";")[:3] == [
-                f"{FORMAT_NAME}/1", "float32", str(tensor.numel())]
+        if key == "large":  # stored alone: its blocks in the rank's checksum file
+            sidecar = raw_checksums_file("__0_")
+            assert tuple(info.transform_descriptors) == alone_descriptors(sidecar)
+            listed = decode_checksum_file((directory / sidecar).read_bytes(), where=sidecar)
+            length, block, blocks = listed.items[(info.relative_path, info.offset)]
+            assert length == info.length and block == block_bytes_for(info.length)
+            assert list(blocks) == [
+                hex_digest(data[at:min(at + block, info.offset + info.length)])
+                for at in range(info.offset, info.offset + info.length, block)]
             continue
         # a small item lies in a packed region whose one checksum covers its bytes; the
         # region's first member names it, the others record only that they are members
@@ -301,6 +338,7 @@ def test_a_checkpoint_with_every_item_stored_alone_as_before_packing_still_loads
     state = mixed_state()
     sharded.save(state, tmp_path / "ckpt")
     monkeypatch.undo()
+    as_format_1(tmp_path / "ckpt")
     infos = storage_info(tmp_path / "ckpt")
     assert all(info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/1;")
                for info in infos.values())

@@ -50,6 +50,21 @@ WRITTEN: dict[int, dict[str, frozenset[str]]] = {
             # optional advice (the interval in force); readers of 2 ignore it
             "save_interval"}),
     },
+    3: {
+        # Issue 40: items stored alone record "resumekit-raw/4;<checksum file>", their
+        # blocks in the checksum file, whose format readers of 2 do not know.
+        "descriptors": frozenset({"resumekit-raw/4", "resumekit-raw/3",
+                                  "resumekit-raw/member", "(none: DCP's own format)"}),
+        "files": frozenset({"manifest.json", "train_state.pt", "rank_state/rank_N.pt",
+                            "tensors/.metadata", "tensors/__N_N.distcp",
+                            "tensors/__N_checksums.json"}),
+        "checksum formats": frozenset({"resumekit-raw-checksums/2"}),
+        "manifest fields": frozenset({
+            "schema_version", "step", "created_at", "captured_at", "world_size", "reason",
+            "files", "data_dir", "lineage", "generation", "extras", "metrics", "state",
+            "fingerprint", "versions", "tensor_format", "save_throughput", "local",
+            "save_interval"}),
+    },
 }
 
 

@@ -272,6 +272,68 @@ def test_a_writer_process_killed_between_saves_is_warned_about_and_replaced(
     ckpt.close()
 
 
+def _pending_or_gone(pid: int, signals: tuple[signal.Signals, ...]) -> str:
+    """Wait until ``pid`` has every one of ``signals`` pending, or has exited; say which."""
+    wanted = sum(1 << (number - 1) for number in signals)
+    exited = os.pidfd_open(pid)
+    try:
+        while True:
+            try:
+                with open(f"/proc/{pid}/status") as handle:
+                    fields = dict(line.split(":", 1) for line in handle if ":" in line)
+            except FileNotFoundError:
+                return "gone"
+            if fields["State"].split()[0] == "Z":
+                return "gone"
+            if int(fields["ShdPnd"], 16) & wanted == wanted:
+                return "pending"
+            # Woken by its exit, else looked at again (a signal's arrival has no fd).
+            readable, _, _ = select.select([exited], [], [], 0.05)
+            if readable:
+                return "gone"
+    finally:
+        os.close(exited)
+
+
+@pytest.mark.timeout(HANG_S)
+def test_a_sigterm_to_the_process_group_while_the_writer_starts_up_does_not_kill_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torchrun's agent killpg-s each worker's group at a SIGTERM (SLURM signals every
+    # process of the step): the writer process, still importing torch, got it too and
+    # died, taking the save in flight with it. Its interpreter is held before its first
+    # instruction here (a launcher waiting on a FIFO), so the signals surely arrive first.
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    launcher = tmp_path / "python"
+    launcher.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import os, sys
+        with open({str(gate)!r}) as gate:
+            gate.read()
+        os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])
+        """))
+    launcher.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(launcher))
+    model, optimizer = _trained()
+    ckpt = _manager(tmp_path / "root", model, optimizer)  # stage_ahead: the writer starts
+    monkeypatch.undo()
+    writer = ckpt._writer
+    assert writer is not None and writer.pid is not None
+    pid = writer.pid
+    for shielded in (signal.SIGTERM, signal.SIGINT):
+        os.kill(pid, shielded)
+    # Settled: the signals wait, blocked, in the starting writer - or they killed it.
+    state = _pending_or_gone(pid, (signal.SIGTERM, signal.SIGINT))
+    assert state == "pending", "the starting writer process died of the signals"
+    with open(gate, "w") as release:  # the launcher reads it and execs the writer
+        release.write("go")
+    ckpt.save(1)
+    ckpt.wait()  # written by that very process: the signals were discarded, not fatal
+    assert writer.pid == pid and _alive(pid)
+    assert [entry.step for entry in ckpt.checkpoints() if entry.status == "committed"] == [1]
+    ckpt.close()
+
+
 def test_close_leaves_no_writer_process_behind(tmp_path: Path) -> None:
     model, optimizer = _trained()
     ckpt = _manager(tmp_path, model, optimizer)

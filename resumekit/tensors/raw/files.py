@@ -324,14 +324,23 @@ def _write_failure(where: str, error: BaseException, operation: str) -> StorageE
 
 
 def write_checksums(path: str, name: str,
-                    regions: Mapping[str, Sequence[tuple[int, int, str]]], *,
+                    regions: Mapping[str, Sequence[tuple[int, int, str]]],
+                    items: Mapping[str, Sequence[tuple[int, int, int, str]]] | None = None, *,
                     sync: bool) -> WrittenFile:
     """Write a checksum file (new, exclusively created) and describe it.
+
+    Args:
+        path: Where.
+        name: Its name in the checkpoint.
+        regions: ``{data file: [(offset, length, hex)]}`` of the packed regions.
+        items: ``{data file: [(offset, length, block bytes, concatenated hex)]}`` of the
+            items stored alone.
+        sync: ``fsync`` it.
 
     Raises:
         StorageError: It could not be written (naming it).
     """
-    data = encode_checksums(regions)
+    data = encode_checksums(regions, items)
     write_new_file(path, data, sync=sync)
     return WrittenFile(name, len(data), checksum_chunks([data]))
 

@@ -6,21 +6,26 @@ DCP's ``.metadata`` (its planning, its pickle) stays DCP's own, and this module 
 nothing else of it than the ``_StorageInfo`` of each item.
 
 An item of :data:`PACK_ITEM_BYTES` or more is stored alone, starting on an
-:data:`ALIGNMENT` boundary of its data file, and its ``_StorageInfo.transform_descriptors``
-is one string ``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``:
-one checksum per block of the item (:func:`block_bytes_for`: about a sixteenth of it,
-64 KiB to 4 MiB), so a reader that needs a slice verifies it without reading much more
-(``bytes`` and an empty shape for non-tensor values). Smaller items share packed regions of
-at most :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose
+:data:`ALIGNMENT` boundary of its data file, checked in blocks (:func:`block_bytes_for`:
+about a sixteenth of it, 64 KiB to 4 MiB), so a reader that needs a slice verifies it
+without reading much more. Its ``_StorageInfo.transform_descriptors`` is
+``"resumekit-raw/4;<checksum file>"`` (:data:`ALONE_FORMAT_VERSION`), one shared tuple for
+every item of a rank, so the pickled ``.metadata`` holds it once per rank: the block size
+and the block checksums are in the writing rank's checksum file (``__<rank>_checksums.json``,
+:data:`CHECKSUMS_FORMAT`), read only by a reader of that rank's files, and the item's dtype
+and shape are DCP's own metadata entry's (issue 40: ``.metadata`` no bigger than DCP's, its
+bytes depending only on the state's structure). Smaller items share packed regions of at
+most :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose
 first member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
 ``"resumekit-raw/member"`` (:data:`MEMBER_DESCRIPTORS`: nothing of their own; written since
 issue 29, members written before record nothing); their dtype and shape are DCP's metadata
-entries. The region's checksum is in the rank's checksum file
-(``__<rank>_checksums.json``, :data:`CHECKSUMS_FORMAT`, listed in the manifest, checked
-against it before use), so ``.metadata`` holds no checksum of a packed region and its bytes
-depend only on the state's structure. Checkpoints written before that (format 2:
-``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and before packing (every item in
-format 1) still load. DCP's stock reader stops at the first item it reads with
+entries, the region's checksum is in the same checksum file. The checksum file is listed in
+the manifest and checked against it before use. What earlier versions wrote still loads:
+items stored alone with their dtype, shape and block checksums in the descriptor
+(``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``, up to
+``schema_version`` 2), packs with the checksum inline (format 2:
+``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and checksum files of regions only
+(:data:`REGIONS_CHECKSUMS_FORMAT`). DCP's stock reader stops at the first item it reads with
 ``ValueError: Unknown extension name='resumekit-raw'`` instead of misreading it (every item
 is described); stock DCP reads these checkpoints through :class:`resumekit.StorageReader`
 (``dcp.load(..., storage_reader=resumekit.StorageReader(step_dir))``), and
@@ -45,6 +50,7 @@ from resumekit.store.storage import parse_json
 
 __all__ = [
     "ALIGNMENT",
+    "ALONE_FORMAT_VERSION",
     "CHECKSUMS_FORMAT",
     "CHUNK_BYTES",
     "DATA_SUFFIX",
@@ -54,11 +60,15 @@ __all__ = [
     "PACK_BYTES",
     "PACK_ITEM_ALIGNMENT",
     "PACK_ITEM_BYTES",
+    "REGIONS_CHECKSUMS_FORMAT",
+    "ChecksumFile",
     "StoredItem",
     "WrittenFile",
+    "alone_descriptors",
     "block_bytes_for",
     "check_listed_checksum",
     "checksum_files",
+    "decode_checksum_file",
     "decode_checksums",
     "encode_checksums",
     "is_packed_member",
@@ -68,7 +78,12 @@ __all__ = [
 
 FORMAT_NAME = "resumekit-raw"
 FORMAT_VERSION = 1
-"""The descriptor of an item stored alone, with its own blocks (every version reads it)."""
+"""The descriptor of an item stored alone with its dtype, shape and block checksums, as
+written up to ``schema_version`` 2 (still read)."""
+ALONE_FORMAT_VERSION = 4
+"""The descriptor of an item stored alone, as written since ``schema_version`` 3:
+``resumekit-raw/4;<checksum file>`` (:func:`alone_descriptors`), its block size and block
+checksums in that checksum file, its dtype and shape DCP's metadata entry's."""
 PACK_FORMAT_VERSION = 3
 """The descriptor of the first item of a pack of small items (:class:`_Pack`), as written
 now: ``resumekit-raw/3;<region length>;<checksum file>``, the region's checksum kept in
@@ -84,9 +99,15 @@ offset), but DCP's stock reader, whatever item of a file it reads first, stops a
 ``Unknown extension name='resumekit-raw'`` instead of ``torch.load``-ing raw bytes. One
 shared tuple, so the pickled ``.metadata`` refers back to it per item. Members written
 before carry none (:func:`is_packed_member`); both are read."""
-CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
-"""The ``format`` of a checksum file: ``{"format": ..., "regions": {data file: [[offset,
-length, hex XXH3-128], ...]}}``."""
+CHECKSUMS_FORMAT = "resumekit-raw-checksums/2"
+"""The ``format`` of a checksum file as written since ``schema_version`` 3: ``{"format":
+..., "regions": {data file: [[offset, length, hex XXH3-128], ...]}, "items": {data file:
+[[offset, length, block bytes, hex XXH3-128 of each block, concatenated], ...]}}``: the
+packed regions and the items stored alone of the rank's data files."""
+REGIONS_CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
+"""The ``format`` of a checksum file written before ``schema_version`` 3: its packed regions
+only (``"regions"``); still read."""
+_HEX_DIGITS = 32  # one XXH3-128 in hex
 CHUNK_BYTES = 4 << 20
 """The largest checksummed block, hashed and written per system call: small enough to stay
 in cache between the hash and the copy into the page cache, large enough to keep system
@@ -237,6 +258,26 @@ class _Descriptor:
 
 _PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
 _INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
+_ALONE_PREFIX = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};"
+
+
+def alone_descriptors(sidecar: str) -> tuple[str]:
+    """The descriptors of every item a rank stores alone: ``resumekit-raw/4;<sidecar>``.
+
+    The writer gives each of its items the one tuple this returns, so the pickled
+    ``.metadata`` holds it once per rank (pickle refers back to an object it has written).
+    """
+    return (f"{_ALONE_PREFIX}{sidecar}",)
+
+
+def _sidecar_of(text: str, prefix: str, *, where: str) -> str:
+    """The checksum file a descriptor of format 3 or 4 names (its last field)."""
+    sidecar = text.rsplit(";", 1)[1] if text.startswith(prefix) else ""
+    if not sidecar or "/" in sidecar or sidecar.startswith("."):
+        raise UnreadableFormatError(
+            f"{where}: unreadable storage descriptor {text[:120]!r} (checksum file "
+            f"{sidecar!r})", path=where, file=where)
+    return sidecar
 
 
 def is_raw(info: StoredItem) -> bool:
@@ -269,11 +310,15 @@ def is_packed_member(descriptors: Sequence[str] | None) -> bool:
 
 
 def checksum_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:
-    """The checksum files (format 3) the packed regions of ``storage_data`` name."""
+    """The checksum files the items of ``storage_data`` name.
+
+    Those of packed regions (format 3) and of items stored alone (format 4).
+    """
     found: set[str] = set()
     for info in storage_data.values():
         descriptors = info.transform_descriptors
-        if descriptors and len(descriptors) == 1 and descriptors[0].startswith(_PACK_PREFIX):
+        if descriptors and len(descriptors) == 1 and descriptors[0].startswith(
+                (_PACK_PREFIX, _ALONE_PREFIX)):
             found.add(descriptors[0].rsplit(";", 1)[1])
     return found
 
@@ -289,11 +334,18 @@ class _FileLayout:
             (the regions' checksums are then empty).
         files: Only these data files (those a rank's plan reads): the checksum files of
             the others are not read. None: every file.
+        blocks: ``blocks(checksum file)`` gives ``{(data file, offset): (length, block
+            bytes, (hex, ...))}`` of the items stored alone (format 4) it lists; None: not
+            verified (their blocks are then :func:`block_bytes_for` their length, with no
+            checksums).
     """
 
     def __init__(self, storage_data: Mapping[Any, StoredItem], where: Any,
-                 checksums: Any = None, files: Collection[str] | None = None) -> None:
+                 checksums: Any = None, files: Collection[str] | None = None,
+                 blocks: Any = None) -> None:
         self.raw: set[str] = set()
+        self.alone: dict[tuple[str, int], tuple[int, tuple[str, ...]]] = {}
+        """``{(data file, offset): (block bytes, block checksums)}`` of format-4 items."""
         regions: dict[str, list[tuple[int, int, str]]] = {}
         for info in storage_data.values():
             if files is not None and info.relative_path not in files:
@@ -302,7 +354,21 @@ class _FileLayout:
                 continue
             self.raw.add(info.relative_path)
             text = cast(Sequence[str], info.transform_descriptors)[0]
-            if text.startswith(_PACK_PREFIX):
+            if text.startswith(_ALONE_PREFIX):
+                sidecar = _sidecar_of(text, _ALONE_PREFIX, where=where(info))
+                key = (info.relative_path, info.offset)
+                if blocks is None:
+                    self.alone[key] = (block_bytes_for(info.length), ())
+                    continue
+                found = blocks(sidecar).get(key)
+                if found is None or found[0] != info.length:
+                    place = where(info)
+                    raise CorruptCheckpointError(
+                        f"{place}: the item at offset {info.offset} ({info.length} bytes) "
+                        f"is not listed with that length in its checksum file {sidecar}",
+                        path=place, file=place)
+                self.alone[key] = (found[1], found[2])
+            elif text.startswith(_PACK_PREFIX):
                 length, sidecar = _Descriptor.decode_sidecar_region(text, where=where(info))
                 digest = ""
                 if checksums is not None:
@@ -356,37 +422,83 @@ def check_listed_checksum(listed: Mapping[str, str] | None, name: str, data: byt
             f"got {actual})", path=where, file=where)
 
 
-def encode_checksums(regions: Mapping[str, Sequence[tuple[int, int, str]]]) -> bytes:
-    """The bytes of a checksum file listing ``{data file: [(offset, length, hex)]}``."""
+class ChecksumFile(NamedTuple):
+    """A parsed checksum file.
+
+    Attributes:
+        regions: ``{(data file, offset): (length, hex)}`` of its packed regions.
+        items: ``{(data file, offset): (length, block bytes, (hex, ...))}`` of its items
+            stored alone (empty in a file of :data:`REGIONS_CHECKSUMS_FORMAT`).
+    """
+
+    regions: dict[tuple[str, int], tuple[int, str]]
+    items: dict[tuple[str, int], tuple[int, int, tuple[str, ...]]]
+
+
+def encode_checksums(regions: Mapping[str, Sequence[tuple[int, int, str]]],
+                     items: Mapping[str, Sequence[tuple[int, int, int, str]]] | None = None,
+                     ) -> bytes:
+    """The bytes of a checksum file.
+
+    Args:
+        regions: ``{data file: [(offset, length, hex)]}`` of the packed regions.
+        items: ``{data file: [(offset, length, block bytes, concatenated hex of each
+            block)]}`` of the items stored alone.
+    """
     body = {"format": CHECKSUMS_FORMAT,
             "regions": {name: [list(region) for region in found]
-                        for name, found in sorted(regions.items())}}
+                        for name, found in sorted(regions.items())},
+            "items": {name: [list(item) for item in found]
+                      for name, found in sorted((items or {}).items())}}
     return json.dumps(body, separators=(",", ":")).encode()
 
 
 def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[int, str]]:
-    """Parse a checksum file: ``{(data file, offset): (length, hex)}``.
+    """Parse a checksum file's packed regions: ``{(data file, offset): (length, hex)}``.
 
     Raises:
         UnreadableFormatError: Not a checksum file of a known format (naming it).
     """
+    return decode_checksum_file(data, where=where).regions
+
+
+def decode_checksum_file(data: bytes, *, where: str) -> ChecksumFile:
+    """Parse a checksum file of either format.
+
+    :data:`CHECKSUMS_FORMAT`, or :data:`REGIONS_CHECKSUMS_FORMAT` as written before
+    ``schema_version`` 3 (no items).
+
+    Raises:
+        UnreadableFormatError: Not a checksum file of a known format, or an entry that is
+            not one (naming the file).
+    """
     try:
         body = parse_json(data, source=where)
-        if not isinstance(body, dict) or body.get("format") != CHECKSUMS_FORMAT:
-            found = body.get("format") if isinstance(body, dict) else None
+        found = body.get("format") if isinstance(body, dict) else None
+        if found not in (CHECKSUMS_FORMAT, REGIONS_CHECKSUMS_FORMAT):
             raise ValueError(f"unknown format {found!r}")
-        parsed: dict[tuple[str, int], tuple[int, str]] = {}
-        for name, found in body["regions"].items():
-            for offset, length, digest in found:
+        regions: dict[tuple[str, int], tuple[int, str]] = {}
+        for name, listed in body["regions"].items():
+            for offset, length, digest in listed:
                 if not (isinstance(offset, int) and isinstance(length, int)
                         and isinstance(digest, str)):
                     raise ValueError(f"bad entry {[offset, length, digest]!r}")
-                parsed[(str(name), offset)] = (length, digest)
+                regions[(str(name), offset)] = (length, digest)
+        items: dict[tuple[str, int], tuple[int, int, tuple[str, ...]]] = {}
+        for name, listed in (body["items"] if found == CHECKSUMS_FORMAT else {}).items():
+            for offset, length, block, digests in listed:
+                if not (isinstance(offset, int) and isinstance(length, int)
+                        and isinstance(block, int) and isinstance(digests, str)
+                        and block > 0 and length >= 0
+                        and len(digests) == -(-length // block) * _HEX_DIGITS):
+                    raise ValueError(f"bad entry {[offset, length, block, digests[:64]]!r}")
+                items[(str(name), offset)] = (length, block, tuple(
+                    digests[at:at + _HEX_DIGITS] for at in range(0, len(digests), _HEX_DIGITS)))
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise UnreadableFormatError(
             f"{where}: unreadable checksum file ({error})", path=where, file=where,
         ) from None
-    return parsed
+    return ChecksumFile(regions, items)
 
 
 def _aligned(count: int) -> int:

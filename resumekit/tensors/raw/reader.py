@@ -40,18 +40,20 @@ from resumekit.store.manifest import Checksum, hex_digest
 from resumekit.store.retry import read_with_retry
 from resumekit.tensors.raw.files import FsspecFiles
 from resumekit.tensors.raw.format import (
+    _ALONE_PREFIX,
     _FOOTER,
     _INLINE_PACK_PREFIX,
     _MEMBER,
     _PACK_MAGIC,
     _PACK_PREFIX,
     CHUNK_BYTES,
+    ChecksumFile,
     StoredItem,
     _byte_view,
     _Descriptor,
     _FileLayout,
     check_listed_checksum,
-    decode_checksums,
+    decode_checksum_file,
     is_packed_member,
 )
 
@@ -222,6 +224,10 @@ class RawTensorReading:
                 dtype, shape = self._stored_form(request, info)
                 descriptor = _Descriptor(dtype, shape, region[1], (region[2],),
                                          (region[0], region[1]))
+            elif text.startswith(_ALONE_PREFIX):  # stored alone, blocks in its checksum file
+                dtype, shape = self._stored_form(request, info)
+                block, blocks = layout.alone[(info.relative_path, info.offset)]
+                descriptor = _Descriptor(dtype, shape, block, blocks)
             else:  # stored alone (format 1; anything else is refused, naming it)
                 descriptor = _Descriptor.decode(text, where=self._where(info))
             target = None
@@ -255,12 +261,15 @@ class RawTensorReading:
         cached = self.__dict__.get("_raw_layout")
         if cached is not None and cached[0] is self.storage_data and files <= cached[1]:
             return cast(_FileLayout, cached[2])
-        layout = _FileLayout(self.storage_data, self._where,
-                             self._read_checksums if self.verify else None, files=files)
+        layout = _FileLayout(
+            self.storage_data, self._where,
+            (lambda name: self._read_checksums(name).regions) if self.verify else None,
+            files=files,
+            blocks=(lambda name: self._read_checksums(name).items) if self.verify else None)
         self.__dict__["_raw_layout"] = (self.storage_data, frozenset(files), layout)
         return layout
 
-    def _read_checksums(self, name: str) -> dict[tuple[str, int], tuple[int, str]]:
+    def _read_checksums(self, name: str) -> ChecksumFile:
         """Read (once per layout) and parse checksum file ``name``, checked first.
 
         With a manifest (``file_checksums``) the file must be listed in it and match its
@@ -270,7 +279,7 @@ class RawTensorReading:
         key = (id(getattr(self, "storage_data", None)), name)
         found = cache.get(key)
         if found is not None:
-            return cast(dict[tuple[str, int], tuple[int, str]], found)
+            return cast(ChecksumFile, found)
         where = str(os.fspath(self.fs.concat_path(self.path, name)))
 
         def read() -> bytes:
@@ -282,10 +291,10 @@ class RawTensorReading:
         except FileNotFoundError as error:
             raise IncompleteCheckpointError(
                 f"checkpoint {os.fspath(self.path)} is missing its checksum file {where}, "
-                "which the checksums of its packed small tensors are in",
+                "which the checksums of its tensors' bytes are in",
                 path=os.fspath(self.path), file=where) from error
         check_listed_checksum(self.file_checksums, name, data, where)
-        parsed = decode_checksums(data, where=where)
+        parsed = decode_checksum_file(data, where=where)
         for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
             del cache[stale]
         cache[key] = parsed
@@ -293,7 +302,7 @@ class RawTensorReading:
 
     def _stored_form(self, request: ReadItem, info: StoredItem
                      ) -> tuple[torch.dtype | None, tuple[int, ...]]:
-        """Dtype and shape of a packed item, from DCP's metadata entry of its key."""
+        """Dtype and shape of a packed item or one of format 4, from DCP's metadata entry."""
         index = request.storage_index
         where = self._where(info)
         entry = (None if self._raw_metadata is None
@@ -310,7 +319,7 @@ class RawTensorReading:
                 if tuple(chunk.offsets) == tuple(index.offset or ()):
                     return entry.properties.dtype, tuple(chunk.sizes)
         raise CorruptCheckpointError(
-            f"{where}: the metadata has no entry for the packed item {index.fqn} at "
+            f"{where}: the metadata has no entry for the item {index.fqn} at "
             f"offset {list(index.offset or ())}", path=where, file=where, key=index.fqn,
         )
 
@@ -350,7 +359,8 @@ class RawTensorReading:
         expected = math.prod(descriptor.shape) * item_size
         blocks = (1 if descriptor.region is not None
                   else -(-info.length // descriptor.block_bytes))
-        if expected != info.length or len(descriptor.blocks) != blocks:
+        if expected != info.length or (len(descriptor.blocks) != blocks
+                                       and (self.verify or descriptor.blocks)):
             raise CorruptCheckpointError(
                 f"{where}: {key} records {info.length} bytes in {len(descriptor.blocks)} "
                 f"blocks for shape {list(descriptor.shape)} of {descriptor.dtype} "

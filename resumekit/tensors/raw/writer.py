@@ -65,8 +65,8 @@ from resumekit.tensors.raw.format import (
     PACK_ITEM_BYTES,
     WrittenFile,
     _byte_view,
-    _Descriptor,
     _StorageInfo,
+    alone_descriptors,
     block_bytes_for,
     checksum_files,
 )
@@ -320,6 +320,11 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                    prefix: str) -> list[WriteResult]:
         """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
 
+        The checksum file (``__<rank>_checksums.json``) holds the block checksums of the
+        items stored alone and the checksums of the packed regions, of every file of the
+        rank: what only a reader of these files needs stays beside them, out of
+        ``.metadata``.
+
         :meth:`write_data` writes DCP's plan with it, and the writer process
         (:mod:`resumekit.tensors.remote`) the same files in the same order: the same bytes.
         Resets and fills :attr:`written`.
@@ -333,19 +338,25 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         self.written = []
         results: list[WriteResult] = []
         sidecar = raw_checksums_file(prefix)
+        alone = alone_descriptors(sidecar)  # one tuple: pickled once in .metadata
         outcomes = run_writer_threads([
-            functools.partial(self._write_file, name, items, sidecar) for name, items in jobs],
+            functools.partial(self._write_file, name, items, sidecar, alone)
+            for name, items in jobs],
             on_caller=not self.background and _is_small(
                 [item for _, items in jobs for item, _ in items]))
         regions: dict[str, list[tuple[int, int, str]]] = {}
-        for (name, _), (file_results, written, packed) in zip(jobs, outcomes, strict=True):
+        blocks: dict[str, list[tuple[int, int, int, str]]] = {}
+        for (name, _), (file_results, written, packed, stored) in zip(jobs, outcomes,
+                                                                        strict=True):
             results.extend(file_results)
             self.written.append(written)
             if packed:
                 regions[name] = packed
-        if regions:
+            if stored:
+                blocks[name] = stored
+        if regions or blocks:
             self.written.append(write_checksums(
-                os.path.join(os.fspath(self.path), sidecar), sidecar, regions,
+                os.path.join(os.fspath(self.path), sidecar), sidecar, regions, blocks,
                 sync=self.sync_files))
         return results
 
@@ -359,21 +370,32 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
 
     def _write_file(
         self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
-        sidecar: str,
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        sidecar: str, alone: tuple[str],
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
+               list[tuple[int, int, int, str]]]:
         if self.background:
             _lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
         try:
-            return self._write_items(path, name, items, sidecar)
+            return self._write_items(path, name, items, sidecar, alone)
         except OSError as error:
             raise _write_failure(path, error, "write") from error
 
     def _write_items(
         self, path: str, name: str,
         items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], sidecar: str,
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]]]:
+        alone: tuple[str],
+    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
+               list[tuple[int, int, int, str]]]:
+        """Write one data file.
+
+        Returns:
+            Its results, the file, its packed regions ``(offset, length, hex)`` and its
+            items stored alone ``(offset, length, block bytes, concatenated hex of each
+            block)``.
+        """
         results: list[WriteResult] = []
+        stored: list[tuple[int, int, int, str]] = []
         with _AlignedFile(path) as handle:
             pack = _Pack(name, sidecar)
             for item, data in items:
@@ -383,7 +405,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                         results.extend(pack.flush(handle))
                     pack.add_from(item, *small)
                     continue
-                view, address, dtype, shape = _bytes_of(data)
+                view, address = _bytes_of(data)
                 if len(view) < PACK_ITEM_BYTES:
                     if not pack.fits(len(view)):
                         results.extend(pack.flush(handle))
@@ -400,29 +422,29 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                                   for at in range(0, len(chunk), block))
                     handle.write(chunk, None if address is None else address + start)
                 handle.pad()  # the next item starts on an ALIGNMENT boundary
-                descriptor = _Descriptor(dtype, shape, block, tuple(blocks)).encode()
+                stored.append((offset, len(view), block, "".join(blocks)))
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
                     storage_data=_StorageInfo(name, offset, len(view),
-                                              transform_descriptors=[descriptor]),
+                                              transform_descriptors=alone),
                 ))
             results.extend(pack.flush(handle))
             if self.sync_files:
                 os.fsync(handle.fd)
             written = WrittenFile(name, handle.offset, handle.checksum.value())
-        return results, written, pack.regions
+        return results, written, pack.regions, stored
 
 
-def _bytes_of(data: torch.Tensor | io.BytesIO
-              ) -> tuple[memoryview, int | None, torch.dtype | None, tuple[int, ...]]:
-    """The bytes to store, their address in memory (tensors only), dtype and shape."""
+
+def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, int | None]:
+    """The bytes to store and their address in memory (tensors only)."""
     if isinstance(data, io.BytesIO):
-        return data.getbuffer(), None, None, ()
+        return data.getbuffer(), None
     tensor = data.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    return _byte_view(tensor), tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)
+    return _byte_view(tensor), tensor.data_ptr()
 
 
 

@@ -1,0 +1,133 @@
+"""Block checksums live beside the data files they check, not in ``.metadata`` (issue 40).
+
+Every restoring rank reads ``.metadata`` (or is sent it); the block checksums of the items
+stored alone are needed only by the reader of their file, so since ``schema_version`` 3
+they are in the writing rank's checksum file and each such item records one shared
+descriptor, ``resumekit-raw/4;<checksum file>``. The checksum file is checked against the
+manifest before use; what it says about an item must agree with ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from resumekit.errors import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnreadableFormatError,
+)
+from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.tensors import raw as raw_tensor_files
+from resumekit.tensors import sharded
+from resumekit.tensors.raw.format import ALONE_FORMAT_VERSION, FORMAT_NAME, decode_checksum_file
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+LARGE = raw_tensor_files.PACK_ITEM_BYTES // 4 * 3  # float32 elements: 192 KiB, 3 blocks
+
+
+def state(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"model": {"big": torch.randn(LARGE, generator=generator),
+                      "wide": torch.randn(4, LARGE // 4, generator=generator),
+                      "small": torch.randn(7, generator=generator)}}
+
+
+def blank(saved: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {key: torch.zeros_like(value) for key, value in saved["model"].items()}}
+
+
+def _info(directory: Path, key: str) -> Any:
+    metadata = sharded.read_metadata(directory)
+    return next(info for index, info in (metadata.storage_data or {}).items()
+                if index.fqn == key)
+
+
+def test_metadata_holds_no_block_checksum_and_its_bytes_depend_on_the_structure_only(
+        tmp_path: Path) -> None:
+    sharded.save(state(1), tmp_path / "a")
+    sharded.save(state(2), tmp_path / "b")
+    a = (tmp_path / "a" / DCP_METADATA_FILE).read_bytes()
+    assert a == (tmp_path / "b" / DCP_METADATA_FILE).read_bytes()
+    assert not re.search(rb"[0-9a-f]{32}", a)  # no XXH3-128 in hex
+    sidecar = raw_checksums_file("__0_")
+    descriptor = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};{sidecar}"
+    with open(tmp_path / "a" / DCP_METADATA_FILE, "rb") as handle:
+        metadata = pickle.load(handle)  # written just now by this test
+    alone = [info for index, info in metadata.storage_data.items()
+             if index.fqn in ("model.big", "model.wide")]
+    assert [list(info.transform_descriptors) for info in alone] == [[descriptor]] * 2
+    assert alone[0].transform_descriptors is alone[1].transform_descriptors  # pickled once
+    listed = decode_checksum_file((tmp_path / "a" / sidecar).read_bytes(), where=sidecar)
+    for info in alone:
+        length, block, blocks = listed.items[(info.relative_path, info.offset)]
+        assert length == info.length and len(blocks) == -(-length // block) > 1
+    assert (tmp_path / "a" / sidecar).read_bytes() != (tmp_path / "b" / sidecar).read_bytes()
+
+
+def test_a_flipped_byte_of_an_item_stored_alone_names_its_key_file_and_block(
+        tmp_path: Path) -> None:
+    saved = state(3)
+    sharded.save(saved, tmp_path / "ckpt")
+    loaded = blank(saved)
+    sharded.load(loaded, tmp_path / "ckpt")
+    for key, value in saved["model"].items():
+        assert torch.equal(loaded["model"][key], value), key
+    info = _info(tmp_path / "ckpt", "model.wide")
+    block = raw_tensor_files.block_bytes_for(info.length)
+    path = tmp_path / "ckpt" / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset + block + 5] ^= 0x10  # in the second block
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError) as caught:
+        sharded.load(blank(saved), tmp_path / "ckpt")
+    assert caught.value.key == "model.wide"
+    assert f"at offset {info.offset + block} " in str(caught.value)
+    assert info.relative_path in str(caught.value)
+    piece = {"model": {"wide": torch.zeros_like(saved["model"]["wide"])}}
+    with pytest.raises(CorruptCheckpointError, match=r"model\.wide"):
+        sharded.load_subset(piece, tmp_path / "ckpt")
+    # Unverified (the checksum file is not even read), the bytes come back as they lie.
+    (tmp_path / "ckpt" / raw_checksums_file("__0_")).unlink()
+    unchecked = blank(saved)
+    sharded.load(unchecked, tmp_path / "ckpt", verify=False)
+    assert torch.equal(unchecked["model"]["big"], saved["model"]["big"])
+
+
+@pytest.mark.parametrize("damage", ["length", "unlisted", "blocks", "format", "missing"])
+def test_a_checksum_file_that_disagrees_with_the_metadata_fails_the_load_naming_it(
+        tmp_path: Path, damage: str) -> None:
+    saved = state(4)
+    directory = tmp_path / "ckpt"
+    sharded.save(saved, directory)
+    sidecar = directory / raw_checksums_file("__0_")
+    body = json.loads(sidecar.read_bytes())
+    info = _info(directory, "model.big")
+    entries = body["items"][info.relative_path]
+    entry = next(entry for entry in entries if entry[0] == info.offset)
+    expected: type[Exception] = CorruptCheckpointError
+    if damage == "length":
+        entry[1] += 4
+        entry[3] += "0" * 32 if -(-entry[1] // entry[2]) > len(entry[3]) // 32 else ""
+    elif damage == "unlisted":
+        entries.remove(entry)
+    elif damage == "blocks":
+        entry[3] = entry[3][:-32]
+        expected = UnreadableFormatError
+    elif damage == "format":
+        body["format"] = "resumekit-raw-checksums/9"
+        expected = UnreadableFormatError
+    if damage == "missing":
+        sidecar.unlink()
+        expected = IncompleteCheckpointError
+    else:
+        sidecar.write_text(json.dumps(body))
+    with pytest.raises(expected, match=re.escape(sidecar.name)):
+        sharded.load(blank(saved), directory)
