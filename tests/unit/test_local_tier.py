@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 import resumekit
+from resumekit.background.local import LocalSaves
 from resumekit.errors import ConfigurationError
 from resumekit.store import generations
 from resumekit.store.local_roots import unusable_reason
@@ -383,27 +385,38 @@ def test_a_restore_waits_for_the_local_save_in_flight(
     from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
 
     order: list[str] = []
-    calling, restoring = threading.Event(), threading.Event()
+    calling, waiting, restoring = threading.Event(), threading.Event(), threading.Event()
     real = LocalSite._write
     real_autos = resumekit.CheckpointManager._autos
+    real_wait = LocalSaves.wait
 
     def held_write(self: LocalSite, job: object, manifest: object) -> str:
-        # Held until the test calls restore(). A restore that did not wait would go on
-        # at once (and say so, below); one that waits does not, and the write goes on
-        # after a second: then the order says it waited, whatever the machine's load.
+        # Held until the restore is inside its wait for this write (then it goes on), or
+        # got past that point without waiting (then the order says so): an event either
+        # way, whatever the machine's load.
         if threading.current_thread() is not threading.main_thread():
             assert calling.wait(timeout=HANG_S), "the test never called restore()"
-            if restoring.wait(timeout=1.0):
+            deadline = time.monotonic() + HANG_S  # a hang detector
+            while not (waiting.is_set() or restoring.is_set()):
+                assert time.monotonic() < deadline, "the restore neither waited nor read"
+                time.sleep(0.01)
+            if restoring.is_set():
                 order.append("the restore began while the write was held")
         name = real(self, job, manifest)  # type: ignore[arg-type]
         order.append("written")
         return name
+
+    def wait(self: LocalSaves) -> None:
+        if calling.is_set():
+            waiting.set()  # the restore waits for the local save in flight
+        real_wait(self)
 
     def autos(self: resumekit.CheckpointManager) -> object:
         restoring.set()  # the restore, past its wait for the local save
         return real_autos(self)
 
     monkeypatch.setattr(LocalSite, "_write", held_write)
+    monkeypatch.setattr(LocalSaves, "wait", wait)
     model, opt = _objects()
     with _manager(tmp_path, model, opt, save_every=100) as ckpt:
         ckpt.restore()
