@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import pickle
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from resumekit.errors import (
     UnsafeCheckpointError,
 )
 from resumekit.tensors import sharded, state_dicts
+from tests.limits import HANG_S
 
 
 class WritesMarker:
@@ -410,6 +412,7 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
 ) -> None:
     import torch.serialization
 
+    from resumekit.tensors import context
     from resumekit.tensors import save as module
 
     seen: list[bool] = []
@@ -420,6 +423,12 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(module, "dcp_save", spying_save)
+    # The setting is the process's: a background save an earlier test of this worker left
+    # writing (a local tier's write, say) holds it off until it ends. Start after it.
+    deadline = time.monotonic() + HANG_S  # a hang detector
+    while context._crc32_users[0]:
+        assert time.monotonic() < deadline, "a save of an earlier test never ended"
+        time.sleep(0.01)
     model = torch.nn.Linear(4, 3)
     module.save({"model": model.state_dict()}, str(tmp_path / "ckpt"))
     assert seen == [False]  # the manifest's XXH3 covers every byte already
