@@ -60,6 +60,7 @@ def _rank(rank: int, world_size: int, root: str, shape: Shape, config: str,
                                     overlap=False)
         ckpt = CheckpointManager(f"{root}/{config}-{number}", model=model,
                                  optimizer=optimizer, save_every=10**6, preemption=handler,
+                                 capture_at_signal=True,
                                  **CONFIGS[config])
         ckpt.restore()
         for step in (1, 2):

@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     model, optimizer = build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(root, model=model, optimizer=optimizer, save_every=2,
-                             preemption=handler)
+                             preemption=handler, capture_at_signal=True)
     ckpt.restore()
     for step in range(1, 6):
         train(model, optimizer, step)

@@ -309,7 +309,7 @@ def test_a_second_signal_during_the_emergency_write_starts_nothing_and_says_so(
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
-                             preemption=handler, save_every=2)
+                             preemption=handler, save_every=2, capture_at_signal=True)
     ckpt.restore()
     for step in (1, 2, 3):
         _train(model, optimizer)
@@ -346,7 +346,7 @@ def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
-                             preemption=handler, save_every=2)
+                             preemption=handler, save_every=2, capture_at_signal=True)
     ckpt.restore()
     for step in (1, 2):
         _train(model, optimizer)
