@@ -25,7 +25,11 @@ pytestmark = pytest.mark.timeout(TEST_HANG_S)
 STAND_IN = nas.missing() is None
 #: resumekit's async save with the process writer where it exists, else with its thread.
 ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_async_thread"
-TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "6", "--save-every", "2",
+#: Twelve steps: a tiny step takes milliseconds, so a launch signalled at step 3 may train to
+#: step 6 or further before its ranks agree to stop (or be cut by the grace window under load);
+#: the relaunch must still train two steps of its own, the second being the memory
+#: figures' baseline (a CI run with six steps had neither launch give them).
+TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "12", "--save-every", "2",
         "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
         "--local-rounds", "2", "--local-block", "2",
         *([] if STAND_IN else ["--no-stand-in"])]
