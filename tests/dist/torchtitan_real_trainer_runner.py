@@ -3,11 +3,14 @@
 ``python -m torch.distributed.run --nproc-per-node 2 tests/dist/torchtitan_real_trainer_runner.py
 --module tests.dist.torchtitan_trainer_config --config resumekit_debugmodel`` runs
 ``torchtitan.train.main``'s path - ``ConfigManager().parse_args()``, ``config.build()`` (the
-``Trainer``), ``trainer.train()``, ``trainer.close()`` - after installing the shims below,
-with two additions of the test's: the data set's pause (before one step, to be signalled or
-killed there) gets the checkpointer's preemption handler, and when ``train()`` returns each
-rank writes its final state (``OUT/state_<rank>.pt``: whole parameters, optimizer state,
-learning rates, scheduler, RNG, train state, the data loader's state). Each rank writes
+``Trainer``), ``trainer.train()``, ``trainer.close()`` on an error or at the end (a
+``SystemExit``, the preemption's exit 75, leaves as it does there) - after installing the
+shims below, with three additions of the test's: the data set's pause (before one step, to
+be signalled or killed there) gets the checkpointer's preemption handler, each call of the
+checkpointer's ``save`` is recorded before it is made (the steps trained), and when
+``train()`` returns each rank writes its final state (``OUT/state_<rank>.pt``: whole
+parameters, optimizer state, learning rates, scheduler, RNG, train state, the data loader's
+state). Each rank writes
 ``OUT/rank_<rank>.json`` (the step it resumed from, the steps it trained, how it ended).
 
 The shims (each installed before torchtitan is imported, each for the error it avoids):
@@ -25,9 +28,10 @@ The shims (each installed before torchtitan is imported, each for the error it a
    validation is off, so they are never called; the shim's raise if they are).
 4. The device: with no accelerator ``torchtitan.tools.utils.get_device_info()`` answers
    ``("cuda", torch.cuda)``, and ``Trainer.__init__``'s ``device_module.set_device(...)``
-   fails (``AssertionError: Torch not compiled with CUDA enabled``). Set to ``"cpu"`` and
-   :func:`cpu_device_module` right after ``torchtitan.tools.utils`` is imported, before the
-   modules that import its names (``distributed.utils``, ``parallel_dims``, ``metrics``).
+   fails (``AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'``). Set to
+   ``"cpu"`` and :func:`cpu_device_module` right after ``torchtitan.tools.utils`` is
+   imported, before the modules that import its names (``distributed.utils``,
+   ``parallel_dims``, ``metrics``).
    ``torch.cpu`` lacks the CUDA memory helpers torchtitan's ``DeviceMemoryMonitor`` calls
    (``AttributeError: module 'torch.cpu' has no attribute 'get_device_name'``, then
    ``get_device_properties``, ``reset_peak_memory_stats``, ``empty_cache``,
@@ -218,34 +222,45 @@ def main() -> None:
 
 
 def _train(out: Path, rank: int, record: dict[str, Any]) -> None:
+    """``torchtitan.train.main``'s body (less its structured logger), plus the test's hooks."""
     install_shims()
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
 
-    from tests.dist.torchtitan_trainer_config import pause
-
     init_logger()
     config = ConfigManager().parse_args()
-    trainer = config.build()
+    trainer = None
     try:
-        trainer.dataloader.dataset.pause = functools.partial(
-            pause, out, rank, trainer.checkpointer.preemption)
-        steps = record["steps"]
-        save = trainer.checkpointer.save
-
-        def recording_save(curr_step: int, last_step: bool = False) -> None:
-            if not steps:
-                record["restored"] = curr_step - 1
-            steps.append(curr_step)  # trained (a preemption exits in save)
-            save(curr_step, last_step=last_step)
-
-        trainer.checkpointer.save = recording_save
+        trainer = config.build()
+        _hook(trainer, out, rank, record)
         trainer.train()
+    except Exception:  # as main: close on an error; a SystemExit (75) leaves as it came
+        if trainer:
+            trainer.close()
+        raise
+    else:
         torch.save(_final_state(trainer), out / f"state_{rank}.pt")
-    finally:
         trainer.close()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _hook(trainer: Any, out: Path, rank: int, record: dict[str, Any]) -> None:
+    """The data set's pause gets the preemption handler; each ``save`` call is recorded."""
+    from tests.dist.torchtitan_trainer_config import pause
+
+    trainer.dataloader.dataset.pause = functools.partial(
+        pause, out, rank, trainer.checkpointer.preemption)
+    steps = record["steps"]
+    save = trainer.checkpointer.save
+
+    def recording_save(curr_step: int, last_step: bool = False) -> None:
+        if not steps:
+            record["restored"] = curr_step - 1
+        steps.append(curr_step)  # trained (a preemption exits in save)
+        save(curr_step, last_step=last_step)
+
+    trainer.checkpointer.save = recording_save
 
 
 if __name__ == "__main__":
