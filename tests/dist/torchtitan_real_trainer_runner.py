@@ -5,8 +5,9 @@
 ``torchtitan.train.main``'s path - ``ConfigManager().parse_args()``, ``config.build()`` (the
 ``Trainer``), ``trainer.train()``, ``trainer.close()`` on an error or at the end (a
 ``SystemExit``, the preemption's exit 75, leaves as it does there) - after installing the
-shims below, with three additions of the test's: the data set's pause (before one step, to
-be signalled or killed there) gets the checkpointer's preemption handler, each call of the
+shims below, with three additions of the test's: a pause when the trainer fetches the
+batch of the step after ``TITAN_PAUSE_AT`` (to be signalled or killed there; the data set
+calls the hook before each sequence), each call of the
 checkpointer's ``save`` is recorded before it is made (the steps trained), and when
 ``train()`` returns each rank writes its final state (``OUT/state_<rank>.pt``: whole
 parameters, optimizer state, learning rates, scheduler, RNG, train state, the data loader's
@@ -62,7 +63,6 @@ The shims (each installed before torchtitan is imported, each for the error it a
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -246,11 +246,16 @@ def _train(out: Path, rank: int, record: dict[str, Any]) -> None:
 
 
 def _hook(trainer: Any, out: Path, rank: int, record: dict[str, Any]) -> None:
-    """The data set's pause gets the preemption handler; each ``save`` call is recorded."""
+    """Pause before the step after ``TITAN_PAUSE_AT``; record each ``save`` call."""
     from tests.dist.torchtitan_trainer_config import pause
 
-    trainer.dataloader.dataset.pause = functools.partial(
-        pause, out, rank, trainer.checkpointer.preemption)
+    pause_at = int(os.environ.get("TITAN_PAUSE_AT", "0"))
+
+    def before_window() -> None:  # the trainer fetches step N's batch after step += 1
+        if pause_at and trainer.step == pause_at + 1 and not (out / f"paused_{rank}").exists():
+            pause(out, rank, trainer.checkpointer.preemption)
+
+    trainer.dataloader.dataset.before_window = before_window
     steps = record["steps"]
     save = trainer.checkpointer.save
 

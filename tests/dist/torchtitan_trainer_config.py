@@ -17,9 +17,7 @@ writes one). It starts from torchtitan's own ``llama3_debugmodel()`` and changes
 
 Environment (set by the test): ``TITAN_OUT`` (the dump folder's run: the checkpoint root is
 ``TITAN_OUT/../checkpoint``), ``TITAN_ASSETS`` (the tokenizer folder), ``TITAN_STEPS``,
-``TITAN_INTERVAL``; ``TITAN_PAUSE_AT`` (before the batch of the step after this one, write
-``TITAN_OUT/paused_<rank>`` (the pid) and wait: for a preemption signal when
-``TITAN_PAUSE_FOR=signal``, else until killed).
+``TITAN_INTERVAL``; ``TITAN_PAUSE_AT`` and ``TITAN_PAUSE_FOR`` (the runner's :func:`pause`).
 """
 
 from __future__ import annotations
@@ -58,8 +56,7 @@ class WordsDataset(IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]
         self.document = 0
         self.buffer: list[tuple[int, int]] = []  # (token, position in its document)
         self.windows = 0
-        self.pause: Callable[[], None] | None = None
-        self.pause_before_window: int | None = None
+        self.before_window: Callable[[], None] | None = None  # the test runner's hook
 
     def _text(self, index: int) -> str:
         rng = random.Random(f"{self.dp_rank}/{index}")
@@ -71,8 +68,8 @@ class WordsDataset(IterableDataset[tuple[dict[str, torch.Tensor], torch.Tensor]]
                 ids = self.tokenizer.encode(self._text(self.document))
                 self.buffer.extend((token, position) for position, token in enumerate(ids))
                 self.document += 1
-            if self.windows == self.pause_before_window and self.pause is not None:
-                self.pause()
+            if self.before_window is not None:
+                self.before_window()
             window, self.buffer = self.buffer[:self.seq_len + 1], self.buffer[self.seq_len:]
             self.windows += 1
             tokens = torch.tensor([token for token, _ in window])
@@ -110,16 +107,18 @@ class WordsDataLoader(ParallelAwareDataloader):
                  seq_len: int, local_batch_size: int,
                  snapshot_every_n_steps: int | None = 1, **kwargs: Any) -> None:
         dataset = WordsDataset(tokenizer, seq_len, dp_rank)
-        pause_at = int(os.environ.get("TITAN_PAUSE_AT", "0"))
-        if pause_at:
-            dataset.pause_before_window = pause_at * local_batch_size
         super().__init__(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size,
                          batch_size=local_batch_size, num_workers=config.num_workers,
                          snapshot_every_n_steps=snapshot_every_n_steps)
 
 
 def pause(out: Path, rank: int, preemption: Any) -> None:
-    """Say so (``paused_<rank>``: the pid), then wait for a preemption signal or a kill."""
+    """Say so (``paused_<rank>``: the pid), then wait for a preemption signal or a kill.
+
+    Called by the test runner when the trainer fetches the batch of the step after
+    ``TITAN_PAUSE_AT``: for a preemption signal when ``TITAN_PAUSE_FOR=signal``, else until
+    killed.
+    """
     (out / f"paused_{rank}").write_text(str(os.getpid()))
     deadline = time.monotonic() + HANG_S
     signal_wanted = os.environ.get("TITAN_PAUSE_FOR") == "signal"
