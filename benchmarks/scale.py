@@ -300,6 +300,7 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
             command = _worker_command(method, root, events, shape, batch=int(config["batch"]),
                                       steps=int(config["steps"]),
                                       save_every=int(config["save_every"]), grace=grace,
+                                      poll_every=str(config.get("poll_every", "auto")),
                                       extra=["--memcpy"] if index == 1 else [])
             env = _worker_env()
             record: dict[str, Any] = {"index": index, "interruption": kind, "signal_at": at,
@@ -364,7 +365,7 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
 
 
 def _worker_command(method: str, root: Path, events: Path, shape: Shape, *, batch: int,
-                    steps: int, save_every: int, grace: float,
+                    steps: int, save_every: int, grace: float, poll_every: str = "auto",
                     extra: Sequence[str] = ()) -> list[str]:
     """torchrun of :mod:`benchmarks.scale_worker` on :data:`RANKS` ranks."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -372,7 +373,8 @@ def _worker_command(method: str, root: Path, events: Path, shape: Shape, *, batc
             "-m", "benchmarks.scale_worker", "--method", method, "--root", str(root),
             "--events", str(events), "--layers", str(shape.layers),
             "--width", str(shape.width), "--batch", str(batch), "--steps", str(steps),
-            "--save-every", str(save_every), "--grace", str(grace), *extra]
+            "--save-every", str(save_every), "--grace", str(grace),
+            "--poll-every", poll_every, *extra]
 
 
 def _worker_env() -> dict[str, str]:
@@ -422,6 +424,7 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
         "capture_at_signal": _capture_default()}
     command = _worker_command(method, root, events, shape, batch=batch,
                               steps=TIGHT_MAX_STEPS, save_every=TIGHT_SAVE_EVERY, grace=grace,
+                              poll_every=str(config.get("poll_every", "auto")),
                               extra=["--min-step-s", str(TIGHT_STEP_AIM * wanted)])
     timeout = float(config["timeout_s"])
     watcher = Watcher(method, root, events).start()
@@ -1072,6 +1075,11 @@ def main(argv: Sequence[str] | None = None,
     parser.add_argument("--no-tight-grace", action="store_true",
                         help="leave out each resumekit method's tight-grace SIGTERM launch "
                              "(scale_sigterm_steps_lost_tight_grace)")
+    parser.add_argument("--poll-every", default="auto",
+                        help="the resumekit methods' PreemptionHandler(poll_every=...): 'auto' "
+                             "(resumekit's default; at full size a vote every step) or N; "
+                             "the smoke run's millisecond steps vote every step, so a SIGTERM "
+                             "launch stops a step or two after the signal, as at full size")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
@@ -1097,7 +1105,7 @@ def main(argv: Sequence[str] | None = None,
         "schedule": args.schedule, "batch": args.batch, "methods": args.methods,
         "ideal_save_s": ideal, "timeout_s": args.timeout_s, "stand_in": not args.no_stand_in,
         "local_rounds": args.local_rounds, "local_block": args.local_block,
-        "tight_grace": not args.no_tight_grace,
+        "tight_grace": not args.no_tight_grace, "poll_every": args.poll_every,
         "tight_grace_factor": TIGHT_GRACE_FACTOR, "tight_step_factor": TIGHT_STEP_FACTOR,
     }
     notes: dict[str, str] = {}

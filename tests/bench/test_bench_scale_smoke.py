@@ -29,10 +29,12 @@ ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_
 #: Twelve steps: a tiny step takes milliseconds, so a launch signalled at step 3 may train to
 #: step 6 or further before its ranks agree to stop (or be cut by the grace window under load);
 #: the relaunch must still train two steps of its own, the second being the memory
-#: figures' baseline (a CI run with six steps had neither launch give them).
+#: figures' baseline (a CI run with six steps had neither launch give them). A vote every
+#: step (``--poll-every 1``, what "auto" adopts at full size's long steps): "auto" would let
+#: a second of millisecond steps pass before the signal counts.
 TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "12", "--save-every", "2",
         "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
-        "--local-rounds", "2", "--local-block", "2",
+        "--local-rounds", "2", "--local-block", "2", "--poll-every", "1",
         *([] if STAND_IN else ["--no-stand-in"])]
 
 
