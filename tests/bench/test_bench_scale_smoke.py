@@ -62,11 +62,18 @@ def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> N
     for key in ("scale_async_block_vs_memcpy", "scale_save_vs_bandwidth",
                 "scale_restore_vs_bandwidth", "scale_sigterm_steps_lost", "scale_goodput",
                 "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state",
-                "scale_step_slowdown_local_every_step",
-                "scale_sigterm_steps_lost_tight_grace"):
+                "scale_step_slowdown_local_every_step"):
         assert summary[key] is not None, key
+    # The tight-grace figure: measured, unless the scenario did not hold for any method -
+    # on a loaded machine the signalled step may end before the signal, timed from a
+    # longer step; then it is left out and each method says so (never a number made up).
     tight = summary["scale_sigterm_steps_lost_tight_grace"]
-    assert isinstance(tight, int) and tight >= 0
+    if tight is None:
+        for method in ("resumekit_sync", ASYNC):
+            why = smoke["results"]["details"][method][scale.TIGHT_GRACE]["why"]
+            assert "after the step it was timed for had ended" in why, (method, why)
+    else:
+        assert isinstance(tight, int) and tight >= 0
     # DCP was not run: the ratio to it is absent, not made up.
     assert summary["scale_goodput_vs_dcp_async"] is None
 
@@ -109,7 +116,14 @@ def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_s
         batches = tight["batches"]
         measured = tight["measured_step"]
         assert batches[measured] == batches[measured + 1] > tight["schedule_batch"]
-        assert tight["signalled_step"] == measured + 1 and tight["signal_mid_step"]
+        assert tight["signalled_step"] == measured + 1
+        if not tight["signal_mid_step"]:
+            # Load made the signalled step shorter than half the one it was timed by: the
+            # scenario did not hold, and the figure is left out, saying why.
+            assert tight["steps_lost_figure"] is None, method
+            assert details[method]["sigterm_steps_lost_tight_grace"] is None, method
+            assert "after the step it was timed for had ended" in tight["why"], method
+            continue
         assert tight["signal_into_step_vs_measured"] >= 0.5 - 1e-9
         # Completed steps lost: the last step done at the signal minus the newest commit.
         assert tight["last_completed_at_signal"] == measured
@@ -117,7 +131,8 @@ def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_s
         assert tight["steps_lost"] == max(0, measured - tight["newest_committed"])
         assert details[method]["sigterm_steps_lost_tight_grace"] == tight["steps_lost"]
         figures.append(tight["steps_lost"])
-    assert smoke["results"]["summary"]["scale_sigterm_steps_lost_tight_grace"] == max(figures)
+    assert smoke["results"]["summary"]["scale_sigterm_steps_lost_tight_grace"] == max(
+        figures, default=None)
 
 
 def test_the_local_tier_every_step_is_measured_side_by_side_with_no_checkpointing(
