@@ -20,7 +20,7 @@ import pytest
 
 from benchmarks import nas, scale, scale_local
 from benchmarks.scale_worker import process_writer_available
-from tests.limits import TEST_HANG_S
+from tests.limits import HANG_S, TEST_HANG_S
 
 pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
@@ -585,5 +585,5 @@ def test_a_tight_grace_launch_that_never_trains_a_long_enough_step_is_not_held_n
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     with pytest.raises(scale.TightScenarioNotMet, match=r"3x the save\) was measured"):
-        scale._wait_tight_step(events, process, wanted=30.0, timeout=600.0,
+        scale._wait_tight_step(events, process, wanted=30.0, timeout=HANG_S,
                                committed=lambda: True)
