@@ -1,0 +1,290 @@
+"""Each restoring rank's part of a checkpoint's ``.metadata``, so its cost does not grow with W.
+
+A checkpoint written by W ranks has W chunks per sharded tensor in its ``.metadata``
+(offsets, sizes, and where each lies: file, offset, length, checksums). A rank that
+restores needs only the chunks its own shards overlap: one per tensor when the run shards
+as the checkpoint did (the common requeue case). Receiving and unpickling the whole file,
+and planning by scanning every chunk of every tensor, made each rank's restore cost grow
+with W (issue 40).
+
+A restore reads ``.metadata`` on one rank (:func:`resumekit.restore.verification.share_metadata`),
+which sends every other rank the :func:`skeleton` only: every key with its global size,
+dtype and nesting (what the fit check and the optimizer's preallocation need), without
+chunks or storage entries. When the load plans, each rank sends that rank its
+:func:`request_of` (per key, the chunks of its destination: ``__create_chunk_list__`` of a
+``DTensor``, the whole tensor otherwise), and gets back its :class:`Part`: the chunks that
+overlap its request (found by :class:`MetadataServer` with a binary search on the chunks'
+offsets, not a scan) and the storage entries of every file they lie in (a packed region's
+members need their region's first entry). The rank then plans with DCP's own planner on
+:func:`complete` (the skeleton filled with its part), exactly as from the whole file: the
+overlaps are the same chunks, and DCP matches a read to its stored entry by name and
+offset only.
+
+Stock DCP, a load without a process group and a node-local copy read alone still read the
+whole file themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from resumekit.errors import CorruptCheckpointError
+
+__all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
+           "request_of", "skeleton"]
+
+Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
+"""A rank's request: ``{key: [(offsets, sizes), ...]}`` of its destination chunks, or
+``{key: None}`` for a key whose every stored chunk it wants (a non-tensor value, or a
+destination whose chunks are not known)."""
+
+
+@dataclasses.dataclass
+class Part:
+    """What one rank receives of a checkpoint's ``.metadata``.
+
+    Attributes:
+        chunks: ``{key: stored chunks that overlap the rank's request}``.
+        storage: The storage entries of every file those chunks (and the requested
+            non-tensor values) lie in.
+    """
+
+    chunks: dict[str, list[ChunkStorageMetadata]]
+    storage: list[tuple[MetadataIndex, Any]]
+
+
+def skeleton(metadata: Metadata) -> Metadata:
+    """``metadata`` without chunks or storage entries: what every rank needs of it.
+
+    Every key keeps its global size, dtype and nesting (``planner_data``); the size of
+    the result does not grow with the number of ranks that wrote the checkpoint.
+    """
+    entries: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            entries[key] = TensorStorageMetadata(properties=entry.properties,
+                                                 size=entry.size, chunks=[])
+        else:
+            entries[key] = entry
+    return Metadata(state_dict_metadata=entries, planner_data=metadata.planner_data,
+                    storage_data={}, storage_meta=metadata.storage_meta,
+                    version=metadata.version)
+
+
+def complete(metadata: Metadata, part: Part) -> Metadata:
+    """Fill skeleton ``metadata`` (in place) with ``part``; return it.
+
+    A key's chunks are replaced, not appended to: completing twice with the same part
+    gives the same metadata.
+    """
+    stored = metadata.state_dict_metadata
+    for key, chunks in part.chunks.items():
+        entry = stored.get(key)
+        if isinstance(entry, TensorStorageMetadata):
+            entry.chunks = list(chunks)
+    if metadata.storage_data is None:
+        metadata.storage_data = {}
+    metadata.storage_data.update(part.storage)
+    return metadata
+
+
+def request_of(flat: Mapping[str, Any], metadata: Metadata) -> Request:
+    """This rank's request for the keys of flattened state ``flat`` that ``metadata`` holds.
+
+    A ``DTensor`` (anything with ``__create_chunk_list__``) asks for its local chunks, a
+    plain tensor for the whole tensor; anything else asks for every stored chunk.
+    """
+    request: Request = {}
+    stored = metadata.state_dict_metadata
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if entry is None:
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            request[key] = None
+            continue
+        create = getattr(value, "__create_chunk_list__", None)
+        if create is not None:
+            request[key] = [(tuple(int(o) for o in chunk.offsets),
+                             tuple(int(s) for s in chunk.sizes)) for chunk in create()]
+        elif type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+            shape = tuple(int(s) for s in value.shape)
+            request[key] = [((0,) * len(shape), shape)]
+        else:  # a ShardedTensor or another kind: every chunk (the whole file's answer)
+            request[key] = None
+    return request
+
+
+class _Chunks:
+    """One tensor's stored chunks, sorted by their offset along dimension 0."""
+
+    __slots__ = ("by_offsets", "chunks", "longest", "starts")
+
+    def __init__(self, chunks: Sequence[ChunkStorageMetadata]) -> None:
+        self.chunks = sorted(chunks, key=lambda c: tuple(c.offsets))
+        self.starts = [int(c.offsets[0]) if len(c.offsets) else 0 for c in self.chunks]
+        self.longest = max((int(c.sizes[0]) for c in self.chunks if len(c.sizes)), default=0)
+        self.by_offsets = {tuple(int(o) for o in c.offsets): c for c in self.chunks}
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                    ) -> list[ChunkStorageMetadata]:
+        """The chunks that share at least one element with the box ``offsets + sizes``.
+
+        A chunk stored at exactly ``offsets`` with ``sizes`` is the only one (the chunks
+        of a checkpoint do not overlap: DCP's save checks it); otherwise a binary search
+        on dimension 0 finds the candidates, each checked in every dimension.
+        """
+        if any(size == 0 for size in sizes):  # an empty shard reads nothing
+            return []
+        exact = self.by_offsets.get(offsets)
+        if exact is not None and tuple(int(s) for s in exact.sizes) == sizes:
+            return [exact]
+        if not offsets:  # a 0-d tensor: its one chunk
+            return list(self.chunks)
+        low, high = offsets[0], offsets[0] + sizes[0]
+        first = bisect.bisect_left(self.starts, low - self.longest + 1)
+        last = bisect.bisect_left(self.starts, high)
+        found = []
+        for chunk in self.chunks[first:last]:
+            if all(max(o, int(co)) < min(o + s, int(co) + int(cs)) for o, s, co, cs in zip(
+                    offsets, sizes, chunk.offsets, chunk.sizes, strict=True)):
+                found.append(chunk)
+        return found
+
+
+class MetadataServer:
+    """The rank that read ``.metadata`` answers every rank's :data:`Request` from it.
+
+    The index (chunks sorted per key, storage entries by file) is built once, on first use.
+
+    Args:
+        metadata: The whole metadata.
+        source: Its path (named in errors).
+    """
+
+    def __init__(self, metadata: Metadata, source: str) -> None:
+        self.metadata = metadata
+        self.source = source
+        self._chunks: dict[str, _Chunks] | None = None
+        self._by_file: dict[str, list[tuple[MetadataIndex, Any]]] | None = None
+
+    def _index(self) -> tuple[dict[str, _Chunks], dict[str, list[tuple[MetadataIndex, Any]]]]:
+        if self._chunks is None or self._by_file is None:
+            self._chunks = {key: _Chunks(entry.chunks)
+                            for key, entry in self.metadata.state_dict_metadata.items()
+                            if isinstance(entry, TensorStorageMetadata)}
+            by_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+            for index, info in (self.metadata.storage_data or {}).items():
+                by_file.setdefault(str(info.relative_path), []).append((index, info))
+            self._by_file = by_file
+        return self._chunks, self._by_file
+
+    def part_for(self, request: Request) -> Part:
+        """The chunks ``request`` overlaps, and every storage entry of their files.
+
+        Raises:
+            CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
+        """
+        chunks_of, by_file = self._index()
+        storage = self.metadata.storage_data or {}
+        stored = self.metadata.state_dict_metadata
+        chunks: dict[str, list[ChunkStorageMetadata]] = {}
+        files: set[str] = set()
+        for key, wanted in request.items():
+            entry = stored.get(key)
+            if entry is None:
+                continue
+            if isinstance(entry, BytesStorageMetadata):
+                info = storage.get(MetadataIndex(key))
+                if info is not None:
+                    files.add(str(info.relative_path))
+                continue
+            index = chunks_of[key]
+            if wanted is None:
+                found = list(index.chunks)
+            elif len(wanted) == 1:
+                found = index.overlapping(*wanted[0])
+            else:
+                seen: dict[int, ChunkStorageMetadata] = {}
+                for offsets, sizes in wanted:
+                    for chunk in index.overlapping(offsets, sizes):
+                        seen.setdefault(id(chunk), chunk)
+                found = list(seen.values())
+            chunks[key] = found
+            for chunk in found:
+                info = storage.get(MetadataIndex(key, chunk.offsets))
+                if info is None:
+                    raise CorruptCheckpointError(
+                        f"{self.source}: the chunk of {key} at offset {list(chunk.offsets)} "
+                        "has no storage entry", path=self.source, file=self.source, key=key)
+                files.add(str(info.relative_path))
+        entries = [item for name in sorted(files) for item in by_file.get(name, ())]
+        return Part(chunks=chunks, storage=entries)
+
+
+def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None
+                        ) -> Callable[[Request | BaseException], Part]:
+    """The exchange of requests and parts on ``group``: one gather, one scatter.
+
+    Group rank 0 holds ``server``; every rank of the group calls the returned function
+    once, with its request, or with the error that kept it from making one (it still
+    takes part, so no rank waits for it; the error is raised on it after the scatter).
+    An error on rank 0 while answering is raised on every rank.
+    """
+
+    def exchange(request: Request | BaseException) -> Part:
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(request, gathered, group=group, group_dst=0)
+        replies: list[Any] | None = None
+        if rank == 0:
+            assert gathered is not None
+            try:
+                if server is None:
+                    raise CorruptCheckpointError(
+                        "the rank that read the checkpoint's metadata holds none to share")
+                replies = [None if isinstance(got, BaseException) else server.part_for(got)
+                           for got in gathered]
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                replies = [error] * world
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, replies, group=group, group_src=0)
+        if isinstance(request, BaseException):
+            raise request
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]  # type: ignore[no-any-return]
+
+    return exchange
+
+
+def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:
+    """The exchange of a rank that holds the whole metadata and plans alone."""
+
+    def exchange(request: Request | BaseException) -> Part:
+        if isinstance(request, BaseException):
+            raise request
+        return server.part_for(request)
+
+    return exchange
+
+
+def chunk_requests(chunks: Iterable[ChunkStorageMetadata]
+                   ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``chunks`` as a request's list of ``(offsets, sizes)``."""
+    return [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+            for c in chunks]
