@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -59,6 +60,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from resumekit.store.manifest import checksum_chunks
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.raw import format as raw_format
+from resumekit.tensors.raw.format import _FileLayout
 from resumekit.tensors.raw.writer import RawTensorWriter
 from resumekit.tensors.reader import CheckedMetadata, make_reader
 
@@ -231,25 +233,99 @@ def _plan_load(state: dict[str, Any], planner: Any, reader: Any) -> int:
     return len(plan.items)
 
 
+def _layout(reader: Any, plan: Any) -> None:
+    """The reader's layout of the files ``plan`` reads (their checksum files not read:
+    the simulation writes no data; a rank reads those of the files it reads, whatever W)."""
+    storage = reader.storage_data
+    files = {storage[item.storage_index].relative_path for item in plan.items}
+    _FileLayout(storage, reader._where, None, files=files, blocks=None)
+
+
+def _timed_plan(state_of: Callable[[], dict[str, Any]], planner: Any, reader: Any,
+                parse: Callable[[], Any], times: dict[str, float]) -> int:
+    """Plan a load step by step, adding each step's CPU seconds to ``times``."""
+    def step(name: str, action: Callable[[], Any]) -> Any:
+        start = time.process_time()
+        result = action()
+        times[name] = times.get(name, 0.0) + time.process_time() - start
+        return result
+
+    state = step("state", state_of)
+    metadata = step("receive_metadata", parse)
+    step("set_up_planner", lambda: planner.set_up_planner(state, metadata, False))
+    step("set_up_reader", lambda: reader.set_up_storage_reader(metadata, False))
+    plan = step("local_plan", lambda: reader.prepare_local_plan(planner.create_local_plan()))
+    step("reader_layout", lambda: _layout(reader, plan))
+    return len(plan.items)
+
+
 def restore_side(params: list[Param], world: int, rank: int, dcp_dir: Path, raw_dir: Path,
-                 raw_data: bytes) -> dict[str, Any]:
-    """One restoring rank's CPU: DCP, resumekit now (shared bytes), resumekit before."""
+                 raw_data: bytes, *, before: bool = True) -> dict[str, Any]:
+    """One restoring rank's CPU: DCP; resumekit now (skeleton + its part); resumekit
+    sharing the whole file (issue 40's item 1); resumekit before issue 40 (four reads).
+
+    For "now", rank 0's side runs in this process too (it parsed the file, sent the
+    skeleton, answers the request): its CPU is measured apart and left out of the
+    restoring rank's, as are the bytes it sends (the skeleton, the part).
+    """
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         dcp_cpu, dcp_items = cpu_of(lambda: _plan_load(
             _state_of(params, mesh), DefaultLoadPlanner(), FileSystemReader(dcp_dir)))
 
+        # rank 0: the file parsed and checked, the skeleton sent, the index of chunks
+        leader_cpu, (whole, sent) = cpu_of(lambda: _leader(raw_data, raw_dir))
+        leader_request_cpu = [0.0]
+        received_bytes = [len(sent)]
+
+        def exchange(request: Any) -> Any:
+            data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)  # sent
+            start = time.process_time()  # rank 0's answer: not this rank's CPU
+            reply = pickle.dumps(whole.server().part_for(pickle.loads(data)),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+            leader_request_cpu[0] += time.process_time() - start
+            received_bytes[0] += len(reply)
+            return pickle.loads(reply)  # received
+
+        parts_times: dict[str, float] = {}
+
         def ours() -> int:
+            checked: list[CheckedMetadata] = []
+
+            def receive() -> Any:
+                checked.append(pickle.loads(sent))
+                return checked[0].parsed()
+
+            planner = _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True,
+                                          exchange=exchange)
+            reader = make_reader(str(raw_dir), None, metadata=None)
+            return _timed_plan(lambda: _state_of(params, mesh), planner, reader, receive,
+                               parts_times)
+
+        # rank 0's parse lives in this process, not in a restoring rank's: kept out of the
+        # cycle collector's way, as if it were elsewhere
+        gc.collect()
+        gc.freeze()
+        try:
+            now_cpu, now_items = cpu_of(ours)
+        finally:
+            gc.unfreeze()
+        now_cpu -= leader_request_cpu[0]
+        parts_times["set_up_planner"] -= leader_request_cpu[0]
+        whole_times: dict[str, float] = {}
+
+        def shared_whole() -> int:  # issue 40's item 1: the whole file's bytes sent
             checked = CheckedMetadata(raw_data, str(raw_dir / ".metadata"),
                                       checksum_chunks([raw_data]))
-            return _plan_load(_state_of(params, mesh),
-                              _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
-                              make_reader(str(raw_dir), None, metadata=checked))
+            planner = _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True)
+            reader = make_reader(str(raw_dir), None, metadata=checked)
+            return _timed_plan(lambda: _state_of(params, mesh), planner, reader,
+                               checked.parsed, whole_times)
 
-        now_cpu, now_items = cpu_of(ours)
+        whole_cpu, whole_items = cpu_of(shared_whole)
 
-        def before() -> int:  # four reads: hashed once (verify), parsed three times
+        def before_40() -> int:  # four reads: hashed once (verify), parsed three times
             source = raw_dir / ".metadata"
             checksum_chunks([source.read_bytes()])
             for _ in range(2):  # files_verified_on_read, the optimizer's preallocation
@@ -258,18 +334,32 @@ def restore_side(params: list[Param], world: int, rank: int, dcp_dir: Path, raw_
                               _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
                               make_reader(str(raw_dir), None))
 
-        before_cpu, before_items = cpu_of(before)
+        before_cpu, before_items = cpu_of(before_40) if before else (None, now_items)
     finally:
         dist.destroy_process_group()
-    assert dcp_items == now_items == before_items, (dcp_items, now_items, before_items)
+    assert dcp_items == now_items == whole_items == before_items, (
+        dcp_items, now_items, whole_items, before_items)
     return {"dcp_restore_cpu_s": dcp_cpu, "restore_cpu_s": now_cpu,
-            "restore_cpu_before_s": before_cpu, "load_items": now_items}
+            "restore_cpu_whole_s": whole_cpu, "restore_cpu_before_s": before_cpu,
+            "restore_breakdown_s": parts_times, "restore_breakdown_whole_s": whole_times,
+            "leader_prepare_cpu_s": leader_cpu, "leader_cpu_per_request_s":
+            leader_request_cpu[0], "metadata_bytes_received": received_bytes[0],
+            "load_items": now_items}
+
+
+def _leader(raw_data: bytes, raw_dir: Path) -> tuple[CheckedMetadata, bytes]:
+    """Rank 0 of a restore: parses the file, makes the skeleton, indexes the chunks."""
+    whole = CheckedMetadata.parse(raw_data, str(raw_dir / ".metadata"))
+    sent = pickle.dumps(whole.for_ranks(), protocol=pickle.HIGHEST_PROTOCOL)
+    whole.server().prepare()
+    return whole, sent
 
 
 def run(worlds: list[int], *, config: str = "furniture_all_e128",
-        rows_to: Path | None = None) -> list[dict[str, Any]]:
+        rows_to: Path | None = None, before_max: int = 1024) -> list[dict[str, Any]]:
     """Both sides for each W; one row per W (each also appended to ``rows_to`` as a line
-    of JSON when it is done, so a run stopped at a large W keeps the smaller ones)."""
+    of JSON when it is done, so a run stopped at a large W keeps the smaller ones).
+    ``before_max``: the largest W whose restore before issue 40 (four parses) is run."""
     params = lingbot_params(config)
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
         # Warm-up (imports, DTensor's caches, the allocator): the first W's figures would
@@ -288,19 +378,27 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
             dcp.pop("data")
             gc.collect()
             restore = restore_side(params, world, world // 2 + 1 if world > 2 else 1,
-                                   root / "dcp", root / "raw", raw_data)
+                                   root / "dcp", root / "raw", raw_data,
+                                   before=world <= before_max)
             metadata_bytes = ours["metadata_bytes"]
             rows.append({
                 "world_size": world,
                 "save_cpu_rank0_s": ours["save_cpu_rank0_s"],
                 "dcp_save_cpu_rank0_s": dcp["save_cpu_rank0_s"],
                 "restore_cpu_per_rank_s": restore["restore_cpu_s"],
+                "restore_cpu_per_rank_whole_s": restore["restore_cpu_whole_s"],
                 "restore_cpu_per_rank_before_s": restore["restore_cpu_before_s"],
                 "dcp_restore_cpu_per_rank_s": restore["dcp_restore_cpu_s"],
+                "restore_breakdown_s": restore["restore_breakdown_s"],
+                "restore_breakdown_whole_s": restore["restore_breakdown_whole_s"],
+                "restore_leader_prepare_cpu_s": restore["leader_prepare_cpu_s"],
+                "restore_leader_cpu_per_request_s": restore["leader_cpu_per_request_s"],
                 "metadata_bytes": metadata_bytes,
                 "dcp_metadata_bytes": dcp["metadata_bytes"],
                 "metadata_bytes_read_per_rank": 0,
                 "metadata_bytes_read_leader": metadata_bytes,
+                "metadata_bytes_received_per_rank": restore["metadata_bytes_received"],
+                "metadata_bytes_received_per_rank_whole": metadata_bytes,
                 "metadata_bytes_read_per_rank_before": 4 * metadata_bytes,
                 "dcp_metadata_bytes_read_per_rank": dcp["metadata_bytes"],
                 "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,

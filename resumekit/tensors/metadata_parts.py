@@ -14,11 +14,11 @@ chunks or storage entries. When the load plans, each rank sends that rank its
 :func:`request_of` (per key, the chunks of its destination: ``__create_chunk_list__`` of a
 ``DTensor``, the whole tensor otherwise), and gets back its :class:`Part`: the chunks that
 overlap its request (found by :class:`MetadataServer` with a binary search on the chunks'
-offsets, not a scan) and the storage entries of every file they lie in (a packed region's
-members need their region's first entry). The rank then plans with DCP's own planner on
-:func:`complete` (the skeleton filled with its part), exactly as from the whole file: the
-overlaps are the same chunks, and DCP matches a read to its stored entry by name and
-offset only.
+offsets, not a scan) with their storage entries (and, for a member of a packed region,
+its region's first entry, which says where the region ends and where its checksum is).
+The rank then plans with DCP's own planner on :func:`complete` (the skeleton filled
+with its part), exactly as from the whole file: the overlaps are the same chunks, and DCP
+matches a read to its stored entry by name and offset only.
 
 Stock DCP, a load without a process group and a node-local copy read alone still read the
 whole file themselves.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -42,9 +43,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from resumekit.errors import CorruptCheckpointError
+from resumekit.tensors.raw.format import (
+    _INLINE_PACK_PREFIX,
+    _PACK_PREFIX,
+    is_packed_member,
+)
 
 __all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
            "request_of", "skeleton"]
+
+_REGION_PREFIXES = (_PACK_PREFIX, _INLINE_PACK_PREFIX)
 
 Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
 """A rank's request: ``{key: [(offsets, sizes), ...]}`` of its destination chunks, or
@@ -58,8 +66,8 @@ class Part:
 
     Attributes:
         chunks: ``{key: stored chunks that overlap the rank's request}``.
-        storage: The storage entries of every file those chunks (and the requested
-            non-tensor values) lie in.
+        storage: The storage entries of those chunks and of the requested non-tensor
+            values, and of the first item of each packed region one of them lies in.
     """
 
     chunks: dict[str, list[ChunkStorageMetadata]]
@@ -179,30 +187,54 @@ class MetadataServer:
         self.metadata = metadata
         self.source = source
         self._chunks: dict[str, _Chunks] | None = None
-        self._by_file: dict[str, list[tuple[MetadataIndex, Any]]] | None = None
+        self._heads: dict[str, tuple[list[int], list[Any]]] | None = None
 
-    def _index(self) -> tuple[dict[str, _Chunks], dict[str, list[tuple[MetadataIndex, Any]]]]:
-        if self._chunks is None or self._by_file is None:
+    def prepare(self) -> None:
+        """Build the index now (else on the first request)."""
+        self._index()
+
+    def _index(self) -> tuple[dict[str, _Chunks], dict[str, tuple[list[int], list[Any]]]]:
+        if self._chunks is None or self._heads is None:
             self._chunks = {key: _Chunks(entry.chunks)
                             for key, entry in self.metadata.state_dict_metadata.items()
                             if isinstance(entry, TensorStorageMetadata)}
-            by_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+            heads: dict[str, list[tuple[int, MetadataIndex, Any]]] = {}
             for index, info in (self.metadata.storage_data or {}).items():
-                by_file.setdefault(str(info.relative_path), []).append((index, info))
-            self._by_file = by_file
-        return self._chunks, self._by_file
+                if _heads_region(info):
+                    heads.setdefault(str(info.relative_path), []).append(
+                        (int(info.offset), index, info))
+            self._heads = {name: ([offset for offset, _, _ in found],
+                                  [(index, info) for _, index, info in found])
+                           for name, found in ((n, sorted(f, key=lambda h: h[0]))
+                                               for n, f in heads.items())}
+        return self._chunks, self._heads
 
     def part_for(self, request: Request) -> Part:
-        """The chunks ``request`` overlaps, and every storage entry of their files.
+        """The chunks ``request`` overlaps, with their storage entries.
+
+        A member of a packed region of a raw tensor file comes with its region's first
+        entry (which says where the region ends and where its checksum is).
 
         Raises:
             CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
         """
-        chunks_of, by_file = self._index()
+        chunks_of, heads = self._index()
         storage = self.metadata.storage_data or {}
         stored = self.metadata.state_dict_metadata
         chunks: dict[str, list[ChunkStorageMetadata]] = {}
-        files: set[str] = set()
+        entries: dict[MetadataIndex, Any] = {}
+
+        def add(index: MetadataIndex, info: Any) -> None:
+            entries[index] = info
+            found = heads.get(str(info.relative_path))
+            if found is None or _heads_region(info) or not is_packed_member(
+                    info.transform_descriptors):
+                return
+            number = bisect.bisect_right(found[0], int(info.offset)) - 1
+            if number >= 0:
+                head_index, head = found[1][number]
+                entries[head_index] = head
+
         for key, wanted in request.items():
             entry = stored.get(key)
             if entry is None:
@@ -210,7 +242,7 @@ class MetadataServer:
             if isinstance(entry, BytesStorageMetadata):
                 info = storage.get(MetadataIndex(key))
                 if info is not None:
-                    files.add(str(info.relative_path))
+                    add(MetadataIndex(key), info)
                 continue
             index = chunks_of[key]
             if wanted is None:
@@ -225,19 +257,25 @@ class MetadataServer:
                 found = list(seen.values())
             chunks[key] = found
             for chunk in found:
-                info = storage.get(MetadataIndex(key, chunk.offsets))
+                where = MetadataIndex(key, chunk.offsets)
+                info = storage.get(where)
                 if info is None:
                     raise CorruptCheckpointError(
                         f"{self.source}: the chunk of {key} at offset {list(chunk.offsets)} "
                         "has no storage entry", path=self.source, file=self.source, key=key)
-                files.add(str(info.relative_path))
-        entries = [item for name in sorted(files) for item in by_file.get(name, ())]
-        return Part(chunks=chunks, storage=entries)
+                add(where, info)
+        return Part(chunks=chunks, storage=list(entries.items()))
+
+
+def _heads_region(info: Any) -> bool:
+    """Whether stored item ``info`` is the first of a packed region of a raw tensor file."""
+    descriptors = info.transform_descriptors
+    return bool(descriptors) and str(descriptors[0]).startswith(_REGION_PREFIXES)
 
 
 def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None
                         ) -> Callable[[Request | BaseException], Part]:
-    """The exchange of requests and parts on ``group``: one gather, one scatter.
+    """The exchange of requests and parts on ``group``: one gather, then the parts scattered.
 
     Group rank 0 holds ``server``; every rank of the group calls the returned function
     once, with its request, or with the error that kept it from making one (it still
@@ -261,15 +299,38 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
                            for got in gathered]
             except Exception as error:  # noqa: BLE001 - raised on every rank below
                 replies = [error] * world
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, replies, group=group, group_src=0)
+        reply = _scatter(replies, rank, world, group)
         if isinstance(request, BaseException):
             raise request
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        return box[0]  # type: ignore[no-any-return]
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply  # type: ignore[no-any-return]
 
     return exchange
+
+
+def _scatter(values: list[Any] | None, rank: int, world: int,
+             group: dist.ProcessGroup | None) -> Any:
+    """Group rank 0's ``values[r]`` on each rank ``r``: their sizes, then their pickles.
+
+    Tensor collectives (``dist.scatter``), not DCP's object scatter: a load that plans
+    locally runs none of DCP's plan collectives.
+    """
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    pickles = ([pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) for value in values]
+               if rank == 0 and values is not None else [])
+    longest = max((len(data) for data in pickles), default=0)
+    size = torch.zeros(2, dtype=torch.int64)
+    dist.scatter(size, [torch.tensor([len(data), longest]) for data in pickles] or None,
+                 src=source, group=group)
+    mine = torch.zeros(int(size[1]), dtype=torch.uint8)
+    frames = None
+    if rank == 0:
+        frames = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+        for frame, data in zip(frames, pickles, strict=True):
+            frame[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.scatter(mine, frames, src=source, group=group)
+    return pickle.loads(mine.numpy().tobytes()[:int(size[0])])
 
 
 def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:
