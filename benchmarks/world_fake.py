@@ -176,6 +176,23 @@ def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]
     return results
 
 
+def measured_stamp() -> dict[str, Any]:
+    """When and at which commit a figure was measured (a partial rerun keeps it apart)."""
+    import datetime  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=False,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return ""
+
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def cpu_of(action: Callable[[], Any]) -> tuple[float, Any]:
     """CPU seconds (this process, all threads) ``action`` took, and its result."""
     gc.collect()
@@ -404,6 +421,7 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
                 "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,
                 "dcp_files_per_checkpoint": world + 1,
                 "load_items": restore["load_items"],
+                "measured": measured_stamp(),
             })
             del raw_data
         if rows_to is not None:
