@@ -377,6 +377,8 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
     """Both sides for each W; one row per W (each also appended to ``rows_to`` as a line
     of JSON when it is done, so a run stopped at a large W keeps the smaller ones).
     ``before_max``: the largest W whose restore before issue 40 (four parses) is run."""
+    if not worlds:
+        return []
     params = lingbot_params(config)
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
         # Warm-up (imports, DTensor's caches, the allocator): the first W's figures would
