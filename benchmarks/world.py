@@ -157,6 +157,7 @@ def _read_bytes(paths: list[str]) -> int:
 def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
     """The real-rank rows, one per W."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
+    stamp = world_fake.measured_stamp()
     rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as root:
@@ -183,7 +184,7 @@ def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
                 "dcp_metadata_bytes_read_per_rank": max(dcp_reads[1:]),
                 "files_per_checkpoint": _files(step),
                 "dcp_files_per_checkpoint": _files(dcp_dir),
-                "measured": world_fake.measured_stamp(),
+                "measured": stamp,
             })
         print(f"world real W={world}: " + ", ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
@@ -203,6 +204,7 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
     Beside it: hashing the same bytes once with XXH3-128 (what a save must do at least to
     record its checksums) and the bytes copied once (``torch.clone``).
     """
+    stamp = world_fake.measured_stamp()
     tensors = [torch.randn(4 << 20, generator=torch.Generator().manual_seed(n))
                for n in range(max(1, megabytes // 16))]
     model = nn.Module()
@@ -231,7 +233,7 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
             "save_cpu_s_per_gb": cpu / gb, "hash_once_cpu_s_per_gb": hash_cpu / gb,
             "copy_once_cpu_s_per_gb": copy_cpu / gb,
             "save_cpu_vs_hash_once": cpu / hash_cpu if hash_cpu else None,
-            "measured": world_fake.measured_stamp()}
+            "measured": stamp}
 
 
 PARTS = ("real", "simulated", "save_cpu_per_gb")

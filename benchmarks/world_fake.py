@@ -177,7 +177,10 @@ def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]
 
 
 def measured_stamp() -> dict[str, Any]:
-    """When and at which commit a figure was measured (a partial rerun keeps it apart)."""
+    """When and at which commit a figure was measured (a partial rerun keeps it apart).
+
+    Taken when a run starts (``dirty``: tracked files differed from the commit then).
+    """
     import datetime  # noqa: PLC0415
     import subprocess  # noqa: PLC0415
 
@@ -379,6 +382,7 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
     ``before_max``: the largest W whose restore before issue 40 (four parses) is run."""
     if not worlds:
         return []
+    stamp = measured_stamp()  # the code this run imported: its commit when it started
     params = lingbot_params(config)
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
         # Warm-up (imports, DTensor's caches, the allocator): the first W's figures would
@@ -423,7 +427,7 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
                 "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,
                 "dcp_files_per_checkpoint": world + 1,
                 "load_items": restore["load_items"],
-                "measured": measured_stamp(),
+                "measured": stamp,
             })
             del raw_data
         if rows_to is not None:
