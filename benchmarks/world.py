@@ -360,6 +360,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="furniture_all_e128")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--before-max", type=int, default=1024,
+                        help="the largest simulated W whose restore before issue 40 is run")
+    parser.add_argument("--save-timed-max", type=int, default=512,
+                        help="the largest simulated W whose rank-0 save is timed (above it "
+                             "DCP's validation of the global plan, O(W^2) per tensor, is "
+                             "skipped: restore figures only)")
     parser.add_argument("--rows-to", default=None,
                         help="append each simulated row to this file as it is done")
     parser.add_argument("--parts", nargs="*", default=[],
@@ -374,7 +380,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save = save_cpu_per_gb(args.save_mb) if args.save_mb > 0 else None
     real_rows = real(worlds, args.repeats) if worlds else []
     fake_rows = world_fake.run(fake_worlds, config=args.config,
-                               rows_to=Path(args.rows_to) if args.rows_to else None)
+                               rows_to=Path(args.rows_to) if args.rows_to else None,
+                               before_max=args.before_max,
+                               save_timed_max=args.save_timed_max)
     for part in args.parts:  # e.g. the real ranks and the simulation run side by side
         path, _, wanted = part.partition(":")
         if path.endswith(".jsonl"):  # rows of a simulation stopped before its end
@@ -444,9 +452,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if "restore_cpu_per_rank_whole_s" in rows[0]:
             axes[0].plot(worlds, [r["restore_cpu_per_rank_whole_s"] for r in rows], "-.",
                          label=f"resumekit, whole .metadata shared ({label})")
-        axes[1].plot(worlds, [r["save_cpu_rank0_s"] for r in rows], style,
-                     label=f"resumekit ({label})")
-        axes[1].plot(worlds, [r["dcp_save_cpu_rank0_s"] for r in rows], style,
+        timed = [r for r in rows if r["save_cpu_rank0_s"] is not None]
+        axes[1].plot([r["world_size"] for r in timed], [r["save_cpu_rank0_s"] for r in timed],
+                     style, label=f"resumekit ({label})")
+        axes[1].plot([r["world_size"] for r in timed],
+                     [r["dcp_save_cpu_rank0_s"] for r in timed], style,
                      label=f"DCP ({label})", alpha=0.6)
         axes[2].plot(worlds, [r["metadata_bytes"] / 1e6 for r in rows], style,
                      label=f"resumekit ({label})")
