@@ -210,15 +210,16 @@ def cpu_of(action: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def save_side(params: list[Param], world: int, directory: Path, *, raw: bool,
-              timed: bool = True) -> dict[str, Any]:
+              timed: bool = True, plans: list[SavePlan] | None = None) -> dict[str, Any]:
     """Rank 0's coordination of a save of W ranks: global plan, then ``.metadata`` written.
 
     ``timed=False`` (a restore-only row): the global plan is DCP's without its validation
     (whose overlap sweep runs along each tensor's longest dimension, across which dim-0
     shards all overlap: O(W²) per such tensor, hours at W = 1,024 in one process); the
-    ``.metadata`` written is the same, and no save CPU is reported.
+    ``.metadata`` written is the same, and no save CPU is reported. ``plans``: the W
+    local plans, when already built (they are the same for both formats).
     """
-    plans = local_plans(params, world)
+    plans = local_plans(params, world) if plans is None else plans
     planner = DefaultSavePlanner()
     planner.set_up_planner({}, None, is_coordinator=True)
     if timed:
@@ -414,8 +415,10 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
         with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
             root = Path(scratch)
             timed = world <= save_timed_max
-            dcp = save_side(params, world, root / "dcp", raw=False, timed=timed)
-            ours = save_side(params, world, root / "raw", raw=True, timed=timed)
+            plans = local_plans(params, world)
+            dcp = save_side(params, world, root / "dcp", raw=False, timed=timed, plans=plans)
+            ours = save_side(params, world, root / "raw", raw=True, timed=timed, plans=plans)
+            del plans
             raw_data = ours.pop("data")
             dcp.pop("data")
             gc.collect()
