@@ -435,33 +435,31 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    def series(rows: list[dict[str, Any]], key: str, scale: float = 1.0
+               ) -> tuple[list[int], list[float]]:
+        kept = [row for row in rows if row.get(key) is not None]  # a part not run: a gap
+        return [row["world_size"] for row in kept], [row[key] / scale for row in kept]
+
     for rows, style, label in ((result["real"], "o-", "real gloo"),
                                (result["simulated"], "s--", "simulated 5B")):
         if not rows:
             continue
-        worlds = [row["world_size"] for row in rows]
-        axes[0].plot(worlds, [r["restore_cpu_per_rank_s"] for r in rows], style,
+        axes[0].plot(*series(rows, "restore_cpu_per_rank_s"), style,
                      label=f"resumekit ({label})")
-        axes[0].plot(worlds, [r["dcp_restore_cpu_per_rank_s"] for r in rows], style,
+        axes[0].plot(*series(rows, "dcp_restore_cpu_per_rank_s"), style,
                      label=f"DCP ({label})", alpha=0.6)
         if "restore_cpu_per_rank_before_s" in rows[0]:
-            before = [(w, r["restore_cpu_per_rank_before_s"]) for w, r in zip(
-                worlds, rows, strict=True) if r.get("restore_cpu_per_rank_before_s")]
-            axes[0].plot([w for w, _ in before], [c for _, c in before], ":",
+            axes[0].plot(*series(rows, "restore_cpu_per_rank_before_s"), ":",
                          label=f"resumekit before #40 ({label})")
         if "restore_cpu_per_rank_whole_s" in rows[0]:
-            axes[0].plot(worlds, [r["restore_cpu_per_rank_whole_s"] for r in rows], "-.",
+            axes[0].plot(*series(rows, "restore_cpu_per_rank_whole_s"), "-.",
                          label=f"resumekit, whole .metadata shared ({label})")
-        timed = [r for r in rows if r["save_cpu_rank0_s"] is not None]
-        axes[1].plot([r["world_size"] for r in timed], [r["save_cpu_rank0_s"] for r in timed],
-                     style, label=f"resumekit ({label})")
-        axes[1].plot([r["world_size"] for r in timed],
-                     [r["dcp_save_cpu_rank0_s"] for r in timed], style,
-                     label=f"DCP ({label})", alpha=0.6)
-        axes[2].plot(worlds, [r["metadata_bytes"] / 1e6 for r in rows], style,
-                     label=f"resumekit ({label})")
-        axes[2].plot(worlds, [r["dcp_metadata_bytes"] / 1e6 for r in rows], style,
-                     label=f"DCP ({label})", alpha=0.6)
+        axes[1].plot(*series(rows, "save_cpu_rank0_s"), style, label=f"resumekit ({label})")
+        axes[1].plot(*series(rows, "dcp_save_cpu_rank0_s"), style, label=f"DCP ({label})",
+                     alpha=0.6)
+        axes[2].plot(*series(rows, "metadata_bytes", 1e6), style, label=f"resumekit ({label})")
+        axes[2].plot(*series(rows, "dcp_metadata_bytes", 1e6), style, label=f"DCP ({label})",
+                     alpha=0.6)
     titles = ("a restoring rank's CPU (s)", "rank 0's save CPU (s)", ".metadata (MB)")
     for axis, title in zip(axes, titles, strict=True):
         axis.set_xscale("log", base=2)
