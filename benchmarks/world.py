@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the largest simulated W whose rank-0 save is timed (above it "
                              "DCP's validation of the global plan, O(W^2) per tensor, is "
                              "skipped: restore figures only)")
+    parser.add_argument("--others-max", type=int, default=1024,
+                        help="the largest simulated W whose DCP side and resumekit's earlier "
+                             "restores run (above it: resumekit's restore only)")
     parser.add_argument("--rows-to", default=None,
                         help="append each simulated row to this file as it is done")
     parser.add_argument("--parts", nargs="*", default=[],
@@ -382,7 +385,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fake_rows = world_fake.run(fake_worlds, config=args.config,
                                rows_to=Path(args.rows_to) if args.rows_to else None,
                                before_max=args.before_max,
-                               save_timed_max=args.save_timed_max)
+                               save_timed_max=args.save_timed_max,
+                               others_max=args.others_max)
     for part in args.parts:  # e.g. the real ranks and the simulation run side by side
         path, _, wanted = part.partition(":")
         if path.endswith(".jsonl"):  # rows of a simulation stopped before its end
