@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError
 from resumekit.tensors.raw.format import (
     _INLINE_PACK_PREFIX,
@@ -60,18 +61,34 @@ Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
 destination whose chunks are not known)."""
 
 
+Place = tuple[str, int, int, tuple[str, ...] | None]
+"""Where a stored item lies: its file, offset, length and transform descriptors."""
+
+Entry = tuple[str, tuple[int, ...] | None, Place]
+"""A storage entry: its key, its chunk's offsets (None for a non-tensor value), its place."""
+
+
 @dataclasses.dataclass
 class Part:
     """What one rank receives of a checkpoint's ``.metadata``.
 
+    Plain tuples, which pickle fast: rank 0 pickles one part per rank.
+
     Attributes:
-        chunks: ``{key: stored chunks that overlap the rank's request}``.
+        chunks: ``{key: [(offsets, sizes), ...]}`` of the stored chunks that overlap the
+            rank's request.
         storage: The storage entries of those chunks and of the requested non-tensor
             values, and of the first item of each packed region one of them lies in.
     """
 
-    chunks: dict[str, list[ChunkStorageMetadata]]
-    storage: list[tuple[MetadataIndex, Any]]
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    storage: list[Entry]
+
+
+def _place(info: Any) -> Place:
+    descriptors = getattr(info, "transform_descriptors", None)
+    return (str(info.relative_path), int(info.offset), int(info.length),
+            None if descriptors is None else tuple(descriptors))
 
 
 def skeleton(metadata: Metadata) -> Metadata:
@@ -102,10 +119,16 @@ def complete(metadata: Metadata, part: Part) -> Metadata:
     for key, chunks in part.chunks.items():
         entry = stored.get(key)
         if isinstance(entry, TensorStorageMetadata):
-            entry.chunks = list(chunks)
+            entry.chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                            for offsets, sizes in chunks]
     if metadata.storage_data is None:
         metadata.storage_data = {}
-    metadata.storage_data.update(part.storage)
+    info = _compat.dcp_storage_info()
+    storage = metadata.storage_data
+    for key, offsets, (path, offset, length, descriptors) in part.storage:
+        index = MetadataIndex(key) if offsets is None else MetadataIndex(key, torch.Size(offsets))
+        storage[index] = (info(path, offset, length) if descriptors is None
+                          else info(path, offset, length, transform_descriptors=descriptors))
     return metadata
 
 
@@ -137,18 +160,19 @@ def request_of(flat: Mapping[str, Any], metadata: Metadata) -> Request:
 
 
 class _Chunks:
-    """One tensor's stored chunks, sorted by their offset along dimension 0."""
+    """One tensor's stored chunks (offsets, sizes), sorted by their offset along dim 0."""
 
     __slots__ = ("by_offsets", "chunks", "longest", "starts")
 
     def __init__(self, chunks: Sequence[ChunkStorageMetadata]) -> None:
-        self.chunks = sorted(chunks, key=lambda c: tuple(c.offsets))
-        self.starts = [int(c.offsets[0]) if len(c.offsets) else 0 for c in self.chunks]
-        self.longest = max((int(c.sizes[0]) for c in self.chunks if len(c.sizes)), default=0)
-        self.by_offsets = {tuple(int(o) for o in c.offsets): c for c in self.chunks}
+        self.chunks = sorted((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                             for c in chunks)
+        self.starts = [offsets[0] if offsets else 0 for offsets, _ in self.chunks]
+        self.longest = max((sizes[0] for _, sizes in self.chunks if sizes), default=0)
+        self.by_offsets = {offsets: sizes for offsets, sizes in self.chunks}
 
     def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
-                    ) -> list[ChunkStorageMetadata]:
+                    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """The chunks that share at least one element with the box ``offsets + sizes``.
 
         A chunk stored at exactly ``offsets`` with ``sizes`` is the only one (the chunks
@@ -157,20 +181,16 @@ class _Chunks:
         """
         if any(size == 0 for size in sizes):  # an empty shard reads nothing
             return []
-        exact = self.by_offsets.get(offsets)
-        if exact is not None and tuple(int(s) for s in exact.sizes) == sizes:
-            return [exact]
+        if self.by_offsets.get(offsets) == sizes:
+            return [(offsets, sizes)]
         if not offsets:  # a 0-d tensor: its one chunk
             return list(self.chunks)
         low, high = offsets[0], offsets[0] + sizes[0]
         first = bisect.bisect_left(self.starts, low - self.longest + 1)
         last = bisect.bisect_left(self.starts, high)
-        found = []
-        for chunk in self.chunks[first:last]:
-            if all(max(o, int(co)) < min(o + s, int(co) + int(cs)) for o, s, co, cs in zip(
-                    offsets, sizes, chunk.offsets, chunk.sizes, strict=True)):
-                found.append(chunk)
-        return found
+        return [(co, cs) for co, cs in self.chunks[first:last]
+                if all(max(o, c) < min(o + s, c + n)
+                       for o, s, c, n in zip(offsets, sizes, co, cs, strict=True))]
 
 
 class MetadataServer:
@@ -188,6 +208,7 @@ class MetadataServer:
         self.source = source
         self._chunks: dict[str, _Chunks] | None = None
         self._heads: dict[str, tuple[list[int], list[Any]]] | None = None
+        self._places: dict[tuple[str, tuple[int, ...] | None], list[Entry]] = {}
 
     def prepare(self) -> None:
         """Build the index now (else on the first request)."""
@@ -221,19 +242,26 @@ class MetadataServer:
         chunks_of, heads = self._index()
         storage = self.metadata.storage_data or {}
         stored = self.metadata.state_dict_metadata
-        chunks: dict[str, list[ChunkStorageMetadata]] = {}
-        entries: dict[MetadataIndex, Any] = {}
+        chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        entries: dict[tuple[str, tuple[int, ...] | None], Place] = {}
+        places = self._places
 
-        def add(index: MetadataIndex, info: Any) -> None:
-            entries[index] = info
-            found = heads.get(str(info.relative_path))
-            if found is None or _heads_region(info) or not is_packed_member(
-                    info.transform_descriptors):
-                return
-            number = bisect.bisect_right(found[0], int(info.offset)) - 1
-            if number >= 0:
-                head_index, head = found[1][number]
-                entries[head_index] = head
+        def add(key: str, offsets: tuple[int, ...] | None, info: Any) -> None:
+            found = places.get((key, offsets))
+            if found is None:  # worked out once per stored item: usually one rank asks
+                found = [(key, offsets, _place(info))]
+                region = heads.get(str(info.relative_path))
+                if region is not None and not _heads_region(info) and is_packed_member(
+                        info.transform_descriptors):
+                    number = bisect.bisect_right(region[0], int(info.offset)) - 1
+                    if number >= 0:
+                        head_index, head = region[1][number]
+                        found.append((head_index.fqn, None if head_index.offset is None
+                                      else tuple(int(o) for o in head_index.offset),
+                                      _place(head)))
+                places[(key, offsets)] = found
+            for name, at, place in found:
+                entries[(name, at)] = place
 
         for key, wanted in request.items():
             entry = stored.get(key)
@@ -242,7 +270,7 @@ class MetadataServer:
             if isinstance(entry, BytesStorageMetadata):
                 info = storage.get(MetadataIndex(key))
                 if info is not None:
-                    add(MetadataIndex(key), info)
+                    add(key, None, info)
                 continue
             index = chunks_of[key]
             if wanted is None:
@@ -250,21 +278,21 @@ class MetadataServer:
             elif len(wanted) == 1:
                 found = index.overlapping(*wanted[0])
             else:
-                seen: dict[int, ChunkStorageMetadata] = {}
-                for offsets, sizes in wanted:
-                    for chunk in index.overlapping(offsets, sizes):
-                        seen.setdefault(id(chunk), chunk)
-                found = list(seen.values())
+                found = list(dict.fromkeys(chunk for offsets, sizes in wanted
+                                           for chunk in index.overlapping(offsets, sizes)))
             chunks[key] = found
-            for chunk in found:
-                where = MetadataIndex(key, chunk.offsets)
-                info = storage.get(where)
+            for offsets, _ in found:
+                if (key, offsets) in places:
+                    add(key, offsets, None)
+                    continue
+                info = storage.get(MetadataIndex(key, torch.Size(offsets)))
                 if info is None:
                     raise CorruptCheckpointError(
-                        f"{self.source}: the chunk of {key} at offset {list(chunk.offsets)} "
+                        f"{self.source}: the chunk of {key} at offset {list(offsets)} "
                         "has no storage entry", path=self.source, file=self.source, key=key)
-                add(where, info)
-        return Part(chunks=chunks, storage=list(entries.items()))
+                add(key, offsets, info)
+        return Part(chunks=chunks, storage=[(key, offsets, place) for (key, offsets), place
+                                            in entries.items()])
 
 
 def _heads_region(info: Any) -> bool:
