@@ -220,7 +220,9 @@ class ResumekitSaver(Saver):
             knobs["async_writer"] = "process"
         self.manager = CheckpointManager(
             self.root, model=model, optimizer=optimizer, save_every=args.save_every,
-            retention=keep_last(KEEP), preemption=PreemptionHandler(grace_period=args.grace),
+            retention=keep_last(KEEP),
+            preemption=PreemptionHandler(grace_period=args.grace, poll_every=(
+                "auto" if args.poll_every == "auto" else int(args.poll_every))),
             **knobs)
         for name in ("save", "wait"):
             method = getattr(self.manager, name)
@@ -504,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, required=True)
     parser.add_argument("--grace", type=float, required=True)
+    parser.add_argument("--poll-every", default="auto",
+                        help="PreemptionHandler(poll_every=...): 'auto' or a number of steps")
     parser.add_argument("--memcpy", action="store_true", help="measure the memcpy first")
     parser.add_argument("--min-step-s", type=float, default=0.0,
                         help="grow the batch after any step shorter than this (the slower "
