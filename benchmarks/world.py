@@ -157,6 +157,7 @@ def _read_bytes(paths: list[str]) -> int:
 def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
     """The real-rank rows, one per W."""
     multiprocessing.set_forkserver_preload(list(PRELOAD))
+    stamp = world_fake.measured_stamp()
     rows = []
     for world in worlds:
         with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as root:
@@ -183,6 +184,7 @@ def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
                 "dcp_metadata_bytes_read_per_rank": max(dcp_reads[1:]),
                 "files_per_checkpoint": _files(step),
                 "dcp_files_per_checkpoint": _files(dcp_dir),
+                "measured": stamp,
             })
         print(f"world real W={world}: " + ", ".join(
             f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
@@ -202,6 +204,7 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
     Beside it: hashing the same bytes once with XXH3-128 (what a save must do at least to
     record its checksums) and the bytes copied once (``torch.clone``).
     """
+    stamp = world_fake.measured_stamp()
     tensors = [torch.randn(4 << 20, generator=torch.Generator().manual_seed(n))
                for n in range(max(1, megabytes // 16))]
     model = nn.Module()
@@ -229,11 +232,55 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
     return {"bytes": total, "save_cpu_s": cpu, "save_wall_s": wall,
             "save_cpu_s_per_gb": cpu / gb, "hash_once_cpu_s_per_gb": hash_cpu / gb,
             "copy_once_cpu_s_per_gb": copy_cpu / gb,
-            "save_cpu_vs_hash_once": cpu / hash_cpu if hash_cpu else None}
+            "save_cpu_vs_hash_once": cpu / hash_cpu if hash_cpu else None,
+            "measured": stamp}
+
+
+PARTS = ("real", "simulated", "save_cpu_per_gb")
+
+
+def _stamped(row: dict[str, Any], path: str) -> dict[str, Any]:
+    """``row`` of an earlier output: its own ``measured`` stamp, or, for a row written
+    before the bench stamped its rows, the commit that last changed ``path`` (marked so)."""
+    if row.get("measured"):
+        return {**row, "measured": {**row["measured"], "taken_from": path}}
+    import subprocess  # noqa: PLC0415
+
+    found = subprocess.run(["git", "log", "-1", "--format=%H %cI", "--", path],
+                           capture_output=True, text=True, check=False).stdout.split()
+    return {**row, "measured": {
+        "date": found[1] if len(found) == 2 else None,
+        "commit": found[0] if len(found) == 2 else None, "taken_from": path,
+        "note": "recorded before the bench stamped its rows: the date and commit are those "
+                "of the last commit that changed the file, not of the measurement"}}
+
+
+def provenance(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
+               save: dict[str, Any] | None) -> dict[str, Any]:
+    """Per part, the dates and commits its figures were measured at (a partial rerun
+    mixes parts of several runs: this says which is which)."""
+    def of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        seen: dict[str, dict[str, Any]] = {}
+        for row in rows:
+            stamp = row.get("measured") or {}
+            key = json.dumps(stamp, sort_keys=True)
+            entry = seen.setdefault(key, {**stamp, "worlds": []})
+            entry["worlds"].append(row["world_size"])
+        return list(seen.values())
+
+    return {"real": of(real_rows), "simulated": of(fake_rows),
+            "save_cpu_per_gb": None if save is None else save.get("measured")}
 
 
 def _row(rows: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
     return next((row for row in rows if row["world_size"] == world), None)
+
+
+def _key_ratio(high: dict[str, Any] | None, low: dict[str, Any] | None, key: str
+               ) -> float | None:
+    if high is None or low is None:
+        return None
+    return _ratio(high.get(key), low.get(key))
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -270,6 +317,16 @@ def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
         else _ratio(largest["restore_cpu_per_rank_before_s"],
                     w8["restore_cpu_per_rank_before_s"]),
         "wmax": None if largest is None else largest["world_size"],
+        "restore_cpu_per_rank_whole_w1024_vs_w8": _key_ratio(
+            w1024, w8, "restore_cpu_per_rank_whole_s"),
+        "restore_cpu_per_rank_w1024_vs_dcp": _ratio(
+            None if w1024 is None else w1024["restore_cpu_per_rank_s"],
+            None if w1024 is None else w1024["dcp_restore_cpu_per_rank_s"]),
+        "metadata_bytes_received_per_rank_w1024_vs_w8": _key_ratio(
+            w1024, w8, "metadata_bytes_received_per_rank"),
+        "restore_leader_cpu_w1024_s": None if w1024 is None or "restore_leader_prepare_cpu_s"
+        not in w1024 else w1024["restore_leader_prepare_cpu_s"]
+        + w1024["restore_leader_cpu_per_request_s"] * (w1024["world_size"] - 1),
         "restore_cpu_per_rank_before_w1024_vs_w8": None if w8 is None or w1024 is None
         else _ratio(w1024["restore_cpu_per_rank_before_s"],
                     w8["restore_cpu_per_rank_before_s"]),
@@ -303,30 +360,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", default="furniture_all_e128")
     parser.add_argument("--out", default=str(OUT))
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--before-max", type=int, default=1024,
+                        help="the largest simulated W whose restore before issue 40 is run")
+    parser.add_argument("--save-timed-max", type=int, default=512,
+                        help="the largest simulated W whose rank-0 save is timed (above it "
+                             "DCP's validation of the global plan, O(W^2) per tensor, is "
+                             "skipped: restore figures only)")
+    parser.add_argument("--others-max", type=int, default=1024,
+                        help="the largest simulated W whose DCP side and resumekit's earlier "
+                             "restores run (above it: resumekit's restore only)")
     parser.add_argument("--rows-to", default=None,
                         help="append each simulated row to this file as it is done")
     parser.add_argument("--parts", nargs="*", default=[],
-                        help="earlier outputs whose rows to take (the parts run apart)")
+                        help="earlier outputs whose rows to take (the parts run apart): "
+                             "PATH (every part) or PATH:real,save_cpu_per_gb (those parts "
+                             "only), or a .jsonl of simulated rows; each row keeps the "
+                             "date and commit it was measured at (see 'provenance')")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.real.split(",") if w]
     fake_worlds = [int(w) for w in args.fake.split(",") if w]
     started = time.perf_counter()
     save = save_cpu_per_gb(args.save_mb) if args.save_mb > 0 else None
-    real_rows = real(worlds, args.repeats)
+    real_rows = real(worlds, args.repeats) if worlds else []
     fake_rows = world_fake.run(fake_worlds, config=args.config,
-                               rows_to=Path(args.rows_to) if args.rows_to else None)
+                               rows_to=Path(args.rows_to) if args.rows_to else None,
+                               before_max=args.before_max,
+                               save_timed_max=args.save_timed_max,
+                               others_max=args.others_max)
     for part in args.parts:  # e.g. the real ranks and the simulation run side by side
-        if part.endswith(".jsonl"):  # rows of a simulation stopped before its end
-            fake_rows += [json.loads(line) for line in Path(part).read_text().splitlines()]
+        path, _, wanted = part.partition(":")
+        if path.endswith(".jsonl"):  # rows of a simulation stopped before its end
+            fake_rows += [_stamped(json.loads(line), path)
+                          for line in Path(path).read_text().splitlines()]
             continue
-        earlier = json.loads(Path(part).read_text())
-        real_rows += earlier["real"]
-        fake_rows += earlier["simulated"]
-        save = save or earlier["save_cpu_per_gb"]
+        earlier = json.loads(Path(path).read_text())
+        taken = set(wanted.split(",")) if wanted else set(PARTS)
+        if unknown := taken - set(PARTS):
+            parser.error(f"--parts {part}: no part {sorted(unknown)} (parts: {PARTS})")
+        if "real" in taken:
+            real_rows += [_stamped(row, path) for row in earlier["real"]]
+        if "simulated" in taken:
+            fake_rows += [_stamped(row, path) for row in earlier["simulated"]]
+        if "save_cpu_per_gb" in taken and save is None and earlier["save_cpu_per_gb"]:
+            save = _stamped(earlier["save_cpu_per_gb"], path)
     real_rows.sort(key=lambda row: row["world_size"])
     fake_rows.sort(key=lambda row: row["world_size"])
+    for name, rows in (("real", real_rows), ("simulated", fake_rows)):
+        worlds = [row["world_size"] for row in rows]
+        if len(worlds) != len(set(worlds)):  # two runs' figures for one W: never mixed
+            parser.error(f"two {name} rows for one world size ({sorted(worlds)}): take "
+                         "each part from one run (--parts PATH:real,save_cpu_per_gb)")
     result = {
         "summary": summarize(real_rows, fake_rows, save),
+        "provenance": provenance(real_rows, fake_rows, save),
         "real": real_rows,
         "simulated": fake_rows,
         "save_cpu_per_gb": save,
@@ -353,26 +439,31 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    def series(rows: list[dict[str, Any]], key: str, scale: float = 1.0
+               ) -> tuple[list[int], list[float]]:
+        kept = [row for row in rows if row.get(key) is not None]  # a part not run: a gap
+        return [row["world_size"] for row in kept], [row[key] / scale for row in kept]
+
     for rows, style, label in ((result["real"], "o-", "real gloo"),
                                (result["simulated"], "s--", "simulated 5B")):
         if not rows:
             continue
-        worlds = [row["world_size"] for row in rows]
-        axes[0].plot(worlds, [r["restore_cpu_per_rank_s"] for r in rows], style,
+        axes[0].plot(*series(rows, "restore_cpu_per_rank_s"), style,
                      label=f"resumekit ({label})")
-        axes[0].plot(worlds, [r["dcp_restore_cpu_per_rank_s"] for r in rows], style,
+        axes[0].plot(*series(rows, "dcp_restore_cpu_per_rank_s"), style,
                      label=f"DCP ({label})", alpha=0.6)
         if "restore_cpu_per_rank_before_s" in rows[0]:
-            axes[0].plot(worlds, [r["restore_cpu_per_rank_before_s"] for r in rows], ":",
+            axes[0].plot(*series(rows, "restore_cpu_per_rank_before_s"), ":",
                          label=f"resumekit before #40 ({label})")
-        axes[1].plot(worlds, [r["save_cpu_rank0_s"] for r in rows], style,
-                     label=f"resumekit ({label})")
-        axes[1].plot(worlds, [r["dcp_save_cpu_rank0_s"] for r in rows], style,
-                     label=f"DCP ({label})", alpha=0.6)
-        axes[2].plot(worlds, [r["metadata_bytes"] / 1e6 for r in rows], style,
-                     label=f"resumekit ({label})")
-        axes[2].plot(worlds, [r["dcp_metadata_bytes"] / 1e6 for r in rows], style,
-                     label=f"DCP ({label})", alpha=0.6)
+        if "restore_cpu_per_rank_whole_s" in rows[0]:
+            axes[0].plot(*series(rows, "restore_cpu_per_rank_whole_s"), "-.",
+                         label=f"resumekit, whole .metadata shared ({label})")
+        axes[1].plot(*series(rows, "save_cpu_rank0_s"), style, label=f"resumekit ({label})")
+        axes[1].plot(*series(rows, "dcp_save_cpu_rank0_s"), style, label=f"DCP ({label})",
+                     alpha=0.6)
+        axes[2].plot(*series(rows, "metadata_bytes", 1e6), style, label=f"resumekit ({label})")
+        axes[2].plot(*series(rows, "dcp_metadata_bytes", 1e6), style, label=f"DCP ({label})",
+                     alpha=0.6)
     titles = ("a restoring rank's CPU (s)", "rank 0's save CPU (s)", ".metadata (MB)")
     for axis, title in zip(axes, titles, strict=True):
         axis.set_xscale("log", base=2)

@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +39,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_global_save_plan,
+)
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -59,6 +65,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from resumekit.store.manifest import checksum_chunks
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.raw import format as raw_format
+from resumekit.tensors.raw.format import _FileLayout
 from resumekit.tensors.raw.writer import RawTensorWriter
 from resumekit.tensors.reader import CheckedMetadata, make_reader
 
@@ -174,6 +181,26 @@ def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]
     return results
 
 
+def measured_stamp() -> dict[str, Any]:
+    """When and at which commit a figure was measured (a partial rerun keeps it apart).
+
+    Taken when a run starts (``dirty``: tracked files differed from the commit then).
+    """
+    import datetime  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=False,
+                                  cwd=Path(__file__).parent).stdout.strip()
+        except OSError:
+            return ""
+
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def cpu_of(action: Callable[[], Any]) -> tuple[float, Any]:
     """CPU seconds (this process, all threads) ``action`` took, and its result."""
     gc.collect()
@@ -182,13 +209,24 @@ def cpu_of(action: Callable[[], Any]) -> tuple[float, Any]:
     return time.process_time() - start, result
 
 
-def save_side(params: list[Param], world: int, directory: Path, *, raw: bool
-              ) -> dict[str, Any]:
-    """Rank 0's coordination of a save of W ranks: global plan, then ``.metadata`` written."""
-    plans = local_plans(params, world)
+def save_side(params: list[Param], world: int, directory: Path, *, raw: bool,
+              timed: bool = True, plans: list[SavePlan] | None = None) -> dict[str, Any]:
+    """Rank 0's coordination of a save of W ranks: global plan, then ``.metadata`` written.
+
+    ``timed=False`` (a restore-only row): the global plan is DCP's without its validation
+    (whose overlap sweep runs along each tensor's longest dimension, across which dim-0
+    shards all overlap: O(W²) per such tensor, hours at W = 1,024 in one process); the
+    ``.metadata`` written is the same, and no save CPU is reported. ``plans``: the W
+    local plans, when already built (they are the same for both formats).
+    """
+    plans = local_plans(params, world) if plans is None else plans
     planner = DefaultSavePlanner()
     planner.set_up_planner({}, None, is_coordinator=True)
-    plan_cpu, (final, metadata) = cpu_of(lambda: planner.create_global_plan(plans))
+    if timed:
+        plan_cpu, (final, metadata) = cpu_of(lambda: planner.create_global_plan(plans))
+    else:
+        plan_cpu, (final, metadata) = 0.0, create_default_global_save_plan(
+            dedup_save_plans(plans))
     results = write_results(final, raw=raw)
     directory.mkdir(parents=True, exist_ok=True)
     if raw:
@@ -201,7 +239,8 @@ def save_side(params: list[Param], world: int, directory: Path, *, raw: bool
     finish_cpu, _ = cpu_of(lambda: writer.finish(metadata, results))
     data = (directory / ".metadata").read_bytes()
     return {"plan_cpu_s": plan_cpu, "finish_cpu_s": finish_cpu,
-            "save_cpu_rank0_s": plan_cpu + finish_cpu, "metadata_bytes": len(data),
+            "save_cpu_rank0_s": plan_cpu + finish_cpu if timed else None,
+            "metadata_bytes": len(data),
             "data": data}
 
 
@@ -231,25 +270,101 @@ def _plan_load(state: dict[str, Any], planner: Any, reader: Any) -> int:
     return len(plan.items)
 
 
+def _layout(reader: Any, plan: Any) -> None:
+    """The reader's layout of the files ``plan`` reads (their checksum files not read:
+    the simulation writes no data; a rank reads those of the files it reads, whatever W)."""
+    storage = reader.storage_data
+    files = {storage[item.storage_index].relative_path for item in plan.items}
+    _FileLayout(storage, reader._where, None, files=files, blocks=None)
+
+
+def _timed_plan(state_of: Callable[[], dict[str, Any]], planner: Any, reader: Any,
+                parse: Callable[[], Any], times: dict[str, float]) -> int:
+    """Plan a load step by step, adding each step's CPU seconds to ``times``."""
+    def step(name: str, action: Callable[[], Any]) -> Any:
+        start = time.process_time()
+        result = action()
+        times[name] = times.get(name, 0.0) + time.process_time() - start
+        return result
+
+    state = step("state", state_of)
+    metadata = step("receive_metadata", parse)
+    step("set_up_planner", lambda: planner.set_up_planner(state, metadata, False))
+    step("set_up_reader", lambda: reader.set_up_storage_reader(metadata, False))
+    plan = step("local_plan", lambda: reader.prepare_local_plan(planner.create_local_plan()))
+    step("reader_layout", lambda: _layout(reader, plan))
+    return len(plan.items)
+
+
 def restore_side(params: list[Param], world: int, rank: int, dcp_dir: Path, raw_dir: Path,
-                 raw_data: bytes) -> dict[str, Any]:
-    """One restoring rank's CPU: DCP, resumekit now (shared bytes), resumekit before."""
+                 raw_data: bytes, *, before: bool = True, others: bool = True
+                 ) -> dict[str, Any]:
+    """One restoring rank's CPU: DCP; resumekit now (skeleton + its part); resumekit
+    sharing the whole file (issue 40's item 1); resumekit before issue 40 (four reads).
+
+    For "now", rank 0's side runs in this process too (it parsed the file, sent the
+    skeleton, answers the request): its CPU is measured apart and left out of the
+    restoring rank's, as are the bytes it sends (the skeleton, the part).
+    """
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
         dcp_cpu, dcp_items = cpu_of(lambda: _plan_load(
-            _state_of(params, mesh), DefaultLoadPlanner(), FileSystemReader(dcp_dir)))
+            _state_of(params, mesh), DefaultLoadPlanner(), FileSystemReader(dcp_dir))
+        ) if others else (None, None)
+
+        # rank 0: the file parsed and checked, the skeleton sent, the index of chunks
+        leader_cpu, (whole, sent) = cpu_of(lambda: _leader(raw_data, raw_dir))
+        leader_request_cpu = [0.0]
+        received_bytes = [len(sent)]
+
+        def exchange(request: Any) -> Any:
+            data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)  # sent
+            start = time.process_time()  # rank 0's answer: not this rank's CPU
+            reply = pickle.dumps(whole.server().part_for(pickle.loads(data)),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+            leader_request_cpu[0] += time.process_time() - start
+            received_bytes[0] += len(reply)
+            return pickle.loads(reply)  # received
+
+        parts_times: dict[str, float] = {}
 
         def ours() -> int:
+            checked: list[CheckedMetadata] = []
+
+            def receive() -> Any:
+                checked.append(pickle.loads(sent))
+                return checked[0].parsed()
+
+            planner = _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True,
+                                          exchange=exchange)
+            reader = make_reader(str(raw_dir), None, metadata=None)
+            return _timed_plan(lambda: _state_of(params, mesh), planner, reader, receive,
+                               parts_times)
+
+        # rank 0's parse lives in this process, not in a restoring rank's: kept out of the
+        # cycle collector's way, as if it were elsewhere
+        gc.collect()
+        gc.freeze()
+        try:
+            now_cpu, now_items = cpu_of(ours)
+        finally:
+            gc.unfreeze()
+        now_cpu -= leader_request_cpu[0]
+        parts_times["set_up_planner"] -= leader_request_cpu[0]
+        whole_times: dict[str, float] = {}
+
+        def shared_whole() -> int:  # issue 40's item 1: the whole file's bytes sent
             checked = CheckedMetadata(raw_data, str(raw_dir / ".metadata"),
                                       checksum_chunks([raw_data]))
-            return _plan_load(_state_of(params, mesh),
-                              _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
-                              make_reader(str(raw_dir), None, metadata=checked))
+            planner = _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True)
+            reader = make_reader(str(raw_dir), None, metadata=checked)
+            return _timed_plan(lambda: _state_of(params, mesh), planner, reader,
+                               checked.parsed, whole_times)
 
-        now_cpu, now_items = cpu_of(ours)
+        whole_cpu, whole_items = cpu_of(shared_whole) if others else (None, None)
 
-        def before() -> int:  # four reads: hashed once (verify), parsed three times
+        def before_40() -> int:  # four reads: hashed once (verify), parsed three times
             source = raw_dir / ".metadata"
             checksum_chunks([source.read_bytes()])
             for _ in range(2):  # files_verified_on_read, the optimizer's preallocation
@@ -258,18 +373,39 @@ def restore_side(params: list[Param], world: int, rank: int, dcp_dir: Path, raw_
                               _CheckedLoadPlanner(str(raw_dir), reject_unexpected=True),
                               make_reader(str(raw_dir), None))
 
-        before_cpu, before_items = cpu_of(before)
+        before_cpu, before_items = cpu_of(before_40) if before else (None, None)
     finally:
         dist.destroy_process_group()
-    assert dcp_items == now_items == before_items, (dcp_items, now_items, before_items)
+    assert {dcp_items, whole_items, before_items} - {None} <= {now_items}, (
+        dcp_items, now_items, whole_items, before_items)
     return {"dcp_restore_cpu_s": dcp_cpu, "restore_cpu_s": now_cpu,
-            "restore_cpu_before_s": before_cpu, "load_items": now_items}
+            "restore_cpu_whole_s": whole_cpu, "restore_cpu_before_s": before_cpu,
+            "restore_breakdown_s": parts_times, "restore_breakdown_whole_s": whole_times,
+            "leader_prepare_cpu_s": leader_cpu, "leader_cpu_per_request_s":
+            leader_request_cpu[0], "metadata_bytes_received": received_bytes[0],
+            "load_items": now_items}
+
+
+def _leader(raw_data: bytes, raw_dir: Path) -> tuple[CheckedMetadata, bytes]:
+    """Rank 0 of a restore: parses the file, makes the skeleton, indexes the chunks."""
+    whole = CheckedMetadata.parse(raw_data, str(raw_dir / ".metadata"))
+    sent = pickle.dumps(whole.for_ranks(), protocol=pickle.HIGHEST_PROTOCOL)
+    whole.server().prepare()
+    return whole, sent
 
 
 def run(worlds: list[int], *, config: str = "furniture_all_e128",
-        rows_to: Path | None = None) -> list[dict[str, Any]]:
+        rows_to: Path | None = None, before_max: int = 1024,
+        save_timed_max: int = 512, others_max: int = 1024) -> list[dict[str, Any]]:
     """Both sides for each W; one row per W (each also appended to ``rows_to`` as a line
-    of JSON when it is done, so a run stopped at a large W keeps the smaller ones)."""
+    of JSON when it is done, so a run stopped at a large W keeps the smaller ones).
+    ``before_max``: the largest W whose restore before issue 40 (four parses) is run;
+    ``save_timed_max``: the largest W whose rank-0 save is timed (above: restore only);
+    ``others_max``: the largest W whose DCP side and resumekit's earlier restores (the
+    whole file shared, before issue 40) are run (above: resumekit's restore only)."""
+    if not worlds:
+        return []
+    stamp = measured_stamp()  # the code this run imported: its commit when it started
     params = lingbot_params(config)
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
         # Warm-up (imports, DTensor's caches, the allocator): the first W's figures would
@@ -282,30 +418,48 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
     for world in worlds:
         with tempfile.TemporaryDirectory(prefix="resumekit-bench-world-") as scratch:
             root = Path(scratch)
-            dcp = save_side(params, world, root / "dcp", raw=False)
-            ours = save_side(params, world, root / "raw", raw=True)
+            timed = world <= save_timed_max
+            plans = local_plans(params, world)
+            others = world <= others_max
+            dcp = (save_side(params, world, root / "dcp", raw=False, timed=timed, plans=plans)
+                   if others else {"save_cpu_rank0_s": None, "metadata_bytes": None,
+                                   "data": None})
+            ours = save_side(params, world, root / "raw", raw=True, timed=timed, plans=plans)
+            del plans
             raw_data = ours.pop("data")
             dcp.pop("data")
             gc.collect()
             restore = restore_side(params, world, world // 2 + 1 if world > 2 else 1,
-                                   root / "dcp", root / "raw", raw_data)
+                                   root / "dcp", root / "raw", raw_data,
+                                   before=world <= before_max and others, others=others)
             metadata_bytes = ours["metadata_bytes"]
             rows.append({
                 "world_size": world,
                 "save_cpu_rank0_s": ours["save_cpu_rank0_s"],
                 "dcp_save_cpu_rank0_s": dcp["save_cpu_rank0_s"],
                 "restore_cpu_per_rank_s": restore["restore_cpu_s"],
+                "restore_cpu_per_rank_whole_s": restore["restore_cpu_whole_s"],
                 "restore_cpu_per_rank_before_s": restore["restore_cpu_before_s"],
                 "dcp_restore_cpu_per_rank_s": restore["dcp_restore_cpu_s"],
+                "restore_breakdown_s": restore["restore_breakdown_s"],
+                "restore_breakdown_whole_s": restore["restore_breakdown_whole_s"],
+                "restore_leader_prepare_cpu_s": restore["leader_prepare_cpu_s"],
+                "restore_leader_cpu_per_request_s": restore["leader_cpu_per_request_s"],
                 "metadata_bytes": metadata_bytes,
                 "dcp_metadata_bytes": dcp["metadata_bytes"],
                 "metadata_bytes_read_per_rank": 0,
                 "metadata_bytes_read_leader": metadata_bytes,
+                "metadata_bytes_received_per_rank": restore["metadata_bytes_received"],
+                "metadata_bytes_received_per_rank_whole": metadata_bytes if others else None,
                 "metadata_bytes_read_per_rank_before": 4 * metadata_bytes,
                 "dcp_metadata_bytes_read_per_rank": dcp["metadata_bytes"],
                 "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,
                 "dcp_files_per_checkpoint": world + 1,
+                "not_run": None if others else (
+                    f"W > others_max ({others_max}): DCP's side and resumekit's earlier "
+                    "restores were not run, only resumekit's restore (machine time)"),
                 "load_items": restore["load_items"],
+                "measured": stamp,
             })
             del raw_data
         if rows_to is not None:

@@ -5,12 +5,15 @@ is split so that no rank reads a file twice and no rank waits long for the other
 
 1. ``tensors/.metadata`` is read and hashed first, on one rank (:func:`share_metadata`,
    group rank 0), and sent to the others over the checkpoint group: it holds the
-   per-block checksums of the raw tensor files (:mod:`resumekit.tensors.raw`), and every
-   rank plans its reads from it, but the store serves it once per restore, not once per
-   rank. A failure there (missing, wrong size or checksum, a link, an unsafe or
-   unreadable pickle) is raised on every rank, naming the file, so all ranks fall back
-   together. Where there is no group (a node-local copy read alone), each reader reads
-   it itself;
+   names of the raw tensor files (:mod:`resumekit.tensors.raw`), and every rank plans its
+   reads from it, but the store serves it once per restore, not once per rank. Over a
+   group, the other ranks receive its skeleton (every key's size, dtype and nesting),
+   and each, when its load plans, the part its own shards need
+   (:mod:`resumekit.tensors.metadata_parts`): a rank's restore cost does not grow with the
+   number of ranks that wrote the checkpoint. A failure there (missing, wrong size or
+   checksum, a link, an unsafe or unreadable pickle) is raised on every rank, naming the
+   file, so all ranks fall back together. Where there is no group (a node-local copy
+   read alone), each reader reads it itself;
 2. those raw tensor files then only need the size the manifest records: every block is
    checked against its checksum while it is read (:func:`resumekit.tensors.sharded.load`);
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
@@ -44,8 +47,10 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
     Collective: every rank of ``coordinator`` calls it, with the same arguments. Rank 0
     refuses a link, reads the file whole, checks its size and (with ``verify``) its
     checksum against ``manifest`` and parses it with the allow-list unpickler; then one
-    broadcast (on the checkpoint group, within its ``checkpoint_timeout``) carries the
-    bytes, or rank 0's error, to every rank. No other rank opens the file.
+    broadcast (on the checkpoint group, within its ``checkpoint_timeout``) carries its
+    skeleton (:meth:`~resumekit.tensors.sharded.CheckedMetadata.for_ranks`), or rank 0's
+    error, to every rank; each gets its part of the chunks when its load plans. No other
+    rank opens the file.
 
     Args:
         storage: The checkpoint root.
@@ -55,7 +60,8 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
         verify: Compare the bytes with the manifest's checksum.
 
     Returns:
-        The checked metadata, or None when the manifest lists no ``.metadata`` (each
+        The checked metadata (the whole file on rank 0, its skeleton on the others),
+        or None when the manifest lists no ``.metadata`` (each
         reader then finds that out itself, as before).
 
     Raises:
@@ -68,12 +74,19 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
     if entry is None:
         return None
 
+    whole: list[sharded.CheckedMetadata] = []
+
     def read() -> sharded.CheckedMetadata:
         data = read_checked_file(storage, name, manifest, entry, verify=verify)
-        return sharded.CheckedMetadata.parse(
+        checked = sharded.CheckedMetadata.parse(
             data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
+        if coordinator.world_size == 1:
+            return checked
+        whole.append(checked)
+        return checked.for_ranks()
 
-    return run_on_leader(coordinator, read)
+    shared = run_on_leader(coordinator, read)
+    return whole[0] if whole else shared
 
 
 def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,

@@ -106,8 +106,9 @@ def files_verified_on_read(
     Returns:
         File names relative to ``directory``.
     """
-    parsed = (metadata.parsed() if metadata is not None
-              else make_reader(directory_str(directory), storage_options).read_metadata())
+    if metadata is not None:
+        return set(metadata.raw_files())
+    parsed = make_reader(directory_str(directory), storage_options).read_metadata()
     return raw_files(parsed.storage_data or {})
 
 

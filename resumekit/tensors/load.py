@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,6 +37,14 @@ from resumekit.tensors.context import (
 from resumekit.tensors.failures import from_failures, incompatible, load_error
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
+from resumekit.tensors.metadata_parts import (
+    Part,
+    Request,
+    complete,
+    exchange_over_group,
+    request_of,
+    skeleton,
+)
 from resumekit.tensors.raw import raw_files
 from resumekit.tensors.reader import CheckedMetadata, _SafeReader, load_plain_value, make_reader
 from resumekit.tensors.shared_reads import SharedReads
@@ -144,7 +152,13 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                  "init_distributed() can)", ResumekitWarning, stacklevel=3)
     reader = make_reader(target, storage_options, verify=verify, shared=shared,
                          metadata=metadata)
-    planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected)
+    exchange, whole = None, False
+    if metadata is not None and metadata.exchanged and not alone:
+        # The skeleton's holders get their part from the rank that read the whole file.
+        whole = metadata.whole
+        exchange = exchange_over_group(group, metadata.server() if whole else None)
+    planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
+                                  exchange=exchange, whole=whole)
     try:
         _run_load(
             state_dict=state_dict, reader=reader, planner=planner, target=target,
@@ -247,13 +261,25 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
 
     ``flatten=False`` is for a state dict that is flat already (names as the checkpoint
     stores them, plain tensors): DCP then flattens nothing and keeps no copy of it.
+
+    With ``exchange`` (:mod:`resumekit.tensors.metadata_parts`), the metadata it is set
+    up with is the skeleton (or, on the rank that read the file, the whole of it): it
+    sends this rank's request, gets its part back and plans from the skeleton filled
+    with it, so planning looks at the chunks this rank's shards overlap, not at every
+    rank's. Every rank of the group calls ``set_up_planner`` once, and takes part in the
+    exchange even when its own set-up failed (then raising its error). ``whole``: the
+    metadata it is set up with is the whole file (this rank read it), kept as it is.
     """
 
-    def __init__(self, directory: str, *, reject_unexpected: bool, flatten: bool = True) -> None:
+    def __init__(self, directory: str, *, reject_unexpected: bool, flatten: bool = True,
+                 exchange: Callable[[Request | BaseException], Part] | None = None,
+                 whole: bool = False) -> None:
         super().__init__(flatten_state_dict=flatten, flatten_sharded_tensors=flatten,
                          allow_partial_load=False)
         self._directory = directory
         self._reject_unexpected = reject_unexpected
+        self._exchange = exchange
+        self._whole = whole
 
     def set_up_planner(
         self,
@@ -261,8 +287,23 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
         metadata: Metadata | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Flatten ``state_dict`` as DCP does, then check it against ``metadata``."""
-        super().set_up_planner(state_dict, metadata, is_coordinator)
+        """Flatten ``state_dict`` as DCP does, then check it against ``metadata``.
+
+        With an exchange, this rank's part of the chunks is fetched first (see the class).
+        """
+        if self._exchange is not None and metadata is not None:
+            try:
+                super().set_up_planner(state_dict, metadata, is_coordinator)
+                request: Request | BaseException = request_of(self.state_dict, metadata)
+            except Exception as error:  # noqa: BLE001 - raised by the exchange, after it
+                request = error
+            part = self._exchange(request)
+            # The rank that read the file keeps it whole (it answers the others); it plans
+            # from a skeleton of its own, like every rank.
+            metadata = complete(skeleton(metadata) if self._whole else metadata, part)
+            self.metadata = metadata
+        else:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
         if metadata is None:
             return
         differences = check_against_metadata(

@@ -33,7 +33,8 @@ from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import read_with_retry
 from resumekit.store.targets import locate_tensor_data
 from resumekit.tensors.context import directory_str, local_path, paused_collection
-from resumekit.tensors.raw import FsspecFiles, RawTensorReading
+from resumekit.tensors.metadata_parts import MetadataServer, skeleton
+from resumekit.tensors.raw import FsspecFiles, RawTensorReading, raw_files
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.shared_reads import SharedReads
 
@@ -44,23 +45,34 @@ class CheckedMetadata:
     """A checkpoint's ``.metadata`` read and checked once, for every reader of one restore.
 
     A restore reads the file on one rank (checked against the manifest there, and parsed
-    there, so an unsafe or unreadable pickle fails on that rank), sends this object to the
-    others over the checkpoint group, and each rank's readers take the metadata from it
-    instead of opening the file: the store serves it once per restore, not once per rank.
-    Only the bytes travel (pickling drops the parsed copy); each process parses them once,
-    on first use, and its readers share that parse.
+    there, so an unsafe or unreadable pickle fails on that rank) and each rank's readers
+    take the metadata from this object instead of opening the file: the store serves it
+    once per restore, not once per rank.
+
+    Over a group of several ranks (:meth:`for_ranks`), the other ranks do not receive the
+    whole file, whose size grows with the number of ranks that wrote the checkpoint: they
+    receive its :func:`~resumekit.tensors.metadata_parts.skeleton` (every key's size,
+    dtype and nesting) and the names of its raw tensor files, and when the load plans,
+    each gets from the reading rank the part its shards need
+    (:mod:`resumekit.tensors.metadata_parts`). Otherwise only the bytes travel (pickling
+    drops the parsed copy); each process parses them once, on first use, and its readers
+    share that parse.
 
     Args:
-        data: The file's bytes.
+        data: The file's bytes (None on a rank that holds the skeleton only).
         source: Its path or URL (named in errors).
         digest: Its checksum (``xxh3_128:<hex>``).
     """
 
-    def __init__(self, data: bytes, source: str, digest: str) -> None:
+    def __init__(self, data: bytes | None, source: str, digest: str) -> None:
         self.data = data
         self.source = source
         self.digest = digest
+        self.exchanged = False
+        """Whether the ranks of a group plan from their parts (:meth:`for_ranks`)."""
         self._parsed: Metadata | None = None
+        self._raw_files: set[str] | None = None
+        self._server: MetadataServer | None = None
 
     @classmethod
     def parse(cls, data: bytes, source: str) -> CheckedMetadata:
@@ -74,9 +86,32 @@ class CheckedMetadata:
         checked.parsed()
         return checked
 
+    @property
+    def whole(self) -> bool:
+        """Whether this object holds the whole metadata (not a skeleton)."""
+        return self.data is not None
+
+    def for_ranks(self) -> CheckedMetadata:
+        """What the reading rank sends the other ranks of a group: the skeleton.
+
+        This object (the reading rank's) is marked to answer their requests for parts.
+        """
+        parsed = self.parsed()
+        self.exchanged = True
+        sent = CheckedMetadata(None, self.source, self.digest)
+        sent.exchanged = True
+        sent._parsed = skeleton(parsed)
+        sent._raw_files = self.raw_files()
+        return sent
+
     def parsed(self) -> Metadata:
-        """The metadata, unpickled on first use with the allow-list unpickler."""
+        """The metadata, unpickled on first use with the allow-list unpickler.
+
+        On a rank that holds the skeleton only: the skeleton (the load fills it with
+        this rank's part).
+        """
         if self._parsed is None:
+            assert self.data is not None  # a skeleton is never without its parse
             with paused_collection(False):
                 metadata = cast(Metadata, load_dcp_metadata(self.data, source=self.source))
             if getattr(metadata, "storage_meta", None) is None:
@@ -84,12 +119,32 @@ class CheckedMetadata:
             self._parsed = metadata
         return self._parsed
 
+    def raw_files(self) -> set[str]:
+        """The raw tensor files of the checkpoint (those verified block by block on read)."""
+        if self._raw_files is None:
+            self._raw_files = raw_files(self.parsed().storage_data or {})
+        return self._raw_files
+
+    def server(self) -> MetadataServer:
+        """The answerer of the other ranks' requests (only where the whole file is)."""
+        if self._server is None:
+            self._server = MetadataServer(self.parsed(), self.source)
+        return self._server
+
     def __getstate__(self) -> dict[str, Any]:
-        return {"data": self.data, "source": self.source, "digest": self.digest}
+        state: dict[str, Any] = {"data": self.data, "source": self.source,
+                                 "digest": self.digest, "exchanged": self.exchanged}
+        if self.data is None:  # a skeleton: sent as it is (it is small)
+            state["skeleton"] = self._parsed
+            state["raw_files"] = self._raw_files
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.data, self.source, self.digest = state["data"], state["source"], state["digest"]
-        self._parsed = None
+        self.exchanged = bool(state.get("exchanged", False))
+        self._parsed = state.get("skeleton")
+        self._raw_files = state.get("raw_files")
+        self._server = None
 
 
 class _SafeReaderMixin:
@@ -131,7 +186,7 @@ class _SafeReaderMixin:
             CorruptCheckpointError: It does not match the manifest.
         """
         checked = self.checked_metadata
-        if checked is not None and rank is None:
+        if checked is not None and checked.data is not None and rank is None:
             self.metadata_digest = checked.digest
             return checked.data, checked.source, checked.digest
         source = os.fspath(_compat.dcp_metadata_path(cast(FileSystemReader, self), rank))

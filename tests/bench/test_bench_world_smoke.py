@@ -50,5 +50,13 @@ def test_a_tiny_run_writes_every_contract_key_with_sane_figures(tmp_path: Path) 
     assert summary["metadata_bytes_vs_dcp_w256"] == (
         large["metadata_bytes"] / large["dcp_metadata_bytes"])
     assert large["load_items"] > 0 and large["restore_cpu_per_rank_s"] > 0
+    # a restoring rank receives the skeleton and its part, not the whole file
+    assert 0 < large["metadata_bytes_received_per_rank"] < large["metadata_bytes"]
+    assert large["restore_cpu_per_rank_whole_s"] > 0
+    assert summary["restore_cpu_per_rank_w1024_vs_w8"] is not None
+    provenance = report["provenance"]
+    assert [p["worlds"] for p in provenance["simulated"]] == [[8, 256, 1024]]
+    assert [p["worlds"] for p in provenance["real"]] == [[2, 3]]
+    assert provenance["save_cpu_per_gb"]["date"]
     assert report["save_cpu_per_gb"]["bytes"] >= 8 << 20
     assert out.with_suffix(".png").stat().st_size > 10_000

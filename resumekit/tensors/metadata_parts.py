@@ -1,0 +1,379 @@
+"""Each restoring rank's part of a checkpoint's ``.metadata``, so its cost does not grow with W.
+
+A checkpoint written by W ranks has W chunks per sharded tensor in its ``.metadata``
+(offsets, sizes, and where each lies: file, offset, length, checksums). A rank that
+restores needs only the chunks its own shards overlap: one per tensor when the run shards
+as the checkpoint did (the common requeue case). Receiving and unpickling the whole file,
+and planning by scanning every chunk of every tensor, made each rank's restore cost grow
+with W (issue 40).
+
+A restore reads ``.metadata`` on one rank (:func:`resumekit.restore.verification.share_metadata`),
+which sends every other rank the :func:`skeleton` only: every key with its global size,
+dtype and nesting (what the fit check and the optimizer's preallocation need), without
+chunks or storage entries. When the load plans, each rank sends that rank its
+:func:`request_of` (per key, the chunks of its destination: ``__create_chunk_list__`` of a
+``DTensor``, the whole tensor otherwise), and gets back its :class:`Part`: the chunks that
+overlap its request (found by :class:`MetadataServer` with a binary search on the chunks'
+offsets, not a scan) with their storage entries (and, for a member of a packed region,
+its region's first entry, which says where the region ends and where its checksum is).
+The rank then plans with DCP's own planner on :func:`complete` (the skeleton filled
+with its part), exactly as from the whole file: the overlaps are the same chunks, and DCP
+matches a read to its stored entry by name and offset only.
+
+Stock DCP, a load without a process group and a node-local copy read alone still read the
+whole file themselves.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import pickle
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from resumekit import _compat
+from resumekit.errors import CorruptCheckpointError
+from resumekit.tensors.raw.format import (
+    _INLINE_PACK_PREFIX,
+    _PACK_PREFIX,
+    is_packed_member,
+)
+
+__all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
+           "request_of", "skeleton"]
+
+_REGION_PREFIXES = (_PACK_PREFIX, _INLINE_PACK_PREFIX)
+
+Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
+"""A rank's request: ``{key: [(offsets, sizes), ...]}`` of its destination chunks, or
+``{key: None}`` for a key whose every stored chunk it wants (a non-tensor value, or a
+destination whose chunks are not known)."""
+
+
+Place = tuple[str, int, int, tuple[str, ...] | None]
+"""Where a stored item lies: its file, offset, length and transform descriptors."""
+
+Entry = tuple[str, tuple[int, ...] | None, Place]
+"""A storage entry: its key, its chunk's offsets (None for a non-tensor value), its place."""
+
+
+@dataclasses.dataclass
+class Part:
+    """What one rank receives of a checkpoint's ``.metadata``.
+
+    Plain tuples, which pickle fast: rank 0 pickles one part per rank.
+
+    Attributes:
+        chunks: ``{key: [(offsets, sizes), ...]}`` of the stored chunks that overlap the
+            rank's request.
+        storage: The storage entries of those chunks and of the requested non-tensor
+            values, and of the first item of each packed region one of them lies in.
+    """
+
+    chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
+    storage: list[Entry]
+
+
+def _place(info: Any) -> Place:
+    descriptors = getattr(info, "transform_descriptors", None)
+    return (str(info.relative_path), int(info.offset), int(info.length),
+            None if descriptors is None else tuple(descriptors))
+
+
+def skeleton(metadata: Metadata) -> Metadata:
+    """``metadata`` without chunks or storage entries: what every rank needs of it.
+
+    Every key keeps its global size, dtype and nesting (``planner_data``); the size of
+    the result does not grow with the number of ranks that wrote the checkpoint.
+    """
+    entries: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            entries[key] = TensorStorageMetadata(properties=entry.properties,
+                                                 size=entry.size, chunks=[])
+        else:
+            entries[key] = entry
+    return Metadata(state_dict_metadata=entries, planner_data=metadata.planner_data,
+                    storage_data={}, storage_meta=metadata.storage_meta,
+                    version=metadata.version)
+
+
+def complete(metadata: Metadata, part: Part) -> Metadata:
+    """Fill skeleton ``metadata`` (in place) with ``part``; return it.
+
+    A key's chunks are replaced, not appended to: completing twice with the same part
+    gives the same metadata.
+    """
+    stored = metadata.state_dict_metadata
+    for key, chunks in part.chunks.items():
+        entry = stored.get(key)
+        if isinstance(entry, TensorStorageMetadata):
+            entry.chunks = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+                            for offsets, sizes in chunks]
+    if metadata.storage_data is None:
+        metadata.storage_data = {}
+    info = _compat.dcp_storage_info()
+    storage = metadata.storage_data
+    for key, offsets, (path, offset, length, descriptors) in part.storage:
+        index = MetadataIndex(key) if offsets is None else MetadataIndex(key, torch.Size(offsets))
+        storage[index] = (info(path, offset, length) if descriptors is None
+                          else info(path, offset, length, transform_descriptors=descriptors))
+    return metadata
+
+
+def request_of(flat: Mapping[str, Any], metadata: Metadata) -> Request:
+    """This rank's request for the keys of flattened state ``flat`` that ``metadata`` holds.
+
+    A ``DTensor`` (anything with ``__create_chunk_list__``) asks for its local chunks, a
+    plain tensor for the whole tensor; anything else asks for every stored chunk.
+    """
+    request: Request = {}
+    stored = metadata.state_dict_metadata
+    for key, value in flat.items():
+        entry = stored.get(key)
+        if entry is None:
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            request[key] = None
+            continue
+        create = getattr(value, "__create_chunk_list__", None)
+        if create is not None:
+            request[key] = [(tuple(int(o) for o in chunk.offsets),
+                             tuple(int(s) for s in chunk.sizes)) for chunk in create()]
+        elif type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+            shape = tuple(int(s) for s in value.shape)
+            request[key] = [((0,) * len(shape), shape)]
+        else:  # a ShardedTensor or another kind: every chunk (the whole file's answer)
+            request[key] = None
+    return request
+
+
+class _Chunks:
+    """One tensor's stored chunks (offsets, sizes), sorted by their offset along dim 0."""
+
+    __slots__ = ("by_offsets", "chunks", "longest", "starts")
+
+    def __init__(self, chunks: Sequence[ChunkStorageMetadata]) -> None:
+        self.chunks = sorted((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                             for c in chunks)
+        self.starts = [offsets[0] if offsets else 0 for offsets, _ in self.chunks]
+        self.longest = max((sizes[0] for _, sizes in self.chunks if sizes), default=0)
+        self.by_offsets = {offsets: sizes for offsets, sizes in self.chunks}
+
+    def overlapping(self, offsets: tuple[int, ...], sizes: tuple[int, ...]
+                    ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """The chunks that share at least one element with the box ``offsets + sizes``.
+
+        A chunk stored at exactly ``offsets`` with ``sizes`` is the only one (the chunks
+        of a checkpoint do not overlap: DCP's save checks it); otherwise a binary search
+        on dimension 0 finds the candidates, each checked in every dimension.
+        """
+        if any(size == 0 for size in sizes):  # an empty shard reads nothing
+            return []
+        if self.by_offsets.get(offsets) == sizes:
+            return [(offsets, sizes)]
+        if not offsets:  # a 0-d tensor: its one chunk
+            return list(self.chunks)
+        low, high = offsets[0], offsets[0] + sizes[0]
+        first = bisect.bisect_left(self.starts, low - self.longest + 1)
+        last = bisect.bisect_left(self.starts, high)
+        return [(co, cs) for co, cs in self.chunks[first:last]
+                if all(max(o, c) < min(o + s, c + n)
+                       for o, s, c, n in zip(offsets, sizes, co, cs, strict=True))]
+
+
+class MetadataServer:
+    """The rank that read ``.metadata`` answers every rank's :data:`Request` from it.
+
+    The index (chunks sorted per key, storage entries by file) is built once, on first use.
+
+    Args:
+        metadata: The whole metadata.
+        source: Its path (named in errors).
+    """
+
+    def __init__(self, metadata: Metadata, source: str) -> None:
+        self.metadata = metadata
+        self.source = source
+        self._chunks: dict[str, _Chunks] | None = None
+        self._heads: dict[str, tuple[list[int], list[Any]]] | None = None
+        self._places: dict[tuple[str, tuple[int, ...] | None], list[Entry]] = {}
+
+    def prepare(self) -> None:
+        """Build the index now (else on the first request)."""
+        self._index()
+
+    def _index(self) -> tuple[dict[str, _Chunks], dict[str, tuple[list[int], list[Any]]]]:
+        if self._chunks is None or self._heads is None:
+            self._chunks = {key: _Chunks(entry.chunks)
+                            for key, entry in self.metadata.state_dict_metadata.items()
+                            if isinstance(entry, TensorStorageMetadata)}
+            heads: dict[str, list[tuple[int, MetadataIndex, Any]]] = {}
+            for index, info in (self.metadata.storage_data or {}).items():
+                if _heads_region(info):
+                    heads.setdefault(str(info.relative_path), []).append(
+                        (int(info.offset), index, info))
+            self._heads = {name: ([offset for offset, _, _ in found],
+                                  [(index, info) for _, index, info in found])
+                           for name, found in ((n, sorted(f, key=lambda h: h[0]))
+                                               for n, f in heads.items())}
+        return self._chunks, self._heads
+
+    def part_for(self, request: Request) -> Part:
+        """The chunks ``request`` overlaps, with their storage entries.
+
+        A member of a packed region of a raw tensor file comes with its region's first
+        entry (which says where the region ends and where its checksum is).
+
+        Raises:
+            CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
+        """
+        chunks_of, heads = self._index()
+        storage = self.metadata.storage_data or {}
+        stored = self.metadata.state_dict_metadata
+        chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        entries: dict[tuple[str, tuple[int, ...] | None], Place] = {}
+        places = self._places
+
+        def add(key: str, offsets: tuple[int, ...] | None, info: Any) -> None:
+            found = places.get((key, offsets))
+            if found is None:  # worked out once per stored item: usually one rank asks
+                found = [(key, offsets, _place(info))]
+                region = heads.get(str(info.relative_path))
+                if region is not None and not _heads_region(info) and is_packed_member(
+                        info.transform_descriptors):
+                    number = bisect.bisect_right(region[0], int(info.offset)) - 1
+                    if number >= 0:
+                        head_index, head = region[1][number]
+                        found.append((head_index.fqn, None if head_index.offset is None
+                                      else tuple(int(o) for o in head_index.offset),
+                                      _place(head)))
+                places[(key, offsets)] = found
+            for name, at, place in found:
+                entries[(name, at)] = place
+
+        for key, wanted in request.items():
+            entry = stored.get(key)
+            if entry is None:
+                continue
+            if isinstance(entry, BytesStorageMetadata):
+                info = storage.get(MetadataIndex(key))
+                if info is not None:
+                    add(key, None, info)
+                continue
+            index = chunks_of[key]
+            if wanted is None:
+                found = list(index.chunks)
+            elif len(wanted) == 1:
+                found = index.overlapping(*wanted[0])
+            else:
+                found = list(dict.fromkeys(chunk for offsets, sizes in wanted
+                                           for chunk in index.overlapping(offsets, sizes)))
+            chunks[key] = found
+            for offsets, _ in found:
+                if (key, offsets) in places:
+                    add(key, offsets, None)
+                    continue
+                info = storage.get(MetadataIndex(key, torch.Size(offsets)))
+                if info is None:
+                    raise CorruptCheckpointError(
+                        f"{self.source}: the chunk of {key} at offset {list(offsets)} "
+                        "has no storage entry", path=self.source, file=self.source, key=key)
+                add(key, offsets, info)
+        return Part(chunks=chunks, storage=[(key, offsets, place) for (key, offsets), place
+                                            in entries.items()])
+
+
+def _heads_region(info: Any) -> bool:
+    """Whether stored item ``info`` is the first of a packed region of a raw tensor file."""
+    descriptors = info.transform_descriptors
+    return bool(descriptors) and str(descriptors[0]).startswith(_REGION_PREFIXES)
+
+
+def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None
+                        ) -> Callable[[Request | BaseException], Part]:
+    """The exchange of requests and parts on ``group``: one gather, then the parts scattered.
+
+    Group rank 0 holds ``server``; every rank of the group calls the returned function
+    once, with its request, or with the error that kept it from making one (it still
+    takes part, so no rank waits for it; the error is raised on it after the scatter).
+    An error on rank 0 while answering is raised on every rank.
+    """
+
+    def exchange(request: Request | BaseException) -> Part:
+        rank = dist.get_rank(group)
+        world = dist.get_world_size(group)
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(request, gathered, group=group, group_dst=0)
+        replies: list[Any] | None = None
+        if rank == 0:
+            assert gathered is not None
+            try:
+                if server is None:
+                    raise CorruptCheckpointError(
+                        "the rank that read the checkpoint's metadata holds none to share")
+                replies = [None if isinstance(got, BaseException) else server.part_for(got)
+                           for got in gathered]
+            except Exception as error:  # noqa: BLE001 - raised on every rank below
+                replies = [error] * world
+        reply = _scatter(replies, rank, world, group)
+        if isinstance(request, BaseException):
+            raise request
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply  # type: ignore[no-any-return]
+
+    return exchange
+
+
+def _scatter(values: list[Any] | None, rank: int, world: int,
+             group: dist.ProcessGroup | None) -> Any:
+    """Group rank 0's ``values[r]`` on each rank ``r``: their sizes, then their pickles.
+
+    Tensor collectives (``dist.scatter``), not DCP's object scatter: a load that plans
+    locally runs none of DCP's plan collectives.
+    """
+    source = 0 if group is None else dist.get_global_rank(group, 0)
+    pickles = ([pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) for value in values]
+               if rank == 0 and values is not None else [])
+    longest = max((len(data) for data in pickles), default=0)
+    size = torch.zeros(2, dtype=torch.int64)
+    dist.scatter(size, [torch.tensor([len(data), longest]) for data in pickles] or None,
+                 src=source, group=group)
+    mine = torch.zeros(int(size[1]), dtype=torch.uint8)
+    frames = None
+    if rank == 0:
+        frames = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
+        for frame, data in zip(frames, pickles, strict=True):
+            frame[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.scatter(mine, frames, src=source, group=group)
+    return pickle.loads(mine.numpy().tobytes()[:int(size[0])])
+
+
+def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:
+    """The exchange of a rank that holds the whole metadata and plans alone."""
+
+    def exchange(request: Request | BaseException) -> Part:
+        if isinstance(request, BaseException):
+            raise request
+        return server.part_for(request)
+
+    return exchange
+
+
+def chunk_requests(chunks: Iterable[ChunkStorageMetadata]
+                   ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``chunks`` as a request's list of ``(offsets, sizes)``."""
+    return [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+            for c in chunks]

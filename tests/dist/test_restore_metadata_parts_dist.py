@@ -1,0 +1,79 @@
+"""Each restoring rank plans from its part of ``.metadata``, on 2 gloo ranks (issue 40).
+
+Rank 0 reads the file; rank 1 receives its skeleton and, when its load plans, the chunks
+its shards overlap. With the same sharding that is one chunk per sharded tensor (its own);
+restoring the FSDP2 checkpoint into an unsharded model (each rank wants every tensor
+whole) it is both ranks' chunks: the resharding case still reads everything it needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+import resumekit.restoring
+from resumekit import CheckpointManager
+from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
+from tests.distributed_harness import run_ranks
+
+
+def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, Any]:
+    model, optimizer = tiny_fsdp2_adamw()
+    manager = CheckpointManager(root, model=model, optimizer=optimizer)
+    model(torch.ones(4, 6)).square().mean().backward()
+    optimizer.step()
+    manager.save(1)
+    saved = {key: value.full_tensor().clone() for key, value in model.state_dict().items()}
+    manager.close()
+    dist.barrier()
+    received: list[Any] = []
+    share = resumekit.restoring.share_metadata
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        received.append(share(*args, **kwargs))
+        return received[-1]
+
+    resumekit.restoring.share_metadata = recording  # type: ignore[assignment]
+    try:
+        if sharded:
+            model, optimizer = tiny_fsdp2_adamw()
+        else:
+            torch.manual_seed(5)
+            model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        restorer = CheckpointManager(root, model=model, optimizer=optimizer,
+                                     on_mismatch="ignore")
+        step = restorer.restore()
+        restorer.close()
+    finally:
+        resumekit.restoring.share_metadata = share  # type: ignore[assignment]
+    got = {key: value.full_tensor() if hasattr(value, "full_tensor") else value
+           for key, value in model.state_dict().items()}
+    checked = received[0]
+    chunks = {key: len(entry.chunks)
+              for key, entry in checked.parsed().state_dict_metadata.items()
+              if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0}
+    return {"step": step, "whole": checked.whole, "chunks": chunks,
+            "same": all(torch.equal(saved[key], got[key]) for key in saved)}
+
+
+def test_a_restoring_rank_plans_from_only_its_own_chunks_when_the_run_shards_as_the_checkpoint(
+        tmp_path: Path) -> None:
+    first, second = run_ranks(_restore, world_size=2, args=(str(tmp_path), True))
+    assert first["step"] == second["step"] == 1 and first["same"] and second["same"]
+    assert first["whole"] and not second["whole"]
+    assert second["chunks"] and set(second["chunks"].values()) == {1}, second["chunks"]
+    assert set(first["chunks"].values()) == {2}, first["chunks"]  # rank 0's is kept whole
+
+
+def test_a_restoring_rank_gets_every_chunk_it_needs_when_the_run_does_not_shard(
+        tmp_path: Path) -> None:
+    first, second = run_ranks(_restore, world_size=2, args=(str(tmp_path), False))
+    assert first["step"] == second["step"] == 1 and first["same"] and second["same"]
+    assert not second["whole"]
+    assert second["chunks"] and set(second["chunks"].values()) == {2}, second["chunks"]

@@ -1,0 +1,300 @@
+"""Each restoring rank's part of ``.metadata``: the same plan as from the whole file (issue 40).
+
+The checkpoints here are metadata only, built as DCP records W ranks' chunks: dim-0 shards
+(FSDP2's ``torch.chunk`` split, uneven and with empty shards), a 2-D grid of chunks, a 0-d
+tensor stored once and a non-tensor value, each rank's items in its own files. A load
+rank's reads are planned with DCP's own ``create_read_items_for_chunk_list`` from the
+whole metadata and from the skeleton completed with the rank's part; they must be equal,
+for the same world size and for every resharding tried.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from resumekit.errors import CorruptCheckpointError
+from resumekit.tensors.load import _CheckedLoadPlanner
+from resumekit.tensors.metadata_parts import (
+    MetadataServer,
+    chunk_requests,
+    complete,
+    local_exchange,
+    request_of,
+    skeleton,
+)
+from resumekit.tensors.raw.format import _PACK_PREFIX
+from resumekit.tensors.reader import CheckedMetadata
+
+ROWS = {"model.embed": (37, 8), "model.head": (5, 3), "optimizer.state.embed.exp_avg": (37, 8)}
+GRID = ("model.grid", (12, 10))
+
+
+def _split(length: int, rank: int, world: int) -> tuple[int, int]:
+    """FSDP2's dim-0 shard of ``rank`` (``torch.chunk``): ``(offset, size)``."""
+    size = math.ceil(length / world)
+    offset = min(rank * size, length)
+    return offset, max(0, min(size, length - offset))
+
+
+def _grid(shape: tuple[int, int], rank: int, world: int) -> tuple[tuple[int, int], ...]:
+    """A 2-D mesh's chunk of ``rank``: rows by ``world // 2`` ranks, columns by 2."""
+    rows, columns = max(1, world // 2), 2 if world > 1 else 1
+    row, column = divmod(rank, columns)
+    r_off, r_size = _split(shape[0], row, rows)
+    c_off, c_size = _split(shape[1], column, columns)
+    return (r_off, c_off), (r_size, c_size)
+
+
+def _chunks(world: int) -> dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]]:
+    """Every rank's chunk of every tensor: ``(rank, offsets, sizes)``, as DCP records them
+    (a rank's empty shard leaves no chunk)."""
+    found: dict[str, list[tuple[int, tuple[int, ...], tuple[int, ...]]]] = {}
+    for key, shape in ROWS.items():
+        found[key] = []
+        for rank in range(world):
+            offset, size = _split(shape[0], rank, world)
+            found[key].append((rank, (offset, 0), (size, shape[1])))
+    found[GRID[0]] = [(rank, *_grid(GRID[1], rank, world)) for rank in range(world)]
+    return {key: [chunk for chunk in chunks if 0 not in chunk[2]]
+            for key, chunks in found.items()}
+
+
+def _metadata(world: int) -> Metadata:
+    """The ``.metadata`` of a checkpoint of ``world`` ranks (chunks, files, a 0-d tensor)."""
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    float32 = TensorProperties(dtype=torch.float32)
+    shapes = {**ROWS, GRID[0]: GRID[1]}
+    for key, chunks in _chunks(world).items():
+        entries[key] = TensorStorageMetadata(float32, torch.Size(shapes[key]), [
+            ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for _, o, s in chunks])
+        for rank, offsets, sizes in chunks:  # rank r's chunk, in its own file
+            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(
+                f"__{rank}_0.distcp", 64 * rank, math.prod(sizes) * 4)
+    entries["optimizer.state.embed.step"] = TensorStorageMetadata(
+        float32, torch.Size(()), [ChunkStorageMetadata(torch.Size(()), torch.Size(()))])
+    storage[MetadataIndex("optimizer.state.embed.step", torch.Size(()))] = _StorageInfo(
+        "__0_0.distcp", 9000, 4)
+    entries["optimizer.param_groups.0.lr"] = BytesStorageMetadata()
+    storage[MetadataIndex("optimizer.param_groups.0.lr")] = _StorageInfo(
+        "__0_0.distcp", 9004, 20)
+    return Metadata(entries, planner_data={key: tuple(key.split(".")) for key in entries},
+                    storage_data=storage)
+
+
+def _wanted(world: int, rank: int) -> dict[str, list[ChunkStorageMetadata]]:
+    """The destination chunks of load rank ``rank`` of ``world`` (FSDP2's dim-0 split)."""
+    wanted: dict[str, list[ChunkStorageMetadata]] = {}
+    for key, shape in ROWS.items():
+        offset, size = _split(shape[0], rank, world)
+        wanted[key] = [ChunkStorageMetadata(torch.Size((offset, 0)),
+                                            torch.Size((size, shape[1])))]
+    offsets, sizes = _grid(GRID[1], rank, world)
+    wanted[GRID[0]] = [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+    wanted["optimizer.state.embed.step"] = [
+        ChunkStorageMetadata(torch.Size(()), torch.Size(()))]
+    return wanted
+
+
+def _reads(items: Any) -> list[tuple[Any, ...]]:
+    """Read items without the chunk-position hint of their indices (DCP never compares it)."""
+    return sorted((item.type.value, item.dest_index.fqn, tuple(item.dest_index.offset or ()),
+                   tuple(item.dest_offsets), item.storage_index.fqn,
+                   tuple(item.storage_index.offset or ()), tuple(item.storage_offsets),
+                   tuple(item.lengths)) for item in items)
+
+
+def _part_metadata(whole: Metadata, wanted: dict[str, list[ChunkStorageMetadata]]
+                   ) -> Metadata:
+    request: dict[str, Any] = {key: chunk_requests(chunks) for key, chunks in wanted.items()}
+    request["optimizer.param_groups.0.lr"] = None
+    server = MetadataServer(whole, "/ckpt/tensors/.metadata")
+    sent = pickle.loads(pickle.dumps(skeleton(whole)))  # as it travels
+    return complete(sent, pickle.loads(pickle.dumps(server.part_for(request))))
+
+
+@pytest.mark.parametrize(("saved", "loading"), [
+    (1, 1), (2, 2), (8, 8), (64, 64), (2, 3), (3, 2), (8, 3), (5, 16), (64, 7), (1, 4), (4, 1)])
+def test_a_ranks_reads_planned_from_its_part_equal_those_planned_from_the_whole_metadata(
+        saved: int, loading: int) -> None:
+    whole = _metadata(saved)
+    for rank in range(loading):
+        wanted = _wanted(loading, rank)
+        part = _part_metadata(whole, wanted)
+        for key, chunks in wanted.items():
+            expected = create_read_items_for_chunk_list(
+                key, whole.state_dict_metadata[key], chunks)
+            got = create_read_items_for_chunk_list(key, part.state_dict_metadata[key], chunks)
+            assert _reads(got) == _reads(expected), (key, rank)
+            for item in got:  # every read finds its stored entry, the same one
+                assert part.storage_data[item.storage_index] == \
+                    whole.storage_data[item.storage_index], (key, item)
+        lr = MetadataIndex("optimizer.param_groups.0.lr")
+        assert part.storage_data[lr] == whole.storage_data[lr]
+
+
+@pytest.mark.parametrize("world", [8, 64, 512])
+def test_a_ranks_part_does_not_grow_with_the_world_size_when_the_run_shards_as_the_checkpoint(
+        world: int) -> None:
+    whole = _metadata(world)
+    rank = world // 2 + 1
+    part = MetadataServer(whole, "m").part_for(
+        {key: chunk_requests(chunks) for key, chunks in _wanted(world, rank).items()})
+    for key in ROWS:
+        offset, _ = _split(ROWS[key][0], rank, world)
+        expected = [] if offset >= ROWS[key][0] else [(offset, 0)]
+        assert [offsets for offsets, _ in part.chunks[key]] == expected, key
+    grid = _grid(GRID[1], rank, world)
+    assert len(part.chunks[GRID[0]]) == (0 if 0 in grid[1] else 1)
+    # its own file and rank 0's (the 0-d tensor stored once): never every rank's
+    assert {place[0] for _, _, place in part.storage} <= {
+        f"__{rank}_0.distcp", "__0_0.distcp"}
+
+
+def test_the_skeleton_sent_to_every_rank_does_not_grow_with_the_world_size() -> None:
+    sizes = [len(pickle.dumps(skeleton(_metadata(world)))) for world in (2, 64, 1024)]
+    assert sizes[0] == sizes[1] == sizes[2], sizes
+    whole = [len(pickle.dumps(_metadata(world))) for world in (2, 1024)]
+    assert whole[1] > 5 * whole[0], whole
+    shaped = skeleton(_metadata(64))
+    assert shaped.state_dict_metadata.keys() == _metadata(64).state_dict_metadata.keys()
+    entry = shaped.state_dict_metadata["model.embed"]
+    assert isinstance(entry, TensorStorageMetadata)
+    assert tuple(entry.size) == (37, 8) and entry.chunks == []
+
+
+def test_a_chunk_without_a_storage_entry_is_an_error_naming_the_key_and_the_file() -> None:
+    whole = _metadata(4)
+    del whole.storage_data[MetadataIndex("model.head", torch.Size((2, 0)))]
+    server = MetadataServer(whole, "/ckpt/tensors/.metadata")
+    with pytest.raises(CorruptCheckpointError, match=r"/ckpt/tensors/\.metadata.*model\.head"):
+        server.part_for({"model.head": [((0, 0), (5, 3))]})
+
+
+def test_completing_twice_with_the_same_part_gives_the_same_chunks() -> None:
+    whole = _metadata(4)
+    part = MetadataServer(whole, "m").part_for({"model.embed": [((0, 0), (37, 8))]})
+    shaped = complete(complete(skeleton(whole), part), part)
+    entry = shaped.state_dict_metadata["model.embed"]
+    assert isinstance(entry, TensorStorageMetadata) and len(entry.chunks) == 4
+
+
+def test_a_plain_tensor_asks_for_itself_whole_and_a_value_for_every_chunk() -> None:
+    whole = _metadata(2)
+    flat = {"model.embed": torch.zeros(37, 8), "optimizer.param_groups.0.lr": 0.1,
+            "not.in.checkpoint": torch.zeros(1)}
+    assert request_of(flat, whole) == {"model.embed": [((0, 0), (37, 8))],
+                                       "optimizer.param_groups.0.lr": None}
+
+
+def test_the_metadata_sent_to_other_ranks_is_the_skeleton_with_the_raw_file_names(
+        tmp_path: Any) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter, save  # noqa: PLC0415
+
+    save({"w": torch.arange(6.0)}, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    data = (tmp_path / ".metadata").read_bytes()
+    checked = CheckedMetadata.parse(data, str(tmp_path / ".metadata"))
+    sent = pickle.loads(pickle.dumps(checked.for_ranks()))
+    assert checked.exchanged and checked.whole
+    assert sent.exchanged and not sent.whole and sent.digest == checked.digest
+    assert sent.raw_files() == checked.raw_files()
+    entry = sent.parsed().state_dict_metadata["w"]
+    assert isinstance(entry, TensorStorageMetadata) and entry.chunks == []
+    assert sent.parsed().storage_data == {}
+
+
+def test_a_planner_with_an_exchange_plans_the_same_reads_as_from_the_whole_metadata() -> None:
+    whole = _metadata(3)
+    state = {"model": {"embed": torch.zeros(37, 8), "head": torch.zeros(5, 3),
+                       "grid": torch.zeros(12, 10)},
+             "optimizer": {"state": {"embed": {"exp_avg": torch.zeros(37, 8),
+                                               "step": torch.zeros(())}},
+                           "param_groups": [{"lr": 0.0}]}}
+    plain = _CheckedLoadPlanner("d", reject_unexpected=True)
+    plain.set_up_planner(state, whole)
+    expected = plain.create_local_plan().items
+    received = pickle.loads(pickle.dumps(skeleton(whole)))
+    planner = _CheckedLoadPlanner("d", reject_unexpected=True,
+                                  exchange=local_exchange(MetadataServer(whole, "m")))
+    planner.set_up_planner(state, received)
+    got = planner.create_local_plan().items
+    assert _reads(got) == _reads(expected)
+    assert all(item.storage_index in received.storage_data for item in got)
+    on_leader = _CheckedLoadPlanner("d", reject_unexpected=True, whole=True,
+                                    exchange=local_exchange(MetadataServer(whole, "m")))
+    on_leader.set_up_planner(state, whole)
+    assert _reads(on_leader.create_local_plan().items) == _reads(expected)
+    entry = whole.state_dict_metadata["model.embed"]  # the leader's copy is kept whole
+    assert isinstance(entry, TensorStorageMetadata) and len(entry.chunks) == 3
+
+
+def test_a_rank_whose_set_up_failed_still_takes_part_in_the_exchange_then_raises() -> None:
+    whole = _metadata(2)
+    calls: list[Any] = []
+
+    def exchange(request: Any) -> Any:
+        calls.append(request)
+        if isinstance(request, BaseException):
+            raise request
+        raise AssertionError("expected the set-up's error")
+
+    planner = _CheckedLoadPlanner("d", reject_unexpected=True, exchange=exchange)
+    with pytest.raises(Exception, match="boom"):
+        planner.set_up_planner({"model": _Exploding()}, skeleton(whole))
+    assert len(calls) == 1 and isinstance(calls[0], Exception)
+
+
+class _Exploding(dict[str, Any]):
+    """A state whose flattening fails."""
+
+    def items(self) -> Any:
+        raise RuntimeError("boom")
+
+
+def test_a_raw_checkpoint_reads_back_checked_from_a_part_with_its_packed_regions_first_entries(
+        tmp_path: Any) -> None:
+    from torch.distributed.checkpoint import load  # noqa: PLC0415
+
+    from resumekit.tensors import sharded  # noqa: PLC0415
+    from resumekit.tensors.reader import make_reader  # noqa: PLC0415
+
+    generator = torch.Generator().manual_seed(3)
+    saved = {"model": {f"small{n}": torch.randn(7 + n, generator=generator) for n in range(40)}}
+    saved["model"]["large"] = torch.randn(300_000, generator=generator)
+    saved["model"]["scalar"] = torch.tensor(2.5)
+    sharded.save(saved, tmp_path, thread_count=2)
+    checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
+                                    str(tmp_path / ".metadata"))
+    sent = pickle.loads(pickle.dumps(checked.for_ranks()))
+    assert sent.raw_files(), "the checkpoint should be in the raw format"
+    heads = {index for index, info in checked.parsed().storage_data.items()
+             if str((info.transform_descriptors or ("",))[0]).startswith(_PACK_PREFIX)}
+    assert heads, "the small tensors should be packed"
+    # the regions' first items are not asked for: their members still need them
+    unasked = {index.fqn.split(".", 1)[1] for index in heads}
+    wanted = {"model": {key: torch.zeros_like(value) for key, value in saved["model"].items()
+                        if key not in unasked}}
+    assert len(wanted["model"]) > 10
+    planner = _CheckedLoadPlanner(str(tmp_path), reject_unexpected=False,
+                                  exchange=local_exchange(checked.server()))
+    reader = make_reader(str(tmp_path), None, metadata=sent)
+    load(wanted, storage_reader=reader, planner=planner, no_dist=True)
+    for key, value in wanted["model"].items():
+        assert torch.equal(value, saved["model"][key]), key
+    received = sent.parsed().storage_data
+    assert heads <= set(received)
