@@ -122,7 +122,7 @@ if TYPE_CHECKING:
     from resumekit.store.storage import (
         Storage,
     )
-    from resumekit.tensors.sharded import (
+    from resumekit.tensors import (
         StorageReader,
     )
     from resumekit.tools.importers import (
@@ -181,7 +181,7 @@ _EXPORTS: dict[str, str] = {
     "StepCollisionError": "resumekit.errors",
     "Storage": "resumekit.store.storage",
     "StorageError": "resumekit.errors",
-    "StorageReader": "resumekit.tensors.sharded",
+    "StorageReader": "resumekit.tensors",
     "UnreadableFormatError": "resumekit.errors",
     "UnsafeCheckpointError": "resumekit.errors",
     "UnsupportedSchemaError": "resumekit.errors",

@@ -172,7 +172,7 @@ def test_the_state_finder_sees_a_global_a_context_variable_and_a_changed_contain
 
 
 SUBPACKAGES = ("store", "runtime", "tensors", "state", "restore", "tools", "background",
-               "tiers", "cli", "integrations", "manager", "options", "saving", "restoring",
+               "tiers", "cli", "integrations", "manager", "options", "save_job", "restore_root",
                "errors", "warnings", "_compat", "_optional")
 
 
@@ -192,8 +192,7 @@ def _resolve(path: str) -> Any:
 
 
 _DOTTED = re.compile(r"\b((?:resumekit\.)?(?:" + "|".join(SUBPACKAGES) + r")(?:\.\w+)+)")
-#: What the page says is, not what "Names to change" says will be.
-TODAY = PAGE.split("\n## Names to change\n", 1)[0]
+TODAY = PAGE
 DOTTED = sorted({match for span in re.findall(r"`([^`]+)`", TODAY)
                  for match in _DOTTED.findall(span)})
 

@@ -29,7 +29,7 @@ from resumekit.state.sampler import ResumableDistributedSampler
 from resumekit.store.catalog import read_manifest
 from resumekit.store.manifest import SaveReason
 from resumekit.store.storage import Storage
-from resumekit.tensors.sharded import read_tensor_index
+from resumekit.tensors import read_tensor_index
 from resumekit.tools.export import export_checkpoint, export_torch
 from resumekit.warnings import ResumekitWarning
 

@@ -223,7 +223,7 @@ def test_a_first_attempt_or_a_local_restore_says_nothing_of_in_job_restarts(
 
 
 def test_in_job_restarts_reads_torchruns_count_and_takes_a_bad_value_as_none() -> None:
-    from resumekit.tiers.restore import in_job_restarts
+    from resumekit.tiers.restore_across import in_job_restarts
 
     assert in_job_restarts({}) == 0
     assert in_job_restarts({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3

@@ -67,13 +67,13 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
     ("resumekit.state.train_state", "resumekit.store.layout", "rank_state_file"),
     ("resumekit.store.commit", "resumekit.store.layout", "WRITER_FILE"),
     ("resumekit.store.manifest", "resumekit.store.layout", "MANIFEST_NAME"),
-    ("resumekit.tensors.sharded", "resumekit.store.layout", "METADATA_FILE"),
+    ("resumekit.tensors", "resumekit.store.layout", "METADATA_FILE"),
     ("resumekit.tools.export", "resumekit.store.targets", "CheckpointTarget"),
     ("resumekit.tools.export", "resumekit.store.targets", "open_target"),
     ("resumekit.tools.export", "resumekit.store.targets", "select_committed"),
     ("resumekit.tools.export", "resumekit.store.targets", "tensors_url"),
     ("resumekit.tools.export", "resumekit.store.targets", "DEFAULT_NAME_FORMATS"),
-    ("resumekit.tools.export", "resumekit.tensors.sharded", "read_full_state"),
+    ("resumekit.tools.export", "resumekit.tensors", "read_full_state"),
 ])
 def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(
     old: str, home: str, name: str,

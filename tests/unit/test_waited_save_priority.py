@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
 from resumekit.tensors.raw.files import _lower_thread_priority, restore_lowered_priorities
 from tests.limits import HANG_S
 
@@ -70,7 +70,7 @@ def test_restoring_priorities_raises_an_idle_thread_to_normal() -> None:
 def test_wait_raises_the_background_writers_of_the_save_it_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = sharded.save
+    original = tensors.save
     raised: list[bool] = []
 
     def idle_writer(*args: Any, **kwargs: Any) -> Any:
@@ -82,7 +82,7 @@ def test_wait_raises_the_background_writers_of_the_save_it_waits_for(
         raised.append(not _idle(me))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sharded, "save", idle_writer)
+    monkeypatch.setattr(tensors, "save", idle_writer)
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters())
