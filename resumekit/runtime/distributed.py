@@ -644,7 +644,7 @@ def init_distributed(
                 raise DistributedSetupError(
                     "init_distributed() was already called with different arguments "
                     f"(first: {_describe(_request)}; now: {_describe(request)}); "
-                    "use resumekit.current_context() to reach the existing one",
+                    "use resumekit.runtime.distributed.current_context() to reach the existing one",
                     variable="init_distributed",
                 )
             return _context

@@ -20,9 +20,14 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from resumekit import CorruptCheckpointError, IncompleteCheckpointError
+from resumekit import CorruptCheckpointError
 from resumekit import tensors as tensor_io
-from resumekit.errors import ConfigurationError, ResumekitError, StorageError
+from resumekit.errors import (
+    ConfigurationError,
+    IncompleteCheckpointError,
+    ResumekitError,
+    StorageError,
+)
 from resumekit.manager import CheckpointManager
 from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
