@@ -593,7 +593,7 @@ class _Recorder:
     def installed(self) -> Iterator[None]:
         from resumekit.tensors.raw import writer as raw_writer
 
-        original = raw_writer._AlignedFile
+        original = raw_writer.AlignedFile
         recorder = self
 
         class Recording(original):  # type: ignore[misc, valid-type]
@@ -610,11 +610,11 @@ class _Recorder:
                         "bounce_buffer": self._bounce is not None, "bytes": self.offset})
                 super().__exit__(*exc_info)
 
-        raw_writer._AlignedFile = Recording  # type: ignore[misc]
+        raw_writer.AlignedFile = Recording  # type: ignore[misc]
         try:
             yield
         finally:
-            raw_writer._AlignedFile = original  # type: ignore[misc]
+            raw_writer.AlignedFile = original  # type: ignore[misc]
 
 
 def _direct_io_supported(directory: Path) -> bool:

@@ -49,7 +49,7 @@ from resumekit.tensors.raw import (
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
-from resumekit.tensors.raw.format import _Descriptor, alone_descriptors, decode_checksum_file
+from resumekit.tensors.raw.format import Descriptor, alone_descriptors, decode_checksum_file
 from resumekit.tensors.reader import make_reader
 from tests.conftest import unavailable
 
@@ -120,7 +120,7 @@ def as_format_1(directory: Path) -> None:
             dtype = entry.properties.dtype
             shape = next(tuple(chunk.sizes) for chunk in entry.chunks
                          if tuple(chunk.offsets) == tuple(index.offset or ()))
-        info.transform_descriptors = [_Descriptor(dtype, shape, block, blocks).encode()]
+        info.transform_descriptors = [Descriptor(dtype, shape, block, blocks).encode()]
     (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
     if not listed.regions:
         sidecar.unlink()

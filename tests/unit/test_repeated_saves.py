@@ -21,7 +21,7 @@ from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.store.retention import keep_all
 from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
-from resumekit.tensors.raw.format import _Descriptor
+from resumekit.tensors.raw.format import Descriptor
 
 # the modules, whose names the wing's functions ``load`` and ``save`` shadow
 load_module = importlib.import_module("resumekit.tensors.load")
@@ -241,9 +241,9 @@ def test_readers_of_earlier_formats_refuse_format_3_by_its_name() -> None:
     # item of format 1, or as a region of format 2; both refuse, naming the format.
     text = f"{FORMAT_NAME}/3;4096;__0_checksums.json"
     with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
-        _Descriptor.decode(text, where="x.distcp")
+        Descriptor.decode(text, where="x.distcp")
     with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
-        _Descriptor.decode_region(text, 0, where="x.distcp")
+        Descriptor.decode_region(text, 0, where="x.distcp")
 
 
 def test_a_manager_saves_and_restores_many_small_tensors_through_dcps_save_and_load(
