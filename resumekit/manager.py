@@ -525,7 +525,7 @@ class CheckpointManager:
                     self._choose_interval(step, began)
             if self._local is not None and self._local_due(step):
                 began = None if self._local_auto is None else self._local_auto.clock()
-                self._save_local(step, micro_step, metrics)
+                self._clock.hold(lambda: self._save_local(step, micro_step, metrics))
                 if began is not None:
                     self._choose_interval(step, began, local=True)
             self._mark_boundary(step, micro_step)
@@ -830,7 +830,7 @@ class CheckpointManager:
             step=boundary.step, world_size=self.world_size, reason=SaveReason.PREEMPTION,
             lineage=saving.lineage(self.resumed_from,
                                    None if source is None else (source.path, source.step),
-                                   tier=self.restored_from_tier),
+                                   tier=self.restored_from_tier, started_at=self._clock.started_at),
             extras=jsonable.plain_extras(self.extras), metrics={}, state=contents,
             fingerprint=self._fingerprint(self.state.captured_params),
             captured_at=boundary.captured_at,
@@ -882,7 +882,7 @@ class CheckpointManager:
                 number.
         """
         self._check_open()
-        recorded = jsonable.finite_metrics(metrics, step)
+        entered, recorded = time.monotonic(), jsonable.finite_metrics(metrics, step)
         if self.read_only:
             raise ConfigurationError(
                 f"cannot save step {step} under {self.storage.path()}: this manager is "
@@ -911,7 +911,7 @@ class CheckpointManager:
                            background=self.background_priority == "idle",
                            writer=self._writer)
             self._newest_step = step
-            resumed = time.monotonic()  # training after this capture starts now
+            resumed = self._clock.resumes(entered)  # training after this capture starts now
 
             def write_in_background() -> None:
                 with activity(f"background save of step {step}", step=step):
@@ -922,10 +922,10 @@ class CheckpointManager:
             self._pending_async = (step, resumed)
             return
         with activity(f"save of step {step}", step=step):
-            self._write(SaveJob(step, replace, tensors, train, ranks, manifest, started),
-                        self._main)
+            self._write(SaveJob(step, replace, tensors, train, ranks, manifest, started,
+                                since=entered), self._main)
         self._newest_step = step
-        self._clock.blocking_save_took(time.monotonic() - started)
+        self._clock.blocking_save_took(time.monotonic() - started, held_since=entered)
         self._clock.captured(step, time.monotonic())
 
     def _capture(self, step: int, reason: SaveReason, micro_step: int,
@@ -943,7 +943,7 @@ class CheckpointManager:
             step=step, world_size=self.world_size, reason=reason,
             lineage=saving.lineage(self.resumed_from,
                                    None if source is None else (source.path, source.step),
-                                   tier=self.restored_from_tier),
+                                   tier=self.restored_from_tier, started_at=self._clock.started_at),
             extras=jsonable.plain_extras(self.extras), metrics=recorded,
             state=self.state.contents(),
             fingerprint=self._fingerprint(self.state.captured_params),
@@ -972,8 +972,8 @@ class CheckpointManager:
             # The write phase: staging area made to every rank's files durable (the
             # files' all-gather waits for the slowest rank).
             seconds = time.monotonic() - started
-            manifest = job.manifest.model_copy(
-                update={"save_interval": self._interval_record()})
+            manifest = job.manifest.model_copy(update=dict(
+                save_interval=self._interval_record(), save_stalls=self._clock.stalls(job.since)))
             if nbytes > 0 and seconds > 0:
                 manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
                     bytes=nbytes, seconds=seconds, blocking=blocking)})

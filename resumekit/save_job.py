@@ -27,6 +27,8 @@ from resumekit.store.storage import Storage
 from resumekit.warnings import ResumekitWarning, warn
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from resumekit.tensors.remote import RemoteWrites
 
 __all__ = ["SaveJob", "abort_after", "apply_retention", "lineage", "save_failure"]
@@ -47,6 +49,9 @@ class SaveJob:
     started: float
     background: bool = False  # overlaps training: writer threads at idle CPU priority
     writer: RemoteWrites | None = None  # the writer process that writes its tensor bytes
+    # A save training waits for: when its call began (time.monotonic()), what its manifest
+    # counts of it as held up to publication (Manifest.save_stalls); None: it holds nothing.
+    since: float | None = None
 
 
 def abort_after(protocol: CommitProtocol, pending: PendingCheckpoint,
@@ -121,17 +126,21 @@ def apply_retention(step: int, storage: Storage, retention: RetentionPolicy, *,
 
 
 def lineage(resumed_from: int | None, initialized_from: tuple[str, int] | None, *,
-            tier: Literal["local", "replica", "durable"] | None = None) -> Lineage:
+            tier: Literal["local", "replica", "durable"] | None = None,
+            started_at: datetime | None = None) -> Lineage:
     """The lineage a save records: this process, and the run's resume or fine-tune source.
 
     Args:
         resumed_from: The step the run resumed from.
         initialized_from: ``(path, step)`` of the checkpoint ``load_weights`` read.
         tier: The tier the run's restore read (a run with a local tier).
+        started_at: When the launch's manager was created (``Lineage.started_at``).
     """
     context = distributed.current_context()
     current = Lineage.current(resumed_from_step=resumed_from,
                               launcher=None if context is None else str(context.launcher))
+    if started_at is not None:
+        current = current.model_copy(update={"started_at": started_at})
     if tier is not None:
         current = current.model_copy(update={"restored_from_tier": tier})
     if initialized_from is None:

@@ -3,8 +3,10 @@
 On a local tier's directory (``LocalTier.root``): a table of its sub-roots
 (:mod:`resumekit.cli.inspect_local`). On a root: one row per checkpoint (committed,
 partial, corrupt, legacy, foreign) with size, world size, time, reason, lineage and the
-torch that wrote it; the checkpoint the next run resumes from; and the requeue chain
-(which job and restart wrote which steps).
+torch that wrote it; the checkpoint the next run resumes from; the requeue chain
+(which job and restart wrote which steps); and the launches, with each one's restart gap,
+steps trained again and save stalls, and the run's goodput
+(:mod:`resumekit.store.launches`).
 On one checkpoint: its manifest, the state it holds, its files and, with ``--tensors``,
 every tensor from the metadata alone. Another tool's checkpoint (``foreign``, with its
 format) is never taken for an empty root: a root holding only such entries, or a
@@ -51,6 +53,7 @@ from resumekit.errors import (
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, refuse_links
 from resumekit.store.foreign import ForeignCheckpoint, detect_foreign, import_command
+from resumekit.store.launches import GOODPUT_METHOD, goodput_of, launches_of
 from resumekit.store.layout import TRAIN_STATE_FILE, NameFormat, parse_rank_state_file
 from resumekit.store.manifest import Lineage, Manifest, describe
 from resumekit.store.storage import Storage, parse_json
@@ -71,7 +74,8 @@ def add_parser(subparsers: Any, summary: str) -> None:
         description="On a local tier's directory: its sub-roots (rank_XXXXX, "
         "replica_of_rank_XXXXX), each a root. On a root: every checkpoint with status, "
         "size, world size, time, reason and lineage, the one the next run resumes from "
-        "(*), and the requeue chain. On one checkpoint directory: its manifest and "
+        "(*), the requeue chain, and the launches (restart gap, steps trained again, save "
+        "stalls) with the run's goodput. On one checkpoint directory: its manifest and "
         "state; --tensors adds every tensor (from metadata, no tensor data read). Exit 1 "
         "when a root holds a corrupt checkpoint, holds only another tool's checkpoints "
         "(status foreign) or is one, holds a local tier's directory (rank_XXXXX) among its "
@@ -205,8 +209,10 @@ def chain_of(manifests: list[Manifest]) -> list[dict[str, Any]]:
 
 def _root_rows(storage: Storage, entries: list[CheckpointEntry],
                committed: list[CheckpointEntry]
-               ) -> tuple[list[dict[str, Any]], CheckpointEntry | None]:
-    """The JSON rows of a root's entries and the checkpoint the next run resumes from.
+               ) -> tuple[list[dict[str, Any]], CheckpointEntry | None, list[CheckpointEntry]]:
+    """The rows of a root's entries, the checkpoint resumed from, the ones restorable.
+
+    The third list holds the committed checkpoints a restore may use, in step order.
 
     A commit a fenced writer made in the commit's race window is never restored: its row
     says so, and the resume mark goes to the newest checkpoint below it.
@@ -227,7 +233,7 @@ def _root_rows(storage: Storage, entries: list[CheckpointEntry],
         if entry.name in fenced:
             row["problem"] = f"{fenced[entry.name]}; restore never resumes from it"
         rows.append(row)
-    return rows, resume
+    return rows, resume, restorable
 
 
 def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
@@ -235,8 +241,13 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
     unreadable: list[tuple[str, str]] = []  # listed beside the readable steps, not instead
     entries = target.entries(unreadable=unreadable)
     committed = [entry for entry in entries if entry.status == "committed"]
-    rows, resume = _root_rows(storage, entries, committed)
+    rows, resume, restorable = _root_rows(storage, entries, committed)
     chain = chain_of([entry.manifest for entry in committed if entry.manifest is not None])
+    launches = launches_of([entry.manifest for entry in restorable
+                            if entry.manifest is not None])
+    launch_rows = [launch.to_json(last=number == len(launches))
+                   for number, launch in enumerate(launches, start=1)]
+    goodput = goodput_of(launches).to_json()
     corrupt = [entry for entry in entries if entry.status == "corrupt"]
     itself = detect_foreign(storage) if not entries else None
     refused = _foreign_refusal(storage, entries, itself)
@@ -250,6 +261,8 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
             "resume_from": None if resume is None else resume.step,
             "checkpoints": rows,
             "chain": chain,
+            "launches": launch_rows,
+            "goodput": goodput,
             "foreign": None if itself is None else {
                 "path": itself.path, "format": itself.format, "step": itself.step,
                 "marker": itself.marker, "command": getattr(refused, "command", None),
@@ -260,6 +273,8 @@ def _inspect_root(target: CheckpointTarget, args: argparse.Namespace) -> int:
         })
     else:
         _print_root(storage, target, rows, chain, resume, itself=itself, refused=refused)
+        if itself is None and launch_rows:
+            _print_launches(launch_rows, goodput)
         for problem in problems:
             console().print(f"problem: {problem['path']} is {problem['problem']}")
         for name, error in unreadable:
@@ -386,6 +401,53 @@ def _print_root(storage: Storage, target: CheckpointTarget, rows: list[dict[str,
         )
     out.print()
     out.print(runs)
+
+
+def _duration(seconds: float) -> str:
+    """Seconds for the launches: ``'4.20 s'`` under a minute, else ``'1:02:05'``."""
+    return f"{seconds:.2f} s" if abs(seconds) < 60 else format_seconds(seconds)
+
+
+def _print_launches(launches: list[dict[str, Any]], goodput: dict[str, Any]) -> None:
+    """The ``Launches`` table and the goodput line under it."""
+    grid = table("launch", "slurm job", "restart", "host", "resumed from", "steps",
+                 "ended", "restart gap", "trained again", "save stalls",
+                 title="Launches (goodput)")
+    for item in launches:
+        first = item["launch"] == 1
+        again = item["steps_trained_again"]
+        stalls = item["save_stall_seconds"]
+        grid.add_row(
+            str(item["launch"]),
+            or_dash(item["slurm_job_id"]),
+            or_dash(item["slurm_restart_count"]),
+            f"{item['hostname']}:{item['pid']}",
+            or_dash(item["resumed_from_step"]),
+            f"{item['first_step']}-{item['last_step']}" if item["saves"] > 1
+            else str(item["first_step"]),
+            item["ended_said"],
+            ("-" if first else "unknown") if item["restart_gap_seconds"] is None
+            else _duration(item["restart_gap_seconds"]),
+            ("-" if first else "unknown") if again is None
+            else f"{'' if item['steps_trained_again_exact'] else '>= '}{again}",
+            "unknown" if stalls is None else f"{_duration(stalls)} in "
+            f"{item['save_stall_saves']} save{'' if item['save_stall_saves'] == 1 else 's'}",
+        )
+    out = console()
+    out.print()
+    out.print(grid)
+    fraction = goodput["goodput"]
+    if fraction is None:
+        out.print(f"Goodput: unknown ({goodput['missing']})")
+        return
+    bound = "at most " if goodput["upper_bound"] else ""
+    out.print(
+        f"Goodput: {bound}{100 * fraction:.1f}% - {_duration(goodput['useful_seconds'])} "
+        f"of useful training in {_duration(goodput['wall_seconds'])}; lost: restart "
+        f"gaps {_duration(goodput['restart_gap_seconds'])}, save stalls "
+        f"{_duration(goodput['save_stall_seconds'])}, steps trained again "
+        f"{_duration(goodput['trained_again_seconds'])}")
+    out.print(f"(method: {GOODPUT_METHOD})")
 
 
 # --------------------------------------------------------------------------- one checkpoint

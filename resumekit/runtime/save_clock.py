@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
+
+from resumekit.store.manifest import SaveStalls
 
 __all__ = ["CommitClock", "SaveEstimate", "smoothed", "state_bytes"]
 
@@ -118,6 +122,32 @@ class CommitClock:
         self._writing: tuple[int, int, float] | None = None
         self.last_save_seconds = 0.0
         """Duration of the last save that committed (any kind), in seconds."""
+        self.started_at = datetime.now(timezone.utc)
+        """When the manager that owns the clock was created: its launch (``Lineage.started_at``)."""
+        self.held_seconds = 0.0
+        """Seconds this manager's saves held training so far (``Manifest.save_stalls``)."""
+        self.saves_held = 0
+        """How many saves :attr:`held_seconds` counts."""
+
+    def held(self, seconds: float) -> None:
+        """A save held training ``seconds`` (from its call until training could go on)."""
+        if math.isfinite(seconds):
+            self.held_seconds += max(0.0, seconds)
+            self.saves_held += 1
+
+    def stalls(self, held_from: float | None) -> SaveStalls:
+        """What this manager's saves held training, for the manifest published now.
+
+        Args:
+            held_from: For a blocking save, when its call began (``time.monotonic()``):
+                it is counted up to now, since :meth:`held` hears of it only when it
+                returns. None for a save that holds nothing now (asynchronous: counted
+                at its staging; an emergency save overlaps the step in progress).
+        """
+        seconds, saves = self.held_seconds, self.saves_held
+        if held_from is not None:
+            seconds, saves = seconds + max(0.0, time.monotonic() - held_from), saves + 1
+        return SaveStalls(seconds=seconds, saves=saves)
 
     def step_started(self, step: int) -> None:
         """Call on entering ``step_end(step)``: times the step that just ended.
@@ -141,9 +171,31 @@ class CommitClock:
         """
         self._committed_capture = (step, training_resumed)
 
-    def blocking_save_took(self, seconds: float) -> None:
-        """A blocking save (capture to commit) took ``seconds``."""
+    def blocking_save_took(self, seconds: float, *, held_since: float | None = None) -> None:
+        """A blocking save (capture to commit) took ``seconds``.
+
+        Args:
+            seconds: Its duration.
+            held_since: When its call began (``time.monotonic()``): training was held
+                from then to now (:meth:`held`).
+        """
         self._blocking_save_seconds = seconds
+        if held_since is not None:
+            self.held(time.monotonic() - held_since)
+
+    def resumes(self, held_since: float) -> float:
+        """Training resumes now after a save that held it since ``held_since``; return now."""
+        now = time.monotonic()
+        self.held(now - held_since)
+        return now
+
+    def hold(self, save: Callable[[], None]) -> None:
+        """Run ``save`` (one that training waits for); count its time as held."""
+        began = time.monotonic()
+        try:
+            save()
+        finally:
+            self.held(time.monotonic() - began)
 
     def write_started(self, step: int, nbytes: int) -> float:
         """The writes of the save of ``step`` (``nbytes`` of tensor state) start now.

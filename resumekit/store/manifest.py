@@ -59,6 +59,7 @@ __all__ = [
     "Manifest",
     "SaveInterval",
     "SaveReason",
+    "SaveStalls",
     "SaveThroughput",
     "WriterGeneration",
     "checksum_chunks",
@@ -175,6 +176,10 @@ class Lineage(BaseModel):
             ``"replica"`` (some rank's copy came from its partner's replica) or
             ``"durable"`` (the durable root); None when the run had no local tier or
             started fresh.
+        started_at: UTC time this launch's checkpoint manager was created (the launch as
+            resumekit sees it: after the process started and built its model, before its
+            restore); what ``resumekit inspect`` measures a restart gap to. None in
+            manifests written before resumekit recorded it.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -189,6 +194,7 @@ class Lineage(BaseModel):
     imported_from: dict[str, str] | None = None
     initialized_from: dict[str, str | int] | None = None
     restored_from_tier: Literal["local", "replica", "durable"] | None = None
+    started_at: datetime | None = None
 
     @classmethod
     def current(cls, *, resumed_from_step: int | None = None, launcher: str | None = None
@@ -297,6 +303,28 @@ class SaveInterval(BaseModel):
     steps: int | None = Field(default=None, ge=1)
     auto: bool = False
     inputs: str = ""
+
+
+class SaveStalls(BaseModel):
+    """The seconds a launch's saves held training, up to and including one checkpoint.
+
+    Counted by the launch's checkpoint manager (one process), from its creation: each
+    save from its call to the moment training could go on (a blocking save: the whole
+    save, with any wait for the previous one; an asynchronous one: that wait and the
+    staging copy; a local tier's save: its staging). The checkpoint's own save counts up
+    to its publication. An emergency save at a signal overlaps the step in progress and
+    holds nothing. Recorded for ``resumekit inspect``'s goodput; the newest checkpoint a
+    launch kept says its total.
+
+    Attributes:
+        seconds: Seconds training was held by saves.
+        saves: How many saves those seconds count.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+    saves: int = Field(default=0, ge=0)
 
 
 class WriterGeneration(BaseModel):
@@ -473,6 +501,8 @@ class Manifest(BaseModel):
         local: For a node-local checkpoint (a local tier's, holding one rank's part):
             which rank, run and node it belongs to (:class:`LocalPart`); None for a
             checkpoint of the whole run.
+        save_stalls: The seconds this launch's saves held training up to this checkpoint
+            (:class:`SaveStalls`); None in manifests written before resumekit recorded it.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -496,6 +526,7 @@ class Manifest(BaseModel):
     save_throughput: SaveThroughput | None = None
     save_interval: SaveInterval | None = None
     local: LocalPart | None = None
+    save_stalls: SaveStalls | None = None
 
     @field_validator("data_dir")
     @classmethod
@@ -574,7 +605,9 @@ def parse_manifest(raw: bytes, *, source: str) -> Manifest:
     document.setdefault("versions", {})
     _check_step_and_paths(document, source)
     _drop_unusable_throughput(document, source)
-    _drop_unusable_interval(document, source)
+    _drop_unusable_advice(document, source, "save_interval", SaveInterval)
+    _drop_unusable_advice(document, source, "save_stalls", SaveStalls)
+    _drop_unusable_start(document, source)
     try:
         manifest = Manifest.model_validate(document, context={_FROM_JSON: True})
     except ValidationError as error:
@@ -605,22 +638,44 @@ def _drop_unusable_throughput(document: dict[str, Any], source: str) -> None:
          "not used (the checkpoint itself is unaffected)", ResumekitWarning, stacklevel=4)
 
 
-def _drop_unusable_interval(document: dict[str, Any], source: str) -> None:
-    """Ignore, with a warning naming ``source``, a recorded save interval that is not usable.
+def _drop_unusable_advice(document: dict[str, Any], source: str, key: str,
+                          model: type[BaseModel]) -> None:
+    """Ignore, with a warning naming ``source``, a recorded ``key`` that does not parse.
 
-    ``save_interval`` only says what interval was in force (``resumekit inspect``); a value
-    that does not parse never makes the checkpoint unreadable: it is dropped here.
+    ``save_interval`` (the interval in force) and ``save_stalls`` (what saves held
+    training) are for ``resumekit inspect`` only; a value that does not parse never makes
+    the checkpoint unreadable: it is dropped here.
     """
-    record = document.get("save_interval")
+    record = document.get(key)
     if record is None:
         return
     try:
-        SaveInterval.model_validate(record)
+        model.model_validate(record)
     except ValidationError as error:
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "save_interval"
-        document["save_interval"] = None
-        warn(f"{source}: ignoring its save_interval ({where}: {first['msg']}): the "
+        where = ".".join(str(part) for part in first["loc"]) or key
+        document[key] = None
+        warn(f"{source}: ignoring its {key} ({where}: {first['msg']}): the "
+             "checkpoint itself is unaffected", ResumekitWarning, stacklevel=4)
+
+
+_MOMENT: TypeAdapter[datetime | None] = TypeAdapter(datetime | None)
+
+
+def _drop_unusable_start(document: dict[str, Any], source: str) -> None:
+    """Ignore, with a warning naming ``source``, a ``lineage.started_at`` that is no time.
+
+    The launch's start only feeds ``resumekit inspect``'s restart gaps: a value that does
+    not parse never makes the checkpoint unreadable.
+    """
+    lineage = document.get("lineage")
+    if not isinstance(lineage, dict) or lineage.get("started_at") is None:
+        return
+    try:
+        _MOMENT.validate_python(lineage["started_at"])
+    except ValidationError as error:
+        document["lineage"] = {**lineage, "started_at": None}
+        warn(f"{source}: ignoring its lineage.started_at ({error.errors()[0]['msg']}): the "
              "checkpoint itself is unaffected", ResumekitWarning, stacklevel=4)
 
 

@@ -63,8 +63,9 @@ def test_a_manifest_records_every_documented_field() -> None:
         "hostname": "node7", "pid": 4242, "slurm_job_id": "111882",
         "slurm_restart_count": 3, "slurm_nodelist": None, "resumed_from_step": 750,
         "launcher": "slurm", "imported_from": None, "initialized_from": None,
-        "restored_from_tier": None,
+        "restored_from_tier": None, "started_at": None,
     }
+    assert document["save_stalls"] is None  # set by a manager's save (issue 38)
     assert document["local"] is None  # a checkpoint of the whole run, not a node-local copy
     assert document["extras"]["wandb_run"] == "abc123"
     assert datetime.fromisoformat(document["created_at"]).tzinfo is not None

@@ -63,7 +63,10 @@ WRITTEN: dict[int, dict[str, frozenset[str]]] = {
             "schema_version", "step", "created_at", "captured_at", "world_size", "reason",
             "files", "data_dir", "lineage", "generation", "extras", "metrics", "state",
             "fingerprint", "versions", "tensor_format", "save_throughput", "local",
-            "save_interval"}),
+            "save_interval",
+            # optional advice for inspect's goodput (issue 38); readers of 3 before it
+            # ignore it, as they ignore lineage.started_at
+            "save_stalls"}),
     },
 }
 
