@@ -223,7 +223,7 @@ def __getattr__(name: str) -> Any:
     from resumekit.warnings import MovedNameWarning, warn  # noqa: PLC0415 - only to warn
 
     warn(f"resumekit.{name} moved: import it from its module, `from {home} import {name}` "
-         f"(resumekit 0.4.0 keeps `resumekit.{name}` only to say so; see CHANGELOG.md)",
+         f"(`resumekit.{name}` resolves only to say so, until 0.5.0; see CHANGELOG.md)",
          MovedNameWarning, stacklevel=2)
     return getattr(importlib.import_module(home), name)
 
