@@ -24,6 +24,12 @@ process writer where the option exists, else with its thread, as "resumekit asyn
   checkpoint's pages are evicted before each launch);
 * ``scale_sigterm_steps_lost``: steps trained but in no checkpoint after each SIGTERM,
   the most over resumekit's methods;
+* ``scale_sigterm_steps_lost_tight_grace`` (issue 38): after the schedule, each resumekit
+  method's tight-grace launch (:func:`run_tight_grace`): steps of at least 3x the
+  method's measured save time (a larger batch: real compute), SIGTERM half a measured
+  step into a step, a grace window of 1.3x the save time, then SIGKILL; completed steps
+  in no checkpoint (the last step completed at the signal minus the newest committed),
+  the most over resumekit's methods (``--no-tight-grace`` leaves it out);
 * ``scale_goodput``: :func:`benchmarks.goodput.analyse` over the schedule, resumekit async;
 * ``scale_goodput_vs_dcp_async``: that / the better of DCP's two ``async_save`` executors;
 * ``scale_step_slowdown_local_every_step``: a step with a local tier saving every step
@@ -46,6 +52,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -95,6 +102,10 @@ TARGETS: dict[str, dict[str, Any]] = {
     "scale_sigterm_steps_lost": {"better": "lower", "target": 0,
                                  "what": "steps in no checkpoint after a SIGTERM "
                                          "(state fits the grace window)"},
+    "scale_sigterm_steps_lost_tight_grace": {
+        "better": "lower", "target": 0,
+        "what": "completed steps in no checkpoint after a SIGTERM mid-step, grace 1.3x "
+                "the save, step >= 3x it"},
     "scale_goodput": {"better": "higher", "target": 0.98,
                       "what": "useful step time / wall time over the schedule"},
     "scale_goodput_vs_dcp_async": {"better": "higher", "target": 1.0,
@@ -116,6 +127,19 @@ TARGETS: dict[str, dict[str, Any]] = {
 
 _STARTED = time.monotonic()
 
+#: The tight-grace SIGTERM (issue 38, ``scale_sigterm_steps_lost_tight_grace``): the grace
+#: window is this many times the method's measured save time ...
+TIGHT_GRACE_FACTOR = 1.3
+#: ... a step takes at least this many times it ...
+TIGHT_STEP_FACTOR = 3.0
+#: ... (the worker aims this far above, so load's noise keeps a step over it) ...
+TIGHT_STEP_AIM = 1.2
+#: ... the launch saves every this many steps, and trains at most this many.
+TIGHT_SAVE_EVERY = 2
+TIGHT_MAX_STEPS = 12
+#: ``details[method]`` key of the tight-grace launch.
+TIGHT_GRACE = "tight_grace"
+
 #: glibc malloc in every trainer: no ``mmap`` for large blocks and no trimming, so a
 #: step's freed buffers (FSDP2's all-gathered weights and gradients, AdamW's temporaries:
 #: gigabytes each step) stay in the process for the next step. Otherwise each step gives
@@ -135,6 +159,7 @@ METHOD_FIGURES: dict[str, tuple[str, ...]] = {
     "step_slowdown_during_save": ("step_slowdown_during_save",),
     "restore_vs_bandwidth": ("restore_vs_bandwidth",),
     "sigterm_steps_lost": ("sigterm_steps_lost",),
+    "sigterm_steps_lost_tight_grace": ("sigterm_steps_lost_tight_grace",),
     "emergency_save_vs_grace": ("emergency_save_vs_grace",),
     "peak_extra_vs_state": ("peak_extra", "vs_state"),
     "peak_extra_launch_vs_state": ("peak_extra_launch", "vs_state"),
@@ -273,17 +298,12 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                 os.sync()
                 evict(root)
             watcher.reset_memory()
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={RANKS}", f"--shutdown-timeout={int(grace) + 120}",
-                       "-m", "benchmarks.scale_worker", "--method", method, "--root", str(root),
-                       "--events", str(events), "--layers", str(shape.layers),
-                       "--width", str(shape.width), "--batch", str(config["batch"]),
-                       "--steps", str(config["steps"]),
-                       "--save-every", str(config["save_every"]), "--grace", str(grace),
-                       *(["--memcpy"] if index == 1 else [])]
-            env = {**os.environ, **MALLOC_KEEP, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
-                                                  os.environ.get("PYTHONPATH", "")])}
+            command = _worker_command(method, root, events, shape, batch=int(config["batch"]),
+                                      steps=int(config["steps"]),
+                                      save_every=int(config["save_every"]), grace=grace,
+                                      poll_every=str(config.get("poll_every", "auto")),
+                                      extra=["--memcpy"] if index == 1 else [])
+            env = _worker_env()
             record: dict[str, Any] = {"index": index, "interruption": kind, "signal_at": at,
                                       "resumed_from": before[-1][0] if before else 0,
                                       "restored_bytes": restored_bytes}
@@ -330,7 +350,251 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
     result = {"launches": launches, "commits": watcher.commits,
               **analyse_method(method, rank_events, launches, watcher.commits, config)}
     remove(root)
+    if method.startswith("resumekit") and config.get("tight_grace"):
+        try:
+            tight = run_tight_grace(method, work=work, logs=logs, shape=shape, config=config,
+                                    save_s=result["save_total_s_median"],
+                                    step_s=result["step_s_alone_median"])
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            tight = {"failed": str(error)[-2000:]}
+            remove(work / f"{method}-{TIGHT_GRACE}")
+        result[TIGHT_GRACE] = tight
+        result["sigterm_steps_lost_tight_grace"] = tight.get("steps_lost_figure")
+        _log(f"{method} {TIGHT_GRACE}: steps lost {tight.get('steps_lost')} (figure "
+             f"{tight.get('steps_lost_figure')}; {tight.get('failed') or tight.get('why')})")
     return result
+
+
+def _worker_command(method: str, root: Path, events: Path, shape: Shape, *, batch: int,
+                    steps: int, save_every: int, grace: float, poll_every: str = "auto",
+                    extra: Sequence[str] = ()) -> list[str]:
+    """torchrun of :mod:`benchmarks.scale_worker` on :data:`RANKS` ranks."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={RANKS}", f"--shutdown-timeout={int(grace) + 120}",
+            "-m", "benchmarks.scale_worker", "--method", method, "--root", str(root),
+            "--events", str(events), "--layers", str(shape.layers),
+            "--width", str(shape.width), "--batch", str(batch), "--steps", str(steps),
+            "--save-every", str(save_every), "--grace", str(grace),
+            "--poll-every", poll_every, *extra]
+
+
+def _worker_env() -> dict[str, str]:
+    return {**os.environ, **MALLOC_KEEP, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+# ------------------------------------------------------------------------ tight grace
+
+
+def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
+                    config: Mapping[str, Any], save_s: float | None,
+                    step_s: float | None) -> dict[str, Any]:
+    """A SIGTERM mid-step with a grace window of 1.3x the save, steps of 3x it (issue 38).
+
+    ``save_s`` is the method's save time measured by its schedule (the median interval
+    save, call to committed) and ``step_s`` its step at the schedule's batch. One launch
+    from an empty root trains with a batch that makes a step take at least
+    :data:`TIGHT_STEP_FACTOR` x ``save_s`` (started from ``step_s``, grown by the worker
+    after any shorter step: real compute, :class:`benchmarks.scale_worker.BatchGrowth`),
+    saving every :data:`TIGHT_SAVE_EVERY` steps, with ``grace_period`` =
+    :data:`TIGHT_GRACE_FACTOR` x ``save_s``. Once an interval save is committed and a
+    step that is not a ``save_every`` step took that long and the next started with the
+    same batch, SIGTERM goes to the launch half that measured step after the next one's
+    ``step_begin``; the tree is
+    SIGKILLed when the grace window runs out. :func:`analyse_tight_grace` gives the
+    figure.
+    """
+    if not save_s:
+        return {"failed": "no interval save measured by the schedule: no save time to "
+                          "size the grace window and the step from"}
+    root = work / f"{method}-{TIGHT_GRACE}"
+    logs.mkdir(parents=True, exist_ok=True)
+    events = logs / f"events-{method}-{TIGHT_GRACE}.jsonl"
+    remove(events)
+    for extra in logs.glob(f"events-{method}-{TIGHT_GRACE}.jsonl.rank*"):
+        remove(extra)
+    grace = TIGHT_GRACE_FACTOR * save_s
+    wanted = TIGHT_STEP_FACTOR * save_s
+    batch = int(config["batch"])
+    if step_s:  # the schedule's step at its batch, scaled (the worker grows it if short)
+        batch = max(batch, math.ceil(batch * TIGHT_STEP_AIM * wanted / step_s))
+    record: dict[str, Any] = {
+        "save_s": save_s, "grace_s": grace, "step_s_wanted": wanted,
+        "step_s_at_schedule_batch": step_s, "schedule_batch": config["batch"],
+        "batch_start": batch, "save_every": TIGHT_SAVE_EVERY, "max_steps": TIGHT_MAX_STEPS,
+        "capture_at_signal": _capture_default()}
+    command = _worker_command(method, root, events, shape, batch=batch,
+                              steps=TIGHT_MAX_STEPS, save_every=TIGHT_SAVE_EVERY, grace=grace,
+                              poll_every=str(config.get("poll_every", "auto")),
+                              extra=["--min-step-s", str(TIGHT_STEP_AIM * wanted)])
+    timeout = float(config["timeout_s"])
+    watcher = Watcher(method, root, events).start()
+    log_path = logs / f"{method}-{TIGHT_GRACE}.log"
+    started = time.time()
+    try:
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
+                                       stderr=subprocess.STDOUT, env=_worker_env(),
+                                       start_new_session=True)
+            try:
+                measured, measured_s, next_begin = _wait_tight_step(
+                    events, process, wanted, timeout,
+                    lambda: bool(committed_steps(method, root)))
+                record["measured_step"] = measured
+                delay = next_begin + 0.5 * measured_s - time.time()
+                if delay > 0:
+                    time.sleep(delay)  # the signal's moment within the step, not a wait-and-hope
+                record["signal_t"] = time.time()
+                at_signal = committed_steps(method, root)
+                record["newest_committed_at_signal"] = at_signal[-1][0] if at_signal else 0
+                os.kill(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=grace)
+                except subprocess.TimeoutExpired:
+                    record["cut_by_grace"] = True
+                    kill_tree(process.pid)
+                process.wait(timeout=timeout)
+            except BaseException:
+                kill_tree(process.pid)
+                process.wait()
+                raise
+    finally:
+        watcher.stop()
+    record["returncode"] = process.returncode
+    record["seconds"] = time.time() - started
+    record["cut_by_grace"] = bool(record.get("cut_by_grace"))
+    after = committed_steps(method, root)
+    record["newest_committed"] = after[-1][0] if after else 0
+    rank_events = [_read_events(events), _read_events(Path(f"{events}.rank1"))]
+    remove(root)
+    return {**record, "commits": watcher.commits,
+            **analyse_tight_grace(rank_events, record, watcher.commits)}
+
+
+def _capture_default() -> bool | None:
+    """``CheckpointOptions``' default ``capture_at_signal`` (what the worker runs with)."""
+    from resumekit.options import CheckpointOptions  # noqa: PLC0415
+
+    field = CheckpointOptions.model_fields.get("capture_at_signal")
+    return None if field is None else bool(field.default)
+
+
+def _launch_steps(events: Sequence[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The last launch's steps: ``{step: {"begin", "end" (None if unfinished), "batch"}}``."""
+    launches = goodput.launches_of(list(events))
+    steps: dict[int, dict[str, Any]] = {}
+    for event in launches[-1] if launches else []:
+        if event["kind"] == "step_begin":
+            steps[int(event["step"])] = {"begin": event["t"], "end": None,
+                                         "batch": event.get("batch")}
+        elif event["kind"] == "step" and int(event["step"]) in steps:
+            steps[int(event["step"])]["end"] = event["t"]
+    return steps
+
+
+def tight_step_to_signal(events: Sequence[dict[str, Any]], wanted: float,
+                         every: int = TIGHT_SAVE_EVERY,
+                         after: int = 0) -> tuple[int, float, float] | None:
+    """``(step, its seconds, the next step's begin)`` to time the SIGTERM by, or None yet.
+
+    The first step after ``after`` (rank 0's events) that is not its launch's first, not
+    a ``save_every`` step (the step before the signal then has no interval save of its
+    own), took ``wanted`` seconds or more, and whose next step has begun with the same
+    batch (so the signalled step is as long).
+    """
+    steps = _launch_steps(events)
+    first = min(steps, default=None)
+    for step in sorted(steps):
+        span, following = steps[step], steps.get(step + 1)
+        if (step <= after or step == first or step % every == 0 or span["end"] is None
+                or following is None):
+            continue
+        seconds = span["end"] - span["begin"]
+        if seconds >= wanted and following["batch"] == span["batch"]:
+            return step, seconds, following["begin"]
+    return None
+
+
+def _wait_tight_step(events: Path, process: subprocess.Popen[bytes], wanted: float,
+                     timeout: float, committed: Callable[[], bool]
+                     ) -> tuple[int, float, float]:
+    """:func:`tight_step_to_signal` once it finds a step and an interval save is committed
+    (else a later step)."""
+    deadline = time.monotonic() + timeout
+    after = 0
+    while True:
+        found = tight_step_to_signal(_read_events(events), wanted, after=after)
+        if found is not None:
+            if committed():
+                return found
+            after = found[0]
+        if process.poll() is not None:
+            raise RuntimeError(f"the tight-grace trainer exited ({process.returncode}) before "
+                               f"a step of {wanted:.2f} s (3x the save) was measured in "
+                               f"{TIGHT_MAX_STEPS} steps")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no step of {wanted:.2f} s within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def analyse_tight_grace(rank_events: Sequence[Sequence[dict[str, Any]]],
+                        record: Mapping[str, Any],
+                        commits: Mapping[int, Any]) -> dict[str, Any]:
+    """The tight-grace launch's figure: completed steps lost, and what it rests on.
+
+    ``steps_lost`` = the last step every rank had completed when the SIGTERM was sent
+    minus the newest committed step after the launch (at least 0). ``steps_lost_figure``
+    is that number when the scenario held - the measured step (the one the signal was
+    timed by) took :data:`TIGHT_STEP_FACTOR` x the save time or more and the signal fell
+    inside a step - else None, with ``why``.
+    """
+    signal_t = float(record["signal_t"])
+    save_s = float(record["save_s"])
+    per_rank = [_launch_steps(events) for events in rank_events if events]
+    completed = [max((step for step, span in steps.items()
+                      if span["end"] is not None and span["end"] <= signal_t), default=0)
+                 for steps in per_rank]
+    last = min(completed, default=0)
+    steps0 = per_rank[0] if per_rank else {}
+    measured = record.get("measured_step")
+    span = steps0.get(measured) if measured is not None else None
+    measured_s = span["end"] - span["begin"] if span and span["end"] is not None else None
+    begun = [step for step, s in steps0.items() if s["begin"] <= signal_t]
+    signalled = max(begun, default=None)
+    within = None
+    mid_step = False
+    signalled_s = None
+    if signalled is not None:
+        current = steps0[signalled]
+        within = signal_t - current["begin"]
+        mid_step = current["end"] is None or current["end"] > signal_t
+        signalled_s = None if current["end"] is None else current["end"] - current["begin"]
+    newest = int(record["newest_committed"])
+    lost = max(0, last - newest)
+    after_signal = sorted(step for step, seen in commits.items() if seen["t"] >= signal_t)
+    step_vs_save = measured_s / save_s if measured_s is not None and save_s else None
+    why = []
+    if step_vs_save is None or step_vs_save < TIGHT_STEP_FACTOR:
+        why.append(f"the measured step was not {TIGHT_STEP_FACTOR:g}x the save "
+                   f"({step_vs_save})")
+    if not mid_step:
+        why.append("the signal fell after the step it was timed for had ended")
+    return {
+        "last_completed_at_signal": last, "last_completed_per_rank": completed,
+        "steps_lost": lost, "steps_lost_figure": None if why else lost,
+        "why": "; ".join(why) or "the scenario held: step >= "
+                                 f"{TIGHT_STEP_FACTOR:g}x the save, signal mid-step",
+        "measured_step_s": measured_s, "step_vs_save": step_vs_save,
+        "grace_vs_save": float(record["grace_s"]) / save_s if save_s else None,
+        "signalled_step": signalled, "signal_into_step_s": within,
+        "signal_into_step_vs_measured": (within / measured_s
+                                         if within is not None and measured_s else None),
+        "signal_mid_step": mid_step, "signalled_step_s": signalled_s,
+        "committed_after_signal": after_signal,
+        "first_commit_after_signal_s": (commits[after_signal[0]]["t"] - signal_t
+                                        if after_signal else None),
+        "batches": {step: s["batch"] for step, s in sorted(steps0.items())},
+    }
 
 
 def _wait_launch_step(events: Path, seen: int, step: int, process: subprocess.Popen[bytes],
@@ -583,6 +847,9 @@ def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     rk_goodput = get(rk_async, "goodput", "goodput")
     lost = [get(ran[name], "sigterm_steps_lost") for name in ran if name.startswith("resumekit")]
     lost = [value for value in lost if value is not None]
+    tight = [get(ran[name], "sigterm_steps_lost_tight_grace") for name in ran
+             if name.startswith("resumekit")]
+    tight = [value for value in tight if value is not None]
     sync_total = get(rk_sync, "save_total_s_median")
     async_total = get(rk_async, "save_total_s_median")
     summary = {
@@ -591,6 +858,7 @@ def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "scale_save_vs_bandwidth": get(rk_sync, "save_vs_bandwidth"),
         "scale_restore_vs_bandwidth": get(rk_sync, "restore_vs_bandwidth"),
         "scale_sigterm_steps_lost": max(lost) if lost else None,
+        "scale_sigterm_steps_lost_tight_grace": max(tight) if tight else None,
         "scale_goodput": rk_goodput,
         "scale_goodput_vs_dcp_async": (rk_goodput / dcp_best
                                        if rk_goodput is not None and dcp_best else None),
@@ -609,6 +877,10 @@ def summarise(details: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
         "scale_peak_rss_sync_vs_state") else best_async) for key in summary}
     sources["scale_sigterm_steps_lost"] = "every resumekit method (the most)"
     sources["scale_emergency_save_vs_grace"] = "every resumekit method (the most)"
+    sources["scale_sigterm_steps_lost_tight_grace"] = (
+        f"every resumekit method (the most): its {TIGHT_GRACE} launch, SIGTERM half a "
+        f"step into a step of >= {TIGHT_STEP_FACTOR:g}x its measured save, grace "
+        f"{TIGHT_GRACE_FACTOR:g}x the save")
     sources["scale_goodput_vs_dcp_async"] = f"{best_async} / better of dcp_async_*"
     sources["scale_async_total_vs_sync"] = f"{best_async} / resumekit_sync"
     sources["scale_step_slowdown_local_every_step"] = (
@@ -801,6 +1073,14 @@ def main(argv: Sequence[str] | None = None,
                         help="rounds of the local tier at save_every=1 against no "
                              "checkpointing (each: a block of each; 0: not measured)")
     parser.add_argument("--local-block", type=int, default=3, help="steps per such block")
+    parser.add_argument("--no-tight-grace", action="store_true",
+                        help="leave out each resumekit method's tight-grace SIGTERM launch "
+                             "(scale_sigterm_steps_lost_tight_grace)")
+    parser.add_argument("--poll-every", default="auto",
+                        help="the resumekit methods' PreemptionHandler(poll_every=...): 'auto' "
+                             "(resumekit's default; at full size a vote every step) or N; "
+                             "the smoke run's millisecond steps vote every step, so a SIGTERM "
+                             "launch stops a step or two after the signal, as at full size")
     parser.add_argument("--timeout-s", type=float, default=900.0)
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--combine", type=Path, nargs="+", default=None, metavar="JSON",
@@ -826,6 +1106,8 @@ def main(argv: Sequence[str] | None = None,
         "schedule": args.schedule, "batch": args.batch, "methods": args.methods,
         "ideal_save_s": ideal, "timeout_s": args.timeout_s, "stand_in": not args.no_stand_in,
         "local_rounds": args.local_rounds, "local_block": args.local_block,
+        "tight_grace": not args.no_tight_grace, "poll_every": args.poll_every,
+        "tight_grace_factor": TIGHT_GRACE_FACTOR, "tight_step_factor": TIGHT_STEP_FACTOR,
     }
     notes: dict[str, str] = {}
     methods = list(args.methods)

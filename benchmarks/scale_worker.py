@@ -4,16 +4,18 @@ Every rank builds the bench model ``fully_shard``-ed with FSDP2 over the two glo
 (each rank holds half of every layer: its shard of the weights, their gradients and the
 AdamW moments), restores the method's newest complete checkpoint, and trains up to
 ``--steps``, saving every ``--save-every`` steps the method's way and stopping on SIGTERM
-the method's way (an emergency save, then exit 75). Each rank appends an event per line
-(``time.time()``, one file per rank: :mod:`benchmarks.goodput`'s format, which
+the method's way (an emergency save, then exit 75). With ``--min-step-s`` it grows the
+batch after any step shorter than that (:class:`BatchGrowth`). Each rank appends an event
+per line (``time.time()``, one file per rank: :mod:`benchmarks.goodput`'s format, which
 :func:`benchmarks.goodput.analyse` reads): ``launch``, ``restore_begin``/``restore_end``,
-``step_begin``/``step``, ``blocked_begin``/``blocked_end`` around every call that makes
-training wait on checkpointing (``what`` and ``step`` say which), ``memcpy`` (the first
-launch: a copy of a state of the rank's size into preallocated buffers), ``baseline``
-(the peak RSS of a step without a save), ``exit`` (the peak RSS of the launch) and
-``memory`` (:class:`Memory`: each step and each call into the method as a segment, with
-its peak RSS and its RSS, malloc's live bytes and shared memory at both ends, from
-which :mod:`benchmarks.scale` takes the method's own share of the memory).
+``step_begin`` (with the step's ``batch``)/``step``, ``blocked_begin``/``blocked_end``
+around every call that makes training wait on checkpointing (``what`` and ``step`` say
+which), ``memcpy`` (the first launch: a copy of a state of the rank's size into
+preallocated buffers), ``baseline`` (the peak RSS of a step without a save), ``exit`` (the
+peak RSS of the launch) and ``memory`` (:class:`Memory`: each step and each call into the
+method as a segment, with its peak RSS and its RSS, malloc's live bytes and shared memory
+at both ends, from which :mod:`benchmarks.scale` takes the method's own share of the
+memory).
 
 The methods (:data:`METHODS`): resumekit sync, async with its writer thread, async with
 ``async_writer="process"`` (where the option exists), DCP's ``async_save`` with its thread
@@ -218,7 +220,9 @@ class ResumekitSaver(Saver):
             knobs["async_writer"] = "process"
         self.manager = CheckpointManager(
             self.root, model=model, optimizer=optimizer, save_every=args.save_every,
-            retention=keep_last(KEEP), preemption=PreemptionHandler(grace_period=args.grace),
+            retention=keep_last(KEEP),
+            preemption=PreemptionHandler(grace_period=args.grace, poll_every=(
+                "auto" if args.poll_every == "auto" else int(args.poll_every))),
             **knobs)
         for name in ("save", "wait"):
             method = getattr(self.manager, name)
@@ -441,6 +445,49 @@ class TorchSaveSaver(_PeerSaver):
         self.prune()
 
 
+#: The most :class:`BatchGrowth` multiplies the batch by after one step.
+MAX_BATCH_GROWTH = 32
+#: How far past the wanted step time :class:`BatchGrowth` aims.
+BATCH_AIM = 1.25
+
+
+class BatchGrowth:
+    """The batch of each next step, grown until a step takes ``min_step_s`` (real compute).
+
+    After each step every rank passes its batch and seconds; the ranks all-reduce the
+    seconds (MAX: the slower rank), so every rank picks the same batch. Once a step took
+    ``min_step_s`` the batch stays. Otherwise the next batch aims at ``min_step_s`` x
+    :data:`BATCH_AIM`: a step's time is a fixed part (the collectives, AdamW, which do
+    not grow with the batch) plus a part per row, so from two steps after the launch's
+    first (a warm-up) the straight line through them (the secant) gives the batch, at
+    least the proportional guess (``batch x aim / seconds``: short of the aim while the
+    fixed part counts) and at most 4x it; before that, the proportional guess. Never more
+    than :data:`MAX_BATCH_GROWTH` x the batch.
+    """
+
+    def __init__(self, min_step_s: float) -> None:
+        self.min_step_s = min_step_s
+        self.seen: list[tuple[int, float]] = []
+
+    def next(self, batch: int, seconds: float) -> int:
+        """The batch for the step after one of ``batch`` rows that took ``seconds``."""
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        took = float(slowest.item())
+        self.seen.append((batch, took))
+        if took >= self.min_step_s:
+            return batch
+        aim = BATCH_AIM * self.min_step_s
+        guess = batch * aim / max(took, 1e-6)
+        if len(self.seen) >= 3:  # two steps after the warm-up
+            (b0, t0), (b1, t1) = self.seen[-2], self.seen[-1]
+            if b1 > b0 and t1 > t0:
+                per_row = (t1 - t0) / (b1 - b0)
+                line = (aim - (t1 - per_row * b1)) / per_row
+                guess = min(max(guess, line), 4 * guess)
+        return max(batch + 1, min(int(guess + 0.999), batch * MAX_BATCH_GROWTH))
+
+
 SAVERS: dict[str, type[Saver]] = {
     "resumekit_sync": ResumekitSaver, "resumekit_async_thread": ResumekitSaver,
     "resumekit_async_process": ResumekitSaver, "dcp_async_thread": DcpAsyncSaver,
@@ -459,7 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--save-every", type=int, required=True)
     parser.add_argument("--grace", type=float, required=True)
+    parser.add_argument("--poll-every", default="auto",
+                        help="PreemptionHandler(poll_every=...): 'auto' or a number of steps")
     parser.add_argument("--memcpy", action="store_true", help="measure the memcpy first")
+    parser.add_argument("--min-step-s", type=float, default=0.0,
+                        help="grow the batch after any step shorter than this (the slower "
+                             "rank's time), so later steps take at least this long: the "
+                             "tight-grace launch's long steps (real compute, no sleep)")
     args = parser.parse_args(argv)
     import warnings  # noqa: PLC0415
 
@@ -481,10 +534,15 @@ def main(argv: list[str] | None = None) -> int:
     events.log("restore_end", step=start)
     memory.cut("checkpoint" if start == 0 else "restore")  # fresh: the method's own work
     code = 0
+    batch = args.batch
+    growth = BatchGrowth(args.min_step_s) if args.min_step_s > 0 else None
     for step in range(start + 1, args.steps + 1):
-        events.log("step_begin", step=step)
-        train_step(model, optimizer, batch=args.batch, seed=step)
+        events.log("step_begin", step=step, batch=batch)
+        began = time.perf_counter()
+        train_step(model, optimizer, batch=batch, seed=step)
         events.log("step", step=step)
+        if growth is not None:
+            batch = growth.next(batch, time.perf_counter() - began)
         memory.cut("training")
         if step == start + 1:
             memory.mark()  # the whole-launch peak from here on: training and saving only

@@ -59,6 +59,8 @@ EXTRAS: dict[str, Extra] = {
                 "that load `resumekit export` output with `from_pretrained`",
                 ("transformers>=4.40", "diffusers>=0.32")),
     "plot": Extra("the LingBot drill's loss curves (`loss.png`)", ("matplotlib>=3.7",)),
+    "torchtitan": Extra("`resumekit.integrations.torchtitan` (`ResumekitCheckpointer`, "
+                        "torchtitan's checkpointer by one config line)", ("torchtitan>=0.3",)),
 }
 
 

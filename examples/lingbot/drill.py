@@ -7,7 +7,8 @@ CPU ranks (torchrun, gloo) three times, always with the same command::
 
 * **A - uninterrupted**: one launch, all steps.
 * **B - preempted and crashed**: SIGTERM to the torchrun agent once step ``--term-at`` is
-  in ``metrics.jsonl`` (the agent forwards it; the ranks agree on a step, save a
+  in ``metrics.jsonl`` (the ranks wait there for it, a test-only hold, so it lands after
+  that step on any machine; the agent forwards it; the ranks agree on a step, save a
   ``preemption`` checkpoint and exit with status 75); relaunch; SIGKILL to the whole
   process tree (agent and both workers) once step ``--kill-at`` is logged by the relaunch
   (a later step when the SIGTERM launch already got that far) - a crash with no save;
@@ -57,6 +58,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from examples.lingbot.faults import HOLD_FOR_SIGNAL_VARIABLE
 from examples.lingbot.train import (
     CHECKPOINT_DIR,
     CHECKPOINT_NAME_FORMAT,
@@ -234,8 +236,8 @@ def _committed(save_root: Path) -> list[CheckpointEntry]:
 
 
 def run_segment(run: str, index: int, launch: Launch, *, interruption: str | None = None,
-                signal_at: int | None = None, log_dir: Path, timeout: float = 600.0
-                ) -> Segment:
+                signal_at: int | None = None, log_dir: Path, timeout: float = 600.0,
+                hold_for_signal: bool = False) -> Segment:
     """Launch the trainer once; optionally signal it once ``signal_at`` is logged.
 
     Args:
@@ -247,6 +249,9 @@ def run_segment(run: str, index: int, launch: Launch, *, interruption: str | Non
         signal_at: The step to wait for before signalling.
         log_dir: Where the launch's output goes.
         timeout: Seconds any wait may take.
+        hold_for_signal: With a SIGTERM, the ranks wait after ``signal_at`` until it reaches
+            them (``examples/lingbot/faults.py``), so it lands there however fast this
+            machine trains; off, it lands wherever training has got to.
 
     Raises:
         DrillError: The launch failed or an awaited event did not happen.
@@ -259,6 +264,8 @@ def run_segment(run: str, index: int, launch: Launch, *, interruption: str | Non
     segment.log = str(log_path)
     metrics = launch.save_root / METRICS_FILE
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if hold_for_signal and interruption == "sigterm" and signal_at is not None:
+        env[HOLD_FOR_SIGNAL_VARIABLE] = str(signal_at)
     started = time.monotonic()
     with log_path.open("wb") as log:
         process = subprocess.Popen(launch.command(), cwd=REPO_ROOT, stdout=log,
@@ -463,7 +470,9 @@ class _Drill:
     out: Path
     console: Console
     timeout: float
-    train_args: tuple[str, ...] = ("--keep-last", "0", "--no-progress")
+    # A vote every step: with the hold for the signal (run_segment) the ranks agree on the
+    # step after --term-at, however fast this machine trains.
+    train_args: tuple[str, ...] = ("--keep-last", "0", "--no-progress", "--poll-every", "1")
     segments: list[Segment] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -477,7 +486,7 @@ class _Drill:
         launch = Launch(self.root(name), nproc=nproc, train_args=self.train_args)
         segment = run_segment(name, index, launch, interruption=interruption,
                               signal_at=signal_at, log_dir=self.root(name) / "logs",
-                              timeout=self.timeout)
+                              timeout=self.timeout, hold_for_signal=True)
         self.segments.append(segment)
         self.console.print(
             f"[bold]{segment.run}{segment.index}[/] nproc={segment.nproc} "

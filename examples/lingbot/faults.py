@@ -8,7 +8,14 @@ that many seconds. It plays a NAS that is slow for one host's ranks: the load sk
 incident, across hosts. The multi-node drill (``tests/multinode``) sets it beyond the
 training timeout to prove the checkpoint group's meeting absorbs it.
 
-Nothing happens when the variable is unset; the trainer calls :func:`install` once.
+``LINGBOT_TEST_HOLD_FOR_SIGNAL_AFTER_STEP=N``: once step ``N`` is logged, every rank waits
+until its own preemption handler has received a signal (the drill sends its SIGTERM once it
+reads step ``N`` in the metrics), so the signal lands between steps ``N`` and ``N + 1`` and
+the step the ranks agree on does not depend on how fast the machine trains. A rank that
+gets no signal within :data:`HOLD_TIMEOUT_S` fails with an error saying so.
+
+Nothing happens when the variables are unset; the trainer calls :func:`install` once and
+:func:`hold_for_signal` after each logged step.
 """
 
 from __future__ import annotations
@@ -18,12 +25,18 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-__all__ = ["SLOW_READS_VARIABLE", "install", "read_delay"]
+__all__ = ["HOLD_FOR_SIGNAL_VARIABLE", "HOLD_TIMEOUT_S", "SLOW_READS_VARIABLE",
+           "hold_for_signal", "install", "read_delay"]
 
 SLOW_READS_VARIABLE = "LINGBOT_TEST_SLOW_READS"
+HOLD_FOR_SIGNAL_VARIABLE = "LINGBOT_TEST_HOLD_FOR_SIGNAL_AFTER_STEP"
+#: How long a held rank waits for the signal before it gives up (a drill that never sent it).
+HOLD_TIMEOUT_S = 600.0
+#: How often a held rank looks at its handler's flag.
+HOLD_POLL_S = 0.01
 
 logger = logging.getLogger("lingbot.faults")
 
@@ -74,3 +87,29 @@ def install() -> float:
     patched: Any = slow_open
     Storage.open = patched  # type: ignore[method-assign]
     return delay
+
+
+def hold_for_signal(step: int, received: Callable[[], bool]) -> None:
+    """After step ``step``: wait until ``received()`` if the hold variable names this step.
+
+    Args:
+        step: The step just logged.
+        received: Whether this rank's preemption handler has recorded a signal.
+
+    Raises:
+        RuntimeError: No signal within :data:`HOLD_TIMEOUT_S` (the message names the step).
+    """
+    spec = os.environ.get(HOLD_FOR_SIGNAL_VARIABLE)
+    if not spec or int(spec) != step or received():
+        return
+    logger.warning("%s=%s: holding after step %d until this rank's preemption handler "
+                   "receives the signal", HOLD_FOR_SIGNAL_VARIABLE, spec, step)
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while not received():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{HOLD_FOR_SIGNAL_VARIABLE}={spec}: no preemption signal "
+                               f"reached this rank within {HOLD_TIMEOUT_S:.0f} s of step "
+                               f"{step}")
+        time.sleep(HOLD_POLL_S)
+    logger.warning("%s=%s: signal received after step %d, training goes on",
+                   HOLD_FOR_SIGNAL_VARIABLE, spec, step)

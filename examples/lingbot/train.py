@@ -75,6 +75,7 @@ from examples.lingbot.data import (
     collate,
 )
 from examples.lingbot.errors import ConfigError
+from examples.lingbot.faults import hold_for_signal
 from examples.lingbot.faults import install as install_test_faults
 from examples.lingbot.model import LingBotVA, shard_model
 from examples.lingbot.recipe import build_optimizer, build_scheduler, flow_matching_step
@@ -661,6 +662,7 @@ def train(args: argparse.Namespace) -> int:
                                                       noise, config, context),
                       "epoch": sampler.epoch, "world_size": context.world_size}
             metrics.append(record)
+            hold_for_signal(step, lambda: preemption.requested)  # test-only, off by default
             if run is not None:
                 run.log({k: v for k, v in record.items() if k != "step"}, step=step)
             progress.update(1)

@@ -45,7 +45,8 @@ from typing import Any, Literal
 import torch.distributed as dist
 from torch import nn
 
-from resumekit.errors import ConfigurationError, MissingDependencyError
+from resumekit._optional import missing
+from resumekit.errors import ConfigurationError
 from resumekit.manager import CheckpointManager
 from resumekit.options import LocalTier
 from resumekit.runtime import distributed
@@ -58,17 +59,11 @@ try:
     from torchtitan.components.checkpointer import BaseCheckpointManager
     from torchtitan.tools import filesystem
 except ImportError as error:
-    # No extra installs it: torchtitan's own requirements (datasets, tensorboard, ...) are
-    # its trainer's, installed with it (pyproject.toml's test-models extra says why the
-    # tests install it without them).
-    _absent = isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == \
-        "torchtitan"
-    raise MissingDependencyError(
-        "resumekit.integrations.torchtitan needs torchtitan, which is "
-        + ("not installed: pip install 'torchtitan>=0.3'" if _absent else
-           f"installed but fails to import ({error}): pip install -U 'torchtitan>=0.3'"),
-        name="torchtitan", extra=None, feature="resumekit.integrations.torchtitan",
-    ) from error
+    # resumekit[torchtitan] installs torchtitan with its own requirements (its trainer's:
+    # datasets, tensorboard, ...); pyproject.toml's test-models extra says why the tests
+    # install it without them.
+    raise missing("torchtitan", extra="torchtitan", feature="resumekit.integrations.torchtitan",
+                  error=error) from error
 
 __all__ = ["TRAIN_STATE", "ResumekitCheckpointer"]
 

@@ -102,7 +102,9 @@ AUTO_POLL_BUDGET: Final = 0.005
 """With ``poll_every="auto"`` the votes may cost at most this fraction of training time."""
 
 AUTO_POLL_MAX_SECONDS: Final = 1.0
-"""With ``poll_every="auto"`` at most this much training time passes between two votes."""
+"""With ``poll_every="auto"`` a signal counts within this much training time: a blocking
+vote polls at least this often, an overlapped one (counted a poll after it is cast) twice
+as often."""
 
 AUTO_POLL_MAX_STEPS: Final = 64
 """With ``poll_every="auto"`` at most this many steps pass between two votes."""
@@ -242,12 +244,14 @@ class PreemptionHandler:
             :func:`resumekit.init_distributed` (gloo, long timeout). Without
             that context but with a default process group, the default group is used.
         poll_every: ``"auto"`` (the default): vote at the first call, then as often as
-            keeps the votes under :data:`AUTO_POLL_BUDGET` of the step time, at least
-            every :data:`AUTO_POLL_MAX_SECONDS` and every :data:`AUTO_POLL_MAX_STEPS`
-            steps. Each rank proposes an interval from its own timings; the vote carries
-            the proposals and every rank adopts the largest, so all ranks keep voting at
-            the same steps. An integer: vote every this many steps
-            (``step % poll_every == 0``; 1 costs one tiny all-reduce per step).
+            keeps the votes under :data:`AUTO_POLL_BUDGET` of the step time, often
+            enough that a signal counts within :data:`AUTO_POLL_MAX_SECONDS` of training
+            (an overlapped vote, counted a poll late, polls twice as often), and at least
+            every :data:`AUTO_POLL_MAX_STEPS` steps. Each rank proposes an interval from
+            its own timings; the vote carries the proposals and every rank adopts the
+            largest, so all ranks keep voting at the same steps. An integer: vote every
+            this many steps (``step % poll_every == 0``; 1 costs one tiny all-reduce per
+            step).
         grace_period: Seconds between the first signal and the kill, when known (SLURM's
             ``GraceTime``/``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``,
             torchrun's ``--shutdown-timeout``). Enables
@@ -616,7 +620,12 @@ class PreemptionHandler:
         if self.poll_every != "auto" or not self._step_seconds or self._vote_seconds is None:
             return 1, 1
         wanted = math.ceil(self._vote_seconds / (AUTO_POLL_BUDGET * self._step_seconds))
-        cap = min(AUTO_POLL_MAX_STEPS, int(AUTO_POLL_MAX_SECONDS / self._step_seconds))
+        # A signal just after a poll is counted at the next poll when the vote blocks, and
+        # a poll later when it is overlapped (cast at the next, counted at the one after):
+        # either way within AUTO_POLL_MAX_SECONDS of training.
+        polls_to_count = 2 if self._wants_overlap() else 1
+        cap = min(AUTO_POLL_MAX_STEPS,
+                  int(AUTO_POLL_MAX_SECONDS / (polls_to_count * self._step_seconds)))
         return max(1, wanted), max(1, cap)
 
     @property

@@ -8,6 +8,7 @@ a plain directory otherwise; two resumekit methods, one SIGTERM, then a relaunch
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import subprocess
@@ -28,10 +29,12 @@ ASYNC = "resumekit_async_process" if process_writer_available() else "resumekit_
 #: Twelve steps: a tiny step takes milliseconds, so a launch signalled at step 3 may train to
 #: step 6 or further before its ranks agree to stop (or be cut by the grace window under load);
 #: the relaunch must still train two steps of its own, the second being the memory
-#: figures' baseline (a CI run with six steps had neither launch give them).
+#: figures' baseline (a CI run with six steps had neither launch give them). A vote every
+#: step (``--poll-every 1``, what "auto" adopts at full size's long steps): "auto" would let
+#: a second of millisecond steps pass before the signal counts.
 TINY = ["--state-gb", "0.005", "--bandwidth-mbs", "50", "--steps", "12", "--save-every", "2",
         "--schedule", "3:sigterm", "--batch", "4", "--methods", "resumekit_sync", ASYNC,
-        "--local-rounds", "2", "--local-block", "2",
+        "--local-rounds", "2", "--local-block", "2", "--poll-every", "1",
         *([] if STAND_IN else ["--no-stand-in"])]
 
 
@@ -59,8 +62,11 @@ def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> N
     for key in ("scale_async_block_vs_memcpy", "scale_save_vs_bandwidth",
                 "scale_restore_vs_bandwidth", "scale_sigterm_steps_lost", "scale_goodput",
                 "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state",
-                "scale_step_slowdown_local_every_step"):
+                "scale_step_slowdown_local_every_step",
+                "scale_sigterm_steps_lost_tight_grace"):
         assert summary[key] is not None, key
+    tight = summary["scale_sigterm_steps_lost_tight_grace"]
+    assert isinstance(tight, int) and tight >= 0
     # DCP was not run: the ratio to it is absent, not made up.
     assert summary["scale_goodput_vs_dcp_async"] is None
 
@@ -85,6 +91,33 @@ def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> 
     sync = details["resumekit_sync"]
     assert sync["launches"][1]["resumed_from"] >= 2
     assert sync["restores"][0]["bytes"] > 0
+
+
+def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_save(
+        smoke: dict[str, Any]) -> None:
+    details = smoke["results"]["details"]
+    figures = []
+    for method in ("resumekit_sync", ASYNC):
+        tight = details[method][scale.TIGHT_GRACE]
+        assert "failed" not in tight, tight.get("failed")
+        # Sized by the save the schedule measured, in the same run.
+        assert tight["save_s"] == details[method]["save_total_s_median"] > 0
+        assert tight["grace_s"] == pytest.approx(1.3 * tight["save_s"])
+        # The step the signal was timed by took 3x the save or more, and the next one
+        # (the signalled step) had its batch: the worker grew the batch, not a sleep.
+        assert tight["step_vs_save"] >= 3
+        batches = tight["batches"]
+        measured = tight["measured_step"]
+        assert batches[measured] == batches[measured + 1] > tight["schedule_batch"]
+        assert tight["signalled_step"] == measured + 1 and tight["signal_mid_step"]
+        assert tight["signal_into_step_vs_measured"] >= 0.5 - 1e-9
+        # Completed steps lost: the last step done at the signal minus the newest commit.
+        assert tight["last_completed_at_signal"] == measured
+        assert tight["newest_committed_at_signal"] >= 2  # the harness waits for one
+        assert tight["steps_lost"] == max(0, measured - tight["newest_committed"])
+        assert details[method]["sigterm_steps_lost_tight_grace"] == tight["steps_lost"]
+        figures.append(tight["steps_lost"])
+    assert smoke["results"]["summary"]["scale_sigterm_steps_lost_tight_grace"] == max(figures)
 
 
 def test_the_local_tier_every_step_is_measured_side_by_side_with_no_checkpointing(
@@ -314,11 +347,13 @@ def test_the_summary_compares_with_the_better_dcp_executor_and_says_where_from()
 
     details = {
         "resumekit_sync": method(0.5, save_vs_bandwidth=0.95, restore_vs_bandwidth=0.8,
-                                 save_total_s_median=10.0, sigterm_steps_lost=0),
+                                 save_total_s_median=10.0, sigterm_steps_lost=0,
+                                 sigterm_steps_lost_tight_grace=2),
         "resumekit_async_process": {"skipped": "not available"},
         "resumekit_async_thread": method(0.9, save_total_s_median=12.0, sigterm_steps_lost=1,
-                                         block_vs_memcpy=1.2),
-        "dcp_async_thread": method(0.6),
+                                         block_vs_memcpy=1.2,
+                                         sigterm_steps_lost_tight_grace=1),
+        "dcp_async_thread": method(0.6, sigterm_steps_lost_tight_grace=7),
         "dcp_async_process": method(0.75),
     }
     summary, sources = scale.summarise(details)
@@ -326,6 +361,10 @@ def test_the_summary_compares_with_the_better_dcp_executor_and_says_where_from()
     assert summary["scale_goodput_vs_dcp_async"] == pytest.approx(0.9 / 0.75)
     assert summary["scale_async_total_vs_sync"] == pytest.approx(1.2)
     assert summary["scale_sigterm_steps_lost"] == 1  # the worst resumekit method
+    # The worst resumekit method that measured it (DCP's is not resumekit's figure).
+    assert summary["scale_sigterm_steps_lost_tight_grace"] == 2
+    assert "tight_grace" in sources["scale_sigterm_steps_lost_tight_grace"]
+    assert list(summary) == list(scale.TARGETS)
     assert sources["scale_goodput"] == "resumekit_async_thread"
     assert scale.meets("scale_save_vs_bandwidth", 0.95) is True
     assert scale.meets("scale_sigterm_steps_lost", 1) is False
@@ -390,3 +429,127 @@ def test_a_method_that_fails_is_recorded_and_the_others_still_run(
     assert details["torch_save"] == {"goodput": {"goodput": 0.5}}
     assert not (tmp_path / "dcp_async_process").exists()
     assert "dcp_async_process failed: the trainer exited (1) before step 4" in said
+
+
+def _tight_launch(spans: list[tuple[int, float, float | None, int]], *, pid: int = 1,
+                  earlier: bool = False) -> list[dict[str, Any]]:
+    """One rank's events: an optional earlier launch, then ``(step, begin, end, batch)``."""
+    records: list[tuple[float, str, dict[str, Any]]] = []
+    if earlier:  # a launch before this one, whose steps must not count
+        records += [(-50, "launch", {"pid": 0}), (-49, "step_begin", {"step": 9, "batch": 4}),
+                    (-48, "step", {"step": 9})]
+    records += [(0, "launch", {"pid": pid}), (0.5, "restore_begin", {}),
+                (0.6, "restore_end", {"step": 0})]
+    for step, begin, end, batch in spans:
+        records.append((begin, "step_begin", {"step": step, "batch": batch}))
+        if end is not None:
+            records.append((end, "step", {"step": step}))
+    return _events(*records)
+
+
+#: A tight-grace launch on rank 0: save 1.0 s, so steps of 3 s or more; step 1 is the
+#: warm-up, the batch grows until step 4, steps 5 and 6 keep it; the signal comes 1.6 s
+#: into step 6 (half of step 5's 3.2 s), which the SIGKILL at the end of the window cuts.
+TIGHT_RANK0 = [(1, 1.0, 1.5, 10), (2, 1.5, 2.0, 100), (3, 2.5, 4.0, 1000),
+               (4, 4.0, 7.1, 2000), (5, 7.5, 10.7, 2000), (6, 10.7, None, 2000)]
+TIGHT_RECORD = {"save_s": 1.0, "grace_s": 1.3, "signal_t": 12.3, "measured_step": 5,
+                "newest_committed": 4}
+
+
+def test_the_tight_grace_figure_is_the_last_completed_step_minus_the_newest_commit() -> None:
+    ranks = [_tight_launch(TIGHT_RANK0, earlier=True), _tight_launch(TIGHT_RANK0, pid=2)]
+    commits = {2: {"t": 2.6, "bytes": 10}, 4: {"t": 7.4, "bytes": 10}}
+    figures = scale.analyse_tight_grace(ranks, TIGHT_RECORD, commits)
+    assert figures["last_completed_at_signal"] == 5
+    assert figures["steps_lost"] == figures["steps_lost_figure"] == 1  # step 5: in none
+    assert figures["measured_step_s"] == pytest.approx(3.2)
+    assert figures["step_vs_save"] == pytest.approx(3.2)
+    assert figures["grace_vs_save"] == pytest.approx(1.3)
+    assert figures["signalled_step"] == 6 and figures["signal_mid_step"]
+    assert figures["signal_into_step_s"] == pytest.approx(1.6)
+    assert figures["signal_into_step_vs_measured"] == pytest.approx(0.5)
+    assert figures["signalled_step_s"] is None  # cut before it ended
+    assert figures["committed_after_signal"] == []
+    assert figures["batches"] == {1: 10, 2: 100, 3: 1000, 4: 2000, 5: 2000, 6: 2000}
+    # An emergency save of step 5 committed 0.8 s after the signal: nothing lost.
+    saved = scale.analyse_tight_grace(ranks, {**TIGHT_RECORD, "newest_committed": 5},
+                                      {**commits, 5: {"t": 13.1, "bytes": 10}})
+    assert saved["steps_lost_figure"] == 0
+    assert saved["committed_after_signal"] == [5]
+    assert saved["first_commit_after_signal_s"] == pytest.approx(0.8)
+    # A commit newer than any completed step loses nothing (never negative).
+    assert scale.analyse_tight_grace(ranks, {**TIGHT_RECORD, "newest_committed": 6},
+                                     commits)["steps_lost_figure"] == 0
+    # Only the last launch's steps count: with nothing committed, all five are lost.
+    assert scale.analyse_tight_grace(ranks, {**TIGHT_RECORD, "newest_committed": 0},
+                                     {})["steps_lost_figure"] == 5
+
+
+def test_a_step_is_completed_at_the_signal_only_when_every_rank_had_finished_it() -> None:
+    # Rank 1 ended step 5 after the signal: the last step completed everywhere is 4.
+    lagging = [(s, b, (12.5 if s == 5 else e), n) for s, b, e, n in TIGHT_RANK0]
+    ranks = [_tight_launch(TIGHT_RANK0), _tight_launch(lagging, pid=2)]
+    figures = scale.analyse_tight_grace(ranks, TIGHT_RECORD, {})
+    assert figures["last_completed_per_rank"] == [5, 4]
+    assert figures["last_completed_at_signal"] == 4
+    assert figures["steps_lost_figure"] == 0
+
+
+def test_the_tight_grace_figure_is_left_out_when_the_scenario_did_not_hold() -> None:
+    ranks = [_tight_launch(TIGHT_RANK0)]
+    # A save of 1.1 s: step 5 (3.2 s) is under 3x it.
+    short = scale.analyse_tight_grace(ranks, {**TIGHT_RECORD, "save_s": 1.1,
+                                              "grace_s": 1.43}, {})
+    assert short["steps_lost"] == 1 and short["steps_lost_figure"] is None
+    assert "not 3x the save" in short["why"]
+    # Step 6 ended before the signal: not a signal mid-step.
+    ended = [(s, b, (12.0 if s == 6 else e), n) for s, b, e, n in TIGHT_RANK0]
+    late = scale.analyse_tight_grace([_tight_launch(ended)], TIGHT_RECORD, {})
+    assert not late["signal_mid_step"] and late["steps_lost_figure"] is None
+    assert late["last_completed_at_signal"] == 6
+    assert "after the step" in late["why"]
+
+
+def test_the_signal_is_timed_by_a_long_step_off_the_save_steps_whose_batch_the_next_keeps(
+        ) -> None:
+    def rank0(spans: list[tuple[int, float, float | None, int]]) -> list[dict[str, Any]]:
+        return _tight_launch(spans)
+
+    # Step 1 is long but the warm-up; step 2 is long but a save_every step; step 3 is
+    # long but step 4 has a larger batch; step 5 qualifies once step 6 has begun.
+    spans = [(1, 1.0, 5.0, 10), (2, 5.0, 9.0, 10), (3, 9.0, 12.0, 10), (4, 12.0, 16.0, 20),
+             (5, 16.0, 19.5, 20)]
+    assert scale.tight_step_to_signal(rank0(spans), 3.0) is None
+    spans.append((6, 19.6, None, 20))
+    assert scale.tight_step_to_signal(rank0(spans), 3.0) == (5, 3.5, 19.6)
+    assert scale.tight_step_to_signal(rank0(spans), 3.6) is None  # too short
+    assert scale.tight_step_to_signal(rank0(spans), 3.0, after=5) is None
+    # With save_every=3, step 2 is no save step: it qualifies (same batch as step 3).
+    assert scale.tight_step_to_signal(rank0(spans), 3.0, every=3) == (2, 4.0, 9.0)
+
+
+def test_the_worker_grows_the_batch_until_a_step_takes_the_wanted_time_then_keeps_it(
+        tmp_path: Path) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from benchmarks.scale_worker import BATCH_AIM, MAX_BATCH_GROWTH, BatchGrowth  # noqa: PLC0415
+
+    def step_s(batch: int) -> float:  # a step: a fixed 2 s (collectives, AdamW) + 1 ms a row
+        return 2.0 + 0.001 * batch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        growth = BatchGrowth(min_step_s=10.0)
+        batches = [4]
+        for _ in range(8):
+            batches.append(growth.next(batches[-1], step_s(batches[-1])))
+    finally:
+        dist.destroy_process_group()
+    assert all(b <= a * MAX_BATCH_GROWTH for a, b in itertools.pairwise(batches))
+    reached = next(i for i, b in enumerate(batches) if step_s(b) >= 10.0)
+    # The secant through two steps after the first finds the line: reached within 4 steps,
+    # not past the aim, and kept from then on.
+    assert reached <= 4
+    assert step_s(batches[reached]) <= BATCH_AIM * 10.0 + 1e-9
+    assert set(batches[reached:]) == {batches[reached]}

@@ -5,6 +5,11 @@ commit it together while the step in progress runs (the weights of that step, no
 optimizer step after the signal). When one rank only is signalled, the ranks hold no copy
 of one same step: nothing is written at the signal, and the agreed preemption saves the
 step it stops at, as before; no rank waits for another.
+
+The step at which the ranks agree to stop is the vote's (``poll_every``/``overlap``
+"auto"), with the capture on as with it off: with steps short next to the vote's latency
+cap the ranks train on for several steps after the signal either way (issue 38.1's CI
+rehearsal). Steps are made short by the handler's injected clock, never by sleeping.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import resumekit
+from resumekit.runtime.preemption import AUTO_POLL_MAX_SECONDS
 from tests.distributed_harness import run_ranks
 
 
@@ -87,3 +93,62 @@ def test_a_signal_commits_the_last_completed_step_mid_step_when_every_rank_holds
     results = run_ranks(_ranks, world_size=2, args=(str(tmp_path / "root"), signalled))
     for result in results:
         assert result == expected
+
+
+#: A step's length as the handler's clock measures it: 20 steps per AUTO_POLL_MAX_SECONDS.
+SHORT_STEP_S = 0.05
+SIGNAL_AFTER_STEP = 3
+MAX_STEPS = 200
+
+
+class _SteppedClock:
+    """A clock only the test moves: one millisecond per reading plus each step's length."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def _short_steps(rank: int, world_size: int, root: str, capture: bool) -> dict[str, Any]:
+    model, optimizer = _build()
+    handler = resumekit.PreemptionHandler(grace_period=600)  # poll_every, overlap: "auto"
+    clock = _SteppedClock()
+    handler._timer = clock
+    ckpt = resumekit.CheckpointManager(root, model=model, optimizer=optimizer,
+                                       save_every=1000, capture_at_signal=capture,
+                                       preemption=handler)
+    ckpt.restore()
+    stopped_at = None
+    for step in range(1, MAX_STEPS + 1):
+        _train(model, optimizer)
+        clock.now += SHORT_STEP_S
+        if step == SIGNAL_AFTER_STEP + 1:
+            assert handler.requested  # the handler ran on this rank before this step's end
+        if ckpt.step_end(step):
+            stopped_at = step
+            break
+        if step == SIGNAL_AFTER_STEP:
+            os.kill(os.getpid(), signal.SIGTERM)  # every rank, during step 4
+    committed = [entry.step for entry in ckpt.checkpoints() if entry.status == "committed"]
+    ckpt.close()
+    return {"stopped_at": stopped_at, "agreed_step": handler.agreed_step, "steps": committed}
+
+
+def test_the_capture_leaves_the_step_the_ranks_stop_at_to_the_vote(tmp_path: Path) -> None:
+    off = run_ranks(_short_steps, world_size=2, args=(str(tmp_path / "off"), False))
+    on = run_ranks(_short_steps, world_size=2, args=(str(tmp_path / "on"), True))
+    stops = {result["stopped_at"] for result in off + on}
+    assert len(stops) == 1, (off, on)  # every rank, with and without the capture
+    (stop,) = stops
+    # The vote's latency alone, capture or not: auto polls (overlapped here, counted a poll
+    # after they are cast) count a signal within AUTO_POLL_MAX_SECONDS of steps after the
+    # step it arrived in (before the cap was halved for overlapped votes: step 26).
+    assert stop is not None and stop > SIGNAL_AFTER_STEP
+    assert (stop - (SIGNAL_AFTER_STEP + 1)) * SHORT_STEP_S <= AUTO_POLL_MAX_SECONDS, stop
+    assert all(result["agreed_step"] == stop for result in off + on)
+    # Off: the agreed save only. On: the copy of step 3, committed at the signal, stays.
+    assert [result["steps"] for result in off] == [[stop]] * 2
+    assert [result["steps"] for result in on] == [[SIGNAL_AFTER_STEP, stop]] * 2

@@ -17,7 +17,9 @@ test-models extra), and its model's flex attention has no backward on CPU
 (``NotImplementedError: FlexAttention does not support backward on CPU``). So the forward
 and backward are replaced by gradients drawn from the global RNG (restored by the
 checkpoint: a resume that lost it diverges) plus the batch's mean (the data position: a
-resume that replays or skips data diverges).
+resume that replays or skips data diverges). tests/dist/test_torchtitan_trainer.py runs the
+``Trainer`` itself, with the shims of tests/dist/torchtitan_real_trainer_runner.py; this
+loop stays for the comparison with torchtitan's own checkpointer.
 
 Environment: ``TITAN_CHECKPOINTER=torchtitan`` builds torchtitan's own
 ``CheckpointManager.Config`` there instead (the comparison), ``TITAN_STEPS`` (default 8),

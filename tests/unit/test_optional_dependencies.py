@@ -177,7 +177,7 @@ def test_the_torchtitan_integration_without_torchtitan_says_how_to_install_it() 
     """)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ("resumekit.integrations.torchtitan needs torchtitan, which "
-                                   "is not installed: pip install 'torchtitan>=0.3'")
+                                   "is not installed: pip install 'resumekit[torchtitan]'")
 
 
 def test_an_hf_trainer_import_with_a_model_but_without_transformers_names_the_hf_extra(
@@ -248,9 +248,32 @@ def test_no_extra_and_no_dependency_but_the_one_bound_names_torch() -> None:
 
 
 def test_the_dev_extra_installs_every_feature_extra() -> None:
+    """Every feature extra's requirements are dev's, or (the torchtitan extra) test-models'.
+
+    test-models is installed ``--no-deps`` beside dev (the Makefile): torchtitan's own
+    requirements would pin fsspec below the S3 stack's. There the package must be pinned
+    (``==``) at a version the feature extra's floor (``>=``) admits.
+    """
+    def version(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("."))
+
     dev = set(PROJECT["optional-dependencies"]["dev"])
+    pinned = dict(requirement.split("==", 1)
+                  for requirement in PROJECT["optional-dependencies"]["test-models"]
+                  if "==" in requirement)
     for name, extra in EXTRAS.items():
-        assert set(extra.requirements) <= dev, name
+        for requirement in extra.requirements:
+            if requirement in dev:
+                continue
+            package, floor = requirement.split(">=", 1)
+            assert package in pinned, (name, requirement)
+            assert version(pinned[package]) >= version(floor), (name, requirement)
+
+
+def test_the_torchtitan_extra_is_installed_by_test_models_not_dev() -> None:
+    assert "torchtitan>=0.3" not in PROJECT["optional-dependencies"]["dev"]
+    assert EXTRAS["torchtitan"].requirements == ("torchtitan>=0.3",)
+    assert "torchtitan==0.3.0" in PROJECT["optional-dependencies"]["test-models"]
 
 
 def _imported_modules(folder: Path) -> Iterator[tuple[str, Path]]:

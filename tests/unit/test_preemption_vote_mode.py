@@ -186,3 +186,17 @@ def test_auto_polling_adopts_the_largest_budget_wish_capped_by_the_smallest_late
     counted = torch.stack(ballots).max(dim=0).values  # what the all-reduce (MAX) gives
     handler._count(counted, 4, cast_at=0.0)
     assert handler.poll_interval == interval
+
+
+@pytest.mark.parametrize(("overlap", "cap"), [(False, 20), (True, 10)])
+def test_auto_polling_counts_a_signal_within_a_second_of_training_blocking_or_overlapped(
+        overlap: bool, cap: int) -> None:
+    # 50 ms steps: a blocking vote counts a signal at the next poll, so it may poll every
+    # 20 steps; an overlapped one counts it a poll later, so it must poll every 10.
+    handler = PreemptionHandler(overlap=overlap)
+    handler._step_seconds = 0.05
+    handler._vote_seconds = 0.0001
+    handler._blocking_vote_seconds = 0.0001
+    _wanted, proposed_cap = handler._proposed_interval()
+    assert proposed_cap == cap
+    assert proposed_cap * (2 if overlap else 1) * handler._step_seconds <= 1.0
