@@ -476,8 +476,10 @@ def run(scale: dict[str, Any], latest: dict[str, Any], *, samples: int = SAMPLES
                    "state_bytes_per_rank": STATE_BYTES_PER_RANK,
                    "weights_bytes": WEIGHTS_BYTES, "nas_bytes_per_s": NAS_BYTES_PER_S,
                    "step_s": STEP_S, "grace_s": GRACE_S, "samples": samples,
-                   "resumekit_defaults": "CheckpointManager(root, save_every='auto'), "
-                                         "every other knob at its default (blocking saves)"},
+                   "resumekit_defaults": "CheckpointManager(root, save_every='auto', "
+                                         "preemption=PreemptionHandler(grace_period=...)), "
+                                         "every other knob at its default (blocking saves; "
+                                         "capture_at_signal on)"},
         "figures": asdict(fig),
         "sources": sources,
     }

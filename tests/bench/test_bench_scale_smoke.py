@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 
 from benchmarks import nas, scale, scale_local
 from benchmarks.scale_worker import process_writer_available
-from tests.limits import TEST_HANG_S
+from tests.limits import HANG_S, TEST_HANG_S
 
 pytestmark = pytest.mark.timeout(TEST_HANG_S)
 
@@ -62,11 +63,19 @@ def test_the_summary_holds_every_key_the_issue_names(smoke: dict[str, Any]) -> N
     for key in ("scale_async_block_vs_memcpy", "scale_save_vs_bandwidth",
                 "scale_restore_vs_bandwidth", "scale_sigterm_steps_lost", "scale_goodput",
                 "scale_peak_rss_async_vs_state", "scale_peak_rss_sync_vs_state",
-                "scale_step_slowdown_local_every_step",
-                "scale_sigterm_steps_lost_tight_grace"):
+                "scale_step_slowdown_local_every_step"):
         assert summary[key] is not None, key
+    # The tight-grace figure: measured, unless the scenario did not hold for any method -
+    # on a loaded machine the signalled step may end before the signal, timed from a
+    # longer step; then it is left out and each method says so (never a number made up).
     tight = summary["scale_sigterm_steps_lost_tight_grace"]
-    assert isinstance(tight, int) and tight >= 0
+    if tight is None:
+        for method in ("resumekit_sync", ASYNC):
+            figures = smoke["results"]["details"][method][scale.TIGHT_GRACE]
+            assert "not_held" in figures or (
+                "after the step it was timed for had ended" in figures["why"]), figures
+    else:
+        assert isinstance(tight, int) and tight >= 0
     # DCP was not run: the ratio to it is absent, not made up.
     assert summary["scale_goodput_vs_dcp_async"] is None
 
@@ -100,6 +109,10 @@ def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_s
     for method in ("resumekit_sync", ASYNC):
         tight = details[method][scale.TIGHT_GRACE]
         assert "failed" not in tight, tight.get("failed")
+        if "not_held" in tight:  # no step of 3x the save on this (loaded) machine: said
+            assert "3x the save" in tight["not_held"] and tight["steps_lost_figure"] is None
+            assert details[method]["sigterm_steps_lost_tight_grace"] is None, method
+            continue
         # Sized by the save the schedule measured, in the same run.
         assert tight["save_s"] == details[method]["save_total_s_median"] > 0
         assert tight["grace_s"] == pytest.approx(1.3 * tight["save_s"])
@@ -109,7 +122,14 @@ def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_s
         batches = tight["batches"]
         measured = tight["measured_step"]
         assert batches[measured] == batches[measured + 1] > tight["schedule_batch"]
-        assert tight["signalled_step"] == measured + 1 and tight["signal_mid_step"]
+        assert tight["signalled_step"] == measured + 1
+        if not tight["signal_mid_step"]:
+            # Load made the signalled step shorter than half the one it was timed by: the
+            # scenario did not hold, and the figure is left out, saying why.
+            assert tight["steps_lost_figure"] is None, method
+            assert details[method]["sigterm_steps_lost_tight_grace"] is None, method
+            assert "after the step it was timed for had ended" in tight["why"], method
+            continue
         assert tight["signal_into_step_vs_measured"] >= 0.5 - 1e-9
         # Completed steps lost: the last step done at the signal minus the newest commit.
         assert tight["last_completed_at_signal"] == measured
@@ -117,7 +137,8 @@ def test_each_resumekit_method_had_a_tight_grace_sigterm_mid_step_sized_by_its_s
         assert tight["steps_lost"] == max(0, measured - tight["newest_committed"])
         assert details[method]["sigterm_steps_lost_tight_grace"] == tight["steps_lost"]
         figures.append(tight["steps_lost"])
-    assert smoke["results"]["summary"]["scale_sigterm_steps_lost_tight_grace"] == max(figures)
+    assert smoke["results"]["summary"]["scale_sigterm_steps_lost_tight_grace"] == max(
+        figures, default=None)
 
 
 def test_the_local_tier_every_step_is_measured_side_by_side_with_no_checkpointing(
@@ -553,3 +574,16 @@ def test_the_worker_grows_the_batch_until_a_step_takes_the_wanted_time_then_keep
     assert reached <= 4
     assert step_s(batches[reached]) <= BATCH_AIM * 10.0 + 1e-9
     assert set(batches[reached:]) == {batches[reached]}
+
+
+def test_a_tight_grace_launch_that_never_trains_a_long_enough_step_is_not_held_not_failed(
+        tmp_path: Path) -> None:
+    # The trainer ended (here: a process that exits at once) with no step of 3x the save
+    # in its events: the machine's timing, reported as the scenario not holding.
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"kind": "launch", "pid": 1, "t": 0.0}) + "\n")
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    with pytest.raises(scale.TightScenarioNotMet, match=r"3x the save\) was measured"):
+        scale._wait_tight_step(events, process, wanted=30.0, timeout=HANG_S,
+                               committed=lambda: True)

@@ -133,7 +133,7 @@ def test_a_sigterm_mid_run_commits_the_agreed_step_exits_75_and_the_relaunch_los
     assert records[1]["steps"][-1] == agreed >= 5  # no step lost but the one in progress
     committed = _committed(tmp_path / "checkpoint")
     assert committed[0] == (4, "interval") and committed[-1] == (agreed, "preemption")
-    # The capture at the signal (when on) may commit step 5, the last step completed
+    # The capture at the signal (on by default) may commit step 5, the last step completed
     # when the signal came, before the ranks agree to stop at a newer one.
     assert committed[1:-1] in ([], [(5, "preemption")]), committed
 

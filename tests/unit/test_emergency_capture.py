@@ -275,21 +275,21 @@ def test_a_signal_commits_the_last_completed_step_of_every_optimizer_in_a_list(
             assert torch.equal(restored[key], value), key  # step 2's, not step 3's
 
 
-def test_the_capture_is_off_by_default_and_on_when_asked_with_a_handler(
+def test_the_capture_is_on_by_default_with_a_handler_and_off_when_turned_off(
     tmp_path: Path,
 ) -> None:
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
-    off = CheckpointManager(tmp_path / "off", model=model, optimizer=optimizer,
-                            preemption=handler)
-    assert off._emergency is None
-    off.close()
     on = CheckpointManager(tmp_path / "on", model=model, optimizer=optimizer,
-                           preemption=handler, capture_at_signal=True)
+                           preemption=handler)
     assert on._emergency is not None
     on.close()
-    assert CheckpointManager(tmp_path / "none", model=model, optimizer=optimizer,
-                             capture_at_signal=True)._emergency is None
+    off = CheckpointManager(tmp_path / "off", model=model, optimizer=optimizer,
+                            preemption=handler, capture_at_signal=False)
+    assert off._emergency is None
+    off.close()
+    assert CheckpointManager(tmp_path / "none", model=model,
+                             optimizer=optimizer)._emergency is None
 
 
 def test_a_second_signal_during_the_emergency_write_starts_nothing_and_says_so(
