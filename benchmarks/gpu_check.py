@@ -8,7 +8,7 @@ On a machine with CUDA it runs, with 1 rank (and with 2 ranks when 2+ GPUs are v
   round-tripped through ``torch.load(weights_only=True)``;
 * ``aligned_staging`` and ``pinned_staging``: page-aligned staging buffers
   (``aligned_empty``), pinned (``pin_memory=True``, ``is_pinned()``), and the
-  :class:`~resumekit.tensors.sharded.CpuStager` of async saves staging CUDA tensors;
+  :class:`~resumekit.tensors.CpuStager` of async saves staging CUDA tensors;
 * ``async_save_d2h``: ``CheckpointManager(async_save=True)`` over FSDP2-sharded CUDA
   parameters: the staged copy equals the device tensors, training mutates the parameters
   while the write runs, the checkpoint holds the state of the save's step; figures: the
@@ -99,15 +99,15 @@ CUDA_PATHS = {
     "rng_capture_restore": "CUDA RNG capture and restore (resumekit/state/rng.py)",
     "aligned_staging": "page-aligned staging of CUDA tensors (raw_tensor_files.aligned_empty)",
     "pinned_staging": "pinned page-aligned staging buffers aligned_empty(pin_memory=True) "
-                      "and CpuStager pinning (resumekit/tensors/raw/, sharded.py)",
+                      "and CpuStager pinning (resumekit/tensors/raw/, tensor_io.py)",
     "fsdp2_bf16": "FSDP2 fully_shard with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
                   "on CUDA",
     "sync_save_odirect": "sync save of CUDA tensors through the O_DIRECT bounce buffer "
                          "(raw_tensor_files.RawTensorWriter)",
     "async_save_d2h": "async save device-to-host copy (CheckpointManager(async_save=True), "
-                      "sharded.CpuStager) and its blocking time vs a plain D2H copy",
+                      "tensors.CpuStager) and its blocking time vs a plain D2H copy",
     "restore_cuda_dtensor": "restore into CUDA DTensors, bit-identical "
-                            "(CheckpointManager.restore, sharded.load), save/restore GB/s",
+                            "(CheckpointManager.restore, tensor_io.load), save/restore GB/s",
     "lingbot_drill": "LingBot tiny kill/resume drill in bf16 on CUDA (examples/lingbot)",
     "scale_d2h_staging": "issue 27's scale figures at ~2 GB per rank: an async save's "
                          "blocking time (pinned D2H staging) vs a plain pinned D2H copy, "
@@ -348,8 +348,8 @@ def _check_rng(state: dict[str, Any]) -> dict[str, Any]:
 def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from resumekit.tensors import CpuStager
     from resumekit.tensors.raw import ALIGNMENT, aligned_empty
-    from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
     shapes = [(1,), (1000,), (4097,), (3, 5, 7), (2, 4096)]
@@ -379,8 +379,8 @@ def _check_aligned(state: dict[str, Any]) -> dict[str, Any]:
 def _check_pinned(state: dict[str, Any]) -> dict[str, Any]:
     import torch
 
+    from resumekit.tensors import CpuStager
     from resumekit.tensors.raw import ALIGNMENT, aligned_empty
-    from resumekit.tensors.sharded import CpuStager
 
     device = state["ctx"].device
     checked = 0
@@ -593,7 +593,7 @@ class _Recorder:
     def installed(self) -> Iterator[None]:
         from resumekit.tensors.raw import writer as raw_writer
 
-        original = raw_writer._AlignedFile
+        original = raw_writer.AlignedFile
         recorder = self
 
         class Recording(original):  # type: ignore[misc, valid-type]
@@ -610,11 +610,11 @@ class _Recorder:
                         "bounce_buffer": self._bounce is not None, "bytes": self.offset})
                 super().__exit__(*exc_info)
 
-        raw_writer._AlignedFile = Recording  # type: ignore[misc]
+        raw_writer.AlignedFile = Recording  # type: ignore[misc]
         try:
             yield
         finally:
-            raw_writer._AlignedFile = original  # type: ignore[misc]
+            raw_writer.AlignedFile = original  # type: ignore[misc]
 
 
 def _direct_io_supported(directory: Path) -> bool:
@@ -634,7 +634,7 @@ def _direct_io_supported(directory: Path) -> bool:
 def _check_sync_save(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     import torch
 
-    from resumekit.tensors import sharded
+    from resumekit import tensors as tensor_io
 
     ctx = state["ctx"]
     device = ctx.device
@@ -653,9 +653,9 @@ def _check_sync_save(state: dict[str, Any], scratch: Path) -> dict[str, Any]:
     direct_ok = _direct_io_supported(target.parent)
     recorder = _Recorder()
     with recorder.installed():
-        sharded.save(dict(tensors), target, process_group=ctx.checkpoint_group)
+        tensor_io.save(dict(tensors), target, process_group=ctx.checkpoint_group)
     back = {key: torch.zeros_like(value) for key, value in tensors.items()}
-    sharded.load(back, target, process_group=ctx.checkpoint_group)
+    tensor_io.load(back, target, process_group=ctx.checkpoint_group)
     for key, value in tensors.items():
         expect(back[key].device == value.device, f"{key} loaded onto {back[key].device}")
         expect(torch.equal(back[key], value), f"{key} read back differs from the saved tensor")

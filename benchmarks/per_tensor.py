@@ -22,10 +22,10 @@ from torch import nn
 
 from benchmarks.peers import write_all
 from benchmarks.timing import FreshDirs, clock, fsync_tree, interleave, remove
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
 from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.retention import keep_all
-from resumekit.tensors import sharded
 
 #: Elements per tensor: 192 fp32 = 768 bytes, the issue's 10k tensors = 7.7 MB.
 ELEMENTS = 192
@@ -121,7 +121,7 @@ def bench_per_tensor(work: Path, count: int, rounds: int,
     # The metadata of the same state by resumekit's writer and by plain DCP, into
     # directories of the same name length (the path is recorded in it once).
     ours, theirs = work / "per-tensor-md-rk", work / "per-tensor-md-dc"
-    sharded.save({"model": model.state_dict()}, ours)
+    tensors.save({"model": model.state_dict()}, ours)
     _dcp_save(model, theirs)
     metadata = {"resumekit": (ours / DCP_METADATA_FILE).stat().st_size,
                 "dcp": (theirs / DCP_METADATA_FILE).stat().st_size}

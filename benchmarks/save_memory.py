@@ -91,9 +91,9 @@ class Segments:
 def _resumekit_phases(segments: Segments) -> None:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: PLC0415
 
-    from resumekit import manager, saving  # noqa: PLC0415
+    from resumekit import manager, save_job  # noqa: PLC0415
+    from resumekit import tensors as tensor_io  # noqa: PLC0415
     from resumekit.store.commit import CommitProtocol  # noqa: PLC0415
-    from resumekit.tensors import sharded  # noqa: PLC0415
     from resumekit.tensors.raw import RawTensorWriter  # noqa: PLC0415
 
     segments.wrap(manager.CheckpointManager, "_capture", "save:capture")
@@ -102,9 +102,9 @@ def _resumekit_phases(segments: Segments) -> None:
     segments.wrap(DefaultSavePlanner, "finish_plan", "save:plan")
     segments.wrap(RawTensorWriter, "write_data", "save:write_data")
     segments.wrap(RawTensorWriter, "finish", "save:metadata")
-    segments.wrap(sharded, "step_files", "save:small_files")
+    segments.wrap(tensor_io, "step_files", "save:small_files")
     segments.wrap(CommitProtocol, "publish", "save:publish")
-    segments.wrap(saving, "apply_retention", "save:retention")
+    segments.wrap(save_job, "apply_retention", "save:retention")
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -75,8 +75,9 @@ from benchmarks.scale_worker import (
 from benchmarks.timing import evict, files_under, machine_facts, median, remove
 from benchmarks.workload import Shape, shape_for
 from examples.lingbot.drill import kill_tree, process_tree
-from resumekit import NameFormat, Storage, list_checkpoints
-from resumekit.store.layout import DEFAULT_NAME_FORMAT
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.layout import DEFAULT_NAME_FORMAT, NameFormat
+from resumekit.store.storage import Storage
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -1,10 +1,16 @@
 """resumekit: preemption-proof checkpoints for PyTorch distributed training.
 
-The public API is re-exported here and imported lazily on first use, so light users
-do not import torch at all: the commit store (``catalog``, ``commit``, ``retention``) and
-the command line's ``--help``, ``inspect ROOT``, ``verify`` and ``prune``
-(``tests/unit/test_cli_imports.py``, ``tests/unit/test_public_api.py``). Each module
-behind it does one job (see ``docs/design.md``, which also says what is public).
+``__all__`` holds what a trainer calls (about thirty names: the manager and its options,
+process groups, preemption and requeue, the samplers, retention policies, the main errors);
+everything else is imported from the module that defines it (``resumekit.errors``,
+``resumekit.store.catalog``, ...; docs/api.md lists each, by subpackage). A name this
+package exported up to 0.3.0 and no longer does still resolves as ``resumekit.<name>``,
+with one :class:`~resumekit.warnings.MovedNameWarning` naming its module (``_MOVED``).
+
+The names are imported lazily on first use, so light users do not import torch at all:
+the commit store and the command line's ``--help``, ``inspect ROOT``, ``verify`` and
+``prune`` (``tests/unit/test_cli_imports.py``, ``tests/unit/test_public_api.py``). Each
+module behind it does one job (``docs/design.md``).
 """
 
 from __future__ import annotations
@@ -33,28 +39,12 @@ if TYPE_CHECKING:
         AsyncSaveError,
         CheckpointNotFoundError,
         ConfigurationError,
-        CoordinationError,
         CorruptCheckpointError,
-        DistributedSetupError,
-        FencedWriterError,
-        ForeignCheckpointError,
         IncompatibleCheckpointError,
-        IncompatibleVersionError,
-        IncompleteCheckpointError,
-        ManifestError,
-        MissingDependencyError,
         PreemptionError,
         ResumekitError,
-        ResumeStepError,
-        StepCollisionError,
-        StorageError,
-        UnreadableFormatError,
-        UnsafeCheckpointError,
-        UnsupportedSchemaError,
-        WriterProcessError,
     )
     from resumekit.manager import (
-        CheckpointInfo,
         CheckpointManager,
     )
     from resumekit.options import (
@@ -63,23 +53,18 @@ if TYPE_CHECKING:
     )
     from resumekit.runtime.distributed import (
         DistributedContext,
-        current_context,
         init_distributed,
         meet,
         shutdown,
     )
     from resumekit.runtime.preemption import (
         EXIT_CODE_PREEMPTED,
-        EmergencySaveSkippedWarning,
         PreemptionHandler,
         protect_loader_workers,
     )
-    from resumekit.runtime.requeue import REQUEUE_SIGNALS, requeue_after_signal, requeue_slurm_job
-    from resumekit.runtime.save_clock import CommitClock, SaveEstimate
-    from resumekit.state.rng import (
-        capture_rng,
-        restore_rng,
-        select_rank_rng,
+    from resumekit.runtime.requeue import (
+        requeue_after_signal,
+        requeue_slurm_job,
     )
     from resumekit.state.sampler import (
         ResumableDistributedSampler,
@@ -89,27 +74,6 @@ if TYPE_CHECKING:
     from resumekit.state.train_state import (
         StatefulGroup,
     )
-    from resumekit.store.catalog import (
-        CheckpointEntry,
-        list_checkpoints,
-        read_manifest,
-        verify_checkpoint,
-    )
-    from resumekit.store.commit import (
-        CommitProtocol,
-    )
-    from resumekit.store.layout import (
-        NameFormat,
-    )
-    from resumekit.store.manifest import (
-        Lineage,
-        Manifest,
-        SaveReason,
-        SaveThroughput,
-    )
-    from resumekit.store.newest import (
-        latest_committed,
-    )
     from resumekit.store.retention import (
         RetentionPolicy,
         keep_all,
@@ -117,78 +81,38 @@ if TYPE_CHECKING:
         keep_every,
         keep_last,
         keep_steps,
-        prune,
     )
-    from resumekit.store.storage import (
-        Storage,
-    )
-    from resumekit.tensors.sharded import (
+    from resumekit.tensors import (
         StorageReader,
     )
     from resumekit.tools.importers import (
-        ImportResult,
         import_checkpoint,
     )
     from resumekit.warnings import (
-        LocalTierMissWarning,
         ResumekitWarning,
-        UnsupportedTorchWarning,
     )
 
+#: What a trainer calls: each name -> the module that defines it (imported on first use).
 _EXPORTS: dict[str, str] = {
     "AsyncSaveError": "resumekit.errors",
-    "CheckpointEntry": "resumekit.store.catalog",
-    "CheckpointInfo": "resumekit.manager",
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
     "CheckpointOptions": "resumekit.options",
-    "CommitClock": "resumekit.runtime.save_clock",
-    "CommitProtocol": "resumekit.store.commit",
     "ConfigurationError": "resumekit.errors",
-    "CoordinationError": "resumekit.errors",
     "CorruptCheckpointError": "resumekit.errors",
     "DistributedContext": "resumekit.runtime.distributed",
-    "DistributedSetupError": "resumekit.errors",
     "EXIT_CODE_PREEMPTED": "resumekit.runtime.preemption",
-    "FencedWriterError": "resumekit.errors",
-    "ForeignCheckpointError": "resumekit.errors",
-    "ImportResult": "resumekit.tools.importers",
     "IncompatibleCheckpointError": "resumekit.errors",
-    "IncompatibleVersionError": "resumekit.errors",
-    "IncompleteCheckpointError": "resumekit.errors",
-    "Lineage": "resumekit.store.manifest",
     "LocalTier": "resumekit.options",
-    "SaveEstimate": "resumekit.runtime.save_clock",
-    "SaveThroughput": "resumekit.store.manifest",
-    "Manifest": "resumekit.store.manifest",
-    "ManifestError": "resumekit.errors",
-    "MissingDependencyError": "resumekit.errors",
-    "NameFormat": "resumekit.store.layout",
     "PreemptionError": "resumekit.errors",
     "PreemptionHandler": "resumekit.runtime.preemption",
-    "protect_loader_workers": "resumekit.runtime.preemption",
-    "EmergencySaveSkippedWarning": "resumekit.runtime.preemption",
-    "REQUEUE_SIGNALS": "resumekit.runtime.requeue",
     "ResumableDistributedSampler": "resumekit.state.sampler",
-    "ResumeStepError": "resumekit.errors",
     "ResumekitError": "resumekit.errors",
     "ResumekitWarning": "resumekit.warnings",
-    "LocalTierMissWarning": "resumekit.warnings",
     "RetentionPolicy": "resumekit.store.retention",
-    "SaveReason": "resumekit.store.manifest",
     "SkipAheadSampler": "resumekit.state.sampler",
     "StatefulGroup": "resumekit.state.train_state",
-    "StepCollisionError": "resumekit.errors",
-    "Storage": "resumekit.store.storage",
-    "StorageError": "resumekit.errors",
-    "StorageReader": "resumekit.tensors.sharded",
-    "UnreadableFormatError": "resumekit.errors",
-    "UnsafeCheckpointError": "resumekit.errors",
-    "UnsupportedSchemaError": "resumekit.errors",
-    "UnsupportedTorchWarning": "resumekit.warnings",
-    "WriterProcessError": "resumekit.errors",
-    "capture_rng": "resumekit.state.rng",
-    "current_context": "resumekit.runtime.distributed",
+    "StorageReader": "resumekit.tensors",
     "import_checkpoint": "resumekit.tools.importers",
     "init_distributed": "resumekit.runtime.distributed",
     "keep_all": "resumekit.store.retention",
@@ -196,74 +120,81 @@ _EXPORTS: dict[str, str] = {
     "keep_every": "resumekit.store.retention",
     "keep_last": "resumekit.store.retention",
     "keep_steps": "resumekit.store.retention",
-    "latest_committed": "resumekit.store.newest",
-    "list_checkpoints": "resumekit.store.catalog",
     "meet": "resumekit.runtime.distributed",
-    "prune": "resumekit.store.retention",
-    "read_manifest": "resumekit.store.catalog",
+    "protect_loader_workers": "resumekit.runtime.preemption",
     "requeue_after_signal": "resumekit.runtime.requeue",
     "requeue_slurm_job": "resumekit.runtime.requeue",
+    "shutdown": "resumekit.runtime.distributed",
+    "wrap_sampler": "resumekit.state.sampler",
+}
+
+#: Names ``resumekit`` exported up to 0.3.0 that a trainer does not call: each still
+#: resolves as ``resumekit.<name>``, with one :class:`MovedNameWarning` naming its module
+#: (the public path now, documented on docs/api.md), until 0.5.0.
+_MOVED: dict[str, str] = {
+    "CheckpointEntry": "resumekit.store.catalog",
+    "CheckpointInfo": "resumekit.manager",
+    "CommitClock": "resumekit.runtime.save_clock",
+    "CommitProtocol": "resumekit.store.commit",
+    "CoordinationError": "resumekit.errors",
+    "DistributedSetupError": "resumekit.errors",
+    "EmergencySaveSkippedWarning": "resumekit.runtime.preemption",
+    "FencedWriterError": "resumekit.errors",
+    "ForeignCheckpointError": "resumekit.errors",
+    "ImportResult": "resumekit.tools.importers",
+    "IncompatibleVersionError": "resumekit.errors",
+    "IncompleteCheckpointError": "resumekit.errors",
+    "Lineage": "resumekit.store.manifest",
+    "LocalTierMissWarning": "resumekit.warnings",
+    "Manifest": "resumekit.store.manifest",
+    "ManifestError": "resumekit.errors",
+    "MissingDependencyError": "resumekit.errors",
+    "NameFormat": "resumekit.store.layout",
+    "REQUEUE_SIGNALS": "resumekit.runtime.requeue",
+    "ResumeStepError": "resumekit.errors",
+    "SaveEstimate": "resumekit.runtime.save_clock",
+    "SaveReason": "resumekit.store.manifest",
+    "SaveThroughput": "resumekit.store.manifest",
+    "StepCollisionError": "resumekit.errors",
+    "Storage": "resumekit.store.storage",
+    "StorageError": "resumekit.errors",
+    "UnreadableFormatError": "resumekit.errors",
+    "UnsafeCheckpointError": "resumekit.errors",
+    "UnsupportedSchemaError": "resumekit.errors",
+    "UnsupportedTorchWarning": "resumekit.warnings",
+    "WriterProcessError": "resumekit.errors",
+    "capture_rng": "resumekit.state.rng",
+    "current_context": "resumekit.runtime.distributed",
+    "latest_committed": "resumekit.store.newest",
+    "list_checkpoints": "resumekit.store.catalog",
+    "prune": "resumekit.store.retention",
+    "read_manifest": "resumekit.store.catalog",
     "restore_rng": "resumekit.state.rng",
     "select_rank_rng": "resumekit.state.rng",
-    "shutdown": "resumekit.runtime.distributed",
     "verify_checkpoint": "resumekit.store.catalog",
-    "wrap_sampler": "resumekit.state.sampler",
 }
 
 __all__ = [
     "EXIT_CODE_PREEMPTED",
-    "REQUEUE_SIGNALS",
     "AsyncSaveError",
-    "CheckpointEntry",
-    "CheckpointInfo",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointOptions",
-    "CommitClock",
-    "CommitProtocol",
     "ConfigurationError",
-    "CoordinationError",
     "CorruptCheckpointError",
     "DistributedContext",
-    "DistributedSetupError",
-    "EmergencySaveSkippedWarning",
-    "FencedWriterError",
-    "ForeignCheckpointError",
-    "ImportResult",
     "IncompatibleCheckpointError",
-    "IncompatibleVersionError",
-    "IncompleteCheckpointError",
-    "Lineage",
     "LocalTier",
-    "LocalTierMissWarning",
-    "Manifest",
-    "ManifestError",
-    "MissingDependencyError",
-    "NameFormat",
     "PreemptionError",
     "PreemptionHandler",
     "ResumableDistributedSampler",
-    "ResumeStepError",
     "ResumekitError",
     "ResumekitWarning",
     "RetentionPolicy",
-    "SaveEstimate",
-    "SaveReason",
-    "SaveThroughput",
     "SkipAheadSampler",
     "StatefulGroup",
-    "StepCollisionError",
-    "Storage",
-    "StorageError",
     "StorageReader",
-    "UnreadableFormatError",
-    "UnsafeCheckpointError",
-    "UnsupportedSchemaError",
-    "UnsupportedTorchWarning",
-    "WriterProcessError",
     "__version__",
-    "capture_rng",
-    "current_context",
     "import_checkpoint",
     "init_distributed",
     "keep_all",
@@ -271,30 +202,30 @@ __all__ = [
     "keep_every",
     "keep_last",
     "keep_steps",
-    "latest_committed",
-    "list_checkpoints",
     "meet",
     "protect_loader_workers",
-    "prune",
-    "read_manifest",
     "requeue_after_signal",
     "requeue_slurm_job",
-    "restore_rng",
-    "select_rank_rng",
     "shutdown",
-    "verify_checkpoint",
     "wrap_sampler",
 ]
 
 
-
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    home = _MOVED.get(name)
+    if home is None:
         raise AttributeError(f"module 'resumekit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    from resumekit.warnings import MovedNameWarning, warn  # noqa: PLC0415 - only to warn
+
+    warn(f"resumekit.{name} moved: import it from its module, `from {home} import {name}` "
+         f"(`resumekit.{name}` resolves only to say so, until 0.5.0; see CHANGELOG.md)",
+         MovedNameWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)
 
 
 def __dir__() -> list[str]:

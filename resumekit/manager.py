@@ -3,11 +3,10 @@
 It orchestrates; every mechanism lives in its own module (commit protocol, catalog,
 retention, sharded I/O, RNG, preemption), and so do its helpers: its policy knobs
 (:mod:`resumekit.options`), the background save worker (:mod:`resumekit.background`), a
-captured save and what follows its commit or failure (:mod:`resumekit.saving`), its
+captured save and what follows its commit or failure (:mod:`resumekit.save_job`), its
 process-group channels (:mod:`resumekit.runtime.channels`) and what a restore does with
 the root's other entries (:mod:`resumekit.restore.entries`), and the restore of one root,
-run in order on every rank (:mod:`resumekit.restoring`). A trainer integrates in five
-lines::
+run in order on every rank (:mod:`resumekit.restore_root`). A trainer integrates so::
 
     ckpt = resumekit.CheckpointManager(root, model=model, optimizer=opt, scheduler=sched,
                                        data=sampler, save_every=100, async_save=True)
@@ -20,7 +19,7 @@ lines::
 
 Save path (data flows one way): capture (``TrainState``) -> stage to CPU (async only) ->
 ``CommitProtocol.begin`` -> DCP write + small per-rank files -> ``publish`` -> retention.
-Restore path (``restoring.RootRestore``): find (``restore_plan.survey`` over the catalog)
+Restore path (``restore_root.RootRestore``): find (``restore_plan.survey`` over the catalog)
 -> verify (``verification``: checksums, spread over ranks) -> check compatibility
 (``compatibility``) -> read -> apply -> every rank meets on the checkpoint group. What
 restore does with every other entry (fall back, set aside, warn, refuse) is decided by
@@ -42,7 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from resumekit import saving
+from resumekit import save_job as saving
+from resumekit import tensors as sharded
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
 from resumekit.background.emergency import optimizer_groups
 from resumekit.background.local import LocalSaves
@@ -60,7 +60,7 @@ from resumekit.options import (
     MismatchPolicy,
     OptionKeywords,
 )
-from resumekit.restoring import RootRestore
+from resumekit.restore_root import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
 from resumekit.runtime.preemption import SAVE_TIME_MARGIN, PreemptionHandler
@@ -70,7 +70,7 @@ from resumekit.runtime.save_interval import (
     AutoSaveEvery,
     history_interruptions,
 )
-from resumekit.saving import SaveJob, abort_after, save_failure
+from resumekit.save_job import SaveJob, abort_after, save_failure
 from resumekit.state import jsonable
 from resumekit.state.train_state import (
     Stateful,
@@ -105,10 +105,10 @@ from resumekit.store.manifest import (
 )
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from resumekit.tensors.raw.files import restore_lowered_priorities
 from resumekit.tiers.local import LocalJob, LocalSite
-from resumekit.tiers.restore import TierRestore
+from resumekit.tiers.restore_across import TierRestore
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
 

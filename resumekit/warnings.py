@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["LocalTierMissWarning", "ResumekitWarning", "UnsupportedTorchWarning", "warn"]
+__all__ = ["LocalTierMissWarning", "MovedNameWarning", "ResumekitWarning",
+           "UnsupportedTorchWarning", "warn"]
 
 logger = logging.getLogger("resumekit")
 
@@ -26,6 +27,17 @@ class ResumekitWarning(UserWarning):
 
 class UnsupportedTorchWarning(ResumekitWarning):
     """``import resumekit`` found a torch outside the releases it supports (and goes on)."""
+
+
+class MovedNameWarning(ResumekitWarning, FutureWarning):
+    """A name read as ``resumekit.<name>`` that now lives only in its own module.
+
+    ``resumekit`` exports what a trainer calls; the names it exported up to 0.3.0 besides
+    those still resolve there, each with this warning naming the module to import it from
+    (``from resumekit.store.catalog import list_checkpoints``). A ``FutureWarning`` as well,
+    so Python shows it by default, as it would not a ``DeprecationWarning`` raised in a
+    library's code; filter it with the other warnings as a ``ResumekitWarning``.
+    """
 
 
 class LocalTierMissWarning(ResumekitWarning):

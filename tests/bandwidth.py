@@ -1,6 +1,6 @@
 """A store whose write bandwidth is bounded: the stand-in the grace-window tests save to.
 
-:class:`ThrottledWrites` wraps ``resumekit.tensors.sharded.save`` (every tensor write of a
+:class:`ThrottledWrites` wraps ``resumekit.tensors.save`` (every tensor write of a
 save goes through it) so that a save of ``n`` bytes takes at least ``n / bytes_per_second``
 seconds: the writes run at the disk's speed, then the save is held until the bandwidth's
 budget for those bytes is spent. A slow network filesystem looks the same from the trainer
@@ -14,16 +14,16 @@ import threading
 import time
 from typing import Any
 
-from resumekit.tensors import sharded
+from resumekit import tensors
 
 
 class ThrottledWrites:
-    """Bound the write bandwidth of every ``sharded.save`` in this process.
+    """Bound the write bandwidth of every ``tensors.save`` in this process.
 
     Args:
         bytes_per_second: The bandwidth.
         patch: Where to install the wrapper: a ``pytest.MonkeyPatch`` (undone with it),
-            or None to replace ``sharded.save`` for the rest of the process (a drill
+            or None to replace ``tensors.save`` for the rest of the process (a drill
             script).
     """
 
@@ -31,7 +31,7 @@ class ThrottledWrites:
         self.bytes_per_second = bytes_per_second
         self.written: list[int] = []  # bytes of each save, in order
         self._lock = threading.Lock()
-        original = sharded.save
+        original = tensors.save
 
         def throttled(*args: Any, **kwargs: Any) -> Any:
             started = time.monotonic()
@@ -47,6 +47,6 @@ class ThrottledWrites:
             return files
 
         if patch is None:
-            sharded.save = throttled  # type: ignore[assignment]
+            tensors.save = throttled  # type: ignore[assignment]
         else:
-            patch.setattr(sharded, "save", throttled)
+            patch.setattr(tensors, "save", throttled)

@@ -1,7 +1,7 @@
 """A custom import-linter contract: a sub-package of an external package, by importer.
 
 import-linter sees an external package only as its top level (``torch``), so "only
-``resumekit.tensors.sharded`` and ``resumekit.tensors.raw`` import
+``resumekit.tensors`` and ``resumekit.tensors.raw`` import
 ``torch.distributed.checkpoint``" cannot be a stock contract. This one reads the import
 lines the graph records for every import of the top-level package and checks the dotted
 names they import. It is registered in pyproject.toml (``[tool.importlinter]

@@ -66,17 +66,12 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
-from resumekit import (
-    EXIT_CODE_PREEMPTED,
-    CheckpointEntry,
-    MissingDependencyError,
-    NameFormat,
-    ResumekitError,
-    Storage,
-    _compat,
-    list_checkpoints,
-)
+from resumekit import EXIT_CODE_PREEMPTED, ResumekitError, _compat
 from resumekit._optional import require
+from resumekit.errors import MissingDependencyError
+from resumekit.store.catalog import CheckpointEntry, list_checkpoints
+from resumekit.store.layout import NameFormat
+from resumekit.store.storage import Storage
 
 __all__ = [
     "DrillError",

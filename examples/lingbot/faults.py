@@ -2,7 +2,7 @@
 
 ``LINGBOT_TEST_SLOW_READS="host2=15"`` (comma-separated ``HOST=SECONDS`` pairs): on a host
 whose name (``socket.gethostname()``) is listed, the first storage read of the process
-(``resumekit.Storage.open`` in a read mode, outside a save's staging dir: the
+(``resumekit.store.storage.Storage.open`` in a read mode, outside a save's staging dir: the
 start of a restore) is delayed by
 that many seconds. It plays a NAS that is slow for one host's ranks: the load skew of the
 incident, across hosts. The multi-node drill (``tests/multinode``) sets it beyond the
@@ -65,7 +65,7 @@ def install() -> float:
     delay = read_delay(spec, host)
     if delay <= 0:
         return 0.0
-    from resumekit import Storage  # noqa: PLC0415 - only when the fault is on
+    from resumekit.store.storage import Storage  # noqa: PLC0415 - only when the fault is on
 
     original = Storage.open
     pending = [delay]

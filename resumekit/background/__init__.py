@@ -12,8 +12,8 @@
 Where to start reading: :mod:`.thread`; the manager hands it every background save.
 
 What it may import: of resumekit ``options`` and the wings below it (tools, restore, state,
-tensors, runtime, store), ``errors`` and ``warnings``; the layer beside it (``saving``,
-``restoring``, ``tiers``) and the manager above it never. :mod:`.thread` imports no torch
+tensors, runtime, store), ``errors`` and ``warnings``; the layer beside it (``save_job``,
+``restore_root``, ``tiers``) and the manager above it never. :mod:`.thread` imports no torch
 (a contract in pyproject.toml); the writer process, the emergency capture and the local
 saves do.
 """

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from resumekit import tensors
 from resumekit.cli._common import (
     JSON_SCHEMA_PREFIX,
     add_common_options,
@@ -34,7 +35,6 @@ from resumekit.state.train_state import read_plain
 from resumekit.store.catalog import CheckpointEntry
 from resumekit.store.layout import RANK_STATE_DIR, TRAIN_STATE_FILE
 from resumekit.store.targets import CheckpointTarget, open_target, select_committed, tensors_url
-from resumekit.tensors import sharded
 
 __all__ = ["SCHEMA", "add_parser", "compare_tensors", "run"]
 
@@ -197,7 +197,7 @@ def _compare_tensor_state(result: _Comparison, sides: list[tuple[CheckpointTarge
                           progress: bool = False) -> None:
     """Compare every tensor of both sides; ``progress``: a byte bar on a TTY stderr."""
     urls = [tensors_url(target.storage, entry) for target, entry in sides]
-    index_a, index_b = (sharded.read_tensor_index(url, storage_options=options or None)
+    index_a, index_b = (tensors.read_tensor_index(url, storage_options=options or None)
                         for url in urls)
     common = []
     for key in list(index_a) + [k for k in index_b if k not in index_a]:
@@ -212,8 +212,8 @@ def _compare_tensor_state(result: _Comparison, sides: list[tuple[CheckpointTarge
                 f"{right.dtype}", "max_abs_diff": None, "elements": None})
         else:
             common.append(key)
-    stream_a = sharded.iter_full_tensors(urls[0], common, storage_options=options or None)
-    stream_b = sharded.iter_full_tensors(urls[1], common, storage_options=options or None)
+    stream_a = tensors.iter_full_tensors(urls[0], common, storage_options=options or None)
+    stream_b = tensors.iter_full_tensors(urls[1], common, storage_options=options or None)
     # Bytes read: both sides of every tensor compared (a GB checkpoint takes minutes).
     total = 2 * sum(index_a[key].nbytes for key in common)
     step_a, step_b = (entry.step for _, entry in sides)

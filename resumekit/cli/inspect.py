@@ -531,7 +531,7 @@ def _tensors_json(storage: Storage, entry: CheckpointEntry,
                   options: dict[str, Any]) -> list[dict[str, Any]]:
     if entry.status == "legacy":
         return _legacy_tensors(storage, entry)
-    from resumekit.tensors import sharded  # noqa: PLC0415 - DCP metadata, --tensors only
+    from resumekit import tensors as sharded  # noqa: PLC0415 - DCP metadata, --tensors only
 
     index = sharded.read_tensor_index(tensors_url(storage, entry),
                                       storage_options=options or None)

@@ -1,6 +1,6 @@
 """``resumekit prune``: apply a retention policy to a checkpoint root.
 
-The same policies and guarantees as :func:`resumekit.prune`: committed
+The same policies and guarantees as :func:`resumekit.store.retention.prune`: committed
 checkpoints are de-committed (manifest removed) before their data is deleted, so a crash
 never leaves a half-deleted "checkpoint"; the newest committed checkpoint is never
 deleted; staging directories are swept only when their writer is gone and they are older

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from resumekit import tensors as tensor_io
 from resumekit._compat import (
     lightning_cluster_environment,
     lightning_combined_loader,
@@ -87,7 +88,6 @@ from resumekit.store.layout import (
 from resumekit.store.manifest import MANIFEST_NAME, Lineage, Manifest, SaveReason
 from resumekit.store.retention import RetentionPolicy, keep_last, prune
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.tools.weights import load_model_weights, resolve_weights_source
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -322,7 +322,7 @@ class ResumekitCheckpointIO(CheckpointIO):
         where the model and optimizer are).
         """
         assert entry.manifest is not None
-        tensors = sharded.read_full_state(
+        tensors = tensor_io.read_full_state(
             self.storage.url_of(f"{entry.name}/{entry.manifest.data_path(TENSORS_DIR)}"),
             self.storage.storage_options or None)
         loaded = {**rest, "state_dict": dict(tensors.get("model", {}))}

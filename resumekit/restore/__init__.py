@@ -4,11 +4,11 @@ Where to start reading: :mod:`.plan` (what a restore does with each entry of a r
 candidates, refusals, what a failed load means, leftovers, why a run starts at step 0;
 no torch, no collectives), then :mod:`.entries` (running those decisions on a root),
 :mod:`.verification` (which rank checks which file, and ``.metadata`` read once),
-:mod:`.compatibility` (whether a checkpoint fits the run) and :mod:`.tiers` (which tier a
+:mod:`.compatibility` (whether a checkpoint fits the run) and :mod:`.tier_choice` (which tier a
 restore across tiers reads; no torch). The restore that runs them, on every rank, is
-``resumekit.restoring.RootRestore`` one layer up.
+``resumekit.restore_root.RootRestore`` one layer up.
 
 What it may import: of resumekit the state and tensors wings, the runtime and the store
-below it, ``errors`` and ``warnings``. :mod:`.plan` and :mod:`.tiers` import no torch
+below it, ``errors`` and ``warnings``. :mod:`.plan` and :mod:`.tier_choice` import no torch
 (contracts in pyproject.toml), so they are tested without a process or a model.
 """

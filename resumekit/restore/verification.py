@@ -15,7 +15,7 @@ is split so that no rank reads a file twice and no rank waits long for the other
    file, so all ranks fall back together. Where there is no group (a node-local copy
    read alone), each reader reads it itself;
 2. those raw tensor files then only need the size the manifest records: every block is
-   checked against its checksum while it is read (:func:`resumekit.tensors.sharded.load`);
+   checked against its checksum while it is read (:func:`resumekit.tensors.load`);
 3. every other file (the small ``.pt`` files, data files of DCP's own format) is hashed
    by exactly one rank: rank ``r`` of ``n`` takes the manifest's files ``r, r + n, ...``.
 
@@ -26,12 +26,12 @@ The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. W
 
 from __future__ import annotations
 
+from resumekit import tensors
 from resumekit.store.catalog import read_checked_file, refuse_links, verify_checkpoint
 from resumekit.store.coordination import Coordinator, run_on_leader
 from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
 from resumekit.store.manifest import Manifest
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 
 __all__ = ["METADATA_PATH", "refuse_links_share", "share_metadata", "verify_share"]
 
@@ -41,14 +41,14 @@ METADATA_PATH = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
 
 def share_metadata(storage: Storage, name: str, manifest: Manifest,
                    coordinator: Coordinator, *, verify: bool = True
-                   ) -> sharded.CheckedMetadata | None:
+                   ) -> tensors.CheckedMetadata | None:
     """Read ``.metadata`` of step directory ``name`` on group rank 0; give it to every rank.
 
     Collective: every rank of ``coordinator`` calls it, with the same arguments. Rank 0
     refuses a link, reads the file whole, checks its size and (with ``verify``) its
     checksum against ``manifest`` and parses it with the allow-list unpickler; then one
     broadcast (on the checkpoint group, within its ``checkpoint_timeout``) carries its
-    skeleton (:meth:`~resumekit.tensors.sharded.CheckedMetadata.for_ranks`), or rank 0's
+    skeleton (:meth:`~resumekit.tensors.CheckedMetadata.for_ranks`), or rank 0's
     error, to every rank; each gets its part of the chunks when its load plans. No other
     rank opens the file.
 
@@ -74,11 +74,11 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
     if entry is None:
         return None
 
-    whole: list[sharded.CheckedMetadata] = []
+    whole: list[tensors.CheckedMetadata] = []
 
-    def read() -> sharded.CheckedMetadata:
+    def read() -> tensors.CheckedMetadata:
         data = read_checked_file(storage, name, manifest, entry, verify=verify)
-        checked = sharded.CheckedMetadata.parse(
+        checked = tensors.CheckedMetadata.parse(
             data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
         if coordinator.world_size == 1:
             return checked
@@ -91,7 +91,7 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
 
 def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,
                  world_size: int = 1, under: str | None = None,
-                 metadata: sharded.CheckedMetadata | None = None) -> None:
+                 metadata: tensors.CheckedMetadata | None = None) -> None:
     """Check rank ``rank``'s share of step directory ``name`` against ``manifest``.
 
     Args:
@@ -120,7 +120,7 @@ def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int =
         if metadata is None:
             verify_checkpoint(storage, name,
                               manifest=manifest.model_copy(update={"files": first}))
-        sizes_only = {f"{TENSORS_DIR}/{file}" for file in sharded.files_verified_on_read(
+        sizes_only = {f"{TENSORS_DIR}/{file}" for file in tensors.files_verified_on_read(
             storage.url_of(f"{name}/{manifest.data_path(TENSORS_DIR)}"),
             storage_options=storage.storage_options or None, metadata=metadata)}
     mine = manifest.model_copy(update={"files": rest[rank::world_size]})

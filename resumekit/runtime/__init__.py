@@ -1,7 +1,8 @@
 """The runtime: the processes of a job, their groups, their signals and their clocks.
 
-Where to start reading: :mod:`.distributed` (``init_distributed``: launcher detection,
-device binding, the checkpoint and preemption groups, ``meet``, ``shutdown``), then
+Where to start reading: :mod:`.distributed` (``init_distributed``: device binding, the
+checkpoint and preemption groups, ``meet``, ``shutdown``; where this process sits in the
+job is read from the launcher's variables by :mod:`.launch`), then
 :mod:`.preemption` (the only place that installs a signal handler: the flag, the
 cross-rank vote, the emergency-save rule) and :mod:`.requeue` (what a job does after a
 preemption). :mod:`.channels` pairs a process group with the coordinator and commit

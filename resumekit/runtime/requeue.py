@@ -18,7 +18,7 @@ from typing import Final
 import torch.distributed as dist
 
 from resumekit.errors import PreemptionError
-from resumekit.runtime import distributed
+from resumekit.runtime import distributed, launch
 from resumekit.runtime.preemption import PreemptionHandler, as_signal
 
 __all__ = ["REQUEUE_SIGNALS", "requeue_after_signal", "requeue_slurm_job"]
@@ -58,7 +58,7 @@ def requeue_slurm_job(
     else:
         # After shutdown() (or without init_distributed) the launcher's variables still
         # say which process this is: never let every rank requeue the job.
-        rank = distributed.detect_launch().rank
+        rank = launch.detect_launch().rank
     if rank != 0:
         return False
     job = job_id if job_id is not None else os.environ.get("SLURM_JOB_ID")

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Sampler
 
+from resumekit import tensors
 from resumekit.errors import (
     ConfigurationError,
     CorruptCheckpointError,
@@ -47,7 +48,7 @@ from resumekit.store.layout import RANK_STATE_DIR, TENSORS_DIR, TRAIN_STATE_FILE
 from resumekit.store.manifest import Manifest
 from resumekit.store.retry import read_with_retry
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = [
@@ -275,7 +276,7 @@ class TrainState:
             self.tied = {}
             self.captured_params = {}
             return {}
-        with sharded.collection_paused():  # as in fingerprint_params
+        with tensors.collection_paused():  # as in fingerprint_params
             state = state_dicts.model_and_optimizer_state(self.model, self.optimizer)
             self.captured_params = _params_of(state["model"])
             self.tied = state_dicts.find_tied(state["model"])
@@ -284,7 +285,7 @@ class TrainState:
     def load_target(self, tied: Mapping[str, str], *, optimizer: bool = True,
                     source: str | None = None,
                     storage_options: Mapping[str, Any] | None = None,
-                    metadata: sharded.CheckedMetadata | None = None) -> dict[str, Any]:
+                    metadata: tensors.CheckedMetadata | None = None) -> dict[str, Any]:
         """Return the destination tensors for loading a checkpoint that stored ``tied`` once.
 
         Args:
@@ -357,7 +358,7 @@ class TrainState:
             return {}
         # Two lists per tensor: without the pause, the collector's passes over the
         # process (triggered by those allocations) cost more than building them.
-        with sharded.collection_paused():
+        with tensors.collection_paused():
             return _params_of(state_dicts.model_state_dict(self.model))
 
     # -- apply --------------------------------------------------------------------------
@@ -372,7 +373,7 @@ class TrainState:
         """
         if self.model is not None:
             optimizer = self.optimizer if "optimizer" in state else None
-            with sharded.collection_paused():  # as in fingerprint_params
+            with tensors.collection_paused():  # as in fingerprint_params
                 state_dicts.apply_model_and_optimizer_state(self.model, optimizer,
                                                         state_dicts.retie(state, tied or {}))
 

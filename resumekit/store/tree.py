@@ -1,6 +1,6 @@
 """Nested state as flat ``{dotted key: leaf}`` dicts: the one flattener.
 
-Used by the fit check before a load (:mod:`resumekit.tensors.sharded`), the resume-equivalence
+Used by the fit check before a load (:mod:`resumekit.tensors`), the resume-equivalence
 harness (:mod:`resumekit.tools.testing`) and ``resumekit diff``. Imports no torch: callers that
 treat lists of tensors differently from lists of numbers say so with ``expand``.
 """

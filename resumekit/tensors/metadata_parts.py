@@ -45,15 +45,15 @@ from torch.distributed.checkpoint.metadata import (
 from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError
 from resumekit.tensors.raw.format import (
-    _INLINE_PACK_PREFIX,
-    _PACK_PREFIX,
+    INLINE_PACK_PREFIX,
+    PACK_PREFIX,
     is_packed_member,
 )
 
 __all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
            "request_of", "skeleton"]
 
-_REGION_PREFIXES = (_PACK_PREFIX, _INLINE_PACK_PREFIX)
+_REGION_PREFIXES = (PACK_PREFIX, INLINE_PACK_PREFIX)
 
 Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
 """A rank's request: ``{key: [(offsets, sizes), ...]}`` of its destination chunks, or

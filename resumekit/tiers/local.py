@@ -4,7 +4,7 @@ A local save (:meth:`LocalSite.save`) is a real resumekit checkpoint of this ran
 of the state, committed under ``<local_root>/rank_XXXXX/`` by a commit protocol of this
 rank alone (:class:`~resumekit.store.coordination.SingleProcess`: staging, manifest with
 checksums, atomic rename; its own writer generations): tensors written by this rank
-alone (``DTensor`` local shards, :func:`resumekit.tensors.sharded.save` ``alone=True``),
+alone (``DTensor`` local shards, :func:`resumekit.tensors.save` ``alone=True``),
 the training state, this rank's RNG and data position. The manifest records what it is
 (:class:`~resumekit.store.manifest.LocalPart`, with the durable root's writer generation
 this run held). The ranks then agree on the outcome (a failure on any rank is one
@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import CoordinationError, ResumekitError
 from resumekit.options import LocalTier
 from resumekit.runtime import replicas
@@ -48,7 +49,6 @@ from resumekit.store.newest import forget_newest_hint
 from resumekit.store.recovery import remove_retired
 from resumekit.store.retention import RollingSweep, keep_last, prune
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["LocalJob", "LocalSite", "LocalSurvey", "fetch_copies", "holdings_of"]
@@ -187,12 +187,12 @@ class LocalSite:
         protocol, storage = self.protocol, self.own
         pending = protocol.begin(job.step)
         try:
-            written: list[sharded.WrittenFile] = []
+            written: list[tensor_io.WrittenFile] = []
             if job.tensors:
-                written = sharded.save(job.tensors,
+                written = tensor_io.save(job.tensors,
                                        storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                                        alone=True, tensor_format=self.tensor_format)
-            entries, required = sharded.step_files(
+            entries, required = tensor_io.step_files(
                 storage, pending.staging, written,
                 ((TRAIN_STATE_FILE, job.train), (rank_state_file(self.rank), job.ranks)),
                 coordinating=bool(job.tensors))

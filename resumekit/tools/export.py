@@ -11,7 +11,7 @@ bounded by the largest tensor, not the model:
    ``max_shard_bytes`` (a tensor larger than that gets a file of its own), so every
    file's safetensors header (names, dtypes, shapes, byte offsets) is known up front;
 3. each file is written as header first, then each tensor's bytes streamed in order:
-   one tensor is assembled from its shards (:func:`resumekit.tensors.sharded.iter_full_tensors`),
+   one tensor is assembled from its shards (:func:`resumekit.tensors.iter_full_tensors`),
    cast if asked, written, and dropped before the next is read.
 
 Peak memory is therefore about one full tensor as stored plus its cast copy (at most
@@ -62,6 +62,7 @@ from typing import IO, Any, Literal, cast
 
 import torch
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -82,8 +83,10 @@ from resumekit.store.targets import (
     split_parent,
     tensors_url,
 )
-from resumekit.tensors import sharded, state_dicts
-from resumekit.tensors.sharded import read_full_state  # re-exported: its home is sharded
+from resumekit.tensors import (
+    read_full_state,  # re-exported: its home is the tensors wing
+    state_dicts,
+)
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
@@ -211,7 +214,7 @@ def _output_dtype(stored: torch.dtype, wanted: torch.dtype | None) -> torch.dtyp
 
 
 def plan_shards(
-    index: Mapping[str, sharded.TensorInfo],
+    index: Mapping[str, tensor_io.TensorInfo],
     *,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
@@ -222,7 +225,7 @@ def plan_shards(
     past ``max_shard_bytes`` (a tensor larger than the limit gets a file of its own).
 
     Args:
-        index: :func:`resumekit.tensors.sharded.read_tensor_index` output.
+        index: :func:`resumekit.tensors.read_tensor_index` output.
         dtype: Output dtype of floating-point tensors (None keeps the stored one).
         max_shard_bytes: Largest file payload before splitting.
 
@@ -263,7 +266,7 @@ def _add_tied(files: list[_PlannedFile], manifest: Manifest | None) -> None:
 
 
 def _plan(
-    index: Mapping[str, sharded.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int,
+    index: Mapping[str, tensor_io.TensorInfo], dtype: torch.dtype | None, max_shard_bytes: int,
     names: Mapping[str, str] | None = None,
 ) -> list[_PlannedFile]:
     if max_shard_bytes < 1:
@@ -386,11 +389,11 @@ class _Source:
 
 def _plain_dcp(url: str, options: Mapping[str, Any]) -> bool:
     storage = Storage(url, dict(options))
-    return storage.is_dir() and storage.exists(sharded.METADATA_FILE) \
+    return storage.is_dir() and storage.exists(tensor_io.METADATA_FILE) \
         and not storage.exists(MANIFEST_NAME)
 
 
-def _model_names(metadata: Any, index: Mapping[str, sharded.TensorInfo]) -> dict[str, str]:
+def _model_names(metadata: Any, index: Mapping[str, tensor_io.TensorInfo]) -> dict[str, str]:
     """Model tensors of a DCP checkpoint and their export names.
 
     Under a top-level ``model`` entry (resumekit, ``dcp.save({"model": ...})``) the
@@ -435,8 +438,8 @@ def _resolve(root_or_dir: str | os.PathLike[str], step: int | None, *,
             verify_checkpoint(target.storage, entry.name, manifest=manifest)
         source, name, path, resolved_step = (tensors_url(target.storage, entry), entry.name,
                                              entry.path, entry.step)
-    metadata = sharded.read_metadata(source, storage_options)  # read once, for both
-    names = _model_names(metadata, sharded.tensor_index_of(metadata))
+    metadata = tensor_io.read_metadata(source, storage_options)  # read once, for both
+    names = _model_names(metadata, tensor_io.tensor_index_of(metadata))
     if not names:
         raise CheckpointNotFoundError(
             f"{path} (step {resolved_step}) holds no model tensors to export",
@@ -553,7 +556,7 @@ def export_checkpoint(
             "FILE.json (model_config=...), or save with extras={'model_config': ...}",
             name="model_config", value=None, path=source.path,
         )
-    index = sharded.read_tensor_index(source.url, storage_options=storage_options)
+    index = tensor_io.read_tensor_index(source.url, storage_options=storage_options)
     files = _plan(index, wanted, max_shard_bytes, source.names)
     _add_tied(files, source.manifest)
     subdir, stem = _LAYOUT_FILES[layout]
@@ -568,7 +571,7 @@ def export_checkpoint(
                 "resumekit_source": source.name}
     weight_map: dict[str, str] = {}
     order = [tensor for planned in files for tensor in planned.tensors]
-    stream = sharded.iter_full_tensors(source.url, [t.source for t in order],
+    stream = tensor_io.iter_full_tensors(source.url, [t.source for t in order],
                                        storage_options=storage_options)
     largest = max(index[fqn].nbytes for fqn in source.names)
     total = sum(planned.nbytes for planned in files)
@@ -663,7 +666,7 @@ def export_torch(
     state = read_full_state(source.url, storage_options)
     if source.manifest is not None and isinstance(state.get("model"), dict):
         state = state_dicts.retie(state, _tied_names(source.manifest))
-    tensors = sharded.flatten_state(state)
+    tensors = tensor_io.flatten_state(state)
     sizes = [v.numel() * v.element_size() for v in tensors.values()
              if isinstance(v, torch.Tensor)]
     directory = os.path.dirname(target)

@@ -56,6 +56,7 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
+from resumekit import tensors as tensor_io
 from resumekit._optional import missing, require
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -81,7 +82,6 @@ from resumekit.store.layout import (
 )
 from resumekit.store.manifest import FileEntry, Lineage, Manifest, SaveReason
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.tools import legacy
 from resumekit.tools.export import NOT_MODEL_KEYS
 from resumekit.warnings import ResumekitWarning, warn
@@ -224,7 +224,7 @@ def import_checkpoint(
         "from it continues training but does not replay the source run exactly"
     )
     warn(message, ResumekitWarning, stacklevel=2)
-    tensors = len(sharded.flatten_state({"model": source.model,
+    tensors = len(tensor_io.flatten_state({"model": source.model,
                                     "optimizer": source.optimizer or {}}))
     return ImportResult(step=final_step, path=committed, source=given, format=form,
                         tensors=tensors, carried=carried, not_carried=not_carried)
@@ -301,7 +301,7 @@ def _write(storage: Storage, name_format: NameFormat, source: _Source, step: int
     protocol = CommitProtocol(storage, name_format)
     pending = protocol.begin(step)
     try:
-        written = sharded.save(tensors, storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
+        written = tensor_io.save(tensors, storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
                                storage_options=storage.storage_options or None)
         storage.write_bytes(f"{pending.staging}/{TRAIN_STATE_FILE}", train)
         storage.write_bytes(f"{pending.staging}/{rank_state_file(0)}", ranks)
@@ -531,7 +531,7 @@ def _from_dcp(storage: Storage, name: str, model: nn.Module | None) -> _Source:
     state (per-rank pickles of torchtitan's loader) is not carried.
     """
     where = storage.path(name)
-    full = sharded.read_full_state(storage.url_of(name), storage.storage_options or None)
+    full = tensor_io.read_full_state(storage.url_of(name), storage.storage_options or None)
     if isinstance(full.get("model"), Mapping):
         weights = dict(full["model"])
     else:  # torchtitan: the model's keys at the top level, next to optimizer & co.

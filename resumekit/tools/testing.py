@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from resumekit.tensors import sharded, state_dicts
+from resumekit import tensors
+from resumekit.tensors import state_dicts
 
 __all__ = [
     "EquivalenceReport",
@@ -125,12 +126,12 @@ def flat_state(objects: Mapping[str, Any]) -> dict[str, Any]:
     model = objects.get("model")
     optimizer = objects.get("optimizer")
     if isinstance(model, torch.nn.Module):
-        flat.update(sharded.flatten_state(state_dicts.model_and_optimizer_state(model, optimizer)))
+        flat.update(tensors.flatten_state(state_dicts.model_and_optimizer_state(model, optimizer)))
     for name, value in objects.items():
         if name in ("model", "optimizer") and isinstance(model, torch.nn.Module):
             continue
         state = value.state_dict() if hasattr(value, "state_dict") else value
-        flat.update(sharded.flatten_state(state, name))
+        flat.update(tensors.flatten_state(state, name))
     return flat
 
 

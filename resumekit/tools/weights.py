@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import CheckpointNotFoundError, IncompatibleCheckpointError
 from resumekit.restore.verification import verify_share
 from resumekit.store.catalog import list_checkpoints, read_manifest
 from resumekit.store.layout import DEFAULT_NAME_FORMAT, TENSORS_DIR, NameFormat
 from resumekit.store.manifest import MANIFEST_NAME, Manifest
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["WeightsSource", "load_model_weights", "resolve_weights_source"]
@@ -153,7 +154,7 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
     target = state_dicts.untie({"model": full}, tied)
     skipped: list[str] = []
     if not strict:
-        index = sharded.read_tensor_index(source.tensors_url, storage_options=storage_options)
+        index = tensor_io.read_tensor_index(source.tensors_url, storage_options=storage_options)
         fits: dict[str, Any] = {}
         for name, value in target["model"].items():
             info = index.get(f"model.{name}")
@@ -195,9 +196,9 @@ def _load_model_part(target: dict[str, Any], source: WeightsSource,
                      storage_options: Mapping[str, Any] | None, verify: bool, *,
                      allow_more: bool, read_once: bool) -> None:
     if allow_more:
-        sharded.load_subset(target, source.tensors_url, process_group=process_group,
+        tensor_io.load_subset(target, source.tensors_url, process_group=process_group,
                             storage_options=storage_options, verify=verify,
                             read_once=read_once)
     else:
-        sharded.load(target, source.tensors_url, process_group=process_group,
+        tensor_io.load(target, source.tensors_url, process_group=process_group,
                      storage_options=storage_options, verify=verify, read_once=read_once)

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
-from resumekit.tensors import sharded
 
 FREEZES = ("tensors", "small")
 
@@ -50,7 +50,7 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None
 
 def _freeze_in_the_emergency_write(point: str) -> None:
     name = "save" if point == "tensors" else "step_files"
-    original = getattr(sharded, name)
+    original = getattr(tensors, name)
 
     def frozen(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
@@ -59,7 +59,7 @@ def _freeze_in_the_emergency_write(point: str) -> None:
             threading.Event().wait()  # until the SIGKILL
         return result
 
-    setattr(sharded, name, frozen)
+    setattr(tensors, name, frozen)
 
 
 def main(argv: list[str]) -> int:

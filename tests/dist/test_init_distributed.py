@@ -22,8 +22,8 @@ from resumekit.runtime.distributed import (
     meet,
     preemption_group,
     shutdown,
-    slurm_default_port,
 )
+from resumekit.runtime.launch import slurm_default_port
 from tests.distributed_harness import _entry, free_port, run_ranks
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")

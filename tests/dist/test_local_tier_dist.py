@@ -192,7 +192,7 @@ def _one_rank_alone(rank: int, world: int, tmp: str) -> list[str]:
     A collective inside either call would pair with rank 0's barrier and fail (or time
     out): the calls take no part in any collective.
     """
-    from resumekit.tensors import sharded
+    from resumekit import tensors
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 1))  # rank 1 holds empty shards
@@ -202,14 +202,14 @@ def _one_rank_alone(rank: int, world: int, tmp: str) -> list[str]:
     shapes = []
     if rank == 1:
         before = {name: value.to_local().clone() for name, value in model.state_dict().items()}
-        state = sharded.model_and_optimizer_state(model, None)
-        sharded.save(state, f"{tmp}/alone", alone=True)
+        state = tensors.model_and_optimizer_state(model, None)
+        tensors.save(state, f"{tmp}/alone", alone=True)
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.zero_()
-        state = sharded.model_and_optimizer_state(model, None)
-        sharded.load(state, f"{tmp}/alone", alone=True)
-        sharded.apply_model_and_optimizer_state(model, None, state)
+        state = tensors.model_and_optimizer_state(model, None)
+        tensors.load(state, f"{tmp}/alone", alone=True)
+        tensors.apply_model_and_optimizer_state(model, None, state)
         for name, value in model.state_dict().items():
             assert torch.equal(value.to_local(), before[name]), name
             shapes.append(f"{name}{tuple(value.to_local().shape)}")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-import resumekit.restoring
+import resumekit.restore_root
 from resumekit import CheckpointManager
 from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
@@ -32,13 +32,13 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
     manager.close()
     dist.barrier()
     received: list[Any] = []
-    share = resumekit.restoring.share_metadata
+    share = resumekit.restore_root.share_metadata
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         received.append(share(*args, **kwargs))
         return received[-1]
 
-    resumekit.restoring.share_metadata = recording  # type: ignore[assignment]
+    resumekit.restore_root.share_metadata = recording  # type: ignore[assignment]
     try:
         if sharded:
             model, optimizer = tiny_fsdp2_adamw()
@@ -51,7 +51,7 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
         step = restorer.restore()
         restorer.close()
     finally:
-        resumekit.restoring.share_metadata = share  # type: ignore[assignment]
+        resumekit.restore_root.share_metadata = share  # type: ignore[assignment]
     got = {key: value.full_tensor() if hasattr(value, "full_tensor") else value
            for key, value in model.state_dict().items()}
     checked = received[0]

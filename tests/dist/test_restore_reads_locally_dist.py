@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from resumekit import CheckpointManager
-from resumekit.tensors import sharded, state_dicts
+from resumekit import CheckpointManager, tensors
+from resumekit.tensors import state_dicts
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.reader import make_reader
 from tests.dist.test_save_planner_dist import counting_calls
-from tests.dist.test_sharded_fsdp import build, train_step
+from tests.dist.test_tensors_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
 
@@ -72,7 +72,7 @@ def test_a_shard_damaged_for_one_rank_fails_the_checkpoint_on_every_rank_which_f
 def _local_plan_against_dcps(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     train_step(model, optimizer, "transformer", seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), root)
+    tensors.save(state_dicts.model_and_optimizer_state(model, optimizer), root)
     metadata = make_reader(root, None).read_metadata()
     plans = []
     for planner in (_CheckedLoadPlanner(root, reject_unexpected=True),
@@ -83,7 +83,7 @@ def _local_plan_against_dcps(rank: int, world_size: int, root: str) -> dict[str,
     ours, dcps = plans
     return {"same": ours == dcps, "items": len(ours),
             "dtensors": sum(isinstance(value, torch.distributed.tensor.DTensor)
-                            for value in sharded.flatten_state(
+                            for value in tensors.flatten_state(
                                 state_dicts.model_and_optimizer_state(model, optimizer)).values())}
 
 

@@ -10,6 +10,7 @@ Bytes read are counted where every read of a data file goes through (DCP's local
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,9 +25,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from resumekit import CheckpointManager
+from resumekit import CheckpointManager, tensors
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from resumekit.tensors import sharded, shared_reads
+from resumekit.tensors import shared_reads
 from resumekit.warnings import ResumekitWarning
 from tests.distributed_harness import run_ranks
 
@@ -190,13 +191,13 @@ def test_a_ddp_fine_tune_told_every_rank_reads_reads_the_weights_on_every_rank(
 def _group_that_cannot_share(rank: int, world_size: int, root: str) -> dict[str, Any]:
     torch.manual_seed(0)
     weights = {"w": torch.randn(WIDTH, WIDTH)}
-    sharded.save({"model": weights}, root)
+    tensors.save({"model": weights}, root)
     # As with an NCCL-only group, which cannot move CPU tensors between ranks.
     shared_reads.SharedReads.can_run_on = staticmethod(lambda group: False)  # type: ignore[method-assign]
     loaded = {"model": {"w": torch.empty(WIDTH, WIDTH)}}
     with counting_data_reads() as counts, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sharded.load(loaded, root, read_once=True)
+        tensors.load(loaded, root, read_once=True)
     return {"same": torch.equal(loaded["model"]["w"], weights["w"]), "read": counts[0],
             "total": _data_bytes(Path(root)),
             "said": [str(w.message) for w in caught if issubclass(w.category, ResumekitWarning)]}
@@ -213,10 +214,10 @@ def test_a_group_that_cannot_share_reads_says_so_and_every_rank_reads_all(
 
 def _one_rank_misfits(rank: int, world_size: int, root: str) -> str:
     torch.manual_seed(0)
-    sharded.save({"model": {"w": torch.randn(WIDTH, WIDTH)}}, root)
+    tensors.save({"model": {"w": torch.randn(WIDTH, WIDTH)}}, root)
     width = WIDTH if rank == 0 else WIDTH // 2  # rank 1 fails its fit check, before reading
     try:
-        sharded.load({"model": {"w": torch.empty(WIDTH, width)}}, root, read_once=True,
+        tensors.load({"model": {"w": torch.empty(WIDTH, width)}}, root, read_once=True,
                      plan_locally=True)
     except IncompatibleCheckpointError as error:
         return str(error)
@@ -240,7 +241,7 @@ def _mixed_state() -> dict[str, Any]:
 
 
 def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dict[str, Any]:
-    from resumekit.tensors import load as load_module  # noqa: PLC0415
+    load_module = importlib.import_module("resumekit.tensors.load")
     from resumekit.tensors.shared_reads import SharedReads  # noqa: PLC0415
 
     class SmallRounds(SharedReads):
@@ -251,7 +252,7 @@ def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dic
 
     load_module.SharedReads = SmallRounds  # type: ignore[misc]
     state = _mixed_state()
-    sharded.save(state, root)
+    tensors.save(state, root)
     dist.barrier()  # every rank's file is in place before any rank picks the largest
     data = max(Path(root).glob("*.distcp"), key=lambda path: (path.stat().st_size, path.name))
     if corrupt and rank == 0:
@@ -263,7 +264,7 @@ def _in_many_rounds(rank: int, world_size: int, root: str, corrupt: bool) -> dic
     outcome: dict[str, Any] = {"file": data.name}
     with counting_data_reads() as counts:
         try:
-            sharded.load(into, root, read_once=True, plan_locally=True)
+            tensors.load(into, root, read_once=True, plan_locally=True)
         except CorruptCheckpointError as error:
             outcome["error"] = str(error)
     outcome["read"] = counts[0]

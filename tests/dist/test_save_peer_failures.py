@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import tensors
 from resumekit.errors import CoordinationError
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.distributed import init_distributed
-from resumekit.tensors import sharded
 from tests.distributed_harness import run_ranks
 from tests.limits import COLLECTIVE_HANG_S, HANG_S
 
@@ -51,7 +51,7 @@ def _save_with_a_failing_peer(rank: int, world_size: int, root: str, how: str
                 time.sleep(0.05)
             os._exit(0)
 
-        sharded.save = fail  # rank 1 enters the save of step 5, then fails inside it
+        tensors.save = fail  # rank 1 enters the save of step 5, then fails inside it
     dist.barrier()
     try:
         manager.save(5)

@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from resumekit.tensors import sharded, state_dicts
-from tests.dist.test_sharded_fsdp import build, train_step
+from resumekit import tensors
+from resumekit.tensors import state_dicts
+from tests.dist.test_tensors_fsdp import build, train_step
 from tests.distributed_harness import run_ranks
 
 
@@ -65,7 +66,7 @@ def _reload_matches(directory: Path, want: dict[str, Any], more: dict[str, Any])
     target = _state(model, optimizer, **{
         key: torch.zeros_like(value) if isinstance(value, torch.Tensor) else ""
         for key, value in more.items()})
-    sharded.load(target, directory)
+    tensors.load(target, directory)
     got = _flat(target)
     return got.keys() == want.keys() and all(
         torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k]
@@ -92,7 +93,7 @@ def _saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
             more["counter"] = torch.tensor([number], dtype=torch.int32)
         state = _state(model, optimizer, **more)
         before = calls[0]
-        sharded.save(state, Path(root) / f"save{number}",
+        tensors.save(state, Path(root) / f"save{number}",
                      process_group=background if number in (4, 5) else None)
         results[f"planned{number}"] = calls[0] - before  # global plans made (coordinator)
         snapshots.append((_flat(state), more))

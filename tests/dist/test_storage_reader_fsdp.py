@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import FileSystemReader
 import resumekit
 from resumekit.manager import CheckpointManager
 from resumekit.tensors import state_dicts
-from tests.dist.test_sharded_fsdp import assert_identical, build, flatten, full_state, train_step
+from tests.dist.test_tensors_fsdp import assert_identical, build, flatten, full_state, train_step
 from tests.distributed_harness import run_ranks
 
 KIND = "transformer"

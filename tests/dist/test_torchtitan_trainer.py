@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from resumekit import list_checkpoints
+from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
 from tests.distributed_harness import free_port
 from tests.limits import HANG_S, TEST_HANG_S

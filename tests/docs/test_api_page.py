@@ -1,6 +1,7 @@
 """docs/api.md documents the public API, all of it, at the paths a user imports.
 
-The public API is ``resumekit.__all__`` plus five modules imported by path (and the
+The public API is ``resumekit.__all__``, the names that left it in 0.4.0 at the module
+that defines each (``resumekit._MOVED``), and five modules imported by path (and the
 command line, documented on its own page). The documentation build checks that each
 ``:::`` reference renders; these tests check what the build cannot: that every path the
 page gives imports, that each rendered object sits at a public path (not at the layer
@@ -46,11 +47,19 @@ def _resolve(path: str) -> Any:
     raise ModuleNotFoundError(path)
 
 
+#: The names public at the module that defines them: those that left the top level in
+#: 0.4.0 (``resumekit._MOVED``), and the warning that says so.
+PUBLIC_BY_PATH = frozenset({f"{module}.{name}" for name, module in resumekit._MOVED.items()}
+                           | {"resumekit.warnings.MovedNameWarning"})
+#: Their modules, which a user imports those names from.
+PUBLIC_HOMES = frozenset(path.rpartition(".")[0] for path in PUBLIC_BY_PATH)
+
+
 def _is_public(path: str) -> bool:
     head, _, name = path.rpartition(".")
     if head == "resumekit":
         return name in resumekit.__all__ or path in PUBLIC_MODULES
-    return path in PUBLIC_MODULES
+    return path in PUBLIC_MODULES or path in PUBLIC_BY_PATH
 
 
 def test_the_page_renders_something_from_each_part_of_the_public_api() -> None:
@@ -74,6 +83,11 @@ def test_every_public_name_is_on_the_page() -> None:
                      if name != "__version__" and f"resumekit.{name}" not in RENDERED)
     assert not missing, f"api.md renders no ::: resumekit.<name> for {missing}"
     assert "`resumekit.__version__`" in API
+
+
+def test_every_name_that_left_the_top_level_is_on_the_page_at_its_module() -> None:
+    missing = sorted(PUBLIC_BY_PATH - set(RENDERED))
+    assert not missing, f"api.md renders none of {missing}"
 
 
 #: 0.2's flat module paths. 0.3.0 kept them importing as aliases, with a DeprecationWarning;
@@ -134,7 +148,8 @@ def test_the_code_on_every_page_reaches_resumekit_through_public_paths_only(
 ) -> None:
     blocks = re.findall(r"```(?:python|py)\n(.*?)```", page.read_text(), flags=re.S)
     modules = {m for block in blocks for pair in _IMPORT.findall(block) for m in pair if m}
-    private = {m for m in modules if m != "resumekit" and m not in PUBLIC_MODULES}
+    private = {m for m in modules
+               if m != "resumekit" and m not in PUBLIC_MODULES and m not in PUBLIC_HOMES}
     for block in blocks:
         private.update(path for path in re.findall(r"\bresumekit(?:\.\w+)+", block)
                        if path not in modules and not _public_prefix(path))

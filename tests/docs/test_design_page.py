@@ -172,7 +172,7 @@ def test_the_state_finder_sees_a_global_a_context_variable_and_a_changed_contain
 
 
 SUBPACKAGES = ("store", "runtime", "tensors", "state", "restore", "tools", "background",
-               "tiers", "cli", "integrations", "manager", "options", "saving", "restoring",
+               "tiers", "cli", "integrations", "manager", "options", "save_job", "restore_root",
                "errors", "warnings", "_compat", "_optional")
 
 
@@ -192,8 +192,7 @@ def _resolve(path: str) -> Any:
 
 
 _DOTTED = re.compile(r"\b((?:resumekit\.)?(?:" + "|".join(SUBPACKAGES) + r")(?:\.\w+)+)")
-#: What the page says is, not what "Names to change" says will be.
-TODAY = PAGE.split("\n## Names to change\n", 1)[0]
+TODAY = PAGE
 DOTTED = sorted({match for span in re.findall(r"`([^`]+)`", TODAY)
                  for match in _DOTTED.findall(span)})
 
@@ -225,6 +224,57 @@ def test_every_subpackage_front_door_says_what_it_holds_and_what_it_may_import()
             thin[init.relative_to(REPOSITORY).as_posix()] = doc
     assert not thin, ("front doors whose docstring does not say what the wing holds, where "
                       f"to start reading and what it may import: {sorted(thin)}")
+
+
+def _underscore_imports_between(package: Path, dotted: str) -> list[str]:
+    """Every underscore name one module of ``package`` (imported as ``dotted``) takes from
+    another of it: imported (``from .format import _X``) or read off an imported module
+    (``format._X``)."""
+    own = {path.stem for path in package.glob("*.py")}
+    found = []
+    for path in sorted(package.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        aliases: set[str] = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.module.startswith(f"{dotted}."):
+                found += [f"{path.name}: from {node.module} import {alias.name}"
+                          for alias in node.names if alias.name.startswith("_")
+                          and not alias.name.startswith("__")]
+            elif node.module == dotted:
+                aliases.update(alias.asname or alias.name for alias in node.names
+                               if alias.name in own)
+        found += [f"{path.name}: {node.value.id}.{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id in aliases and node.attr.startswith("_")
+                  and not node.attr.startswith("__")]
+    return found
+
+
+def test_the_raw_formats_files_meet_at_public_names_only() -> None:
+    """Issue 41 found 22 underscore names imported across tensors/raw's four files."""
+    assert _count(r"between them they import (\d+) underscore names from one another") == 0
+    crossing = _underscore_imports_between(PACKAGE / "tensors" / "raw", "resumekit.tensors.raw")
+    assert not crossing, crossing
+
+
+def test_the_underscore_import_counter_sees_an_import_and_an_attribute(
+    tmp_path: Path,
+) -> None:
+    package = PACKAGE / "tensors" / "raw"
+    sources = {path.name: path.read_text() for path in package.glob("*.py")}
+    sources["writer.py"] += ("\nfrom resumekit.tensors.raw.format import _hidden\n"
+                             "from resumekit.tensors.raw import files\n"
+                             "files._private\n")
+    fake = tmp_path / "raw"
+    fake.mkdir()
+    for name, text in sources.items():
+        (fake / name).write_text(text)
+    assert _underscore_imports_between(package, "resumekit.tensors.raw") == []
+    assert _underscore_imports_between(fake, "resumekit.tensors.raw") == [
+        "writer.py: from resumekit.tensors.raw.format import _hidden",
+        "writer.py: files._private"]
 
 
 def test_the_changelog_has_a_section_for_every_release_and_the_newest_is_this_version(

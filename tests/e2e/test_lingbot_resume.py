@@ -29,8 +29,8 @@ from examples.lingbot.train import (
     METRICS_FILE,
     read_metrics,
 )
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 from tests.limits import HANG_S, TEST_HANG_S
 
@@ -134,7 +134,7 @@ def test_a_two_rank_run_resumes_on_one_process_and_exports_the_upstream_bf16_lay
 
     final = root / CHECKPOINT_DIR / f"checkpoint_step_{extended}" / "tensors"
     fp32 = {name.removeprefix("model."): tensor
-            for name, tensor in sharded.iter_full_tensors(final)
+            for name, tensor in tensors.iter_full_tensors(final)
             if name.startswith("model.")}
     exported = load_file(str(export / EXPORT_WEIGHTS_FILE))
     model_names = set(LingBotVA(get_config("tiny").model).state_dict())

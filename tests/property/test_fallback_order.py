@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import resumekit.restoring as restoring_module
+from resumekit import restore_root
 from resumekit.errors import ResumekitError
 from resumekit.manager import CheckpointManager
 from resumekit.store.storage import Storage
@@ -98,12 +98,12 @@ def _kill_at(point: int | None) -> Iterator[None]:
             return result
         return hooked
 
-    with mock.patch.object(restoring_module, "verify_share",
-                           around(restoring_module.verify_share)), \
-            mock.patch.object(restoring_module.sharded, "load",
-                              around(restoring_module.sharded.load)), \
-            mock.patch.object(restoring_module, "read_plain",
-                              around(restoring_module.read_plain)), \
+    with mock.patch.object(restore_root, "verify_share",
+                           around(restore_root.verify_share)), \
+            mock.patch.object(restore_root.tensor_io, "load",
+                              around(restore_root.tensor_io.load)), \
+            mock.patch.object(restore_root, "read_plain",
+                              around(restore_root.read_plain)), \
             mock.patch.object(Storage, "rename_dir", around(Storage.rename_dir)):
         yield
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from resumekit.errors import CorruptCheckpointError
 from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw import MIN_BLOCK_BYTES, RawTensorReading
-from resumekit.tensors.raw.format import _Descriptor
+from resumekit.tensors.raw.format import Descriptor
 from resumekit.tensors.raw.reader import _Job
 
 BLOCK = MIN_BLOCK_BYTES
@@ -39,7 +39,7 @@ def _item(data: bytes) -> _Job:
     blocks = tuple(hex_digest(memoryview(data)[at:at + BLOCK]) for at in range(0, len(data), BLOCK))
     request: Any = SimpleNamespace(storage_index=SimpleNamespace(fqn="model.weight"))
     return _Job(request, _StorageInfo("item.distcp", HEADER, len(data)),
-                _Descriptor(torch.uint8, (len(data),), BLOCK, blocks), None)
+                Descriptor(torch.uint8, (len(data),), BLOCK, blocks), None)
 
 
 def _read(directory: str, job: _Job, start: int, stop: int) -> bytes:

@@ -393,8 +393,8 @@ def test_a_two_rank_lingbot_job_preempted_three_times_under_slurm_finishes_bit_i
 
 
 def _tensor_names(root: Path) -> list[str]:
-    from resumekit.tensors import sharded  # noqa: PLC0415 - only this check needs it
+    from resumekit import tensors  # noqa: PLC0415 - only this check needs it
 
     final = root / CHECKPOINT_DIR / CHECKPOINT_NAME_FORMAT.format(step=NUM_STEPS) / "tensors"
-    return list(sharded.read_tensor_index(final))
+    return list(tensors.read_tensor_index(final))
 

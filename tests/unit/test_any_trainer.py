@@ -26,10 +26,10 @@ from resumekit.errors import ConfigurationError, IncompatibleCheckpointError, Re
 from resumekit.manager import CheckpointManager
 from resumekit.state import train_state as state_module
 from resumekit.state.sampler import ResumableDistributedSampler
-from resumekit.store.catalog import read_manifest
+from resumekit.store.catalog import list_checkpoints, read_manifest
 from resumekit.store.manifest import SaveReason
 from resumekit.store.storage import Storage
-from resumekit.tensors.sharded import read_tensor_index
+from resumekit.tensors import read_tensor_index
 from resumekit.tools.export import export_checkpoint, export_torch
 from resumekit.warnings import ResumekitWarning
 
@@ -241,7 +241,7 @@ def _loop(root: Path, num_steps: int, save_every: int, trained: list[int]) -> Ch
 def test_finish_commits_the_last_step_and_a_relaunch_trains_nothing(tmp_path: Path) -> None:
     trained: list[int] = []
     _loop(tmp_path, 12, 5, trained).close()
-    assert [e.step for e in resumekit.list_checkpoints(Storage(tmp_path))] == [5, 10, 12]
+    assert [e.step for e in list_checkpoints(Storage(tmp_path))] == [5, 10, 12]
     assert _newest(tmp_path).reason == SaveReason.FINAL
     written = (tmp_path / "step_000000012" / "manifest.json").stat().st_mtime_ns
     again: list[int] = []
@@ -256,7 +256,7 @@ def test_finish_commits_the_last_step_and_a_relaunch_trains_nothing(tmp_path: Pa
 def test_finish_on_an_interval_step_marks_it_final(tmp_path: Path) -> None:
     trained: list[int] = []
     _loop(tmp_path, 10, 5, trained).close()
-    assert [e.step for e in resumekit.list_checkpoints(Storage(tmp_path))] == [5, 10]
+    assert [e.step for e in list_checkpoints(Storage(tmp_path))] == [5, 10]
     assert _newest(tmp_path).reason == SaveReason.FINAL
     relaunch: list[int] = []
     ckpt = _loop(tmp_path, 10, 5, relaunch)

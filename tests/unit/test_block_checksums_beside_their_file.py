@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from resumekit import tensors
 from resumekit.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -25,7 +26,6 @@ from resumekit.errors import (
 )
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors import sharded
 from resumekit.tensors.raw.format import ALONE_FORMAT_VERSION, FORMAT_NAME, decode_checksum_file
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -45,15 +45,15 @@ def blank(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def _info(directory: Path, key: str) -> Any:
-    metadata = sharded.read_metadata(directory)
+    metadata = tensors.read_metadata(directory)
     return next(info for index, info in (metadata.storage_data or {}).items()
                 if index.fqn == key)
 
 
 def test_metadata_holds_no_block_checksum_and_its_bytes_depend_on_the_structure_only(
         tmp_path: Path) -> None:
-    sharded.save(state(1), tmp_path / "a")
-    sharded.save(state(2), tmp_path / "b")
+    tensors.save(state(1), tmp_path / "a")
+    tensors.save(state(2), tmp_path / "b")
     a = (tmp_path / "a" / DCP_METADATA_FILE).read_bytes()
     assert a == (tmp_path / "b" / DCP_METADATA_FILE).read_bytes()
     assert not re.search(rb"[0-9a-f]{32}", a)  # no XXH3-128 in hex
@@ -75,9 +75,9 @@ def test_metadata_holds_no_block_checksum_and_its_bytes_depend_on_the_structure_
 def test_a_flipped_byte_of_an_item_stored_alone_names_its_key_file_and_block(
         tmp_path: Path) -> None:
     saved = state(3)
-    sharded.save(saved, tmp_path / "ckpt")
+    tensors.save(saved, tmp_path / "ckpt")
     loaded = blank(saved)
-    sharded.load(loaded, tmp_path / "ckpt")
+    tensors.load(loaded, tmp_path / "ckpt")
     for key, value in saved["model"].items():
         assert torch.equal(loaded["model"][key], value), key
     info = _info(tmp_path / "ckpt", "model.wide")
@@ -87,17 +87,17 @@ def test_a_flipped_byte_of_an_item_stored_alone_names_its_key_file_and_block(
     data[info.offset + block + 5] ^= 0x10  # in the second block
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank(saved), tmp_path / "ckpt")
+        tensors.load(blank(saved), tmp_path / "ckpt")
     assert caught.value.key == "model.wide"
     assert f"at offset {info.offset + block} " in str(caught.value)
     assert info.relative_path in str(caught.value)
     piece = {"model": {"wide": torch.zeros_like(saved["model"]["wide"])}}
     with pytest.raises(CorruptCheckpointError, match=r"model\.wide"):
-        sharded.load_subset(piece, tmp_path / "ckpt")
+        tensors.load_subset(piece, tmp_path / "ckpt")
     # Unverified (the checksum file is not even read), the bytes come back as they lie.
     (tmp_path / "ckpt" / raw_checksums_file("__0_")).unlink()
     unchecked = blank(saved)
-    sharded.load(unchecked, tmp_path / "ckpt", verify=False)
+    tensors.load(unchecked, tmp_path / "ckpt", verify=False)
     assert torch.equal(unchecked["model"]["big"], saved["model"]["big"])
 
 
@@ -106,7 +106,7 @@ def test_a_checksum_file_that_disagrees_with_the_metadata_fails_the_load_naming_
         tmp_path: Path, damage: str) -> None:
     saved = state(4)
     directory = tmp_path / "ckpt"
-    sharded.save(saved, directory)
+    tensors.save(saved, directory)
     sidecar = directory / raw_checksums_file("__0_")
     body = json.loads(sidecar.read_bytes())
     info = _info(directory, "model.big")
@@ -130,4 +130,4 @@ def test_a_checksum_file_that_disagrees_with_the_metadata_fails_the_load_naming_
     else:
         sidecar.write_text(json.dumps(body))
     with pytest.raises(expected, match=re.escape(sidecar.name)):
-        sharded.load(blank(saved), directory)
+        tensors.load(blank(saved), directory)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from resumekit.errors import ForeignCheckpointError
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.foreign import detect_foreign
 from resumekit.store.layout import NameFormat
@@ -84,5 +85,5 @@ def test_restore_in_an_accelerate_project_folder_refuses_to_start_from_zero(
     import resumekit
 
     _touch(tmp_path / "checkpoints" / "checkpoint_0" / "optimizer.bin")
-    with pytest.raises(resumekit.ForeignCheckpointError, match=r"checkpoint_0.*--step"):
+    with pytest.raises(ForeignCheckpointError, match=r"checkpoint_0.*--step"):
         resumekit.CheckpointManager(tmp_path).restore()

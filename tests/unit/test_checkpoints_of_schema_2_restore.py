@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from resumekit import CheckpointManager
+from resumekit import tensors as tensor_io
 from resumekit.errors import CorruptCheckpointError
-from resumekit.tensors import sharded
 from tests.fixtures.schema_2 import make_fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -40,7 +40,7 @@ def test_the_fixture_is_of_schema_2_with_block_checksums_in_its_metadata(tmp_pat
                                                                          ) -> None:
     root = _copy(tmp_path)
     assert _manifest(root)["schema_version"] == 2
-    metadata = sharded.read_metadata(root / "step_000000003" / "tensors")
+    metadata = tensor_io.read_metadata(root / "step_000000003" / "tensors")
     heads = {(info.transform_descriptors or ["-"])[0].split(";")[0]
              for info in (metadata.storage_data or {}).values()}
     assert {"resumekit-raw/1", "resumekit-raw/3"} <= heads
@@ -79,7 +79,7 @@ def test_a_flipped_byte_in_a_schema_2_item_stored_alone_fails_its_load_naming_th
         tmp_path: Path) -> None:
     root = _copy(tmp_path)
     tensors = root / "step_000000003" / "tensors"
-    metadata = sharded.read_metadata(tensors)
+    metadata = tensor_io.read_metadata(tensors)
     info = next(info for index, info in (metadata.storage_data or {}).items()
                 if index.fqn == "model.0.weight")
     assert info.transform_descriptors[0].startswith("resumekit-raw/1;")
@@ -89,5 +89,5 @@ def test_a_flipped_byte_in_a_schema_2_item_stored_alone_fails_its_load_naming_th
     path.write_bytes(bytes(damaged))
     model, _ = make_fixture.build()
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load_subset({"model": model.state_dict()}, tensors)
+        tensor_io.load_subset({"model": model.state_dict()}, tensors)
     assert caught.value.key == "model.0.weight"

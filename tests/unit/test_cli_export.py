@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from resumekit import tensors
 from resumekit.errors import ResumekitError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.tools import legacy
 from resumekit.tools.export import export_checkpoint
 from tests.unit.test_cli_support import (
@@ -88,7 +88,7 @@ def test_export_casts_floats_to_bf16_and_splits_into_indexed_shards(
     assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in weights.values())
     assert index["weight_map"] == {"0.weight": files[0], "0.bias": files[1],
                                    "2.weight": files[1], "2.bias": files[2]}
-    expected = dict(sharded.iter_full_tensors(
+    expected = dict(tensors.iter_full_tensors(
         str(root / "step_000000010" / "tensors"),
         [f"model.{k}" for k in weights]))
     for key, tensor in weights.items():
@@ -158,7 +158,7 @@ def test_export_holds_one_tensor_at_a_time_so_memory_is_bounded_by_the_largest(
     largest = 512 * 512 * 4
     model_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert model_bytes > 16 * largest
-    real = sharded.iter_full_tensors
+    real = tensors.iter_full_tensors
     alive_at_yield: list[int] = []
 
     def counting(*args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -171,7 +171,7 @@ def test_export_holds_one_tensor_at_a_time_so_memory_is_bounded_by_the_largest(
             yield name, tensor
 
     export_checkpoint(tmp_path / "run", None, tmp_path / "warm-up")  # imports, caches
-    monkeypatch.setattr(sharded, "iter_full_tensors", counting)
+    monkeypatch.setattr(tensors, "iter_full_tensors", counting)
     tracemalloc.start()
     gc.disable()  # freed by reference counting, not whenever the cycle collector runs
     try:

@@ -11,16 +11,18 @@ import torch
 
 from resumekit.errors import DistributedSetupError, ResumekitError
 from resumekit.runtime.distributed import (
-    DEFAULT_SLURM_PORT_BASE,
-    LaunchEnvironment,
     before_meet,
     checkpoint_group,
     current_context,
-    detect_launch,
-    expand_nodelist,
     init_distributed,
     meet,
     shutdown,
+)
+from resumekit.runtime.launch import (
+    DEFAULT_SLURM_PORT_BASE,
+    LaunchEnvironment,
+    detect_launch,
+    expand_nodelist,
     slurm_default_port,
 )
 

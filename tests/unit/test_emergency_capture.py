@@ -21,10 +21,10 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.background import EmergencyCapture
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
-from resumekit.tensors import sharded
 from resumekit.tensors.staging import CpuStager
 from tests.limits import HANG_S
 
@@ -199,7 +199,7 @@ def test_a_signal_while_a_background_save_is_in_flight_lets_it_commit_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     gate = threading.Event()
-    original = sharded.save
+    original = tensors.save
     saved_steps: list[str] = []
 
     def gated(state: Any, directory: Any, **kwargs: Any) -> Any:
@@ -208,7 +208,7 @@ def test_a_signal_while_a_background_save_is_in_flight_lets_it_commit_first(
             raise TimeoutError("the test never released the background save")
         return original(state, directory, **kwargs)
 
-    monkeypatch.setattr(sharded, "save", gated)
+    monkeypatch.setattr(tensors, "save", gated)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
@@ -296,7 +296,7 @@ def test_a_second_signal_during_the_emergency_write_starts_nothing_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     writing, release = threading.Event(), threading.Event()
-    original = sharded.step_files
+    original = tensors.step_files
 
     def held(*args: Any, **kwargs: Any) -> Any:
         if threading.current_thread().name == "resumekit-emergency":
@@ -305,7 +305,7 @@ def test_a_second_signal_during_the_emergency_write_starts_nothing_and_says_so(
                 raise TimeoutError("the test never released the emergency write")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sharded, "step_files", held)
+    monkeypatch.setattr(tensors, "step_files", held)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
@@ -358,7 +358,7 @@ def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
     before = two.read_bytes()
 
     loading, release = threading.Event(), threading.Event()
-    original = sharded.load
+    original = tensors.load
 
     def held(*args: Any, **kwargs: Any) -> Any:
         loading.set()
@@ -366,7 +366,7 @@ def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
             raise TimeoutError("the test never released the restore")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sharded, "load", held)
+    monkeypatch.setattr(tensors, "load", held)
     caplog.set_level("WARNING", logger="resumekit")
     restoring = threading.Thread(target=lambda: restored.append(ckpt.restore(2)))
     restored: list[int] = []

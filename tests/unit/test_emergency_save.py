@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.store.manifest import Manifest, parse_manifest
-from resumekit.tensors import sharded
 from tests.limits import HANG_S
 
 GATE_LIMIT_S = HANG_S  # a hang detector: the test opens the gate
@@ -61,14 +61,14 @@ class _GatedWrites:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.released = threading.Event()
-        original = sharded.save
+        original = tensors.save
 
         def gated(*args: Any, **kwargs: Any) -> Any:
             if not self.released.wait(GATE_LIMIT_S):
                 raise TimeoutError("the test never released the gated save")
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(sharded, "save", gated)
+        monkeypatch.setattr(tensors, "save", gated)
 
     def release(self) -> None:
         self.released.set()

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors as tensor_io
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import (
     SAVE_TIME_MARGIN,
@@ -30,7 +31,6 @@ from resumekit.runtime.preemption import (
 )
 from resumekit.runtime.save_clock import CommitClock, SaveEstimate, state_bytes
 from resumekit.store.manifest import Manifest, SaveThroughput, parse_manifest
-from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 from tests.bandwidth import ThrottledWrites
 from tests.limits import HANG_S
@@ -346,14 +346,14 @@ def test_with_a_background_save_in_flight_it_says_so_at_once_and_lets_that_save_
     ckpt, model, optimizer, _ = _restored(tmp_path, save_seconds, preemption=handler,
                                           save_every=10, async_save=True)
     gate = threading.Event()
-    original = sharded.save
+    original = tensor_io.save
 
     def gated(*args: Any, **kwargs: Any) -> Any:
         if not gate.wait(GATE_LIMIT_S):
             raise TimeoutError("the skip was not said before waiting for the save in flight")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sharded, "save", gated)
+    monkeypatch.setattr(tensor_io, "save", gated)
     release = _ReleaseOnWarning(gate)
     logging.getLogger("resumekit").addHandler(release)
     try:

@@ -21,8 +21,9 @@ from resumekit.errors import ConfigurationError
 from resumekit.store import generations
 from resumekit.store.local_roots import unusable_reason
 from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
+from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
-from resumekit.warnings import ResumekitWarning
+from resumekit.warnings import LocalTierMissWarning, ResumekitWarning
 from tests.limits import HANG_S
 from tests.unit.test_cli_support import run_cli, run_json
 
@@ -193,7 +194,7 @@ def test_an_in_job_restart_that_reads_the_durable_root_warns_that_it_missed_the_
     for step in (4, 6):
         _corrupt(tmp_path / "local" / "rank_00000" / f"step_00000000{step}")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # torchrun's second restart
-    with pytest.warns(resumekit.LocalTierMissWarning) as caught:
+    with pytest.warns(LocalTierMissWarning) as caught:
         step, tier, weight = _restore(tmp_path, save_every=3)
     assert (step, tier) == (6, "durable")
     assert torch.equal(weight, weights[6])
@@ -223,7 +224,7 @@ def test_a_first_attempt_or_a_local_restore_says_nothing_of_in_job_restarts(
 
 
 def test_in_job_restarts_reads_torchruns_count_and_takes_a_bad_value_as_none() -> None:
-    from resumekit.tiers.restore import in_job_restarts
+    from resumekit.tiers.restore_across import in_job_restarts
 
     assert in_job_restarts({}) == 0
     assert in_job_restarts({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
@@ -500,7 +501,7 @@ def test_a_failed_background_local_save_does_not_stop_a_preemptions_durable_save
                       r"bug in the writer; the preemption's save to the durable root goes on"):
         assert ckpt.step_end(3) is True
     ckpt.close()
-    entry = resumekit.latest_committed(Storage(tmp_path / "durable"))
+    entry = latest_committed(Storage(tmp_path / "durable"))
     assert entry is not None and entry.step == 3 and entry.manifest is not None
     assert entry.manifest.reason == "preemption"
 

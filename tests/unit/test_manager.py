@@ -116,12 +116,12 @@ def test_an_async_save_holds_the_state_at_the_moment_of_the_call(tmp_path: Path)
 def test_a_background_write_failure_surfaces_on_the_next_call(tmp_path: Path, monkeypatch) -> None:
     model, opt, sched, gen = _build()
     ckpt = _manager(tmp_path, model, opt, sched, gen, async_save=True)
-    from resumekit.tensors import sharded
+    from resumekit import tensors
 
     def broken_save(*args, **kwargs):
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(sharded, "save", broken_save)
+    monkeypatch.setattr(tensors, "save", broken_save)
     ckpt.save(1)
     with pytest.raises(AsyncSaveError, match="disk on fire"):
         ckpt.wait()

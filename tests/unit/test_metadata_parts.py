@@ -37,7 +37,7 @@ from resumekit.tensors.metadata_parts import (
     request_of,
     skeleton,
 )
-from resumekit.tensors.raw.format import _PACK_PREFIX
+from resumekit.tensors.raw.format import PACK_PREFIX
 from resumekit.tensors.reader import CheckedMetadata
 
 ROWS = {"model.embed": (37, 8), "model.head": (5, 3), "optimizer.state.embed.exp_avg": (37, 8)}
@@ -270,20 +270,20 @@ def test_a_raw_checkpoint_reads_back_checked_from_a_part_with_its_packed_regions
         tmp_path: Any) -> None:
     from torch.distributed.checkpoint import load  # noqa: PLC0415
 
-    from resumekit.tensors import sharded  # noqa: PLC0415
+    from resumekit import tensors  # noqa: PLC0415
     from resumekit.tensors.reader import make_reader  # noqa: PLC0415
 
     generator = torch.Generator().manual_seed(3)
     saved = {"model": {f"small{n}": torch.randn(7 + n, generator=generator) for n in range(40)}}
     saved["model"]["large"] = torch.randn(300_000, generator=generator)
     saved["model"]["scalar"] = torch.tensor(2.5)
-    sharded.save(saved, tmp_path, thread_count=2)
+    tensors.save(saved, tmp_path, thread_count=2)
     checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
                                     str(tmp_path / ".metadata"))
     sent = pickle.loads(pickle.dumps(checked.for_ranks()))
     assert sent.raw_files(), "the checkpoint should be in the raw format"
     heads = {index for index, info in checked.parsed().storage_data.items()
-             if str((info.transform_descriptors or ("",))[0]).startswith(_PACK_PREFIX)}
+             if str((info.transform_descriptors or ("",))[0]).startswith(PACK_PREFIX)}
     assert heads, "the small tensors should be packed"
     # the regions' first items are not asked for: their members still need them
     unasked = {index.fqn.split(".", 1)[1] for index in heads}

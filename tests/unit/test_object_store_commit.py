@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.errors import IncompleteCheckpointError, StepCollisionError, StorageError
 from resumekit.manager import CheckpointManager
 from resumekit.store.catalog import list_checkpoints, verify_checkpoint
@@ -24,7 +25,6 @@ from resumekit.store.commit import CommitProtocol
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 from tests.storage_backends import S3Endpoint
 
@@ -257,7 +257,7 @@ def test_a_dcp_writer_that_loses_an_item_without_an_error_writes_no_metadata(
 
     monkeypatch.setattr(CheckedDcpWriter, "write_data", lossy)
     with pytest.raises(StorageError, match="lost 1 item"):
-        sharded.save({"a": torch.ones(3), "b": torch.zeros(2)}, url)
+        tensors.save({"a": torch.ones(3), "b": torch.zeros(2)}, url)
     assert not Storage(url).exists(".metadata")
     Storage(url).remove_tree("")
 
@@ -370,7 +370,7 @@ def test_dcps_own_format_on_a_local_disk_also_fails_on_any_thread_and_reports_ch
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     state = {f"t{i}": torch.full((64,), float(i)) for i in range(8)}
-    written = sharded.save(state, tmp_path / "ok", tensor_format="dcp")
+    written = tensors.save(state, tmp_path / "ok", tensor_format="dcp")
     for file in written:
         data = (tmp_path / "ok" / file.name).read_bytes()
         assert (file.size, file.checksum) == (len(data), checksum_chunks([data]))
@@ -379,7 +379,7 @@ def test_dcps_own_format_on_a_local_disk_also_fails_on_any_thread_and_reports_ch
     failed = _fail_uploads_of("local", monkeypatch, FAILING_SHARD,
                               lambda path: OSError(28, "No space left on device", path))
     with pytest.raises(StorageError, match=FAILING_SHARD) as caught:
-        sharded.save(state, tmp_path / "bad", tensor_format="dcp")
+        tensors.save(state, tmp_path / "bad", tensor_format="dcp")
     assert failed and caught.value.errno == 28
     assert not (tmp_path / "bad" / ".metadata").exists()
 

@@ -133,7 +133,9 @@ def test_an_s3_root_without_s3fs_names_the_s3_extra_in_the_api_and_on_the_comman
 ) -> None:
     done = _without("s3fs", """
         import io, contextlib
-        from resumekit import ConfigurationError, MissingDependencyError, Storage
+        from resumekit import ConfigurationError
+        from resumekit.errors import MissingDependencyError
+        from resumekit.store.storage import Storage
         from resumekit.cli import main
         try:
             Storage("s3://bucket/run")
@@ -154,7 +156,7 @@ def test_an_s3_root_without_s3fs_names_the_s3_extra_in_the_api_and_on_the_comman
 
 def test_the_lightning_integration_without_lightning_names_the_lightning_extra() -> None:
     done = _without("lightning", """
-        from resumekit import MissingDependencyError
+        from resumekit.errors import MissingDependencyError
         try:
             import resumekit.integrations.lightning
         except MissingDependencyError as error:
@@ -167,7 +169,7 @@ def test_the_lightning_integration_without_lightning_names_the_lightning_extra()
 
 def test_the_torchtitan_integration_without_torchtitan_says_how_to_install_it() -> None:
     done = _without("torchtitan", """
-        from resumekit import MissingDependencyError
+        from resumekit.errors import MissingDependencyError
         try:
             import resumekit.integrations.torchtitan
         except MissingDependencyError as error:

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 import resumekit
+from resumekit import tensors
 from resumekit.errors import ConfigurationError
 from resumekit.options import CheckpointOptions, OptionKeywords
-from resumekit.store.catalog import list_checkpoints
+from resumekit.store.catalog import list_checkpoints, read_manifest
 from resumekit.store.retention import keep_last
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 
 # Each: a knob, a value that cannot work, and what the message says of it.
 _BAD = [
@@ -146,7 +146,7 @@ def test_the_keyword_form_and_the_options_form_build_the_same_manager(tmp_path: 
         committed = [e.step for e in list_checkpoints(Storage(tmp_path / root))
                      if e.status == "committed"]
         assert committed == [4, 6], root
-        manifest = resumekit.read_manifest(Storage(tmp_path / root), "step_000000006")
+        manifest = read_manifest(Storage(tmp_path / root), "step_000000006")
         assert manifest.tensor_format == "dcp"
 
 
@@ -193,4 +193,4 @@ def test_the_tensor_formats_the_options_accept_are_the_ones_sharded_writes() -> 
     annotation = CheckpointOptions.model_fields["tensor_format"].annotation
     accepted = {value for arg in typing.get_args(annotation)
                 for value in typing.get_args(arg)}
-    assert accepted == set(sharded.TENSOR_FORMATS)
+    assert accepted == set(tensors.TENSOR_FORMATS)

@@ -2,8 +2,10 @@
 
 ``resumekit/__init__.py`` imports lazily (``_EXPORTS``: name -> module) so that the store and
 the light commands do not load torch; type checkers read the ``TYPE_CHECKING`` imports; and
-``__all__`` is what ``from resumekit import *`` and the docs publish. Nothing but this test
-keeps the three in step (docs/design.md, "Public API").
+``__all__`` is what ``from resumekit import *`` and the docs publish: what a trainer
+calls. The names the top level held up to 0.3.0 besides those (``_MOVED``) still resolve,
+each with one ``MovedNameWarning`` naming its module. Nothing but this test keeps these in
+step (docs/design.md, "Public API").
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import ast
 import importlib
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 import resumekit
+from resumekit.warnings import MovedNameWarning, ResumekitWarning
 from tests.limits import HANG_S
 
 _INIT = Path(resumekit.__file__)
@@ -41,6 +45,96 @@ def test_the_type_checking_imports_the_lazy_table_and_all_name_the_same_things()
     assert len(resumekit.__all__) == len(set(resumekit.__all__))
 
 
+#: What a trainer calls (issue 41, item 6): the top level's names, exactly.
+TRAINER_NAMES = {
+    "CheckpointManager", "CheckpointOptions", "LocalTier", "StatefulGroup",
+    "init_distributed", "shutdown", "meet", "DistributedContext",
+    "PreemptionHandler", "EXIT_CODE_PREEMPTED", "protect_loader_workers",
+    "requeue_slurm_job", "requeue_after_signal",
+    "ResumableDistributedSampler", "SkipAheadSampler", "wrap_sampler",
+    "RetentionPolicy", "keep_last", "keep_every", "keep_best", "keep_steps", "keep_all",
+    "StorageReader", "import_checkpoint",
+    "ResumekitError", "ConfigurationError", "CheckpointNotFoundError",
+    "CorruptCheckpointError", "IncompatibleCheckpointError", "AsyncSaveError",
+    "PreemptionError", "ResumekitWarning", "__version__",
+}
+
+
+def test_the_top_level_exports_exactly_what_a_trainer_calls() -> None:
+    assert set(resumekit.__all__) == TRAINER_NAMES
+    assert resumekit.__all__ == sorted(resumekit.__all__, key=lambda name: (
+        0 if name.isupper() else 1 if name[0].isupper() else 2, name))
+
+
+@pytest.mark.parametrize("name", sorted(TRAINER_NAMES))
+def test_every_name_of_all_imports_from_the_top_level_without_a_warning(name: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(f"from resumekit import {name}", {})  # noqa: S102 - the import a user writes
+        assert getattr(resumekit, name) is not None
+
+
+def test_a_star_import_gives_exactly_all() -> None:
+    namespace: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec("from resumekit import *", namespace)  # noqa: S102 - the import a user writes
+    assert set(namespace) - {"__builtins__"} == set(resumekit.__all__)
+
+
+def test_no_name_is_both_exported_and_moved_and_every_moved_name_is_its_modules_own(
+) -> None:
+    assert not set(resumekit._MOVED) & set(resumekit.__all__)
+    for name, module in resumekit._MOVED.items():
+        assert name in importlib.import_module(module).__all__, (name, module)
+
+
+@pytest.mark.parametrize("name", sorted(resumekit._MOVED))
+def test_a_name_that_left_the_top_level_still_resolves_with_one_warning_naming_its_module(
+    name: str,
+) -> None:
+    module = resumekit._MOVED[name]
+    resumekit.__dict__.pop(name, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(resumekit, name)
+    assert value is getattr(importlib.import_module(module), name)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    [warning] = caught
+    assert issubclass(warning.category, MovedNameWarning)
+    assert issubclass(warning.category, ResumekitWarning)
+    assert f"from {module} import {name}" in str(warning.message)
+    assert warning.filename == __file__  # the user's line, not resumekit's
+
+
+def test_a_from_import_of_a_name_that_left_the_top_level_warns_at_the_importing_line(
+) -> None:
+    said = r"from resumekit\.errors import StorageError"
+    with pytest.warns(MovedNameWarning, match=said) as caught:
+        from resumekit import StorageError  # noqa: PLC0415 - the import under test
+    assert StorageError is importlib.import_module("resumekit.errors").StorageError
+    assert caught[0].filename == __file__
+
+
+def test_a_moved_name_warns_again_at_each_access_and_is_not_cached_silently() -> None:
+    for _ in range(2):
+        with pytest.warns(MovedNameWarning):
+            _ = resumekit.list_checkpoints  # type: ignore[attr-defined]
+    assert "list_checkpoints" not in vars(resumekit)
+
+
+def test_a_name_resumekit_never_had_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        _ = resumekit.no_such_name  # type: ignore[attr-defined]
+
+
+def test_every_moved_name_is_listed_in_the_changelog() -> None:
+    changelog = (Path(resumekit.__file__).parents[1] / "CHANGELOG.md").read_text()
+    unreleased = changelog.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
+    missing = sorted(name for name in resumekit._MOVED if f"`{name}`" not in unreleased)
+    assert not missing, f"CHANGELOG.md's Unreleased section does not list {missing}"
+
+
 @pytest.mark.parametrize("name", sorted(resumekit._EXPORTS))
 def test_every_public_name_is_what_its_own_module_defines(name: str) -> None:
     module = importlib.import_module(resumekit._EXPORTS[name])
@@ -52,7 +146,7 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
     code = ("import sys, resumekit, resumekit.store.catalog, resumekit.store.commit, "
             "resumekit.store.foreign, resumekit.store.newest, resumekit.store.recovery, "
             "resumekit.store.targets, resumekit.store.retention, resumekit._compat; "
-            "resumekit.keep_last, resumekit.CheckpointEntry, resumekit.ResumekitError; "
+            "resumekit.keep_last, resumekit.RetentionPolicy, resumekit.ResumekitError; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=HANG_S, check=False)
@@ -67,13 +161,13 @@ def test_importing_the_package_and_the_store_loads_no_torch() -> None:
     ("resumekit.state.train_state", "resumekit.store.layout", "rank_state_file"),
     ("resumekit.store.commit", "resumekit.store.layout", "WRITER_FILE"),
     ("resumekit.store.manifest", "resumekit.store.layout", "MANIFEST_NAME"),
-    ("resumekit.tensors.sharded", "resumekit.store.layout", "METADATA_FILE"),
+    ("resumekit.tensors", "resumekit.store.layout", "METADATA_FILE"),
     ("resumekit.tools.export", "resumekit.store.targets", "CheckpointTarget"),
     ("resumekit.tools.export", "resumekit.store.targets", "open_target"),
     ("resumekit.tools.export", "resumekit.store.targets", "select_committed"),
     ("resumekit.tools.export", "resumekit.store.targets", "tensors_url"),
     ("resumekit.tools.export", "resumekit.store.targets", "DEFAULT_NAME_FORMATS"),
-    ("resumekit.tools.export", "resumekit.tensors.sharded", "read_full_state"),
+    ("resumekit.tools.export", "resumekit.tensors", "read_full_state"),
 ])
 def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(
     old: str, home: str, name: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from resumekit.tensors.raw.format import FORMAT_NAME, PACK_FORMAT_VERSION, _FileLayout
+from resumekit.tensors.raw.format import FORMAT_NAME, PACK_FORMAT_VERSION, FileLayout
 
 
 def _storage_data(ranks: int) -> dict[str, _StorageInfo]:
@@ -26,10 +26,10 @@ def test_the_layout_of_one_rank_s_files_reads_that_rank_s_checksum_file_only() -
         rank = name.split("_")[2]
         return {(f"__{rank}_0.distcp", 0): (4096, "ab" * 16)}
 
-    layout = _FileLayout(_storage_data(8), str, checksums, files={"__3_0.distcp"})
+    layout = FileLayout(_storage_data(8), str, checksums, files={"__3_0.distcp"})
     assert asked == ["__3_checksums.json"]
     assert layout.raw == {"__3_0.distcp"}
     assert layout.regions == {"__3_0.distcp": [(0, 4096, "ab" * 16)]}
     asked.clear()
-    _FileLayout(_storage_data(8), str, checksums)  # every file: every rank's
+    FileLayout(_storage_data(8), str, checksums)  # every file: every rank's
     assert sorted(asked) == [f"__{rank}_checksums.json" for rank in range(8)]

@@ -20,8 +20,14 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from resumekit import CorruptCheckpointError, IncompleteCheckpointError
-from resumekit.errors import ConfigurationError, ResumekitError, StorageError
+from resumekit import CorruptCheckpointError
+from resumekit import tensors as tensor_io
+from resumekit.errors import (
+    ConfigurationError,
+    IncompleteCheckpointError,
+    ResumekitError,
+    StorageError,
+)
 from resumekit.manager import CheckpointManager
 from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
@@ -30,7 +36,6 @@ from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks, hex_d
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors import sharded
 from resumekit.tensors.raw import (
     ALIGNMENT,
     CHUNK_BYTES,
@@ -44,7 +49,7 @@ from resumekit.tensors.raw import (
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
-from resumekit.tensors.raw.format import _Descriptor, alone_descriptors, decode_checksum_file
+from resumekit.tensors.raw.format import Descriptor, alone_descriptors, decode_checksum_file
 from resumekit.tensors.reader import make_reader
 from tests.conftest import unavailable
 
@@ -115,7 +120,7 @@ def as_format_1(directory: Path) -> None:
             dtype = entry.properties.dtype
             shape = next(tuple(chunk.sizes) for chunk in entry.chunks
                          if tuple(chunk.offsets) == tuple(index.offset or ()))
-        info.transform_descriptors = [_Descriptor(dtype, shape, block, blocks).encode()]
+        info.transform_descriptors = [Descriptor(dtype, shape, block, blocks).encode()]
     (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
     if not listed.regions:
         sidecar.unlink()
@@ -160,12 +165,12 @@ def test_every_kind_of_value_survives_a_round_trip_bit_identically_with_its_dtyp
     tmp_path: Path,
 ) -> None:
     state = mixed_state()
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     loaded = blank_like(state)
     in_place = {key: value for key, value in loaded.items() if isinstance(value, torch.Tensor)}
     pointers = {key: value.data_ptr() for key, value in in_place.items()}
 
-    sharded.load(loaded, tmp_path / "ckpt")
+    tensor_io.load(loaded, tmp_path / "ckpt")
 
     for key, expected in state.items():
         if isinstance(expected, torch.Tensor):
@@ -183,12 +188,12 @@ def test_loading_into_a_non_contiguous_destination_fills_the_underlying_buffer(
     tmp_path: Path,
 ) -> None:
     saved = torch.arange(12, dtype=torch.float32).reshape(3, 4) * 1.5
-    sharded.save({"weight": saved, "other": torch.ones(2)}, tmp_path / "ckpt")
+    tensor_io.save({"weight": saved, "other": torch.ones(2)}, tmp_path / "ckpt")
     buffer = torch.zeros(4, 3)
     destination = buffer.t()
     assert not destination.is_contiguous()
 
-    sharded.load({"weight": destination, "other": torch.zeros(2)}, tmp_path / "ckpt")
+    tensor_io.load({"weight": destination, "other": torch.zeros(2)}, tmp_path / "ckpt")
 
     assert torch.equal(destination, saved)
     assert torch.equal(buffer, saved.t())
@@ -202,7 +207,7 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
 ) -> None:
     state = {**mixed_state(), "large": torch.randn(PACK_ITEM_BYTES // 4 + 3)}
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory)
+    tensor_io.save(state, directory)
     infos = storage_info(directory)
 
     for key, tensor in state.items():
@@ -253,8 +258,8 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
 
 def test_packed_items_cost_dcps_metadata_plus_a_shared_member_descriptor(tmp_path: Path) -> None:
     state = {f"t{number}": torch.full((50,), float(number)) for number in range(300)}
-    sharded.save(state, tmp_path / "ours", thread_count=1)
-    sharded.save(state, tmp_path / "dcp", thread_count=1, tensor_format="dcp")
+    tensor_io.save(state, tmp_path / "ours", thread_count=1)
+    tensor_io.save(state, tmp_path / "dcp", thread_count=1, tensor_format="dcp")
     infos = storage_info(tmp_path / "ours")
 
     described = [info for info in infos.values() if leads(info)]
@@ -274,14 +279,14 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
 ) -> None:
     state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory, thread_count=1)
+    tensor_io.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
                  if leads(info)]
     _, length, _ = leader.transform_descriptors[0].split(";")
     flip_byte(directory / leader.relative_path, leader.offset + int(length) - 20)
 
     with pytest.raises(CorruptCheckpointError, match="region of packed small items") as caught:
-        sharded.load(blank_like(state), directory)
+        tensor_io.load(blank_like(state), directory)
     assert Path(caught.value.file).name == leader.relative_path
     assert caught.value.key in state
 
@@ -291,7 +296,7 @@ def test_every_byte_of_a_packed_file_is_covered_so_a_flip_anywhere_is_found(
 ) -> None:
     state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory, thread_count=1)
+    tensor_io.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
                  if leads(info)]
     path = directory / leader.relative_path
@@ -299,7 +304,7 @@ def test_every_byte_of_a_packed_file_is_covered_so_a_flip_anywhere_is_found(
     for offset in range(0, path.stat().st_size, 97):  # members, padding, table, footer
         flip_byte(path, offset)
         with pytest.raises(CorruptCheckpointError):
-            sharded.load(blank_like(state), directory)
+            tensor_io.load(blank_like(state), directory)
         flip_byte(path, offset)  # undone
     _round_trips(state, directory)
 
@@ -308,7 +313,7 @@ def test_small_items_fill_packs_no_larger_than_the_limit_and_each_pack_is_checke
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     state = {f"t{number}": torch.randn(8000) for number in range(400)}  # 32 KB each
-    sharded.save(state, tmp_path / "ckpt", thread_count=2)
+    tensor_io.save(state, tmp_path / "ckpt", thread_count=2)
     infos = storage_info(tmp_path / "ckpt")
     regions = {(info.relative_path, info.offset): info.transform_descriptors[0]
                for info in infos.values() if leads(info)}
@@ -336,7 +341,7 @@ def test_a_checkpoint_with_every_item_stored_alone_as_before_packing_still_loads
     for module in (raw_tensor_files, raw_writer):  # the writer, and sharded's replayed saves
         monkeypatch.setattr(module, "PACK_ITEM_BYTES", 0)
     state = mixed_state()
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     monkeypatch.undo()
     as_format_1(tmp_path / "ckpt")
     infos = storage_info(tmp_path / "ckpt")
@@ -347,32 +352,32 @@ def test_a_checkpoint_with_every_item_stored_alone_as_before_packing_still_loads
     info = infos["f32"]
     flip_byte(tmp_path / "ckpt" / info.relative_path, info.offset + 5)
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank_like(state), tmp_path / "ckpt")
+        tensor_io.load(blank_like(state), tmp_path / "ckpt")
     assert caught.value.key == "f32"
 
 
 def test_a_flipped_byte_in_a_packed_item_names_that_item_and_its_file(tmp_path: Path) -> None:
     state = {f"t{number}": torch.full((30,), float(number)) for number in range(20)}
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory, thread_count=1)
+    tensor_io.save(state, directory, thread_count=1)
     info = storage_info(directory)["t7"]
     flip_byte(directory / info.relative_path, info.offset + 3)
 
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank_like(state), directory)
+        tensor_io.load(blank_like(state), directory)
     assert caught.value.key == "t7"
     assert Path(caught.value.file).name == info.relative_path
     assert "packed" in str(caught.value)
     # Only t7 asked for: the region is still checked whole, so the flip is still found.
     with pytest.raises(CorruptCheckpointError, match="t7"):
-        sharded.load({"t7": torch.zeros(30)}, directory)
-    sharded.load({"t3": torch.zeros(30)}, directory, verify=False)  # unchecked reads go on
+        tensor_io.load({"t7": torch.zeros(30)}, directory)
+    tensor_io.load({"t3": torch.zeros(30)}, directory, verify=False)  # unchecked reads go on
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_torchs_stock_reader_refuses_a_raw_checkpoint_naming_the_format(tmp_path: Path) -> None:
     state = mixed_state()
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     with pytest.raises((CheckpointException, ValueError), match=FORMAT_NAME):
         dcp.load(blank_like(state), storage_reader=FileSystemReader(str(tmp_path / "ckpt")),
                  no_dist=True)
@@ -382,7 +387,7 @@ def test_save_returns_every_file_with_the_size_and_checksum_of_its_bytes_on_disk
     tmp_path: Path,
 ) -> None:
     directory = tmp_path / "ckpt"
-    written = sharded.save(mixed_state(), directory)
+    written = tensor_io.save(mixed_state(), directory)
 
     on_disk = sorted(path.name for path in directory.iterdir())
     assert sorted(file.name for file in written) == on_disk
@@ -403,16 +408,16 @@ def test_a_checkpoint_of_torchs_stock_writer_still_loads_and_is_not_verified_on_
     stock = tmp_path / "stock"
     dcp.save(state, storage_writer=FileSystemWriter(str(stock)), no_dist=True)
     ours = tmp_path / "ours"
-    written = sharded.save(state, ours)
+    written = tensor_io.save(state, ours)
 
     loaded = {"f32": torch.zeros(4, 3), "i64": torch.zeros(5, dtype=torch.int64), "count": 0}
-    sharded.load(loaded, stock)
+    tensor_io.load(loaded, stock)
 
     assert torch.equal(loaded["f32"], state["f32"])
     assert torch.equal(loaded["i64"], state["i64"])
     assert loaded["count"] == 3
-    assert sharded.files_verified_on_read(stock) == set()
-    assert sharded.files_verified_on_read(ours) == {
+    assert tensor_io.files_verified_on_read(stock) == set()
+    assert tensor_io.files_verified_on_read(ours) == {
         file.name for file in written if file.name.endswith(".distcp")}
 
 
@@ -422,18 +427,18 @@ def test_a_checkpoint_of_torchs_stock_writer_still_loads_and_is_not_verified_on_
 def test_a_flipped_byte_in_a_tensor_is_corrupt_naming_the_file_and_key(tmp_path: Path) -> None:
     state = mixed_state()
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory)
+    tensor_io.save(state, directory)
     info = storage_info(directory)["f32"]
     flip_byte(directory / info.relative_path, info.offset + 5)
 
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank_like(state), directory)
+        tensor_io.load(blank_like(state), directory)
     assert caught.value.key == "f32"
     assert Path(caught.value.file).name == info.relative_path
     assert info.relative_path in str(caught.value) and "f32" in str(caught.value)
 
     unverified = blank_like(state)
-    sharded.load(unverified, directory, verify=False)
+    tensor_io.load(unverified, directory, verify=False)
     assert not torch.equal(unverified["f32"], state["f32"])  # the flip did land in f32
     assert torch.equal(unverified["i64"], state["i64"])
 
@@ -441,12 +446,12 @@ def test_a_flipped_byte_in_a_tensor_is_corrupt_naming_the_file_and_key(tmp_path:
 def test_a_flipped_byte_in_a_non_tensor_value_is_corrupt_too(tmp_path: Path) -> None:
     state = mixed_state()
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory)
+    tensor_io.save(state, directory)
     info = storage_info(directory)["count"]
     flip_byte(directory / info.relative_path, info.offset + info.length // 2)
 
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank_like(state), directory)
+        tensor_io.load(blank_like(state), directory)
     assert caught.value.key == "count"
     assert Path(caught.value.file).name == info.relative_path
 
@@ -456,28 +461,28 @@ def test_a_tensor_larger_than_a_chunk_round_trips_and_a_flip_in_its_last_chunk_i
 ) -> None:
     big = torch.arange((CHUNK_BYTES + 4096) // 4, dtype=torch.float32)
     directory = tmp_path / "ckpt"
-    sharded.save({"big": big}, directory)
+    tensor_io.save({"big": big}, directory)
     loaded = {"big": torch.zeros_like(big)}
-    sharded.load(loaded, directory)
+    tensor_io.load(loaded, directory)
     assert torch.equal(loaded["big"], big)
 
     info = storage_info(directory)["big"]
     flip_byte(directory / info.relative_path, info.offset + info.length - 3)
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load({"big": torch.zeros_like(big)}, directory)
+        tensor_io.load({"big": torch.zeros_like(big)}, directory)
     assert caught.value.key == "big"
 
 
 def test_a_truncated_data_file_is_incomplete_naming_the_file_and_key(tmp_path: Path) -> None:
     state = mixed_state()
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory)
+    tensor_io.save(state, directory)
     info = storage_info(directory)["f32"]
     truncate(directory / info.relative_path, info.offset + info.length - 1)
 
     for verify in (True, False):
         with pytest.raises(IncompleteCheckpointError) as caught:
-            sharded.load(blank_like(state), directory, verify=verify)
+            tensor_io.load(blank_like(state), directory, verify=verify)
         assert Path(caught.value.file).name == info.relative_path
         assert caught.value.key == "f32"
         assert info.relative_path in str(caught.value)
@@ -689,9 +694,9 @@ def test_a_background_saves_writer_threads_run_at_idle_priority_and_a_foreground
     caller = os.sched_getscheduler(0)
     assert caller == os.SCHED_OTHER
 
-    sharded.save(mixed_state(), tmp_path / "background", background=True)
+    tensor_io.save(mixed_state(), tmp_path / "background", background=True)
     background, seen[:] = list(seen), []
-    sharded.save(mixed_state(), tmp_path / "foreground")
+    tensor_io.save(mixed_state(), tmp_path / "foreground")
     foreground = list(seen)
 
     assert len(background) > 1 and len(foreground) > 1
@@ -752,7 +757,7 @@ def _big_state() -> dict[str, Any]:
 
 def _round_trips(state: dict[str, Any], directory: Path) -> None:
     target = blank_like(state)
-    sharded.load(target, directory)
+    tensor_io.load(target, directory)
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(target[key], value), key
@@ -764,7 +769,7 @@ def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_co
     tmp_path: Path,
 ) -> None:
     state = _big_state()
-    written = sharded.save(state, tmp_path / "ckpt", thread_count=1)
+    written = tensor_io.save(state, tmp_path / "ckpt", thread_count=1)
     infos = storage_info(tmp_path / "ckpt")
     starts = [info.offset for info in infos.values() if leads(info)]
     assert len(infos) == 4 and len(starts) == 2  # "big" alone, the rest in one pack
@@ -787,7 +792,7 @@ def test_page_aligned_tensors_are_aligned_and_hold_their_shape_and_dtype() -> No
 
 
 def test_async_staging_buffers_are_page_aligned_so_direct_io_needs_no_copy() -> None:
-    staged = sharded.CpuStager().stage(_big_state())
+    staged = tensor_io.CpuStager().stage(_big_state())
     assert all(staged[key].data_ptr() % ALIGNMENT == 0 for key in ("big", "odd", "tail"))
 
 
@@ -796,7 +801,7 @@ def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         unavailable("this platform has no O_DIRECT")
-    direct = sharded.save(_big_state(), tmp_path / "direct", thread_count=1)
+    direct = tensor_io.save(_big_state(), tmp_path / "direct", thread_count=1)
     real_open = os.open
 
     def refusing_open(path: str, flags: int, *args: Any) -> int:
@@ -805,7 +810,7 @@ def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    buffered = sharded.save(_big_state(), tmp_path / "buffered", thread_count=1)
+    buffered = tensor_io.save(_big_state(), tmp_path / "buffered", thread_count=1)
     monkeypatch.undo()
     assert [(f.size, f.checksum) for f in buffered if f.name != ".metadata"] == [
         (f.size, f.checksum) for f in direct if f.name != ".metadata"]
@@ -829,7 +834,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
         return real_write(fd, data)
 
     monkeypatch.setattr(module.os, "write", refusing_write)
-    written = sharded.save(_big_state(), tmp_path / "ckpt", thread_count=1)
+    written = tensor_io.save(_big_state(), tmp_path / "ckpt", thread_count=1)
     monkeypatch.undo()
     assert refused, "the first direct write should have been refused"
     (file,) = [file for file in written if file.name.endswith(".distcp")]
@@ -839,7 +844,7 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
 
 def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_without_a_copy(
 ) -> None:
-    staged = sharded.CpuStager(page_aligned=False).stage(_big_state())
+    staged = tensor_io.CpuStager(page_aligned=False).stage(_big_state())
     for key in ("big", "odd", "tail"):
         tensor = staged[key]
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
@@ -912,14 +917,14 @@ def test_a_small_sync_save_writes_on_its_own_thread_a_large_or_background_one_on
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     started = _writer_threads_started(monkeypatch)
     small = {f"w{number}": torch.full((1000,), float(number)) for number in range(8)}
-    sharded.save(small, tmp_path / "small")
+    tensor_io.save(small, tmp_path / "small")
     assert started == []
-    sharded.save(small, tmp_path / "small-background", background=True)
+    tensor_io.save(small, tmp_path / "small-background", background=True)
     assert len(started) == 1
     large = {f"w{number}": torch.full((1 << 20,), float(number)) for number in range(8)}
-    sharded.save(large, tmp_path / "large")  # 32 MiB: above SMALL_SAVE_BYTES
+    tensor_io.save(large, tmp_path / "large")  # 32 MiB: above SMALL_SAVE_BYTES
     assert len(started) == 2
     for name, state in (("small", small), ("small-background", small), ("large", large)):
         loaded = {key: torch.zeros_like(value) for key, value in state.items()}
-        sharded.load(loaded, tmp_path / name)
+        tensor_io.load(loaded, tmp_path / name)
         assert all(torch.equal(loaded[key], state[key]) for key in state), name

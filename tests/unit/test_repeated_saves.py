@@ -3,6 +3,7 @@ same bytes, a changed structure still saves and loads, damage is named (issue 25
 
 from __future__ import annotations
 
+import importlib
 import json
 import pickle
 from pathlib import Path
@@ -13,16 +14,18 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.store.retention import keep_all
-from resumekit.tensors import load as load_module
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors import save as save_module
-from resumekit.tensors import sharded
 from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
-from resumekit.tensors.raw.format import _Descriptor
+from resumekit.tensors.raw.format import Descriptor
+
+# the modules, whose names the wing's functions ``load`` and ``save`` shadow
+load_module = importlib.import_module("resumekit.tensors.load")
+save_module = importlib.import_module("resumekit.tensors.save")
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -60,14 +63,14 @@ class _Calls:
 def test_a_second_save_of_the_same_state_writes_the_same_bytes_and_reports_the_same_files(
     tmp_path: Path,
 ) -> None:
-    sharded.save(small_state(seed=1), tmp_path / "first")
+    tensor_io.save(small_state(seed=1), tmp_path / "first")
     second = small_state(seed=2)
-    written = sharded.save(second, tmp_path / "second")
-    again = sharded.save(second, tmp_path / "again")
+    written = tensor_io.save(second, tmp_path / "second")
+    again = tensor_io.save(second, tmp_path / "again")
     assert files_of(tmp_path / "second") == files_of(tmp_path / "again")
     assert written == again  # names, sizes, checksums and references as reported
     loaded = blank(second)
-    sharded.load(loaded, tmp_path / "second")
+    tensor_io.load(loaded, tmp_path / "second")
     for top, part in second.items():
         for key, value in part.items():
             assert torch.equal(loaded[top][key], value), key
@@ -76,8 +79,8 @@ def test_a_second_save_of_the_same_state_writes_the_same_bytes_and_reports_the_s
 def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_own_file(
     tmp_path: Path,
 ) -> None:
-    sharded.save(small_state(seed=1), tmp_path / "a")
-    sharded.save(small_state(seed=2), tmp_path / "b")
+    tensor_io.save(small_state(seed=1), tmp_path / "a")
+    tensor_io.save(small_state(seed=2), tmp_path / "b")
     a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
     assert a[DCP_METADATA_FILE] == b[DCP_METADATA_FILE]
     sidecar = raw_checksums_file("__0_")
@@ -90,10 +93,10 @@ def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_
 def test_a_changed_structure_is_saved_by_dcp_and_loads_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str,
 ) -> None:
-    sharded.save(small_state(), tmp_path / "first")
+    tensor_io.save(small_state(), tmp_path / "first")
     planned = _Calls(monkeypatch, save_module, "dcp_save")
     state = small_state(seed=3)
-    threads = sharded.DEFAULT_THREAD_COUNT
+    threads = tensor_io.DEFAULT_THREAD_COUNT
     model = state["model"]
     if change == "shape":
         model["layer7.weight"] = torch.randn(25)
@@ -109,19 +112,19 @@ def test_a_changed_structure_is_saved_by_dcp_and_loads_back(
         threads = 2
     elif change == "large":  # stored alone: its blocks' checksums are in .metadata
         model["layer7.weight"] = torch.randn(raw_tensor_files.PACK_ITEM_BYTES // 4)
-    sharded.save(state, tmp_path / "changed", thread_count=threads)
+    tensor_io.save(state, tmp_path / "changed", thread_count=threads)
     assert planned.count == 1
     loaded = {top: ({k: torch.zeros_like(v) for k, v in part.items()}
                     if isinstance(part, dict) else torch.zeros_like(part))
               for top, part in state.items()}
-    sharded.load(loaded, tmp_path / "changed")
+    tensor_io.load(loaded, tmp_path / "changed")
     assert torch.equal(loaded["model"]["layer0.weight"], model["layer0.weight"])
 
 
 def test_a_save_of_more_than_one_rank_runs_dcps_save_on_that_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    sharded.save(small_state(), tmp_path / "first")
+    tensor_io.save(small_state(), tmp_path / "first")
     seen: list[Any] = []
 
     def two_ranks(group: Any) -> tuple[Any, bool]:
@@ -134,7 +137,7 @@ def test_a_save_of_more_than_one_rank_runs_dcps_save_on_that_group(
     monkeypatch.setattr(save_module, "resolve_group", two_ranks)
     monkeypatch.setattr(save_module, "dcp_save", recording)
     with pytest.raises(Exception, match="stop here"):
-        sharded.save(small_state(seed=4), tmp_path / "world")
+        tensor_io.save(small_state(seed=4), tmp_path / "world")
     ((group, no_dist, planner),) = seen
     assert (group, no_dist) == ("a group of two", False)
     assert type(planner) is DefaultSavePlanner  # DCP's own, planning every save
@@ -142,15 +145,15 @@ def test_a_save_of_more_than_one_rank_runs_dcps_save_on_that_group(
 
 def test_a_load_reads_every_tensor_and_names_the_files_it_verifies(tmp_path: Path) -> None:
     state = small_state(seed=5)
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     loaded = blank(state)
-    sharded.load(loaded, tmp_path / "ckpt")
-    assert sharded.files_verified_on_read(tmp_path / "ckpt") == {
+    tensor_io.load(loaded, tmp_path / "ckpt")
+    assert tensor_io.files_verified_on_read(tmp_path / "ckpt") == {
         path.name for path in (tmp_path / "ckpt").glob("*.distcp")}
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value), key
     subset = {"model": {"layer3.weight": torch.zeros(24)}}
-    sharded.load_subset(subset, tmp_path / "ckpt")
+    tensor_io.load_subset(subset, tmp_path / "ckpt")
     assert torch.equal(subset["model"]["layer3.weight"], state["model"]["layer3.weight"])
 
 
@@ -158,25 +161,25 @@ def test_a_destination_that_differs_from_a_known_layout_is_refused_naming_the_ke
     tmp_path: Path,
 ) -> None:
     state = small_state()
-    sharded.save(state, tmp_path / "ckpt")
-    sharded.load(blank(state), tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
+    tensor_io.load(blank(state), tmp_path / "ckpt")
     wrong = blank(state)
     wrong["model"]["layer2.weight"] = torch.zeros(23)
     with pytest.raises(IncompatibleCheckpointError, match=r"layer2\.weight"):
-        sharded.load(wrong, tmp_path / "ckpt")
+        tensor_io.load(wrong, tmp_path / "ckpt")
     fewer = blank(state)
     del fewer["model"]["layer5.weight"]
     with pytest.raises(IncompatibleCheckpointError, match="unexpected in checkpoint"):
-        sharded.load(fewer, tmp_path / "ckpt")
+        tensor_io.load(fewer, tmp_path / "ckpt")
 
 
 def test_a_flipped_byte_under_a_known_layout_still_names_the_damaged_tensor(
     tmp_path: Path,
 ) -> None:
     state = small_state(seed=6)
-    sharded.save(state, tmp_path / "ckpt")
-    sharded.load(blank(state), tmp_path / "ckpt")
-    metadata = sharded.read_metadata(tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
+    tensor_io.load(blank(state), tmp_path / "ckpt")
+    metadata = tensor_io.read_metadata(tmp_path / "ckpt")
     info = next(info for index, info in (metadata.storage_data or {}).items()
                 if index.fqn == "model.layer9.weight")
     path = tmp_path / "ckpt" / info.relative_path
@@ -184,7 +187,7 @@ def test_a_flipped_byte_under_a_known_layout_still_names_the_damaged_tensor(
     data[info.offset + 3] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError) as caught:
-        sharded.load(blank(state), tmp_path / "ckpt")
+        tensor_io.load(blank(state), tmp_path / "ckpt")
     assert caught.value.key == "model.layer9.weight"
 
 
@@ -204,7 +207,7 @@ def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
     # Format 2 (before the checksum files): "resumekit-raw/2;<length>;xxh3_128:<hex>".
     state = small_state(seed=7)
     directory = tmp_path / "ckpt"
-    sharded.save(state, directory)
+    tensor_io.save(state, directory)
     sidecar = directory / raw_checksums_file("__0_")
     listed = json.loads(sidecar.read_bytes())["regions"]
     sums = {(name, offset): digest for name, found in listed.items()
@@ -221,7 +224,7 @@ def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
     (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
     sidecar.unlink()
     loaded = blank(state)
-    sharded.load(loaded, directory)
+    tensor_io.load(loaded, directory)
     for key, value in state["model"].items():
         assert torch.equal(loaded["model"][key], value), key
     info = next(iter(metadata.storage_data.values()))
@@ -230,7 +233,7 @@ def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
     data[info.offset] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError):
-        sharded.load(blank(state), directory)
+        tensor_io.load(blank(state), directory)
 
 
 def test_readers_of_earlier_formats_refuse_format_3_by_its_name() -> None:
@@ -238,9 +241,9 @@ def test_readers_of_earlier_formats_refuse_format_3_by_its_name() -> None:
     # item of format 1, or as a region of format 2; both refuse, naming the format.
     text = f"{FORMAT_NAME}/3;4096;__0_checksums.json"
     with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
-        _Descriptor.decode(text, where="x.distcp")
+        Descriptor.decode(text, where="x.distcp")
     with pytest.raises(CorruptCheckpointError, match=f"{FORMAT_NAME}/3"):
-        _Descriptor.decode_region(text, 0, where="x.distcp")
+        Descriptor.decode_region(text, 0, where="x.distcp")
 
 
 def test_a_manager_saves_and_restores_many_small_tensors_through_dcps_save_and_load(
@@ -309,9 +312,8 @@ def test_a_value_set_at_a_flattening_path_lands_where_dcps_flattening_found_it()
 
 def test_a_save_asked_for_no_writer_thread_is_refused_naming_the_option(tmp_path: Path) -> None:
     from resumekit.errors import ConfigurationError
-    from resumekit.tensors import sharded as tensors
 
     with pytest.raises(ConfigurationError, match="thread_count must be >= 1") as refused:
-        tensors.save({"w": torch.zeros(2)}, tmp_path / "ckpt", thread_count=0)
+        tensor_io.save({"w": torch.zeros(2)}, tmp_path / "ckpt", thread_count=0)
     assert refused.value.name == "thread_count"
     assert isinstance(refused.value, ValueError)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 
 
 class CountingAdamW(torch.optim.AdamW):
@@ -111,7 +112,7 @@ def test_preallocated_optimizer_state_takes_the_stored_layout_and_dtype(
     optimizer = torch.optim.AdamW(model.parameters())
     _train(model, optimizer, 1)
     state = state_dicts.model_and_optimizer_state(model, optimizer)
-    sharded.save(state, tmp_path)
+    tensors.save(state, tmp_path)
 
     fresh_model = _model(1)
     fresh = torch.optim.AdamW(fresh_model.parameters())

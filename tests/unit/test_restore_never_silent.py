@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import resumekit
+from resumekit import tensors
 from resumekit.errors import (
     CheckpointNotFoundError,
     ForeignCheckpointError,
@@ -37,7 +38,6 @@ from resumekit.manager import CheckpointManager
 from resumekit.store import retry
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.warnings import ResumekitWarning
 
 STEP_100, STEP_200 = "step_000000100", "step_000000200"
@@ -361,12 +361,12 @@ def test_a_checkpoint_deleted_while_it_is_restored_is_fallen_back_from_with_a_wa
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str,
 ) -> None:
     weights = _saved(tmp_path, 100, 200)
-    import resumekit.restoring as restoring_module  # noqa: PLC0415
+    from resumekit import restore_root  # noqa: PLC0415
 
     if when == "tensors":
-        _delete_during(monkeypatch, sharded, "load", tmp_path / STEP_200)
+        _delete_during(monkeypatch, tensors, "load", tmp_path / STEP_200)
     else:
-        _delete_during(monkeypatch, restoring_module, "read_plain", tmp_path / STEP_200)
+        _delete_during(monkeypatch, restore_root, "read_plain", tmp_path / STEP_200)
     resumed = _manager(tmp_path, seed=1, verify_on_restore=False)
     with pytest.warns(ResumekitWarning, match="deleted while it was being restored") as caught:
         assert resumed.restore() == 100
@@ -379,14 +379,14 @@ def test_the_only_checkpoint_deleted_while_it_is_restored_is_an_error_that_says_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _saved(tmp_path, 100)
-    _delete_during(monkeypatch, sharded, "load", tmp_path / STEP_100)
+    _delete_during(monkeypatch, tensors, "load", tmp_path / STEP_100)
     with pytest.warns(ResumekitWarning), pytest.raises(ResumekitError) as caught:
         _manager(tmp_path).restore()
     assert "deleted while it was being restored" in str(caught.value)
     assert not isinstance(caught.value, FileNotFoundError) or isinstance(
         caught.value, ResumekitError)
     _saved(tmp_path, 100)
-    _delete_during(monkeypatch, sharded, "load", tmp_path / STEP_100)
+    _delete_during(monkeypatch, tensors, "load", tmp_path / STEP_100)
     with pytest.raises(CheckpointNotFoundError, match="deleted while it was being restored"):
         _manager(tmp_path).restore(step=100)
 

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +44,7 @@ def _rss() -> int:
 def test_a_prepared_stager_stages_into_the_buffers_it_allocated_ahead() -> None:
     model, optimizer = _trained()
     state = state_dicts.model_and_optimizer_state(model, optimizer)
-    stager = sharded.CpuStager()
+    stager = tensors.CpuStager()
 
     allocated = stager.prepare(state)
     assert allocated == stager.nbytes == _state_bytes(model, optimizer)
@@ -60,7 +61,7 @@ def test_a_prepared_stager_stages_into_the_buffers_it_allocated_ahead() -> None:
 def test_tied_weights_get_one_prepared_buffer_as_they_get_one_staged_copy() -> None:
     shared = torch.randn(100)
     state = {"a": shared, "b": shared, "c": torch.randn(3)}
-    stager = sharded.CpuStager()
+    stager = tensors.CpuStager()
     assert stager.prepare(state) == (100 + 3) * 4
     staged = stager.stage(state)
     assert staged["a"] is staged["b"] and stager.nbytes == (100 + 3) * 4
@@ -70,7 +71,7 @@ def test_prepared_buffers_are_resident_before_anything_is_staged() -> None:
     # 64 MiB: above glibc's largest mmap threshold, so the buffer is fresh, unmapped pages
     # (not memory freed earlier and still resident) until something writes them.
     state = {"big": torch.empty(64 << 20, dtype=torch.uint8)}
-    stager = sharded.CpuStager()
+    stager = tensors.CpuStager()
     before = _rss()
     stager.prepare(state)
     assert _rss() - before >= 0.9 * (64 << 20)  # every page written, none left to fault

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import resumekit
+from resumekit import tensors as tensor_io
 from resumekit.errors import (
     CheckpointNotFoundError,
     ConfigurationError,
@@ -40,7 +41,7 @@ from resumekit.store.layout import MANIFEST_NAME
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.storage import Storage
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from resumekit.tensors.reader import make_reader
 from tests.limits import HANG_S
 
@@ -416,7 +417,7 @@ def test_restore_of_a_dcp_format_checkpoint_is_bit_identical_and_records_the_for
     manager.close()
     manifest = read_manifest(Storage(tmp_path), STEP)
     assert manifest.tensor_format == "dcp"
-    assert not sharded.files_verified_on_read(tmp_path / STEP / "tensors")  # DCP's own
+    assert not tensor_io.files_verified_on_read(tmp_path / STEP / "tensors")  # DCP's own
     fresh, fresh_optimizer = build(99)
     restored = CheckpointManager(tmp_path, model=fresh, optimizer=fresh_optimizer)
     assert restored.restore() == 3
@@ -426,7 +427,7 @@ def test_restore_of_a_dcp_format_checkpoint_is_bit_identical_and_records_the_for
 def test_the_default_tensor_format_is_raw_and_recorded_so(tmp_path: Path) -> None:
     _, step_dir = saved(tmp_path)
     assert read_manifest(Storage(tmp_path), STEP).tensor_format == "raw"
-    assert {p.name for p in data_files(step_dir)} == sharded.files_verified_on_read(
+    assert {p.name for p in data_files(step_dir)} == tensor_io.files_verified_on_read(
         f"{step_dir}/tensors")
 
 
@@ -453,7 +454,7 @@ def test_an_unknown_tensor_format_is_refused_naming_the_argument(tmp_path: Path)
     assert caught.value.name == "tensor_format"
     assert caught.value.value == "safetensors"
     with pytest.raises(ConfigurationError, match="tensor_format"):
-        sharded.save({"x": torch.zeros(2)}, tmp_path / "t",
+        tensor_io.save({"x": torch.zeros(2)}, tmp_path / "t",
                      tensor_format="zip")  # type: ignore[arg-type]
 
 

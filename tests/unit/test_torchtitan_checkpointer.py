@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from resumekit import ConfigurationError, ResumekitWarning, list_checkpoints
+from resumekit import ConfigurationError, ResumekitWarning
 from resumekit.cli import main as cli_main
+from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
 from tests.distributed_harness import run_ranks
 from tests.torchtitan_models import (

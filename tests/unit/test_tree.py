@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from resumekit import tensors
 from resumekit.cli._common import flatten as cli_flatten
 from resumekit.store import tree as _tree
-from resumekit.tensors import sharded
 
 
 def test_the_cli_rule_names_every_list_element_and_keeps_empty_containers() -> None:
@@ -20,7 +20,7 @@ def test_the_state_rule_expands_only_lists_of_tensors_or_dicts_and_drops_empty_o
     state = {"model": {"w": weight}, "optimizer": {"param_groups": [{"lr": 0.1}],
                                                    "betas": (0.9, 0.99), "state": {}},
              "buffers": [weight]}
-    flat = sharded.flatten_state(state)
+    flat = tensors.flatten_state(state)
     assert list(flat) == ["model.w", "optimizer.param_groups.0.lr", "optimizer.betas",
                           "buffers.0"]
     assert flat["optimizer.betas"] == (0.9, 0.99) and flat["model.w"] is weight

@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+from resumekit import tensors
 from resumekit.manager import CheckpointManager
-from resumekit.tensors import sharded
-from resumekit.tensors.raw.files import _lower_thread_priority, restore_lowered_priorities
+from resumekit.tensors.raw.files import lower_thread_priority, restore_lowered_priorities
 from tests.limits import HANG_S
 
 LIMIT_S = HANG_S  # a hang detector (tests/limits.py), never a timing
@@ -34,7 +34,7 @@ def _lowerable() -> bool:
     outcome: list[bool] = []
 
     def probe() -> None:
-        _lower_thread_priority()
+        lower_thread_priority()
         outcome.append(_idle(threading.get_native_id()))
 
     thread = threading.Thread(target=probe)
@@ -52,7 +52,7 @@ def test_restoring_priorities_raises_an_idle_thread_to_normal() -> None:
     tid: list[int] = []
 
     def writer() -> None:
-        _lower_thread_priority()
+        lower_thread_priority()
         tid.append(threading.get_native_id())
         lowered.set()
         done.wait(LIMIT_S)
@@ -70,11 +70,11 @@ def test_restoring_priorities_raises_an_idle_thread_to_normal() -> None:
 def test_wait_raises_the_background_writers_of_the_save_it_waits_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = sharded.save
+    original = tensors.save
     raised: list[bool] = []
 
     def idle_writer(*args: Any, **kwargs: Any) -> Any:
-        _lower_thread_priority()  # as the raw writer's threads do for a background save
+        lower_thread_priority()  # as the raw writer's threads do for a background save
         me = threading.get_native_id()
         deadline = time.monotonic() + LIMIT_S
         while _idle(me) and time.monotonic() < deadline:
@@ -82,7 +82,7 @@ def test_wait_raises_the_background_writers_of_the_save_it_waits_for(
         raised.append(not _idle(me))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sharded, "save", idle_writer)
+    monkeypatch.setattr(tensors, "save", idle_writer)
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -2,18 +2,18 @@
 
 The pieces :mod:`resumekit.tensors.raw.writer`'s storage writers are made of:
 
-* :class:`_AlignedFile`: a new local data file written with ``O_DIRECT`` where the
+* :class:`AlignedFile`: a new local data file written with ``O_DIRECT`` where the
   filesystem allows it (no page-cache copy, no dirty pages for writeback while training
   runs), its running checksum covering every byte, padding included.
-* :class:`_Pack`: small items gathered into one packed region (:mod:`.format`).
-* :class:`_HashingStream` and :class:`_RecordingFileSystem`: any DCP ``FileSystem``'s
+* :class:`Pack`: small items gathered into one packed region (:mod:`.format`).
+* :class:`_HashingStream` and :class:`RecordingFileSystem`: any DCP ``FileSystem``'s
   write streams hashed and recorded by file name; a failed stream discarded (an object
   store then keeps no partial object), never completed by its close.
 * :class:`FsspecFiles`: DCP's public ``FileSystemBase`` over fsspec (``s3://``,
   ``memory://``, ...).
 * :func:`write_new_file`, :func:`write_checksums`: small files,
   never over an existing one.
-* :func:`_write_failure`: an ``OSError`` as a :class:`~resumekit.errors.StorageError`
+* :func:`write_failure`: an ``OSError`` as a :class:`~resumekit.errors.StorageError`
   naming the file (a full disk also names the free space).
 """
 
@@ -45,30 +45,36 @@ from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import Checksum, checksum_chunks, hex_digest
 from resumekit.store.storage import open_filesystem
 from resumekit.tensors.raw.format import (
-    _FOOTER,
-    _MEMBER,
-    _PACK_MAGIC,
     ALIGNMENT,
     CHUNK_BYTES,
+    FOOTER,
     FORMAT_NAME,
+    MEMBER,
     MEMBER_DESCRIPTORS,
     PACK_BYTES,
     PACK_FORMAT_VERSION,
     PACK_ITEM_ALIGNMENT,
+    PACK_MAGIC,
+    StorageInfo,
     WrittenFile,
-    _aligned,
-    _StorageInfo,
+    align_up,
     encode_checksums,
 )
 
 __all__ = [
+    "METADATA_TMP",
+    "AlignedFile",
     "FsspecFiles",
+    "Pack",
+    "RecordingFileSystem",
     "aligned_empty",
+    "lower_thread_priority",
     "write_checksums",
+    "write_failure",
     "write_new_file",
 ]
 
-_METADATA_TMP = f"{DCP_METADATA_FILE}.tmp"
+METADATA_TMP = f"{DCP_METADATA_FILE}.tmp"
 
 logger = logging.getLogger("resumekit")
 
@@ -172,7 +178,7 @@ class _HashingStream(io.RawIOBase):
         try:
             self._inner.write(view)
         except Exception as error:
-            raise _write_failure(self._where, error, "write") from error
+            raise write_failure(self._where, error, "write") from error
         self.size += len(view)
         return len(view)
 
@@ -187,7 +193,7 @@ class _HashingStream(io.RawIOBase):
         try:
             self._inner.flush()
         except Exception as error:
-            raise _write_failure(self._where, error, "flush") from error
+            raise write_failure(self._where, error, "flush") from error
 
     def close(self) -> None:
         """Close the inner stream: the upload completes here on object stores."""
@@ -196,7 +202,7 @@ class _HashingStream(io.RawIOBase):
         try:
             self._inner.close()
         except Exception as error:
-            raise _write_failure(self._where, error, "close") from error
+            raise write_failure(self._where, error, "close") from error
         finally:
             super().close()
 
@@ -221,7 +227,7 @@ class _HashingStream(io.RawIOBase):
             super().close()
 
 
-class _RecordingFileSystem:
+class RecordingFileSystem:
     """Wraps a DCP ``FileSystem``: write streams hashed and recorded by file name.
 
     Everything but ``create_stream`` is the wrapped object's. A stream whose writer fails
@@ -256,7 +262,7 @@ class _RecordingFileSystem:
             inner = (fsspec_fs.open(where, mode) if fsspec_fs is not None
                      else open(where, mode))  # noqa: SIM115 - closed by the stream below
         except Exception as error:
-            raise _write_failure(where, error, "open") from error
+            raise write_failure(where, error, "open") from error
         stream = _HashingStream(inner, where)
         try:
             yield stream
@@ -301,7 +307,7 @@ def _human(count: int) -> str:
     return f"{count} B"  # pragma: no cover - the loop always returns
 
 
-def _write_failure(where: str, error: BaseException, operation: str) -> StorageError:
+def write_failure(where: str, error: BaseException, operation: str) -> StorageError:
     """A :class:`StorageError` naming the file and the cause; ``errno`` kept.
 
     A full disk (``ENOSPC``, ``EDQUOT``) or a file over the size limit (``EFBIG``) also
@@ -364,11 +370,11 @@ def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
         finally:
             os.close(fd)
     except OSError as error:
-        raise _write_failure(path, error, "write") from error
+        raise write_failure(path, error, "write") from error
 
 
 
-class _Pack:
+class Pack:
     """Small items gathered into one region of a data file, written and hashed as one.
 
     Items below :data:`PACK_ITEM_BYTES` lie back to back (each on a
@@ -378,7 +384,7 @@ class _Pack:
     (``resumekit-raw/3;<region length>;<checksum file>``); the others record
     :data:`MEMBER_DESCRIPTORS` (no content: DCP's stock reader refuses them by name) and
     belong to the region of their file that holds their offset
-    (:class:`_FileLayout`). The region ends with a table of its members (offset, length
+    (:class:`FileLayout`). The region ends with a table of its members (offset, length
     and XXH3-128 of each, then their count and a magic number), read only when the
     region's checksum fails, to name the damaged member. Each member's dtype and shape
     are DCP's own metadata entry's: the metadata holds nothing per small item beyond what
@@ -395,11 +401,13 @@ class _Pack:
         self.members: list[tuple[WriteItem, int, int]] = []  # item, offset, length
 
     def fits(self, length: int) -> bool:
+        """Whether ``length`` more bytes (and their member row) fit in this region."""
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
-        table = (len(self.members) + 1) * _MEMBER.size + _FOOTER.size
-        return _aligned(start + length + table) <= PACK_BYTES
+        table = (len(self.members) + 1) * MEMBER.size + FOOTER.size
+        return align_up(start + length + table) <= PACK_BYTES
 
     def add(self, item: WriteItem, view: memoryview) -> None:
+        """Copy ``view``, the bytes of ``item``, into the region at its next aligned offset."""
         start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
         self.buffer[self.used:start] = bytes(start - self.used)
         self.buffer[start:start + len(view)] = view
@@ -415,13 +423,13 @@ class _Pack:
         self.used = start + length
         self.members.append((item, start, length))
 
-    def flush(self, handle: _AlignedFile) -> list[WriteResult]:
+    def flush(self, handle: AlignedFile) -> list[WriteResult]:
         """Write the region (padded to the next boundary); one result per member."""
         if not self.members:
             return []
         base, descriptor = self._write_region(handle)
         results = [WriteResult(index=item.index, size_in_bytes=length,
-                               storage_data=_StorageInfo(
+                               storage_data=StorageInfo(
                                    self.name, base + start, length,
                                    transform_descriptors=MEMBER_DESCRIPTORS
                                    if number else [descriptor]))
@@ -429,20 +437,20 @@ class _Pack:
         self.members, self.used = [], 0
         return results
 
-    def _write_region(self, handle: _AlignedFile) -> tuple[int, str]:
+    def _write_region(self, handle: AlignedFile) -> tuple[int, str]:
         """Write the members, the table and the footer; the region's offset, descriptor."""
         buffer = memoryview(self.buffer)
         # Members, zeros, then the table and its footer, ending on an ALIGNMENT boundary:
         # the region's checksum covers every byte of it, padding included.
-        table = len(self.members) * _MEMBER.size + _FOOTER.size
-        at = _aligned(self.used + table) - table
+        table = len(self.members) * MEMBER.size + FOOTER.size
+        at = align_up(self.used + table) - table
         self.buffer[self.used:at] = bytes(at - self.used)
         for _, start, length in self.members:  # the table that names a damaged member
-            _MEMBER.pack_into(self.buffer, at, start, length,
+            MEMBER.pack_into(self.buffer, at, start, length,
                               xxhash.xxh3_128_digest(buffer[start:start + length]))
-            at += _MEMBER.size
-        _FOOTER.pack_into(self.buffer, at, len(self.members), _PACK_MAGIC)
-        region = buffer[:at + _FOOTER.size]
+            at += MEMBER.size
+        FOOTER.pack_into(self.buffer, at, len(self.members), PACK_MAGIC)
+        region = buffer[:at + FOOTER.size]
         base = handle.offset
         descriptor = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};{self.sidecar}"
         self.regions.append((base, len(region), hex_digest(region)))
@@ -452,7 +460,7 @@ class _Pack:
 
 
 
-class _AlignedFile:
+class AlignedFile:
     """A new file written with ``O_DIRECT`` where the filesystem allows it.
 
     Direct I/O skips the page cache: no kernel copy of every byte and no dirty pages for
@@ -483,7 +491,7 @@ class _AlignedFile:
         self.checksum = Checksum()
         self._bounce: mmap.mmap | None = None
 
-    def __enter__(self) -> _AlignedFile:
+    def __enter__(self) -> AlignedFile:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
@@ -615,7 +623,7 @@ def restore_lowered_priorities(pid: int) -> int:
 _IDLE_NICE = 19
 
 
-def _lower_thread_priority() -> None:
+def lower_thread_priority() -> None:
     """Let this thread run only on CPU time the rest of the machine leaves; best effort.
 
     Linux schedules threads separately: ``SCHED_IDLE`` where allowed, else nice 19. The

@@ -15,7 +15,7 @@ and the block checksums are in the writing rank's checksum file (``__<rank>_chec
 :data:`CHECKSUMS_FORMAT`), read only by a reader of that rank's files, and the item's dtype
 and shape are DCP's own metadata entry's (issue 40: ``.metadata`` no bigger than DCP's, its
 bytes depending only on the state's structure). Smaller items share packed regions of at
-most :data:`PACK_BYTES` (:class:`_Pack`): one write and one checksum per region, whose
+most :data:`PACK_BYTES` (:class:`Pack`): one write and one checksum per region, whose
 first member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
 ``"resumekit-raw/member"`` (:data:`MEMBER_DESCRIPTORS`: nothing of their own; written since
 issue 29, members written before record nothing); their dtype and shape are DCP's metadata
@@ -51,21 +51,32 @@ from resumekit.store.storage import parse_json
 __all__ = [
     "ALIGNMENT",
     "ALONE_FORMAT_VERSION",
+    "ALONE_PREFIX",
     "CHECKSUMS_FORMAT",
     "CHUNK_BYTES",
     "DATA_SUFFIX",
+    "FOOTER",
     "FORMAT_NAME",
+    "INLINE_PACK_PREFIX",
+    "MEMBER",
     "MEMBER_DESCRIPTORS",
     "MIN_BLOCK_BYTES",
     "PACK_BYTES",
     "PACK_ITEM_ALIGNMENT",
     "PACK_ITEM_BYTES",
+    "PACK_MAGIC",
+    "PACK_PREFIX",
     "REGIONS_CHECKSUMS_FORMAT",
     "ChecksumFile",
+    "Descriptor",
+    "FileLayout",
+    "StorageInfo",
     "StoredItem",
     "WrittenFile",
+    "align_up",
     "alone_descriptors",
     "block_bytes_for",
+    "byte_view",
     "check_listed_checksum",
     "checksum_files",
     "decode_checksum_file",
@@ -85,7 +96,7 @@ ALONE_FORMAT_VERSION = 4
 ``resumekit-raw/4;<checksum file>`` (:func:`alone_descriptors`), its block size and block
 checksums in that checksum file, its dtype and shape DCP's metadata entry's."""
 PACK_FORMAT_VERSION = 3
-"""The descriptor of the first item of a pack of small items (:class:`_Pack`), as written
+"""The descriptor of the first item of a pack of small items (:class:`Pack`), as written
 now: ``resumekit-raw/3;<region length>;<checksum file>``, the region's checksum kept in
 that rank's small checksum file (:func:`resumekit.store.layout.raw_checksums_file`), so the
 ``.metadata`` of an unchanged structure is the same bytes at every save."""
@@ -122,14 +133,14 @@ PACK_BYTES = 1 << 20
 """The largest packed region: what a reader of one small item reads and hashes at most."""
 PACK_ITEM_ALIGNMENT = 16
 """Members of a pack start on this boundary inside it."""
-_MEMBER = struct.Struct("<II16s")  # a packed member: offset in its region, length, XXH3-128
-_FOOTER = struct.Struct("<II")  # member count, magic
-_PACK_MAGIC = 0x31504B52  # "RKP1"
+MEMBER = struct.Struct("<II16s")  # a packed member: offset in its region, length, XXH3-128
+FOOTER = struct.Struct("<II")  # member count, magic
+PACK_MAGIC = 0x31504B52  # "RKP1"
 DATA_SUFFIX = ".distcp"
 """The suffix of a data file, as DCP names its own."""
 
 
-_StorageInfo = _compat.dcp_storage_info()
+StorageInfo = _compat.dcp_storage_info()
 """DCP's record of where an item lies; the raw writer's results are made of it."""
 
 
@@ -168,7 +179,14 @@ class WrittenFile(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Descriptor:
+class Descriptor:
+    """One item's descriptor: its dtype, shape and the checksums of its blocks.
+
+    Written into the item's ``transform_descriptors`` in DCP's ``.metadata`` (or, for an
+    item stored alone, into its rank's checksum file) by :meth:`encode`, and parsed back,
+    checked, by :meth:`decode`.
+    """
+
     dtype: torch.dtype | None  # None: a non-tensor value (DCP's BYTE_IO)
     shape: tuple[int, ...]
     block_bytes: int
@@ -178,13 +196,15 @@ class _Descriptor:
     region: tuple[int, int] | None = None
 
     def encode(self) -> str:
+        """The descriptor as the one string the format stores."""
         dtype = "bytes" if self.dtype is None else str(self.dtype).removeprefix("torch.")
         shape = "x".join(str(size) for size in self.shape)
         return (f"{FORMAT_NAME}/{FORMAT_VERSION};{dtype};{shape};{self.block_bytes};"
                 f"{CHECKSUM_ALGORITHM}:{','.join(self.blocks)}")
 
     @classmethod
-    def decode(cls, text: str, *, where: str) -> _Descriptor:
+    def decode(cls, text: str, *, where: str) -> Descriptor:
+        """Parse :meth:`encode`'s string; a bad one is an error naming ``where``."""
         try:
             head, dtype_name, shape_text, block_text, checksums = text.split(";")
             if head != f"{FORMAT_NAME}/{FORMAT_VERSION}":
@@ -256,9 +276,9 @@ class _Descriptor:
         return length, sidecar
 
 
-_PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
-_INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
-_ALONE_PREFIX = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};"
+PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
+INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
+ALONE_PREFIX = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};"
 
 
 def alone_descriptors(sidecar: str) -> tuple[str]:
@@ -267,7 +287,7 @@ def alone_descriptors(sidecar: str) -> tuple[str]:
     The writer gives each of its items the one tuple this returns, so the pickled
     ``.metadata`` holds it once per rank (pickle refers back to an object it has written).
     """
-    return (f"{_ALONE_PREFIX}{sidecar}",)
+    return (f"{ALONE_PREFIX}{sidecar}",)
 
 
 def _sidecar_of(text: str, prefix: str, *, where: str) -> str:
@@ -318,12 +338,12 @@ def checksum_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:
     for info in storage_data.values():
         descriptors = info.transform_descriptors
         if descriptors and len(descriptors) == 1 and descriptors[0].startswith(
-                (_PACK_PREFIX, _ALONE_PREFIX)):
+                (PACK_PREFIX, ALONE_PREFIX)):
             found.add(descriptors[0].rsplit(";", 1)[1])
     return found
 
 
-class _FileLayout:
+class FileLayout:
     """Where the raw items of one checkpoint lie: raw files, packed regions by file.
 
     Args:
@@ -354,8 +374,8 @@ class _FileLayout:
                 continue
             self.raw.add(info.relative_path)
             text = cast(Sequence[str], info.transform_descriptors)[0]
-            if text.startswith(_ALONE_PREFIX):
-                sidecar = _sidecar_of(text, _ALONE_PREFIX, where=where(info))
+            if text.startswith(ALONE_PREFIX):
+                sidecar = _sidecar_of(text, ALONE_PREFIX, where=where(info))
                 key = (info.relative_path, info.offset)
                 if blocks is None:
                     self.alone[key] = (block_bytes_for(info.length), ())
@@ -368,8 +388,8 @@ class _FileLayout:
                         f"is not listed with that length in its checksum file {sidecar}",
                         path=place, file=place)
                 self.alone[key] = (found[1], found[2])
-            elif text.startswith(_PACK_PREFIX):
-                length, sidecar = _Descriptor.decode_sidecar_region(text, where=where(info))
+            elif text.startswith(PACK_PREFIX):
+                length, sidecar = Descriptor.decode_sidecar_region(text, where=where(info))
                 digest = ""
                 if checksums is not None:
                     listed = checksums(sidecar).get((info.relative_path, info.offset))
@@ -382,9 +402,9 @@ class _FileLayout:
                     digest = listed[1]
                 regions.setdefault(info.relative_path, []).append(
                     (info.offset, length, digest))
-            elif text.startswith(_INLINE_PACK_PREFIX):
+            elif text.startswith(INLINE_PACK_PREFIX):
                 regions.setdefault(info.relative_path, []).append(
-                    _Descriptor.decode_region(text, info.offset, where=where(info)))
+                    Descriptor.decode_region(text, info.offset, where=where(info)))
         self.regions = {name: sorted(found) for name, found in regions.items()}
         self.starts = {name: [region[0] for region in found]
                        for name, found in self.regions.items()}
@@ -501,13 +521,13 @@ def decode_checksum_file(data: bytes, *, where: str) -> ChecksumFile:
     return ChecksumFile(regions, items)
 
 
-def _aligned(count: int) -> int:
+def align_up(count: int) -> int:
     """``count`` rounded up to a multiple of :data:`ALIGNMENT`."""
     return -(-count // ALIGNMENT) * ALIGNMENT
 
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, shared, as a flat memoryview."""
     flat = tensor.reshape(-1)
     if flat.numel() == 0:

@@ -40,18 +40,18 @@ from resumekit.store.manifest import Checksum, hex_digest
 from resumekit.store.retry import read_with_retry
 from resumekit.tensors.raw.files import FsspecFiles
 from resumekit.tensors.raw.format import (
-    _ALONE_PREFIX,
-    _FOOTER,
-    _INLINE_PACK_PREFIX,
-    _MEMBER,
-    _PACK_MAGIC,
-    _PACK_PREFIX,
+    ALONE_PREFIX,
     CHUNK_BYTES,
+    FOOTER,
+    INLINE_PACK_PREFIX,
+    MEMBER,
+    PACK_MAGIC,
+    PACK_PREFIX,
     ChecksumFile,
+    Descriptor,
+    FileLayout,
     StoredItem,
-    _byte_view,
-    _Descriptor,
-    _FileLayout,
+    byte_view,
     check_listed_checksum,
     decode_checksum_file,
     is_packed_member,
@@ -212,7 +212,7 @@ class RawTensorReading:
             info: StoredItem = self.storage_data[request.storage_index]
             text = (info.transform_descriptors or ("",))[0]
             if (is_packed_member(info.transform_descriptors)
-                    or text.startswith((_PACK_PREFIX, _INLINE_PACK_PREFIX))):  # packed
+                    or text.startswith((PACK_PREFIX, INLINE_PACK_PREFIX))):  # packed
                 region = layout.region_of(info)
                 if region is None:
                     where = self._where(info)
@@ -222,14 +222,14 @@ class RawTensorReading:
                         "region of its file", path=where, file=where,
                         key=request.storage_index.fqn)
                 dtype, shape = self._stored_form(request, info)
-                descriptor = _Descriptor(dtype, shape, region[1], (region[2],),
+                descriptor = Descriptor(dtype, shape, region[1], (region[2],),
                                          (region[0], region[1]))
-            elif text.startswith(_ALONE_PREFIX):  # stored alone, blocks in its checksum file
+            elif text.startswith(ALONE_PREFIX):  # stored alone, blocks in its checksum file
                 dtype, shape = self._stored_form(request, info)
                 block, blocks = layout.alone[(info.relative_path, info.offset)]
-                descriptor = _Descriptor(dtype, shape, block, blocks)
+                descriptor = Descriptor(dtype, shape, block, blocks)
             else:  # stored alone (format 1; anything else is refused, naming it)
-                descriptor = _Descriptor.decode(text, where=self._where(info))
+                descriptor = Descriptor.decode(text, where=self._where(info))
             target = None
             if request.type != LoadItemType.BYTE_IO:
                 target = planner.resolve_tensor(request).detach()
@@ -251,7 +251,7 @@ class RawTensorReading:
     def _where(self, info: StoredItem) -> str:
         return str(os.fspath(self.fs.concat_path(self.path, info.relative_path)))
 
-    def _layout(self, files: set[str]) -> _FileLayout:
+    def _layout(self, files: set[str]) -> FileLayout:
         """The raw files and packed regions of ``files`` (worked out once for them).
 
         Only the data files a read touches: a rank reads the checksum files of the ranks
@@ -260,8 +260,8 @@ class RawTensorReading:
         """
         cached = self.__dict__.get("_raw_layout")
         if cached is not None and cached[0] is self.storage_data and files <= cached[1]:
-            return cast(_FileLayout, cached[2])
-        layout = _FileLayout(
+            return cast(FileLayout, cached[2])
+        layout = FileLayout(
             self.storage_data, self._where,
             (lambda name: self._read_checksums(name).regions) if self.verify else None,
             files=files,
@@ -374,7 +374,7 @@ class RawTensorReading:
         span = _contiguous_span(descriptor.shape, request.storage_offsets, request.lengths)
         if span is None:  # a piece that is not one byte range: read the item, narrow it
             stored = torch.empty(descriptor.shape, dtype=descriptor.dtype)
-            self._read_range(stream, job, (0, info.length), _byte_view(stored), packs)
+            self._read_range(stream, job, (0, info.length), byte_view(stored), packs)
             target.copy_(_narrow(stored, request.storage_offsets, request.lengths))
             return target
         first, count = span
@@ -387,10 +387,10 @@ class RawTensorReading:
                 shift = info.offset - descriptor.region[0]
                 ctypes.memmove(target.data_ptr(), address + shift + start, stop - start)
                 return target
-            self._read_range(stream, job, (start, stop), _byte_view(target), packs)
+            self._read_range(stream, job, (start, stop), byte_view(target), packs)
             return target
         piece = torch.empty(tuple(request.lengths), dtype=descriptor.dtype)
-        self._read_range(stream, job, (start, stop), _byte_view(piece), packs)
+        self._read_range(stream, job, (start, stop), byte_view(piece), packs)
         target.copy_(piece)
         return target
 
@@ -472,12 +472,12 @@ class RawTensorReading:
         base = cast(tuple[int, int], job.descriptor.region)[0]
         damaged: list[tuple[int, int]] = []
         try:
-            count, magic = _FOOTER.unpack_from(region, len(region) - _FOOTER.size)
-            table = len(region) - _FOOTER.size - count * _MEMBER.size
-            if magic != _PACK_MAGIC or table < 0:
+            count, magic = FOOTER.unpack_from(region, len(region) - FOOTER.size)
+            table = len(region) - FOOTER.size - count * MEMBER.size
+            if magic != PACK_MAGIC or table < 0:
                 raise ValueError("no table of members")
             for number in range(count):
-                start, length, digest = _MEMBER.unpack_from(region, table + number * _MEMBER.size)
+                start, length, digest = MEMBER.unpack_from(region, table + number * MEMBER.size)
                 if xxhash.xxh3_128_digest(region[start:start + length]) != digest:
                     damaged.append((start, length))
         except (ValueError, struct.error):
@@ -561,7 +561,7 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
 class _Job:
     request: ReadItem
     info: StoredItem
-    descriptor: _Descriptor
+    descriptor: Descriptor
     target: torch.Tensor | None
 
 

@@ -50,24 +50,24 @@ from resumekit.errors import StorageError
 from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
 from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw.files import (
-    _METADATA_TMP,
+    METADATA_TMP,
+    AlignedFile,
     FsspecFiles,
-    _AlignedFile,
-    _lower_thread_priority,
-    _Pack,
-    _RecordingFileSystem,
-    _write_failure,
+    Pack,
+    RecordingFileSystem,
+    lower_thread_priority,
     write_checksums,
+    write_failure,
 )
 from resumekit.tensors.raw.format import (
     CHUNK_BYTES,
     DATA_SUFFIX,
     PACK_ITEM_BYTES,
+    StorageInfo,
     WrittenFile,
-    _byte_view,
-    _StorageInfo,
     alone_descriptors,
     block_bytes_for,
+    byte_view,
     checksum_files,
 )
 
@@ -121,7 +121,7 @@ class _ReportingWriter:
         self.written = []
         self._plan_rank: int | None = None
         self._plans_together = True
-        self.fs = _RecordingFileSystem(self.fs, os.fspath(self.path))
+        self.fs = RecordingFileSystem(self.fs, os.fspath(self.path))
 
     def _record(self, name: str, size: int, checksum: str) -> None:
         self.written.append(WrittenFile(name, size, checksum))
@@ -155,9 +155,9 @@ class _ReportingWriter:
         where = os.fspath(self.path)
         _check_every_item_stored(metadata, results, where)
         super().finish(metadata, results)  # type: ignore[misc]
-        recorder = cast(_RecordingFileSystem, self.fs)
+        recorder = cast(RecordingFileSystem, self.fs)
         with recorder._lock:
-            temporary = [name for name in recorder.recorded if name.endswith(_METADATA_TMP)]
+            temporary = [name for name in recorder.recorded if name.endswith(METADATA_TMP)]
             recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
         references = tuple(sorted(
             {result.storage_data.relative_path for part in results for result in part}
@@ -231,7 +231,7 @@ class CheckedDcpWriter(_ReportingWriter, FileSystemWriter):
         outcomes = run_writer_threads([
             functools.partial(self._write_file, f"{prefix}{number}{DATA_SUFFIX}", bucket,
                               planner) for number, bucket in enumerate(buckets)])
-        recorder = cast(_RecordingFileSystem, self.fs)
+        recorder = cast(RecordingFileSystem, self.fs)
         for outcome in outcomes:
             results.extend(outcome)
         for name in sorted({r.storage_data.relative_path for r in results}):
@@ -258,7 +258,7 @@ class CheckedDcpWriter(_ReportingWriter, FileSystemWriter):
                 stream.flush()  # an object store uploads each full part as it goes
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                                           storage_data=StorageInfo(name, offset, length)))
             if self.sync_files:
                 try:
                     os.fsync(stream.fileno())
@@ -374,12 +374,12 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
     ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
                list[tuple[int, int, int, str]]]:
         if self.background:
-            _lower_thread_priority()
+            lower_thread_priority()
         path = os.path.join(os.fspath(self.path), name)
         try:
             return self._write_items(path, name, items, sidecar, alone)
         except OSError as error:
-            raise _write_failure(path, error, "write") from error
+            raise write_failure(path, error, "write") from error
 
     def _write_items(
         self, path: str, name: str,
@@ -396,8 +396,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """
         results: list[WriteResult] = []
         stored: list[tuple[int, int, int, str]] = []
-        with _AlignedFile(path) as handle:
-            pack = _Pack(name, sidecar)
+        with AlignedFile(path) as handle:
+            pack = Pack(name, sidecar)
             for item, data in items:
                 small = _small_cpu_bytes(data)
                 if small is not None:  # the common small tensor: copied, no view objects
@@ -425,7 +425,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                 stored.append((offset, len(view), block, "".join(blocks)))
                 results.append(WriteResult(
                     index=item.index, size_in_bytes=len(view),
-                    storage_data=_StorageInfo(name, offset, len(view),
+                    storage_data=StorageInfo(name, offset, len(view),
                                               transform_descriptors=alone),
                 ))
             results.extend(pack.flush(handle))
@@ -444,7 +444,7 @@ def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, int | None]:
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()
     tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    return _byte_view(tensor), tensor.data_ptr()
+    return byte_view(tensor), tensor.data_ptr()
 
 
 

@@ -8,7 +8,7 @@ root's own restore, when the manager has a local tier:
 2. every rank surveys its node-local copies (own and replicas kept for others) and
    drops those this run may not use (another durable root or world size, a fenced
    writer's copy: :func:`resumekit.store.local_roots.unusable_reason`), with a warning;
-3. the ranks all-gather what they hold, and :func:`resumekit.restore.tiers.decide` lists
+3. the ranks all-gather what they hold, and :func:`resumekit.restore.tier_choice.decide` lists
    the steps every rank can get, newest first, not older than the durable root's newest;
 4. each candidate in turn: ranks without their own copy fetch it from the partner's
    replica (:func:`resumekit.tiers.local.fetch_copies`), then every rank verifies and
@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from resumekit.errors import CoordinationError, IncompatibleCheckpointError, ResumekitError
-from resumekit.restore.tiers import Candidate, Holdings, Tier, TierChoice, decide
+from resumekit.restore.tier_choice import Candidate, Holdings, Tier, TierChoice, decide
 from resumekit.runtime.channels import Channel
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry

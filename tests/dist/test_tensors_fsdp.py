@@ -1,4 +1,4 @@
-"""resumekit.tensors.sharded with real FSDP2 ranks (gloo, CPU): sharded save, resharded load."""
+"""resumekit.tensors with real FSDP2 ranks (gloo, CPU): sharded save, resharded load."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import IncompatibleCheckpointError
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from tests.distributed_harness import run_ranks
 
@@ -121,7 +122,7 @@ def restore(
     model: nn.Module, optimizer: torch.optim.Optimizer, directory: str, group: Any = None
 ) -> None:
     state = state_dicts.model_and_optimizer_state(model, optimizer)
-    sharded.load(state, directory, process_group=group)
+    tensor_io.load(state, directory, process_group=group)
     state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
 
 
@@ -135,7 +136,7 @@ def _save_stage_and_reload(rank: int, world_size: int, directory: str) -> dict[s
     train_step(model, optimizer, "transformer", seed=1)
     reference = full_state(model, optimizer)
 
-    stager = sharded.CpuStager()
+    stager = tensor_io.CpuStager()
     first = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     staged = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     weight = "layers.0.qkv.weight"
@@ -149,7 +150,7 @@ def _save_stage_and_reload(rank: int, world_size: int, directory: str) -> dict[s
 
     train_step(model, optimizer, "transformer", seed=2)  # training mutates the originals
     mutated = full_state(model, optimizer)
-    sharded.save(staged, directory, process_group=group)
+    tensor_io.save(staged, directory, process_group=group)
 
     fresh, fresh_optimizer = build("transformer", seed=99, world_size=world_size)
     restore(fresh, fresh_optimizer, directory, group)
@@ -176,9 +177,9 @@ def _save_on_a_one_rank_group(rank: int, directory: str) -> bool:
     only_rank_zero = dist.new_group(ranks=[0], backend="gloo")
     if rank == 0:
         state = {"model": {"w": torch.arange(6.0)}, "note": "rank zero alone"}
-        sharded.save(state, directory, process_group=only_rank_zero)
+        tensor_io.save(state, directory, process_group=only_rank_zero)
         target: dict[str, Any] = {"model": {"w": torch.zeros(6)}, "note": ""}
-        sharded.load(target, directory, process_group=only_rank_zero)
+        tensor_io.load(target, directory, process_group=only_rank_zero)
         assert torch.equal(target["model"]["w"], torch.arange(6.0))
         assert target["note"] == "rank zero alone"
     dist.barrier()  # rank 1 never entered DCP: any DCP collective on WORLD would hang
@@ -193,7 +194,7 @@ def _load_into_a_wider_model(rank: int, world_size: int, directory: str) -> str:
     before = full_state(model, optimizer)
     state = state_dicts.model_and_optimizer_state(model, optimizer)
     with pytest.raises(IncompatibleCheckpointError) as caught:
-        sharded.load(state, directory)
+        tensor_io.load(state, directory)
     after = full_state(model, optimizer)
     if rank == 0:
         assert_identical(after, before)  # nothing was partially loaded
@@ -272,7 +273,7 @@ def test_each_rank_writes_only_its_own_shards(
             math.prod(chunk.sizes) * entry.properties.dtype.itemsize
         )
         files_by_tensor.setdefault(index.fqn, set()).add(info.relative_path[:4])
-    tensors = sharded.read_tensor_index(directory)
+    tensors = tensor_io.read_tensor_index(directory)
     full_bytes = sum(info.nbytes for info in tensors.values())
     assert sum(bytes_by_rank.values()) == full_bytes  # every byte written exactly once
     for prefix, written in bytes_by_rank.items():
@@ -312,7 +313,7 @@ def test_iter_full_tensors_assembles_every_tensor_of_a_two_rank_checkpoint(
         if isinstance(value, torch.Tensor)
     }
     seen = []
-    for name, tensor in sharded.iter_full_tensors(directory):
+    for name, tensor in tensor_io.iter_full_tensors(directory):
         assert torch.equal(tensor, expected[name]), name
         seen.append(name)
     assert sorted(seen) == sorted(expected)
@@ -326,7 +327,7 @@ def one_process_checkpoint(
     root = tmp_path_factory.mktemp("one-process")
     model, optimizer = build("mlp", seed=3, world_size=None)
     train_step(model, optimizer, "mlp", seed=4)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), root / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), root / "ckpt")
     results = run_ranks(
         _one_process_checkpoint_scenarios, world_size=2,
         args=(str(root / "ckpt"), str(root / "scratch"), model.state_dict()),

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import IncompatibleCheckpointError, ResumekitError
 from resumekit.options import CheckpointOptions
 from resumekit.restore import plan as restore_plan
@@ -32,7 +33,6 @@ from resumekit.store.coordination import SingleProcess, run_on_every_rank, run_o
 from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
 from resumekit.store.manifest import Manifest, SaveReason
 from resumekit.store.storage import Storage
-from resumekit.tensors import sharded
 from resumekit.tools import legacy
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -280,7 +280,7 @@ class RootRestore:
     def read_alone(self, storage: Storage, entry: CheckpointEntry) -> None:
         """Verify, check and read this rank's node-local copy ``entry`` by this rank alone.
 
-        The local tier's read (:mod:`resumekit.tiers.restore` calls it on every rank, each
+        The local tier's read (:mod:`resumekit.tiers.restore_across` calls it on every rank, each
         with its own copy, and agrees on the outcome): every file checked against the
         copy's manifest, its fit with the run checked, its tensors (this rank's shards)
         read without a collective, then the training state and this rank's RNG and data
@@ -316,7 +316,7 @@ class RootRestore:
         self._entries.report_leftovers(entries, above=step)
 
     def _read_entry(self, storage: Storage, name: str, manifest: Manifest, *,
-                    alone: bool = False, metadata: sharded.CheckedMetadata | None = None
+                    alone: bool = False, metadata: tensor_io.CheckedMetadata | None = None
                     ) -> list[str]:
         """Read step directory ``name`` into the run's state; return the parts left fresh.
 
@@ -335,14 +335,14 @@ class RootRestore:
         tensors = self.state.load_target(tied, optimizer=with_optimizer, source=source,
                                          storage_options=options, metadata=metadata)
         if tensors and alone:
-            sharded.load(tensors, source, verify=self.options.verify_on_restore,
+            tensor_io.load(tensors, source, verify=self.options.verify_on_restore,
                          storage_options=options, alone=True, metadata=metadata)
             self.state.apply_tensor_state(tensors, tied)
         elif tensors:
             # Each rank plans its own reads (DCP's load plans need no coordination); one
             # all-gather of the outcome replaces DCP's three, and every rank raises alike.
             run_on_every_rank(self.channel.coordinator, functools.partial(
-                sharded.load, tensors, source, process_group=self.channel.group,
+                tensor_io.load, tensors, source, process_group=self.channel.group,
                 verify=self.options.verify_on_restore, storage_options=options,
                 plan_locally=True, read_once=self.options.restore_reads == "once",
                 metadata=metadata))

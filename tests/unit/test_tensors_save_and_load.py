@@ -1,8 +1,9 @@
-"""resumekit.tensors.sharded in one process: round trips, strict loading, staging, index, export."""
+"""resumekit.tensors in one process: round trips, strict loading, staging, index, export."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import os
 import pickle
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from resumekit import tensors as tensor_io
 from resumekit.errors import (
     CheckpointNotFoundError,
     IncompatibleCheckpointError,
@@ -24,7 +26,7 @@ from resumekit.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from resumekit.tensors import sharded, state_dicts
+from resumekit.tensors import state_dicts
 from tests.limits import HANG_S
 
 
@@ -79,7 +81,7 @@ def assert_same(actual: Any, expected: Any, where: str = "") -> None:
 
 def restore(model: nn.Module, optimizer: torch.optim.Optimizer | None, directory: Any) -> None:
     state = state_dicts.model_and_optimizer_state(model, optimizer)
-    sharded.load(state, directory)
+    tensor_io.load(state, directory)
     state_dicts.apply_model_and_optimizer_state(model, optimizer, state)
 
 
@@ -95,7 +97,7 @@ def test_a_single_process_round_trip_restores_model_and_optimizer_bit_identicall
     tmp_path: Path,
 ) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
 
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=5.0)
@@ -106,7 +108,7 @@ def test_a_single_process_round_trip_restores_model_and_optimizer_bit_identicall
 
 def test_training_continues_identically_after_a_round_trip(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=5.0)
     restore(fresh, fresh_optimizer, tmp_path / "ckpt")
@@ -121,8 +123,8 @@ def test_fp32_and_bf16_tensors_keep_their_dtype_on_disk_and_after_load(tmp_path:
     for dtype in (torch.float32, torch.bfloat16):
         model, optimizer = trained(seed=0, dtype=dtype)
         directory = tmp_path / str(dtype)
-        sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), directory)
-        index = sharded.read_tensor_index(directory)
+        tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), directory)
+        index = tensor_io.read_tensor_index(directory)
         assert index["model.0.weight"].dtype == dtype
         assert index["optimizer.state.0.weight.exp_avg"].dtype == dtype
         fresh = mlp(seed=1, dtype=dtype)
@@ -138,15 +140,15 @@ def test_a_checkpoint_round_trips_through_a_url(tmp_path: Path, scheme: str) -> 
     else:
         url = f"file://{tmp_path}/ckpt"
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), url)
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), url)
     filesystem, path = fsspec.core.url_to_fs(url)
     assert filesystem.exists(f"{path}/.metadata")
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     restore(fresh, fresh_optimizer, url)
     assert_same(snapshot(fresh, fresh_optimizer), snapshot(model, optimizer))
-    assert set(sharded.read_tensor_index(url)) == set(sharded.read_tensor_index(url))
-    names = [name for name, _ in sharded.iter_full_tensors(url, ["model.2.bias"])]
+    assert set(tensor_io.read_tensor_index(url)) == set(tensor_io.read_tensor_index(url))
+    names = [name for name, _ in tensor_io.iter_full_tensors(url, ["model.2.bias"])]
     assert names == ["model.2.bias"]
     if scheme == "memory":
         filesystem.rm(path, recursive=True)
@@ -154,9 +156,9 @@ def test_a_checkpoint_round_trips_through_a_url(tmp_path: Path, scheme: str) -> 
 
 def test_non_tensor_values_round_trip_alongside_tensors(tmp_path: Path) -> None:
     state = {"model": {"w": torch.arange(4.0)}, "extra": {"lr": 0.5, "tags": ["a", "b"]}}
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     target: dict[str, Any] = {"model": {"w": torch.zeros(4)}, "extra": {"lr": 0.0, "tags": []}}
-    sharded.load(target, tmp_path / "ckpt")
+    tensor_io.load(target, tmp_path / "ckpt")
     assert_same(target, state)
 
 
@@ -165,13 +167,13 @@ def test_non_tensor_values_round_trip_alongside_tensors(tmp_path: Path) -> None:
 
 def test_a_changed_shape_raises_naming_the_key_and_loads_nothing(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     wider = mlp(seed=1, hidden=9)
     wider_optimizer = torch.optim.AdamW(wider.parameters())
     state = state_dicts.model_and_optimizer_state(wider, wider_optimizer)
     before = snapshot(wider, wider_optimizer)
     with pytest.raises(IncompatibleCheckpointError) as caught:
-        sharded.load(state, tmp_path / "ckpt")
+        tensor_io.load(state, tmp_path / "ckpt")
     message = str(caught.value)
     assert "model.0.weight: checkpoint has tensor (8, 5)" in message
     assert "state has tensor (9, 5)" in message
@@ -182,30 +184,30 @@ def test_a_changed_shape_raises_naming_the_key_and_loads_nothing(tmp_path: Path)
 
 def test_a_key_missing_from_the_checkpoint_raises_and_loads_nothing(tmp_path: Path) -> None:
     model = mlp(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     deeper = nn.Sequential(*mlp(seed=1), nn.Linear(3, 3))
     state = state_dicts.model_and_optimizer_state(deeper)
     before = snapshot(deeper)
     missing = r"missing from checkpoint: model\.3\.weight"
     with pytest.raises(IncompatibleCheckpointError, match=missing):
-        sharded.load(state, tmp_path / "ckpt")
+        tensor_io.load(state, tmp_path / "ckpt")
     assert_same(snapshot(deeper), before)
 
 
 def test_a_key_the_model_does_not_have_raises_as_unexpected(tmp_path: Path) -> None:
     deeper = nn.Sequential(*mlp(seed=0), nn.Linear(3, 3))
-    sharded.save(state_dicts.model_and_optimizer_state(deeper), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(deeper), tmp_path / "ckpt")
     model = mlp(seed=1)
     before = snapshot(model)
     unexpected = r"unexpected in checkpoint: model\.3\.bias"
     with pytest.raises(IncompatibleCheckpointError, match=unexpected):
-        sharded.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
+        tensor_io.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     assert_same(snapshot(model), before)
 
 
 def test_loading_only_the_model_from_a_full_checkpoint_is_allowed(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     fresh = mlp(seed=1)
     restore(fresh, None, tmp_path / "ckpt")
     assert_same(fresh.state_dict(), model.state_dict())
@@ -227,9 +229,9 @@ def test_applying_a_state_with_a_wrong_key_raises_before_touching_the_model() ->
 
 def test_saving_over_an_existing_checkpoint_is_refused(tmp_path: Path) -> None:
     model = mlp(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt")
     with pytest.raises(StorageError, match="already exists"):
-        sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
+        tensor_io.save(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
     restored = mlp(seed=2)
     restore(restored, None, tmp_path / "ckpt")
     assert_same(restored.state_dict(), model.state_dict())
@@ -239,32 +241,32 @@ def test_loading_a_directory_without_metadata_raises_checkpoint_not_found(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(CheckpointNotFoundError, match=r"\.metadata"):
-        sharded.load(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path)
+        tensor_io.load(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path)
     with pytest.raises(CheckpointNotFoundError):
-        sharded.read_tensor_index(tmp_path)
+        tensor_io.read_tensor_index(tmp_path)
 
 
 def test_a_missing_shard_file_raises_incomplete_checkpoint(tmp_path: Path) -> None:
-    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
     for shard in (tmp_path / "ckpt").glob("*.distcp"):
         shard.unlink()
     with pytest.raises(IncompleteCheckpointError, match="distcp"):
-        sharded.load(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
+        tensor_io.load(state_dicts.model_and_optimizer_state(mlp(seed=1)), tmp_path / "ckpt")
 
 
 # --------------------------------------------------------------------------- safety
 
 
 def test_a_malicious_metadata_file_is_refused_everywhere_and_never_runs(tmp_path: Path) -> None:
-    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
     marker = tmp_path / "pwned"
     (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(WritesMarker(marker)))
     model = mlp(seed=1)
     before = snapshot(model)
     attempts = [
-        lambda: sharded.read_tensor_index(tmp_path / "ckpt"),
-        lambda: list(sharded.iter_full_tensors(tmp_path / "ckpt")),
-        lambda: sharded.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt"),
+        lambda: tensor_io.read_tensor_index(tmp_path / "ckpt"),
+        lambda: list(tensor_io.iter_full_tensors(tmp_path / "ckpt")),
+        lambda: tensor_io.load(state_dicts.model_and_optimizer_state(model), tmp_path / "ckpt"),
     ]
     for attempt in attempts:
         with pytest.raises(UnsafeCheckpointError) as caught:
@@ -277,10 +279,10 @@ def test_a_malicious_metadata_file_is_refused_everywhere_and_never_runs(tmp_path
 
 def test_a_stored_value_that_needs_unrestricted_unpickling_is_refused(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    sharded.save({"extra": {"hook": WritesMarker(marker)}}, tmp_path / "ckpt")
+    tensor_io.save({"extra": {"hook": WritesMarker(marker)}}, tmp_path / "ckpt")
     assert not marker.exists()
     with pytest.raises(UnsafeCheckpointError, match=r"extra\.hook"):
-        sharded.load({"extra": {"hook": None}}, tmp_path / "ckpt")
+        tensor_io.load({"extra": {"hook": None}}, tmp_path / "ckpt")
     assert not marker.exists()
 
 
@@ -289,10 +291,10 @@ def test_a_stored_value_that_needs_unrestricted_unpickling_is_refused(tmp_path: 
 
 def test_the_tensor_index_comes_from_metadata_alone(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
-    sharded.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
+    tensor_io.save(state_dicts.model_and_optimizer_state(model, optimizer), tmp_path / "ckpt")
     for shard in (tmp_path / "ckpt").glob("*.distcp"):
         shard.unlink()  # no tensor data left to read
-    index = sharded.read_tensor_index(tmp_path / "ckpt")
+    index = tensor_io.read_tensor_index(tmp_path / "ckpt")
     weight = index["model.0.weight"]
     assert (weight.fqn, weight.shape, weight.dtype, weight.nbytes) == (
         "model.0.weight", (8, 5), torch.float32, 8 * 5 * 4
@@ -307,7 +309,7 @@ def test_iter_full_tensors_yields_every_tensor_in_order_or_the_names_asked_for(
 ) -> None:
     model, optimizer = trained(seed=0)
     state = state_dicts.model_and_optimizer_state(model, optimizer)
-    sharded.save(state, tmp_path / "ckpt")
+    tensor_io.save(state, tmp_path / "ckpt")
     expected = {f"model.{k}": v for k, v in model.state_dict().items()}
     expected.update(
         {
@@ -316,16 +318,16 @@ def test_iter_full_tensors_yields_every_tensor_in_order_or_the_names_asked_for(
             for k, v in entry.items()
         }
     )
-    yielded = dict(sharded.iter_full_tensors(tmp_path / "ckpt"))
-    assert list(yielded) == list(sharded.read_tensor_index(tmp_path / "ckpt"))
+    yielded = dict(tensor_io.iter_full_tensors(tmp_path / "ckpt"))
+    assert list(yielded) == list(tensor_io.read_tensor_index(tmp_path / "ckpt"))
     assert_same(yielded, expected)
     chosen = ["model.2.weight", "model.0.bias"]
-    assert [name for name, _ in sharded.iter_full_tensors(tmp_path / "ckpt", chosen)] == chosen
+    assert [name for name, _ in tensor_io.iter_full_tensors(tmp_path / "ckpt", chosen)] == chosen
 
 
 def test_iter_full_tensors_rejects_an_unknown_name_before_yielding(tmp_path: Path) -> None:
-    sharded.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
-    tensors = sharded.iter_full_tensors(tmp_path / "ckpt", ["model.0.weight", "model.9.bias"])
+    tensor_io.save(state_dicts.model_and_optimizer_state(mlp(seed=0)), tmp_path / "ckpt")
+    tensors = tensor_io.iter_full_tensors(tmp_path / "ckpt", ["model.0.weight", "model.9.bias"])
     with pytest.raises(IncompatibleCheckpointError, match=r"model\.9\.bias"):
         next(tensors)
 
@@ -354,7 +356,7 @@ def test_full_weights_with_a_wrong_shape_are_refused_and_change_nothing() -> Non
 def test_staged_state_does_not_change_when_training_continues() -> None:
     model, optimizer = trained(seed=0)
     expected = copy.deepcopy(state_dicts.model_and_optimizer_state(model, optimizer))
-    staged = sharded.CpuStager().stage(state_dicts.model_and_optimizer_state(model, optimizer))
+    staged = tensor_io.CpuStager().stage(state_dicts.model_and_optimizer_state(model, optimizer))
     model(torch.randn(4, 5)).square().mean().backward()
     optimizer.step()
     assert not torch.equal(model[0].weight, expected["model"]["0.weight"])
@@ -363,7 +365,7 @@ def test_staged_state_does_not_change_when_training_continues() -> None:
 
 def test_staging_twice_reuses_the_same_buffers() -> None:
     model, optimizer = trained(seed=0)
-    stager = sharded.CpuStager()
+    stager = tensor_io.CpuStager()
     first = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     held = stager.nbytes
     model(torch.randn(4, 5)).square().mean().backward()
@@ -387,7 +389,7 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 def test_staging_deep_copies_plain_values_and_keeps_tied_tensors_tied() -> None:
     shared = torch.ones(3)
     extras = {"names": ["a"], "tied": [shared, shared]}
-    staged = sharded.CpuStager().stage({"extra": extras})
+    staged = tensor_io.CpuStager().stage({"extra": extras})
     extras["names"].append("b")
     assert staged["extra"]["names"] == ["a"]
     assert staged["extra"]["tied"][0] is staged["extra"]["tied"][1]
@@ -396,11 +398,11 @@ def test_staging_deep_copies_plain_values_and_keeps_tied_tensors_tied() -> None:
 def test_staged_state_saves_and_loads_back_equal(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
     expected = snapshot(model, optimizer)
-    stager = sharded.CpuStager()
+    stager = tensor_io.CpuStager()
     staged = stager.stage(state_dicts.model_and_optimizer_state(model, optimizer))
     model(torch.randn(4, 5)).square().mean().backward()
     optimizer.step()  # training moves on while the staged copy is written
-    sharded.save(staged, tmp_path / "ckpt")
+    tensor_io.save(staged, tmp_path / "ckpt")
     fresh = mlp(seed=1)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     restore(fresh, fresh_optimizer, tmp_path / "ckpt")
@@ -413,7 +415,7 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
     import torch.serialization
 
     from resumekit.tensors import context
-    from resumekit.tensors import save as module
+    module = importlib.import_module("resumekit.tensors.save")
 
     seen: list[bool] = []
     real_save = module.dcp_save
@@ -434,7 +436,7 @@ def test_saves_skip_torchs_zip_crc32_and_restore_the_setting_afterwards(
     assert seen == [False]  # the manifest's XXH3 covers every byte already
     assert torch.serialization.get_crc32_options() is True
     loaded = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
-    sharded.load(loaded, str(tmp_path / "ckpt"))
+    tensor_io.load(loaded, str(tmp_path / "ckpt"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items())
 
 
@@ -448,13 +450,13 @@ def test_a_second_save_of_the_same_state_writes_byte_identical_files(
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     state = {"model": model.state_dict(), "step": 7, "big": torch.randn(300_000)}
     first, second = tmp_path / "first", tmp_path / "second"
-    sharded.save(state, first, tensor_format=tensor_format)  # type: ignore[arg-type]
-    sharded.save(state, second, tensor_format=tensor_format)  # type: ignore[arg-type]
+    tensor_io.save(state, first, tensor_format=tensor_format)  # type: ignore[arg-type]
+    tensor_io.save(state, second, tensor_format=tensor_format)  # type: ignore[arg-type]
     first_files, second_files = _files_of(first), _files_of(second)
     if tensor_format == "dcp":  # DCP's own .metadata names its path and a fresh save id
-        del first_files[sharded.METADATA_FILE], second_files[sharded.METADATA_FILE]
-        assert sharded.read_metadata(first).state_dict_metadata == \
-            sharded.read_metadata(second).state_dict_metadata
+        del first_files[tensor_io.METADATA_FILE], second_files[tensor_io.METADATA_FILE]
+        assert tensor_io.read_metadata(first).state_dict_metadata == \
+            tensor_io.read_metadata(second).state_dict_metadata
     assert first_files == second_files
     assert len(first_files) >= 2
 
@@ -464,9 +466,9 @@ def test_a_save_and_a_load_each_say_at_debug_which_path_they_took(
         tmp_path: Path, tensor_format: str, caplog: pytest.LogCaptureFixture) -> None:
     model = torch.nn.Linear(4, 3)
     with caplog.at_level(logging.DEBUG, logger="resumekit"):
-        sharded.save({"model": model.state_dict()}, tmp_path / "ckpt",
+        tensor_io.save({"model": model.state_dict()}, tmp_path / "ckpt",
                      tensor_format=tensor_format)  # type: ignore[arg-type]
-        sharded.load({"model": model.state_dict()}, tmp_path / "ckpt")
+        tensor_io.load({"model": model.state_dict()}, tmp_path / "ckpt")
     said = [record.getMessage() for record in caplog.records
             if record.getMessage().startswith("tensor ")]
     assert len(said) == 2, said
@@ -479,13 +481,13 @@ def test_a_save_of_other_dtypes_at_the_same_shapes_describes_the_new_dtypes(
     # DCP 2.13's plan caching would take the second save's plan as unchanged (it compares
     # keys, offsets and sizes only) and write the first save's .metadata: saves plan anew.
     model = torch.nn.Linear(4, 3)
-    sharded.save({"model": model.state_dict()}, tmp_path / "fp32")
+    tensor_io.save({"model": model.state_dict()}, tmp_path / "fp32")
     half = {key: value.to(torch.bfloat16) for key, value in model.state_dict().items()}
-    sharded.save({"model": half}, tmp_path / "bf16")
-    index = sharded.read_tensor_index(tmp_path / "bf16")
+    tensor_io.save({"model": half}, tmp_path / "bf16")
+    index = tensor_io.read_tensor_index(tmp_path / "bf16")
     assert {info.dtype for info in index.values()} == {torch.bfloat16}
     loaded = {"model": {key: torch.zeros_like(value) for key, value in half.items()}}
-    sharded.load(loaded, tmp_path / "bf16")
+    tensor_io.load(loaded, tmp_path / "bf16")
     assert all(torch.equal(loaded["model"][key], value) for key, value in half.items())
 
 
@@ -503,9 +505,9 @@ def test_a_one_rank_process_group_saves_and_loads_without_any_collective(
                      "gather_object", "scatter_object_list", "all_reduce"):
             monkeypatch.setattr(dist, name, no_collective)
         state = {"w": torch.arange(6.0)}
-        sharded.save(state, tmp_path / "ckpt")
+        tensor_io.save(state, tmp_path / "ckpt")
         loaded = {"w": torch.zeros(6)}
-        sharded.load(loaded, tmp_path / "ckpt")
+        tensor_io.load(loaded, tmp_path / "ckpt")
         assert torch.equal(loaded["w"], state["w"])
     finally:
         monkeypatch.undo()
