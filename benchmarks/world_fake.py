@@ -65,7 +65,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from resumekit.store.manifest import checksum_chunks
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.raw import format as raw_format
-from resumekit.tensors.raw.format import _FileLayout
+from resumekit.tensors.raw.format import FileLayout
 from resumekit.tensors.raw.writer import RawTensorWriter
 from resumekit.tensors.reader import CheckedMetadata, make_reader
 
@@ -275,7 +275,7 @@ def _layout(reader: Any, plan: Any) -> None:
     the simulation writes no data; a rank reads those of the files it reads, whatever W)."""
     storage = reader.storage_data
     files = {storage[item.storage_index].relative_path for item in plan.items}
-    _FileLayout(storage, reader._where, None, files=files, blocks=None)
+    FileLayout(storage, reader._where, None, files=files, blocks=None)
 
 
 def _timed_plan(state_of: Callable[[], dict[str, Any]], planner: Any, reader: Any,

@@ -145,9 +145,12 @@ def _local_step_of(step: int) -> int:
 
 
 def _committed_local(output: Path, after: int) -> set[int]:
-    """Local steps rank 0 logged committed (and replicated) past offset ``after``."""
+    """Local steps rank 0 logged committed (and replicated) past offset ``after``, and the
+    step this run resumed at there: it saves no local copy of the step it restored, so no
+    write of it is in flight (a CI rehearsal waited for that commit line in vain)."""
     text = output.read_text(errors="replace") if output.exists() else ""
-    return {int(s) for s in _RANK0_LOCAL_COMMIT.findall(text, after)}
+    return ({int(s) for s in _RANK0_LOCAL_COMMIT.findall(text, after)}
+            | {int(step) for _, step in _RESUMED_AT.findall(text, after)})
 
 
 @contextmanager
