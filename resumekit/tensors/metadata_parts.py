@@ -30,12 +30,11 @@ import bisect
 import dataclasses
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -83,12 +82,6 @@ class Part:
 
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
     storage: list[Entry]
-
-
-def _place(info: Any) -> Place:
-    descriptors = getattr(info, "transform_descriptors", None)
-    return (str(info.relative_path), int(info.offset), int(info.length),
-            None if descriptors is None else tuple(descriptors))
 
 
 def skeleton(metadata: Metadata) -> Metadata:
@@ -196,7 +189,13 @@ class _Chunks:
 class MetadataServer:
     """The rank that read ``.metadata`` answers every rank's :data:`Request` from it.
 
-    The index (chunks sorted per key, storage entries by file) is built once, on first use.
+    The index (chunks sorted per key, the first entries of packed regions by file) is
+    built once, on first use. Each stored item's answer (its chunk, its storage entry and
+    that of its packed region's first item) is worked out once, when a rank first asks
+    for it, and kept: a rank that asks for the chunk stored at exactly its offsets and
+    sizes (a run sharded as the checkpoint was, the requeue case) costs a dictionary look-up
+    per key, not a search, and every entry of an answer is a shared tuple (one pickle
+    memo entry per descriptor tuple; no ``MetadataIndex`` built twice for one item).
 
     Args:
         metadata: The whole metadata.
@@ -208,7 +207,12 @@ class MetadataServer:
         self.source = source
         self._chunks: dict[str, _Chunks] | None = None
         self._heads: dict[str, tuple[list[int], list[Any]]] | None = None
-        self._places: dict[tuple[str, tuple[int, ...] | None], list[Entry]] = {}
+        self._stored: dict[str, dict[tuple[int, ...] | None, Any]] = {}  # entries by key
+        self._items: dict[str, dict[tuple[int, ...] | None, _Item]] = {}
+        # per key, the items asked for exactly (their chunk's offsets and sizes): an
+        # answer's look-up when a run shards as its checkpoint did
+        self._exact: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], _Item]] = {}
+        self._descriptors: dict[tuple[str, ...], tuple[str, ...]] = {}
 
     def prepare(self) -> None:
         """Build the index now (else on the first request)."""
@@ -220,79 +224,169 @@ class MetadataServer:
                             for key, entry in self.metadata.state_dict_metadata.items()
                             if isinstance(entry, TensorStorageMetadata)}
             heads: dict[str, list[tuple[int, MetadataIndex, Any]]] = {}
+            stored: dict[str, dict[tuple[int, ...] | None, Any]] = {}
             for index, info in (self.metadata.storage_data or {}).items():
+                of_key = stored.get(index.fqn)
+                if of_key is None:
+                    of_key = stored[index.fqn] = {}
+                offset = index.offset
+                of_key[None if offset is None else tuple(offset)] = info
                 if _heads_region(info):
                     heads.setdefault(str(info.relative_path), []).append(
                         (int(info.offset), index, info))
+            self._stored = stored
             self._heads = {name: ([offset for offset, _, _ in found],
                                   [(index, info) for _, index, info in found])
                            for name, found in ((n, sorted(f, key=lambda h: h[0]))
                                                for n, f in heads.items())}
+            # Every stored chunk's answer, worked out here in one pass (each is asked
+            # for about once: by the rank that shards as its writer did); an answer is
+            # then a look-up per key. A chunk without an entry fails when asked for.
+            for key, index_of in self._chunks.items():
+                entries = stored.get(key, {})
+                items = self._items.setdefault(key, {})
+                exact = self._exact.setdefault(key, {})
+                for chunk in index_of.chunks:
+                    info = entries.get(chunk[0])
+                    if info is not None and all(chunk[1]):  # an empty chunk: never read
+                        item = items[chunk[0]] = self._make_item(key, chunk, info)
+                        exact[chunk] = item
         return self._chunks, self._heads
+
+    def _place(self, info: Any) -> Place:
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors is not None:
+            descriptors = tuple(descriptors)
+            descriptors = self._descriptors.setdefault(descriptors, descriptors)
+        return (str(info.relative_path), int(info.offset), int(info.length), descriptors)
+
+    def _item(self, key: str, chunk: tuple[tuple[int, ...], tuple[int, ...]] | None) -> _Item:
+        """The answer for the stored item of ``key`` at ``chunk``, worked out on first use.
+
+        ``chunk`` is None for a non-tensor value.
+
+        Raises:
+            CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
+        """
+        offsets = None if chunk is None else chunk[0]
+        items = self._items.get(key)
+        if items is None:
+            items = self._items[key] = {}
+        found = items.get(offsets)
+        if found is not None:
+            return found
+        self._index()
+        info = self._stored.get(key, {}).get(offsets)
+        if info is None:
+            if offsets is None:  # a value without an entry: nothing to send for it
+                found = _Item(None, (), None)
+                items[offsets] = found
+                return found
+            raise CorruptCheckpointError(
+                f"{self.source}: the chunk of {key} at offset {list(offsets)} "
+                "has no storage entry", path=self.source, file=self.source, key=key)
+        found = items[offsets] = self._make_item(key, chunk, info)
+        return found
+
+    def _make_item(self, key: str, chunk: tuple[tuple[int, ...], tuple[int, ...]] | None,
+                   info: Any) -> _Item:
+        offsets = None if chunk is None else chunk[0]
+        own: Entry = (key, offsets, self._place(info))
+        if _heads_region(info):
+            return _Item(chunk, (own,), (key, offsets))
+        region = (self._heads or {}).get(str(info.relative_path))
+        if region is not None and is_packed_member(info.transform_descriptors):
+            number = bisect.bisect_right(region[0], int(info.offset)) - 1
+            if number >= 0:
+                head_index, head_info = region[1][number]
+                head_at = (None if head_index.offset is None
+                           else tuple(int(o) for o in head_index.offset))
+                return _Item(chunk, (own, (head_index.fqn, head_at, self._place(head_info))),
+                             None)
+        return _Item(chunk, (own,), None)
 
     def part_for(self, request: Request) -> Part:
         """The chunks ``request`` overlaps, with their storage entries.
 
         A member of a packed region of a raw tensor file comes with its region's first
-        entry (which says where the region ends and where its checksum is).
+        entry (which says where the region ends and where its checksum is), once per part.
 
         Raises:
             CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
         """
-        chunks_of, heads = self._index()
-        storage = self.metadata.storage_data or {}
+        chunks_of, _ = self._index()
         stored = self.metadata.state_dict_metadata
         chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-        entries: dict[tuple[str, tuple[int, ...] | None], Place] = {}
-        places = self._places
-
-        def add(key: str, offsets: tuple[int, ...] | None, info: Any) -> None:
-            found = places.get((key, offsets))
-            if found is None:  # worked out once per stored item: usually one rank asks
-                found = [(key, offsets, _place(info))]
-                region = heads.get(str(info.relative_path))
-                if region is not None and not _heads_region(info) and is_packed_member(
-                        info.transform_descriptors):
-                    number = bisect.bisect_right(region[0], int(info.offset)) - 1
-                    if number >= 0:
-                        head_index, head = region[1][number]
-                        found.append((head_index.fqn, None if head_index.offset is None
-                                      else tuple(int(o) for o in head_index.offset),
-                                      _place(head)))
-                places[(key, offsets)] = found
-            for name, at, place in found:
-                entries[(name, at)] = place
+        storage: list[Entry] = []
+        heads: dict[tuple[str, tuple[int, ...] | None], Entry] = {}
+        own_heads: set[tuple[str, tuple[int, ...] | None]] = set()
+        exact_of = self._exact
+        item_of = self._item
 
         for key, wanted in request.items():
+            if wanted is not None and len(wanted) == 1:
+                exact = exact_of.get(key)
+                item = None if exact is None else exact.get(wanted[0])
+                if item is not None:  # the stored chunk exactly: its answer
+                    own = item.entries[0]
+                    # the key as the entry holds it: one string in the part's pickle
+                    chunks[own[0]] = [item.chunk]  # type: ignore[list-item]
+                    storage.append(own)
+                    if len(item.entries) > 1:
+                        heads[item.entries[1][0], item.entries[1][1]] = item.entries[1]
+                    if item.heads is not None:
+                        own_heads.add(item.heads)
+                    continue
             entry = stored.get(key)
             if entry is None:
                 continue
-            if isinstance(entry, BytesStorageMetadata):
-                info = storage.get(MetadataIndex(key))
-                if info is not None:
-                    add(key, None, info)
-                continue
-            index = chunks_of[key]
-            if wanted is None:
-                found = list(index.chunks)
-            elif len(wanted) == 1:
-                found = index.overlapping(*wanted[0])
+            if not isinstance(entry, TensorStorageMetadata):
+                found_items = [item_of(key, None)]
             else:
-                found = list(dict.fromkeys(chunk for offsets, sizes in wanted
-                                           for chunk in index.overlapping(offsets, sizes)))
-            chunks[key] = found
-            for offsets, _ in found:
-                if (key, offsets) in places:
-                    add(key, offsets, None)
-                    continue
-                info = storage.get(MetadataIndex(key, torch.Size(offsets)))
-                if info is None:
-                    raise CorruptCheckpointError(
-                        f"{self.source}: the chunk of {key} at offset {list(offsets)} "
-                        "has no storage entry", path=self.source, file=self.source, key=key)
-                add(key, offsets, info)
-        return Part(chunks=chunks, storage=[(key, offsets, place) for (key, offsets), place
-                                            in entries.items()])
+                found = _overlaps(chunks_of[key], wanted)
+                chunks[key] = found
+                found_items = [item_of(key, chunk) for chunk in found]
+            for item in found_items:
+                if item.entries:
+                    storage.append(item.entries[0])
+                    if len(item.entries) > 1:
+                        heads[item.entries[1][0], item.entries[1][1]] = item.entries[1]
+                if item.heads is not None:
+                    own_heads.add(item.heads)
+        storage.extend(head for at, head in heads.items() if at not in own_heads)
+        return Part(chunks=chunks, storage=storage)
+
+    def parts_for(self, requests: Sequence[Request | BaseException]
+                  ) -> list[Part | None]:
+        """Every rank's part, in rank order (None for a rank that sent an error)."""
+        return [None if isinstance(request, BaseException) else self.part_for(request)
+                for request in requests]
+
+
+class _Item(NamedTuple):
+    """One stored item's answer.
+
+    Its chunk (None for a value), its storage entry and that of its packed region's first
+    item, and its own ``(key, offsets)`` if it is itself a region's first item (sent once
+    in a part that also has its members).
+    """
+
+    chunk: tuple[tuple[int, ...], tuple[int, ...]] | None
+    entries: tuple[Entry, ...]
+    heads: tuple[str, tuple[int, ...] | None] | None
+
+
+def _overlaps(index: _Chunks, wanted: list[tuple[tuple[int, ...], tuple[int, ...]]] | None
+              ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The stored chunks of ``index`` that the chunks ``wanted`` overlap (None: all)."""
+    if wanted is None:
+        return list(index.chunks)
+    if len(wanted) == 1:
+        offsets, sizes = wanted[0]
+        return ([(offsets, sizes)] if index.by_offsets.get(offsets) == sizes and all(sizes)
+                else index.overlapping(offsets, sizes))
+    return list(dict.fromkeys(chunk for offsets, sizes in wanted
+                              for chunk in index.overlapping(offsets, sizes)))
 
 
 def _heads_region(info: Any) -> bool:
@@ -323,8 +417,7 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
                 if server is None:
                     raise CorruptCheckpointError(
                         "the rank that read the checkpoint's metadata holds none to share")
-                replies = [None if isinstance(got, BaseException) else server.part_for(got)
-                           for got in gathered]
+                replies = server.parts_for(gathered)
             except Exception as error:  # noqa: BLE001 - raised on every rank below
                 replies = [error] * world
         reply = _scatter(replies, rank, world, group)

@@ -178,12 +178,53 @@ def test_the_skeleton_sent_to_every_rank_does_not_grow_with_the_world_size() -> 
     assert tuple(entry.size) == (37, 8) and entry.chunks == []
 
 
-def test_a_chunk_without_a_storage_entry_is_an_error_naming_the_key_and_the_file() -> None:
+@pytest.mark.parametrize("asked", [((0, 0), (5, 3)), ((2, 0), (2, 3))],
+                         ids=["overlapping", "exactly"])
+def test_a_chunk_without_a_storage_entry_is_an_error_naming_the_key_and_the_file(
+        asked: tuple[tuple[int, ...], tuple[int, ...]]) -> None:
     whole = _metadata(4)
     del whole.storage_data[MetadataIndex("model.head", torch.Size((2, 0)))]
     server = MetadataServer(whole, "/ckpt/tensors/.metadata")
     with pytest.raises(CorruptCheckpointError, match=r"/ckpt/tensors/\.metadata.*model\.head"):
-        server.part_for({"model.head": [((0, 0), (5, 3))]})
+        server.part_for({"model.head": [asked]})
+
+
+def test_a_rank_asking_for_an_empty_stored_chunk_exactly_gets_no_chunk_and_no_entry() -> None:
+    # DCP records a rank's empty shard (FSDP2 at W > rows) as a chunk of size 0
+    whole = _metadata(8)
+    entry = whole.state_dict_metadata["model.head"]
+    assert isinstance(entry, TensorStorageMetadata)
+    entry.chunks.append(ChunkStorageMetadata(torch.Size((5, 0)), torch.Size((0, 3))))
+    whole.storage_data[MetadataIndex("model.head", torch.Size((5, 0)))] = _StorageInfo(
+        "__7_0.distcp", 0, 0)
+    server = MetadataServer(whole, "m")
+    for _ in range(2):  # asked first, then again: the same answer
+        part = server.part_for({"model.head": [((5, 0), (0, 3))],
+                                "model.embed": [((5, 0), (5, 8))]})
+        assert part.chunks["model.head"] == []
+        assert part.chunks["model.embed"] == [((5, 0), (5, 8))]
+        assert [(key, offsets) for key, offsets, _ in part.storage] == [
+            ("model.embed", (5, 0))]
+
+
+def test_every_ranks_part_answered_in_one_call_is_its_part_asked_alone() -> None:
+    saved, loading = 8, 5  # ranks 0-4 reshard; rank 5 as saved; rank 6's request failed
+    whole = _metadata(saved)
+    requests: list[Any] = [
+        {key: chunk_requests(chunks) for key, chunks in _wanted(loading, rank).items()}
+        for rank in range(loading)]
+    requests.append({key: chunk_requests(chunks) for key, chunks in _wanted(saved, 5).items()}
+                    | {"optimizer.param_groups.0.lr": None})
+    requests.append(ValueError("rank 6 could not make its request"))
+    parts = MetadataServer(whole, "m").parts_for(requests)
+    assert parts[-1] is None
+    for request, part in zip(requests[:-1], parts[:-1], strict=True):
+        alone = MetadataServer(whole, "m").part_for(request)  # a fresh index
+        assert part is not None
+        assert part.chunks == alone.chunks
+        assert sorted(map(repr, part.storage)) == sorted(map(repr, alone.storage))
+    assert parts[5] is not None
+    assert sorted(offsets for offsets, _ in parts[5].chunks["model.embed"]) == [(25, 0)]
 
 
 def test_completing_twice_with_the_same_part_gives_the_same_chunks() -> None:

@@ -1,0 +1,207 @@
+"""Rank 0's side of a restore as W grows: parse, index, then answer every rank (issue 40).
+
+A restore over a checkpoint group reads ``.metadata`` on group rank 0, which sends every
+other rank the skeleton and, when the load plans, answers each rank's request with its part
+(:mod:`resumekit.tensors.metadata_parts`). Everything rank 0 does there is measured here,
+in one process, over the real 5B LingBot-VA shapes of :mod:`benchmarks.world_fake` (its
+``.metadata`` built as a restore-only row is: DCP's global plan without its validation,
+resumekit's raw writer's ``finish``), per W:
+
+* ``parse_index_cpu_s``: the file parsed and checked, the skeleton pickled, the index built;
+* ``requests_cpu_s``: the W - 1 other ranks' requests unpickled (what ``gather_object``
+  hands rank 0);
+* ``answers_cpu_s``: every part made and pickled (what the scatter sends), with this
+  checkout's code, and ``answers_baseline_cpu_s`` the same with the code of ``--baseline``
+  (a commit; its ``metadata_parts`` module loaded from git), on the same parsed metadata
+  and the same requests, in the same process; each part is checked equal to the
+  baseline's (the same chunks and storage entries).
+
+Each rank's request is made from the shapes (FSDP2's dim-0 shard of each tensor, AdamW's
+``step`` whole, the param groups' values); one rank's is checked equal to the request
+resumekit's planner makes from that rank's real ``DTensor`` state (a fake process group).
+
+Usage: ``python -m benchmarks.world_leader [--worlds 8,64,256,1024] [--baseline COMMIT]
+[--out benchmarks/results/world_leader.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from benchmarks import world_fake
+from resumekit.tensors import metadata_parts
+from resumekit.tensors.context import paused_collection
+from resumekit.tensors.load import _CheckedLoadPlanner
+from resumekit.tensors.reader import CheckedMetadata
+
+OUT = Path("benchmarks/results/world_leader.json")
+WORLDS = (8, 64, 256, 1024)
+PARAM_GROUPS = ("optimizer.param_groups.0.lr", "optimizer.param_groups.0.params")
+
+
+def requests_of(params: list[world_fake.Param], world: int
+                ) -> list[metadata_parts.Request]:
+    """Every rank's request, from the shapes: its dim-0 shard of each sharded tensor,
+    AdamW's ``step`` whole, every stored chunk of the param groups' values."""
+    stored = world_fake._stored(params)
+    requests: list[metadata_parts.Request] = []
+    for rank in range(world):
+        request: metadata_parts.Request = {}
+        for name, param, _ in stored:
+            offset, size = world_fake._shard(param.shape[0], rank, world)
+            request[name] = [((offset,) + (0,) * (len(param.shape) - 1),
+                              (size, *param.shape[1:]))]
+        for param in params:
+            request[f"optimizer.state.{param.fqn}.step"] = [((), ())]
+        request.update(dict.fromkeys(PARAM_GROUPS))
+        requests.append(request)
+    return requests
+
+
+def planner_request(params: list[world_fake.Param], world: int, rank: int,
+                    whole: CheckedMetadata) -> metadata_parts.Request:
+    """The request resumekit's planner makes on ``rank`` from its real ``DTensor`` state."""
+    made: list[metadata_parts.Request] = []
+
+    def exchange(request: Any) -> metadata_parts.Part:
+        made.append(request)
+        return whole.server().part_for(request)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        planner = _CheckedLoadPlanner("bench", reject_unexpected=True, exchange=exchange)
+        sent = pickle.loads(pickle.dumps(whole.for_ranks()))
+        planner.set_up_planner(world_fake._state_of(params, mesh), sent.parsed(), False)
+    finally:
+        dist.destroy_process_group()
+    return made[0]
+
+
+def baseline_module(commit: str) -> types.ModuleType:
+    """``resumekit.tensors.metadata_parts`` as it was at ``commit`` (read from git)."""
+    source = subprocess.run(["git", "show", f"{commit}:resumekit/tensors/metadata_parts.py"],
+                            capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).parent).stdout
+    module = types.ModuleType("metadata_parts_baseline")
+    module.__dict__["__file__"] = f"{commit}:resumekit/tensors/metadata_parts.py"
+    sys.modules[module.__name__] = module  # dataclasses look their module up
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def _cpu(action: Callable[[], Any]) -> tuple[float, Any]:
+    """CPU seconds of ``action``, the cyclic collector paused (as a load pauses it)."""
+    gc.collect()
+    with paused_collection(False):
+        start = time.process_time()
+        result = action()
+        return time.process_time() - start, result
+
+
+def _same(part: Any, baseline: Any) -> bool:
+    return ({key: sorted(chunks) for key, chunks in part.chunks.items()}
+            == {key: sorted(chunks) for key, chunks in baseline.chunks.items()}
+            and sorted(map(repr, part.storage)) == sorted(map(repr, baseline.storage)))
+
+
+def leader_row(params: list[world_fake.Param], world: int, baseline: types.ModuleType
+               ) -> dict[str, Any]:
+    """Rank 0's CPU at ``world`` ranks, this checkout's answers beside the baseline's."""
+    with tempfile.TemporaryDirectory(prefix="resumekit-bench-leader-") as scratch:
+        data = world_fake.save_side(params, world, Path(scratch) / "raw", raw=True,
+                                    timed=False)["data"]
+    source = "bench/.metadata"
+
+    def prepare() -> CheckedMetadata:
+        whole = CheckedMetadata.parse(data, source)
+        pickle.dumps(whole.for_ranks(), protocol=pickle.HIGHEST_PROTOCOL)
+        whole.server().prepare()
+        return whole
+
+    parse_cpu, whole = _cpu(prepare)
+    requests = requests_of(params, world)
+    checked_rank = world // 2 + 1 if world > 2 else 1
+    assert planner_request(params, world, checked_rank, whole) == requests[checked_rank]
+    sent = [pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+            for request in requests[1:]]  # what the other ranks send
+    requests_cpu, received = _cpu(lambda: [pickle.loads(data) for data in sent])
+    sent.clear()
+    old = baseline.MetadataServer(whole.parsed(), source)
+    old.prepare()
+    new = metadata_parts.MetadataServer(whole.parsed(), source)
+    new.prepare()
+
+    def answer_new() -> list[bytes]:
+        return [pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
+                for part in new.parts_for(received)]
+
+    def answer_old() -> list[bytes]:
+        return [pickle.dumps(old.part_for(request), protocol=pickle.HIGHEST_PROTOCOL)
+                for request in received]
+
+    baseline_cpu, old_parts = _cpu(answer_old)
+    answers_cpu, new_parts = _cpu(answer_new)
+    same = all(_same(pickle.loads(a), pickle.loads(b))
+               for a, b in zip(new_parts, old_parts, strict=True))
+    assert same, f"W = {world}: a part differs from the baseline's"
+    row = {
+        "world_size": world,
+        "metadata_bytes": len(data),
+        "parse_index_cpu_s": parse_cpu,
+        "requests_cpu_s": requests_cpu,
+        "answers_cpu_s": answers_cpu,
+        "answers_baseline_cpu_s": baseline_cpu,
+        "answer_cpu_s": answers_cpu / (world - 1),
+        "answer_baseline_cpu_s": baseline_cpu / (world - 1),
+        "leader_cpu_s": parse_cpu + requests_cpu + answers_cpu,
+        "leader_baseline_cpu_s": parse_cpu + requests_cpu + baseline_cpu,
+        "part_bytes_mean": sum(map(len, new_parts)) / len(new_parts),
+        "part_bytes_baseline_mean": sum(map(len, old_parts)) / len(old_parts),
+        "parts_equal_baseline": same,
+    }
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
+    parser.add_argument("--baseline", default="25865c3",
+                        help="the commit whose answering code is measured beside this one")
+    parser.add_argument("--config", default="furniture_all_e128")
+    parser.add_argument("--out", default=str(OUT))
+    args = parser.parse_args(argv)
+    stamp = world_fake.measured_stamp()
+    baseline = baseline_module(args.baseline)
+    params = world_fake.lingbot_params(args.config)
+    rows = []
+    for world in (int(w) for w in args.worlds.split(",") if w):
+        rows.append(leader_row(params, world, baseline))
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"rows": rows, "measured": stamp, "baseline": args.baseline,
+              "config": args.config}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
