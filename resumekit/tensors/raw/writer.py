@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
-    MetadataIndex,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -170,17 +169,18 @@ class _ReportingWriter:
 
 def _check_every_item_stored(metadata: Metadata, results: Sequence[Sequence[WriteResult]],
                              where: str) -> None:
-    stored = {result.index for part in results for result in part}
+    # (name, offsets) pairs, not MetadataIndex objects: building and hashing one of
+    # those per item (Python-level dataclass methods) was a fifth of rank 0's finish at
+    # the 5B shapes (issue 40); a MetadataIndex is equal where its name and offsets are
+    # (a torch.Size hashes and compares as the tuple of its sizes)
+    stored = {(result.index.fqn, result.index.offset) for part in results for result in part}
     missing: list[str] = []
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
-            wanted = [MetadataIndex(fqn, chunk.offsets) for chunk in entry.chunks]
-        elif isinstance(entry, BytesStorageMetadata):
-            wanted = [MetadataIndex(fqn)]
-        else:
-            continue
-        missing.extend(f"{fqn}{list(index.offset or [])}" for index in wanted
-                       if index not in stored)
+            missing.extend(f"{fqn}{list(chunk.offsets)}" for chunk in entry.chunks
+                           if (fqn, chunk.offsets) not in stored)
+        elif isinstance(entry, BytesStorageMetadata) and (fqn, None) not in stored:
+            missing.append(f"{fqn}[]")
     if missing:
         raise StorageError(
             f"writing checkpoint {where} lost {len(missing)} item(s) without an error "
