@@ -192,17 +192,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     stamp = world_fake.measured_stamp()
-    baseline = baseline_module(args.baseline)
+    # '' (tests): this checkout's code on both sides, no git needed
+    baseline = baseline_module(args.baseline) if args.baseline else metadata_parts
     params = world_fake.lingbot_params(args.config)
-    rows = []
-    for world in (int(w) for w in args.worlds.split(",") if w):
-        rows.append(leader_row(params, world, baseline))
-        print(json.dumps(rows[-1]), flush=True)
+    rows: list[dict[str, Any]] = []
     result = {"rows": rows, "measured": stamp, "baseline": args.baseline,
               "config": args.config}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    for world in (int(w) for w in args.worlds.split(",") if w):
+        rows.append({**leader_row(params, world, baseline), "measured": stamp})
+        print(json.dumps(rows[-1]), flush=True)
+        # written after each row: a run stopped at a large W keeps the smaller ones
+        out.write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
