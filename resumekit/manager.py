@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader
 from resumekit import tensors
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
 from resumekit.background.emergency import optimizer_groups
-from resumekit.background.local import LocalSaves
 from resumekit.errors import (
     AsyncSaveError,
     ConfigurationError,
@@ -52,6 +51,10 @@ from resumekit.errors import (
     ResumeStepError,
     StepCollisionError,
 )
+from resumekit.local.restore_across import TierRestore
+from resumekit.local.roots import check_local_root
+from resumekit.local.saves import LocalSaves
+from resumekit.local.site import LocalJob, LocalSite
 from resumekit.options import (
     CheckpointOptions,
     ForeignPolicy,
@@ -88,7 +91,6 @@ from resumekit.store.generations import Fence
 from resumekit.store.layout import (
     NameFormat,
 )
-from resumekit.store.local_roots import check_local_root
 from resumekit.store.manifest import (
     Manifest,
     SaveInterval,
@@ -98,8 +100,6 @@ from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import state_dicts
 from resumekit.tensors.raw.files import restore_lowered_priorities
-from resumekit.tiers.local import LocalJob, LocalSite
-from resumekit.tiers.restore_across import TierRestore
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -544,7 +544,7 @@ class CheckpointManager:
         """Stage every rank's own copy of ``step``; commit (and replicate) it in the background.
 
         Training waits for the previous local save (its buffers are reused) and for the
-        staging copy (:class:`~resumekit.background.local.LocalSaves`).
+        staging copy (:class:`~resumekit.local.saves.LocalSaves`).
         """
         local = self._local
         assert local is not None

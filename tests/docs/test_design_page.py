@@ -172,7 +172,7 @@ def test_the_state_finder_sees_a_global_a_context_variable_and_a_changed_contain
 
 
 SUBPACKAGES = ("store", "runtime", "tensors", "state", "restore", "tools", "background",
-               "tiers", "cli", "integrations", "manager", "options", "save_job", "restore_root",
+               "local", "cli", "integrations", "manager", "options", "save_job", "restore_root",
                "errors", "warnings", "_compat", "_optional")
 
 

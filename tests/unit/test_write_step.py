@@ -54,7 +54,7 @@ def test_a_failed_write_is_a_storage_error_naming_the_step_and_nothing_is_left(
         raise OSError(28, "No space left on device", "tensors/__0_0.distcp")
 
     monkeypatch.setattr("resumekit.save_job.tensors.save", full)
-    with pytest.raises(StorageError, match="save of step 5 .* failed writing"), \
+    with pytest.raises(StorageError, match=r"save of step 5 .* failed writing"), \
             clock.writing(5, 16, blocking=True, held_from=None, captured=0.0) as timing:
         write_step(_job(5), StepTarget(protocol, 0, "raw"), retain=pytest.fail,
                    timing=timing)

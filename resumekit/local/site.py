@@ -10,7 +10,7 @@ the training state, this rank's RNG and data position. The manifest records what
 this run held). The ranks then agree on the outcome (a failure on any rank is one
 warning on every rank: the local tier is a cache, training and durable saves go on),
 retention keeps the newest ``keep``, and with ``replicas`` each rank's copy goes to its
-partner (:mod:`resumekit.runtime.replicas`).
+partner (:mod:`resumekit.local.replicas`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from resumekit.errors import CoordinationError, ResumekitError
+from resumekit.local import replicas
+from resumekit.local.roots import (
+    own_root_name,
+    replica_root_name,
+    sub_roots,
+    unusable_reason,
+)
 from resumekit.options import LocalTier
-from resumekit.runtime import replicas
 from resumekit.runtime.channels import Channel
 from resumekit.save_job import SaveJob, StepTarget, write_step
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
@@ -31,12 +37,6 @@ from resumekit.store.commit import CommitProtocol
 from resumekit.store.coordination import SingleProcess, run_on_every_rank
 from resumekit.store.layout import (
     NameFormat,
-)
-from resumekit.store.local_roots import (
-    own_root_name,
-    replica_root_name,
-    sub_roots,
-    unusable_reason,
 )
 from resumekit.store.manifest import (
     LocalPart,
