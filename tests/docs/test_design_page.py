@@ -259,6 +259,11 @@ def test_the_raw_formats_files_meet_at_public_names_only() -> None:
     assert not crossing, crossing
 
 
+def test_the_tensors_wings_modules_meet_at_public_names_only() -> None:
+    """Issue 41: ``tensors/load.py`` imported ``_SafeReader`` from ``tensors/reader.py``."""
+    assert _underscore_imports_between(PACKAGE / "tensors", "resumekit.tensors") == []
+
+
 def test_the_underscore_import_counter_sees_an_import_and_an_attribute(
     tmp_path: Path,
 ) -> None:
