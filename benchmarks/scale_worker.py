@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
 import shutil
@@ -514,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
                              "rank's time), so later steps take at least this long: the "
                              "tight-grace launch's long steps (real compute, no sleep)")
     args = parser.parse_args(argv)
+    # A fatal signal (SIGABRT from a failed gloo check, SIGSEGV) prints every thread's
+    # Python stack to stderr, which the bench keeps per rank for a failed launch.
+    faulthandler.enable(all_threads=True)
     import warnings  # noqa: PLC0415
 
     warnings.filterwarnings("ignore")
