@@ -390,8 +390,9 @@ def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
     assert not any("emergency save of step" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("writer", ["thread", "process"])
 def test_a_background_save_that_fails_during_a_preemption_leaves_the_capture_committed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str,
 ) -> None:
     # Step 2's background save is held until the signal is in, then fails (a NAS that
     # fills up): the capture of step 2, the last completed step, still commits, and the
@@ -413,7 +414,7 @@ def test_a_background_save_that_fails_during_a_preemption_leaves_the_capture_com
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
                              capture_at_signal=True, preemption=handler,
-                             async_save=True, save_every=2)
+                             async_save=True, async_writer=writer, save_every=2)
     ckpt.restore()
     for step in (1, 2):
         _train(model, optimizer)
