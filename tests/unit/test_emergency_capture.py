@@ -431,3 +431,37 @@ def test_a_background_save_that_fails_during_a_preemption_leaves_the_capture_com
     saved = _weights(tmp_path, 2, model)
     for name, value in at_two.items():
         assert torch.equal(saved[name], value), name  # step 2's state, from the capture
+
+
+def test_the_capture_thread_waits_on_descriptors_above_1024(tmp_path: Path) -> None:
+    # A trainer with many files or sockets open: the capture's pipes get descriptors at or
+    # above FD_SETSIZE (1024), which select() refuses; the thread must still wait on them.
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below what the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        model, optimizer = _build()
+        handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
+        ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                                 capture_at_signal=True, preemption=handler, save_every=2)
+        assert ckpt._emergency is not None
+        assert min(ckpt._emergency._signal_read, ckpt._emergency._control_read) >= 1024
+        ckpt.restore()
+        for step in (1, 2, 3):  # step 2's save is a settle point of the capture thread
+            _train(model, optimizer)
+            assert not ckpt.step_end(step)
+        os.kill(os.getpid(), signal.SIGUSR1)  # during step 4: the copy of step 3
+        _train(model, optimizer)
+        assert ckpt.step_end(4) is True
+        ckpt.close()
+        assert [entry.step for entry in ckpt.checkpoints()] == [2, 3, 4]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
