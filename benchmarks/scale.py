@@ -67,6 +67,7 @@ from typing import Any
 from benchmarks import goodput, nas, scale_local
 from benchmarks.scale_worker import (
     DCP_DONE,
+    DUMP_SIGNAL,
     KEEP,
     METHODS,
     TORCH_DONE,
@@ -335,6 +336,13 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                     process.wait()
                     raise LaunchFailed(f"{method} launch {index}: {error}", log_path,
                                        rank_dir) from error
+                except subprocess.TimeoutExpired as error:  # hung: where was each rank?
+                    dump_worker_stacks(process.pid, rank_dir)
+                    kill_tree(process.pid)
+                    process.wait()
+                    raise LaunchFailed(f"{method} launch {index} hung: {error} (each rank's "
+                                       "stacks at the timeout below)", log_path,
+                                       rank_dir) from error
                 except BaseException:
                     kill_tree(process.pid)
                     process.wait()
@@ -420,6 +428,36 @@ def rank_log_tails(rank_dir: Path | None, limit: int = RANK_LOG_TAIL) -> dict[st
             attempt, rank = path.parent.parent.name, path.parent.name
             tails[f"rank {rank} {attempt.replace('_', ' ')} {path.name}"] = text[-limit:]
     return tails
+
+
+def dump_worker_stacks(pid: int, rank_dir: Path, timeout: float = 5.0) -> list[int]:
+    """Have each worker of the torchrun ``pid`` print its threads' stacks; return their pids.
+
+    Sends :data:`~benchmarks.scale_worker.DUMP_SIGNAL` to torchrun's children (never to
+    torchrun, which it would end) and waits, up to ``timeout`` seconds, until each has
+    written a stack dump to its stderr under ``rank_dir``: before a hung launch is killed.
+    """
+    workers = sorted(_children(pid))
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, DUMP_SIGNAL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dumps = sum(text.count("most recent call first")
+                    for name, text in rank_log_tails(rank_dir, limit=1 << 20).items()
+                    if "stderr" in name)
+        if dumps >= len(workers):
+            break
+        time.sleep(0.1)
+    return workers
+
+
+def _children(pid: int) -> set[int]:
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            children.update(int(child) for child in (task / "children").read_text().split())
+    return children
 
 
 class LaunchFailed(RuntimeError):
@@ -561,6 +599,12 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
                 kill_tree(process.pid)
                 process.wait()
                 raise LaunchFailed(f"{method} {TIGHT_GRACE}: {error}", log_path,
+                                   rank_dir) from error
+            except subprocess.TimeoutExpired as error:  # hung: where was each rank?
+                dump_worker_stacks(process.pid, rank_dir)
+                kill_tree(process.pid)
+                process.wait()
+                raise LaunchFailed(f"{method} {TIGHT_GRACE} hung: {error}", log_path,
                                    rank_dir) from error
             except BaseException:
                 kill_tree(process.pid)
