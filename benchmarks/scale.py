@@ -446,10 +446,19 @@ def dump_worker_stacks(pid: int, rank_dir: Path, timeout: float = 5.0) -> list[i
         dumps = sum(text.count("most recent call first")
                     for name, text in rank_log_tails(rank_dir, limit=1 << 20).items()
                     if "stderr" in name)
-        if dumps >= len(workers):
+        if dumps >= sum(map(_running, workers)):  # one that ended meanwhile prints none
             break
         time.sleep(0.1)
     return workers
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (not ended, not a zombie awaiting its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def _children(pid: int) -> set[int]:
