@@ -32,6 +32,7 @@ from resumekit.store.manifest import (
 )
 from resumekit.store.storage import Storage
 from resumekit.tensors.raw import writer as raw_writer
+from tests.unit.test_cli_support import run_cli, run_json
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -155,3 +156,21 @@ def test_the_parts_plan_matches_what_is_written_for_any_mix_of_sizes(tmp_path: P
                 assert torch.equal(loaded[key], value), (threads, key)
         assert all(torch.equal(loaded["many"][k], v) for k, v in state["many"].items())
         assert loaded["count"] == 3
+
+
+def test_inspect_shows_the_data_files_checksum_of_parts_by_its_count_and_json_in_full(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manager = CheckpointManager(tmp_path, model=_model(), retention=None)
+    manager.save(1)
+    manager.close()
+    step = str(tmp_path / "step_000000001")
+    code, out, _ = run_cli(capsys, "inspect", step)
+    assert code == 0
+    (line,) = [line for line in out.splitlines() if "__0_0.distcp" in line]
+    assert f"{PARTS_ALGORITHM}: {tensor_io.DEFAULT_THREAD_COUNT + 1} parts" in line
+    code, document, _ = run_json(capsys, "inspect", step, "--json")
+    assert code == 0
+    (entry,) = [item for item in document["files"] if item["path"].endswith(".distcp")]
+    manifest = json.loads((tmp_path / "step_000000001" / "manifest.json").read_text())
+    assert entry["checksum"] == next(item["checksum"] for item in manifest["files"]
+                                     if item["path"] == entry["path"])
