@@ -364,10 +364,17 @@ def resumekit_interval(m: Method, step_s: float, mtbi: float) -> int:
 
 def evaluate(fig: Figures, *, step_s: float, grace_s: float, nas: float,
              best_interval: bool = False, samples: int = SAMPLES,
-             state: float = STATE_BYTES_PER_RANK) -> dict[str, Any]:
-    """Every method's week goodput (the contract keys) and the intervals used."""
+             state: float = STATE_BYTES_PER_RANK,
+             default_config: str = "resumekit_sync") -> dict[str, Any]:
+    """Every method's week goodput (the contract keys) and the intervals used.
+
+    ``default_config`` is the resumekit configuration ``resumekit_defaults`` stands for
+    (its interval is the one every method is evaluated at): blocking saves today; the
+    analysis evaluates ``"resumekit_async_thread"`` too, as if async saves were the
+    default.
+    """
     all_methods = methods(fig, state=state, nas=nas)
-    default = all_methods["resumekit_sync"]
+    default = all_methods[default_config]
     mtbi = interruptions_every_of(default, grace_s)
     every = resumekit_interval(default, step_s, mtbi)
 
@@ -450,6 +457,34 @@ def targets(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
+def headroom(fig: Figures, *, samples: int = SAMPLES) -> dict[str, Any]:
+    """How far above the SIGTERM handler any method can be, at the defaults' interval.
+
+    The +0.01 target compares methods at the interval ``save_every="auto"`` chooses for
+    resumekit's defaults. No method exceeds the limit, so the target is reachable only
+    where ``limit - dcp_async_sigterm_best >= 0.01`` at that interval. This evaluates it
+    for blocking saves (today's default) and for async saves as the default (whose
+    cheaper saves make ``"auto"`` choose a shorter interval, where the handler loses less
+    at a crash and a preemption too).
+    """
+    out: dict[str, Any] = {}
+    for label, config in (("blocking_default", "resumekit_sync"),
+                          ("async_default", "resumekit_async_thread")):
+        result = evaluate(fig, step_s=STEP_S, grace_s=GRACE_S, nas=NAS_BYTES_PER_S,
+                          samples=samples, default_config=config)
+        out[label] = {
+            "config": config,
+            "interval_steps": result["interval_steps"],
+            "resumekit_defaults": round(result["resumekit_defaults"], 4),
+            "dcp_async_sigterm_best": round(result["dcp_async_sigterm_best"], 4),
+            "limit": round(result["limit"], 4),
+            "gap": round(result["resumekit_defaults"] - result["dcp_async_sigterm_best"], 4),
+            "headroom": round(result["limit"] - result["dcp_async_sigterm_best"], 4),
+            "plus_0.01_reachable": result["limit"] >= result["dcp_async_sigterm_best"] + 0.01,
+        }
+    return out
+
+
 def run(scale: dict[str, Any], latest: dict[str, Any], *, samples: int = SAMPLES,
         with_sweep: bool = True) -> dict[str, Any]:
     """The whole result: summary (the contract keys), targets, sources, inputs."""
@@ -466,6 +501,7 @@ def run(scale: dict[str, Any], latest: dict[str, Any], *, samples: int = SAMPLES
     result = {
         "summary": summary,
         "targets": targets(summary) if with_sweep else {},
+        "headroom": headroom(fig, samples=samples),
         "week": {"interval_steps": week["interval_steps"],
                  "interruptions_every_s": week["interruptions_every_s"],
                  "best_intervals": best["intervals"],

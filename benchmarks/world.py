@@ -15,13 +15,15 @@ Three parts, side by side with plain DCP, into ``benchmarks/results/world.json``
 * **simulated ranks** (:mod:`benchmarks.world_fake`): W = 8..1,024 over the real 5B
   LingBot-VA shapes on the meta device, a fake process group;
 * **a save's CPU per GB** (issue 40's item 4): one process, a sync save of a few hundred
-  MB, CPU seconds of all threads per GB written, beside hashing the same bytes once.
-
-``save_vs_odirect_under_cpu_load`` needs a CPU-loaded host (``stress-ng --cpu 4``) and a
-quiet disk: it is not measured here (null, with the reason).
+  MB, CPU seconds of all threads per GB written, beside hashing the same bytes once;
+* **the save under CPU load** (:mod:`benchmarks.cpu_load`, item 4): a sync save of
+  ``--load-mb`` and a plain 4-thread ``O_DIRECT`` writer of the same bytes, alternated,
+  quiet and then beside ``stress-ng --cpu 4`` (or 4 Python busy loops where stress-ng is
+  not installed) for one burst of at most 90 s: ``save_vs_odirect_under_cpu_load``.
+  ``--load-mb 0`` skips it (the key is then null, with the reason).
 
 Usage: ``python -m benchmarks.world [--real 2,4,8,16,32] [--fake 8,...,1024]
-[--save-mb 256] [--out benchmarks/results/world.json]``.
+[--save-mb 256] [--load-mb 1024] [--out benchmarks/results/world.json]``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from benchmarks import world_fake
+from benchmarks import cpu_load, world_fake
 from benchmarks.ranks import spawn_ranks
 from resumekit.manager import CheckpointManager
 
@@ -236,7 +238,7 @@ def save_cpu_per_gb(megabytes: int) -> dict[str, Any]:
             "measured": stamp}
 
 
-PARTS = ("real", "simulated", "save_cpu_per_gb")
+PARTS = ("real", "simulated", "save_cpu_per_gb", "save_under_cpu_load")
 
 
 def _stamped(row: dict[str, Any], path: str) -> dict[str, Any]:
@@ -256,7 +258,8 @@ def _stamped(row: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def provenance(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
-               save: dict[str, Any] | None) -> dict[str, Any]:
+               save: dict[str, Any] | None, load: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     """Per part, the dates and commits its figures were measured at (a partial rerun
     mixes parts of several runs: this says which is which)."""
     def of(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -269,7 +272,8 @@ def provenance(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
         return list(seen.values())
 
     return {"real": of(real_rows), "simulated": of(fake_rows),
-            "save_cpu_per_gb": None if save is None else save.get("measured")}
+            "save_cpu_per_gb": None if save is None else save.get("measured"),
+            "save_under_cpu_load": None if load is None else load.get("measured")}
 
 
 def _row(rows: list[dict[str, Any]], world: int) -> dict[str, Any] | None:
@@ -290,7 +294,8 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 
 def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
-              save: dict[str, Any] | None) -> dict[str, Any]:
+              save: dict[str, Any] | None, load: dict[str, Any] | None = None,
+              load_skipped: str | None = None) -> dict[str, Any]:
     """The issue's contract keys (null where a part did not run, with the reason)."""
     real_worlds = [row["world_size"] for row in real_rows]
     fake_worlds = [row["world_size"] for row in fake_rows]
@@ -340,11 +345,7 @@ def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
             high["save_cpu_rank0_s"], high["dcp_save_cpu_rank0_s"]),
         "save_cpu_rank0_w256_vs_dcp_simulated": None if w256 is None else _ratio(
             w256["save_cpu_rank0_s"], w256["dcp_save_cpu_rank0_s"]),
-        "save_vs_odirect_under_cpu_load": None,
-        "save_vs_odirect_under_cpu_load_reason": (
-            "not measured: it needs a host whose cores are busy (stress-ng --cpu 4 beside "
-            "the save) and a quiet disk to compare with a plain 4-thread O_DIRECT writer; "
-            "this bench runs on a shared machine where no CPU-load tool may run"),
+        **cpu_load.summary(load, load_skipped),
         "save_cpu_s_per_gb": None if save is None else save["save_cpu_s_per_gb"],
         "save_cpu_vs_hash_once": None if save is None else save["save_cpu_vs_hash_once"],
     }
@@ -356,6 +357,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--real", default=",".join(map(str, REAL_WORLDS)))
     parser.add_argument("--fake", default=",".join(map(str, FAKE_WORLDS)))
     parser.add_argument("--save-mb", type=int, default=256)
+    parser.add_argument("--load-mb", type=int, default=1024,
+                        help="the bytes of the save under CPU load (0: not run)")
+    parser.add_argument("--load-repeats", type=int, default=5,
+                        help="saves and plain writes per phase (quiet, loaded)")
+    parser.add_argument("--load-workers", type=int, default=cpu_load.LOAD_WORKERS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--config", default="furniture_all_e128")
     parser.add_argument("--out", default=str(OUT))
@@ -381,6 +387,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fake_worlds = [int(w) for w in args.fake.split(",") if w]
     started = time.perf_counter()
     save = save_cpu_per_gb(args.save_mb) if args.save_mb > 0 else None
+    load = None if args.load_mb <= 0 else cpu_load.measure(
+        args.load_mb, args.load_repeats, workers=args.load_workers,
+        stress_ng=cpu_load.which_stress_ng(), directory=os.environ.get("BENCH_WORLD_DIR"),
+        stamp=world_fake.measured_stamp())
     real_rows = real(worlds, args.repeats) if worlds else []
     fake_rows = world_fake.run(fake_worlds, config=args.config,
                                rows_to=Path(args.rows_to) if args.rows_to else None,
@@ -403,6 +413,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             fake_rows += [_stamped(row, path) for row in earlier["simulated"]]
         if "save_cpu_per_gb" in taken and save is None and earlier["save_cpu_per_gb"]:
             save = _stamped(earlier["save_cpu_per_gb"], path)
+        if ("save_under_cpu_load" in taken and load is None
+                and earlier.get("save_under_cpu_load")):
+            load = _stamped(earlier["save_under_cpu_load"], path)
     real_rows.sort(key=lambda row: row["world_size"])
     fake_rows.sort(key=lambda row: row["world_size"])
     for name, rows in (("real", real_rows), ("simulated", fake_rows)):
@@ -411,11 +424,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"two {name} rows for one world size ({sorted(worlds)}): take "
                          "each part from one run (--parts PATH:real,save_cpu_per_gb)")
     result = {
-        "summary": summarize(real_rows, fake_rows, save),
-        "provenance": provenance(real_rows, fake_rows, save),
+        "summary": summarize(real_rows, fake_rows, save, load,
+                             None if load else "not run (--load-mb 0)"),
+        "provenance": provenance(real_rows, fake_rows, save, load),
         "real": real_rows,
         "simulated": fake_rows,
         "save_cpu_per_gb": save,
+        "save_under_cpu_load": load,
         "setup": {"real_model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}), FSDP2, AdamW",
                   "simulated_model": f"LingBot-VA {args.config} (meta device), FSDP2 "
                                      "dim-0 shards, AdamW",

@@ -95,3 +95,37 @@ def test_a_crash_costs_more_the_longer_the_interval(figures: model.Figures) -> N
     values = [model.week_goodput(saver, every, step_s=30.0, grace_s=30.0,
                                  week=crash_only, samples=6) for every in (1, 10, 40)]
     assert values == sorted(values, reverse=True)
+
+
+def test_the_headroom_says_whether_any_method_can_beat_the_handler_by_a_hundredth(
+        figures: model.Figures) -> None:
+    # The +0.01 target is measured at the interval the defaults choose: the limit minus
+    # the handler there bounds what any method can gain, and async saves as the default
+    # make "auto" choose a shorter interval than blocking ones.
+    result = model.headroom(figures, samples=4)
+    blocking, async_ = result["blocking_default"], result["async_default"]
+    assert async_["interval_steps"] < blocking["interval_steps"]
+    costs = model.methods(figures, state=model.STATE_BYTES_PER_RANK,
+                          nas=model.NAS_BYTES_PER_S)
+    for row in (blocking, async_):
+        handler = model.week_goodput(costs["dcp_async_sigterm_best"], row["interval_steps"],
+                                     step_s=model.STEP_S, grace_s=model.GRACE_S,
+                                     samples=4)
+        ours = model.week_goodput(costs[row["config"]], row["interval_steps"],
+                                  step_s=model.STEP_S, grace_s=model.GRACE_S, samples=4)
+        assert row["dcp_async_sigterm_best"] == round(handler, 4)
+        assert row["resumekit_defaults"] == round(ours, 4)
+        assert row["headroom"] == pytest.approx(row["limit"] - handler, abs=2e-4)
+        assert row["plus_0.01_reachable"] == (row["limit"] >= handler + 0.01)
+        assert row["resumekit_defaults"] <= row["limit"]
+
+
+def test_the_committed_result_reports_the_headroom_of_both_defaults() -> None:
+    result = json.loads((RESULTS / "goodput.json").read_text())
+    for label in ("blocking_default", "async_default"):
+        row = result["headroom"][label]
+        assert row["interval_steps"] >= 1
+        assert row["headroom"] == pytest.approx(
+            row["limit"] - row["dcp_async_sigterm_best"], abs=2e-4)
+    assert result["headroom"]["blocking_default"]["interval_steps"] == \
+        result["week"]["interval_steps"]

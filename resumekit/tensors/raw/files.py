@@ -441,6 +441,12 @@ class Pack:
 
 
 
+HASH_PIECE = 512 << 10
+"""Bytes copied and hashed at a time by :meth:`AlignedFile.write`: the piece stays in the
+core's cache between its copy into the bounce buffer and its two hashes, so each byte is
+read from memory once (hashing 4 MB chunks after copying them read them three times)."""
+
+
 class AlignedFile:
     """A new file written with ``O_DIRECT`` where the filesystem allows it.
 
@@ -486,26 +492,72 @@ class AlignedFile:
                 self._bounce.close()
             self._bounce = None
 
-    def write(self, chunk: memoryview, address: int | None) -> None:
-        """Append ``chunk`` (at ``address`` in memory when known); pads nothing."""
-        self.checksum.update(chunk)
+    def write(self, chunk: memoryview, address: int | None, *,
+              block: int | None = None) -> list[str]:
+        """Append ``chunk`` (at ``address`` in memory when known); pads nothing.
+
+        Each byte is read from memory once: every piece of at most :data:`HASH_PIECE`
+        bytes is copied into the aligned bounce buffer (when direct I/O needs the copy)
+        and hashed there, for the file's checksum and its block's, while it is in cache.
+
+        Args:
+            chunk: The bytes, at most :data:`CHUNK_BYTES` when ``block`` is given.
+            address: Where ``chunk`` starts in memory, if known.
+            block: Also return the bare XXH3-128 hex digest of each ``block`` bytes of
+                ``chunk`` (the last one may be shorter).
+
+        Returns:
+            The block digests, in order (empty without ``block``).
+        """
+        if block is not None and len(chunk) > CHUNK_BYTES:
+            raise ValueError(f"a chunk hashed per block holds at most {CHUNK_BYTES} bytes, "
+                             f"not {len(chunk)}")
         aligned = (address is not None and address % ALIGNMENT == 0
                    and len(chunk) % ALIGNMENT == 0 and self.offset % ALIGNMENT == 0)
         if not self.direct or aligned:
+            digests = self._hash(chunk, block)
             self._write_all(chunk)
-            return
+            return digests
         bounce = self._bounce_buffer()
+        digests = []
         for start in range(0, len(chunk), CHUNK_BYTES):
             piece = chunk[start:start + CHUNK_BYTES]
-            if address is not None:
-                ctypes.memmove(_address_of(bounce), address + start, len(piece))
+            target = memoryview(bounce)
+            if address is None:
+                target[:len(piece)] = piece
+                digests += self._hash(target[:len(piece)], block)
             else:
-                memoryview(bounce)[:len(piece)] = piece
+                digests += self._hash(target[:len(piece)], block,
+                                      copy_from=address + start)
             padded = -(-len(piece) // ALIGNMENT) * ALIGNMENT
-            memoryview(bounce)[len(piece):padded] = bytes(padded - len(piece))
+            target[len(piece):padded] = bytes(padded - len(piece))
             # The zeros past the piece are overwritten by the next write or kept as the
             # item's padding (pad() then only moves the offset).
-            self._write_all(memoryview(bounce)[:padded], logical=len(piece))
+            self._write_all(target[:padded], logical=len(piece))
+        return digests
+
+    def _hash(self, data: memoryview, block: int | None, *,
+              copy_from: int | None = None) -> list[str]:
+        """Hash ``data`` into the file's checksum (and each ``block``'s digest) by pieces.
+
+        With ``copy_from`` (an address in memory) each piece is first copied into ``data``.
+        """
+        digests: list[str] = []
+        step = block or len(data) or 1
+        target = _address_of_view(data) if copy_from is not None else 0
+        for first in range(0, len(data), step):
+            end = min(first + step, len(data))
+            hasher = xxhash.xxh3_128() if block else None
+            for at in range(first, end, HASH_PIECE):
+                piece = data[at:min(at + HASH_PIECE, end)]
+                if copy_from is not None:
+                    ctypes.memmove(target + at, copy_from + at, len(piece))
+                self.checksum.update(piece)
+                if hasher is not None:
+                    hasher.update(piece)
+            if hasher is not None:
+                digests.append(hasher.hexdigest())
+        return digests
 
     def pad(self) -> None:
         """Zero-fill up to the next ``ALIGNMENT`` boundary."""
@@ -563,6 +615,11 @@ def open_new_file(path: str) -> tuple[int, bool]:
 
 def _address_of(buffer: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+def _address_of_view(view: memoryview) -> int:
+    """The address of a writable view's first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def aligned_empty(shape: Sequence[int], dtype: torch.dtype, *,

@@ -468,10 +468,9 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
             blocks: list[str] = []
             offset = handle.offset
             for start in range(0, len(view), stride):
-                chunk = view[start:start + stride]
-                blocks.extend(hex_digest(chunk[at:at + block])
-                              for at in range(0, len(chunk), block))
-                handle.write(chunk, None if address is None else address + start)
+                blocks += handle.write(view[start:start + stride],
+                                       None if address is None else address + start,
+                                       block=block)
             handle.pad()  # the next item starts on an ALIGNMENT boundary
             stored.append((offset, len(view), block, "".join(blocks)))
             results.append(WriteResult(
