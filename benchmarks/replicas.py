@@ -4,7 +4,7 @@ Two gloo ranks on this machine act as two nodes (``RESUMEKIT_NODE_NAME``), each 
 own local root. Each commits one step of ``--mb`` MB (one large tensor file, a few small
 ones) and then, in interleaved rounds (``benchmarks.timing.interleave``):
 
-* ``replicate``: :func:`resumekit.runtime.replicas.replicate`: each rank sends its step to
+* ``replicate``: :func:`resumekit.local.replicas.replicate`: each rank sends its step to
   the other, which writes, checks and commits it (every file fsynced);
 * ``local_copy``: each rank copies its own step directory to another directory of the
   same disk (``shutil.copyfile`` per file, every file and directory fsynced): what the
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from benchmarks.ranks import spawn_ranks
 from benchmarks.timing import fsync_tree, interleave, median, paired_ratios
-from resumekit.runtime import replicas
+from resumekit.local import replicas
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.manifest import Checksum, Manifest
 from resumekit.store.retention import keep_last, prune

@@ -41,19 +41,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from resumekit import save_job as saving
-from resumekit import tensors as sharded
+from resumekit import tensors
 from resumekit.background import BackgroundSave, Boundary, Capture, EmergencyCapture, WriterProcess
 from resumekit.background.emergency import optimizer_groups
-from resumekit.background.local import LocalSaves
 from resumekit.errors import (
     AsyncSaveError,
     ConfigurationError,
     ResumekitError,
     ResumeStepError,
     StepCollisionError,
-    StorageError,
 )
+from resumekit.local.restore_across import TierRestore
+from resumekit.local.roots import check_local_root
+from resumekit.local.saves import LocalSaves
+from resumekit.local.site import LocalJob, LocalSite
 from resumekit.options import (
     CheckpointOptions,
     ForeignPolicy,
@@ -70,7 +71,7 @@ from resumekit.runtime.save_interval import (
     AutoSaveEvery,
     history_interruptions,
 )
-from resumekit.save_job import SaveJob, abort_after, save_failure
+from resumekit.save_job import SaveJob, StepTarget, apply_retention, lineage, write_step
 from resumekit.state import jsonable
 from resumekit.state.train_state import (
     Stateful,
@@ -81,34 +82,24 @@ from resumekit.state.train_state import (
 )
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.commit import PendingCheckpoint
 from resumekit.store.coordination import (
-    Coordinator,
     activity,
     run_on_every_rank,
     run_on_leader,
 )
 from resumekit.store.generations import Fence
 from resumekit.store.layout import (
-    TENSORS_DIR,
-    TRAIN_STATE_FILE,
     NameFormat,
-    rank_state_file,
 )
-from resumekit.store.local_roots import check_local_root
 from resumekit.store.manifest import (
-    FileEntry,
     Manifest,
     SaveInterval,
     SaveReason,
-    SaveThroughput,
 )
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import state_dicts
 from resumekit.tensors.raw.files import restore_lowered_priorities
-from resumekit.tiers.local import LocalJob, LocalSite
-from resumekit.tiers.restore_across import TierRestore
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -194,7 +185,7 @@ class CheckpointManager:
     # counts on from it; the step of a ``final`` checkpoint restored or written.
     _resume_guard: int | None
     _final_step: int | None
-    _stager: Any = None  # the async staging buffers (sharded.CpuStager), made on demand
+    _stager: Any = None  # the async staging buffers (tensors.CpuStager), made on demand
     # stage_ahead: the optimizer had no state when the buffers were allocated
     _optimizer_unstaged = False
     stage_ahead: bool
@@ -220,7 +211,7 @@ class CheckpointManager:
         tensor_format = options.tensor_format
         self.storage = Storage(root, options.storage_options)
         self.read_only = options.read_only
-        self.tensor_format: Literal["raw", "dcp"] = sharded.tensor_format_for(
+        self.tensor_format: Literal["raw", "dcp"] = tensors.tensor_format_for(
             self.storage.url_of(), tensor_format or "raw")
         if tensor_format == "raw" and self.tensor_format != "raw":
             self._warn(f"tensor_format='raw' cannot write to {self.storage.path()} (raw "
@@ -280,7 +271,7 @@ class CheckpointManager:
         # The node-local tier (LocalTier): this rank's own root and the replicas it keeps.
         self._local = None if options.local is None else LocalSite(
             options.local, durable_root=self.storage.url_of(), name_format=self.name_format,
-            tensor_format=sharded.tensor_format_for(options.local.root, tensor_format or "raw"),
+            tensor_format=tensors.tensor_format_for(options.local.root, tensor_format or "raw"),
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
@@ -465,14 +456,14 @@ class CheckpointManager:
         self._optimizer_unstaged = optimizer is not None and not all(
             part.state for part in state_dicts.optimizer_parts(optimizer))
         if self._optimizer_unstaged:
-            tensors = state_dicts.model_and_optimizer_state(self.state.model, None)
+            tensor_state = state_dicts.model_and_optimizer_state(self.state.model, None)
         else:
-            tensors = self.state.tensor_state()
-            self._set_template(tensors)
-        self._stager.prepare(tensors)
+            tensor_state = self.state.tensor_state()
+            self._set_template(tensor_state)
+        self._stager.prepare(tensor_state)
 
-    def _new_stager(self) -> sharded.CpuStager:
-        return sharded.CpuStager(page_aligned=self.tensor_format == "raw",
+    def _new_stager(self) -> tensors.CpuStager:
+        return tensors.CpuStager(page_aligned=self.tensor_format == "raw",
                                  shared=self._writer is not None)
 
     def _finish_restore(self, reason: str) -> None:
@@ -553,17 +544,17 @@ class CheckpointManager:
         """Stage every rank's own copy of ``step``; commit (and replicate) it in the background.
 
         Training waits for the previous local save (its buffers are reused) and for the
-        staging copy (:class:`~resumekit.background.local.LocalSaves`).
+        staging copy (:class:`~resumekit.local.saves.LocalSaves`).
         """
         local = self._local
         assert local is not None
         self._settle_emergency()
         if self._fence.generation is None:  # the copies record the durable claim
             self._main.protocol.claim()
-        tensors, train, ranks, manifest = self._capture(
+        tensor_state, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
         generation = self._fence.generation
-        self._local_saves.submit(step, tensors, lambda staged, channel: local.save(
+        self._local_saves.submit(step, tensor_state, lambda staged, channel: local.save(
             LocalJob(step, staged, train, ranks, manifest), channel, generation))
 
     def _scheduled(self, step: int) -> bool:
@@ -728,14 +719,14 @@ class CheckpointManager:
             before_copy=self._background.join, agree=self._agree_emergency,
             write=self._write_emergency)
 
-    def _set_template(self, tensors: dict[str, Any]) -> None:
+    def _set_template(self, tensor_state: dict[str, Any]) -> None:
         """Give the emergency capture the tensor state just built (live views)."""
         if self._emergency is None:
             return
         self._emergency_cuda = any(
             isinstance(value, torch.Tensor) and value.device.type == "cuda"
-            for value in _leaves(tensors))
-        self._emergency.set_template(tensors)
+            for value in _leaves(tensor_state))
+        self._emergency.set_template(tensor_state)
 
     def _mark_boundary(self, step: int, micro_step: int) -> None:
         """Step ``step`` is complete: record its small state for an emergency capture."""
@@ -762,11 +753,11 @@ class CheckpointManager:
             groups=optimizer_groups(optimizer), captured_at=datetime.now(timezone.utc),
             resumed=time.monotonic(), event=event))
 
-    def _emergency_stager(self) -> sharded.CpuStager:
+    def _emergency_stager(self) -> tensors.CpuStager:
         """The staging buffers an emergency capture copies into (the async ones, if any)."""
         if self._stager is None:
             self._stager = self._new_stager()
-        stager: sharded.CpuStager = self._stager
+        stager: tensors.CpuStager = self._stager
         return stager
 
     def _settle_emergency(self) -> None:
@@ -828,7 +819,7 @@ class CheckpointManager:
         source = self.initialized_from
         manifest = Manifest(
             step=boundary.step, world_size=self.world_size, reason=SaveReason.PREEMPTION,
-            lineage=saving.lineage(self.resumed_from,
+            lineage=lineage(self.resumed_from,
                                    None if source is None else (source.path, source.step),
                                    tier=self.restored_from_tier, started_at=self._clock.started_at),
             extras=jsonable.plain_extras(self.extras), metrics={}, state=contents,
@@ -901,12 +892,12 @@ class CheckpointManager:
         reason = SaveReason(reason)
         self._resume_guard = None  # saving a step: the loop's count is what it saves
         self._final_step = step if reason == SaveReason.FINAL else None
-        tensors, train, ranks, manifest = self._capture(step, reason, micro_step, recorded)
+        tensor_state, train, ranks, manifest = self._capture(step, reason, micro_step, recorded)
         run_async = self.async_save if blocking is None else not blocking
         if run_async:
             if self._stager is None:
                 self._stager = self._new_stager()
-            job = SaveJob(step, replace, self._stager.stage(tensors), train, ranks,
+            job = SaveJob(step, replace, self._stager.stage(tensor_state), train, ranks,
                            manifest, started,
                            background=self.background_priority == "idle",
                            writer=self._writer)
@@ -922,7 +913,7 @@ class CheckpointManager:
             self._pending_async = (step, resumed)
             return
         with activity(f"save of step {step}", step=step):
-            self._write(SaveJob(step, replace, tensors, train, ranks, manifest, started,
+            self._write(SaveJob(step, replace, tensor_state, train, ranks, manifest, started,
                                 since=entered), self._main)
         self._newest_step = step
         self._clock.blocking_save_took(time.monotonic() - started, held_since=entered)
@@ -933,100 +924,48 @@ class CheckpointManager:
         """Capture the state of ``step``: tensors, training and rank state, the manifest."""
         captured_at = datetime.now(timezone.utc)
         self.state.step, self.state.micro_step = step, micro_step
-        tensors = self.state.tensor_state()
-        self._set_template(tensors)
+        tensor_state = self.state.tensor_state()
+        self._set_template(tensor_state)
         train = dump_plain(self.state.train_state(self.world_size),
                            what=f"training state of step {step}")
         ranks = dump_plain(self.state.rank_state(), what=f"rank {self.rank} state of step {step}")
         source = self.initialized_from
         manifest = Manifest(
             step=step, world_size=self.world_size, reason=reason,
-            lineage=saving.lineage(self.resumed_from,
+            lineage=lineage(self.resumed_from,
                                    None if source is None else (source.path, source.step),
                                    tier=self.restored_from_tier, started_at=self._clock.started_at),
             extras=jsonable.plain_extras(self.extras), metrics=recorded,
             state=self.state.contents(),
             fingerprint=self._fingerprint(self.state.captured_params),
             captured_at=captured_at,
-            tensor_format=self.tensor_format if tensors else None,
+            tensor_format=self.tensor_format if tensor_state else None,
         )
-        return tensors, train, ranks, manifest
+        return tensor_state, train, ranks, manifest
 
     def _write(self, job: SaveJob, channel: Channel, *, blocking: bool = True) -> None:
-        protocol, coordinator = channel.protocol, channel.coordinator
-        nbytes = state_bytes(job.tensors)
-        started = self._clock.write_started(job.step, nbytes)
-        try:
-            pending = protocol.begin(job.step, replace=job.replace,
-                                     active_tokens=set(self._active_tokens))
-        except BaseException:
-            self._clock.write_ended(job.step)
-            raise
-        self._active_tokens.add(pending.token)
-        try:
-            try:
-                described, required = self._write_files(pending, job, coordinator,
-                                                        channel.group)
-            finally:
-                self._clock.write_ended(job.step)
-            # The write phase: staging area made to every rank's files durable (the
-            # files' all-gather waits for the slowest rank).
-            seconds = time.monotonic() - started
-            manifest = job.manifest.model_copy(update=dict(
-                save_interval=self._interval_record(), save_stalls=self._clock.stalls(job.since)))
-            if nbytes > 0 and seconds > 0:
-                manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
-                    bytes=nbytes, seconds=seconds, blocking=blocking)})
-            protocol.publish(pending, manifest, described=described, required=required)
-        except BaseException as error:
-            abort_after(protocol, pending, error)
-            if isinstance(error, OSError) and not isinstance(error, ResumekitError):
-                raise save_failure(job.step, self.storage, error) from error
-            if type(error) is StorageError:
-                raise save_failure(job.step, self.storage, error) from error
-            raise
-        finally:
-            self._active_tokens.discard(pending.token)
-        self.last_saved_step = job.step
-        self._clock.wrote(job.step, nbytes, seconds, blocking=blocking)
-        self._clock.last_save_seconds = time.monotonic() - job.started
-        if self.retention is not None:
-            saving.apply_retention(
-                job.step, self.storage, self.retention, name_format=self.name_format,
-                protect=() if self.resumed_from is None else (self.resumed_from,),
-                active_tokens=set(self._active_tokens), rolling=self._rolling_sweep,
-                coordinator=coordinator)
-        protocol.record_newest(pending)  # after retention: its stamp sees the deletions
+        """Commit ``job`` on ``channel`` (:func:`~resumekit.save_job.write_step`), on the clock."""
+        coordinator = channel.coordinator
+        target = StepTarget(channel.protocol, coordinator.rank, self.tensor_format,
+                            group=channel.group)
+
+        def retain() -> None:
+            self.last_saved_step = job.step
+            if self.retention is not None:
+                apply_retention(
+                    job.step, self.storage, self.retention, name_format=self.name_format,
+                    protect=() if self.resumed_from is None else (self.resumed_from,),
+                    active_tokens=set(self._active_tokens), rolling=self._rolling_sweep,
+                    coordinator=coordinator)
+
+        with self._clock.writing(job.step, state_bytes(job.tensors), blocking=blocking,
+                                 held_from=job.since, captured=job.started) as timing:
+            write_step(job, target, retain=retain, timing=timing,
+                       active_tokens=self._active_tokens,
+                       describe=lambda manifest: manifest.model_copy(
+                           update={"save_interval": self._interval_record()}))
         logger.info("resumekit: committed step %d in %.2fs", job.step,
                     self._clock.last_save_seconds)
-
-    def _write_files(self, pending: PendingCheckpoint, job: SaveJob,
-                     coordinator: Coordinator, group: dist.ProcessGroup | None
-                     ) -> tuple[list[FileEntry], list[str]]:
-        """Write this rank's files; return them, hashed on the way, and what they reference.
-
-        The second list (coordinating rank only) names the files the tensor metadata
-        references, which the commit requires some rank to have reported.
-        """
-        rank = coordinator.rank
-
-        def write() -> tuple[list[FileEntry], list[str]]:
-            written: list[sharded.WrittenFile] = []
-            if job.tensors:
-                written = sharded.save(
-                    job.tensors, self.storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
-                    process_group=group, background=job.background,
-                    storage_options=self.storage.storage_options or None,
-                    tensor_format=self.tensor_format, remote=job.writer)
-            small = [(rank_state_file(rank), job.ranks)]
-            if rank == 0:
-                small.insert(0, (TRAIN_STATE_FILE, job.train))
-            # only the coordinating rank writes .metadata
-            return sharded.step_files(self.storage, pending.staging, written, small,
-                                      coordinating=rank == 0 and bool(job.tensors))
-
-        described: tuple[list[FileEntry], list[str]] = run_on_every_rank(coordinator, write)
-        return described
 
     def finish(self, step: int) -> None:
         """Commit the run's last step as a ``final`` checkpoint; call once after the loop.

@@ -280,7 +280,7 @@ class RootRestore:
     def read_alone(self, storage: Storage, entry: CheckpointEntry) -> None:
         """Verify, check and read this rank's node-local copy ``entry`` by this rank alone.
 
-        The local tier's read (:mod:`resumekit.tiers.restore_across` calls it on every rank, each
+        The local tier's read (:mod:`resumekit.local.restore_across` calls it on every rank, each
         with its own copy, and agrees on the outcome): every file checked against the
         copy's manifest, its fit with the run checked, its tensors (this rank's shards)
         read without a collective, then the training state and this rank's RNG and data

@@ -1,26 +1,31 @@
-"""A captured save (``SaveJob``), what it records, and what follows its commit or failure.
+"""A captured save (``SaveJob``) and the one commit sequence every tier writes it by.
 
 The manager captures a save on the calling thread into a :class:`SaveJob` (its manifest
 records the run's :func:`lineage`) and writes it there or on the background thread
 (:mod:`resumekit.background`; its tensor bytes, with ``async_writer="process"``, in the
-writer process). Once it is committed, :func:`apply_retention` prunes; when
-writing fails, :func:`abort_after` removes the staging area and :func:`save_failure` turns
-an ``OSError`` into the :class:`~resumekit.errors.StorageError` that names the step, the
-root and the file.
+writer process). :func:`write_step` is the commit sequence of every save - the durable
+root's (blocking, background, emergency) and each rank's local copy
+(:mod:`resumekit.local.site`): begin, tensors, step files, publish, abort on error,
+retention, record the newest step. The manager's save clock is one context around it
+(:meth:`~resumekit.runtime.save_clock.CommitClock.writing`). Once a durable step is
+committed, :func:`apply_retention` prunes; when writing fails, :func:`abort_after` removes
+the staging area and :func:`save_failure` turns an ``OSError`` into the
+:class:`~resumekit.errors.StorageError` that names the step, the root and the file.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from resumekit.errors import StorageError
+from resumekit import tensors
+from resumekit.errors import ResumekitError, StorageError
 from resumekit.runtime import distributed
 from resumekit.store.commit import CommitProtocol, PendingCheckpoint
-from resumekit.store.coordination import Coordinator, run_on_leader
-from resumekit.store.layout import NameFormat
+from resumekit.store.coordination import Coordinator, run_on_every_rank, run_on_leader
+from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
 from resumekit.store.manifest import Lineage, Manifest
 from resumekit.store.retention import RetentionPolicy, RollingSweep, prune
 from resumekit.store.storage import Storage
@@ -29,9 +34,14 @@ from resumekit.warnings import ResumekitWarning, warn
 if TYPE_CHECKING:
     from datetime import datetime
 
+    import torch.distributed as dist
+
+    from resumekit.runtime.save_clock import SaveTiming
+    from resumekit.store.manifest import FileEntry
     from resumekit.tensors.remote import RemoteWrites
 
-__all__ = ["SaveJob", "abort_after", "apply_retention", "lineage", "save_failure"]
+__all__ = ["SaveJob", "StepTarget", "abort_after", "apply_retention", "lineage",
+           "save_failure", "write_step"]
 
 logger = logging.getLogger("resumekit")
 
@@ -52,6 +62,114 @@ class SaveJob:
     # A save training waits for: when its call began (time.monotonic()), what its manifest
     # counts of it as held up to publication (Manifest.save_stalls); None: it holds nothing.
     since: float | None = None
+
+
+@dataclass(frozen=True)
+class StepTarget:
+    """Where :func:`write_step` commits a step, and how this process writes its files.
+
+    Attributes:
+        protocol: The commit protocol of the root (its storage, names and coordinator).
+        rank: The rank whose state file this process writes (``rank_XXXXX.pt``).
+        tensor_format: How tensors are written (``"raw"`` or ``"dcp"``).
+        group: The process group whose ranks write the tensors together (None: the
+            default group if any).
+        alone: Each process writes its own whole copy, no collective (the local tier).
+        name_failures: Raise an ``OSError`` of the writes as the
+            :class:`~resumekit.errors.StorageError` naming the step and the root
+            (:func:`save_failure`; the durable root's saves). The local tier names its
+            failures itself.
+    """
+
+    protocol: CommitProtocol
+    rank: int
+    tensor_format: tensors.TensorFormat
+    group: dist.ProcessGroup | None = None
+    alone: bool = False
+    name_failures: bool = True
+
+
+def write_step(job: SaveJob, target: StepTarget, *, retain: Callable[[], object],
+               timing: SaveTiming | None = None,
+               describe: Callable[[Manifest], Manifest] | None = None,
+               active_tokens: set[str] | None = None) -> PendingCheckpoint:
+    """Commit ``job`` under ``target``: the one commit sequence of every tier.
+
+    1. ``begin`` (step check, staging area, writer record);
+    2. the tensors and this rank's small files into staging, hashed on their way (on
+       every rank: a failure on one is raised on all);
+    3. ``publish`` the manifest (``describe``'d, then with the clock's measurements);
+    4. on any error so far: abort (remove the staging area), the error raised;
+    5. ``retain()``: the tier's retention, after the commit only;
+    6. record the newest step (after retention: its stamp sees the deletions).
+
+    Args:
+        job: The captured save.
+        target: Where and how it is written.
+        retain: The tier's retention, called once the step is committed.
+        timing: The save clock's record of this save (:meth:`CommitClock.writing`).
+        describe: Adds what the caller records at publication to the manifest.
+        active_tokens: The caller's saves in flight (their staging areas are never swept);
+            this save's token is in it while it writes.
+
+    Returns:
+        The committed step.
+    """
+    protocol, coordinator = target.protocol, target.protocol.coordinator
+    tokens = set() if active_tokens is None else active_tokens
+    pending = protocol.begin(job.step, replace=job.replace, active_tokens=set(tokens))
+    tokens.add(pending.token)
+    try:
+        try:
+            described, required = run_on_every_rank(
+                coordinator, lambda: _write_files(pending, job, target))
+        finally:
+            if timing is not None:
+                timing.files_written()
+        manifest = job.manifest if describe is None else describe(job.manifest)
+        if timing is not None:
+            manifest = timing.describe(manifest)
+        protocol.publish(pending, manifest, described=described, required=required)
+    except BaseException as error:
+        abort_after(protocol, pending, error)
+        if target.name_failures and isinstance(error, OSError) and _unnamed(error):
+            raise save_failure(job.step, protocol.storage, error) from error
+        raise
+    finally:
+        tokens.discard(pending.token)
+    if timing is not None:
+        timing.committed()
+    retain()
+    protocol.record_newest(pending)
+    return pending
+
+
+def _unnamed(error: OSError) -> bool:
+    """Whether a save's ``OSError`` is raised as :func:`save_failure` (not one of ours)."""
+    return type(error) is StorageError or not isinstance(error, ResumekitError)
+
+
+def _write_files(pending: PendingCheckpoint, job: SaveJob, target: StepTarget
+                 ) -> tuple[list[FileEntry], list[str]]:
+    """Write this rank's files; return them, hashed on the way, and what they reference.
+
+    The second list (coordinating rank only) names the files the tensor metadata
+    references, which the commit requires some rank to have reported. The coordinating
+    rank writes the training state and the tensors' ``.metadata``.
+    """
+    storage, leader = target.protocol.storage, target.protocol.coordinator.rank == 0
+    written: list[tensors.WrittenFile] = []
+    if job.tensors:
+        written = tensors.save(
+            job.tensors, storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
+            process_group=target.group, background=job.background,
+            storage_options=storage.storage_options or None,
+            tensor_format=target.tensor_format, remote=job.writer, alone=target.alone)
+    small = [(rank_state_file(target.rank), job.ranks)]
+    if leader:
+        small.insert(0, (TRAIN_STATE_FILE, job.train))
+    return tensors.step_files(storage, pending.staging, written, small,
+                              coordinating=leader and bool(job.tensors))
 
 
 def abort_after(protocol: CommitProtocol, pending: PendingCheckpoint,

@@ -10,24 +10,40 @@ has RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set, as torchrun 
 and (unless ``init_group=False``) a default gloo group already initialised. Ranks named
 in ``may_exit`` may leave without a result (a test that kills a rank on purpose): their
 result is None.
+
+The torchrun drills (the quickstart's block, torchtitan's checkpointer and trainer) share
+the rest: :func:`launch_torchrun` starts ``torch.distributed.run`` on 2 CPU ranks with its
+output in ``<out>/log``; a worker writes its record with :func:`write_record` however it
+ends (:func:`rank_records` reads them), pauses after a step (:func:`wait_paused` waits for
+every rank's ``paused_<rank>`` file) and the test compares :func:`committed_steps` and
+:func:`assert_identical` final states.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
-from tests.limits import COLLECTIVE_HANG_S
+from resumekit.store.catalog import list_checkpoints
+from resumekit.store.storage import Storage
+from tests.limits import COLLECTIVE_HANG_S, HANG_S
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 #: Imported once by the fork server every rank is forked from (``start_method="forkserver"``):
 #: a rank then starts without paying torch's and resumekit's import time (most of a short
@@ -140,3 +156,92 @@ def run_ranks(
         if errors:
             raise AssertionError("distributed test failed:\n" + "\n".join(errors))
         return results
+
+
+def launch_torchrun(folder: Path, tag: str, args: Sequence[str],
+                    env: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``torchrun`` on 2 CPU ranks in ``folder``: ``args`` (the script and its own).
+
+    Its output (the agent's and both ranks') goes to ``<folder>/<tag>/log``; the ranks
+    import this repository (``PYTHONPATH``) and run gloo on CPU, also on a GPU machine.
+
+    Returns:
+        The agent's process and ``<folder>/<tag>``, the launch's folder (made here).
+    """
+    out = folder / tag
+    out.mkdir(parents=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env,
+                   "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
+                                                  os.environ.get("PYTHONPATH", "")])}
+    with (out / "log").open("wb") as log:
+        process = subprocess.Popen(command, cwd=folder, env=environment, stdout=log,
+                                   stderr=subprocess.STDOUT)
+    return process, out
+
+
+def log_tail(out: Path) -> str:
+    """The end of a launch's log, for an assertion's message."""
+    return (out / "log").read_text(errors="replace")[-8000:]
+
+
+def write_record(out: Path, rank: int, record: dict[str, Any], body: Callable[[], object]
+                 ) -> None:
+    """Run a torchrun worker's ``body``; write ``record`` with how it ended, however it ends.
+
+    ``record["exit"]`` is the ``SystemExit`` code, or the error's type and message; the
+    record goes to ``<out>/rank_<rank>.json`` (:func:`rank_records`).
+    """
+    try:
+        body()
+    except SystemExit as stop:
+        record["exit"] = stop.code
+        raise
+    except BaseException as error:
+        record["exit"] = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        (out / f"rank_{rank}.json").write_text(json.dumps(record))
+
+
+def rank_records(out: Path) -> list[dict[str, Any]]:
+    """The two ranks' records of a launch (:func:`write_record`)."""
+    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(2)]
+
+
+def committed_steps(root: Path) -> list[tuple[int, str]]:
+    """``(step, reason)`` of every committed checkpoint under ``root``, oldest first."""
+    return [(entry.step, str(entry.manifest.reason.value))
+            for entry in list_checkpoints(Storage(root))
+            if entry.status == "committed" and entry.manifest is not None]
+
+
+def wait_paused(process: subprocess.Popen[bytes], out: Path) -> list[int]:
+    """Wait until both ranks wrote ``paused_<rank>``; return what each wrote (a number).
+
+    Fails with the log's tail if the launch ends first (or after :data:`HANG_S`).
+    """
+    deadline = time.monotonic() + HANG_S
+    while not all((out / f"paused_{rank}").exists() for rank in range(2)):
+        assert process.poll() is None, log_tail(out)
+        assert time.monotonic() < deadline, log_tail(out)
+        time.sleep(0.05)
+    return [int((out / f"paused_{rank}").read_text()) for rank in range(2)]
+
+
+def assert_identical(left: Any, right: Any, where: str = "") -> None:
+    """Nested dicts equal, every tensor bit for bit (dtype too); ``where`` names the key."""
+    if isinstance(left, dict):
+        assert left.keys() == right.keys(), where
+        for key in left:
+            assert_identical(left[key], right[key], f"{where}.{key}")
+    elif isinstance(left, torch.Tensor):
+        assert left.dtype == right.dtype and torch.equal(left, right), where
+    else:
+        assert left == right, where
+
+
+def final_states(out: Path) -> list[dict[str, Any]]:
+    """The states the two ranks saved at their end (``state_<rank>.pt``)."""
+    return [torch.load(out / f"state_{rank}.pt", weights_only=True) for rank in range(2)]

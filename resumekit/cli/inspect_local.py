@@ -14,9 +14,9 @@ from typing import Any
 
 from resumekit.cli._common import console, emit_json, format_bytes, or_dash, table
 from resumekit.errors import CorruptCheckpointError
+from resumekit.local.roots import SubRoot, sub_roots
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.layout import GENERATIONS_DIR, NameFormat
-from resumekit.store.local_roots import SubRoot, sub_roots
 from resumekit.store.storage import Storage
 
 __all__ = ["is_local_root", "misplaced_sub_roots", "run_local_root"]

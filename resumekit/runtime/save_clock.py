@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
-from resumekit.store.manifest import SaveStalls
+from resumekit.store.manifest import Manifest, SaveStalls, SaveThroughput
 
-__all__ = ["CommitClock", "SaveEstimate", "smoothed", "state_bytes"]
+__all__ = ["CommitClock", "SaveEstimate", "SaveTiming", "smoothed", "state_bytes"]
 
 _SMOOTHING = 0.2  # weight of the newest sample in a running time
 
@@ -85,6 +86,56 @@ class SaveEstimate:
                     else f"about {self.in_flight_seconds:.1f} s")
             said += f", after the in-flight save of step {self.in_flight_step} ({more} more)"
         return said
+
+
+class SaveTiming:
+    """One save's writes on the clock: what :meth:`CommitClock.writing` yields.
+
+    The commit sequence (:func:`resumekit.save_job.write_step`) calls it at its phases:
+    :meth:`files_written` when every rank's files are written (the write phase ends),
+    :meth:`describe` on the manifest it publishes, :meth:`committed` once published.
+
+    Args:
+        clock: The clock it reports to.
+        step: The step saved.
+        nbytes: Bytes of tensor state it writes.
+        blocking: Whether training waits for it (the throughput's kind).
+        held_from: For a save training waits for, when its call began
+            (``Manifest.save_stalls`` counts it up to the publication); else None.
+        captured: When the save's capture began (``last_save_seconds`` counts from it).
+
+    Building it starts the clock's record of a save in flight (:meth:`CommitClock.write_started`).
+    """
+
+    def __init__(self, clock: CommitClock, step: int, nbytes: int, *, blocking: bool,
+                 held_from: float | None, captured: float) -> None:
+        self._clock, self.step, self.nbytes = clock, step, nbytes
+        self._blocking, self._held_from, self._captured = blocking, held_from, captured
+        self.started = clock.write_started(step, nbytes)
+        self.seconds: float | None = None
+        """Seconds of the write phase, once :meth:`files_written` was called."""
+
+    def files_written(self) -> None:
+        """The writes ended (written, or failed): the save is no longer in flight."""
+        self._clock.write_ended(self.step)
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+
+    def describe(self, manifest: Manifest) -> Manifest:
+        """``manifest`` with what the clock measured: the stalls and the write throughput."""
+        manifest = manifest.model_copy(update={
+            "save_stalls": self._clock.stalls(self._held_from)})
+        seconds = self.seconds
+        if self.nbytes > 0 and seconds is not None and seconds > 0:
+            manifest = manifest.model_copy(update={"save_throughput": SaveThroughput(
+                bytes=self.nbytes, seconds=seconds, blocking=self._blocking)})
+        return manifest
+
+    def committed(self) -> None:
+        """The save is published: record its throughput and its duration."""
+        if self.seconds is not None:
+            self._clock.wrote(self.step, self.nbytes, self.seconds, blocking=self._blocking)
+        self._clock.last_save_seconds = time.monotonic() - self._captured
 
 
 class CommitClock:
@@ -196,6 +247,28 @@ class CommitClock:
             save()
         finally:
             self.held(time.monotonic() - began)
+
+    @contextmanager
+    def writing(self, step: int, nbytes: int, *, blocking: bool, held_from: float | None,
+                captured: float) -> Iterator[SaveTiming]:
+        """The clock around one save's commit sequence; its writes are in flight inside.
+
+        Until the sequence calls :meth:`SaveTiming.files_written` (or the block ends,
+        however it ends), :meth:`estimate` counts the save as in flight.
+
+        Args:
+            step: The step saved.
+            nbytes: Bytes of tensor state it writes.
+            blocking: Whether training waits for it.
+            held_from: For a save training waits for, when its call began; else None.
+            captured: When its capture began (``time.monotonic()``).
+        """
+        timing = SaveTiming(self, step, nbytes, blocking=blocking, held_from=held_from,
+                            captured=captured)
+        try:
+            yield timing
+        finally:
+            self.write_ended(step)
 
     def write_started(self, step: int, nbytes: int) -> float:
         """The writes of the save of ``step`` (``nbytes`` of tensor state) start now.

@@ -46,7 +46,7 @@ from resumekit.tensors.metadata_parts import (
     skeleton,
 )
 from resumekit.tensors.raw import raw_files
-from resumekit.tensors.reader import CheckedMetadata, _SafeReader, load_plain_value, make_reader
+from resumekit.tensors.reader import CheckedMetadata, SafeReader, load_plain_value, make_reader
 from resumekit.tensors.shared_reads import SharedReads
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -181,7 +181,7 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
 def _run_load(
     *,
     state_dict: dict[str, Any],
-    reader: _SafeReader,
+    reader: SafeReader,
     planner: _CheckedLoadPlanner,
     target: str,
     group: dist.ProcessGroup | None,

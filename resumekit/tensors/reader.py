@@ -38,7 +38,7 @@ from resumekit.tensors.raw import FsspecFiles, RawTensorReading, raw_files
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.shared_reads import SharedReads
 
-__all__ = ["CheckedMetadata", "StorageReader", "load_plain_value", "make_reader"]
+__all__ = ["CheckedMetadata", "SafeReader", "StorageReader", "load_plain_value", "make_reader"]
 
 
 class CheckedMetadata:
@@ -246,8 +246,13 @@ class _SafeReaderMixin:
                 f"{expected}, got {actual})", path=os.fspath(self.path), file=source)
 
 
-class _SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
-    """DCP's filesystem reader of a local path or, through :class:`FsspecFiles`, a URL.
+class SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
+    """resumekit's own reader of a restore: safe ``.metadata``, checked reads.
+
+    DCP's filesystem reader of a local path or, through :class:`FsspecFiles`, a URL.
+
+    :func:`make_reader` builds it and :func:`resumekit.tensors.load.load` reads with it;
+    :class:`StorageReader` is the same reading for stock DCP tools.
 
     With ``shared`` (a :class:`~resumekit.tensors.shared_reads.SharedReads`), the pieces
     several ranks want are read by one of them and sent to the others.
@@ -361,7 +366,7 @@ class StorageReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
 
 def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
                 verify: bool = True, shared: SharedReads | None = None,
-                metadata: CheckedMetadata | None = None) -> _SafeReader:
+                metadata: CheckedMetadata | None = None) -> SafeReader:
     """The safe DCP reader of ``directory`` (a local path or fsspec URL; no manifest needed).
 
     Args:
@@ -373,7 +378,7 @@ def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
         metadata: ``directory``'s ``.metadata``, already read and checked (on another
             rank): the reader never opens the file.
     """
-    reader = _SafeReader(directory, storage_options)
+    reader = SafeReader(directory, storage_options)
     reader.verify = verify
     reader.shared = shared
     reader.checked_metadata = metadata

@@ -15,7 +15,6 @@ Environment:
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from resumekit.manager import CheckpointManager
+from tests.distributed_harness import write_record
 from tests.limits import HANG_S
 
 
@@ -52,16 +52,7 @@ def main() -> None:
 
     CheckpointManager.restore = restore  # type: ignore[method-assign]
     CheckpointManager.step_end = step_end  # type: ignore[method-assign]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as stop:
-        record["exit"] = stop.code
-        raise
-    except BaseException as error:
-        record["exit"] = f"{type(error).__name__}: {error}"
-        raise
-    finally:
-        (out / f"rank_{rank}.json").write_text(json.dumps(record))
+    write_record(out, rank, record, lambda: runpy.run_path(script, run_name="__main__"))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import resumekit
-from resumekit.runtime.replicas import NODE_NAME_ENV
+from resumekit.local.replicas import NODE_NAME_ENV
 from resumekit.store.catalog import list_checkpoints
 from resumekit.store.storage import Storage
 from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw

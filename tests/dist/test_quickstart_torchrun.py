@@ -13,21 +13,22 @@ run trains and saves nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from resumekit.store.catalog import list_checkpoints
-from resumekit.store.storage import Storage
-from tests.distributed_harness import free_port
+from tests.distributed_harness import (
+    committed_steps,
+    launch_torchrun,
+    log_tail,
+    rank_records,
+    wait_paused,
+)
 from tests.limits import HANG_S, TEST_HANG_S
 
 pytestmark = pytest.mark.timeout(TEST_HANG_S)  # hang detectors only: ~1 min when idle
@@ -52,38 +53,8 @@ def _doc_script(folder: Path) -> tuple[Path, dict[str, Any]]:
 
 
 def _launch(folder: Path, tag: str, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
-    out = folder / tag
-    out.mkdir()
     script, _ = _doc_script(folder)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(RUNNER), str(script), str(out)]
-    environment = {**os.environ, **env, "OMP_NUM_THREADS": "1",
-                   "CUDA_VISIBLE_DEVICES": "",  # gloo on CPU, also on a GPU machine
-                   "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
-                                                  os.environ.get("PYTHONPATH", "")])}
-    with (out / "log").open("wb") as log:
-        process = subprocess.Popen(command, cwd=folder, env=environment, stdout=log,
-                                   stderr=subprocess.STDOUT)
-    return process, out
-
-
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(2)]
-
-
-def _committed(root: Path) -> list[tuple[int, str]]:
-    return [(entry.step, str(entry.manifest.reason.value))
-            for entry in list_checkpoints(Storage(root))
-            if entry.status == "committed" and entry.manifest is not None]
-
-
-def _wait_paused(process: subprocess.Popen[bytes], out: Path) -> None:
-    deadline = time.monotonic() + HANG_S
-    while not all((out / f"paused_{rank}").exists() for rank in range(2)):
-        assert process.poll() is None, (out / "log").read_text()
-        assert time.monotonic() < deadline, (out / "log").read_text()
-        time.sleep(0.05)
+    return launch_torchrun(folder, tag, [str(RUNNER), str(script), str(folder / tag)], env)
 
 
 def test_the_quickstart_fsdp2_block_survives_a_sigterm_to_torchrun_with_loader_workers(
@@ -94,29 +65,29 @@ def test_the_quickstart_fsdp2_block_survives_a_sigterm_to_torchrun_with_loader_w
     num_steps = constants["NUM_STEPS"]
 
     process, out = _launch(tmp_path, "sigterm", QUICKSTART_PAUSE_AT=str(PAUSE_AT))
-    _wait_paused(process, out)
+    wait_paused(process, out)
     os.kill(process.pid, signal.SIGTERM)  # the agent, which signals each rank's group
     assert process.wait(timeout=HANG_S) != 0
     log = (out / "log").read_text()
-    records = _records(out)
+    records = rank_records(out)
     assert [r["exit"] for r in records] == [75, 75], log[-6000:]
     assert "killed by signal" not in log and "DataLoader worker" not in log, log[-6000:]
     agreed = records[0]["steps"][-1]
     assert records[1]["steps"][-1] == agreed > PAUSE_AT  # more batches after the signal
     assert f"preemption agreed at step {agreed}" in log
-    assert _committed(root)[-1] == (agreed, "preemption")
+    assert committed_steps(root)[-1] == (agreed, "preemption")
 
     process, out = _launch(tmp_path, "relaunch")
-    assert process.wait(timeout=HANG_S) == 0, (out / "log").read_text()[-6000:]
-    assert [r["restored"] for r in _records(out)] == [agreed, agreed]
-    assert [r["exit"] for r in _records(out)] == [0, 0]
-    finished = _committed(root)
+    assert process.wait(timeout=HANG_S) == 0, log_tail(out)
+    assert [r["restored"] for r in rank_records(out)] == [agreed, agreed]
+    assert [r["exit"] for r in rank_records(out)] == [0, 0]
+    finished = committed_steps(root)
     assert finished[-1] == (num_steps, "final")
 
     # A relaunch of the finished run (a late requeue): restores the final step, trains
     # nothing, saves nothing.
     process, out = _launch(tmp_path, "finished")
-    assert process.wait(timeout=HANG_S) == 0, (out / "log").read_text()[-6000:]
-    assert [(r["restored"], r["steps"], r["exit"]) for r in _records(out)] == [
+    assert process.wait(timeout=HANG_S) == 0, log_tail(out)
+    assert [(r["restored"], r["steps"], r["exit"]) for r in rank_records(out)] == [
         (num_steps, [], 0), (num_steps, [], 0)]
-    assert _committed(root) == finished
+    assert committed_steps(root) == finished

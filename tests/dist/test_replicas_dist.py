@@ -26,8 +26,8 @@ from resumekit.errors import (
     IncompleteCheckpointError,
     StepCollisionError,
 )
-from resumekit.runtime import replicas
-from resumekit.runtime.replicas import NODE_NAME_ENV, Partners, fetch, holdings, replicate
+from resumekit.local import replicas
+from resumekit.local.replicas import NODE_NAME_ENV, Partners, fetch, holdings, replicate
 from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.manifest import Manifest

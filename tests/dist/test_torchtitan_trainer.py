@@ -18,22 +18,17 @@ losses it logged are bit-identical to the uninterrupted run's.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from resumekit.store.catalog import list_checkpoints
-from resumekit.store.storage import Storage
-from tests.distributed_harness import free_port
+from tests import distributed_harness as harness
 from tests.limits import HANG_S, TEST_HANG_S
 from tests.torchtitan_models import llama3
 
@@ -60,50 +55,15 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _launch(folder: Path, tag: str, assets: Path,
             **env: str) -> tuple[subprocess.Popen[bytes], Path]:
-    out = folder / tag
-    out.mkdir(parents=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(RUNNER), *CONFIG]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                   "TITAN_OUT": str(out), "TITAN_ASSETS": str(assets),
-                   "TITAN_STEPS": str(STEPS), "TITAN_INTERVAL": str(INTERVAL), **env,
-                   "PYTHONPATH": os.pathsep.join([str(REPO_ROOT),
-                                                  os.environ.get("PYTHONPATH", "")])}
-    with (out / "log").open("wb") as log:
-        process = subprocess.Popen(command, cwd=folder, env=environment, stdout=log,
-                                   stderr=subprocess.STDOUT)
-    return process, out
-
-
-def _tail(out: Path) -> str:
-    return (out / "log").read_text(errors="replace")[-8000:]
+    return harness.launch_torchrun(folder, tag, [str(RUNNER), *CONFIG], {
+        "TITAN_OUT": str(folder / tag), "TITAN_ASSETS": str(assets),
+        "TITAN_STEPS": str(STEPS), "TITAN_INTERVAL": str(INTERVAL), **env})
 
 
 def _run(folder: Path, tag: str, assets: Path, **env: str) -> Path:
     process, out = _launch(folder, tag, assets, **env)
-    assert process.wait(timeout=HANG_S) == 0, _tail(out)
+    assert process.wait(timeout=HANG_S) == 0, harness.log_tail(out)
     return out
-
-
-def _records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(2)]
-
-
-def _committed(root: Path) -> list[tuple[int, str]]:
-    return [(entry.step, str(entry.manifest.reason.value))
-            for entry in list_checkpoints(Storage(root))
-            if entry.status == "committed" and entry.manifest is not None]
-
-
-def _wait_paused(process: subprocess.Popen[bytes], out: Path) -> list[int]:
-    """The pids of the two workers, once both wait before the step after the pause."""
-    deadline = time.monotonic() + HANG_S
-    while not all((out / f"paused_{rank}").exists() for rank in range(2)):
-        assert process.poll() is None, _tail(out)
-        assert time.monotonic() < deadline, _tail(out)
-        time.sleep(0.05)
-    return [int((out / f"paused_{rank}").read_text()) for rank in range(2)]
 
 
 def _wait_gone(pid: int) -> None:
@@ -123,34 +83,19 @@ def _losses(out: Path) -> dict[int, str]:
     return {step: values.pop() for step, values in losses.items()}
 
 
-def _assert_identical(left: Any, right: Any, where: str = "") -> None:
-    if isinstance(left, dict):
-        assert left.keys() == right.keys(), where
-        for key in left:
-            _assert_identical(left[key], right[key], f"{where}.{key}")
-    elif isinstance(left, torch.Tensor):
-        assert left.dtype == right.dtype and torch.equal(left, right), where
-    else:
-        assert left == right, where
-
-
-def _final_states(out: Path) -> list[dict[str, Any]]:
-    return [torch.load(out / f"state_{rank}.pt", weights_only=True) for rank in range(2)]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory,
                   assets: Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """The reference: torchtitan's trainer through all the steps in one launch."""
     folder = tmp_path_factory.mktemp("uninterrupted")
     out = _run(folder, "run", assets)
-    assert [(r["restored"], r["steps"], r["exit"]) for r in _records(out)] == [
+    assert [(r["restored"], r["steps"], r["exit"]) for r in harness.rank_records(out)] == [
         (0, list(range(1, STEPS + 1)), 0)] * 2
-    assert _committed(folder / "checkpoint") == [
+    assert harness.committed_steps(folder / "checkpoint") == [
         (3, "interval"), (6, "interval"), (9, "interval"), (10, "final")]
     losses = _losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
-    return _final_states(out), losses
+    return harness.final_states(out), losses
 
 
 def test_torchtitans_trainer_sigtermed_then_sigkilled_and_relaunched_ends_bit_identical(
@@ -163,41 +108,41 @@ def test_torchtitans_trainer_sigtermed_then_sigkilled_and_relaunched_ends_bit_id
     # before step 5: they train step 5, agree on it, commit it and exit 75.
     process, out = _launch(tmp_path, "sigterm", assets, TITAN_PAUSE_AT="4",
                            TITAN_PAUSE_FOR="signal")
-    _wait_paused(process, out)
+    harness.wait_paused(process, out)
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(timeout=HANG_S) != 0
-    records = _records(out)
-    assert [r["exit"] for r in records] == [75, 75], _tail(out)
+    records = harness.rank_records(out)
+    assert [r["exit"] for r in records] == [75, 75], harness.log_tail(out)
     agreed = records[0]["steps"][-1]
     assert records[1]["steps"] == records[0]["steps"] == list(range(1, agreed + 1))
-    assert 5 <= agreed < 9, _tail(out)  # no step lost but the one in progress
+    assert 5 <= agreed < 9, harness.log_tail(out)  # no step lost but the one in progress
     # The capture at the signal (on by default) may also commit step 4, the last step
     # completed when the signal came, before the ranks agree on a newer one.
-    committed = [entry for entry in _committed(root) if entry != (4, "preemption")]
+    committed = [entry for entry in harness.committed_steps(root) if entry != (4, "preemption")]
     assert committed == [(3, "interval")] + [(6, "interval")] * (agreed > 6) + [
-        (agreed, "preemption")], _committed(root)
+        (agreed, "preemption")], harness.committed_steps(root)
 
     # 2. Relaunched: resumes at the agreed step; SIGKILLed, every process of the tree,
     # while the workers wait before step 9 (steps 7 and 8 trained, not committed).
     process, out = _launch(tmp_path, "sigkill", assets, TITAN_PAUSE_AT="8")
-    workers = _wait_paused(process, out)
+    workers = harness.wait_paused(process, out)
     for pid in [process.pid, *workers]:  # no handler runs anywhere
         os.kill(pid, signal.SIGKILL)
     assert process.wait(timeout=HANG_S) == -signal.SIGKILL
     for pid in workers:
         _wait_gone(pid)
     assert not (out / "rank_0.json").exists() and not (out / "rank_1.json").exists()
-    committed = _committed(root)
+    committed = harness.committed_steps(root)
     assert committed[-1] == (6, "interval") if agreed < 6 else (agreed, "preemption")
     newest = committed[-1][0]
 
     # 3. Relaunched to the end: from the newest commit, bit-identical.
     out = _run(tmp_path, "relaunch", assets)
-    assert [(r["restored"], r["steps"]) for r in _records(out)] == [
+    assert [(r["restored"], r["steps"]) for r in harness.rank_records(out)] == [
         (newest, list(range(newest + 1, STEPS + 1)))] * 2
-    for rank, (expected, resumed) in enumerate(zip(reference, _final_states(out),
+    for rank, (expected, resumed) in enumerate(zip(reference, harness.final_states(out),
                                                    strict=True)):
-        _assert_identical(expected, resumed, f"rank {rank}")
+        harness.assert_identical(expected, resumed, f"rank {rank}")
     losses = _losses(out)
     assert losses == {step: reference_losses[step] for step in range(newest + 1, STEPS + 1)}
-    assert _committed(root)[-2:] == [(9, "interval"), (10, "final")]
+    assert harness.committed_steps(root)[-2:] == [(9, "interval"), (10, "final")]

@@ -63,7 +63,6 @@ The shims (each installed before torchtitan is imported, each for the error it a
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import types
@@ -71,6 +70,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+
+from tests.distributed_harness import write_record
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -209,16 +210,7 @@ def main() -> None:
     out = Path(os.environ["TITAN_OUT"])
     rank = int(os.environ["RANK"])
     record: dict[str, Any] = {"steps": [], "exit": 0}
-    try:
-        _train(out, rank, record)
-    except SystemExit as stop:
-        record["exit"] = stop.code
-        raise
-    except BaseException as error:
-        record["exit"] = f"{type(error).__name__}: {error}"
-        raise
-    finally:
-        (out / f"rank_{rank}.json").write_text(json.dumps(record))
+    write_record(out, rank, record, lambda: _train(out, rank, record))
 
 
 def _train(out: Path, rank: int, record: dict[str, Any]) -> None:

@@ -33,7 +33,6 @@ preemption signal when ``TITAN_PAUSE_FOR=signal``, else until killed). Each rank
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import IterableDataset
 
+from tests.distributed_harness import write_record
 from tests.limits import HANG_S
 from tests.torchtitan_models import TrainProgress, llama3, optimizers_container
 
@@ -85,16 +85,8 @@ def main() -> None:
     stop_after = int(os.environ.get("TITAN_STOP_AFTER", "0")) or None
     pause_at = int(os.environ.get("TITAN_PAUSE_AT", "0")) or None
     record: dict[str, Any] = {"steps": [], "exit": 0}
-    try:
-        _train(out, rank, steps, interval, stop_after, pause_at, record)
-    except SystemExit as stop:
-        record["exit"] = stop.code
-        raise
-    except BaseException as error:
-        record["exit"] = f"{type(error).__name__}: {error}"
-        raise
-    finally:
-        (out / f"rank_{rank}.json").write_text(json.dumps(record))
+    write_record(out, rank, record,
+                 lambda: _train(out, rank, steps, interval, stop_after, pause_at, record))
 
 
 def _train(out: Path, rank: int, steps: int, interval: int, stop_after: int | None,

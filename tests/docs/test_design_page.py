@@ -172,7 +172,7 @@ def test_the_state_finder_sees_a_global_a_context_variable_and_a_changed_contain
 
 
 SUBPACKAGES = ("store", "runtime", "tensors", "state", "restore", "tools", "background",
-               "tiers", "cli", "integrations", "manager", "options", "save_job", "restore_root",
+               "local", "cli", "integrations", "manager", "options", "save_job", "restore_root",
                "errors", "warnings", "_compat", "_optional")
 
 
@@ -257,6 +257,11 @@ def test_the_raw_formats_files_meet_at_public_names_only() -> None:
     assert _count(r"between them they import (\d+) underscore names from one another") == 0
     crossing = _underscore_imports_between(PACKAGE / "tensors" / "raw", "resumekit.tensors.raw")
     assert not crossing, crossing
+
+
+def test_the_tensors_wings_modules_meet_at_public_names_only() -> None:
+    """Issue 41: ``tensors/load.py`` imported ``_SafeReader`` from ``tensors/reader.py``."""
+    assert _underscore_imports_between(PACKAGE / "tensors", "resumekit.tensors") == []
 
 
 def test_the_underscore_import_counter_sees_an_import_and_an_attribute(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resumekit.restore.tier_choice import Holdings, decide
+from resumekit.local.tier_choice import Holdings, decide
 
 STEPS = st.frozensets(st.integers(min_value=0, max_value=12), max_size=5)
 

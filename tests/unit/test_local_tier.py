@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 import resumekit
-from resumekit.background.local import LocalSaves
 from resumekit.errors import ConfigurationError
+from resumekit.local.roots import unusable_reason
+from resumekit.local.saves import LocalSaves
 from resumekit.store import generations
-from resumekit.store.local_roots import unusable_reason
 from resumekit.store.manifest import Lineage, LocalPart, Manifest, WriterGeneration
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
@@ -224,7 +224,7 @@ def test_a_first_attempt_or_a_local_restore_says_nothing_of_in_job_restarts(
 
 
 def test_in_job_restarts_reads_torchruns_count_and_takes_a_bad_value_as_none() -> None:
-    from resumekit.tiers.restore_across import in_job_restarts
+    from resumekit.local.restore_across import in_job_restarts
 
     assert in_job_restarts({}) == 0
     assert in_job_restarts({"TORCHELASTIC_RESTART_COUNT": "3"}) == 3
@@ -338,7 +338,7 @@ def test_inspect_of_a_local_root_lists_its_sub_roots(tmp_path: Path,
 
 def test_a_local_save_holds_training_for_its_staging_copy_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+    from resumekit.local.site import LocalSite  # noqa: PLC0415 - the class patched
 
     release = threading.Event()
     writing: list[int] = []
@@ -383,7 +383,7 @@ def test_a_local_save_holds_training_for_its_staging_copy_only(
 
 def test_a_restore_waits_for_the_local_save_in_flight(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+    from resumekit.local.site import LocalSite  # noqa: PLC0415 - the class patched
 
     order: list[str] = []
     calling, waiting, restoring = threading.Event(), threading.Event(), threading.Event()
@@ -435,7 +435,7 @@ def test_a_restore_waits_for_the_local_save_in_flight(
 
 def test_a_failed_background_local_save_is_one_warning_and_hides_no_committed_step(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+    from resumekit.local.site import LocalSite  # noqa: PLC0415 - the class patched
 
     real = LocalSite._write
 
@@ -460,7 +460,7 @@ def test_a_failed_background_local_save_is_one_warning_and_hides_no_committed_st
 def test_an_unexpected_error_of_a_background_local_save_is_raised_naming_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from resumekit.errors import AsyncSaveError  # noqa: PLC0415
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+    from resumekit.local.site import LocalSite  # noqa: PLC0415 - the class patched
 
     def broken(self: LocalSite, job: object, manifest: object) -> str:
         raise RuntimeError("a bug in the writer")
@@ -481,7 +481,7 @@ def test_an_unexpected_error_of_a_background_local_save_is_raised_naming_it(
 
 def test_a_failed_background_local_save_does_not_stop_a_preemptions_durable_save(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from resumekit.tiers.local import LocalSite  # noqa: PLC0415 - the class patched
+    from resumekit.local.site import LocalSite  # noqa: PLC0415 - the class patched
 
     def broken(self: LocalSite, job: object, manifest: object) -> str:
         raise RuntimeError("a bug in the writer")
@@ -510,7 +510,7 @@ _KILLED_MID_WRITE = """
 import os, sys, threading, torch
 from torch import nn
 import resumekit
-from resumekit.tiers.local import LocalSite
+from resumekit.local.site import LocalSite
 
 real = LocalSite._write
 def held(self, job, manifest):

@@ -176,3 +176,25 @@ def test_a_name_that_moved_still_imports_from_its_old_module_as_the_same_object(
     if name == "METADATA_FILE":  # sharded's alias of layout.DCP_METADATA_FILE
         name = "DCP_METADATA_FILE"
     assert moved is getattr(importlib.import_module(home), name)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("resumekit.tiers.local", "resumekit.local.site"),
+    ("resumekit.tiers.restore_across", "resumekit.local.restore_across"),
+    ("resumekit.restore.tier_choice", "resumekit.local.tier_choice"),
+    ("resumekit.store.local_roots", "resumekit.local.roots"),
+    ("resumekit.runtime.replicas", "resumekit.local.replicas"),
+    ("resumekit.background.local", "resumekit.local.saves"),
+])
+def test_the_local_tiers_modules_are_in_one_package_and_their_old_paths_are_gone(
+        old: str, new: str) -> None:
+    """Issue 41 gathered the local tier from five wings into ``resumekit.local``.
+
+    The old module is looked for as a file of this package (an editable install of
+    another checkout beside it could still import it).
+    """
+    importlib.import_module(new)
+    package = Path(resumekit.__file__).parent.parent
+    path = package / Path(*old.split("."))
+    assert not path.with_suffix(".py").exists() and not (path / "__init__.py").exists()
+    assert resumekit.LocalTier is importlib.import_module("resumekit.options").LocalTier

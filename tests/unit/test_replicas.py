@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from resumekit.errors import ConfigurationError
-from resumekit.runtime import replicas
-from resumekit.runtime.replicas import (
+from resumekit.local import replicas
+from resumekit.local.replicas import (
     NODE_NAME_ENV,
     Partners,
     fetch,

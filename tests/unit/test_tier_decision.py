@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from resumekit.restore.tier_choice import Candidate, Holdings, decide
+from resumekit.local.tier_choice import Candidate, Holdings, decide
 
 
 def test_a_step_every_rank_holds_itself_is_the_local_tier_and_the_newest_comes_first() -> None:

@@ -7,11 +7,11 @@ root's own restore, when the manager has a local tier:
    read before this run claims the root) and its newest restorable step;
 2. every rank surveys its node-local copies (own and replicas kept for others) and
    drops those this run may not use (another durable root or world size, a fenced
-   writer's copy: :func:`resumekit.store.local_roots.unusable_reason`), with a warning;
-3. the ranks all-gather what they hold, and :func:`resumekit.restore.tier_choice.decide` lists
+   writer's copy: :func:`resumekit.local.roots.unusable_reason`), with a warning;
+3. the ranks all-gather what they hold, and :func:`resumekit.local.tier_choice.decide` lists
    the steps every rank can get, newest first, not older than the durable root's newest;
 4. each candidate in turn: ranks without their own copy fetch it from the partner's
-   replica (:func:`resumekit.tiers.local.fetch_copies`), then every rank verifies and
+   replica (:func:`resumekit.local.site.fetch_copies`), then every rank verifies and
    reads its copy (the manager's ``read``: checksums, compatibility, tensors read by the
    rank alone); a rank whose own copy fails reads a partner's replica of the same step
    instead when one is kept (a warning names the copy and why); any other failure is a
@@ -33,7 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from resumekit.errors import CoordinationError, IncompatibleCheckpointError, ResumekitError
-from resumekit.restore.tier_choice import Candidate, Holdings, Tier, TierChoice, decide
+from resumekit.local.site import LocalSite, LocalSurvey, fetch_copies, holdings_of
+from resumekit.local.tier_choice import Candidate, Holdings, Tier, TierChoice, decide
 from resumekit.runtime.channels import Channel
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry
@@ -41,7 +42,6 @@ from resumekit.store.coordination import run_on_every_rank, run_on_leader
 from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import Manifest, WriterGeneration
 from resumekit.store.storage import Storage
-from resumekit.tiers.local import LocalSite, LocalSurvey, fetch_copies, holdings_of
 from resumekit.warnings import LocalTierMissWarning, ResumekitWarning, warn
 
 __all__ = ["TierRestore", "TierRestored"]
@@ -204,7 +204,7 @@ class TierRestore:
     def tidy(self, restored: int | None) -> None:
         """Delete, on every rank, the node-local copies a run restored at ``restored`` drops.
 
-        See :meth:`resumekit.tiers.local.LocalSite.tidy`.
+        See :meth:`resumekit.local.site.LocalSite.tidy`.
         """
         run_on_every_rank(self.channel.coordinator, lambda: self.site.tidy(
             restored, self.survey, with_replicas=self.with_replicas))

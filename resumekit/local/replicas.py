@@ -86,6 +86,7 @@ from resumekit.errors import (
     StepCollisionError,
     StorageError,
 )
+from resumekit.local.roots import parse_sub_root, replica_root_name
 from resumekit.store.catalog import link_problem, list_checkpoints, refuse_links
 from resumekit.store.coordination import (
     Coordinator,
@@ -94,7 +95,6 @@ from resumekit.store.coordination import (
     activity,
 )
 from resumekit.store.layout import MANIFEST_NAME, WRITER_FILE, NameFormat
-from resumekit.store.local_roots import parse_sub_root, replica_root_name
 from resumekit.store.manifest import Checksum, Manifest, hex_digest, parse_manifest
 from resumekit.store.newest import forget_newest_hint
 from resumekit.store.recovery import sweep_dead_writers
@@ -124,7 +124,7 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
 def replica_dir(rank: int) -> str:
     """The name of the sub-root of a local root holding ``rank``'s replicas.
 
-    The naming rule is :mod:`resumekit.store.local_roots`'s (``replica_root_name``).
+    The naming rule is :mod:`resumekit.local.roots`'s (``replica_root_name``).
 
     Example:
         >>> replica_dir(7)

@@ -10,35 +10,33 @@ the training state, this rank's RNG and data position. The manifest records what
 this run held). The ranks then agree on the outcome (a failure on any rank is one
 warning on every rank: the local tier is a cache, training and durable saves go on),
 retention keeps the newest ``keep``, and with ``replicas`` each rank's copy goes to its
-partner (:mod:`resumekit.runtime.replicas`).
+partner (:mod:`resumekit.local.replicas`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from resumekit import tensors as tensor_io
 from resumekit.errors import CoordinationError, ResumekitError
-from resumekit.options import LocalTier
-from resumekit.runtime import replicas
-from resumekit.runtime.channels import Channel
-from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.commit import CommitProtocol
-from resumekit.store.coordination import SingleProcess, run_on_every_rank
-from resumekit.store.layout import (
-    TENSORS_DIR,
-    TRAIN_STATE_FILE,
-    NameFormat,
-    rank_state_file,
-)
-from resumekit.store.local_roots import (
+from resumekit.local import replicas
+from resumekit.local.roots import (
     own_root_name,
     replica_root_name,
     sub_roots,
     unusable_reason,
+)
+from resumekit.options import LocalTier
+from resumekit.runtime.channels import Channel
+from resumekit.save_job import SaveJob, StepTarget, write_step
+from resumekit.store.catalog import CheckpointEntry, list_checkpoints
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.coordination import SingleProcess, run_on_every_rank
+from resumekit.store.layout import (
+    NameFormat,
 )
 from resumekit.store.manifest import (
     LocalPart,
@@ -184,34 +182,22 @@ class LocalSite:
                                  ) from error
 
     def _write(self, job: LocalJob, manifest: Manifest) -> str:
-        protocol, storage = self.protocol, self.own
-        pending = protocol.begin(job.step)
-        try:
-            written: list[tensor_io.WrittenFile] = []
-            if job.tensors:
-                written = tensor_io.save(job.tensors,
-                                       storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
-                                       alone=True, tensor_format=self.tensor_format)
-            entries, required = tensor_io.step_files(
-                storage, pending.staging, written,
-                ((TRAIN_STATE_FILE, job.train), (rank_state_file(self.rank), job.ranks)),
-                coordinating=bool(job.tensors))
-            protocol.publish(pending, manifest, described=entries, required=required)
-        except BaseException:
-            try:
-                protocol.abort(pending)
-            except Exception as cleanup:  # noqa: BLE001 - secondary; the sweep removes it
-                logger.warning("resumekit: removing %s failed: %s",
-                               storage.path(pending.staging), cleanup)
-            raise
-        report = prune(storage, keep_last(self.tier.keep), name_format=self.name_format,
-                       errors="report", scope="top", rolling=self._rolling)
-        for line in report.problems:
-            warn(f"local step {job.step} is committed, but retention under "
-                 f"{storage.path()} did not complete: {line}", ResumekitWarning,
-                 stacklevel=6)
-        protocol.record_newest(pending)
-        return pending.name
+        """Commit this rank's copy (:func:`~resumekit.save_job.write_step`), alone."""
+        storage = self.own
+
+        def retain() -> None:
+            report = prune(storage, keep_last(self.tier.keep), name_format=self.name_format,
+                           errors="report", scope="top", rolling=self._rolling)
+            for line in report.problems:
+                warn(f"local step {job.step} is committed, but retention under "
+                     f"{storage.path()} did not complete: {line}", ResumekitWarning,
+                     stacklevel=7)
+
+        saved = SaveJob(job.step, False, job.tensors, job.train, job.ranks, manifest,
+                        time.monotonic())
+        target = StepTarget(self.protocol, self.rank, self.tensor_format, alone=True,
+                            name_failures=False)
+        return write_step(saved, target, retain=retain).name
 
     def _replicate(self, name: str, channel: Channel) -> None:
         """Send this rank's copy ``name`` to its partner (collective), if replicas are on."""

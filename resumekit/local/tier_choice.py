@@ -1,7 +1,7 @@
 """Which tier a restore reads from: node-local copies, partners' replicas, the durable root.
 
 The decision only; it reads nothing and imports no torch. Its inputs are what every rank
-found it can use (gathered by the manager's local tier, :mod:`resumekit.tiers`): the
+found it can use (gathered by the manager's local tier, :mod:`resumekit.local`): the
 steps of its own node-local copies, the steps of the replicas it keeps for other ranks,
 and the durable root's newest restorable step. Its answer is every step that all ranks
 can get, newest first, each from the cheapest source (a rank's own copy, else the
