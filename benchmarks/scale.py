@@ -67,6 +67,7 @@ from typing import Any
 from benchmarks import goodput, nas, scale_local
 from benchmarks.scale_worker import (
     DCP_DONE,
+    DUMP_SIGNAL,
     KEEP,
     METHODS,
     TORCH_DONE,
@@ -310,6 +311,8 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
             started = time.time()
             seen = len([e for e in _read_events(events) if e["kind"] == "launch"])
             log_path = logs / f"{method}-{index}.log"
+            rank_dir = fresh_rank_dir(logs / f"ranks-{method}-{index}")
+            command = with_rank_logs(command, rank_dir)
             with log_path.open("wb") as log:
                 process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
                                            stderr=subprocess.STDOUT, env=env,
@@ -328,6 +331,18 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                         else:
                             kill_tree(process.pid)
                     process.wait(timeout=config["timeout_s"])
+                except RuntimeError as error:  # the trainer died early: keep its ranks' logs
+                    kill_tree(process.pid)
+                    process.wait()
+                    raise LaunchFailed(f"{method} launch {index}: {error}", log_path,
+                                       rank_dir) from error
+                except subprocess.TimeoutExpired as error:  # hung: where was each rank?
+                    dump_worker_stacks(process.pid, rank_dir)
+                    kill_tree(process.pid)
+                    process.wait()
+                    raise LaunchFailed(f"{method} launch {index} hung: {error} (each rank's "
+                                       "stacks at the timeout below)", log_path,
+                                       rank_dir) from error
                 except BaseException:
                     kill_tree(process.pid)
                     process.wait()
@@ -338,8 +353,8 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
             after = committed_steps(method, root)
             record["newest_committed"] = after[-1][0] if after else 0
             if kind is None and process.returncode != 0:
-                raise RuntimeError(f"{method} launch {index} failed ({process.returncode}); "
-                                   f"see {log_path}:\n{log_path.read_text()[-3000:]}")
+                raise LaunchFailed(f"{method} launch {index} failed ({process.returncode})",
+                                   log_path, rank_dir)
             launches.append(record)
             _log(f"{method} launch {index}: {kind or 'to the end'} at {at}, from step "
                  f"{record['resumed_from']}, newest complete {record['newest_committed']}, "
@@ -359,13 +374,134 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
             tight = {"not_held": str(error), "why": str(error), "steps_lost_figure": None}
             remove(work / f"{method}-{TIGHT_GRACE}")
         except (RuntimeError, subprocess.TimeoutExpired) as error:
-            tight = {"failed": str(error)[-2000:]}
+            tight = failure(error)
             remove(work / f"{method}-{TIGHT_GRACE}")
         result[TIGHT_GRACE] = tight
         result["sigterm_steps_lost_tight_grace"] = tight.get("steps_lost_figure")
         _log(f"{method} {TIGHT_GRACE}: steps lost {tight.get('steps_lost')} (figure "
              f"{tight.get('steps_lost_figure')}; {tight.get('failed') or tight.get('why')})")
     return result
+
+
+#: Characters kept of each rank's stdout and stderr when a launch fails (its end).
+RANK_LOG_TAIL = 6000
+#: Characters kept of a failure's text (its first line and its end: the ranks' stderr).
+FAILED_TEXT = 6000
+
+
+def fresh_rank_dir(path: Path) -> Path:
+    """An empty directory for one launch's per-rank logs (torchrun ``--log-dir``)."""
+    remove(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def with_rank_logs(command: Sequence[str], rank_dir: Path) -> list[str]:
+    """``command`` (a torchrun) writing each rank's stdout and stderr under ``rank_dir``.
+
+    ``--redirects 3 --tee 3``: the files get everything a rank writes to its descriptors
+    (a C++ abort message, :mod:`faulthandler`'s stacks of every thread at a SIGABRT), and
+    the launch log still gets it all, each line prefixed with the rank.
+    """
+    at = list(command).index("--standalone")
+    return [*command[:at], "--log-dir", str(rank_dir), "--redirects", "3", "--tee", "3",
+            *command[at:]]
+
+
+def rank_log_tails(rank_dir: Path | None, limit: int = RANK_LOG_TAIL) -> dict[str, str]:
+    """``{"rank R attempt A stderr": its last `limit` characters}`` of every rank log there.
+
+    torchrun writes ``<log_dir>/<run_id>/attempt_<A>/<R>/{stdout,stderr}.log`` (and
+    ``error.json`` for a rank that raised): each non-empty one is kept, by rank.
+    """
+    tails: dict[str, str] = {}
+    if rank_dir is None or not rank_dir.is_dir():
+        return tails
+    for path in sorted(rank_dir.glob("*/attempt_*/*/*")):
+        if not path.is_file() or path.suffix not in (".log", ".json"):
+            continue
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        if text.strip():
+            attempt, rank = path.parent.parent.name, path.parent.name
+            tails[f"rank {rank} {attempt.replace('_', ' ')} {path.name}"] = text[-limit:]
+    return tails
+
+
+def dump_worker_stacks(pid: int, rank_dir: Path, timeout: float = 5.0) -> list[int]:
+    """Have each worker of the torchrun ``pid`` print its threads' stacks; return their pids.
+
+    Sends :data:`~benchmarks.scale_worker.DUMP_SIGNAL` to torchrun's children (never to
+    torchrun, which it would end) and waits, up to ``timeout`` seconds, until each has
+    written a stack dump to its stderr under ``rank_dir``: before a hung launch is killed.
+    """
+    workers = sorted(_children(pid))
+    for worker in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, DUMP_SIGNAL)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        dumps = sum(text.count("most recent call first")
+                    for name, text in rank_log_tails(rank_dir, limit=1 << 20).items()
+                    if "stderr" in name)
+        if dumps >= sum(map(_running, workers)):  # one that ended meanwhile prints none
+            break
+        time.sleep(0.1)
+    return workers
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` still runs (not ended, not a zombie awaiting its parent)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _children(pid: int) -> set[int]:
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            children.update(int(child) for child in (task / "children").read_text().split())
+    return children
+
+
+class LaunchFailed(RuntimeError):
+    """A launch that had to run to its end exited non-zero; its per-rank logs' tails kept.
+
+    ``str()`` is the first line, then each rank's stderr tail and the launch log's tail;
+    :attr:`rank_logs` has every rank log's tail (:func:`rank_log_tails`), which the run's
+    ``details`` keep after the bench directory is removed.
+    """
+
+    def __init__(self, what: str, log_path: Path, rank_dir: Path | None) -> None:
+        self.rank_logs = rank_log_tails(rank_dir)
+        try:
+            launch_tail = log_path.read_text(errors="replace")[-3000:]
+        except OSError:
+            launch_tail = ""
+        errors = "".join(f"\n--- {name} ---\n{text[-2000:]}"
+                         for name, text in self.rank_logs.items() if "stderr" in name)
+        # The ranks' stderr last: a failure's text keeps its end (FAILED_TEXT).
+        super().__init__(f"{what}; see {log_path} and {rank_dir}\n--- launch log tail ---\n"
+                         f"{launch_tail[-1500:]}{errors}")
+
+
+def failure(error: BaseException) -> dict[str, Any]:
+    """A failed method's (or scenario's) ``details`` entry: the text, the rank logs kept.
+
+    The text's first line and, where the error is a :class:`LaunchFailed`, its per-rank
+    log tails: the cause of a rank's abort, which the launch log's tail alone may lose.
+    """
+    text = str(error)
+    entry: dict[str, Any] = {"failed": text.splitlines()[0] + "\n...\n" + text[-FAILED_TEXT:]
+                             if len(text) > FAILED_TEXT else text}
+    if isinstance(error, LaunchFailed):
+        entry["rank_logs"] = error.rank_logs
+    return entry
 
 
 class TightScenarioNotMet(RuntimeError):
@@ -436,6 +572,8 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
                               poll_every=str(config.get("poll_every", "auto")),
                               extra=["--min-step-s", str(TIGHT_STEP_AIM * wanted)])
     timeout = float(config["timeout_s"])
+    rank_dir = fresh_rank_dir(logs / f"ranks-{method}-{TIGHT_GRACE}")
+    command = with_rank_logs(command, rank_dir)
     watcher = Watcher(method, root, events).start()
     log_path = logs / f"{method}-{TIGHT_GRACE}.log"
     started = time.time()
@@ -462,6 +600,21 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
                     record["cut_by_grace"] = True
                     kill_tree(process.pid)
                 process.wait(timeout=timeout)
+            except TightScenarioNotMet:
+                kill_tree(process.pid)
+                process.wait()
+                raise
+            except RuntimeError as error:  # the trainer died: keep its ranks' logs
+                kill_tree(process.pid)
+                process.wait()
+                raise LaunchFailed(f"{method} {TIGHT_GRACE}: {error}", log_path,
+                                   rank_dir) from error
+            except subprocess.TimeoutExpired as error:  # hung: where was each rank?
+                dump_worker_stacks(process.pid, rank_dir)
+                kill_tree(process.pid)
+                process.wait()
+                raise LaunchFailed(f"{method} {TIGHT_GRACE} hung: {error}", log_path,
+                                   rank_dir) from error
             except BaseException:
                 kill_tree(process.pid)
                 process.wait()
@@ -536,6 +689,10 @@ def _wait_tight_step(events: Path, process: subprocess.Popen[bytes], wanted: flo
             if committed():
                 return found
             after = found[0]
+        if process.poll() not in (None, 0):  # a crash is a failure, never "not held"
+            raise RuntimeError(
+                f"the tight-grace trainer exited ({process.returncode}) before a step of "
+                f"{wanted:.2f} s (3x the save) was measured")
         if process.poll() is not None:
             raise TightScenarioNotMet(
                 f"the tight-grace trainer exited ({process.returncode}) before a step of "
@@ -1192,7 +1349,7 @@ def _run_all(methods: Sequence[str], work: Path, logs: Path, shape: Shape,
         except (RuntimeError, subprocess.TimeoutExpired) as error:
             # One method's failure (a trainer killed by the OOM killer, a timeout) is that
             # method's result: the others still run, and the run still writes its JSON.
-            details[method] = {"failed": str(error)[-2000:]}
+            details[method] = failure(error)
             log(f"{method} failed: {str(error).splitlines()[0]}")
             remove(work / method)
     return details

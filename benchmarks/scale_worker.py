@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import json
 import os
 import shutil
@@ -56,6 +57,8 @@ STEP_DIR = "step-{step:08d}"
 DCP_DONE = ".metadata"  # DCP writes it last, on the coordinator: a complete checkpoint
 TORCH_DONE = "COMMITTED"  # the per-rank torch.save peer's marker, written after a barrier
 KEEP = 2  # checkpoints kept by every method (resumekit: keep_last(2))
+#: Prints every thread's Python stack to stderr (faulthandler): what a hung rank was doing.
+DUMP_SIGNAL = signal.SIGUSR2
 
 
 def process_writer_available() -> bool:
@@ -514,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
                              "rank's time), so later steps take at least this long: the "
                              "tight-grace launch's long steps (real compute, no sleep)")
     args = parser.parse_args(argv)
+    # A fatal signal (SIGABRT from a failed gloo check, SIGSEGV) prints every thread's
+    # Python stack to stderr, which the bench keeps per rank for a failed launch.
+    faulthandler.enable(all_threads=True)
+    # A launch that hangs: the bench sends DUMP_SIGNAL before killing it (scale.py).
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
     import warnings  # noqa: PLC0415
 
     warnings.filterwarnings("ignore")

@@ -10,10 +10,10 @@ with W, run through the real code of each side.
   the W local plans (what the coordinator gathers; the plans are built from the shapes,
   as each rank's planner would) and the writer's ``finish`` writing ``.metadata`` from
   the W ranks' write results: DCP's ``FileSystemWriter`` (one file per rank, an offset
-  and a length per item) and resumekit's ``RawTensorWriter`` (four files per rank, a
-  descriptor with one XXH3-128 per block per item, small items packed in regions whose
-  checksums are in each rank's sidecar file); the results carry the byte counts the
-  writers would record (the checksum strings are random of the real length);
+  and a length per item) and resumekit's ``RawTensorWriter`` (one file per rank since
+  ``schema_version`` 4, written in parts by four threads; one shared descriptor for the
+  items stored alone and one per packed region, their checksums in the file's trailer);
+  the results carry the byte counts the writers would record;
 * **a restoring rank's CPU**: a rank in the middle of the group (not the leader) with
   its real ``DTensor`` shards on the meta device (fake process group, backend
   ``"fake"``): DCP: ``.metadata`` read and unpickled, ``DefaultLoadPlanner`` set up and
@@ -69,7 +69,8 @@ from resumekit.tensors.raw.format import FileLayout
 from resumekit.tensors.raw.writer import RawTensorWriter
 from resumekit.tensors.reader import CheckedMetadata, make_reader
 
-FILES_PER_RANK = 4  # resumekit's DEFAULT_THREAD_COUNT data files per rank
+FILES_PER_RANK = 2  # a data file (its checksums in its trailer) and a rank state file
+WRITER_THREADS = 4  # resumekit's DEFAULT_THREAD_COUNT: parts of the one data file
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -155,28 +156,25 @@ def write_results(plans: list[SavePlan], *, raw: bool) -> list[list[WriteResult]
     results = []
     for rank, plan in enumerate(plans):
         mine: list[WriteResult] = []
-        files = FILES_PER_RANK if raw else 1
-        offsets = [0] * files
+        offset = 0
         region: list[int] = [0, 0]  # bytes used in the current packed region, its file
-        alone: Any = raw_format.alone_descriptors(f"__{rank}_checksums.json")
-        for number, item in enumerate(plan.items):
+        alone: Any = raw_format.TRAILER_ALONE_DESCRIPTORS
+        name = f"__{rank}_0.distcp"
+        for item in plan.items:
             length = _nbytes(item)
-            file = number % files
-            name = f"__{rank}_{file}.distcp"
             descriptors: Any = None
             if raw:
                 if length < raw_format.PACK_ITEM_BYTES:
                     first = region[0] == 0 or region[0] + length > raw_format.PACK_BYTES
                     region[0] = length if first else region[0] + length
-                    head = f"{raw_format.FORMAT_NAME}/{raw_format.PACK_FORMAT_VERSION}"
-                    descriptors = ([f"{head};{raw_format.PACK_BYTES};__{rank}_checksums.json"]
+                    descriptors = ([f"{raw_format.TRAILER_PACK_PREFIX}{raw_format.PACK_BYTES}"]
                                    if first else raw_format.MEMBER_DESCRIPTORS)
-                else:  # stored alone: its blocks are in the rank's checksum file
+                else:  # stored alone: its blocks are in its file's trailer
                     descriptors = alone
             mine.append(WriteResult(index=item.index, size_in_bytes=length,
-                                    storage_data=_StorageInfo(name, offsets[file], length,
+                                    storage_data=_StorageInfo(name, offset, length,
                                                               transform_descriptors=descriptors)))
-            offsets[file] += length
+            offset += length
         results.append(mine)
     return results
 
@@ -230,7 +228,7 @@ def save_side(params: list[Param], world: int, directory: Path, *, raw: bool,
     results = write_results(final, raw=raw)
     directory.mkdir(parents=True, exist_ok=True)
     if raw:
-        writer: Any = RawTensorWriter(directory, thread_count=FILES_PER_RANK, sync_files=False)
+        writer: Any = RawTensorWriter(directory, thread_count=WRITER_THREADS, sync_files=False)
         writer.set_up_storage_writer(True, rank=0, use_collectives=True)
     else:
         writer = FileSystemWriter(directory)
@@ -453,7 +451,7 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
                 "metadata_bytes_received_per_rank_whole": metadata_bytes if others else None,
                 "metadata_bytes_read_per_rank_before": 4 * metadata_bytes,
                 "dcp_metadata_bytes_read_per_rank": dcp["metadata_bytes"],
-                "files_per_checkpoint": (FILES_PER_RANK + 2) * world + 3,
+                "files_per_checkpoint": FILES_PER_RANK * world + 3,
                 "dcp_files_per_checkpoint": world + 1,
                 "not_run": None if others else (
                     f"W > others_max ({others_max}): DCP's side and resumekit's earlier "

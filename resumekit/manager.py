@@ -771,7 +771,7 @@ class CheckpointManager:
     def _agree_emergency(self, capture: Capture | None) -> tuple[int | None, str]:
         """On the capture thread: do all ranks hold a copy of one step that fits? Say it."""
         step = -1 if capture is None else capture.boundary.step
-        newest = self._newest_step
+        newest = self._background.committed_newest(self._newest_step, self.last_saved_step)
         why = ""
         if capture is not None and newest is not None and step <= newest:
             why = f"step {step} is already committed"

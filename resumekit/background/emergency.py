@@ -263,7 +263,7 @@ class EmergencyCapture:
                         self._signal_round = self._started
                     self._started += 1
             if not (wanted or by_signal):
-                select.select([self._signal_read, self._control_read], [], [])
+                _wait_readable(self._signal_read, self._control_read)
                 _drain(self._control_read)
                 continue
             outcome = self._round(by_signal)
@@ -414,6 +414,19 @@ def optimizer_groups(optimizer: Optimizers | None) -> list[dict[str, Any]]:
 def _first_signal(handler: PreemptionHandler) -> float:
     received = handler.received
     return received[0].received_at if received else time.monotonic()
+
+
+def _wait_readable(*fds: int) -> None:
+    """Block until one of ``fds`` is readable.
+
+    ``poll``, not ``select``: ``select`` refuses descriptors at or above ``FD_SETSIZE``
+    (1024), which a trainer with many open files or sockets reaches, and its
+    ``ValueError`` would end the capture thread.
+    """
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll()
 
 
 def _poke(fd: int) -> None:

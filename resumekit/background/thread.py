@@ -82,6 +82,18 @@ class BackgroundSave:
             self._boost()
             thread.join(_BOOST_EVERY_S)
 
+    def committed_newest(self, newest: int | None, committed: int | None) -> int | None:
+        """The newest step to count as committed, from any thread, once the job is done.
+
+        ``newest`` is the owner's newest step, counting the one it submitted here;
+        ``committed`` the newest it saw commit. A job that ended in an error committed
+        nothing: then ``committed``, not the step it was saving. Consumes nothing: the
+        error stays for the owner's next :meth:`wait`.
+        """
+        thread = self._thread
+        done = thread is None or not thread.is_alive()
+        return committed if done and self._error is not None and newest == self._step else newest
+
     def raise_if_failed(self) -> None:
         """Re-raise a finished job's error without blocking on a running one."""
         if self._thread is not None and not self._thread.is_alive():

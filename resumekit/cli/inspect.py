@@ -55,7 +55,13 @@ from resumekit.store.catalog import CheckpointEntry, refuse_links
 from resumekit.store.foreign import ForeignCheckpoint, detect_foreign, import_command
 from resumekit.store.launches import GOODPUT_METHOD, goodput_of, launches_of
 from resumekit.store.layout import TRAIN_STATE_FILE, NameFormat, parse_rank_state_file
-from resumekit.store.manifest import Lineage, Manifest, describe
+from resumekit.store.manifest import (
+    PARTS_ALGORITHM,
+    Lineage,
+    Manifest,
+    describe,
+    parse_parts_checksum,
+)
 from resumekit.store.storage import Storage, parse_json
 from resumekit.store.targets import CheckpointTarget, open_target, tensors_url
 
@@ -678,7 +684,8 @@ def _print_one(entry: CheckpointEntry, document: dict[str, Any]) -> None:
         _print_state(state)
     files = table("file", "size", "checksum", title="Files")
     for item in document["files"]:
-        files.add_row(item["path"], format_bytes(item["bytes"]), item["checksum"] or "-")
+        files.add_row(item["path"], format_bytes(item["bytes"]),
+                      _shown_checksum(item["checksum"]))
     out.print()
     out.print(files)
     if "tensors" in document:
@@ -731,3 +738,11 @@ def _print_state(state: dict[str, Any]) -> None:
     out.print()
     out.print(Text("State", style="bold"))
     out.print(grid)
+
+
+def _shown_checksum(checksum: str | None) -> str:
+    """A file's checksum for the table: a checksum of parts by its count (``--json`` has it)."""
+    if checksum is None:
+        return "-"
+    parts = parse_parts_checksum(checksum)
+    return checksum if parts is None else f"{PARTS_ALGORITHM}: {len(parts)} parts"

@@ -741,10 +741,10 @@ def _open_next(stream: _Stream, index: int, mode: str, rank: int, role: str) -> 
     _finish_file(stream, rank, role)
     assert stream.manifest is not None
     stream.current = index
-    stream.running = Checksum()
+    entry = stream.manifest.files[index]
+    stream.running = Checksum.like(entry.checksum)
     if stream.error is not None:
         return
-    entry = stream.manifest.files[index]
     base = stream.transfer.name if mode == "rb" else stream.staging
     relative = f"{base}/{stream.manifest.data_path(entry.path)}"
     try:

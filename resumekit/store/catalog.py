@@ -284,7 +284,7 @@ def read_checked_file(storage: Storage, name: str, manifest: Manifest, entry: Fi
     if len(data) != entry.size:
         raise _wrong_size(storage, name, manifest, entry, len(data))
     if verify:
-        actual = checksum_chunks([data])
+        actual = checksum_chunks([data], like=entry.checksum)
         if actual != entry.checksum:
             raise _wrong_checksum(storage, name, manifest, entry, actual)
     return data
@@ -625,14 +625,14 @@ def verify_checkpoint(
         if entry.path in sizes_only:
             continue
 
-        def hashed(relative: str = relative) -> str:
+        def hashed(relative: str = relative, expected: str = entry.checksum) -> str:
             def counted() -> Iterator[bytes]:
                 for chunk in storage.iter_chunks(relative):
                     if progress is not None:
                         progress(len(chunk))
                     yield chunk
 
-            return checksum_chunks(counted())
+            return checksum_chunks(counted(), like=expected)
 
         actual = read_with_retry(where, hashed)  # a transient error hashes it again
         if actual != entry.checksum:

@@ -17,8 +17,10 @@ What a committed step directory holds (every name is a constant of this module):
       manifest.json              MANIFEST_NAME: the commit marker, written last
       tensors/                   TENSORS_DIR: model + optimizer, a DCP directory
         .metadata                DCP_METADATA_FILE: DCP's index of every tensor
-        __0_0.distcp ...         the ranks' tensor data (named by DCP)
-        __0_checksums.json ...   raw_checksums_file(prefix): a rank's packed regions' checksums
+        __0_0.distcp ...         a rank's tensor data (named as DCP names it), one file
+                                 per rank, its checksums in a trailer at its end
+                                 (up to schema_version 3: __0_0 .. __0_3.distcp and
+                                 __0_checksums.json, raw_checksums_file(prefix))
       train_state.pt             TRAIN_STATE_FILE: step, micro_step, scheduler (rank 0)
       rank_state/rank_00000.pt   RANK_STATE_DIR, rank_state_file(rank): RNG, data position
 

@@ -19,7 +19,7 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Any, Literal
@@ -50,6 +50,7 @@ from resumekit.warnings import ResumekitWarning, warn
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "MANIFEST_NAME",
+    "PARTS_ALGORITHM",
     "SCHEMA_HISTORY",
     "SCHEMA_VERSION",
     "Checksum",
@@ -65,13 +66,15 @@ __all__ = [
     "checksum_chunks",
     "hex_digest",
     "parse_manifest",
+    "parse_parts_checksum",
+    "parts_checksum",
     "running_versions",
     "safe_relative_path",
     "throughput_problem",
     "version_skew",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The format version every checkpoint this release writes records (``schema_version``).
 
 It moves whenever a write uses anything an older release cannot read, so that an older
@@ -92,9 +95,20 @@ SCHEMA_HISTORY: Mapping[int, str] = MappingProxyType({
        "(issue 40): their block size and block checksums moved out of .metadata into the "
        "writing rank's checksum file, now 'resumekit-raw-checksums/2' (packed regions and "
        "items stored alone), which readers of version 2 cannot parse",
+    4: "one raw data file per rank, written by several threads at set offsets (issue 40): "
+       "its checksums in a trailer at its end ('resumekit-raw-trailer/1'; descriptors "
+       "'resumekit-raw/5' for items stored alone and 'resumekit-raw/6;<region length>' "
+       "for packed regions), no checksum file, and its manifest checksum of parts "
+       "('xxh3_128-parts:<length>:<hex>,...'), which readers of version 3 cannot parse",
 })
 """What each ``schema_version`` added to what an older one holds."""
 CHECKSUM_ALGORITHM = "xxh3_128"
+PARTS_ALGORITHM = f"{CHECKSUM_ALGORITHM}-parts"
+"""A file checksummed in consecutive parts (``schema_version`` 4): ``"xxh3_128-parts:<length>:
+<hex>,<length>:<hex>,..."``, the XXH3-128 of each part in file order, their lengths adding
+up to the file's size. Several threads write one file, each its own part, and each hashes
+what it writes: no thread waits for another to hash the file in order. A verifier reading
+the file from its start checks it as well as a whole-file checksum (:meth:`Checksum.like`)."""
 
 
 class SaveReason(str, enum.Enum):
@@ -721,14 +735,81 @@ class Checksum:
 
     def __init__(self) -> None:
         self._hasher = xxhash.xxh3_128()
+        self._parts: list[int] | None = None  # lengths of the parts, for a parts checksum
+        self._done: list[tuple[int, str]] = []
+        self._count = 0  # bytes in the current part
+
+    @classmethod
+    def like(cls, expected: str) -> Checksum:
+        """A running checksum of the kind of ``expected``, to compare with it.
+
+        A whole-file checksum for ``"xxh3_128:<hex>"``; for a checksum of parts
+        (:data:`PARTS_ALGORITHM`), each of ``expected``'s parts hashed on its own (the last
+        part takes whatever follows), so that :meth:`value` equals ``expected`` exactly
+        when every byte matches. Anything else: a whole-file checksum (which then differs).
+
+        Example:
+            >>> expected = parts_checksum([(4, hex_digest(b"step")), (5, hex_digest(b" 1000"))])
+            >>> running = Checksum.like(expected)
+            >>> running.update(b"step 1000")
+            >>> running.value() == expected
+            True
+        """
+        running = cls()
+        parts = parse_parts_checksum(expected)
+        if parts is not None:
+            running._parts = [length for length, _ in parts]
+        return running
 
     def update(self, chunk: bytes | bytearray | memoryview) -> None:
         """Add ``chunk`` (any buffer) to the checksum."""
-        self._hasher.update(chunk)
+        if self._parts is None:
+            self._hasher.update(chunk)
+            return
+        view = memoryview(chunk).cast("B")
+        while view:
+            number = len(self._done)
+            last = number >= len(self._parts) - 1
+            take = len(view) if last else min(self._parts[number] - self._count, len(view))
+            self._hasher.update(view[:take])
+            view = view[take:]
+            self._count += take
+            if not last and self._count == self._parts[number]:
+                self._done.append((self._count, self._hasher.hexdigest()))
+                self._hasher = xxhash.xxh3_128()
+                self._count = 0
 
     def value(self) -> str:
-        """Return the checksum of everything added so far, as ``"xxh3_128:<hex>"``."""
-        return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}"
+        """Return the checksum of everything added so far, as ``"xxh3_128:<hex>"``.
+
+        For :meth:`like` a checksum of parts: ``"xxh3_128-parts:<length>:<hex>,..."``.
+        """
+        if self._parts is None:
+            return f"{CHECKSUM_ALGORITHM}:{self._hasher.hexdigest()}"
+        return parts_checksum([*self._done, (self._count, self._hasher.hexdigest())])
+
+
+def parts_checksum(parts: Sequence[tuple[int, str]]) -> str:
+    """The checksum of a file hashed in parts: ``"xxh3_128-parts:<length>:<hex>,..."``.
+
+    Args:
+        parts: ``(length, hex XXH3-128)`` of each part, in file order.
+    """
+    return f"{PARTS_ALGORITHM}:" + ",".join(f"{length}:{digest}" for length, digest in parts)
+
+
+def parse_parts_checksum(checksum: str) -> list[tuple[int, str]] | None:
+    """``[(length, hex)]`` of a checksum of parts; None for any other checksum."""
+    algorithm, _, listed = checksum.partition(":")
+    if algorithm != PARTS_ALGORITHM or not listed:
+        return None
+    parts: list[tuple[int, str]] = []
+    for text in listed.split(","):
+        length, _, digest = text.partition(":")
+        if not length.isdigit() or not digest:
+            return None
+        parts.append((int(length), digest))
+    return parts
 
 
 def hex_digest(chunk: bytes | bytearray | memoryview) -> str:
@@ -736,9 +817,13 @@ def hex_digest(chunk: bytes | bytearray | memoryview) -> str:
     return str(xxhash.xxh3_128_hexdigest(chunk))
 
 
-def checksum_chunks(chunks: Iterable[bytes]) -> str:
-    """Return the ``"xxh3_128:<hex>"`` checksum of a stream of byte chunks."""
-    running = Checksum()
+def checksum_chunks(chunks: Iterable[bytes], *, like: str | None = None) -> str:
+    """Return the ``"xxh3_128:<hex>"`` checksum of a stream of byte chunks.
+
+    With ``like`` (an expected checksum): one of its kind (:meth:`Checksum.like`), equal to
+    it exactly when the bytes match.
+    """
+    running = Checksum() if like is None else Checksum.like(like)
     for chunk in chunks:
         running.update(chunk)
     return running.value()

@@ -44,15 +44,14 @@ from torch.distributed.checkpoint.metadata import (
 from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError
 from resumekit.tensors.raw.format import (
-    INLINE_PACK_PREFIX,
-    PACK_PREFIX,
+    REGION_PREFIXES,
     is_packed_member,
 )
 
 __all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
            "request_of", "skeleton"]
 
-_REGION_PREFIXES = (PACK_PREFIX, INLINE_PACK_PREFIX)
+_REGION_PREFIXES = REGION_PREFIXES
 
 Request = dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]] | None]
 """A rank's request: ``{key: [(offsets, sizes), ...]}`` of its destination chunks, or

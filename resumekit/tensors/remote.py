@@ -52,7 +52,7 @@ class WriterSpec:
     Attributes:
         kind: ``"raw"`` (:class:`RawTensorWriter`) or ``"dcp"`` (:class:`CheckedDcpWriter`).
         path: The directory (or URL) written into.
-        thread_count: Files, and writer threads, per rank.
+        thread_count: Writer threads per rank (raw: parts of its one file; DCP: files).
         sync_files: fsync each file (local paths).
         background: Writer threads at idle CPU priority (raw writer).
         storage_options: fsspec options (DCP writer at a URL).

@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,8 @@ def test_each_method_ran_the_schedule_and_was_resumed(smoke: dict[str, Any]) -> 
     details = smoke["results"]["details"]
     for method in ("resumekit_sync", ASYNC):
         figures = details[method]
+        # A failed launch says why, with its ranks' stderr (a C++ abort, the Python stacks).
+        assert "failed" not in figures, f"{method}: {figures['failed']}"
         launches = figures["launches"]
         assert [launch["interruption"] for launch in launches] == ["sigterm", None]
         # The relaunch resumed from what the SIGTERM left (an emergency save may be
@@ -587,3 +590,73 @@ def test_a_tight_grace_launch_that_never_trains_a_long_enough_step_is_not_held_n
     with pytest.raises(scale.TightScenarioNotMet, match=r"3x the save\) was measured"):
         scale._wait_tight_step(events, process, wanted=30.0, timeout=HANG_S,
                                committed=lambda: True)
+
+
+def test_a_failed_launch_keeps_each_ranks_log_with_the_stacks_of_a_rank_that_aborted(
+        tmp_path: Path) -> None:
+    # A torchrun whose rank 1 aborts (as a failed gloo check does) once it has written a
+    # line; faulthandler (as the worker enables it) prints its Python stack at the abort.
+    script = tmp_path / "aborts_on_rank_1.py"
+    script.write_text(
+        "import faulthandler, os, sys\n"
+        "faulthandler.enable(all_threads=True)\n"
+        "print(f'rank {os.environ[\"RANK\"]} up', file=sys.stderr, flush=True)\n"
+        "def restoring():\n"
+        "    os.abort()\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    restoring()\n")
+    rank_dir = scale.fresh_rank_dir(tmp_path / "ranks")
+    command = scale.with_rank_logs(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], rank_dir)
+    log_path = tmp_path / "launch.log"
+    with log_path.open("wb") as log:
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=HANG_S, check=False).returncode
+    assert returncode != 0
+    entry = scale.failure(scale.LaunchFailed("resumekit_sync launch 2 failed (1)", log_path,
+                                             rank_dir))
+    aborted = entry["rank_logs"]["rank 1 attempt 0 stderr.log"]
+    assert "rank 1 up" in aborted
+    assert "Fatal Python error: Aborted" in aborted
+    assert "restoring" in aborted and script.name in aborted  # the stack, by function
+    assert "rank 0 up" in entry["rank_logs"]["rank 0 attempt 0 stderr.log"]
+    # The failure text leads with what failed, then the aborted rank's stderr.
+    assert entry["failed"].startswith("resumekit_sync launch 2 failed (1)")
+    assert "Fatal Python error: Aborted" in entry["failed"]
+
+
+def test_a_hung_launch_leaves_each_ranks_stacks_before_it_is_killed(tmp_path: Path) -> None:
+    # Rank 1 waits forever (as a rank stuck in a collective would); the bench's timeout
+    # path has each worker print its stacks (faulthandler on DUMP_SIGNAL, as the worker
+    # registers it), then kills the tree.
+    from benchmarks.scale_worker import DUMP_SIGNAL  # noqa: PLC0415
+
+    script = tmp_path / "hangs_on_rank_1.py"
+    script.write_text(
+        "import faulthandler, os, signal, sys, threading\n"
+        f"faulthandler.register(signal.Signals({int(DUMP_SIGNAL)}), all_threads=True)\n"
+        "def stuck_here():\n"
+        "    print('waiting', file=sys.stderr, flush=True)\n"
+        "    threading.Event().wait()\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    stuck_here()\n")
+    rank_dir = scale.fresh_rank_dir(tmp_path / "ranks")
+    command = scale.with_rank_logs(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], rank_dir)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + HANG_S  # a hang detector, never a timing
+        while "waiting" not in scale.rank_log_tails(rank_dir).get(
+                "rank 1 attempt 0 stderr.log", ""):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        workers = scale.dump_worker_stacks(process.pid, rank_dir, timeout=HANG_S)
+        assert workers and process.pid not in workers  # its workers, never torchrun
+    finally:
+        scale.kill_tree(process.pid)
+        process.wait()
+    stacks = scale.rank_log_tails(rank_dir)["rank 1 attempt 0 stderr.log"]
+    assert "most recent call first" in stacks and "stuck_here" in stacks

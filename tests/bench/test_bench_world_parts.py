@@ -17,7 +17,7 @@ from benchmarks.world import main
 def _row(world: int, **extra: object) -> dict[str, object]:
     return {"world_size": world, "save_cpu_rank0_s": 1.0, "dcp_save_cpu_rank0_s": 2.0,
             "restore_cpu_per_rank_s": 0.5 * world, "dcp_restore_cpu_per_rank_s": 0.25 * world,
-            "metadata_bytes": 10, "dcp_metadata_bytes": 9, "files_per_checkpoint": 6 * world + 3,
+            "metadata_bytes": 10, "dcp_metadata_bytes": 9, "files_per_checkpoint": 2 * world + 3,
             **extra}
 
 

@@ -152,3 +152,61 @@ def test_the_capture_leaves_the_step_the_ranks_stop_at_to_the_vote(tmp_path: Pat
     # Off: the agreed save only. On: the copy of step 3, committed at the signal, stays.
     assert [result["steps"] for result in off] == [[stop]] * 2
     assert [result["steps"] for result in on] == [[SIGNAL_AFTER_STEP, stop]] * 2
+
+
+def _failing_background_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    import threading  # noqa: PLC0415
+
+    from resumekit import tensors  # noqa: PLC0415
+
+    gate, original, calls = threading.Event(), tensors.save, []
+
+    def failing_first(state: Any, directory: Any, **kwargs: Any) -> Any:
+        calls.append(directory)
+        if len(calls) == 1:  # step 2's background save: held until the signal, then fails
+            if not gate.wait(600):
+                raise TimeoutError("the test never released the background save")
+            raise OSError(28, "No space left on device (injected)")
+        return original(state, directory, **kwargs)
+
+    tensors.save = failing_first  # type: ignore[assignment]  # this rank's process only
+    model, optimizer = _build()
+    handler = resumekit.PreemptionHandler(grace_period=600, poll_every=1, overlap=False)
+    ckpt = resumekit.CheckpointManager(root, model=model, optimizer=optimizer, save_every=2,
+                                       async_save=True, capture_at_signal=True,
+                                       preemption=handler)
+    ckpt.restore()
+    for step in (1, 2):
+        _train(model, optimizer)
+        assert not ckpt.step_end(step)
+    at_two = _local(model)
+    os.kill(os.getpid(), signal.SIGTERM)  # during step 3: the capture of step 2 waits for
+    gate.set()  # the save in flight, which fails
+    _train(model, optimizer)
+    raised = None
+    try:
+        ckpt.step_end(3)
+    except resumekit.AsyncSaveError as error:
+        raised = str(error).splitlines()[0]
+    ckpt.close()
+    model2, optimizer2 = _build()
+    reader = resumekit.CheckpointManager(root, model=model2, optimizer=optimizer2,
+                                         read_only=True)
+    restored = reader.restore()
+    same = all(torch.equal(value, at_two[name]) for name, value in _local(model2).items())
+    reader.close()
+    return {"raised": raised, "restored": restored, "same": same,
+            "steps": [(entry.step, entry.manifest.reason) for entry in ckpt.checkpoints()
+                      if entry.manifest is not None]}
+
+
+def test_a_background_save_failing_during_a_preemption_leaves_the_capture_of_its_step(
+    tmp_path: Path,
+) -> None:
+    results = run_ranks(_failing_background_save, world_size=2,
+                        args=(str(tmp_path / "root"),))
+    for result in results:
+        assert result["raised"] is not None
+        assert result["raised"].startswith("background save of step 2 failed"), result
+        assert result["steps"] == [(2, "preemption")], result
+        assert result["restored"] == 2 and result["same"], result

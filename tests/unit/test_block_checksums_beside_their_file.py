@@ -1,10 +1,11 @@
-"""Block checksums live beside the data files they check, not in ``.metadata`` (issue 40).
+"""Block checksums live with the data files they check, not in ``.metadata`` (issue 40).
 
 Every restoring rank reads ``.metadata`` (or is sent it); the block checksums of the items
 stored alone are needed only by the reader of their file, so since ``schema_version`` 3
-they are in the writing rank's checksum file and each such item records one shared
-descriptor, ``resumekit-raw/4;<checksum file>``. The checksum file is checked against the
-manifest before use; what it says about an item must agree with ``.metadata``.
+they are out of it: in the writing rank's checksum file then, and since ``schema_version``
+4 in the trailer that ends the rank's one data file, each such item recording one shared
+descriptor, ``resumekit-raw/5``. The trailer is checked against its footer (and the
+manifest) before use; what it says about an item must agree with ``.metadata``.
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ import torch
 from resumekit import tensors
 from resumekit.errors import (
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     UnreadableFormatError,
 )
-from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors.raw.format import ALONE_FORMAT_VERSION, FORMAT_NAME, decode_checksum_file
+from resumekit.tensors.raw.format import (
+    TRAILER,
+    TRAILER_ALONE_DESCRIPTORS,
+    TRAILER_MAGIC,
+    decode_file_trailer,
+    trailer_length,
+    wrap_trailer,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -50,6 +57,19 @@ def _info(directory: Path, key: str) -> Any:
                 if index.fqn == key)
 
 
+def _trailer(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where data file ``path``'s trailer starts, and its JSON body."""
+    data = path.read_bytes()
+    start = len(data) - trailer_length(data[-TRAILER.size:], len(data), where=str(path))
+    body = TRAILER.unpack(data[-TRAILER.size:])[0]
+    return start, json.loads(data[start:start + body])
+
+
+def _rewrite_trailer(path: Path, start: int, body: dict[str, Any]) -> None:
+    """Replace the trailer of ``path`` (at ``start``) by one holding ``body``, footer right."""
+    path.write_bytes(path.read_bytes()[:start] + wrap_trailer(json.dumps(body).encode()))
+
+
 def test_metadata_holds_no_block_checksum_and_its_bytes_depend_on_the_structure_only(
         tmp_path: Path) -> None:
     tensors.save(state(1), tmp_path / "a")
@@ -57,19 +77,20 @@ def test_metadata_holds_no_block_checksum_and_its_bytes_depend_on_the_structure_
     a = (tmp_path / "a" / DCP_METADATA_FILE).read_bytes()
     assert a == (tmp_path / "b" / DCP_METADATA_FILE).read_bytes()
     assert not re.search(rb"[0-9a-f]{32}", a)  # no XXH3-128 in hex
-    sidecar = raw_checksums_file("__0_")
-    descriptor = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};{sidecar}"
     with open(tmp_path / "a" / DCP_METADATA_FILE, "rb") as handle:
         metadata = pickle.load(handle)  # written just now by this test
     alone = [info for index, info in metadata.storage_data.items()
              if index.fqn in ("model.big", "model.wide")]
-    assert [list(info.transform_descriptors) for info in alone] == [[descriptor]] * 2
+    assert [tuple(info.transform_descriptors) for info in alone] == [
+        TRAILER_ALONE_DESCRIPTORS] * 2
     assert alone[0].transform_descriptors is alone[1].transform_descriptors  # pickled once
-    listed = decode_checksum_file((tmp_path / "a" / sidecar).read_bytes(), where=sidecar)
+    (name,) = {info.relative_path for info in metadata.storage_data.values()}
+    assert sorted(path.name for path in (tmp_path / "a").iterdir()) == [DCP_METADATA_FILE, name]
+    listed = decode_file_trailer((tmp_path / "a" / name).read_bytes(), where=name)
     for info in alone:
         length, block, blocks = listed.items[(info.relative_path, info.offset)]
         assert length == info.length and len(blocks) == -(-length // block) > 1
-    assert (tmp_path / "a" / sidecar).read_bytes() != (tmp_path / "b" / sidecar).read_bytes()
+    assert _trailer(tmp_path / "a" / name)[1] != _trailer(tmp_path / "b" / name)[1]
 
 
 def test_a_flipped_byte_of_an_item_stored_alone_names_its_key_file_and_block(
@@ -94,25 +115,30 @@ def test_a_flipped_byte_of_an_item_stored_alone_names_its_key_file_and_block(
     piece = {"model": {"wide": torch.zeros_like(saved["model"]["wide"])}}
     with pytest.raises(CorruptCheckpointError, match=r"model\.wide"):
         tensors.load_subset(piece, tmp_path / "ckpt")
-    # Unverified (the checksum file is not even read), the bytes come back as they lie.
-    (tmp_path / "ckpt" / raw_checksums_file("__0_")).unlink()
+    # Unverified (the trailer is not even read), the bytes come back as they lie.
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size - len(TRAILER_MAGIC))
+        handle.write(b"X" * len(TRAILER_MAGIC))
     unchecked = blank(saved)
     tensors.load(unchecked, tmp_path / "ckpt", verify=False)
     assert torch.equal(unchecked["model"]["big"], saved["model"]["big"])
 
 
-@pytest.mark.parametrize("damage", ["length", "unlisted", "blocks", "format", "missing"])
-def test_a_checksum_file_that_disagrees_with_the_metadata_fails_the_load_naming_it(
+@pytest.mark.parametrize("damage", ["length", "unlisted", "blocks", "format", "flipped",
+                                    "missing"])
+def test_a_trailer_that_disagrees_with_the_metadata_or_its_footer_fails_the_load_naming_it(
         tmp_path: Path, damage: str) -> None:
     saved = state(4)
     directory = tmp_path / "ckpt"
     tensors.save(saved, directory)
-    sidecar = directory / raw_checksums_file("__0_")
-    body = json.loads(sidecar.read_bytes())
     info = _info(directory, "model.big")
+    path = directory / info.relative_path
+    start, body = _trailer(path)
     entries = body["items"][info.relative_path]
     entry = next(entry for entry in entries if entry[0] == info.offset)
     expected: type[Exception] = CorruptCheckpointError
+    match = "not listed"
     if damage == "length":
         entry[1] += 4
         entry[3] += "0" * 32 if -(-entry[1] // entry[2]) > len(entry[3]) // 32 else ""
@@ -120,14 +146,21 @@ def test_a_checksum_file_that_disagrees_with_the_metadata_fails_the_load_naming_
         entries.remove(entry)
     elif damage == "blocks":
         entry[3] = entry[3][:-32]
-        expected = UnreadableFormatError
+        expected, match = UnreadableFormatError, "unreadable"
     elif damage == "format":
-        body["format"] = "resumekit-raw-checksums/9"
-        expected = UnreadableFormatError
-    if damage == "missing":
-        sidecar.unlink()
-        expected = IncompleteCheckpointError
+        body["format"] = "resumekit-raw-trailer/9"
+        expected, match = UnreadableFormatError, "unknown format"
+    if damage == "flipped":
+        data = bytearray(path.read_bytes())
+        data[start + 3] ^= 0x01
+        path.write_bytes(bytes(data))
+        match = "does not match"
+    elif damage == "missing":
+        with open(path, "r+b") as handle:
+            handle.truncate(start)
+        match = "cut short"
     else:
-        sidecar.write_text(json.dumps(body))
-    with pytest.raises(expected, match=re.escape(sidecar.name)):
+        _rewrite_trailer(path, start, body)
+    with pytest.raises(expected, match=match) as caught:
         tensors.load(blank(saved), directory)
+    assert path.name in str(caught.value) and Path(caught.value.file).name == path.name

@@ -20,7 +20,13 @@ from torch import nn
 from resumekit.cli import main
 from resumekit.manager import CheckpointManager
 from resumekit.state.sampler import ResumableDistributedSampler
-from resumekit.store.manifest import MANIFEST_NAME, checksum_chunks
+from resumekit.store.manifest import (
+    MANIFEST_NAME,
+    checksum_chunks,
+    hex_digest,
+    parse_parts_checksum,
+    parts_checksum,
+)
 from resumekit.store.retention import keep_all
 
 MODEL_CONFIG = {"num_layers": 2, "dim": 8}
@@ -129,8 +135,21 @@ def rewrite_manifest(step_dir: Path, change: Mapping[str, Any] | None = None,
         if entry["path"] in rehash:
             data = (step_dir / entry["path"]).read_bytes()
             entry["size"] = len(data)
-            entry["checksum"] = checksum_chunks([data])
+            entry["checksum"] = _rehashed(data, entry["checksum"])
     path.write_text(json.dumps(document))
+
+
+def _rehashed(data: bytes, old: str) -> str:
+    """``data``'s checksum of the kind of ``old``: a checksum of parts keeps its parts but
+    the last, which takes the rest (the trailer of a raw data file, after an edit of it)."""
+    parts = parse_parts_checksum(old)
+    if parts is None:
+        return checksum_chunks([data])
+    lengths = [length for length, _ in parts[:-1]]
+    lengths.append(len(data) - sum(lengths))
+    starts = [sum(lengths[:number]) for number in range(len(lengths))]
+    return parts_checksum([(length, hex_digest(data[start:start + length]))
+                           for start, length in zip(starts, lengths, strict=True)])
 
 
 class CodeRunningPickle:

@@ -23,6 +23,7 @@ from torch import nn
 
 from resumekit import tensors
 from resumekit.background import EmergencyCapture
+from resumekit.errors import AsyncSaveError
 from resumekit.manager import CheckpointManager
 from resumekit.runtime.preemption import PreemptionHandler
 from resumekit.tensors.staging import CpuStager
@@ -387,3 +388,80 @@ def test_a_signal_in_the_middle_of_a_restore_copies_nothing_half_restored(
                if "nothing could be copied" in r.getMessage()]
     assert len(nothing) == 1 and "s ago" in nothing[0], nothing
     assert not any("emergency save of step" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_background_save_that_fails_during_a_preemption_leaves_the_capture_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str,
+) -> None:
+    # Step 2's background save is held until the signal is in, then fails (a NAS that
+    # fills up): the capture of step 2, the last completed step, still commits, and the
+    # failure is raised by the agreed preemption's step_end, never swallowed.
+    gate = threading.Event()
+    original = tensors.save
+    calls: list[str] = []
+
+    def failing_first(state: Any, directory: Any, **kwargs: Any) -> Any:
+        calls.append(str(directory))
+        if len(calls) == 1:
+            if not gate.wait(LIMIT_S):
+                raise TimeoutError("the test never released the background save")
+            raise OSError(28, "No space left on device (injected)")
+        return original(state, directory, **kwargs)
+
+    monkeypatch.setattr(tensors, "save", failing_first)
+    model, optimizer = _build()
+    handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
+    ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                             capture_at_signal=True, preemption=handler,
+                             async_save=True, async_writer=writer, save_every=2)
+    ckpt.restore()
+    for step in (1, 2):
+        _train(model, optimizer)
+        assert not ckpt.step_end(step)  # step 2's background save is held by the gate
+    at_two = _snapshot(model)
+    os.kill(os.getpid(), signal.SIGUSR1)  # during step 3: the capture of step 2 waits
+    gate.set()  # for the save in flight, which now fails
+    _train(model, optimizer)  # step 3's optimizer.step() waits for the copy of step 2
+    with pytest.raises(AsyncSaveError, match="background save of step 2 failed"):
+        ckpt.step_end(3)
+    ckpt.close()
+    assert [(entry.step, entry.manifest.reason) for entry in ckpt.checkpoints()
+            if entry.manifest is not None] == [(2, "preemption")]
+    saved = _weights(tmp_path, 2, model)
+    for name, value in at_two.items():
+        assert torch.equal(saved[name], value), name  # step 2's state, from the capture
+
+
+def test_the_capture_thread_waits_on_descriptors_above_1024(tmp_path: Path) -> None:
+    # A trainer with many files or sockets open: the capture's pipes get descriptors at or
+    # above FD_SETSIZE (1024), which select() refuses; the thread must still wait on them.
+    import resource  # noqa: PLC0415
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit ({hard}) is below what the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held: list[int] = []
+    try:
+        while not held or held[-1] < 1030:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        model, optimizer = _build()
+        handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=60)
+        ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
+                                 capture_at_signal=True, preemption=handler, save_every=2)
+        assert ckpt._emergency is not None
+        assert min(ckpt._emergency._signal_read, ckpt._emergency._control_read) >= 1024
+        ckpt.restore()
+        for step in (1, 2, 3):  # step 2's save is a settle point of the capture thread
+            _train(model, optimizer)
+            assert not ckpt.step_end(step)
+        os.kill(os.getpid(), signal.SIGUSR1)  # during step 4: the copy of step 3
+        _train(model, optimizer)
+        assert ckpt.step_end(4) is True
+        ckpt.close()
+        assert [entry.step for entry in ckpt.checkpoints()] == [2, 3, 4]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

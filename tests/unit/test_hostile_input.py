@@ -36,6 +36,7 @@ from resumekit.errors import (
     UnsafeCheckpointError,
 )
 from resumekit.manager import CheckpointManager
+from resumekit.tensors.raw.format import TRAILER, trailer_length, wrap_trailer
 from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import (
     Trainer,
@@ -424,12 +425,15 @@ def test_a_generation_record_that_is_a_fifo_or_huge_is_ignored_with_a_warning_un
             _release(record)
 
 
-def test_a_checksum_file_nested_too_deep_is_refused_naming_it(
+def test_a_checksum_trailer_nested_too_deep_is_refused_naming_it(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    checksums = root / STEP_20 / "tensors" / "__0_checksums.json"
-    checksums.write_text('{"format": ' + "[" * 5000 + "]" * 5000 + "}")
-    rewrite_manifest(root / STEP_20, rehash=("tensors/__0_checksums.json",))
+    checksums = root / STEP_20 / "tensors" / "__0_0.distcp"
+    data = checksums.read_bytes()
+    start = len(data) - trailer_length(data[-TRAILER.size:], len(data), where="")
+    checksums.write_bytes(data[:start] + wrap_trailer(
+        ('{"format": ' + "[" * 5000 + "]" * 5000 + "}").encode()))
+    rewrite_manifest(root / STEP_20, rehash=("tensors/__0_0.distcp",))
     trainer = Trainer(root, seed=1)
     with pytest.raises(CorruptCheckpointError) as caught:
         trainer.manager.restore(20)

@@ -37,7 +37,7 @@ from resumekit.tensors.metadata_parts import (
     request_of,
     skeleton,
 )
-from resumekit.tensors.raw.format import PACK_PREFIX
+from resumekit.tensors.raw.format import TRAILER_PACK_PREFIX
 from resumekit.tensors.reader import CheckedMetadata
 
 ROWS = {"model.embed": (37, 8), "model.head": (5, 3), "optimizer.state.embed.exp_avg": (37, 8)}
@@ -324,7 +324,7 @@ def test_a_raw_checkpoint_reads_back_checked_from_a_part_with_its_packed_regions
     sent = pickle.loads(pickle.dumps(checked.for_ranks()))
     assert sent.raw_files(), "the checkpoint should be in the raw format"
     heads = {index for index, info in checked.parsed().storage_data.items()
-             if str((info.transform_descriptors or ("",))[0]).startswith(PACK_PREFIX)}
+             if str((info.transform_descriptors or ("",))[0]).startswith(TRAILER_PACK_PREFIX)}
     assert heads, "the small tensors should be packed"
     # the regions' first items are not asked for: their members still need them
     unasked = {index.fqn.split(".", 1)[1] for index in heads}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
 import pickle
 import threading
@@ -31,7 +30,7 @@ from resumekit.errors import (
 from resumekit.manager import CheckpointManager
 from resumekit.store.catalog import verify_checkpoint
 from resumekit.store.commit import CommitProtocol
-from resumekit.store.layout import DCP_METADATA_FILE, GENERATIONS_DIR, raw_checksums_file
+from resumekit.store.layout import DCP_METADATA_FILE, GENERATIONS_DIR
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks, hex_digest
 from resumekit.store.newest import latest_committed
 from resumekit.store.storage import Storage
@@ -49,7 +48,13 @@ from resumekit.tensors.raw import (
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
-from resumekit.tensors.raw.format import Descriptor, alone_descriptors, decode_checksum_file
+from resumekit.tensors.raw.format import (
+    TRAILER_ALONE_DESCRIPTORS,
+    TRAILER_PACK_PREFIX,
+    ChecksumFile,
+    Descriptor,
+    decode_file_trailer,
+)
 from resumekit.tensors.reader import make_reader
 from tests.conftest import unavailable
 
@@ -103,16 +108,15 @@ def as_format_1(directory: Path) -> None:
     """Rewrite a one-rank checkpoint's items stored alone as written up to schema_version 2.
 
     Their dtype, shape and block checksums go into their descriptors (format 1), from the
-    checksum file, which is removed when no packed region needs it.
+    trailer of their data file (which stays: a reader of format 1 reads none).
     """
-    sidecar = directory / raw_checksums_file("__0_")
-    listed = decode_checksum_file(sidecar.read_bytes(), where=str(sidecar))
     with open(directory / DCP_METADATA_FILE, "rb") as handle:
         metadata = pickle.load(handle)  # written by this test just before
     for index, info in metadata.storage_data.items():
         descriptors = info.transform_descriptors
-        if not (descriptors and descriptors[0].startswith(f"{FORMAT_NAME}/4;")):
+        if not (descriptors and tuple(descriptors) == TRAILER_ALONE_DESCRIPTORS):
             continue
+        listed = trailer_of(directory / info.relative_path)
         _, block, blocks = listed.items[(info.relative_path, info.offset)]
         entry = metadata.state_dict_metadata[index.fqn]
         dtype, shape = None, ()
@@ -122,8 +126,11 @@ def as_format_1(directory: Path) -> None:
                          if tuple(chunk.offsets) == tuple(index.offset or ()))
         info.transform_descriptors = [Descriptor(dtype, shape, block, blocks).encode()]
     (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
-    if not listed.regions:
-        sidecar.unlink()
+
+
+def trailer_of(path: Path) -> ChecksumFile:
+    """The checksums in the trailer that ends data file ``path``."""
+    return decode_file_trailer(path.read_bytes(), where=str(path))
 
 
 def leads(info: Any) -> bool:
@@ -218,10 +225,9 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         assert info.length == tensor.numel() * tensor.element_size(), key
         assert data[info.offset:info.offset + info.length] == tensor_bytes(tensor), key
         descriptor = (info.transform_descriptors or [None])[0]
-        if key == "large":  # stored alone: its blocks in the rank's checksum file
-            sidecar = raw_checksums_file("__0_")
-            assert tuple(info.transform_descriptors) == alone_descriptors(sidecar)
-            listed = decode_checksum_file((directory / sidecar).read_bytes(), where=sidecar)
+        if key == "large":  # stored alone: its blocks in its data file's trailer
+            assert tuple(info.transform_descriptors) == TRAILER_ALONE_DESCRIPTORS
+            listed = trailer_of(directory / info.relative_path)
             length, block, blocks = listed.items[(info.relative_path, info.offset)]
             assert length == info.length and block == block_bytes_for(info.length)
             assert list(blocks) == [
@@ -231,28 +237,24 @@ def test_data_files_hold_each_tensor_as_its_raw_bytes_at_the_recorded_offset(
         # a small item lies in a packed region whose one checksum covers its bytes; the
         # region's first member names it, the others record only that they are members
         assert (tuple(info.transform_descriptors) == MEMBER_DESCRIPTORS
-                or descriptor.startswith(f"{FORMAT_NAME}/3;")), key
-    regions = [(info.relative_path, info.transform_descriptors[0]) for info in infos.values()
-               if info.transform_descriptors and
-               info.transform_descriptors[0].startswith(f"{FORMAT_NAME}/3;")]
-    leaders = {info.transform_descriptors[0]: info.offset for info in infos.values()
-               if leads(info)}
+                or descriptor.startswith(TRAILER_PACK_PREFIX)), key
+    regions = [(info.relative_path, info.offset, int(info.transform_descriptors[0].split(";")[1]))
+               for info in infos.values() if info.transform_descriptors and
+               info.transform_descriptors[0].startswith(TRAILER_PACK_PREFIX)]
     assert regions
     packed = [info for key, info in infos.items() if key != "large"]
     for info in packed:
         data = (directory / info.relative_path).read_bytes()
         holding = []
-        for name, text in regions:
+        for name, start, length in regions:
             if name != info.relative_path:
                 continue
-            _, length, sidecar = text.split(";")
-            start, length = leaders[text], int(length)
             if start <= info.offset and info.offset + info.length <= start + length:
-                holding.append(text)
-                # the region's checksum is in the rank's checksum file, not in .metadata
-                listed = json.loads((directory / sidecar).read_bytes())["regions"][name]
-                assert [start, length, checksum_chunks([data[start:start + length]])
-                        .split(":")[1]] in listed
+                holding.append(start)
+                # the region's checksum is in its file's trailer, not in .metadata
+                listed = trailer_of(directory / name).regions
+                assert listed[(name, start)] == (
+                    length, checksum_chunks([data[start:start + length]]).split(":")[1])
         assert len(holding) == 1
 
 
@@ -282,7 +284,7 @@ def test_a_flipped_byte_in_a_packs_table_of_members_names_the_region_and_its_fil
     tensor_io.save(state, directory, thread_count=1)
     (leader,) = [info for info in storage_info(directory).values()
                  if leads(info)]
-    _, length, _ = leader.transform_descriptors[0].split(";")
+    _, length = leader.transform_descriptors[0].split(";")
     flip_byte(directory / leader.relative_path, leader.offset + int(length) - 20)
 
     with pytest.raises(CorruptCheckpointError, match="region of packed small items") as caught:
@@ -391,11 +393,11 @@ def test_save_returns_every_file_with_the_size_and_checksum_of_its_bytes_on_disk
 
     on_disk = sorted(path.name for path in directory.iterdir())
     assert sorted(file.name for file in written) == on_disk
-    assert len(on_disk) > 2  # .metadata and data spread over several writer threads
+    assert on_disk == [".metadata", "__0_0.distcp"]  # one data file, its checksums inside
     for file in written:
         data = (directory / file.name).read_bytes()
         assert file.size == len(data), file.name
-        assert file.checksum == checksum_chunks([data]), file.name
+        assert file.checksum == checksum_chunks([data], like=file.checksum), file.name
     (metadata,) = [file for file in written if file.name == ".metadata"]
     assert sorted(metadata.references) == [name for name in on_disk if name != ".metadata"]
 
@@ -480,12 +482,15 @@ def test_a_truncated_data_file_is_incomplete_naming_the_file_and_key(tmp_path: P
     info = storage_info(directory)["f32"]
     truncate(directory / info.relative_path, info.offset + info.length - 1)
 
-    for verify in (True, False):
-        with pytest.raises(IncompleteCheckpointError) as caught:
-            tensor_io.load(blank_like(state), directory, verify=verify)
-        assert Path(caught.value.file).name == info.relative_path
-        assert caught.value.key == "f32"
-        assert info.relative_path in str(caught.value)
+    with pytest.raises(IncompleteCheckpointError) as caught:
+        tensor_io.load(blank_like(state), directory, verify=False)
+    assert Path(caught.value.file).name == info.relative_path
+    assert caught.value.key == "f32"
+    assert info.relative_path in str(caught.value)
+    # A verified load reads the file's checksum trailer first: cut off with the end.
+    with pytest.raises(CorruptCheckpointError, match="cut short") as corrupt:
+        tensor_io.load(blank_like(state), directory, verify=True)
+    assert Path(corrupt.value.file).name == info.relative_path
 
 
 # --------------------------------------------------------------------------- manager
@@ -523,7 +528,8 @@ def test_a_manager_save_takes_every_checksum_from_the_writers_without_reading_a_
     for path in data_files:
         entry = listed[f"tensors/{path.name}"]
         data = path.read_bytes()
-        assert (entry.size, entry.checksum) == (len(data), checksum_chunks([data])), path.name
+        assert (entry.size, entry.checksum) == (
+            len(data), checksum_chunks([data], like=entry.checksum)), path.name
 
 
 def _saved_manager(root: Path) -> tuple[CheckpointManager, Path]:
@@ -674,14 +680,14 @@ def test_publish_trusts_a_described_file_whose_size_matches_without_reading_it(
 
 def _record_writer_policies(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     seen: list[tuple[str, int]] = []
-    original = RawTensorWriter._write_file
+    original = RawTensorWriter._write_part
 
-    def recording(self: RawTensorWriter, name: str, items: Any, *rest: Any) -> Any:
-        result = original(self, name, items, *rest)
+    def recording(self: RawTensorWriter, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
         seen.append((threading.current_thread().name, os.sched_getscheduler(0)))
         return result
 
-    monkeypatch.setattr(RawTensorWriter, "_write_file", recording)
+    monkeypatch.setattr(RawTensorWriter, "_write_part", recording)
     return seen
 
 
@@ -777,7 +783,7 @@ def test_every_item_and_pack_starts_on_an_alignment_boundary_and_the_checksum_co
     (file,) = [file for file in written if file.name.endswith(".distcp")]
     on_disk = (tmp_path / "ckpt" / file.name).read_bytes()
     assert len(on_disk) % ALIGNMENT == 0 and file.size == len(on_disk)
-    assert file.checksum == checksum_chunks([on_disk])
+    assert file.checksum == checksum_chunks([on_disk], like=file.checksum)
     _round_trips(state, tmp_path / "ckpt")
 
 
@@ -824,21 +830,22 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
         unavailable("this platform has no O_DIRECT")
     import resumekit.tensors.raw.files as module
 
-    real_write = os.write
+    real_write = os.pwrite
     refused: list[int] = []
 
-    def refusing_write(fd: int, data: Any) -> int:
+    def refusing_write(fd: int, data: Any, offset: int) -> int:
         if not refused and os.get_blocking(fd) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             refused.append(fd)
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
-    monkeypatch.setattr(module.os, "write", refusing_write)
+    monkeypatch.setattr(module.os, "pwrite", refusing_write)
     written = tensor_io.save(_big_state(), tmp_path / "ckpt", thread_count=1)
     monkeypatch.undo()
     assert refused, "the first direct write should have been refused"
     (file,) = [file for file in written if file.name.endswith(".distcp")]
-    assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()])
+    assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()],
+                                            like=file.checksum)
     _round_trips(_big_state(), tmp_path / "ckpt")
 
 
@@ -877,14 +884,14 @@ def test_a_full_disk_in_the_raw_writer_names_the_cause_the_file_and_the_free_spa
     model, optimizer = _build()
     manager = CheckpointManager(tmp_path, model=model, optimizer=optimizer)
     manager.save(1)
-    real_write = os.write
+    real_write = os.pwrite
 
-    def full(fd: int, data: Any) -> int:
+    def full(fd: int, data: Any, offset: int) -> int:
         if os.readlink(f"/proc/self/fd/{fd}").endswith(".distcp"):
             raise OSError(code, os.strerror(code))
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
-    monkeypatch.setattr(module.os, "write", full)
+    monkeypatch.setattr(module.os, "pwrite", full)
     with pytest.raises(StorageError) as caught:
         manager.save(2)
     monkeypatch.undo()

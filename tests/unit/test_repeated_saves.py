@@ -4,7 +4,6 @@ same bytes, a changed structure still saves and loads, damage is named (issue 25
 from __future__ import annotations
 
 import importlib
-import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from resumekit import tensors as tensor_io
 from resumekit.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from resumekit.manager import CheckpointManager
-from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.retention import keep_all
 from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
-from resumekit.tensors.raw.format import Descriptor
+from resumekit.tensors.raw.format import Descriptor, decode_file_trailer
 
 # the modules, whose names the wing's functions ``load`` and ``save`` shadow
+DATA = "__0_0.distcp"  # a one-rank save's one data file
 load_module = importlib.import_module("resumekit.tensors.load")
 save_module = importlib.import_module("resumekit.tensors.save")
 
@@ -76,16 +76,17 @@ def test_a_second_save_of_the_same_state_writes_the_same_bytes_and_reports_the_s
             assert torch.equal(loaded[top][key], value), key
 
 
-def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_their_own_file(
+def test_metadata_bytes_depend_on_the_structure_only_and_checksums_are_in_the_data_file(
     tmp_path: Path,
 ) -> None:
     tensor_io.save(small_state(seed=1), tmp_path / "a")
     tensor_io.save(small_state(seed=2), tmp_path / "b")
     a, b = files_of(tmp_path / "a"), files_of(tmp_path / "b")
     assert a[DCP_METADATA_FILE] == b[DCP_METADATA_FILE]
-    sidecar = raw_checksums_file("__0_")
-    assert a[sidecar] != b[sidecar]
-    assert json.loads(a[sidecar])["format"] == raw_tensor_files.CHECKSUMS_FORMAT
+    assert sorted(a) == [DCP_METADATA_FILE, "__0_0.distcp"]
+    trailers = [decode_file_trailer(files[DATA], where=DATA) for files in (a, b)]
+    assert trailers[0].regions.keys() == trailers[1].regions.keys()
+    assert trailers[0].regions != trailers[1].regions  # other bytes, other checksums
     assert str(tmp_path) not in a[DCP_METADATA_FILE].decode("latin-1")  # no path in it
 
 
@@ -191,14 +192,16 @@ def test_a_flipped_byte_under_a_known_layout_still_names_the_damaged_tensor(
     assert caught.value.key == "model.layer9.weight"
 
 
-def test_a_damaged_checksum_file_fails_the_restore_naming_it(tmp_path: Path) -> None:
+def test_a_damaged_checksum_trailer_fails_the_restore_naming_its_file(tmp_path: Path) -> None:
     model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(8)])
     CheckpointManager(tmp_path, model=model, retention=keep_all()).save(1)
-    sidecar = next(tmp_path.glob(f"step_*/tensors/{raw_checksums_file('__0_')}"))
-    text = sidecar.read_text()
-    sidecar.write_text(text.replace("a", "b", 1) if "a" in text else text.replace("1", "2", 1))
-    with pytest.raises(CorruptCheckpointError, match=sidecar.name):
+    data_file = next(tmp_path.glob(f"step_*/tensors/{DATA}"))
+    data = bytearray(data_file.read_bytes())
+    data[len(data) - 4096 + 10] ^= 0x01  # in the trailer's JSON
+    data_file.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=DATA) as caught:
         CheckpointManager(tmp_path, model=model, fallback=False).restore()
+    assert "checksum trailer" in str(caught.value)
 
 
 def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
@@ -208,21 +211,21 @@ def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
     state = small_state(seed=7)
     directory = tmp_path / "ckpt"
     tensor_io.save(state, directory)
-    sidecar = directory / raw_checksums_file("__0_")
-    listed = json.loads(sidecar.read_bytes())["regions"]
-    sums = {(name, offset): digest for name, found in listed.items()
-            for offset, _, digest in found}
+    listed = decode_file_trailer((directory / DATA).read_bytes(), where=DATA).regions
+    sums = {key: digest for key, (_, digest) in listed.items()}
     with open(directory / DCP_METADATA_FILE, "rb") as handle:
         metadata = pickle.load(handle)  # our own file, written just now
     for info in metadata.storage_data.values():
         if tuple(info.transform_descriptors or ()) == MEMBER_DESCRIPTORS:
             info.transform_descriptors = None  # format 2's members carried none
         elif info.transform_descriptors:
-            _, length, _ = info.transform_descriptors[0].split(";")
+            _, length = info.transform_descriptors[0].split(";")
             digest = sums[(info.relative_path, info.offset)]
             info.transform_descriptors = [f"{FORMAT_NAME}/2;{length};xxh3_128:{digest}"]
     (directory / DCP_METADATA_FILE).write_bytes(pickle.dumps(metadata))
-    sidecar.unlink()
+    data = bytearray((directory / DATA).read_bytes())
+    data[-8:] = b"X" * 8  # the trailer is not read for format 2: its footer is no matter
+    (directory / DATA).write_bytes(bytes(data))
     loaded = blank(state)
     tensor_io.load(loaded, directory)
     for key, value in state["model"].items():

@@ -28,6 +28,7 @@ from resumekit.store.layout import TENSORS_DIR
 from resumekit.store.manifest import SCHEMA_HISTORY, SCHEMA_VERSION, Manifest, WriterGeneration
 from resumekit.store.storage import Storage
 from resumekit.tensors.index import read_metadata
+from resumekit.tensors.raw.format import TRAILER, TRAILER_MAGIC, trailer_length
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -67,6 +68,24 @@ WRITTEN: dict[int, dict[str, frozenset[str]]] = {
             # optional advice for inspect's goodput (issue 38); readers of 3 before it
             # ignore it, as they ignore lineage.started_at
             "save_stalls"}),
+        "file checksums": frozenset({"xxh3_128"}),
+    },
+    4: {
+        # Issue 40 item 3: one raw data file per rank, written in parts by several
+        # threads, its checksums in its trailer (no checksum file), items stored alone
+        # "resumekit-raw/5", regions "resumekit-raw/6;<length>", and the manifest's
+        # checksum of parts for it: readers of 3 know none of them.
+        "descriptors": frozenset({"resumekit-raw/5", "resumekit-raw/6",
+                                  "resumekit-raw/member", "(none: DCP's own format)"}),
+        "files": frozenset({"manifest.json", "train_state.pt", "rank_state/rank_N.pt",
+                            "tensors/.metadata", "tensors/__N_N.distcp"}),
+        "checksum formats": frozenset({"resumekit-raw-trailer/1"}),
+        "manifest fields": frozenset({
+            "schema_version", "step", "created_at", "captured_at", "world_size", "reason",
+            "files", "data_dir", "lineage", "generation", "extras", "metrics", "state",
+            "fingerprint", "versions", "tensor_format", "save_throughput", "local",
+            "save_interval", "save_stalls"}),
+        "file checksums": frozenset({"xxh3_128", "xxh3_128-parts"}),
     },
 }
 
@@ -84,7 +103,8 @@ def _written(root: Path, tensor_format: str) -> dict[str, set[str]]:
     manager.close()
     step = root / "step_000000001"
     found: dict[str, set[str]] = {"descriptors": set(), "files": set(),
-                                  "checksum formats": set(), "manifest fields": set()}
+                                  "checksum formats": set(), "manifest fields": set(),
+                                  "file checksums": set()}
     for item in read_metadata(step / TENSORS_DIR).storage_data.values():
         descriptors: Any = item.transform_descriptors
         found["descriptors"].update(
@@ -95,7 +115,15 @@ def _written(root: Path, tensor_format: str) -> dict[str, set[str]]:
             found["files"].add(re.sub(r"\d+", "N", path.relative_to(step).as_posix()))
         if path.name.endswith("_checksums.json"):
             found["checksum formats"].add(json.loads(path.read_text())["format"])
-    found["manifest fields"].update(json.loads((step / "manifest.json").read_text()))
+        data = path.read_bytes() if path.suffix == ".distcp" else b""
+        if data[-len(TRAILER_MAGIC):] == TRAILER_MAGIC:
+            body = TRAILER.unpack(data[-TRAILER.size:])[0]
+            start = len(data) - trailer_length(data[-TRAILER.size:], len(data), where="")
+            found["checksum formats"].add(json.loads(data[start:start + body])["format"])
+    manifest = json.loads((step / "manifest.json").read_text())
+    found["manifest fields"].update(manifest)
+    found["file checksums"].update(entry["checksum"].split(":")[0]
+                                   for entry in manifest["files"])
     return found
 
 

@@ -19,7 +19,6 @@ from resumekit.store.manifest import hex_digest
 from resumekit.tensors.raw.files import (
     FsspecFiles,
     aligned_empty,
-    write_checksums,
     write_new_file,
 )
 from resumekit.tensors.raw.format import (
@@ -79,6 +78,5 @@ __all__ = [
     "is_raw",
     "raw_files",
     "run_writer_threads",
-    "write_checksums",
     "write_new_file",
 ]

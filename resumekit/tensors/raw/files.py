@@ -2,17 +2,18 @@
 
 The pieces :mod:`resumekit.tensors.raw.writer`'s storage writers are made of:
 
-* :class:`AlignedFile`: a new local data file written with ``O_DIRECT`` where the
-  filesystem allows it (no page-cache copy, no dirty pages for writeback while training
-  runs), its running checksum covering every byte, padding included.
+* :class:`AlignedFile`: a new local data file, or one part of it (several threads write
+  one file, each at its own offset: :func:`open_new_file`, ``pwrite``), written with
+  ``O_DIRECT`` where the filesystem allows it (no page-cache copy, no dirty pages for
+  writeback while training runs), its running checksum covering every byte of the part,
+  padding included.
 * :class:`Pack`: small items gathered into one packed region (:mod:`.format`).
 * :class:`_HashingStream` and :class:`RecordingFileSystem`: any DCP ``FileSystem``'s
   write streams hashed and recorded by file name; a failed stream discarded (an object
   store then keeps no partial object), never completed by its close.
 * :class:`FsspecFiles`: DCP's public ``FileSystemBase`` over fsspec (``s3://``,
   ``memory://``, ...).
-* :func:`write_new_file`, :func:`write_checksums`: small files,
-  never over an existing one.
+* :func:`write_new_file`: small files, never over an existing one.
 * :func:`write_failure`: an ``OSError`` as a :class:`~resumekit.errors.StorageError`
   naming the file (a full disk also names the free space).
 """
@@ -29,7 +30,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -42,7 +43,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from resumekit.errors import StorageError
 from resumekit.store.layout import DCP_METADATA_FILE
-from resumekit.store.manifest import Checksum, checksum_chunks, hex_digest
+from resumekit.store.manifest import Checksum, hex_digest
 from resumekit.store.storage import open_filesystem
 from resumekit.tensors.raw.format import (
     ALIGNMENT,
@@ -55,10 +56,9 @@ from resumekit.tensors.raw.format import (
     PACK_FORMAT_VERSION,
     PACK_ITEM_ALIGNMENT,
     PACK_MAGIC,
+    TRAILER_PACK_PREFIX,
     StorageInfo,
-    WrittenFile,
     align_up,
-    encode_checksums,
 )
 
 __all__ = [
@@ -69,7 +69,7 @@ __all__ = [
     "RecordingFileSystem",
     "aligned_empty",
     "lower_thread_priority",
-    "write_checksums",
+    "open_new_file",
     "write_failure",
     "write_new_file",
 ]
@@ -329,28 +329,6 @@ def write_failure(where: str, error: BaseException, operation: str) -> StorageEr
 
 
 
-def write_checksums(path: str, name: str,
-                    regions: Mapping[str, Sequence[tuple[int, int, str]]],
-                    items: Mapping[str, Sequence[tuple[int, int, int, str]]] | None = None, *,
-                    sync: bool) -> WrittenFile:
-    """Write a checksum file (new, exclusively created) and describe it.
-
-    Args:
-        path: Where.
-        name: Its name in the checkpoint.
-        regions: ``{data file: [(offset, length, hex)]}`` of the packed regions.
-        items: ``{data file: [(offset, length, block bytes, concatenated hex)]}`` of the
-            items stored alone.
-        sync: ``fsync`` it.
-
-    Raises:
-        StorageError: It could not be written (naming it).
-    """
-    data = encode_checksums(regions, items)
-    write_new_file(path, data, sync=sync)
-    return WrittenFile(name, len(data), checksum_chunks([data]))
-
-
 def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
     """Create ``path`` (never an existing file: ``O_EXCL``), write ``data``, fsync if asked.
 
@@ -381,7 +359,9 @@ class Pack:
     :data:`PACK_ITEM_ALIGNMENT` boundary) in a region of at most :data:`PACK_BYTES`,
     written with one system call and covered, padding included, by one checksum. The
     region's first member starts the region and records its descriptor
-    (``resumekit-raw/3;<region length>;<checksum file>``); the others record
+    (``resumekit-raw/6;<region length>``, its checksum in its file's trailer; written
+    before ``schema_version`` 4: ``resumekit-raw/3;<region length>;<checksum file>``);
+    the others record
     :data:`MEMBER_DESCRIPTORS` (no content: DCP's stock reader refuses them by name) and
     belong to the region of their file that holds their offset
     (:class:`FileLayout`). The region ends with a table of its members (offset, length
@@ -391,7 +371,7 @@ class Pack:
     DCP's own format does.
     """
 
-    def __init__(self, name: str, sidecar: str) -> None:
+    def __init__(self, name: str, sidecar: str | None = None) -> None:
         self.name = name
         self.sidecar = sidecar
         self.regions: list[tuple[int, int, str]] = []  # (offset, length, hex) written
@@ -452,7 +432,8 @@ class Pack:
         FOOTER.pack_into(self.buffer, at, len(self.members), PACK_MAGIC)
         region = buffer[:at + FOOTER.size]
         base = handle.offset
-        descriptor = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};{self.sidecar}"
+        descriptor = (f"{TRAILER_PACK_PREFIX}{len(region)}" if self.sidecar is None else
+                      f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};{len(region)};{self.sidecar}")
         self.regions.append((base, len(region), hex_digest(region)))
         handle.write(region, None)
         handle.pad()
@@ -479,21 +460,15 @@ class AlignedFile:
     running checksum covers the padding too.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, shared: tuple[int, bool] | None = None,
+                 start: int = 0) -> None:
         self.path = path
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        direct = getattr(os, "O_DIRECT", 0)
-        self.direct = False
-        if direct:
-            try:
-                self.fd = os.open(path, flags | direct, 0o644)
-                self.direct = True
-            except OSError as error:
-                if error.errno != errno.EINVAL:
-                    raise
-        if not self.direct:
-            self.fd = os.open(path, flags, 0o644)
-        self.offset = 0
+        self.owner = shared is None
+        if shared is None:
+            self.fd, self.direct = open_new_file(path)
+        else:
+            self.fd, self.direct = shared
+        self.offset = start
         self.checksum = Checksum()
         self._bounce: mmap.mmap | None = None
 
@@ -502,7 +477,8 @@ class AlignedFile:
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
         try:
-            os.close(self.fd)
+            if self.owner:
+                os.close(self.fd)
         except OSError as error:
             if exc_type is None:
                 raise
@@ -592,15 +568,15 @@ class AlignedFile:
         self.checksum.update(zeros)
         if self.direct:  # the bounce write already put these zeros on disk
             self.offset += missing
-            os.lseek(self.fd, self.offset, os.SEEK_SET)
             return
         self._write_all(memoryview(zeros))
 
     def _write_all(self, data: memoryview, logical: int | None = None) -> None:
         total = len(data)
+        at = self.offset
         while data:
             try:
-                count = os.write(self.fd, data)
+                count = os.pwrite(self.fd, data, at)
             except OSError as error:
                 if not (self.direct and error.errno == errno.EINVAL):
                     raise
@@ -611,14 +587,30 @@ class AlignedFile:
                 self.direct = False
                 continue
             data = data[count:]
+            at += count
         self.offset += total if logical is None else logical
-        if logical is not None:
-            os.lseek(self.fd, self.offset, os.SEEK_SET)
 
     def _bounce_buffer(self) -> mmap.mmap:
         if self._bounce is None:
             self._bounce = mmap.mmap(-1, CHUNK_BYTES)  # anonymous: page-aligned
         return self._bounce
+
+
+def open_new_file(path: str) -> tuple[int, bool]:
+    """Create ``path`` (never an existing file), with ``O_DIRECT`` where allowed.
+
+    Returns:
+        Its descriptor and whether it is open for direct I/O.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return os.open(path, flags | direct, 0o644), True
+        except OSError as error:
+            if error.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
 
 
 def _address_of(buffer: mmap.mmap) -> int:

@@ -5,23 +5,34 @@
 DCP's ``.metadata`` (its planning, its pickle) stays DCP's own, and this module parses
 nothing else of it than the ``_StorageInfo`` of each item.
 
-An item of :data:`PACK_ITEM_BYTES` or more is stored alone, starting on an
-:data:`ALIGNMENT` boundary of its data file, checked in blocks (:func:`block_bytes_for`:
-about a sixteenth of it, 64 KiB to 4 MiB), so a reader that needs a slice verifies it
-without reading much more. Its ``_StorageInfo.transform_descriptors`` is
-``"resumekit-raw/4;<checksum file>"`` (:data:`ALONE_FORMAT_VERSION`), one shared tuple for
-every item of a rank, so the pickled ``.metadata`` holds it once per rank: the block size
-and the block checksums are in the writing rank's checksum file (``__<rank>_checksums.json``,
-:data:`CHECKSUMS_FORMAT`), read only by a reader of that rank's files, and the item's dtype
-and shape are DCP's own metadata entry's (issue 40: ``.metadata`` no bigger than DCP's, its
+Each rank writes one data file (``__<rank>_0.distcp``, ``schema_version`` 4), its items
+spread over the writer threads, each thread writing its share as one consecutive part of
+the file at an offset worked out before anything is written. An item of
+:data:`PACK_ITEM_BYTES` or more is stored alone, starting on an :data:`ALIGNMENT` boundary
+of the file, checked in blocks (:func:`block_bytes_for`: about a sixteenth of it, 64 KiB
+to 4 MiB), so a reader that needs a slice verifies it without reading much more. Its
+``_StorageInfo.transform_descriptors`` is :data:`TRAILER_ALONE_DESCRIPTORS`
+(``"resumekit-raw/5"``), one shared tuple, so the pickled ``.metadata`` holds it once: the
+block size and the block checksums are in the file's **trailer** (:func:`encode_trailer`:
+JSON of :data:`TRAILER_FORMAT`, zeros to an :data:`ALIGNMENT` boundary, the
+:data:`TRAILER` footer with the JSON's length, the XXH3-128 of everything before the footer
+and :data:`TRAILER_MAGIC`), read only by a reader of that file, and the item's dtype and
+shape are DCP's own metadata entry's (issue 40: ``.metadata`` no bigger than DCP's, its
 bytes depending only on the state's structure). Smaller items share packed regions of at
 most :data:`PACK_BYTES` (:class:`Pack`): one write and one checksum per region, whose
-first member records ``"resumekit-raw/3;<region length>;<checksum file>"`` and the others
+first member records ``"resumekit-raw/6;<region length>"`` and the others
 ``"resumekit-raw/member"`` (:data:`MEMBER_DESCRIPTORS`: nothing of their own; written since
 issue 29, members written before record nothing); their dtype and shape are DCP's metadata
-entries, the region's checksum is in the same checksum file. The checksum file is listed in
-the manifest and checked against it before use. What earlier versions wrote still loads:
-items stored alone with their dtype, shape and block checksums in the descriptor
+entries, the region's checksum is in the same trailer. The manifest records the file's
+checksum as one of parts (:data:`resumekit.store.manifest.PARTS_ALGORITHM`: each part's,
+the trailer last), and a reader checks the trailer against it before use.
+
+What earlier versions wrote still loads: up to ``schema_version`` 3, ``thread_count`` data
+files per rank and a checksum file per rank (``__<rank>_checksums.json``,
+:data:`CHECKSUMS_FORMAT`, listed in the manifest), items stored alone recording
+``"resumekit-raw/4;<checksum file>"`` (:data:`ALONE_FORMAT_VERSION`) and packs
+``"resumekit-raw/3;<region length>;<checksum file>"``; items stored alone with their dtype,
+shape and block checksums in the descriptor
 (``"resumekit-raw/1;<dtype>;<shape>;<block bytes>;xxh3_128:<hex>,<hex>,..."``, up to
 ``schema_version`` 2), packs with the checksum inline (format 2:
 ``"resumekit-raw/2;<region length>;xxh3_128:<hex>"``) and checksum files of regions only
@@ -42,6 +53,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
 import torch
+from xxhash import xxh3_128_digest
 
 from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError, UnreadableFormatError
@@ -67,6 +79,12 @@ __all__ = [
     "PACK_MAGIC",
     "PACK_PREFIX",
     "REGIONS_CHECKSUMS_FORMAT",
+    "REGION_PREFIXES",
+    "TRAILER",
+    "TRAILER_ALONE_DESCRIPTORS",
+    "TRAILER_FORMAT",
+    "TRAILER_MAGIC",
+    "TRAILER_PACK_PREFIX",
     "ChecksumFile",
     "Descriptor",
     "FileLayout",
@@ -81,10 +99,15 @@ __all__ = [
     "checksum_files",
     "decode_checksum_file",
     "decode_checksums",
+    "decode_file_trailer",
+    "decode_trailer",
     "encode_checksums",
+    "encode_trailer",
     "is_packed_member",
     "is_raw",
     "raw_files",
+    "trailer_length",
+    "wrap_trailer",
 ]
 
 FORMAT_NAME = "resumekit-raw"
@@ -118,6 +141,23 @@ packed regions and the items stored alone of the rank's data files."""
 REGIONS_CHECKSUMS_FORMAT = "resumekit-raw-checksums/1"
 """The ``format`` of a checksum file written before ``schema_version`` 3: its packed regions
 only (``"regions"``); still read."""
+TRAILER_ALONE_FORMAT_VERSION = 5
+"""The descriptor of an item stored alone, as written since ``schema_version`` 4:
+``resumekit-raw/5`` (:data:`TRAILER_ALONE_DESCRIPTORS`), its block size and block
+checksums in the trailer of its own data file (:func:`encode_trailer`)."""
+TRAILER_PACK_FORMAT_VERSION = 6
+"""The descriptor of the first item of a packed region, as written since ``schema_version``
+4: ``resumekit-raw/6;<region length>``, the region's checksum in the trailer of its own
+data file."""
+TRAILER_ALONE_DESCRIPTORS: tuple[str] = (f"{FORMAT_NAME}/{TRAILER_ALONE_FORMAT_VERSION}",)
+"""The descriptors of every item stored alone (``schema_version`` 4): one shared tuple, so
+the pickled ``.metadata`` holds it once."""
+TRAILER_FORMAT = "resumekit-raw-trailer/1"
+"""The ``format`` of the JSON trailer that ends a data file of ``schema_version`` 4: what a
+checksum file of :data:`CHECKSUMS_FORMAT` holds, for its own file only, followed by zeros
+up to a multiple of :data:`ALIGNMENT` bytes and the :data:`TRAILER` footer."""
+TRAILER = struct.Struct("<Q16s8s")  # JSON length, its XXH3-128, TRAILER_MAGIC: the last bytes
+TRAILER_MAGIC = b"RKTRAIL1"
 _HEX_DIGITS = 32  # one XXH3-128 in hex
 CHUNK_BYTES = 4 << 20
 """The largest checksummed block, hashed and written per system call: small enough to stay
@@ -277,8 +317,11 @@ class Descriptor:
 
 
 PACK_PREFIX = f"{FORMAT_NAME}/{PACK_FORMAT_VERSION};"
+TRAILER_PACK_PREFIX = f"{FORMAT_NAME}/{TRAILER_PACK_FORMAT_VERSION};"
 INLINE_PACK_PREFIX = f"{FORMAT_NAME}/{INLINE_PACK_FORMAT_VERSION};"
 ALONE_PREFIX = f"{FORMAT_NAME}/{ALONE_FORMAT_VERSION};"
+REGION_PREFIXES = (TRAILER_PACK_PREFIX, PACK_PREFIX, INLINE_PACK_PREFIX)
+"""The descriptors that start a packed region (formats 6, 3 and 2)."""
 
 
 def alone_descriptors(sidecar: str) -> tuple[str]:
@@ -343,6 +386,26 @@ def checksum_files(storage_data: Mapping[Any, StoredItem]) -> set[str]:
     return found
 
 
+def _checksums_of(sidecar: str, info: StoredItem) -> str:
+    """Where a layout looked an item's checksums up, for a message."""
+    return ("its file's trailer" if sidecar == info.relative_path
+            else f"its checksum file {sidecar}")
+
+
+def _trailer_region_length(text: str, *, where: str) -> int:
+    """The region length of a packed region's descriptor of format 6."""
+    try:
+        head, length_text = text.split(";")
+        length = int(length_text)
+        if head != f"{FORMAT_NAME}/{TRAILER_PACK_FORMAT_VERSION}" or length < 0:
+            raise ValueError(f"region length {length}")
+    except ValueError as error:
+        raise UnreadableFormatError(
+            f"{where}: unreadable storage descriptor {text[:120]!r} ({error})",
+            path=where, file=where) from None
+    return length
+
+
 class FileLayout:
     """Where the raw items of one checkpoint lie: raw files, packed regions by file.
 
@@ -374,8 +437,9 @@ class FileLayout:
                 continue
             self.raw.add(info.relative_path)
             text = cast(Sequence[str], info.transform_descriptors)[0]
-            if text.startswith(ALONE_PREFIX):
-                sidecar = _sidecar_of(text, ALONE_PREFIX, where=where(info))
+            if text.startswith(ALONE_PREFIX) or text == TRAILER_ALONE_DESCRIPTORS[0]:
+                sidecar = (info.relative_path if text == TRAILER_ALONE_DESCRIPTORS[0]
+                           else _sidecar_of(text, ALONE_PREFIX, where=where(info)))
                 key = (info.relative_path, info.offset)
                 if blocks is None:
                     self.alone[key] = (block_bytes_for(info.length), ())
@@ -385,11 +449,15 @@ class FileLayout:
                     place = where(info)
                     raise CorruptCheckpointError(
                         f"{place}: the item at offset {info.offset} ({info.length} bytes) "
-                        f"is not listed with that length in its checksum file {sidecar}",
+                        f"is not listed with that length in {_checksums_of(sidecar, info)}",
                         path=place, file=place)
                 self.alone[key] = (found[1], found[2])
-            elif text.startswith(PACK_PREFIX):
-                length, sidecar = Descriptor.decode_sidecar_region(text, where=where(info))
+            elif text.startswith((PACK_PREFIX, TRAILER_PACK_PREFIX)):
+                if text.startswith(TRAILER_PACK_PREFIX):
+                    length = _trailer_region_length(text, where=where(info))
+                    sidecar = info.relative_path
+                else:
+                    length, sidecar = Descriptor.decode_sidecar_region(text, where=where(info))
                 digest = ""
                 if checksums is not None:
                     listed = checksums(sidecar).get((info.relative_path, info.offset))
@@ -397,8 +465,8 @@ class FileLayout:
                         place = where(info)
                         raise CorruptCheckpointError(
                             f"{place}: the packed region at offset {info.offset} "
-                            f"({length} bytes) is not listed with that length in its "
-                            f"checksum file {sidecar}", path=place, file=place)
+                            f"({length} bytes) is not listed with that length in "
+                            f"{_checksums_of(sidecar, info)}", path=place, file=place)
                     digest = listed[1]
                 regions.setdefault(info.relative_path, []).append(
                     (info.offset, length, digest))
@@ -473,6 +541,80 @@ def encode_checksums(regions: Mapping[str, Sequence[tuple[int, int, str]]],
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def encode_trailer(name: str, regions: Sequence[tuple[int, int, str]],
+                   items: Sequence[tuple[int, int, int, str]]) -> bytes:
+    """The trailer that ends data file ``name``: its checksums, zeros, the footer.
+
+    Its length is a multiple of :data:`ALIGNMENT`, so the file stays one for direct I/O.
+
+    Args:
+        name: The data file's name in the checkpoint.
+        regions: ``(offset, length, hex)`` of its packed regions.
+        items: ``(offset, length, block bytes, concatenated hex of each block)`` of its
+            items stored alone.
+    """
+    return wrap_trailer(json.dumps({"format": TRAILER_FORMAT,
+                                    "regions": {name: [list(region) for region in regions]},
+                                    "items": {name: [list(item) for item in items]}},
+                                   separators=(",", ":")).encode())
+
+
+def wrap_trailer(body: bytes) -> bytes:
+    """A trailer holding ``body`` (JSON): ``body``, zeros, the footer that checks them."""
+    total = align_up(len(body) + TRAILER.size)
+    covered = body + bytes(total - len(body) - TRAILER.size)  # the zeros are checked too
+    return covered + TRAILER.pack(len(body), _trailer_digest(covered, len(body)),
+                                  TRAILER_MAGIC)
+
+
+def _trailer_digest(covered: bytes, body: int) -> bytes:
+    """The XXH3-128 a trailer's footer records: of the trailer before it and its length."""
+    return xxh3_128_digest(covered + body.to_bytes(8, "little"))
+
+
+def trailer_length(footer: bytes, size: int, *, where: str) -> int:
+    """The length of a data file's trailer, from its last :data:`TRAILER` ``.size`` bytes.
+
+    Raises:
+        CorruptCheckpointError: No footer of a trailer there (naming the file).
+    """
+    try:
+        body, _, magic = TRAILER.unpack(footer)
+    except struct.error:
+        body, magic = 0, b""
+    if magic != TRAILER_MAGIC or body + TRAILER.size > size:
+        raise CorruptCheckpointError(
+            f"{where}: its last {TRAILER.size} bytes are not the footer of a checksum "
+            "trailer (the file is damaged or cut short)", path=where, file=where)
+    return align_up(body + TRAILER.size)
+
+
+def decode_trailer(trailer: bytes, *, where: str) -> ChecksumFile:
+    """Parse a data file's trailer (:func:`encode_trailer`), checked against its footer.
+
+    Raises:
+        CorruptCheckpointError: The trailer does not match the checksum its footer records.
+        UnreadableFormatError: Not a trailer of a known format (naming the file).
+    """
+    body, digest, _ = TRAILER.unpack_from(trailer, len(trailer) - TRAILER.size)
+    covered = trailer[:len(trailer) - TRAILER.size]
+    if body > len(covered) or _trailer_digest(covered, body) != digest:
+        raise CorruptCheckpointError(
+            f"{where}: its checksum trailer ({len(trailer)} bytes at its end) does not match "
+            "the checksum its footer records", path=where, file=where)
+    return decode_checksum_file(covered[:body], where=where)
+
+
+def decode_file_trailer(data: bytes, *, where: str) -> ChecksumFile:
+    """The checksums in the trailer of a whole data file's bytes ``data``.
+
+    Raises:
+        CorruptCheckpointError: No trailer, or one that fails its checksum (naming the file).
+    """
+    length = trailer_length(data[-TRAILER.size:], len(data), where=where)
+    return decode_trailer(data[len(data) - length:], where=where)
+
+
 def decode_checksums(data: bytes, *, where: str) -> dict[tuple[str, int], tuple[int, str]]:
     """Parse a checksum file's packed regions: ``{(data file, offset): (length, hex)}``.
 
@@ -495,7 +637,7 @@ def decode_checksum_file(data: bytes, *, where: str) -> ChecksumFile:
     try:
         body = parse_json(data, source=where)
         found = body.get("format") if isinstance(body, dict) else None
-        if found not in (CHECKSUMS_FORMAT, REGIONS_CHECKSUMS_FORMAT):
+        if found not in (CHECKSUMS_FORMAT, REGIONS_CHECKSUMS_FORMAT, TRAILER_FORMAT):
             raise ValueError(f"unknown format {found!r}")
         regions: dict[tuple[str, int], tuple[int, str]] = {}
         for name, listed in body["regions"].items():
@@ -505,7 +647,8 @@ def decode_checksum_file(data: bytes, *, where: str) -> ChecksumFile:
                     raise ValueError(f"bad entry {[offset, length, digest]!r}")
                 regions[(str(name), offset)] = (length, digest)
         items: dict[tuple[str, int], tuple[int, int, tuple[str, ...]]] = {}
-        for name, listed in (body["items"] if found == CHECKSUMS_FORMAT else {}).items():
+        for name, listed in (body["items"] if found != REGIONS_CHECKSUMS_FORMAT
+                             else {}).items():
             for offset, length, block, digests in listed:
                 if not (isinstance(offset, int) and isinstance(length, int)
                         and isinstance(block, int) and isinstance(digests, str)

@@ -36,17 +36,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from resumekit.errors import CorruptCheckpointError, IncompleteCheckpointError
-from resumekit.store.manifest import Checksum, hex_digest
+from resumekit.store.manifest import Checksum, hex_digest, parse_parts_checksum
 from resumekit.store.retry import read_with_retry
 from resumekit.tensors.raw.files import FsspecFiles
 from resumekit.tensors.raw.format import (
     ALONE_PREFIX,
     CHUNK_BYTES,
+    DATA_SUFFIX,
     FOOTER,
-    INLINE_PACK_PREFIX,
     MEMBER,
     PACK_MAGIC,
-    PACK_PREFIX,
+    REGION_PREFIXES,
+    TRAILER,
+    TRAILER_ALONE_DESCRIPTORS,
     ChecksumFile,
     Descriptor,
     FileLayout,
@@ -54,7 +56,9 @@ from resumekit.tensors.raw.format import (
     byte_view,
     check_listed_checksum,
     decode_checksum_file,
+    decode_trailer,
     is_packed_member,
+    trailer_length,
 )
 
 __all__ = ["READ_THREADS", "FsspecReader", "RawTensorReading"]
@@ -212,7 +216,7 @@ class RawTensorReading:
             info: StoredItem = self.storage_data[request.storage_index]
             text = (info.transform_descriptors or ("",))[0]
             if (is_packed_member(info.transform_descriptors)
-                    or text.startswith((PACK_PREFIX, INLINE_PACK_PREFIX))):  # packed
+                    or text.startswith(REGION_PREFIXES)):  # packed
                 region = layout.region_of(info)
                 if region is None:
                     where = self._where(info)
@@ -224,7 +228,8 @@ class RawTensorReading:
                 dtype, shape = self._stored_form(request, info)
                 descriptor = Descriptor(dtype, shape, region[1], (region[2],),
                                          (region[0], region[1]))
-            elif text.startswith(ALONE_PREFIX):  # stored alone, blocks in its checksum file
+            elif (text.startswith(ALONE_PREFIX)  # stored alone, blocks in its checksum file
+                  or text == TRAILER_ALONE_DESCRIPTORS[0]):  # or its file's trailer
                 dtype, shape = self._stored_form(request, info)
                 block, blocks = layout.alone[(info.relative_path, info.offset)]
                 descriptor = Descriptor(dtype, shape, block, blocks)
@@ -235,11 +240,15 @@ class RawTensorReading:
                 target = planner.resolve_tensor(request).detach()
             per_file.setdefault(info.relative_path, []).append(
                 _Job(request, info, descriptor, target))
-        threads = max(1, min(self.read_threads, len(per_file)))
+        # One data file per rank (schema_version 4): a file's items are read by as many
+        # threads as the files leave idle, each a run of neighbouring items.
+        ways = max(1, self.read_threads // max(1, len(per_file)))
+        pieces = [(name, piece) for name, jobs in per_file.items()
+                  for piece in _split(jobs, ways)]
+        threads = max(1, min(self.read_threads, len(pieces)))
         with ThreadPoolExecutor(max_workers=threads,
                                 thread_name_prefix="resumekit-reader") as pool:
-            futures = [pool.submit(self._read_file, name, jobs)
-                       for name, jobs in per_file.items()]
+            futures = [pool.submit(self._read_file, name, jobs) for name, jobs in pieces]
             loaded = [future.result() for future in futures]  # re-raises the first error
         for values in loaded:
             for job, value in values:
@@ -273,7 +282,8 @@ class RawTensorReading:
         """Read (once per layout) and parse checksum file ``name``, checked first.
 
         With a manifest (``file_checksums``) the file must be listed in it and match its
-        recorded checksum, as ``.metadata`` must: the regions' checksums come from it.
+        recorded checksum, as ``.metadata`` must: the regions' checksums come from it. A
+        data file's ``name`` (``schema_version`` 4): its trailer (:meth:`_read_trailer`).
         """
         cache: dict[tuple[int, str], Any] = self.__dict__.setdefault("_checksum_files", {})
         key = (id(getattr(self, "storage_data", None)), name)
@@ -281,6 +291,12 @@ class RawTensorReading:
         if found is not None:
             return cast(ChecksumFile, found)
         where = str(os.fspath(self.fs.concat_path(self.path, name)))
+        if name.endswith(DATA_SUFFIX):
+            parsed = self._read_trailer(name, where)
+            for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
+                del cache[stale]
+            cache[key] = parsed
+            return parsed
 
         def read() -> bytes:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
@@ -299,6 +315,40 @@ class RawTensorReading:
             del cache[stale]
         cache[key] = parsed
         return parsed
+
+    def _read_trailer(self, name: str, where: str) -> ChecksumFile:
+        """Read and parse the checksum trailer that ends data file ``name``.
+
+        It must match the checksum its footer records and, with a manifest
+        (``file_checksums``), the last part of the file's checksum there, as a checksum
+        file must match its entry.
+
+        Raises:
+            CorruptCheckpointError: No trailer, or one that fails a checksum (naming the
+                file).
+        """
+        def read() -> bytes:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                size = stream.seek(0, os.SEEK_END)
+                stream.seek(max(0, size - TRAILER.size))
+                length = trailer_length(stream.read(TRAILER.size), size, where=where)
+                stream.seek(size - length)
+                return cast(bytes, stream.read(length))
+
+        data = read_with_retry(where, read)
+        if self.file_checksums is not None:
+            expected = self.file_checksums.get(name)
+            parts = None if expected is None else parse_parts_checksum(expected)
+            if not parts:
+                raise CorruptCheckpointError(
+                    f"{where} is not listed in the checkpoint's manifest with a checksum of "
+                    f"parts (found {expected!r}), so its checksum trailer cannot be verified",
+                    path=where, file=where)
+            if parts[-1] != (len(data), hex_digest(data)):
+                raise CorruptCheckpointError(
+                    f"{where}: its checksum trailer ({len(data)} bytes) does not match its "
+                    f"checksum in the manifest", path=where, file=where)
+        return decode_trailer(data, where=where)
 
     def _stored_form(self, request: ReadItem, info: StoredItem
                      ) -> tuple[torch.dtype | None, tuple[int, ...]]:
@@ -524,6 +574,23 @@ class RawTensorReading:
                         path=where, file=where, key=job.request.storage_index.fqn,
                     )
                 got += count
+
+
+def _split(jobs: list[_Job], ways: int) -> list[list[_Job]]:
+    """``jobs`` (of one file) in up to ``ways`` runs of neighbouring items, of similar bytes."""
+    if ways <= 1 or len(jobs) <= 1:
+        return [jobs]
+    ordered = sorted(jobs, key=lambda job: job.info.offset)
+    share = sum(job.info.length for job in ordered) / ways
+    runs: list[list[_Job]] = [[]]
+    load = 0
+    for job in ordered:
+        if runs[-1] and load >= share and len(runs) < ways:
+            runs.append([])
+            load = 0
+        runs[-1].append(job)
+        load += job.info.length
+    return runs
 
 
 def _contiguous_span(shape: tuple[int, ...], offsets: Sequence[int],

@@ -6,9 +6,10 @@ writers replace only how a rank's items reach its files (``write_data``) and che
 ``finish`` records:
 
 * :class:`RawTensorWriter` (local directories) writes each tensor's bytes as they lie in
-  memory (:mod:`.format`), ``thread_count`` files per rank, each file from its own thread.
-  Every chunk is hashed on its way to the file, so the commit store gets each file's
-  checksum without reading the file back (:attr:`RawTensorWriter.written`). File writes
+  memory (:mod:`.format`), one file per rank written by ``thread_count`` threads, each its
+  own consecutive part of the file. Every chunk is hashed on its way to the file, so the
+  commit store gets each file's checksum (one of parts) without reading the file back
+  (:attr:`RawTensorWriter.written`). File writes
   and the hash both release the GIL; for a background save the writer threads also drop
   to idle CPU priority, so the training loop keeps its cores.
 * :class:`CheckedDcpWriter` (fsspec URLs: ``s3://``, ``memory://``, ...) writes DCP's own
@@ -46,7 +47,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from resumekit.errors import StorageError
-from resumekit.store.layout import DCP_METADATA_FILE, raw_checksums_file
+from resumekit.store.layout import DCP_METADATA_FILE
+from resumekit.store.manifest import hex_digest, parts_checksum
 from resumekit.tensors.raw.files import (
     METADATA_TMP,
     AlignedFile,
@@ -54,19 +56,25 @@ from resumekit.tensors.raw.files import (
     Pack,
     RecordingFileSystem,
     lower_thread_priority,
-    write_checksums,
+    open_new_file,
     write_failure,
 )
 from resumekit.tensors.raw.format import (
     CHUNK_BYTES,
     DATA_SUFFIX,
+    FOOTER,
+    MEMBER,
+    PACK_BYTES,
+    PACK_ITEM_ALIGNMENT,
     PACK_ITEM_BYTES,
+    TRAILER_ALONE_DESCRIPTORS,
     StorageInfo,
     WrittenFile,
-    alone_descriptors,
+    align_up,
     block_bytes_for,
     byte_view,
     checksum_files,
+    encode_trailer,
 )
 
 __all__ = [
@@ -279,7 +287,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
 
     Args:
         path: The (empty) directory to write into.
-        thread_count: Files, and writer threads, per rank.
+        thread_count: Writer threads per rank, each writing one part of the rank's file.
         sync_files: ``fsync`` each file before the write is reported done.
         background: The save overlaps training: writer threads run at idle CPU priority
             (``SCHED_IDLE``, else nice 19) so the training threads keep their cores.
@@ -296,7 +304,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         self._start_reporting()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items, one file per thread; raise if any thread failed.
+        """Write this rank's items into its one data file, a part per thread.
 
         Raises:
             StorageError: A file could not be written (naming it; a full disk also names
@@ -304,11 +312,9 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """
         prefix = _files_of(plan).prefix
         buckets = [bucket for bucket in _balance(plan.items, self.thread_count) if bucket]
-        jobs = [
-            (f"{prefix}{number}{DATA_SUFFIX}",
-             [(item, planner.resolve_data(item)) for item in bucket])
-            for number, bucket in enumerate(buckets)
-        ]
+        name = f"{prefix}0{DATA_SUFFIX}"
+        jobs = [(name, [(item, planner.resolve_data(item)) for item in bucket])
+                for bucket in buckets]
         results = self.write_jobs(jobs, prefix)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
@@ -317,47 +323,78 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
     def write_jobs(self, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem,
                                                                    torch.Tensor | io.BytesIO]]]],
                    prefix: str) -> list[WriteResult]:
-        """Write each ``(file name, [(item, data)])`` of ``jobs``, then the checksum file.
+        """Write each ``(file name, [(item, data)])`` of ``jobs``: a part of that file each.
 
-        The checksum file (``__<rank>_checksums.json``) holds the block checksums of the
-        items stored alone and the checksums of the packed regions, of every file of the
-        rank: what only a reader of these files needs stays beside them, out of
-        ``.metadata``.
+        The jobs of one file name are the consecutive parts of that file, each written by
+        its own thread at an offset worked out before any is written (the parts' sizes
+        follow from the items' lengths), and hashed by that thread as it writes. The file
+        ends with its trailer (:func:`~resumekit.tensors.raw.format.encode_trailer`): the
+        block checksums of its items stored alone and the checksums of its packed regions,
+        what only a reader of this file needs, out of ``.metadata``. Its checksum for the
+        manifest is a checksum of parts (:data:`~resumekit.store.manifest.PARTS_ALGORITHM`):
+        each part's, then the trailer's.
 
         :meth:`write_data` writes DCP's plan with it, and the writer process
         (:mod:`resumekit.tensors.remote`) the same files in the same order: the same bytes.
-        Resets and fills :attr:`written`.
+        ``prefix`` (``__<rank>_``) names the rank's files. Resets and fills :attr:`written`.
 
         Returns:
-            Every item's result, file by file in ``jobs`` order.
+            Every item's result, part by part in ``jobs`` order.
 
         Raises:
             StorageError: A file could not be written (naming it).
         """
+        del prefix  # the jobs name the files
         self.written = []
+        files: dict[str, list[Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]]] = {}
+        for name, items in jobs:
+            files.setdefault(name, []).append(items)
+        on_caller = not self.background and _is_small(
+            [item for _, items in jobs for item, _ in items])
         results: list[WriteResult] = []
-        sidecar = raw_checksums_file(prefix)
-        alone = alone_descriptors(sidecar)  # one tuple: pickled once in .metadata
-        outcomes = run_writer_threads([
-            functools.partial(self._write_file, name, items, sidecar, alone)
-            for name, items in jobs],
-            on_caller=not self.background and _is_small(
-                [item for _, items in jobs for item, _ in items]))
-        regions: dict[str, list[tuple[int, int, str]]] = {}
-        blocks: dict[str, list[tuple[int, int, int, str]]] = {}
-        for (name, _), (file_results, written, packed, stored) in zip(jobs, outcomes,
-                                                                        strict=True):
+        for name, parts in files.items():
+            path = os.path.join(os.fspath(self.path), name)
+            try:
+                file_results, written = self._write_parts(path, name, parts, on_caller)
+            except OSError as error:
+                raise write_failure(path, error, "write") from error
             results.extend(file_results)
             self.written.append(written)
-            if packed:
-                regions[name] = packed
-            if stored:
-                blocks[name] = stored
-        if regions or blocks:
-            self.written.append(write_checksums(
-                os.path.join(os.fspath(self.path), sidecar), sidecar, regions, blocks,
-                sync=self.sync_files))
         return results
+
+    def _write_parts(self, path: str, name: str,
+                     parts: Sequence[Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]],
+                     on_caller: bool) -> tuple[list[WriteResult], WrittenFile]:
+        """Write one data file: its parts, each on its own thread, then its trailer."""
+        sizes = [_planned_bytes(items) for items in parts]
+        starts = [sum(sizes[:number]) for number in range(len(parts))]
+        shared = open_new_file(path)
+        try:
+            outcomes = run_writer_threads([
+                functools.partial(self._write_part, path, name, items, shared=shared,
+                                  start=start, size=size)
+                for items, start, size in zip(parts, starts, sizes, strict=True)],
+                on_caller=on_caller)
+            results: list[WriteResult] = []
+            regions: list[tuple[int, int, str]] = []
+            stored: list[tuple[int, int, int, str]] = []
+            digests: list[tuple[int, str]] = []
+            for size, (part_results, digest, packed, alone) in zip(sizes, outcomes,
+                                                                     strict=True):
+                results.extend(part_results)
+                regions.extend(packed)
+                stored.extend(alone)
+                digests.append((size, digest))
+            trailer = encode_trailer(name, regions, stored)
+            end = sum(sizes)
+            with AlignedFile(path, shared=shared, start=end) as handle:
+                handle.write(memoryview(trailer), None)
+            digests.append((len(trailer), hex_digest(trailer)))
+            if self.sync_files:
+                os.fsync(shared[0])
+        finally:
+            os.close(shared[0])
+        return results, WrittenFile(name, end + len(trailer), parts_checksum(digests))
 
     def storage_meta(self) -> None:
         """None: no path or save id in ``.metadata``.
@@ -367,71 +404,120 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """
         return None
 
-    def _write_file(
-        self, name: str, items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
-        sidecar: str, alone: tuple[str],
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
-               list[tuple[int, int, int, str]]]:
-        if self.background:
-            lower_thread_priority()
-        path = os.path.join(os.fspath(self.path), name)
-        try:
-            return self._write_items(path, name, items, sidecar, alone)
-        except OSError as error:
-            raise write_failure(path, error, "write") from error
-
-    def _write_items(
+    def _write_part(
         self, path: str, name: str,
-        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], sidecar: str,
-        alone: tuple[str],
-    ) -> tuple[list[WriteResult], WrittenFile, list[tuple[int, int, str]],
+        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]], *,
+        shared: tuple[int, bool], start: int, size: int,
+    ) -> tuple[list[WriteResult], str, list[tuple[int, int, str]],
                list[tuple[int, int, int, str]]]:
-        """Write one data file.
+        """Write the part of ``size`` bytes at ``start`` of one data file.
 
         Returns:
-            Its results, the file, its packed regions ``(offset, length, hex)`` and its
-            items stored alone ``(offset, length, block bytes, concatenated hex of each
-            block)``.
+            Its results, the hex XXH3-128 of the part, its packed regions ``(offset,
+            length, hex)`` and its items stored alone ``(offset, length, block bytes,
+            concatenated hex of each block)``.
+
+        Raises:
+            StorageError: A write failed (naming the file).
+        """
+        if self.background:
+            lower_thread_priority()
+        try:
+            with AlignedFile(path, shared=shared, start=start) as handle:
+                results, packed, stored = self._write_items(handle, name, items)
+                if handle.offset != start + size:
+                    raise StorageError(
+                        f"writing {path}: a part planned as bytes {start}+{size} ended at "
+                        f"{handle.offset} (a bug in resumekit: nothing was committed)",
+                        path=path, file=name, operation="write")
+                digest = handle.checksum.value().partition(":")[2]
+        except OSError as error:
+            raise write_failure(path, error, "write") from error
+        return results, digest, packed, stored
+
+    def _write_items(
+        self, handle: AlignedFile, name: str,
+        items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]],
+    ) -> tuple[list[WriteResult], list[tuple[int, int, str]],
+               list[tuple[int, int, int, str]]]:
+        """Write items through ``handle`` from its offset on.
+
+        Returns:
+            Their results, the packed regions ``(offset, length, hex)`` and the items
+            stored alone ``(offset, length, block bytes, concatenated hex of each block)``.
         """
         results: list[WriteResult] = []
         stored: list[tuple[int, int, int, str]] = []
-        with AlignedFile(path) as handle:
-            pack = Pack(name, sidecar)
-            for item, data in items:
-                small = _small_cpu_bytes(data)
-                if small is not None:  # the common small tensor: copied, no view objects
-                    if not pack.fits(small[1]):
-                        results.extend(pack.flush(handle))
-                    pack.add_from(item, *small)
-                    continue
-                view, address = _bytes_of(data)
-                if len(view) < PACK_ITEM_BYTES:
-                    if not pack.fits(len(view)):
-                        results.extend(pack.flush(handle))
-                    pack.add(item, view)
-                    continue
-                results.extend(pack.flush(handle))
-                block = block_bytes_for(len(view))
-                stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
-                blocks: list[str] = []
-                offset = handle.offset
-                for start in range(0, len(view), stride):
-                    blocks += handle.write(view[start:start + stride],
-                                           None if address is None else address + start,
-                                           block=block)
-                handle.pad()  # the next item starts on an ALIGNMENT boundary
-                stored.append((offset, len(view), block, "".join(blocks)))
-                results.append(WriteResult(
-                    index=item.index, size_in_bytes=len(view),
-                    storage_data=StorageInfo(name, offset, len(view),
-                                              transform_descriptors=alone),
-                ))
+        pack = Pack(name)
+        for item, data in items:
+            small = _small_cpu_bytes(data)
+            if small is not None:  # the common small tensor: copied, no view objects
+                if not pack.fits(small[1]):
+                    results.extend(pack.flush(handle))
+                pack.add_from(item, *small)
+                continue
+            view, address = _bytes_of(data)
+            if len(view) < PACK_ITEM_BYTES:
+                if not pack.fits(len(view)):
+                    results.extend(pack.flush(handle))
+                pack.add(item, view)
+                continue
             results.extend(pack.flush(handle))
-            if self.sync_files:
-                os.fsync(handle.fd)
-            written = WrittenFile(name, handle.offset, handle.checksum.value())
-        return results, written, pack.regions, stored
+            block = block_bytes_for(len(view))
+            stride = block * max(1, CHUNK_BYTES // block)  # whole blocks per write
+            blocks: list[str] = []
+            offset = handle.offset
+            for start in range(0, len(view), stride):
+                blocks += handle.write(view[start:start + stride],
+                                       None if address is None else address + start,
+                                       block=block)
+            handle.pad()  # the next item starts on an ALIGNMENT boundary
+            stored.append((offset, len(view), block, "".join(blocks)))
+            results.append(WriteResult(
+                index=item.index, size_in_bytes=len(view),
+                storage_data=StorageInfo(name, offset, len(view),
+                                          transform_descriptors=TRAILER_ALONE_DESCRIPTORS),
+            ))
+        results.extend(pack.flush(handle))
+        return results, pack.regions, stored
 
+
+def _planned_bytes(items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]) -> int:
+    """The bytes :meth:`RawTensorWriter._write_items` writes for ``items``, from their lengths.
+
+    The same layout: items of :data:`PACK_ITEM_BYTES` or more alone, padded to the next
+    :data:`ALIGNMENT` boundary; smaller ones packed (:class:`Pack`: members on
+    :data:`PACK_ITEM_ALIGNMENT` boundaries, a region closed when the next member and its
+    row of the table would not fit in :data:`PACK_BYTES`, then its table and footer, the
+    region padded to a boundary). A part's writer checks it ended where this said.
+    """
+    total = used = members = 0
+    for _, data in items:
+        length = _length_of(data)
+        if length >= PACK_ITEM_BYTES:
+            if members:
+                total += align_up(used + members * MEMBER.size + FOOTER.size)
+                used = members = 0
+            total += align_up(length)
+            continue
+        start = -(-used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        if members and align_up(start + length + (members + 1) * MEMBER.size
+                                + FOOTER.size) > PACK_BYTES:
+            total += align_up(used + members * MEMBER.size + FOOTER.size)
+            used = members = 0
+            start = 0
+        used = start + length
+        members += 1
+    if members:
+        total += align_up(used + members * MEMBER.size + FOOTER.size)
+    return total
+
+
+def _length_of(data: torch.Tensor | io.BytesIO) -> int:
+    """The bytes an item's data takes in a file."""
+    if isinstance(data, io.BytesIO):
+        return len(data.getbuffer())
+    return data.numel() * data.element_size()
 
 
 def _bytes_of(data: torch.Tensor | io.BytesIO) -> tuple[memoryview, int | None]:
