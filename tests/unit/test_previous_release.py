@@ -155,8 +155,9 @@ def test_checkpoints_the_previous_release_set_aside_are_put_back_and_resume_bit_
     said = rounds["read"]["before-schema-2"]  # issue 37's finding, as it was
     assert said["error"] == "ResumekitError" and "could be restored" in said["message"]
     assert re.search(  # what it cannot read: the members' descriptor, or (schema 3) the
-        # items stored alone's descriptor or their checksum file
-        r"unreadable (storage descriptor 'resumekit-raw/(member|4;)"
+        # items stored alone's descriptor or their checksum file, or (schema 4) the
+        # descriptors of one data file per rank with its trailer
+        r"unreadable (storage descriptor 'resumekit-raw/(member|4;|5|6;)"
         r"|checksum file \(unknown format 'resumekit-raw-checksums/2'\))",
         said["message"]), said["message"]
     aside = [entry for entry in said["listing"] if ".bad-" in entry]
