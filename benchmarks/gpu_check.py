@@ -597,9 +597,9 @@ class _Recorder:
         recorder = self
 
         class Recording(original):  # type: ignore[misc, valid-type]
-            def __init__(self, path: str) -> None:
+            def __init__(self, path: str, **how: Any) -> None:  # shared=, start=: a part
                 self.path_name = path
-                super().__init__(path)
+                super().__init__(path, **how)
                 self.opened_direct = self.direct
 
             def __exit__(self, *exc_info: object) -> None:

@@ -146,11 +146,15 @@ def _local_step_of(step: int) -> int:
 
 def _committed_local(output: Path, after: int) -> set[int]:
     """Local steps rank 0 logged committed (and replicated) past offset ``after``, and the
-    step this run resumed at there: it saves no local copy of the step it restored, so no
-    write of it is in flight (a CI rehearsal waited for that commit line in vain)."""
+    step this run resumed at (its line ends at ``after``): it saves no local copy of the
+    step it restored, so no write of it is in flight (CI rehearsals waited for that commit
+    line in vain)."""
     text = output.read_text(errors="replace") if output.exists() else ""
+    # ``after`` ends this run's own "resumed at step" line: that line counts too (a run
+    # resumed at a local step, say 6, and frozen at 7 has no write in flight).
+    line_start = text.rfind("\n", 0, after) + 1
     return ({int(s) for s in _RANK0_LOCAL_COMMIT.findall(text, after)}
-            | {int(step) for _, step in _RESUMED_AT.findall(text, after)})
+            | {int(step) for _, step in _RESUMED_AT.findall(text, line_start)})
 
 
 @contextmanager
