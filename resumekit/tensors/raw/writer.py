@@ -315,14 +315,14 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         name = f"{prefix}0{DATA_SUFFIX}"
         jobs = [(name, [(item, planner.resolve_data(item)) for item in bucket])
                 for bucket in buckets]
-        results = self.write_jobs(jobs, prefix)
+        results = self.write_jobs(jobs)
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
     def write_jobs(self, jobs: Sequence[tuple[str, Sequence[tuple[WriteItem,
-                                                                   torch.Tensor | io.BytesIO]]]],
-                   prefix: str) -> list[WriteResult]:
+                                                                   torch.Tensor | io.BytesIO]]]]
+                   ) -> list[WriteResult]:
         """Write each ``(file name, [(item, data)])`` of ``jobs``: a part of that file each.
 
         The jobs of one file name are the consecutive parts of that file, each written by
@@ -336,7 +336,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
 
         :meth:`write_data` writes DCP's plan with it, and the writer process
         (:mod:`resumekit.tensors.remote`) the same files in the same order: the same bytes.
-        ``prefix`` (``__<rank>_``) names the rank's files. Resets and fills :attr:`written`.
+        Resets and fills :attr:`written`.
 
         Returns:
             Every item's result, part by part in ``jobs`` order.
@@ -344,7 +344,6 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         Raises:
             StorageError: A file could not be written (naming it).
         """
-        del prefix  # the jobs name the files
         self.written = []
         files: dict[str, list[Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]]]] = {}
         for name, items in jobs:
