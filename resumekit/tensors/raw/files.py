@@ -69,7 +69,9 @@ __all__ = [
     "RecordingFileSystem",
     "aligned_empty",
     "lower_thread_priority",
+    "member_start",
     "open_new_file",
+    "region_bytes",
     "write_failure",
     "write_new_file",
 ]
@@ -352,6 +354,21 @@ def write_new_file(path: str, data: bytes, *, sync: bool) -> None:
 
 
 
+def member_start(used: int) -> int:
+    """Where a packed region's next member starts when ``used`` bytes of it are taken."""
+    return -(-used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+
+
+def region_bytes(used: int, members: int) -> int:
+    """The bytes a packed region takes in its file.
+
+    ``members`` members ending at ``used``, then their table and its footer, padded to the
+    next ``ALIGNMENT`` boundary: the one rule :class:`Pack` writes by and a part's size is
+    planned by.
+    """
+    return align_up(used + members * MEMBER.size + FOOTER.size)
+
+
 class Pack:
     """Small items gathered into one region of a data file, written and hashed as one.
 
@@ -382,13 +399,12 @@ class Pack:
 
     def fits(self, length: int) -> bool:
         """Whether ``length`` more bytes (and their member row) fit in this region."""
-        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
-        table = (len(self.members) + 1) * MEMBER.size + FOOTER.size
-        return align_up(start + length + table) <= PACK_BYTES
+        return region_bytes(member_start(self.used) + length,
+                            len(self.members) + 1) <= PACK_BYTES
 
     def add(self, item: WriteItem, view: memoryview) -> None:
         """Copy ``view``, the bytes of ``item``, into the region at its next aligned offset."""
-        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        start = member_start(self.used)
         self.buffer[self.used:start] = bytes(start - self.used)
         self.buffer[start:start + len(view)] = view
         self.used = start + len(view)
@@ -396,7 +412,7 @@ class Pack:
 
     def add_from(self, item: WriteItem, address: int, length: int) -> None:
         """Add ``length`` bytes at ``address`` in memory (a contiguous CPU tensor's)."""
-        start = -(-self.used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
+        start = member_start(self.used)
         self.buffer[self.used:start] = bytes(start - self.used)
         if length:
             ctypes.memmove(self.address + start, address, length)
@@ -423,7 +439,7 @@ class Pack:
         # Members, zeros, then the table and its footer, ending on an ALIGNMENT boundary:
         # the region's checksum covers every byte of it, padding included.
         table = len(self.members) * MEMBER.size + FOOTER.size
-        at = align_up(self.used + table) - table
+        at = region_bytes(self.used, len(self.members)) - table
         self.buffer[self.used:at] = bytes(at - self.used)
         for _, start, length in self.members:  # the table that names a damaged member
             MEMBER.pack_into(self.buffer, at, start, length,

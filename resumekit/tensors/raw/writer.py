@@ -56,16 +56,15 @@ from resumekit.tensors.raw.files import (
     Pack,
     RecordingFileSystem,
     lower_thread_priority,
+    member_start,
     open_new_file,
+    region_bytes,
     write_failure,
 )
 from resumekit.tensors.raw.format import (
     CHUNK_BYTES,
     DATA_SUFFIX,
-    FOOTER,
-    MEMBER,
     PACK_BYTES,
-    PACK_ITEM_ALIGNMENT,
     PACK_ITEM_BYTES,
     TRAILER_ALONE_DESCRIPTORS,
     StorageInfo,
@@ -495,20 +494,17 @@ def _planned_bytes(items: Sequence[tuple[WriteItem, torch.Tensor | io.BytesIO]])
         length = _length_of(data)
         if length >= PACK_ITEM_BYTES:
             if members:
-                total += align_up(used + members * MEMBER.size + FOOTER.size)
+                total += region_bytes(used, members)
                 used = members = 0
             total += align_up(length)
             continue
-        start = -(-used // PACK_ITEM_ALIGNMENT) * PACK_ITEM_ALIGNMENT
-        if members and align_up(start + length + (members + 1) * MEMBER.size
-                                + FOOTER.size) > PACK_BYTES:
-            total += align_up(used + members * MEMBER.size + FOOTER.size)
+        if members and region_bytes(member_start(used) + length, members + 1) > PACK_BYTES:
+            total += region_bytes(used, members)
             used = members = 0
-            start = 0
-        used = start + length
+        used = member_start(used) + length
         members += 1
     if members:
-        total += align_up(used + members * MEMBER.size + FOOTER.size)
+        total += region_bytes(used, members)
     return total
 
 
