@@ -12,6 +12,9 @@ from torch import nn
 BYTES_PER_PARAM = 12
 LAYERS = 24
 _ALIGN = 64
+#: Activation elements per layer output in one forward/backward pass of
+#: :func:`train_step` (a larger batch is split): about 8 MiB per fp32 tensor.
+MICRO_BATCH_ELEMENTS = 2**21
 
 
 @dataclass(frozen=True)
@@ -60,15 +63,37 @@ def build_optimizer(model: nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
 
+def micro_batch_rows(width: int) -> int:
+    """Rows of one forward/backward pass: :data:`MICRO_BATCH_ELEMENTS` / ``width``, >= 1."""
+    return max(1, MICRO_BATCH_ELEMENTS // width)
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: int = 16,
                seed: int = 0) -> float:
-    """One forward/backward/AdamW step on a fixed random batch; returns the loss."""
+    """One forward/backward/AdamW step on a fixed random batch; returns the loss.
+
+    A batch of more than :func:`micro_batch_rows` rows runs as that many rows per
+    forward/backward pass, the gradients accumulated (the loss is the mean over the whole
+    batch either way): a step made long by a large batch (the scale bench's tight-grace
+    launch grows it until a step takes 3x the save) costs compute, never memory. One
+    such launch on a loaded machine grew a batch past 10 GB of activations and the OOM
+    killer took a rank.
+    """
     width = next(model.parameters()).shape[-1]
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, width, generator=generator)
-    loss = model(x).pow(2).mean()
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    rows = micro_batch_rows(width)
+    if batch <= rows:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+    else:
+        total = torch.zeros(())
+        for chunk in x.split(rows):
+            part = model(chunk).pow(2).sum() / (batch * width)
+            part.backward()
+            total += part.detach()
+        loss = total
     optimizer.step()
     return float(loss.detach())
 
