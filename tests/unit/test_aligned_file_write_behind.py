@@ -262,3 +262,29 @@ def test_a_background_saves_write_behind_thread_runs_at_idle_priority_like_its_w
     loaded = {"big": torch.zeros_like(state["big"])}
     tensor_io.load(loaded, tmp_path / "background")
     assert torch.equal(loaded["big"], state["big"])
+
+
+def test_a_file_written_while_the_interpreter_shuts_down_is_written_on_its_own_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import concurrent.futures.thread as pool_module
+
+    data = _unaligned_bytes(3 * CHUNK_BYTES + 1000, seed=10)
+    path = tmp_path / "file"
+    threads: set[str] = set()
+    real_write = os.pwrite
+
+    def recording(fd: int, buffer: Any, offset: int) -> int:
+        threads.add(threading.current_thread().name)
+        return real_write(fd, buffer, offset)
+
+    monkeypatch.setattr(files_module.os, "pwrite", recording)
+    monkeypatch.setattr(pool_module, "_shutdown", True)  # as in an atexit handler
+    with _direct_file(path) as handle:
+        _write_chunks(handle, data)
+        checksum, size = handle.checksum.value(), handle.offset
+    monkeypatch.undo()
+
+    assert threads == {threading.current_thread().name}
+    stored = path.read_bytes()
+    assert size == len(stored) and stored[:len(data)] == data.numpy().tobytes()
+    assert checksum == checksum_chunks([stored])

@@ -704,15 +704,23 @@ class AlignedFile:
             return
         if self._behind is None:
             self._behind = _WriteBehind(self._write_at)
-        self._in_flight[number] = self._behind.submit(data, self.offset)
+        try:
+            self._in_flight[number] = self._behind.submit(data, self.offset)
+        except RuntimeError:  # no new work once the interpreter shuts down (a save in
+            self._drain()  # an atexit handler): written here, after the earlier ones
+            self._write_at(data, self.offset)
 
     def _write_now(self, data: memoryview) -> None:
         """Write ``data`` at the offset after every write behind; move the offset past it."""
+        self._drain()
+        self._write_at(data, self.offset)
+        self.offset += len(data)
+
+    def _drain(self) -> None:
+        """Wait for every write behind (raising the first that failed)."""
         if self._behind is not None:
             self._in_flight = [None, None]
             self._behind.wait()
-        self._write_at(data, self.offset)
-        self.offset += len(data)
 
     def _write_at(self, data: memoryview, at: int) -> None:
         """Write all of ``data`` at file offset ``at`` (any thread)."""
