@@ -63,7 +63,7 @@ from resumekit.options import (
 )
 from resumekit.restore_root import RootRestore
 from resumekit.runtime import distributed
-from resumekit.runtime.channels import Channel, is_distributed, new_save_group, open_channel
+from resumekit.runtime.channels import Channel, ChannelSet, is_distributed
 from resumekit.runtime.preemption import SAVE_TIME_MARGIN, PreemptionHandler
 from resumekit.runtime.save_clock import CommitClock, state_bytes
 from resumekit.runtime.save_interval import (
@@ -261,12 +261,23 @@ class CheckpointManager:
                         if options.async_save and options.async_writer == "process"
                         else None)
         self._active_tokens: set[str] = set()
-        self._fence = Fence()  # this run's writer generation, shared by both channels
-        self._main = open_channel(self.storage, self.name_format, self._fence, process_group)
+        self._fence = Fence()  # this run's writer generation, shared by every channel
+        # close() destroys the groups its channels made, once; a failed constructor too.
+        self._channels = ChannelSet(self.storage, self.name_format, self._fence)
+        self._emergency: EmergencyCapture | None = None
+        try:
+            self._open(process_group, options, tensor_format, model)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _open(self, process_group: dist.ProcessGroup | None, options: CheckpointOptions,
+              tensor_format: Literal["raw", "dcp"] | None, model: object) -> None:
+        """The constructor's part that opens channels and starts threads (undone on failure)."""
+        self._main = self._channels.open(process_group)
         # Background saves run collectives from another thread: they get a group of their
         # own so they never interleave with the coordination of the main thread.
-        self._saver = (open_channel(self.storage, self.name_format, self._fence,
-                                    new_save_group())
+        self._saver = (self._channels.open(own_group=True)
                        if options.async_save and self._distributed else self._main)
         # The node-local tier (LocalTier): this rank's own root and the replicas it keeps.
         self._local = None if options.local is None else LocalSite(
@@ -276,19 +287,51 @@ class CheckpointManager:
         if options.local is not None:
             check_local_root(options.local.root, self.storage)
         self._local_saves = LocalSaves(  # staged in step_end, written in the background
-            open_channel(self.storage, self.name_format, self._fence, new_save_group())
+            self._channels.open(own_group=True)
             if self._local is not None and self._distributed else self._main,
             boost=self._raise_writers, page_aligned=self.tensor_format == "raw")
         self.restored_from_tier: Literal["local", "replica", "durable"] | None = None
         # At a preemption signal: the last completed step, copied and written at once
         # (resumekit.background.emergency), on a group of its own.
-        self._emergency: EmergencyCapture | None = None
         self._emergency_channel = self._main
         self._emergency_cuda = False
-        if (preemption is not None and options.capture_at_signal and not self.read_only
-                and model is not None):
-            self._start_emergency(preemption, self.state.optimizer)
+        if (self.preemption is not None and options.capture_at_signal
+                and not self.read_only and model is not None):
+            self._start_emergency(self.preemption, self.state.optimizer)
         self._prepare_staging(stage_ahead=options.stage_ahead)
+
+    def _abandon(self) -> None:
+        """Undo a constructor that failed: stop its threads, destroy the groups it made.
+
+        The constructor's error is the one raised (any other is logged). The ranks may not
+        all have failed: the groups are destroyed without meeting on them.
+        """
+        for error in self._release((self._stop_emergency, self._uninstall_preemption,
+                                    self._close_writer), meet=False):
+            logger.warning("resumekit: undoing a CheckpointManager whose constructor "
+                           "failed: %s: %s", type(error).__name__, error)
+
+    def _release(self, steps: Sequence[Any], *, meet: bool) -> list[BaseException]:
+        """Run ``steps`` (each even if one before failed), then destroy the groups made.
+
+        The groups go once no thread uses them; the manager keeps no reference to them
+        (a destroyed group's sockets close with its last one). Returns the errors.
+        """
+        self._closed, errors = True, []
+        for step in steps:
+            try:
+                step()
+            except BaseException as error:  # noqa: BLE001 - returned, after the rest
+                errors.append(error)
+        try:
+            self._main = self._channels.close(meet=meet)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+            self._main = self._channels.close(meet=False)  # destroyed: a channel of none
+        self._saver = self._emergency_channel = self._main
+        if hasattr(self, "_local_saves"):
+            self._local_saves.channel = self._main
+        return errors
 
     @staticmethod
     def _take_preemption(preemption: PreemptionHandler | None, data: object) -> bool:
@@ -712,8 +755,7 @@ class CheckpointManager:
                          optimizer: state_dicts.Optimizers | None) -> None:
         """Start the capture thread (and, with several ranks, its own gloo group)."""
         if self._distributed:
-            self._emergency_channel = open_channel(self.storage, self.name_format,
-                                                   self._fence, new_save_group())
+            self._emergency_channel = self._channels.open(own_group=True)
         self._emergency = EmergencyCapture(
             preemption, optimizer=optimizer, stager=self._emergency_stager,
             before_copy=self._background.join, agree=self._agree_emergency,
@@ -1096,23 +1138,38 @@ class CheckpointManager:
         self._local_saves.wait()
 
     def close(self) -> None:
-        """Wait for the background save and release resources. Idempotent."""
+        """Wait for the background save and release resources. Idempotent.
+
+        Every rank calls it (it settles the emergency capture and meets the other ranks).
+        Once the threads that use them stopped (the emergency capture, the background and
+        local saves, the writer process), the process groups the manager made are
+        destroyed, each once: a group given as ``process_group``, the checkpoint group of
+        :func:`~resumekit.init_distributed` and the default group are left to their owner.
+
+        Raises:
+            AsyncSaveError: A background or local save in flight failed (the groups are
+                destroyed all the same).
+        """
         if self._closed:
             return
-        self._closed = True
+        errors = self._release((self._settle_emergency, self._stop_emergency,
+                                self._uninstall_preemption, self._background.wait,
+                                self._local_saves.close, self._close_writer), meet=True)
+        for error in errors[1:]:
+            logger.warning("resumekit: closing the CheckpointManager also failed: %s: %s",
+                           type(error).__name__, error)
+        if errors:
+            raise errors[0]
+
+    def _stop_emergency(self) -> None:
         if self._emergency is not None:
-            try:
-                self._settle_emergency()
-            finally:
-                self._emergency.close()
+            self._emergency.close()
+
+    def _uninstall_preemption(self) -> None:
         if self.preemption is not None and self._installed_preemption:
             self.preemption.uninstall()  # also collects a vote still in flight
-        self._background.wait()
-        self._local_saves.close(self._main)
-        if self._saver is not self._main and self._saver.group is not None:
-            dist.barrier(group=self._saver.group)
-            dist.destroy_process_group(self._saver.group)
-            self._saver = self._main
+
+    def _close_writer(self) -> None:
         if self._writer is not None:
             self._writer.close()
             if self._stager is not None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["LocalTierMissWarning", "MovedNameWarning", "ResumekitWarning",
-           "UnsupportedTorchWarning", "warn"]
+__all__ = ["DirectIoRefusedWarning", "LocalTierMissWarning", "MovedNameWarning",
+           "ResumekitWarning", "UnsupportedTorchWarning", "warn"]
 
 logger = logging.getLogger("resumekit")
 
@@ -37,6 +37,17 @@ class MovedNameWarning(ResumekitWarning, FutureWarning):
     (``from resumekit.store.catalog import list_checkpoints``). A ``FutureWarning`` as well,
     so Python shows it by default, as it would not a ``DeprecationWarning`` raised in a
     library's code; filter it with the other warnings as a ``ResumekitWarning``.
+    """
+
+
+class DirectIoRefusedWarning(ResumekitWarning):
+    """The filesystem refused direct I/O (``O_DIRECT``): a save's files go through the page cache.
+
+    Given once per directory and save by the raw tensor format's writer, naming the
+    directory, the file and the error (``EINVAL``: tmpfs before Linux 6.6, some FUSE and
+    network filesystems, refused when the file is opened or at its first write). The
+    bytes, offsets and checksums are the same; the writes cost a kernel copy and leave
+    dirty pages for writeback while training runs. Filter it to accept the page cache.
     """
 
 

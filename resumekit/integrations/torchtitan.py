@@ -82,16 +82,18 @@ _UNSUPPORTED = {
 }
 
 
-def _vote_group() -> dist.ProcessGroup | None:
-    """A gloo group for the preemption vote (its ballots are CPU tensors).
+def _vote_group() -> tuple[dist.ProcessGroup | None, bool]:
+    """A gloo group for the preemption vote (its ballots are CPU tensors), and whether new.
 
     torchtitan's default group is NCCL on GPUs, which cannot reduce CPU tensors; the
     preemption handler would take it as the vote's group unless given another. The group
-    of :func:`resumekit.init_distributed`, if the job made one, else a new gloo group.
+    of :func:`resumekit.init_distributed`, if the job made one, else a new gloo group
+    (True: the checkpointer destroys it when it closes).
     """
     if not is_distributed():
-        return None
-    return distributed.preemption_group() or new_save_group()
+        return None, False
+    group = distributed.preemption_group()
+    return (group, False) if group is not None else (new_save_group(), True)
 
 
 class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
@@ -210,8 +212,11 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         self.states = states
         self.extras: dict[str, Any] = {}
         self._record_states()
+        vote, made = (_vote_group() if config.preemption and not config.load_only
+                      else (None, False))
+        self._made_vote_group = vote if made else None  # destroyed by close
         self.preemption = (PreemptionHandler(poll_every=config.preemption_poll_every or "auto",
-                                             group=_vote_group())
+                                             group=vote)
                            if config.preemption and not config.load_only else None)
         local = (None if config.local_folder is None
                  else LocalTier(root=config.local_folder, save_every=config.local_interval))
@@ -287,7 +292,24 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         self.manager.wait()
 
     def _close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        finally:
+            self._destroy_vote_group()
+
+    def _destroy_vote_group(self) -> None:
+        """Destroy the vote's group if made here (once; after the manager removed the handler).
+
+        The ranks meet on it first: a gloo group destroyed while a peer still sends on it
+        can abort that peer.
+        """
+        group, self._made_vote_group = self._made_vote_group, None
+        if group is None or not dist.is_initialized():
+            return
+        try:
+            dist.barrier(group=group)
+        finally:
+            dist.destroy_process_group(group)
 
     # -- helpers ----------------------------------------------------------------------------
     def _record_states(self) -> None:
@@ -313,7 +335,7 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         """Every rank agreed on a preemption at ``step`` (committed): requeue if due, exit 75."""
         logger.warning("resumekit: preempted at step %d (committed under %s): exiting %d",
                        step, self.folder, EXIT_CODE_PREEMPTED)
-        self.manager.close()
+        self._close()
         if self.requeue and self.preemption is not None:
             requeue_after_signal(self.preemption)
         raise SystemExit(EXIT_CODE_PREEMPTED)

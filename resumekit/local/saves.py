@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch.distributed as dist
-
 from resumekit.background.thread import BackgroundSave
 from resumekit.runtime.channels import Channel
 from resumekit.store.coordination import activity
@@ -84,14 +82,10 @@ class LocalSaves:
         """Block until the save in flight (if any) is done; raise nothing (kept for wait)."""
         self._thread.join()
 
-    def close(self, main: Channel) -> None:
-        """Wait for the save in flight, then release its group (``main``'s is kept).
+    def close(self) -> None:
+        """Wait for the save in flight and stop: its group is the manager's to destroy.
 
         Raises:
             AsyncSaveError: The save in flight failed.
         """
         self._thread.wait()
-        if self.channel is not main and self.channel.group is not None:
-            dist.barrier(group=self.channel.group)
-            dist.destroy_process_group(self.channel.group)
-            self.channel = main

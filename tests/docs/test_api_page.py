@@ -48,9 +48,11 @@ def _resolve(path: str) -> Any:
 
 
 #: The names public at the module that defines them: those that left the top level in
-#: 0.4.0 (``resumekit._MOVED``), and the warning that says so.
+#: 0.4.0 (``resumekit._MOVED``), the warning that says so, and the warnings added since
+#: (each filterable by its class, never exported at the top level).
 PUBLIC_BY_PATH = frozenset({f"{module}.{name}" for name, module in resumekit._MOVED.items()}
-                           | {"resumekit.warnings.MovedNameWarning"})
+                           | {"resumekit.warnings.MovedNameWarning",
+                              "resumekit.warnings.DirectIoRefusedWarning"})
 #: Their modules, which a user imports those names from.
 PUBLIC_HOMES = frozenset(path.rpartition(".")[0] for path in PUBLIC_BY_PATH)
 

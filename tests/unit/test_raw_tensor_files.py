@@ -48,6 +48,7 @@ from resumekit.tensors.raw import (
 )
 from resumekit.tensors.raw import reader as raw_reader
 from resumekit.tensors.raw import writer as raw_writer
+from resumekit.tensors.raw.files import DirectIoNotices
 from resumekit.tensors.raw.format import (
     TRAILER_ALONE_DESCRIPTORS,
     TRAILER_PACK_PREFIX,
@@ -56,6 +57,7 @@ from resumekit.tensors.raw.format import (
     decode_file_trailer,
 )
 from resumekit.tensors.reader import make_reader
+from resumekit.warnings import DirectIoRefusedWarning
 from tests.conftest import unavailable
 
 
@@ -807,7 +809,7 @@ def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_
 ) -> None:
     if not getattr(os, "O_DIRECT", 0):
         unavailable("this platform has no O_DIRECT")
-    direct = tensor_io.save(_big_state(), tmp_path / "direct", thread_count=1)
+    direct = tensor_io.save(_big_state(), tmp_path / "direct", thread_count=4)
     real_open = os.open
 
     def refusing_open(path: str, flags: int, *args: Any) -> int:
@@ -816,11 +818,17 @@ def test_a_filesystem_that_refuses_o_direct_at_open_gets_the_same_bytes_through_
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", refusing_open)
-    buffered = tensor_io.save(_big_state(), tmp_path / "buffered", thread_count=1)
+    with pytest.warns(DirectIoRefusedWarning) as said:
+        buffered = tensor_io.save(_big_state(), tmp_path / "buffered", thread_count=4)
     monkeypatch.undo()
     assert [(f.size, f.checksum) for f in buffered if f.name != ".metadata"] == [
         (f.size, f.checksum) for f in direct if f.name != ".metadata"]
     _round_trips(_big_state(), tmp_path / "buffered")
+    # Said once for the directory (four writer threads, one file), naming it and errno.
+    (warning,) = [w for w in said if w.category is DirectIoRefusedWarning]
+    message = str(warning.message)
+    assert f"refused in {tmp_path / 'buffered'} (the open of " in message
+    assert "EINVAL" in message and "page cache" in message
 
 
 def test_a_direct_write_refused_midway_continues_through_the_page_cache(
@@ -840,13 +848,34 @@ def test_a_direct_write_refused_midway_continues_through_the_page_cache(
         return real_write(fd, data, offset)
 
     monkeypatch.setattr(module.os, "pwrite", refusing_write)
-    written = tensor_io.save(_big_state(), tmp_path / "ckpt", thread_count=1)
+    with pytest.warns(DirectIoRefusedWarning) as said:
+        written = tensor_io.save(_big_state(), tmp_path / "ckpt", thread_count=1)
     monkeypatch.undo()
     assert refused, "the first direct write should have been refused"
+    (warning,) = [w for w in said if w.category is DirectIoRefusedWarning]
+    assert f"refused in {tmp_path / 'ckpt'} (a write of " in str(warning.message)
+    assert "EINVAL" in str(warning.message)
     (file,) = [file for file in written if file.name.endswith(".distcp")]
     assert file.checksum == checksum_chunks([(tmp_path / "ckpt" / file.name).read_bytes()],
                                             like=file.checksum)
     _round_trips(_big_state(), tmp_path / "ckpt")
+
+
+def test_direct_io_refusals_are_said_once_per_directory_of_their_owner(
+    tmp_path: Path,
+) -> None:
+    notices = DirectIoNotices()
+    refusal = OSError(errno.EINVAL, "Invalid argument")
+    with pytest.warns(DirectIoRefusedWarning) as said:
+        notices.refused(str(tmp_path / "a" / "0.distcp"), refusal, "the open")
+        notices.refused(str(tmp_path / "a" / "1.distcp"), refusal, "a write")
+        notices.refused(str(tmp_path / "b" / "0.distcp"), refusal, "the open")
+    assert [str(w.message).partition(" refused in ")[2].split(" (")[0] for w in said] == [
+        str(tmp_path / "a"), str(tmp_path / "b")]
+    assert notices.directories == {str(tmp_path / "a"), str(tmp_path / "b")}
+    # Another owner (the next save's writer) says it again.
+    with pytest.warns(DirectIoRefusedWarning):
+        DirectIoNotices().refused(str(tmp_path / "a" / "0.distcp"), refusal, "the open")
 
 
 def test_a_stager_for_an_object_store_allocates_plain_buffers_that_dcp_writes_without_a_copy(

@@ -62,10 +62,12 @@ from resumekit.tensors.raw.format import (
     StorageInfo,
     align_up,
 )
+from resumekit.warnings import DirectIoRefusedWarning, warn
 
 __all__ = [
     "METADATA_TMP",
     "AlignedFile",
+    "DirectIoNotices",
     "FsspecFiles",
     "Pack",
     "RecordingFileSystem",
@@ -535,8 +537,8 @@ class AlignedFile:
     written as they are, anything else is copied through an aligned bounce buffer (with
     ``ctypes.memmove``, which releases the GIL), and each item is padded with zeros to
     the next boundary. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and
-    FUSE filesystems) the same bytes are written through the page cache. The file's
-    running checksum covers the padding too.
+    FUSE filesystems) the same bytes are written through the page cache, and it is said
+    (:class:`DirectIoNotices`). The file's running checksum covers the padding too.
 
     Bytes copied through a bounce buffer are written behind: from the second such piece
     on, the piece's ``pwrite`` runs on the file's write-behind thread (:class:`_WriteBehind`)
@@ -545,14 +547,23 @@ class AlignedFile:
     other write waits for those first, and the writes land in the order made. A write's
     error is raised by a later :meth:`write` or :meth:`pad`, or on leaving the ``with``
     block, which waits for every write and ends the thread whatever happened.
+
+    Args:
+        path: The file.
+        shared: The descriptor of ``path`` and whether it is open for direct I/O
+            (:func:`open_new_file`), when several parts share it; else ``path`` is created.
+        start: The offset this part starts at.
+        notices: Where a refusal of direct I/O is said (once per directory); default one
+            of this file's own.
     """
 
     def __init__(self, path: str, *, shared: tuple[int, bool] | None = None,
-                 start: int = 0) -> None:
+                 start: int = 0, notices: DirectIoNotices | None = None) -> None:
         self.path = path
         self.owner = shared is None
+        self._notices = notices if notices is not None else DirectIoNotices()
         if shared is None:
-            self.fd, self.direct = open_new_file(path)
+            self.fd, self.direct = open_new_file(path, notices=self._notices)
         else:
             self.fd, self.direct = shared
         self.offset = start
@@ -732,6 +743,7 @@ class AlignedFile:
                     raise
                 # Refused at write time (some FUSE and network filesystems): continue
                 # through the page cache, same bytes, same offsets.
+                self._notices.refused(self.path, error, "a write")
                 fcntl.fcntl(self.fd, fcntl.F_SETFL,
                             fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                 self.direct = False
@@ -740,8 +752,53 @@ class AlignedFile:
             at += count
 
 
-def open_new_file(path: str) -> tuple[int, bool]:
+class DirectIoNotices:
+    """Says that the filesystem refused direct I/O, once per directory of its owner.
+
+    A writer (:class:`~resumekit.tensors.raw.writer.RawTensorWriter`, one per save) owns
+    one: a refusal is a :class:`~resumekit.warnings.DirectIoRefusedWarning` naming the
+    directory, the file and the error, once per directory however many files and threads
+    meet it. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said: set[str] = set()
+
+    def refused(self, path: str, error: OSError, when: str) -> None:
+        """Direct I/O on ``path`` was refused (``error``, at ``when``): buffered from now.
+
+        Args:
+            path: The file.
+            error: The ``EINVAL`` the open or the write raised.
+            when: ``"the open"`` or ``"a write"``.
+        """
+        directory = os.path.dirname(os.path.abspath(path))
+        with self._lock:
+            if directory in self._said:
+                return
+            self._said.add(directory)
+        warn(f"direct I/O (O_DIRECT) refused in {directory} ({when} of {path}: "
+             f"errno {error.errno} {errno.errorcode.get(error.errno or 0, '?')}: "
+             f"{error.strerror}): its files are written through the page cache (same "
+             "bytes; a kernel copy and dirty pages for writeback while training runs)",
+             DirectIoRefusedWarning)
+
+    @property
+    def directories(self) -> frozenset[str]:
+        """The directories where direct I/O was refused (and said)."""
+        with self._lock:
+            return frozenset(self._said)
+
+
+def open_new_file(path: str, *, notices: DirectIoNotices | None = None
+                  ) -> tuple[int, bool]:
     """Create ``path`` (never an existing file), with ``O_DIRECT`` where allowed.
+
+    Args:
+        path: The file to create.
+        notices: Where a refusal of ``O_DIRECT`` is said (once per directory); default
+            one of this call's own.
 
     Returns:
         Its descriptor and whether it is open for direct I/O.
@@ -754,6 +811,8 @@ def open_new_file(path: str) -> tuple[int, bool]:
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
+            (notices if notices is not None else DirectIoNotices()).refused(
+                path, error, "the open")
     return os.open(path, flags, 0o644), False
 
 

@@ -52,6 +52,7 @@ from resumekit.store.manifest import hex_digest, parts_checksum
 from resumekit.tensors.raw.files import (
     METADATA_TMP,
     AlignedFile,
+    DirectIoNotices,
     FsspecFiles,
     Pack,
     RecordingFileSystem,
@@ -297,6 +298,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         super().__init__(path, single_file_per_rank=True, sync_files=sync_files,
                          thread_count=thread_count, overwrite=False)
         self.background = background
+        self.direct_io = DirectIoNotices()
+        """Where a refusal of direct I/O is said: once per directory of this save."""
         self.written: list[WrittenFile] = []
         """The files this rank wrote in the last save, with checksums (``.metadata`` too,
         on the coordinating rank)."""
@@ -366,7 +369,7 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         """Write one data file: its parts, each on its own thread, then its trailer."""
         sizes = [_planned_bytes(items) for items in parts]
         starts = [sum(sizes[:number]) for number in range(len(parts))]
-        shared = open_new_file(path)
+        shared = open_new_file(path, notices=self.direct_io)
         try:
             outcomes = run_writer_threads([
                 functools.partial(self._write_part, path, name, items, shared=shared,
@@ -385,7 +388,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
                 digests.append((size, digest))
             trailer = encode_trailer(name, regions, stored)
             end = sum(sizes)
-            with AlignedFile(path, shared=shared, start=end) as handle:
+            with AlignedFile(path, shared=shared, start=end,
+                             notices=self.direct_io) as handle:
                 handle.write(memoryview(trailer), None)
             digests.append((len(trailer), hex_digest(trailer)))
             if self.sync_files:
@@ -421,7 +425,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         if self.background:
             lower_thread_priority()
         try:
-            with AlignedFile(path, shared=shared, start=start) as handle:
+            with AlignedFile(path, shared=shared, start=start,
+                             notices=self.direct_io) as handle:
                 results, packed, stored = self._write_items(handle, name, items)
                 if handle.offset != start + size:
                     raise StorageError(
