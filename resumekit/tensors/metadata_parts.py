@@ -395,20 +395,27 @@ class MetadataServer:
             CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
             ResumekitError: Reading the small items failed (from ``read_values``).
         """
-        answered: dict[bytes, Part] = {}
+        # Requests by a cheap fingerprint (a few of their entries): the ranks of a sharded
+        # run differ in their first chunks, so each request is compared in full only
+        # with the few distinct ones that share its fingerprint (replicas: equal ones).
+        answered: dict[Any, list[tuple[Request, Part]]] = {}
+        distinct: list[Part] = []
         parts: list[Part | None] = []
         for request in requests:
             if isinstance(request, BaseException):
                 parts.append(None)
                 continue
-            asked = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
-            part = answered.get(asked)
+            alike = answered.setdefault(_fingerprint(request), [])
+            part = next((found for asked, found in alike if asked == request), None)
             if part is None:
-                part = answered[asked] = self.part_for(request)
+                part = self.part_for(request)
                 self.answers += 1
+                distinct.append(part)
+                if len(alike) < _ALIKE_KEPT:  # past that, answered without a comparison
+                    alike.append((request, part))
             parts.append(part)
         if read_values is not None:
-            self._add_values(list(answered.values()), read_values)
+            self._add_values(distinct, read_values)
         return parts
 
     def _add_values(self, parts: Sequence[Part], read_values: ValueReader) -> None:
@@ -449,6 +456,21 @@ class MetadataServer:
             total += length
             chosen.append((key, offsets))
         return chosen
+
+
+_ALIKE_KEPT = 8
+"""Distinct requests kept per fingerprint (each later one is compared with these)."""
+
+
+def _fingerprint(request: Request) -> tuple[int, tuple[Any, ...]]:
+    """A few entries of ``request``: its size and the chunks of its first sharded keys."""
+    shown: list[Any] = []
+    for key, chunks in request.items():
+        if chunks:
+            shown.append((key, tuple(chunks)))
+            if len(shown) == 4:
+                break
+    return len(request), tuple(shown)
 
 
 class _Item(NamedTuple):

@@ -479,3 +479,18 @@ def test_a_large_or_sharded_item_is_left_for_the_rank_to_read() -> None:
     assert sorted(asked, key=repr) == [("optimizer.param_groups.0.lr", None),
                                        ("optimizer.state.embed.step", ())]
     assert set(part.values) == set(asked)
+
+
+def test_requests_alike_in_their_first_keys_are_still_answered_each_as_asked() -> None:
+    whole = _metadata(16)
+    first = {key: chunk_requests(chunks) for key, chunks in _wanted(1, 0).items()
+             if key != "model.grid"}  # every rank asks these whole: one fingerprint
+    requests: list[Any] = [
+        first | {"model.grid": chunk_requests(_wanted(16, rank)["model.grid"])}
+        for rank in range(16)] * 2
+    server = MetadataServer(whole, "m")
+    parts = server.parts_for(requests)
+    assert server.answers <= 16 + 16 - 8  # past 8 kept, a repeat may be answered again
+    for request, part in zip(requests, parts, strict=True):
+        assert part is not None
+        assert part.chunks == MetadataServer(whole, "m").part_for(request).chunks
