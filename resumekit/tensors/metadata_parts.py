@@ -98,8 +98,8 @@ class Part:
             values, and of the first item of each packed region one of them lies in.
         values: The small items the request asks for whole, read and verified by the
             answering rank (:data:`PREREAD_MAX_BYTES`): a tensor of the stored chunk's
-            size, or a non-tensor value's stored bytes. The rank reads them from here
-            (:func:`serve_values`), not from their files.
+            size as ``(dtype name, shape, bytes)``, or a non-tensor value's stored bytes.
+            The rank reads them from here (:func:`serve_values`), not from their files.
     """
 
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
@@ -431,7 +431,7 @@ class MetadataServer:
                 raise CorruptCheckpointError(
                     f"{self.source}: {key}{'' if offsets is None else f' at {list(offsets)}'}"
                     " was not read", path=self.source, file=self.source, key=key)
-            self._values.update(found)
+            self._values.update((item, _packed(value)) for item, value in found.items())
         for part, items in zip(parts, chosen, strict=True):
             part.values = {item: self._values[item] for item in items}
 
@@ -599,7 +599,7 @@ def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, 
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(value))
             continue
-        source = value
+        source = _unpacked(value, index.fqn)
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
                                                   strict=True)):
             source = source.narrow(dim, int(start), int(length))
@@ -611,6 +611,38 @@ def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, 
         target.copy_(source)
         planner.commit_tensor(item, target)
     return dataclasses.replace(plan, items=rest)
+
+
+def _packed(value: Any) -> Any:
+    """A read item as it travels: a tensor as ``(dtype, shape, bytes)``, bytes as they are.
+
+    Unpickling a pickled tensor costs about 0.2 ms, its bytes about a microsecond.
+    """
+    if not isinstance(value, torch.Tensor):
+        return bytes(value)
+    flat = value.detach().contiguous().reshape(-1)
+    return (str(value.dtype).removeprefix("torch."), tuple(value.shape),
+            flat.view(torch.uint8).numpy().tobytes())
+
+
+def _unpacked(value: Any, key: str) -> torch.Tensor:
+    """The tensor of :func:`_packed`'s ``(dtype, shape, bytes)``.
+
+    Raises:
+        CorruptCheckpointError: It is not one (naming ``key``).
+    """
+    try:
+        name, shape, data = value
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(name)
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"{key}: the value received for it is not a tensor's bytes ({error})",
+            key=key) from error
 
 
 def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:

@@ -494,3 +494,24 @@ def test_requests_alike_in_their_first_keys_are_still_answered_each_as_asked() -
     for request, part in zip(requests, parts, strict=True):
         assert part is not None
         assert part.chunks == MetadataServer(whole, "m").part_for(request).chunks
+
+
+@pytest.mark.parametrize("value", [
+    torch.tensor(3.0), torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+    torch.tensor([True, False]), torch.arange(4, dtype=torch.int64)[::2],
+    torch.empty(0, 3)])
+def test_a_small_item_travels_as_its_bytes_and_lands_bit_identical(value: torch.Tensor) -> None:
+    from resumekit.tensors.metadata_parts import _packed, _unpacked  # noqa: PLC0415
+
+    sent = pickle.loads(pickle.dumps(_packed(value)))
+    assert isinstance(sent[2], bytes)  # not a pickled tensor: cheap to unpickle
+    got = _unpacked(sent, "k")
+    assert got.dtype == value.dtype and got.shape == value.shape
+    assert torch.equal(got, value)
+
+
+def test_a_received_value_that_is_not_a_tensors_bytes_is_an_error_naming_its_key() -> None:
+    from resumekit.tensors.metadata_parts import _unpacked  # noqa: PLC0415
+
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.w\.step"):
+        _unpacked(("no_such_dtype", (), b"\0\0\0\0"), "optimizer.state.w.step")
