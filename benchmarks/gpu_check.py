@@ -607,7 +607,7 @@ class _Recorder:
                     recorder.files.append({
                         "file": os.path.basename(self.path_name),
                         "opened_direct": self.opened_direct, "stayed_direct": self.direct,
-                        "bounce_buffer": self._bounce is not None, "bytes": self.offset})
+                        "bounce_buffer": self.bounced, "bytes": self.offset})
                 super().__exit__(*exc_info)
 
         raw_writer.AlignedFile = Recording  # type: ignore[misc]

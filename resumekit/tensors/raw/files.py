@@ -30,7 +30,9 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -463,6 +465,67 @@ core's cache between its copy into the bounce buffer and its two hashes, so each
 read from memory once (hashing 4 MB chunks after copying them read them three times)."""
 
 
+class _WriteBehind:
+    """The one owner of an :class:`AlignedFile`'s write-behind thread.
+
+    One thread writes what it is given, in the order given, while the file's writer
+    copies and hashes the next piece into its other bounce buffer. A write's error is
+    kept and raised to the owner by its next :meth:`wait` for that write or a later one
+    (or by :meth:`close`); the writes queued behind a failed one are skipped, as a
+    synchronous writer would never have issued them. :meth:`close` waits for every write
+    and ends the thread, whatever happened.
+
+    Args:
+        write: Writes ``data`` at file offset ``at`` (all of it, or raises).
+    """
+
+    def __init__(self, write: Callable[[memoryview, int], None]) -> None:
+        self._write = write
+        # Created by the file's writer thread, so the thread inherits its CPU priority
+        # (a background save's writers run at idle priority).
+        self._pool = ThreadPoolExecutor(max_workers=1,
+                                        thread_name_prefix="resumekit-write-behind")
+        self._queue: deque[Future[None]] = deque()  # submitted, not yet waited for
+        self._failed = False  # read and set on the write-behind thread only
+
+    def submit(self, data: memoryview, at: int) -> Future[None]:
+        """Queue the write of ``data`` at ``at``; ``data`` must stay unchanged until then."""
+        future = self._pool.submit(self._run, data, at)
+        self._queue.append(future)
+        return future
+
+    def _run(self, data: memoryview, at: int) -> None:
+        if self._failed:
+            return
+        try:
+            self._write(data, at)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def wait(self, future: Future[None] | None = None) -> None:
+        """Block until ``future``'s write and every earlier one are done (all if None).
+
+        Raises:
+            BaseException: The first of those writes that failed, as it was raised.
+        """
+        if future is not None and future not in self._queue:  # waited for already
+            future.result()
+            return
+        while self._queue:
+            head = self._queue.popleft()
+            head.result()
+            if head is future:
+                return
+
+    def close(self) -> None:
+        """Wait for every queued write and end the thread; raise a write's error."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
 class AlignedFile:
     """A new file written with ``O_DIRECT`` where the filesystem allows it.
 
@@ -474,6 +537,14 @@ class AlignedFile:
     the next boundary. Where the filesystem refuses ``O_DIRECT`` (tmpfs, some network and
     FUSE filesystems) the same bytes are written through the page cache. The file's
     running checksum covers the padding too.
+
+    Bytes copied through a bounce buffer are written behind: from the second such piece
+    on, the piece's ``pwrite`` runs on the file's write-behind thread (:class:`_WriteBehind`)
+    while the caller copies and hashes the next piece into the other of two bounce
+    buffers, so that copy and hash do not wait for the disk nor the disk for them. Every
+    other write waits for those first, and the writes land in the order made. A write's
+    error is raised by a later :meth:`write` or :meth:`pad`, or on leaving the ``with``
+    block, which waits for every write and ends the thread whatever happened.
     """
 
     def __init__(self, path: str, *, shared: tuple[int, bool] | None = None,
@@ -486,27 +557,51 @@ class AlignedFile:
             self.fd, self.direct = shared
         self.offset = start
         self.checksum = Checksum()
-        self._bounce: mmap.mmap | None = None
+        self._bounces: list[mmap.mmap] = []  # at most two, allocated as first needed
+        self._turn = 0  # the bounce buffer the next piece goes into
+        self._in_flight: list[Future[None] | None] = [None, None]  # per bounce buffer
+        self._behind: _WriteBehind | None = None
+        self._bounced = False
+
+    @property
+    def bounced(self) -> bool:
+        """Whether any bytes went through a bounce buffer (direct I/O of unaligned data)."""
+        return self._bounced
 
     def __enter__(self) -> AlignedFile:
         return self
 
     def __exit__(self, exc_type: object, *exc_info: object) -> None:
+        failure: BaseException | None = None
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            try:
+                behind.close()  # every write done, the thread ended: then the file closes
+            except BaseException as error:  # noqa: BLE001 - raised below, or secondary
+                if exc_type is None:
+                    failure = error
+                else:
+                    logger.warning("resumekit: a write behind to %s failed too: %s: %s",
+                                   self.path, type(error).__name__, error)
+        self._in_flight = [None, None]
         try:
             if self.owner:
                 os.close(self.fd)
         except OSError as error:
-            if exc_type is None:
-                raise
-            # Secondary: the error being raised already says why the file is unusable.
-            logger.warning("resumekit: closing %s after a failed write failed too: %s",
-                           self.path, error)
-        if self._bounce is not None:
+            if exc_type is None and failure is None:
+                failure = error
+            else:
+                # Secondary: the error being raised already says why the file is unusable.
+                logger.warning("resumekit: closing %s after a failed write failed too: %s",
+                               self.path, error)
+        for bounce in self._bounces:
             # A view of it may still be alive (in the traceback of a failed write): then
             # the mapping goes away with the last view, not here.
             with contextlib.suppress(BufferError):
-                self._bounce.close()
-            self._bounce = None
+                bounce.close()
+        self._bounces = []
+        if failure is not None:
+            raise failure
 
     def write(self, chunk: memoryview, address: int | None, *,
               block: int | None = None) -> list[str]:
@@ -515,6 +610,7 @@ class AlignedFile:
         Each byte is read from memory once: every piece of at most :data:`HASH_PIECE`
         bytes is copied into the aligned bounce buffer (when direct I/O needs the copy)
         and hashed there, for the file's checksum and its block's, while it is in cache.
+        Bounced bytes may still be on their way to the file on return (see the class).
 
         Args:
             chunk: The bytes, at most :data:`CHUNK_BYTES` when ``block`` is given.
@@ -524,6 +620,9 @@ class AlignedFile:
 
         Returns:
             The block digests, in order (empty without ``block``).
+
+        Raises:
+            OSError: This write, or an earlier one written behind, failed.
         """
         if block is not None and len(chunk) > CHUNK_BYTES:
             raise ValueError(f"a chunk hashed per block holds at most {CHUNK_BYTES} bytes, "
@@ -532,13 +631,12 @@ class AlignedFile:
                    and len(chunk) % ALIGNMENT == 0 and self.offset % ALIGNMENT == 0)
         if not self.direct or aligned:
             digests = self._hash(chunk, block)
-            self._write_all(chunk)
+            self._write_now(chunk)
             return digests
-        bounce = self._bounce_buffer()
         digests = []
         for start in range(0, len(chunk), CHUNK_BYTES):
             piece = chunk[start:start + CHUNK_BYTES]
-            target = memoryview(bounce)
+            number, target = self._free_bounce()
             if address is None:
                 target[:len(piece)] = piece
                 digests += self._hash(target[:len(piece)], block)
@@ -549,7 +647,8 @@ class AlignedFile:
             target[len(piece):padded] = bytes(padded - len(piece))
             # The zeros past the piece are overwritten by the next write or kept as the
             # item's padding (pad() then only moves the offset).
-            self._write_all(target[:padded], logical=len(piece))
+            self._write_bounced(number, target[:padded])
+            self.offset += len(piece)
         return digests
 
     def _hash(self, data: memoryview, block: int | None, *,
@@ -585,11 +684,46 @@ class AlignedFile:
         if self.direct:  # the bounce write already put these zeros on disk
             self.offset += missing
             return
-        self._write_all(memoryview(zeros))
+        self._write_now(memoryview(zeros))
 
-    def _write_all(self, data: memoryview, logical: int | None = None) -> None:
-        total = len(data)
-        at = self.offset
+    def _free_bounce(self) -> tuple[int, memoryview]:
+        """The next bounce buffer, once the write behind of its previous piece is done."""
+        number, self._turn = self._turn, 1 - self._turn
+        if len(self._bounces) <= number:
+            self._bounces.append(mmap.mmap(-1, CHUNK_BYTES))  # anonymous: page-aligned
+        pending, self._in_flight[number] = self._in_flight[number], None
+        if pending is not None and self._behind is not None:
+            self._behind.wait(pending)
+        return number, memoryview(self._bounces[number])
+
+    def _write_bounced(self, number: int, data: memoryview) -> None:
+        """Write ``data`` (in bounce buffer ``number``) at the offset: behind, but the first."""
+        if not self._bounced:  # one piece (the common small file): no thread to start
+            self._bounced = True
+            self._write_at(data, self.offset)
+            return
+        if self._behind is None:
+            self._behind = _WriteBehind(self._write_at)
+        try:
+            self._in_flight[number] = self._behind.submit(data, self.offset)
+        except RuntimeError:  # no new work once the interpreter shuts down (a save in
+            self._drain()  # an atexit handler): written here, after the earlier ones
+            self._write_at(data, self.offset)
+
+    def _write_now(self, data: memoryview) -> None:
+        """Write ``data`` at the offset after every write behind; move the offset past it."""
+        self._drain()
+        self._write_at(data, self.offset)
+        self.offset += len(data)
+
+    def _drain(self) -> None:
+        """Wait for every write behind (raising the first that failed)."""
+        if self._behind is not None:
+            self._in_flight = [None, None]
+            self._behind.wait()
+
+    def _write_at(self, data: memoryview, at: int) -> None:
+        """Write all of ``data`` at file offset ``at`` (any thread)."""
         while data:
             try:
                 count = os.pwrite(self.fd, data, at)
@@ -604,12 +738,6 @@ class AlignedFile:
                 continue
             data = data[count:]
             at += count
-        self.offset += total if logical is None else logical
-
-    def _bounce_buffer(self) -> mmap.mmap:
-        if self._bounce is None:
-            self._bounce = mmap.mmap(-1, CHUNK_BYTES)  # anonymous: page-aligned
-        return self._bounce
 
 
 def open_new_file(path: str) -> tuple[int, bool]:

@@ -1,13 +1,17 @@
-"""The last code that writes ``schema_version`` 3 (commit 25865c3) refuses a root of 4.
+"""The last code that wrote each earlier ``schema_version`` refuses a root written now.
 
-Issue 40 item 3 folded each rank's data files and checksum file into one data file per
-rank, its checksums in a trailer and its manifest checksum one of parts (``schema_version``
-4): a reader of 3 would look for checksum files that are not there and take the checkpoint
-for damage. Schema 3 was never released (it was to be 0.4.0), but builds of it ran; they
-refuse such a root by its manifest: ``UnsupportedSchemaError`` naming ``schema_version`` 4
-and their own 3, nothing set aside, not one byte of a checkpoint changed; the root then
-resumes today bit for bit. The build runs from a ``git archive`` of its commit, on the
-program ``tests/fixtures/releases/program.py`` (as ``test_previous_release.py`` runs 0.2).
+* ``schema_version`` 2 (0.3.0, commit 4a6ba1b): issue 40 moved block checksums out of
+  ``.metadata`` (3): a reader of 2 cannot read them and would take the checkpoint for damage.
+* ``schema_version`` 3 (commit 25865c3, never released as 0.4.0, but builds of it ran):
+  issue 40 item 3 folded each rank's data files and checksum file into one data file per
+  rank, its checksums in a trailer and its manifest checksum one of parts (4): a reader of
+  3 would look for checksum files that are not there.
+
+Each refuses the root by its manifest instead: ``UnsupportedSchemaError`` naming today's
+``schema_version`` and its own, nothing set aside, not one byte of a checkpoint changed;
+the root then resumes today bit for bit. Each build runs from a ``git archive`` of its
+commit, on the program ``tests/fixtures/releases/program.py`` (as
+``test_previous_release.py`` runs 0.2).
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from tests.fixtures.releases import program
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-RELEASE = "25865c3"
-"""The last commit that writes ``schema_version`` 3."""
+BUILDS = {2: "4a6ba1b", 3: "25865c3"}
+"""The last commit that writes each earlier ``schema_version``."""
 
 
 def _files(root: Path) -> dict[str, bytes]:
@@ -40,12 +44,14 @@ def _files(root: Path) -> dict[str, bytes]:
             for path in sorted(root.rglob("*")) if path.is_file()}
 
 
-def test_a_build_of_schema_3_refuses_a_root_written_now_and_it_resumes_now(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("schema", "commit"), sorted(BUILDS.items()),
+                         ids=[f"schema_{schema}" for schema in sorted(BUILDS)])
+def test_a_build_of_an_earlier_schema_refuses_a_root_written_now_and_it_resumes_now(
+        schema: int, commit: str, tmp_path: Path) -> None:
     archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar",
-                              RELEASE, "resumekit"], capture_output=True, check=False)
+                              commit, "resumekit"], capture_output=True, check=False)
     if archive.returncode != 0:
-        unavailable(f"commit {RELEASE} is not in this clone's history "
+        unavailable(f"commit {commit} is not in this clone's history "
                     f"({archive.stderr.decode(errors='replace').strip()}): clone with history")
     tree = tmp_path / "release"
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -53,7 +59,7 @@ def test_a_build_of_schema_3_refuses_a_root_written_now_and_it_resumes_now(
     root = tmp_path / "root"
     expected = program.train(root)
     before = _files(root)
-    assert SCHEMA_VERSION == 4
+    assert schema < SCHEMA_VERSION
     done = subprocess.run(
         [sys.executable, str(Path(program.__file__).resolve()), "read",
          str(tmp_path / "read.json"), str(root)],
@@ -63,7 +69,8 @@ def test_a_build_of_schema_3_refuses_a_root_written_now_and_it_resumes_now(
     assert f"from {tree / 'resumekit' / '__init__.py'}" in done.stderr, done.stderr
     (result,) = json.loads((tmp_path / "read.json").read_text())
     assert result["error"] == "UnsupportedSchemaError", result
-    assert "schema_version 4 is newer than this resumekit understands (3)" in result["message"]
+    assert (f"schema_version {SCHEMA_VERSION} is newer than this resumekit understands "
+            f"({schema})") in result["message"]
     assert "step_000000010 (step 10) was written by a newer resumekit" in result["message"]
     assert not [entry for entry in result["listing"] if ".bad-" in entry]
     after = _files(root)
