@@ -68,9 +68,13 @@ def analyse(blocks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         ``ratio`` (median over the measured rounds of local / off, per step; None without
         a measured round), ``rounds`` (each round's ratio), ``first_round_ratio``,
         ``blocking_ratio`` and ``blocking_rounds`` (the same of the waited-for save), the
-        median seconds per step of each mode, and ``held_s_per_step_median``: of a local
+        median seconds per step of each mode, ``held_s_per_step_median``: of a local
         block's step, the seconds training waited in ``step_end`` (the staging copy, and
-        the previous write where it had not committed yet) and in the block's last wait.
+        the previous write where it had not committed yet) and in the block's last wait,
+        and ``cpu_ratio`` / ``cpu_rounds``: the same ratio of the CPU time the ranks'
+        processes used (``cpu_s``: every thread, the local save's writer included, both
+        ranks summed), which other processes' load inflates far less than wall time
+        (None for blocks without it).
     """
     by_round: dict[int, dict[str, float]] = {}
     for block in blocks:
@@ -88,7 +92,16 @@ def analyse(blocks: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     held = [float(block.get("held_s", 0.0)) / int(block["steps"]) for block in blocks
             if block["mode"] == "local" and int(block["round"]) > 0]
+    cpu: dict[int, dict[str, float]] = {}
+    for block in blocks:
+        if "cpu_s" in block:
+            cpu.setdefault(int(block["round"]), {})[str(block["mode"])] = \
+                float(block["cpu_s"]) / int(block["steps"])
+    cpu_rounds = [modes["local"] / modes["off"] for number, modes in sorted(cpu.items())
+                  if number > 0 and {"local", "off"} <= set(modes) and modes["off"] > 0]
     return {"ratio": median(measured) if measured else None, "rounds": measured,
+            "cpu_ratio": median(cpu_rounds) if cpu_rounds else None,
+            "cpu_rounds": cpu_rounds,
             "first_round_ratio": ratios.get(0), "step_s_off_median": median_of("off"),
             "step_s_local_median": median_of("local"),
             "blocking_ratio": median(blocking) if blocking else None,
@@ -189,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             order = MODES[number % len(MODES):] + MODES[:number % len(MODES)]
             for mode in order:
                 dist.barrier()
-                began = time.perf_counter()
+                began, cpu_began = time.perf_counter(), time.process_time()
                 held = 0.0  # inside step_end and the last wait: what training waited
                 for _ in range(args.block):
                     step += 1
@@ -206,12 +219,15 @@ def main(argv: list[str] | None = None) -> int:
                     held += time.perf_counter() - called
                 seconds = torch.tensor([time.perf_counter() - began, held],
                                        dtype=torch.float64)
+                cpu = torch.tensor([time.process_time() - cpu_began], dtype=torch.float64)
                 dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
                 if rank == 0:
                     out.write(json.dumps({"round": number, "mode": mode,
                                           "steps": args.block,
                                           "seconds": float(seconds[0].item()),
-                                          "held_s": float(seconds[1].item())}) + "\n")
+                                          "held_s": float(seconds[1].item()),
+                                          "cpu_s": float(cpu[0].item())}) + "\n")
     manager.close()
     dist.destroy_process_group()
     return 0

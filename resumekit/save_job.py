@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
     from resumekit.runtime.save_clock import SaveTiming
     from resumekit.store.manifest import FileEntry
+    from resumekit.tensors.plans import SavePlans
     from resumekit.tensors.remote import RemoteWrites
 
 __all__ = ["SaveJob", "StepTarget", "abort_after", "apply_retention", "lineage",
@@ -79,6 +80,9 @@ class StepTarget:
             :class:`~resumekit.errors.StorageError` naming the step and the root
             (:func:`save_failure`; the durable root's saves). The local tier names its
             failures itself.
+        plans: Where an ``alone`` writer remembers its save plan between saves of an
+            unchanged layout (:class:`~resumekit.tensors.plans.SavePlans`; the local
+            tier's); None: every save planned in full.
     """
 
     protocol: CommitProtocol
@@ -87,6 +91,7 @@ class StepTarget:
     group: dist.ProcessGroup | None = None
     alone: bool = False
     name_failures: bool = True
+    plans: SavePlans | None = None
 
 
 def write_step(job: SaveJob, target: StepTarget, *, retain: Callable[[], object],
@@ -164,7 +169,8 @@ def _write_files(pending: PendingCheckpoint, job: SaveJob, target: StepTarget
             job.tensors, storage.url_of(f"{pending.staging}/{TENSORS_DIR}"),
             process_group=target.group, background=job.background,
             storage_options=storage.storage_options or None,
-            tensor_format=target.tensor_format, remote=job.writer, alone=target.alone)
+            tensor_format=target.tensor_format, remote=job.writer, alone=target.alone,
+            plans=target.plans)
     small = [(rank_state_file(target.rank), job.ranks)]
     if leader:
         small.insert(0, (TRAIN_STATE_FILE, job.train))

@@ -47,6 +47,7 @@ from resumekit.store.newest import forget_newest_hint
 from resumekit.store.recovery import remove_retired
 from resumekit.store.retention import RollingSweep, keep_last, prune
 from resumekit.store.storage import Storage
+from resumekit.tensors.plans import SavePlans
 from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["LocalJob", "LocalSite", "LocalSurvey", "fetch_copies", "holdings_of"]
@@ -108,6 +109,8 @@ class LocalSite:
         # This rank alone commits here: its own coordinator and writer generations.
         self.protocol = CommitProtocol(self.own, name_format, SingleProcess())
         self._rolling = RollingSweep()
+        # This rank's last save plan, reused while the state's layout is unchanged.
+        self.plans = SavePlans()
         self._partners: replicas.Partners | None = None  # made at the first replication
         self._said_no_replicas = False
 
@@ -196,7 +199,7 @@ class LocalSite:
         saved = SaveJob(job.step, False, job.tensors, job.train, job.ranks, manifest,
                         time.monotonic())
         target = StepTarget(self.protocol, self.rank, self.tensor_format, alone=True,
-                            name_failures=False)
+                            name_failures=False, plans=self.plans)
         return write_step(saved, target, retain=retain).name
 
     def _replicate(self, name: str, channel: Channel) -> None:

@@ -800,22 +800,27 @@ def json_depth(value: Any, *, stop: int | None = None) -> int:
         stop: Return as soon as the nesting is found deeper than this (so a structure
             that contains itself ends the walk too).
     """
-    deepest = 0
-    pending: list[tuple[Any, int]] = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, (list, tuple)):
-            children = item
-        else:
-            continue
-        deepest = max(deepest, depth)
+    # Level by level; a JSON scalar (most of a document's values) is skipped by its exact
+    # type before any isinstance check: the walk cost three times the parse of a
+    # manifest, read several times by every commit (issue 38.2).
+    if not isinstance(value, _CONTAINERS):
+        return 0
+    deepest, level = 0, [value]
+    while level:
+        deepest += 1
         if stop is not None and deepest > stop:
             return deepest
-        pending.extend((child, depth + 1) for child in children
-                       if isinstance(child, (dict, list, tuple)))
+        below: list[Any] = []
+        for item in level:
+            for child in item.values() if isinstance(item, dict) else item:
+                if type(child) not in _SCALARS and isinstance(child, _CONTAINERS):
+                    below.append(child)
+        level = below
     return deepest
+
+
+_CONTAINERS = (dict, list, tuple)
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _too_deep(source: str, max_depth: int) -> UnsafeCheckpointError:

@@ -3,21 +3,26 @@
 Both tensor formats save the same way; only the storage writer differs, chosen in
 :func:`_make_writer` from :func:`tensor_format_for`: the raw tensor writer
 (:mod:`resumekit.tensors.raw`) for local directories, DCP's own format (checked
-writer) for fsspec URLs or when asked for. Every save is planned in full: DCP's plan
-caching (``DefaultSavePlanner(enable_plan_caching=True)``) is left off because in torch
-2.13 it decides that a local plan is unchanged from its keys, offsets and sizes alone, so a
-save whose dtypes changed at the same shapes would reuse the previous save's ``.metadata``
-and describe the new bytes with the old dtypes (``tests/unit/test_repeated_saves.py``,
-``dtype``). Nothing is remembered between saves.
+writer) for fsspec URLs or when asked for. DCP's plan caching
+(``DefaultSavePlanner(enable_plan_caching=True)``) is left off because in torch 2.13 it
+decides that a local plan is unchanged from its keys, offsets and sizes alone, so a save
+whose dtypes changed at the same shapes would reuse the previous save's ``.metadata`` and
+describe the new bytes with the old dtypes (``tests/unit/test_repeated_saves.py``,
+``dtype``). A save of one process by itself may pass ``plans``
+(:class:`~resumekit.tensors.plans.SavePlans`: the local tier's copies), which reuses the
+last save's plan where the state's whole layout, dtypes included, is unchanged; every
+other save is planned in full.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -37,6 +42,7 @@ from resumekit.tensors.context import (
     without_zip_crc32,
 )
 from resumekit.tensors.failures import from_failures
+from resumekit.tensors.plans import MemoSavePlanner, SavePlans
 from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
 from resumekit.tensors.remote import RemoteWrites, WriterSpec, shipped
 
@@ -84,6 +90,7 @@ def save(
     tensor_format: TensorFormat = "raw",
     remote: RemoteWrites | None = None,
     alone: bool = False,
+    plans: SavePlans | None = None,
 ) -> list[WrittenFile]:
     """Write ``state_dict`` into ``directory`` with DCP, each rank writing its own shards.
 
@@ -114,6 +121,10 @@ def save(
             this rank's local shards, at their offsets in the global tensor, and
             ``.metadata`` describes those shards only. Loads back with ``load(...,
             alone=True)`` on the same rank of the same sharding.
+        plans: Where this process's saves by itself (``alone``, or no process group)
+            remember their plan: a save whose state has the last one's layout reuses
+            it (:mod:`resumekit.tensors.plans`); the files are the same, byte for byte.
+            Ignored for a collective save.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -131,9 +142,15 @@ def save(
     target = directory_str(directory)
     writer = _make_writer(target, storage_options, thread_count, sync_files, background,
                           tensor_format=tensor_format, remote=remote)
-    planner = DefaultSavePlanner()
+    # A remembered plan serves the saves of one process only (a collective save's global
+    # plan depends on every rank's state). Its planning and resolve_data run without
+    # autograd: DTensor.to_local() is then the local shard itself, not a view made by an
+    # autograd function (the same tensor's bytes, dtype and flags).
+    memo = plans is not None and no_dist
+    planner = MemoSavePlanner(plans) if plans is not None and memo else DefaultSavePlanner()
     try:
-        with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background):
+        with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background), \
+                torch.no_grad() if memo else contextlib.nullcontext():
             dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
                      no_dist=no_dist, planner=planner)
     except CheckpointException as error:

@@ -24,6 +24,12 @@ from resumekit.tensors.raw.format import ALIGNMENT
 
 __all__ = ["CpuStager", "SharedSegment"]
 
+#: Leaves staged as they are: immutable (``copy.deepcopy`` returns them) and never a
+#: ``Stateful``, whose ``isinstance`` check (a runtime protocol) costs tens of
+#: microseconds a leaf: an optimizer's hyperparameters made it half a small state's
+#: staging (issue 38.2).
+_ATOMS = frozenset({int, float, bool, complex, str, bytes, type(None)})
+
 
 class SharedSegment:
     """Anonymous shared memory (a ``memfd``) mapped here, as one ``uint8`` tensor.
@@ -147,7 +153,8 @@ class CpuStager:
         Returns:
             Bytes newly allocated.
         """
-        return self._allocate(state_dict, touch=True)
+        with torch.no_grad():
+            return self._allocate(state_dict, touch=True)
 
     def _allocate(self, state_dict: Mapping[str, Any], *, touch: bool) -> int:
         """Allocate every buffer ``state_dict`` needs and lacks (shared: in one segment)."""
@@ -178,7 +185,8 @@ class CpuStager:
         elif type(value) in (list, tuple):
             for i, v in enumerate(value):
                 self._missing(v, (*path, str(i)), seen, missing)
-        elif isinstance(value, Stateful) and not isinstance(value, type):
+        elif type(value) not in _ATOMS and isinstance(value, Stateful) and not isinstance(
+                value, type):
             self._missing(value.state_dict(), path, seen, missing)
 
     def _carve(self, missing: Mapping[tuple[str, ...], torch.Tensor], *, touch: bool) -> None:
@@ -254,12 +262,15 @@ class CpuStager:
         Returns:
             The same structure, detached from the originals.
         """
-        if self._shared:  # every new buffer in one segment, not one segment each
-            self._allocate(state_dict, touch=False)
         seen: dict[int, tuple[Any, Any]] = {}
-        staged = {
-            key: self._stage(value, (str(key),), seen) for key, value in state_dict.items()
-        }
+        # Without autograd, DTensor.to_local() is the local shard itself, not a view made
+        # by an autograd function (tens of microseconds each: most of a small state's
+        # staging); the copies are the same.
+        with torch.no_grad():
+            if self._shared:  # every new buffer in one segment, not one segment each
+                self._allocate(state_dict, touch=False)
+            staged = {key: self._stage(value, (str(key),), seen)
+                      for key, value in state_dict.items()}
         if synchronize and any(
             isinstance(source, torch.Tensor) and source.device.type == "cuda"
             for source, _ in seen.values()
@@ -284,9 +295,10 @@ class CpuStager:
         if type(value) in (list, tuple):
             items = [self._stage(v, (*path, str(i)), seen) for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
-        if isinstance(value, Stateful) and not isinstance(value, type):
+        atom = type(value) in _ATOMS  # immutable: its own copy (and never a Stateful)
+        if not atom and isinstance(value, Stateful) and not isinstance(value, type):
             return self._stage(value.state_dict(), path, seen)
-        return copy.deepcopy(value)
+        return value if atom else copy.deepcopy(value)
 
     def _copy_into(self, source: torch.Tensor, path: tuple[str, ...]) -> torch.Tensor:
         buffer = self._buffer_for(source, path)

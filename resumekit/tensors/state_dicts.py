@@ -705,6 +705,11 @@ def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
     Returns:
         ``{alias: kept name}``, empty when nothing is tied.
     """
+    with torch.no_grad():
+        return _find_tied(model_state)
+
+
+def _find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
     seen: dict[tuple[Any, ...], str] = {}
     tied: dict[str, str] = {}
     plain = (torch.Tensor, nn.Parameter)
@@ -725,13 +730,10 @@ def find_tied(model_state: Mapping[str, Any]) -> dict[str, str]:
             continue
         if not isinstance(value, torch.Tensor):
             continue
-        # A DTensor's local shard itself: ``to_local()`` under no_grad hands it out as it is
-        # (with grad mode on it is a view through an autograd call per tensor).
-        if isinstance(value, DTensor):
-            with torch.no_grad():
-                local = value.to_local()
-        else:
-            local = value
+        # A DTensor's local shard itself: ``to_local()`` under no_grad (entered once, for
+        # the whole state: a context per tensor cost as much as the rest of the loop) hands
+        # it out as it is (with grad mode on it is a view through an autograd call).
+        local = value.to_local() if isinstance(value, DTensor) else value
         if local.numel() == 0:
             continue
         key = (local.data_ptr(), tuple(local.shape), local.stride(), local.dtype,

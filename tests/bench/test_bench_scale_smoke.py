@@ -164,7 +164,7 @@ def test_the_local_tier_every_step_is_measured_side_by_side_with_no_checkpointin
 def test_the_local_every_step_figure_is_the_median_of_the_measured_rounds() -> None:
     def block(number: int, mode: str, seconds: float, held: float = 0.0) -> dict[str, Any]:
         return {"round": number, "mode": mode, "steps": 2, "seconds": seconds,
-                "held_s": held}
+                "held_s": held, "cpu_s": seconds / 2 if mode == "off" else seconds}
 
     figures = scale_local.analyse([
         block(0, "off", 2.0), block(0, "local", 6.0, 3.0), block(0, "blocking", 8.0, 5.0),
@@ -178,6 +178,8 @@ def test_the_local_every_step_figure_is_the_median_of_the_measured_rounds() -> N
     assert figures["blocking_ratio"] == pytest.approx(1.5)
     assert figures["step_s_off_median"] == pytest.approx(1.0)  # of 1.0, 2.0, 0.5 per step
     assert figures["held_s_per_step_median"] == pytest.approx(0.1)
+    assert figures["cpu_rounds"] == pytest.approx([2.2, 2.0, 3.0])  # CPU: off used half
+    assert figures["cpu_ratio"] == pytest.approx(2.2)
     assert scale_local.analyse([block(0, "off", 1.0), block(0, "local", 2.0)])["ratio"] is None
 
 

@@ -463,3 +463,19 @@ def test_user_data_nested_deeper_than_a_manifest_can_be_read_back_is_refused_up_
         resumekit.import_checkpoint(source, tmp_path / "root", format="lingbot",
                                     **{what: {"x": _deep()}})
     assert not (tmp_path / "root").exists()
+
+
+def test_the_json_depth_walk_counts_every_kind_of_nesting_and_stops_past_the_limit() -> None:
+    from collections import OrderedDict
+
+    from resumekit.store.storage import json_depth
+
+    assert [json_depth(value) for value in (0, "x", None, [], {}, (), [1, "a"])] == \
+        [0, 0, 0, 1, 1, 1, 1]
+    assert json_depth({"a": [1, {"b": (2, [3])}], "c": {}}) == 5
+    assert json_depth(OrderedDict(a=[[]]), stop=10) == 3  # subclasses of dict, too
+    assert json_depth([[], [[[]]], {"x": [1]}]) == 4  # the deepest branch, not the first
+    assert json_depth(_deep(80)) == 80 and json_depth(_deep(80), stop=64) == 65
+    looped: list[Any] = []
+    looped.append(looped)
+    assert json_depth(looped, stop=10) == 11  # a structure that contains itself ends

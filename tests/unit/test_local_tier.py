@@ -559,3 +559,28 @@ def test_a_kill_while_a_local_save_writes_in_the_background_leaves_the_newest_co
     step, tier, weight = _restore(tmp_path, save_every=3, keep=1)
     assert (step, tier) == (3, "durable")
     assert torch.equal(weight, torch.load(tmp_path / "weight3.pt"))
+
+
+def test_local_saves_reuse_their_plan_until_the_layout_changes_and_each_copy_restores(
+        tmp_path: Path) -> None:
+    model, opt = _objects()
+    model.register_buffer("scale", torch.ones(2))
+    with _manager(tmp_path, model, opt, save_every=100) as ckpt:  # local: every 2 steps
+        for step in range(ckpt.restore(), 6):
+            if step == 4:  # the state's layout changes before the third local save
+                model.scale = torch.arange(3, dtype=torch.float64)
+            model(torch.full((1, 4), float(step))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step_end(step + 1)
+        ckpt.wait()
+        weight = model.weight.detach().clone()
+        local = ckpt._local
+        assert local is not None
+        assert (local.plans.misses, local.plans.hits) == (2, 1)  # steps 2 and 6; 4 reused
+    model, opt = _objects()
+    model.register_buffer("scale", torch.zeros(3, dtype=torch.float64))
+    with _manager(tmp_path, model, opt, save_every=100) as ckpt:
+        assert ckpt.restore() == 6 and ckpt.restored_from_tier == "local"
+    assert torch.equal(model.scale, torch.arange(3, dtype=torch.float64))
+    assert torch.equal(model.weight, weight)

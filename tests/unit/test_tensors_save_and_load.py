@@ -395,6 +395,24 @@ def test_staging_deep_copies_plain_values_and_keeps_tied_tensors_tied() -> None:
     assert staged["extra"]["tied"][0] is staged["extra"]["tied"][1]
 
 
+def test_staging_keeps_plain_numbers_and_strings_and_still_stages_a_stateful_subclass_of_one(
+) -> None:
+    class Counter(int):  # an int that is Stateful: its state_dict is what is staged
+        def state_dict(self) -> dict[str, Any]:
+            return {"count": torch.tensor(int(self))}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    leaves = {"lr": 0.1, "step": 3, "name": "adamw", "flag": True, "none": None,
+              "raw": b"x", "counter": Counter(5)}
+    staged = tensor_io.CpuStager().stage({"extra": leaves})["extra"]
+    assert {key: staged[key] for key in ("lr", "step", "name", "flag", "none", "raw")} == {
+        "lr": 0.1, "step": 3, "name": "adamw", "flag": True, "none": None, "raw": b"x"}
+    assert isinstance(staged["counter"], dict)
+    assert torch.equal(staged["counter"]["count"], torch.tensor(5))
+
+
 def test_staged_state_saves_and_loads_back_equal(tmp_path: Path) -> None:
     model, optimizer = trained(seed=0)
     expected = snapshot(model, optimizer)
