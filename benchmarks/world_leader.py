@@ -22,8 +22,12 @@ Each rank's request is made from the shapes (FSDP2's dim-0 shard of each tensor,
 ``step`` whole, the param groups' values); one rank's is checked equal to the request
 resumekit's planner makes from that rank's real ``DTensor`` state (a fake process group).
 
-Usage: ``python -m benchmarks.world_leader [--worlds 8,64,256,1024] [--baseline COMMIT]
-[--out benchmarks/results/world_leader.json]``.
+With ``--replicas R`` (HSDP: R ranks hold each shard) the checkpoint holds W / R shards
+and R ranks send each request; rank 0 answers each distinct request once
+(``answers_distinct``), where the baseline answered every rank.
+
+Usage: ``python -m benchmarks.world_leader [--worlds 8,64,256,1024] [--replicas 1]
+[--baseline COMMIT] [--out benchmarks/results/world_leader.json]``.
 """
 
 from __future__ import annotations
@@ -124,11 +128,16 @@ def _same(part: Any, baseline: Any) -> bool:
             and sorted(map(repr, part.storage)) == sorted(map(repr, baseline.storage)))
 
 
-def leader_row(params: list[world_fake.Param], world: int, baseline: types.ModuleType
-               ) -> dict[str, Any]:
-    """Rank 0's CPU at ``world`` ranks, this checkout's answers beside the baseline's."""
+def leader_row(params: list[world_fake.Param], world: int, baseline: types.ModuleType,
+               replicas: int = 1) -> dict[str, Any]:
+    """Rank 0's CPU at ``world`` ranks, this checkout's answers beside the baseline's.
+
+    With ``replicas`` (HSDP), the checkpoint holds ``world // replicas`` shards of each
+    tensor and rank ``r`` asks for shard ``r % (world // replicas)``.
+    """
+    shards = world // replicas
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-leader-") as scratch:
-        data = world_fake.save_side(params, world, Path(scratch) / "raw", raw=True,
+        data = world_fake.save_side(params, shards, Path(scratch) / "raw", raw=True,
                                     timed=False)["data"]
     source = "bench/.metadata"
 
@@ -142,17 +151,21 @@ def leader_row(params: list[world_fake.Param], world: int, baseline: types.Modul
     baseline_index_cpu, _ = _cpu(old.prepare)
     new = metadata_parts.MetadataServer(whole.parsed(), source)
     index_cpu, _ = _cpu(new.prepare)
-    requests = requests_of(params, world)
-    checked_rank = world // 2 + 1 if world > 2 else 1
-    assert planner_request(params, world, checked_rank, whole, new) == requests[checked_rank]
+    shard_requests = requests_of(params, shards)
+    requests = [shard_requests[rank % shards] for rank in range(world)]
+    checked_rank = shards // 2 + 1 if shards > 2 else 1
+    assert planner_request(params, shards, checked_rank, whole, new) == requests[checked_rank]
     sent = [pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
             for request in requests[1:]]  # what the other ranks send
     requests_cpu, received = _cpu(lambda: [pickle.loads(data) for data in sent])
     sent.clear()
 
     def answer_new() -> list[bytes]:
-        return [pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
-                for part in new.parts_for(received)]
+        pickled: dict[int, bytes] = {}  # a part given to several ranks: pickled once
+        for part in (parts := new.parts_for(received)):
+            if id(part) not in pickled:
+                pickled[id(part)] = pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
+        return [pickled[id(part)] for part in parts]
 
     def answer_old() -> list[bytes]:
         return [pickle.dumps(old.part_for(request), protocol=pickle.HIGHEST_PROTOCOL)
@@ -165,6 +178,8 @@ def leader_row(params: list[world_fake.Param], world: int, baseline: types.Modul
     assert same, f"W = {world}: a part differs from the baseline's"
     row = {
         "world_size": world,
+        "replicas": replicas,
+        "answers_distinct": new.answers,
         "metadata_bytes": len(data),
         "parse_cpu_s": parse_cpu,
         "index_cpu_s": index_cpu,
@@ -186,7 +201,9 @@ def leader_row(params: list[world_fake.Param], world: int, baseline: types.Modul
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)))
-    parser.add_argument("--baseline", default="25865c3",
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="ranks holding each shard (HSDP); 1: FSDP, every request differs")
+    parser.add_argument("--baseline", default="07bc8ea",
                         help="the commit whose answering code is measured beside this one")
     parser.add_argument("--config", default="furniture_all_e128")
     parser.add_argument("--out", default=str(OUT))
@@ -197,11 +214,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     params = world_fake.lingbot_params(args.config)
     rows: list[dict[str, Any]] = []
     result = {"rows": rows, "measured": stamp, "baseline": args.baseline,
-              "config": args.config}
+              "config": args.config, "replicas": args.replicas}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for world in (int(w) for w in args.worlds.split(",") if w):
-        rows.append({**leader_row(params, world, baseline), "measured": stamp})
+        rows.append({**leader_row(params, world, baseline, args.replicas), "measured": stamp})
         print(json.dumps(rows[-1]), flush=True)
         # written after each row: a run stopped at a large W keeps the smaller ones
         out.write_text(json.dumps(result, indent=1) + "\n")

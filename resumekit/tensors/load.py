@@ -38,6 +38,7 @@ from resumekit.tensors.failures import from_failures, incompatible, load_error
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.metadata_parts import (
+    ItemKey,
     Part,
     Request,
     complete,
@@ -46,7 +47,13 @@ from resumekit.tensors.metadata_parts import (
     skeleton,
 )
 from resumekit.tensors.raw import raw_files
-from resumekit.tensors.reader import CheckedMetadata, SafeReader, load_plain_value, make_reader
+from resumekit.tensors.reader import (
+    CheckedMetadata,
+    SafeReader,
+    load_plain_value,
+    make_reader,
+    read_whole_items,
+)
 from resumekit.tensors.shared_reads import SharedReads
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -156,7 +163,17 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     if metadata is not None and metadata.exchanged and not alone:
         # The skeleton's holders get their part from the rank that read the whole file.
         whole = metadata.whole
-        exchange = exchange_over_group(group, metadata.server() if whole else None)
+        read_values = None
+        if whole:  # the small items asked for whole: read here, once, sent in the parts
+            checked = metadata
+
+            def read_values(items: Sequence[ItemKey]) -> dict[ItemKey, Any]:
+                return read_whole_items(
+                    make_reader(target, storage_options, verify=verify, metadata=checked),
+                    checked.parsed(), items)
+
+        exchange = exchange_over_group(group, metadata.server() if whole else None,
+                                       read_values)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
                                   exchange=exchange, whole=whole)
     try:
@@ -280,6 +297,8 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
         self._reject_unexpected = reject_unexpected
         self._exchange = exchange
         self._whole = whole
+        self.values: dict[ItemKey, Any] = {}
+        """Items the exchange brought read (:attr:`Part.values`): loaded from here."""
 
     def set_up_planner(
         self,
@@ -298,6 +317,7 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
             except Exception as error:  # noqa: BLE001 - raised by the exchange, after it
                 request = error
             part = self._exchange(request)
+            self.values = part.values  # read for this rank (its reader loads them)
             # The rank that read the file keeps it whole (it answers the others); it plans
             # from a skeleton of its own, like every rank.
             metadata = complete(skeleton(metadata) if self._whole else metadata, part)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from resumekit import _compat
 from resumekit.errors import CorruptCheckpointError
@@ -48,8 +50,9 @@ from resumekit.tensors.raw.format import (
     is_packed_member,
 )
 
-__all__ = ["MetadataServer", "Part", "Request", "complete", "exchange_over_group",
-           "request_of", "skeleton"]
+__all__ = ["PREREAD_MAX_BYTES", "PREREAD_MAX_PART_BYTES", "MetadataServer", "Part",
+           "Request", "complete", "exchange_over_group", "request_of", "serve_values",
+           "skeleton"]
 
 _REGION_PREFIXES = REGION_PREFIXES
 
@@ -65,22 +68,43 @@ Place = tuple[str, int, int, tuple[str, ...] | None]
 Entry = tuple[str, tuple[int, ...] | None, Place]
 """A storage entry: its key, its chunk's offsets (None for a non-tensor value), its place."""
 
+ItemKey = tuple[str, tuple[int, ...] | None]
+"""A stored item: its key and its chunk's offsets (None for a non-tensor value)."""
+
+ValueReader = Callable[[Sequence[ItemKey]], dict[ItemKey, Any]]
+"""Reads stored items whole, verified, on the answering rank: a tensor of the stored
+chunk's size for a tensor item, the stored bytes for a non-tensor value."""
+
+PREREAD_MAX_BYTES = 4096
+"""Stored items of at most this many bytes that a rank asks for whole (a non-tensor value,
+a tensor stored as one chunk: AdamW's ``step`` scalars, the param groups) come read in its
+part. DCP's save spreads such replicated items over every rank's files, so reading them
+itself made each rank open, and check the trailers of, up to min(W, items) data files."""
+
+PREREAD_MAX_PART_BYTES = 256 << 10
+"""At most this many bytes of read items in one part (the rest is read by the rank)."""
+
 
 @dataclasses.dataclass
 class Part:
     """What one rank receives of a checkpoint's ``.metadata``.
 
-    Plain tuples, which pickle fast: rank 0 pickles one part per rank.
+    Plain tuples, which pickle fast: rank 0 pickles one part per distinct request.
 
     Attributes:
         chunks: ``{key: [(offsets, sizes), ...]}`` of the stored chunks that overlap the
             rank's request.
         storage: The storage entries of those chunks and of the requested non-tensor
             values, and of the first item of each packed region one of them lies in.
+        values: The small items the request asks for whole, read and verified by the
+            answering rank (:data:`PREREAD_MAX_BYTES`): a tensor of the stored chunk's
+            size as ``(dtype name, shape, bytes)``, or a non-tensor value's stored bytes.
+            The rank reads them from here (:func:`serve_values`), not from their files.
     """
 
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
     storage: list[Entry]
+    values: dict[ItemKey, Any] = dataclasses.field(default_factory=dict)
 
 
 def skeleton(metadata: Metadata) -> Metadata:
@@ -212,6 +236,9 @@ class MetadataServer:
         # answer's look-up when a run shards as its checkpoint did
         self._exact: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], _Item]] = {}
         self._descriptors: dict[tuple[str, ...], tuple[str, ...]] = {}
+        self.answers = 0
+        """Parts worked out so far (:meth:`part_for` calls): one per distinct request."""
+        self._values: dict[ItemKey, Any] = {}  # items read for parts, kept for the next
 
     def prepare(self) -> None:
         """Build the index now (else on the first request)."""
@@ -355,11 +382,95 @@ class MetadataServer:
         storage.extend(head for at, head in heads.items() if at not in own_heads)
         return Part(chunks=chunks, storage=storage)
 
-    def parts_for(self, requests: Sequence[Request | BaseException]
-                  ) -> list[Part | None]:
-        """Every rank's part, in rank order (None for a rank that sent an error)."""
-        return [None if isinstance(request, BaseException) else self.part_for(request)
-                for request in requests]
+    def parts_for(self, requests: Sequence[Request | BaseException],
+                  read_values: ValueReader | None = None) -> list[Part | None]:
+        """Every rank's part, in rank order (None for a rank that sent an error).
+
+        Each distinct request is answered once: ranks that shard alike (replicas: DDP,
+        HSDP) ask the same, and get the same :class:`Part` object (pickled once by the
+        scatter). With ``read_values``, each part also carries the small items its request
+        asks for whole (:data:`PREREAD_MAX_BYTES`), read once for every part by this rank.
+
+        Raises:
+            CorruptCheckpointError: A chunk has no storage entry (a damaged ``.metadata``).
+            ResumekitError: Reading the small items failed (from ``read_values``).
+        """
+        # Requests by a cheap fingerprint (a few of their entries): the ranks of a sharded
+        # run differ in their first chunks, so each request is compared in full only
+        # with the few distinct ones that share its fingerprint (replicas: equal ones).
+        answered: dict[Any, list[tuple[Request, Part]]] = {}
+        distinct: list[Part] = []
+        parts: list[Part | None] = []
+        for request in requests:
+            if isinstance(request, BaseException):
+                parts.append(None)
+                continue
+            alike = answered.setdefault(_fingerprint(request), [])
+            part = next((found for asked, found in alike if asked == request), None)
+            if part is None:
+                part = self.part_for(request)
+                self.answers += 1
+                distinct.append(part)
+                if len(alike) < _ALIKE_KEPT:  # past that, answered without a comparison
+                    alike.append((request, part))
+            parts.append(part)
+        if read_values is not None:
+            self._add_values(distinct, read_values)
+        return parts
+
+    def _add_values(self, parts: Sequence[Part], read_values: ValueReader) -> None:
+        """Put in each of ``parts`` the small items it asks for whole, all read in one call."""
+        chosen = [self._small_items(part) for part in parts]
+        missing = list(dict.fromkeys(item for items in chosen for item in items
+                                     if item not in self._values))
+        if missing:
+            found = read_values(missing)
+            lost = [item for item in missing if item not in found]
+            if lost:
+                key, offsets = lost[0]
+                raise CorruptCheckpointError(
+                    f"{self.source}: {key}{'' if offsets is None else f' at {list(offsets)}'}"
+                    " was not read", path=self.source, file=self.source, key=key)
+            self._values.update((item, _packed(value)) for item, value in found.items())
+        for part, items in zip(parts, chosen, strict=True):
+            part.values = {item: self._values[item] for item in items}
+
+    def _small_items(self, part: Part) -> list[ItemKey]:
+        """The items of ``part`` stored whole in at most :data:`PREREAD_MAX_BYTES` each."""
+        stored = self.metadata.state_dict_metadata
+        chosen: list[ItemKey] = []
+        total = 0
+        for key, offsets, (_, _, length, _) in part.storage:
+            entry = stored.get(key)
+            if isinstance(entry, TensorStorageMetadata):
+                if offsets is None or len(entry.chunks) != 1:
+                    continue
+                whole = (tuple(offsets), tuple(int(s) for s in entry.size))
+                if (part.chunks.get(key) != [whole] or any(whole[0])
+                        or tuple(int(s) for s in entry.chunks[0].sizes) != whole[1]):
+                    continue  # a packed region's first entry, or a part of a tensor
+            elif entry is None or offsets is not None:
+                continue
+            if length > PREREAD_MAX_BYTES or total + length > PREREAD_MAX_PART_BYTES:
+                continue
+            total += length
+            chosen.append((key, offsets))
+        return chosen
+
+
+_ALIKE_KEPT = 8
+"""Distinct requests kept per fingerprint (each later one is compared with these)."""
+
+
+def _fingerprint(request: Request) -> tuple[int, tuple[Any, ...]]:
+    """A few entries of ``request``: its size and the chunks of its first sharded keys."""
+    shown: list[Any] = []
+    for key, chunks in request.items():
+        if chunks:
+            shown.append((key, tuple(chunks)))
+            if len(shown) == 4:
+                break
+    return len(request), tuple(shown)
 
 
 class _Item(NamedTuple):
@@ -394,14 +505,16 @@ def _heads_region(info: Any) -> bool:
     return bool(descriptors) and str(descriptors[0]).startswith(_REGION_PREFIXES)
 
 
-def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None
+def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None,
+                        read_values: ValueReader | None = None
                         ) -> Callable[[Request | BaseException], Part]:
     """The exchange of requests and parts on ``group``: one gather, then the parts scattered.
 
     Group rank 0 holds ``server``; every rank of the group calls the returned function
     once, with its request, or with the error that kept it from making one (it still
     takes part, so no rank waits for it; the error is raised on it after the scatter).
-    An error on rank 0 while answering is raised on every rank.
+    An error on rank 0 while answering (``read_values`` included: a small item's file
+    missing or damaged) is raised on every rank.
     """
 
     def exchange(request: Request | BaseException) -> Part:
@@ -416,7 +529,7 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
                 if server is None:
                     raise CorruptCheckpointError(
                         "the rank that read the checkpoint's metadata holds none to share")
-                replies = server.parts_for(gathered)
+                replies = server.parts_for(gathered, read_values)
             except Exception as error:  # noqa: BLE001 - raised on every rank below
                 replies = [error] * world
         reply = _scatter(replies, rank, world, group)
@@ -434,11 +547,19 @@ def _scatter(values: list[Any] | None, rank: int, world: int,
     """Group rank 0's ``values[r]`` on each rank ``r``: their sizes, then their pickles.
 
     Tensor collectives (``dist.scatter``), not DCP's object scatter: a load that plans
-    locally runs none of DCP's plan collectives.
+    locally runs none of DCP's plan collectives. A value given to several ranks (one
+    object) is pickled once.
     """
     source = 0 if group is None else dist.get_global_rank(group, 0)
-    pickles = ([pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) for value in values]
-               if rank == 0 and values is not None else [])
+    pickles: list[bytes] = []
+    if rank == 0 and values is not None:
+        pickled: dict[int, bytes] = {}
+        for value in values:
+            data = pickled.get(id(value))
+            if data is None:
+                data = pickled[id(value)] = pickle.dumps(value,
+                                                         protocol=pickle.HIGHEST_PROTOCOL)
+            pickles.append(data)
     longest = max((len(data) for data in pickles), default=0)
     size = torch.zeros(2, dtype=torch.int64)
     dist.scatter(size, [torch.tensor([len(data), longest]) for data in pickles] or None,
@@ -451,6 +572,77 @@ def _scatter(values: list[Any] | None, rank: int, world: int,
             frame[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     dist.scatter(mine, frames, src=source, group=group)
     return pickle.loads(mine.numpy().tobytes()[:int(size[0])])
+
+
+def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, Any]
+                 ) -> LoadPlan:
+    """Load the items of ``plan`` that ``values`` holds (a :class:`Part`'s); return the rest.
+
+    A tensor item is copied from its stored chunk (narrowed as DCP's reader narrows what
+    it reads), a value is loaded by the planner from its bytes (resumekit's planner loads
+    it without unrestricted unpickling), so they land as if read from their files.
+
+    Raises:
+        CorruptCheckpointError: A read item does not fit the value received for it.
+    """
+    if not values:
+        return plan
+    rest: list[ReadItem] = []
+    for item in plan.items:
+        index = item.storage_index
+        key: ItemKey = (index.fqn, None if index.offset is None
+                        else tuple(int(o) for o in index.offset))
+        if key not in values:
+            rest.append(item)
+            continue
+        value = values[key]
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(value))
+            continue
+        source = _unpacked(value, index.fqn)
+        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
+                                                  strict=True)):
+            source = source.narrow(dim, int(start), int(length))
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != source.size():
+            raise CorruptCheckpointError(
+                f"{index.fqn}: the value received for it has {tuple(source.size())} "
+                f"elements where its read wants {tuple(target.size())}", key=index.fqn)
+        target.copy_(source)
+        planner.commit_tensor(item, target)
+    return dataclasses.replace(plan, items=rest)
+
+
+def _packed(value: Any) -> Any:
+    """A read item as it travels: a tensor as ``(dtype, shape, bytes)``, bytes as they are.
+
+    Unpickling a pickled tensor costs about 0.2 ms, its bytes about a microsecond.
+    """
+    if not isinstance(value, torch.Tensor):
+        return bytes(value)
+    flat = value.detach().contiguous().reshape(-1)
+    return (str(value.dtype).removeprefix("torch."), tuple(value.shape),
+            flat.view(torch.uint8).numpy().tobytes())
+
+
+def _unpacked(value: Any, key: str) -> torch.Tensor:
+    """The tensor of :func:`_packed`'s ``(dtype, shape, bytes)``.
+
+    Raises:
+        CorruptCheckpointError: It is not one (naming ``key``).
+    """
+    try:
+        name, shape, data = value
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(name)
+        if not data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as error:
+        raise CorruptCheckpointError(
+            f"{key}: the value received for it is not a tensor's bytes ({error})",
+            key=key) from error
 
 
 def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:

@@ -11,14 +11,19 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from resumekit import _compat
@@ -33,12 +38,13 @@ from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import read_with_retry
 from resumekit.store.targets import locate_tensor_data
 from resumekit.tensors.context import directory_str, local_path, paused_collection
-from resumekit.tensors.metadata_parts import MetadataServer, skeleton
+from resumekit.tensors.metadata_parts import ItemKey, MetadataServer, serve_values, skeleton
 from resumekit.tensors.raw import FsspecFiles, RawTensorReading, raw_files
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.shared_reads import SharedReads
 
-__all__ = ["CheckedMetadata", "SafeReader", "StorageReader", "load_plain_value", "make_reader"]
+__all__ = ["CheckedMetadata", "SafeReader", "StorageReader", "load_plain_value", "make_reader",
+           "read_whole_items"]
 
 
 class CheckedMetadata:
@@ -269,7 +275,12 @@ class SafeReader(_SafeReaderMixin, RawTensorReading, FileSystemReader):
             self.path = self.fs.init_path(directory, **dict(storage_options or {}))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read ``plan``'s items; with ``shared``, this rank's share of them, then exchange."""
+        """Read ``plan``'s items; with ``shared``, this rank's share of them, then exchange.
+
+        The items the planner received read in its part of ``.metadata`` (its ``values``:
+        :func:`~resumekit.tensors.metadata_parts.serve_values`) are loaded from there.
+        """
+        plan = serve_values(plan, planner, getattr(planner, "values", None) or {})
         if self.shared is None:
             return super().read_data(plan, planner)
         read = super().read_data
@@ -383,6 +394,63 @@ def make_reader(directory: str, storage_options: Mapping[str, Any] | None, *,
     reader.shared = shared
     reader.checked_metadata = metadata
     return reader
+
+
+class _Collected:
+    """The planner side of :func:`read_whole_items`: each item read into its own buffer."""
+
+    def __init__(self, buffers: dict[ItemKey, Any]) -> None:
+        self.buffers = buffers
+
+    @staticmethod
+    def _key(item: ReadItem) -> ItemKey:
+        index = item.storage_index
+        return (index.fqn, None if index.offset is None
+                else tuple(int(o) for o in index.offset))
+
+    def resolve_tensor(self, item: ReadItem) -> torch.Tensor:
+        return cast(torch.Tensor, self.buffers[self._key(item)])
+
+    def commit_tensor(self, item: ReadItem, tensor: torch.Tensor) -> None:
+        """Nothing to do: the tensor was read into its buffer."""
+
+    def load_bytes(self, item: ReadItem, value: io.BytesIO) -> None:
+        self.buffers[self._key(item)] = value.getvalue()
+
+
+def read_whole_items(reader: SafeReader, metadata: Metadata, items: Sequence[ItemKey]
+                     ) -> dict[ItemKey, Any]:
+    """Read stored ``items`` whole with ``reader``, checked as every read is.
+
+    For :class:`~resumekit.tensors.metadata_parts.MetadataServer`: the rank that answers
+    the other ranks' requests reads the small items they ask for whole, once for all.
+
+    Returns:
+        Per item, a tensor of its stored chunk's size (a tensor item) or its stored bytes
+        (a non-tensor value).
+    """
+    stored = metadata.state_dict_metadata
+    buffers: dict[ItemKey, Any] = {}
+    reads: list[ReadItem] = []
+    for key, offsets in items:
+        entry = stored[key]
+        if offsets is None:
+            reads.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(key),
+                                  dest_offsets=torch.Size((0,)),
+                                  storage_index=MetadataIndex(key),
+                                  storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+            continue
+        assert isinstance(entry, TensorStorageMetadata)
+        index = MetadataIndex(key, torch.Size(offsets))
+        buffers[(key, offsets)] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index,
+                              dest_offsets=torch.Size((0,) * len(offsets)),
+                              storage_index=index,
+                              storage_offsets=torch.Size((0,) * len(offsets)),
+                              lengths=entry.size))
+    reader.set_up_storage_reader(metadata, False)
+    reader.read_data(LoadPlan(reads), cast(LoadPlanner, _Collected(buffers))).wait()
+    return buffers
 
 
 def load_plain_value(directory: str, fqn: str, value: io.BytesIO) -> Any:

@@ -50,3 +50,15 @@ def test_each_ranks_request_asks_for_its_own_dim_0_shard_of_every_sharded_tensor
     assert sum(sizes[0] for _, sizes in shards) == length
     assert all(sizes[1:] == param.shape[1:] for _, sizes in shards)
     assert all(len(request) == len(requests[0]) for request in requests)
+
+
+def test_with_replicas_rank_0_answers_each_shard_layout_once(tmp_path: Path) -> None:
+    out = tmp_path / "leader.json"
+    main(["--worlds", "8,16", "--replicas", "2", "--config", "tiny", "--baseline", "",
+          "--out", str(out)])
+    report = json.loads(out.read_text())
+    for row in report["rows"]:
+        assert row["parts_equal_baseline"] is True
+        assert row["replicas"] == 2
+        # the W - 1 requests rank 0 receives hold W / 2 distinct shard layouts
+        assert row["answers_distinct"] == row["world_size"] // 2, row

@@ -8,6 +8,7 @@ whole) it is both ranks' chunks: the resharding case still reads everything it n
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +22,45 @@ from resumekit import CheckpointManager
 from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
+# the module: the package exports a function of the same name
+LOAD = importlib.import_module("resumekit.tensors.load")
+
+
+def _steps(optimizer: torch.optim.Optimizer) -> list[float]:
+    return [float(state["step"]) for state in optimizer.state.values()]
+
 
 def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, Any]:
     model, optimizer = tiny_fsdp2_adamw()
     manager = CheckpointManager(root, model=model, optimizer=optimizer)
-    model(torch.ones(4, 6)).square().mean().backward()
-    optimizer.step()
+    for _ in range(3):
+        model(torch.ones(4, 6)).square().mean().backward()
+        optimizer.step()
     manager.save(1)
     saved = {key: value.full_tensor().clone() for key, value in model.state_dict().items()}
     manager.close()
     dist.barrier()
     received: list[Any] = []
     share = resumekit.restore_root.share_metadata
+    values: list[Any] = []  # the items each part brought read
+    exchange_over_group = LOAD.exchange_over_group
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         received.append(share(*args, **kwargs))
         return received[-1]
 
+    def recording_exchange(*args: Any, **kwargs: Any) -> Any:
+        exchange = exchange_over_group(*args, **kwargs)
+
+        def recorded(request: Any) -> Any:
+            part = exchange(request)
+            values.extend(part.values)
+            return part
+
+        return recorded
+
     resumekit.restore_root.share_metadata = recording  # type: ignore[assignment]
+    LOAD.exchange_over_group = recording_exchange  # type: ignore[assignment]
     try:
         if sharded:
             model, optimizer = tiny_fsdp2_adamw()
@@ -52,6 +74,8 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
         restorer.close()
     finally:
         resumekit.restore_root.share_metadata = share  # type: ignore[assignment]
+        LOAD.exchange_over_group = (  # type: ignore[assignment]
+            exchange_over_group)
     got = {key: value.full_tensor() if hasattr(value, "full_tensor") else value
            for key, value in model.state_dict().items()}
     checked = received[0]
@@ -59,7 +83,8 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
               for key, entry in checked.parsed().state_dict_metadata.items()
               if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0}
     return {"step": step, "whole": checked.whole, "chunks": chunks,
-            "same": all(torch.equal(saved[key], got[key]) for key in saved)}
+            "same": all(torch.equal(saved[key], got[key]) for key in saved),
+            "steps": _steps(optimizer), "values": sorted(map(repr, values))}
 
 
 def test_a_restoring_rank_plans_from_only_its_own_chunks_when_the_run_shards_as_the_checkpoint(
@@ -77,3 +102,16 @@ def test_a_restoring_rank_gets_every_chunk_it_needs_when_the_run_does_not_shard(
     assert first["step"] == second["step"] == 1 and first["same"] and second["same"]
     assert not second["whole"]
     assert second["chunks"] and set(second["chunks"].values()) == {2}, second["chunks"]
+
+
+def test_every_restoring_rank_gets_the_optimizers_step_scalars_read_in_its_part(
+        tmp_path: Path) -> None:
+    first, second = run_ranks(_restore, world_size=2, args=(str(tmp_path), True))
+    assert first["same"] and second["same"]
+    assert first["steps"] == second["steps"] == [3.0] * 4
+    # AdamW's 4 step scalars (spread by DCP's save over the ranks' files) and the param
+    # group's values: read once, on rank 0, and not from their files by each rank
+    for found in (first, second):
+        steps = [value for value in found["values"] if ".step'" in value]
+        assert len(steps) == 4, found["values"]
+        assert any("param_groups.0.lr'" in value for value in found["values"])

@@ -26,7 +26,9 @@ from tests.distributed_harness import run_ranks
 
 def _manager(root: Path) -> CheckpointManager:
     torch.manual_seed(0)
-    model = nn.Linear(4, 2)
+    # a weight above PREREAD_MAX_BYTES: rank 1 reads it itself (smaller items, stored
+    # whole, come read by rank 0 in rank 1's part of .metadata)
+    model = nn.Linear(64, 32)
     return CheckpointManager(root, model=model, optimizer=torch.optim.SGD(
         model.parameters(), lr=0.1), retention=None)
 

@@ -339,3 +339,179 @@ def test_a_raw_checkpoint_reads_back_checked_from_a_part_with_its_packed_regions
         assert torch.equal(value, saved["model"][key]), key
     received = sent.parsed().storage_data
     assert heads <= set(received)
+
+
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_ranks_that_ask_the_same_get_one_answer_and_the_same_part(world: int) -> None:
+    whole = _metadata(8)
+    replicated = {"model.embed": [((0, 0), (37, 8))], "optimizer.param_groups.0.lr": None}
+    requests: list[Any] = [pickle.loads(pickle.dumps(replicated)) for _ in range(world)]
+    requests[1] = ValueError("rank 1 could not make its request")
+    server = MetadataServer(whole, "m")
+    parts = server.parts_for(requests)
+    assert server.answers == 1  # not world - 1: one answer per distinct request
+    assert parts[1] is None
+    assert all(part is parts[0] for part in parts[2:])
+    alone = MetadataServer(whole, "m").part_for(replicated)
+    assert parts[0] is not None and parts[0].chunks == alone.chunks
+
+
+@pytest.mark.parametrize("world", [2, 8, 64])
+def test_ranks_of_a_sharded_run_each_get_their_own_answer_once(world: int) -> None:
+    whole = _metadata(world)
+    requests: list[Any] = [
+        {key: chunk_requests(chunks) for key, chunks in _wanted(world, rank).items()}
+        for rank in range(world)]
+    groups = 2  # two replicas of each shard layout (HSDP): each layout answered once
+    server = MetadataServer(whole, "m")
+    parts = server.parts_for([request for request in requests for _ in range(groups)])
+    # ranks past the rows of a short tensor hold empty shards: they ask the same
+    assert server.answers == len({repr(request) for request in requests})
+    assert world < 38 or server.answers < world
+    for rank, request in enumerate(requests):
+        mine = parts[rank * groups]
+        assert mine is not None and parts[rank * groups + 1] is mine
+        assert mine.chunks == MetadataServer(whole, "m").part_for(request).chunks
+
+
+def _optimizer_like(generator: torch.Generator) -> dict[str, Any]:
+    """A state with small replicated items (AdamW's ``step`` scalars, a param group value),
+    packed small tensors and a tensor stored alone."""
+    return {"model": {"big": torch.randn(300_000, generator=generator),
+                      "small": torch.randn(9, generator=generator)},
+            "optimizer": {"state": {"big": {"step": torch.tensor(7.0)},
+                                    "small": {"step": torch.tensor(3.0)}},
+                          "param_groups": [{"lr": 0.25}]}}
+
+
+def test_small_items_asked_for_whole_come_read_in_the_part_and_are_not_read_again(
+        tmp_path: Any) -> None:
+    from torch.distributed.checkpoint import load  # noqa: PLC0415
+
+    from resumekit import tensors  # noqa: PLC0415
+    from resumekit.tensors.reader import SafeReader, make_reader, read_whole_items  # noqa: PLC0415
+
+    saved = _optimizer_like(torch.Generator().manual_seed(4))
+    tensors.save(saved, tmp_path, thread_count=2)
+    checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
+                                    str(tmp_path / ".metadata"))
+    sent = pickle.loads(pickle.dumps(checked.for_ranks()))
+    server = checked.server()
+    reads: list[list[Any]] = []
+
+    def read_values(items: Any) -> dict[Any, Any]:
+        reads.append(list(items))
+        return read_whole_items(make_reader(str(tmp_path), None, metadata=checked),
+                                checked.parsed(), items)
+
+    def exchange(request: Any) -> Any:
+        # three ranks asking the same: their small items are read once, for all
+        parts = server.parts_for([request, request, request], read_values)
+        return pickle.loads(pickle.dumps(parts[2]))  # as it travels
+
+    read_by_reader: list[str] = []
+
+    class Recording(SafeReader):
+        def _read_file(self, name: str, jobs: list[Any]) -> Any:
+            read_by_reader.extend(job.request.storage_index.fqn for job in jobs)
+            return super()._read_file(name, jobs)
+
+    wanted = {"model": {key: torch.zeros_like(value) for key, value in saved["model"].items()},
+              "optimizer": {"state": {key: {"step": torch.tensor(0.0)}
+                                      for key in saved["model"]},
+                            "param_groups": [{"lr": 0.0}]}}
+    planner = _CheckedLoadPlanner(str(tmp_path), reject_unexpected=True, exchange=exchange)
+    reader = Recording(str(tmp_path))
+    reader.checked_metadata = sent
+    load(wanted, storage_reader=reader, planner=planner, no_dist=True)
+    assert len(reads) == 1
+    assert sorted(reads[0]) == sorted([("optimizer.state.big.step", ()),
+                                       ("optimizer.state.small.step", ()),
+                                       ("model.small", (0,)),
+                                       ("optimizer.param_groups.0.lr", None)])
+    assert set(planner.values) == set(reads[0])
+    assert read_by_reader == ["model.big"]  # the rest came in the part
+    for key, value in saved["model"].items():
+        assert torch.equal(wanted["model"][key], value), key
+        assert torch.equal(wanted["optimizer"]["state"][key]["step"],
+                           saved["optimizer"]["state"][key]["step"]), key
+    assert wanted["optimizer"]["param_groups"][0]["lr"] == 0.25
+
+
+def test_a_damaged_small_item_read_for_the_parts_is_an_error_naming_its_file(
+        tmp_path: Any) -> None:
+    from resumekit import tensors  # noqa: PLC0415
+    from resumekit.tensors.reader import make_reader, read_whole_items  # noqa: PLC0415
+
+    tensors.save(_optimizer_like(torch.Generator().manual_seed(5)), tmp_path, thread_count=2)
+    checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
+                                    str(tmp_path / ".metadata"))
+    step = MetadataIndex("optimizer.state.big.step", torch.Size(()))
+    info = checked.parsed().storage_data[step]
+    damaged = tmp_path / info.relative_path
+    data = bytearray(damaged.read_bytes())
+    data[info.offset] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    server = MetadataServer(checked.parsed(), "m")
+
+    def read_values(items: Any) -> dict[Any, Any]:
+        return read_whole_items(make_reader(str(tmp_path), None, metadata=checked),
+                                checked.parsed(), items)
+
+    request = {"optimizer.state.big.step": [((), ())]}
+    with pytest.raises(CorruptCheckpointError, match=info.relative_path):
+        server.parts_for([request, request], read_values)
+
+
+def test_a_large_or_sharded_item_is_left_for_the_rank_to_read() -> None:
+    whole = _metadata(4)
+    request: Any = {key: chunk_requests(chunks) for key, chunks in _wanted(4, 1).items()}
+    request["optimizer.param_groups.0.lr"] = None
+    request["model.head"] = [((0, 0), (5, 3))]  # every chunk of a sharded tensor: not whole
+    asked: list[Any] = []
+
+    def read_values(items: Any) -> dict[Any, Any]:
+        asked.extend(items)
+        return {item: torch.zeros(()) if item[1] is not None else b"v" for item in items}
+
+    part = MetadataServer(whole, "m").parts_for([request], read_values)[0]
+    assert part is not None
+    assert sorted(asked, key=repr) == [("optimizer.param_groups.0.lr", None),
+                                       ("optimizer.state.embed.step", ())]
+    assert set(part.values) == set(asked)
+
+
+def test_requests_alike_in_their_first_keys_are_still_answered_each_as_asked() -> None:
+    whole = _metadata(16)
+    first = {key: chunk_requests(chunks) for key, chunks in _wanted(1, 0).items()
+             if key != "model.grid"}  # every rank asks these whole: one fingerprint
+    requests: list[Any] = [
+        first | {"model.grid": chunk_requests(_wanted(16, rank)["model.grid"])}
+        for rank in range(16)] * 2
+    server = MetadataServer(whole, "m")
+    parts = server.parts_for(requests)
+    assert server.answers <= 16 + 16 - 8  # past 8 kept, a repeat may be answered again
+    for request, part in zip(requests, parts, strict=True):
+        assert part is not None
+        assert part.chunks == MetadataServer(whole, "m").part_for(request).chunks
+
+
+@pytest.mark.parametrize("value", [
+    torch.tensor(3.0), torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+    torch.tensor([True, False]), torch.arange(4, dtype=torch.int64)[::2],
+    torch.empty(0, 3)])
+def test_a_small_item_travels_as_its_bytes_and_lands_bit_identical(value: torch.Tensor) -> None:
+    from resumekit.tensors.metadata_parts import _packed, _unpacked  # noqa: PLC0415
+
+    sent = pickle.loads(pickle.dumps(_packed(value)))
+    assert isinstance(sent[2], bytes)  # not a pickled tensor: cheap to unpickle
+    got = _unpacked(sent, "k")
+    assert got.dtype == value.dtype and got.shape == value.shape
+    assert torch.equal(got, value)
+
+
+def test_a_received_value_that_is_not_a_tensors_bytes_is_an_error_naming_its_key() -> None:
+    from resumekit.tensors.metadata_parts import _unpacked  # noqa: PLC0415
+
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.w\.step"):
+        _unpacked(("no_such_dtype", (), b"\0\0\0\0"), "optimizer.state.w.step")
