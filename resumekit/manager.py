@@ -262,6 +262,7 @@ class CheckpointManager:
                         else None)
         self._active_tokens: set[str] = set()
         self._fence = Fence()  # this run's writer generation, shared by every channel
+        self._local_claimed = False  # the training thread claimed for the local copies
         # close() destroys the groups its channels made, once; a failed constructor too.
         self._channels = ChannelSet(self.storage, self.name_format, self._fence)
         self._emergency: EmergencyCapture | None = None
@@ -592,8 +593,11 @@ class CheckpointManager:
         local = self._local
         assert local is not None
         self._settle_emergency()
-        if self._fence.generation is None:  # the copies record the durable claim
-            self._main.protocol.claim()
+        if not self._local_claimed:  # the copies record the durable claim
+            # Every rank claims (a collective), whatever the shared fence says: a background
+            # save's thread may have claimed on one rank and not yet on another.
+            self._main.protocol.claim(check_held=False)
+            self._local_claimed = True
         tensor_state, train, ranks, manifest = self._capture(
             step, SaveReason.INTERVAL, micro_step, jsonable.finite_metrics(metrics, step))
         generation = self._fence.generation

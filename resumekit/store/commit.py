@@ -235,7 +235,7 @@ class CommitProtocol:
             self._on_phase(name)
 
     # -- generations ------------------------------------------------------------------
-    def claim(self, *, if_root_exists: bool = False
+    def claim(self, *, if_root_exists: bool = False, check_held: bool = True
               ) -> tuple[WriterGeneration | None, dict[str, str]]:
         """Claim the root's next writer generation for this writer (every rank calls it).
 
@@ -246,6 +246,8 @@ class CommitProtocol:
         Args:
             if_root_exists: Claim nothing (return ``(None, {})``) when the root does not
                 exist yet: the first ``begin`` claims it.
+            check_held: Check that a claim already held is not fenced (else it is
+                returned as it is: the next ``begin`` checks it).
 
         Raises:
             FencedWriterError: The claim held is fenced, or a newer restart of this SLURM
@@ -256,7 +258,7 @@ class CommitProtocol:
         def on_leader() -> tuple[WriterGeneration | None, dict[str, str]]:
             if if_root_exists and not self.storage.is_dir():
                 return None, {}
-            generation, zombies, _, _ = self._claim_on_leader("restore")
+            generation, zombies, _, _ = self._claim_on_leader("restore", check=check_held)
             return generation, zombies
 
         result: tuple[WriterGeneration | None, dict[str, str]] = run_on_leader(
@@ -272,10 +274,11 @@ class CommitProtocol:
         """
         return generations.zombie_commits(entries, generations.newest_generation(self.storage))
 
-    def _claim_on_leader(self, action: str, step: int | None = None, *, claim: bool = True
+    def _claim_on_leader(self, action: str, step: int | None = None, *, claim: bool = True,
+                         check: bool = True
                          ) -> tuple[WriterGeneration | None, dict[str, str], RootTop,
                                     WriterGeneration | None]:
-        """Check this writer's claim, or make one (``claim``; else only look).
+        """Check this writer's claim (``check``), or make one (``claim``; else only look).
 
         Returns the claim (None when none is held and ``claim`` is False), the fenced
         writers' commits found above the newest checkpoint (by the root's newest
@@ -284,17 +287,19 @@ class CommitProtocol:
         writer that was not fenced committed) and the generation fenced writers' commits
         are judged by (the claim held, else the root's newest).
         """
-        held = self.fence.generation
-        if held is not None:
-            generations.check(self.storage, held, action=action, step=step)
-        reference = held if held is not None else generations.newest_generation(self.storage)
-        top = self._read_top(reference)
-        zombies = self._zombies_in(top, reference)
-        if held is not None:
-            return held, zombies, top, reference
-        if not claim:
-            return None, zombies, top, reference
-        return self._claim_now(top), zombies, top, reference
+        with self.fence.lock:  # another channel's thread may be claiming: one claim
+            held = self.fence.generation
+            if held is not None and check:
+                generations.check(self.storage, held, action=action, step=step)
+            reference = (held if held is not None
+                         else generations.newest_generation(self.storage))
+            top = self._read_top(reference)
+            zombies = self._zombies_in(top, reference)
+            if held is not None:
+                return held, zombies, top, reference
+            if not claim:
+                return None, zombies, top, reference
+            return self._claim_now(top), zombies, top, reference
 
     def _read_top(self, reference: WriterGeneration | None) -> RootTop:
         """Read the top of the root, after undoing an interrupted replacement (POSIX)."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 from collections.abc import Iterable
 
 from resumekit.errors import FencedWriterError, StorageError, UnsafeCheckpointError
@@ -80,12 +81,18 @@ _CLAIM_ATTEMPTS = 64
 class Fence:
     """The generation a writer claimed in one root, shared by a manager's protocols.
 
+    A manager's channels claim from several threads (the training thread, a background
+    save's, the emergency capture's): ``lock`` makes each check-then-claim one step, so a
+    process never claims twice and fences itself.
+
     Attributes:
         generation: The claim, once made (None before the first restore or save).
+        lock: Held while a claim is checked or made.
     """
 
     def __init__(self) -> None:
         self.generation: WriterGeneration | None = None
+        self.lock = threading.RLock()
 
 
 def _numbers(storage: Storage) -> list[int]:

@@ -1,0 +1,101 @@
+"""Two of one manager's channels claiming at once from two threads make one claim.
+
+A manager's channels share one :class:`~resumekit.store.generations.Fence`; a background
+save's thread, the emergency capture's and the training thread may each claim the root's
+writer generation. Two claims of one process would fence the first (a newer generation
+in the same process): the fence's lock makes each check-then-claim one step. And the
+training thread's claim for the local tier's copies is made by every rank at its first
+local save, whatever another thread already claimed: a claim is a collective, and a rank
+that skipped it while its peer made it hung both.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from resumekit import CheckpointManager, LocalTier
+from resumekit.store import generations
+from resumekit.store.commit import CommitProtocol
+from resumekit.store.manifest import WriterGeneration
+from resumekit.store.storage import Storage
+from tests.limits import HANG_S
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+#: How long the first claimer leaves the second to enter the claim beside it. A guard
+#: only: with the lock the second never enters, whatever the wait; without it, it does
+#: at once.
+OVERLAP_S = 0.5
+
+
+def test_two_threads_claiming_through_one_fence_claim_one_generation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = Storage(str(tmp_path / "root"))
+    fence = generations.Fence()
+    protocols = [CommitProtocol(storage, fence=fence) for _ in range(2)]
+    real_claim = generations.claim
+    claims: list[str] = []
+    first_inside, second_trying, second_inside = (threading.Event() for _ in range(3))
+
+    def claim(*args: object, **kwargs: object) -> WriterGeneration:
+        claims.append(threading.current_thread().name)
+        if len(claims) == 1:
+            first_inside.set()
+            assert second_trying.wait(HANG_S)
+            second_inside.wait(OVERLAP_S)
+        else:
+            second_inside.set()
+        return real_claim(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(generations, "claim", claim)
+    results: dict[str, WriterGeneration | None] = {}
+
+    def first() -> None:
+        results["first"] = protocols[0].claim()[0]
+
+    def second() -> None:
+        assert first_inside.wait(HANG_S)
+        second_trying.set()
+        results["second"] = protocols[1].claim()[0]
+
+    threads = [threading.Thread(target=first, name="first"),
+               threading.Thread(target=second, name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(HANG_S)
+    assert claims == ["first"]
+    assert results["first"] == results["second"] == fence.generation is not None
+
+
+def test_every_first_local_save_claims_on_the_main_channel_even_when_another_thread_had(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(4, 2)
+    manager = CheckpointManager(tmp_path / "durable", model=model, retention=None,
+                                save_every=100, local=LocalTier(tmp_path / "local",
+                                                                save_every=1))
+    claimed: list[int] = []
+    real = CommitProtocol.claim
+
+    def counting(self: CommitProtocol, **kwargs: bool) -> object:
+        claimed.append(1)
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(CommitProtocol, "claim", counting)
+    manager.restore()
+    claimed.clear()
+    # As if a background save's thread had claimed already (on this rank, not yet on
+    # its peer): the training thread's decision must not depend on it.
+    manager._main.protocol.claim()
+    claimed.clear()
+    with torch.no_grad():
+        model.weight.add_(1)
+    manager.step_end(1)
+    manager.step_end(2)
+    manager.close()
+    assert claimed == [1]  # the first local save's claim, on every rank; not again
