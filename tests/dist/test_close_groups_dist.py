@@ -33,6 +33,7 @@ import resumekit
 from resumekit.local.replicas import NODE_NAME_ENV
 from resumekit.runtime.distributed import current_context
 from tests.distributed_harness import run_ranks
+from tests.limits import HANG_S
 
 OPENINGS = 5
 
@@ -141,7 +142,7 @@ def _given_groups_survive(rank: int, world_size: int, tmp: str) -> dict[str, Any
 
 def _init_distributed_groups_survive(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     os.environ[NODE_NAME_ENV] = f"node{rank}"
-    resumekit.init_distributed(timeout=60)
+    resumekit.init_distributed(timeout=HANG_S)
     context = current_context()
     assert context is not None and context.checkpoint_group is not None
     made = _record_new_groups()
