@@ -16,22 +16,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 import xxhash
 
 from resumekit.store.manifest import checksum_chunks
 from resumekit.tensors.raw.files import HASH_PIECE, AlignedFile
 from resumekit.tensors.raw.format import ALIGNMENT, CHUNK_BYTES
-
-
-def _unaligned_bytes(length: int, seed: int) -> torch.Tensor:
-    """``length`` random bytes starting 4 bytes past an ``ALIGNMENT`` boundary."""
-    storage = torch.randint(0, 256, (length + 2 * ALIGNMENT,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(seed))
-    skip = (4 - storage.data_ptr()) % ALIGNMENT
-    view = storage[skip:skip + length]
-    assert view.data_ptr() % ALIGNMENT == 4
-    return view
+from tests.unaligned import unaligned_bytes
 
 
 @pytest.mark.parametrize("block", [64 << 10, 3 * HASH_PIECE // 2 + ALIGNMENT, CHUNK_BYTES])
@@ -39,7 +29,7 @@ def _unaligned_bytes(length: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("with_address", [True, False])
 def test_each_block_digest_and_the_file_checksum_match_the_bytes_on_disk(
         tmp_path: Path, block: int, direct: bool, with_address: bool) -> None:
-    data = _unaligned_bytes(2 * CHUNK_BYTES + 3 * block + 1000, seed=block)
+    data = unaligned_bytes(2 * CHUNK_BYTES + 3 * block + 1000, seed=block)
     view = memoryview(data.numpy()).cast("B")
     stride = block * max(1, CHUNK_BYTES // block)  # as the writer cuts an item
     path = tmp_path / "__0_0.distcp"
@@ -71,7 +61,7 @@ def test_each_block_digest_and_the_file_checksum_match_the_bytes_on_disk(
 
 def test_a_write_without_blocks_returns_no_digests_and_still_feeds_the_file_checksum(
         tmp_path: Path) -> None:
-    data = _unaligned_bytes(CHUNK_BYTES + 12345, seed=1)
+    data = unaligned_bytes(CHUNK_BYTES + 12345, seed=1)
     view = memoryview(data.numpy()).cast("B")
     path = tmp_path / "file"
     with AlignedFile(str(path)) as handle:

@@ -33,22 +33,13 @@ from resumekit.tensors.raw import files as files_module
 from resumekit.tensors.raw.files import AlignedFile
 from resumekit.tensors.raw.format import ALIGNMENT, CHUNK_BYTES
 from tests.conftest import unavailable
+from tests.unaligned import unaligned_bytes
 
 HELD_S = 60.0
 """How long a held write waits for the event it is held for: only a writer without the
 overlap (or a bug) lets it run out, and then the test fails."""
 
 BEHIND = "resumekit-write-behind"
-
-
-def _unaligned_bytes(length: int, seed: int) -> torch.Tensor:
-    """``length`` random bytes starting 4 bytes past an ``ALIGNMENT`` boundary."""
-    storage = torch.randint(0, 256, (length + 2 * ALIGNMENT,), dtype=torch.uint8,
-                            generator=torch.Generator().manual_seed(seed))
-    skip = (4 - storage.data_ptr()) % ALIGNMENT
-    view = storage[skip:skip + length]
-    assert view.data_ptr() % ALIGNMENT == 4
-    return view
 
 
 class _WatchedChecksum:
@@ -92,7 +83,7 @@ def _write_chunks(handle: AlignedFile, data: torch.Tensor) -> list[str]:
 
 def test_a_pieces_write_is_in_flight_while_the_next_piece_is_copied_and_hashed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    data = _unaligned_bytes(4 * CHUNK_BYTES + 1000, seed=7)
+    data = unaligned_bytes(4 * CHUNK_BYTES + 1000, seed=7)
     path = tmp_path / "__0_0.distcp"
     third_piece_hashed = threading.Event()
     held: list[tuple[str, bool]] = []  # (thread, whether the next piece was hashed)
@@ -126,7 +117,7 @@ def test_a_pieces_write_is_in_flight_while_the_next_piece_is_copied_and_hashed(
 @pytest.mark.parametrize("code", [errno.EIO, errno.ENOSPC], ids=["EIO", "ENOSPC"])
 def test_a_failed_write_behind_is_raised_by_the_file_and_nothing_after_it_is_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
-    data = _unaligned_bytes(6 * CHUNK_BYTES, seed=8)
+    data = unaligned_bytes(6 * CHUNK_BYTES, seed=8)
     failing_at = 2 * CHUNK_BYTES  # the third piece: written behind
     offsets: list[tuple[int, str]] = []
     real_write = os.pwrite
@@ -152,7 +143,7 @@ def test_a_failed_write_behind_is_raised_by_the_file_and_nothing_after_it_is_wri
 def test_an_error_while_copying_waits_for_the_write_in_flight_and_is_the_one_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         write_fails_too: bool) -> None:
-    data = _unaligned_bytes(4 * CHUNK_BYTES, seed=9)
+    data = unaligned_bytes(4 * CHUNK_BYTES, seed=9)
     copying = threading.Event()
     finished: list[int] = []
     real_write = os.pwrite
@@ -268,7 +259,7 @@ def test_a_file_written_while_the_interpreter_shuts_down_is_written_on_its_own_t
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import concurrent.futures.thread as pool_module
 
-    data = _unaligned_bytes(3 * CHUNK_BYTES + 1000, seed=10)
+    data = unaligned_bytes(3 * CHUNK_BYTES + 1000, seed=10)
     path = tmp_path / "file"
     threads: set[str] = set()
     real_write = os.pwrite
