@@ -344,6 +344,7 @@ def _corrupt_for_its_reader(rank: int, world_size: int, root: str, fallback: boo
     manager.close()
     damaged = max((Path(root) / "step_000000002" / "tensors").glob("*.distcp"),
                   key=lambda path: path.stat().st_size)
+    dist.barrier()  # every rank chose the file before rank 0 rewrites (first truncates) it
     if rank == 0:  # the middle of the largest file: a large tensor's bytes, read by one rank
         data = bytearray(damaged.read_bytes())
         data[len(data) // 2] ^= 0xFF
