@@ -440,7 +440,10 @@ def read_whole_items(reader: SafeReader, metadata: Metadata, items: Sequence[Ite
                                   storage_index=MetadataIndex(key),
                                   storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
             continue
-        assert isinstance(entry, TensorStorageMetadata)
+        if not isinstance(entry, TensorStorageMetadata):  # the caller chose a tensor's chunk
+            raise CorruptCheckpointError(
+                f"{key}: asked for its chunk at {list(offsets)}, but .metadata stores it as "
+                f"{type(entry).__name__}, not a tensor", key=key)
         index = MetadataIndex(key, torch.Size(offsets))
         buffers[(key, offsets)] = torch.empty(entry.size, dtype=entry.properties.dtype)
         reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=index,

@@ -463,6 +463,21 @@ def test_a_damaged_small_item_read_for_the_parts_is_an_error_naming_its_file(
         server.parts_for([request, request], read_values)
 
 
+def test_a_value_asked_for_as_a_tensors_chunk_is_an_error_naming_its_key(
+        tmp_path: Any) -> None:
+    from resumekit import tensors  # noqa: PLC0415
+    from resumekit.tensors.reader import make_reader, read_whole_items  # noqa: PLC0415
+
+    tensors.save(_optimizer_like(torch.Generator().manual_seed(5)), tmp_path, thread_count=2)
+    checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
+                                    str(tmp_path / ".metadata"))
+    lr = "optimizer.param_groups.0.lr"
+    with pytest.raises(CorruptCheckpointError, match=f"{lr}: asked for its chunk") as caught:
+        read_whole_items(make_reader(str(tmp_path), None, metadata=checked),
+                         checked.parsed(), [(lr, (0,))])
+    assert caught.value.key == lr
+
+
 def test_a_large_or_sharded_item_is_left_for_the_rank_to_read() -> None:
     whole = _metadata(4)
     request: Any = {key: chunk_requests(chunks) for key, chunks in _wanted(4, 1).items()}
