@@ -1163,7 +1163,12 @@ class _DirectLaunch:
 def _drill(mode: str, scratch: Path, sizes: Sizes, nproc: int, timeout: float,
            deadline: float) -> dict[str, Any]:
     """The LingBot tiny kill/resume drill; figures plus ``identical`` per variant."""
-    from examples.lingbot.drill import Launch, compare_runs, run_segment
+    from examples.lingbot.drill import (
+        Launch,
+        compare_runs,
+        preemption_checkpoint_problem,
+        run_segment,
+    )
 
     cuda = mode == "cuda"
     base = ("--num-steps", str(sizes.drill_steps), "--save-interval",
@@ -1207,11 +1212,16 @@ def _drill(mode: str, scratch: Path, sizes: Sizes, nproc: int, timeout: float,
                                log_dir=other / "logs", timeout=timeout)
             launches.append({"sigterm_at": term.last_step, "exit": term.returncode,
                              "newest": term.newest_checkpoint, "reason": term.newest_reason})
-            if term.newest_reason != "preemption" or term.newest_checkpoint != term.last_step:
-                failures.append(f"{name}: after SIGTERM the newest checkpoint is "
-                                f"{term.newest_checkpoint} ({term.newest_reason}), expected a "
-                                f"preemption checkpoint of step {term.last_step}; see {term.log}")
-            resumed_from = term.last_step
+            # The agreed step's own save, or - when the emergency capture of the last
+            # completed step committed it while the stopping step ran - that capture, with
+            # the skip said in the log (the drill's rule, one definition).
+            problem = (preemption_checkpoint_problem(term)
+                       if term.newest_reason == "preemption" else
+                       f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
+                       f"({term.newest_reason}), not a preemption checkpoint; see {term.log}")
+            if problem is not None:
+                failures.append(f"{name}: {problem}")
+            resumed_from = term.newest_checkpoint or 0
             index += 1
         kill_at = (resumed_from // sizes.drill_interval + 1) * sizes.drill_interval + 1
         crash = run_segment("B", index, launch, interruption="sigkill", signal_at=kill_at,

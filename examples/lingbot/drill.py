@@ -502,26 +502,35 @@ class _Drill:
         return [s for s in self.segments if s.run == name]
 
 
-def _check_preemption_checkpoint(drill: _Drill, term: Segment) -> None:
-    """After the SIGTERM: a checkpoint of the agreed step, or the trainer said why not.
+def preemption_checkpoint_problem(term: Segment) -> str | None:
+    """What is wrong with the checkpoint a SIGTERM launch left (``None``: nothing).
 
     The ranks stop at the step they agreed on (the last logged one). resumekit commits a
     checkpoint of it unless its rule skips the emergency save (the last commit is younger
-    than a save takes, or the grace period is too short); then the newest checkpoint stays
-    and the resume replays from there - a decision, not a failure, but never a silent one.
+    than a save takes - the emergency capture of the last completed step may have committed
+    it while the stopping step ran - or the grace period is too short); then the newest
+    checkpoint stays and the resume replays from there - a decision, not a failure, but
+    never a silent one: the trainer's log must say it.
     """
     if term.newest_checkpoint == term.last_step:
-        return
+        return None
     said = f"emergency save skipped, newest checkpoint is step {term.newest_checkpoint}"
     if said in Path(term.log).read_text():
+        return None
+    return (f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
+            f"({term.newest_reason}), not the last logged step {term.last_step}, and the "
+            f"trainer did not say the emergency save was skipped (see {term.log})")
+
+
+def _check_preemption_checkpoint(drill: _Drill, term: Segment) -> None:
+    """After the SIGTERM: a checkpoint of the agreed step, or the trainer said why not."""
+    problem = preemption_checkpoint_problem(term)
+    if problem is not None:
+        drill.problems.append(problem)
+    elif term.newest_checkpoint != term.last_step:
         drill.console.print(f"note: the emergency save of step {term.last_step} was skipped "
                             f"(resumekit's rule); the newest checkpoint is step "
                             f"{term.newest_checkpoint}, and the resumes replay from there")
-        return
-    drill.problems.append(
-        f"after SIGTERM the newest checkpoint is {term.newest_checkpoint} "
-        f"({term.newest_reason}), not the last logged step {term.last_step}, and the "
-        f"trainer did not say the emergency save was skipped (see {term.log})")
 
 
 def switch_step(drill: _Drill) -> int:

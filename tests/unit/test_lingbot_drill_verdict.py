@@ -1,10 +1,11 @@
-"""The drill's cut of run C: the step its relaunch resumed from, checked against its metrics."""
+"""The drill's verdicts: the SIGTERM launch's checkpoint, and run C's cut against its metrics."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from examples.lingbot.drill import world_size_problems
+from examples.lingbot.drill import Segment, preemption_checkpoint_problem, world_size_problems
 
 
 def _records(two_ranks: int, total: int) -> list[dict[str, Any]]:
@@ -29,3 +30,26 @@ def test_a_history_with_a_gap_or_a_repeated_step_is_named() -> None:
     problems = world_size_problems(records, 5)
     assert len(problems) == 1
     assert problems[0].startswith("run C: its metrics are not one history of steps 1..9:")
+
+
+def _term(tmp_path: Path, newest: int, last: int, log: str) -> Segment:
+    (tmp_path / "launch.log").write_text(log)
+    return Segment(run="B", index=1, nproc=2, interruption="sigterm", signal_at=1,
+                   resumed_from=0, last_step=last, newest_checkpoint=newest,
+                   newest_reason="preemption", returncode=75, log=str(tmp_path / "launch.log"))
+
+
+def test_a_preemption_checkpoint_of_the_stopping_step_has_no_problem(tmp_path: Path) -> None:
+    assert preemption_checkpoint_problem(_term(tmp_path, 2, 2, "")) is None
+
+
+def test_the_captures_step_one_behind_with_the_skip_said_has_no_problem(tmp_path: Path) -> None:
+    log = "emergency save skipped, newest checkpoint is step 1; exiting with status 75\n"
+    assert preemption_checkpoint_problem(_term(tmp_path, 1, 2, log)) is None
+
+
+def test_an_older_checkpoint_the_trainer_did_not_explain_is_named(tmp_path: Path) -> None:
+    problem = preemption_checkpoint_problem(_term(tmp_path, 1, 2, "saved nothing\n"))
+    assert problem is not None
+    assert "newest checkpoint is 1 (preemption), not the last logged step 2" in problem
+    assert str(tmp_path / "launch.log") in problem
