@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,7 +40,8 @@ def _tree(root: Path) -> list[str]:
                   if ".resumekit-generations" not in path.parts)
 
 
-def _one_rank_fails_to_load(rank: int, world_size: int, shared: str) -> dict[str, Any]:
+def _one_rank_fails_to_load(rank: int, world_size: int, shared: str, method: str
+                            ) -> dict[str, Any]:
     root = Path(shared) / "ckpt"
     writer = _manager(root)
     writer.restore()
@@ -49,12 +51,12 @@ def _one_rank_fails_to_load(rank: int, world_size: int, shared: str) -> dict[str
     dist.barrier()
     before = _tree(root)
 
-    def broken(self: Any) -> Any:
+    def broken(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise AttributeError(BUG)
 
-    original = _CheckedLoadPlanner.create_local_plan
+    original = getattr(_CheckedLoadPlanner, method)
     if rank == 1:
-        _CheckedLoadPlanner.create_local_plan = broken  # type: ignore[method-assign]
+        setattr(_CheckedLoadPlanner, method, broken)
     manager = _manager(root)
     raised: BaseException | None = None
     try:
@@ -65,7 +67,7 @@ def _one_rank_fails_to_load(rank: int, world_size: int, shared: str) -> dict[str
             except Exception as error:  # noqa: BLE001 - returned to the test
                 raised = error
     finally:
-        _CheckedLoadPlanner.create_local_plan = original  # type: ignore[method-assign]
+        setattr(_CheckedLoadPlanner, method, original)
     resumed_from = manager.resumed_from
     manager.close()
     dist.barrier()
@@ -80,9 +82,11 @@ def _one_rank_fails_to_load(rank: int, world_size: int, shared: str) -> dict[str
     }
 
 
+@pytest.mark.parametrize("method", ["create_local_plan", "commit_tensor"])
 def test_one_ranks_failing_load_of_a_good_checkpoint_stops_every_rank_without_setting_aside(
-        tmp_path: Path) -> None:
-    results = run_ranks(_one_rank_fails_to_load, 2, args=(str(tmp_path),))
+        tmp_path: Path, method: str) -> None:
+    """Rank 1 fails before it reads a byte, or after each tensor it reads (read once)."""
+    results = run_ranks(_one_rank_fails_to_load, 2, args=(str(tmp_path), method))
     step_dir = str(tmp_path / "ckpt" / "step_000000002")
     for result in results:
         assert result["type"] == CheckpointLoadError.__name__, result
