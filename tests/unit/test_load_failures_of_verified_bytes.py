@@ -6,7 +6,8 @@ default) before it loads them. An exception the load raises after that (an
 scheduler) was turned into ``UnreadableFormatError``, a ``CorruptCheckpointError``:
 restore set the good checkpoint aside and fell back to an older step, hiding it. Now it
 is a ``CheckpointLoadError`` naming the checkpoint, its step, the rank and the original
-exception; nothing is renamed and restore does not fall back. A checkpoint whose bytes
+exception; nothing is renamed and restore does not fall back (nor, for node-local copies,
+deletes them and restores an older step). A checkpoint whose bytes
 are damaged is still set aside and fallen back from, as before; so is one whose load fails
 when nothing checked its bytes (``verify_on_restore=False``: a damaged pickle raises
 ``AttributeError`` too).
@@ -36,6 +37,9 @@ from resumekit.manager import CheckpointManager
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.warnings import ResumekitWarning
 from tests.unit.test_cli_support import rewrite_manifest
+from tests.unit.test_local_tier import _restore as _restore_local
+from tests.unit.test_local_tier import _steps as _local_steps
+from tests.unit.test_local_tier import _train
 
 BUG = "'_Plan' object has no attribute 'items'"
 
@@ -230,3 +234,21 @@ def test_tensors_load_tells_a_verified_load_failure_from_an_unreadable_one(
     assert isinstance(verified.value.__cause__, AttributeError)
     with pytest.raises(UnreadableFormatError, match=f"AttributeError: {BUG}"):
         tensors.load({"model": nn.Linear(4, 3).state_dict()}, target)
+
+
+def test_a_planner_bug_on_good_node_local_copies_keeps_them_and_restores_nothing_older(
+        tmp_path: Path, planner_bug: str) -> None:
+    """Before, each copy was skipped, the run started at step 0 and both were deleted."""
+    _train(tmp_path, 7, save_every=100)  # local copies of steps 4 and 6, nothing durable
+    local = tmp_path / "local" / "rank_00000"
+    assert _local_steps(local) == ["step_000000004", "step_000000006"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumekitWarning)  # no "deleted", no "not restoring"
+        with pytest.raises(CheckpointLoadError) as raised:
+            _restore_local(tmp_path, save_every=100)
+    message = str(raised.value)
+    assert f"node-local copy {local / 'step_000000006'} (step 6) failed to load on rank 0" \
+        in message
+    assert f"AttributeError: {BUG}" in message and "no copy was deleted" in message
+    assert raised.value.step == 6 and raised.value.rank == 0
+    assert _local_steps(local) == ["step_000000004", "step_000000006"]
