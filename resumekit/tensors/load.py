@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from resumekit.errors import CorruptCheckpointError, ResumekitError
+from resumekit.errors import CheckpointLoadError, CorruptCheckpointError, ResumekitError
 from resumekit.tensors.context import (
     NO_DIST_WARNING,
     directory_str,
@@ -34,7 +34,7 @@ from resumekit.tensors.context import (
     quiet_no_dist,
     resolve_group,
 )
-from resumekit.tensors.failures import from_failures, incompatible, load_error
+from resumekit.tensors.failures import first_cause, from_failures, incompatible, load_error
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.metadata_parts import (
@@ -73,6 +73,7 @@ def load(
     read_once: bool = False,
     alone: bool = False,
     metadata: CheckedMetadata | None = None,
+    verified: bool = False,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -108,6 +109,13 @@ def load(
             nothing is read once for others (``read_once`` is ignored).
         metadata: ``directory``'s ``.metadata``, already read and checked (a restore reads
             it on one rank and sends it to the others): this rank never opens the file.
+        verified: Every file of ``directory`` was already checked against the checksums
+            recorded when it was written (a restore with ``verify_on_restore`` checks them
+            first; raw tensor files are then checked as they are read, with ``verify``).
+            An exception the load raises that is not resumekit's nor a storage error is
+            then a :class:`~resumekit.errors.CheckpointLoadError` (the bytes are intact:
+            what failed is code interpreting them), not an
+            :class:`~resumekit.errors.UnreadableFormatError` (which means damage may be).
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -115,10 +123,12 @@ def load(
         UnsafeCheckpointError: The metadata or a stored value would execute code.
         IncompleteCheckpointError: A shard file is missing.
         CorruptCheckpointError: The checkpoint could not be read.
+        CheckpointLoadError: With ``verified``: loading failed on bytes that match their
+            checksums.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
                   reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
-                  alone=alone, metadata=metadata)
+                  alone=alone, metadata=metadata, verified=verified)
 
 
 def load_subset(
@@ -145,7 +155,7 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
                   read_once: bool = False, alone: bool = False,
-                  metadata: CheckedMetadata | None = None) -> None:
+                  metadata: CheckedMetadata | None = None, verified: bool = False) -> None:
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     shared = None
@@ -179,7 +189,7 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     try:
         _run_load(
             state_dict=state_dict, reader=reader, planner=planner, target=target,
-            group=group, no_dist=no_dist or plan_locally,
+            group=group, no_dist=no_dist or plan_locally, verified=verified,
         )
     except ResumekitError as error:
         if shared is not None:  # ranks waiting for this one's reads raise it too
@@ -203,7 +213,11 @@ def _run_load(
     target: str,
     group: dist.ProcessGroup | None,
     no_dist: bool,
+    verified: bool = False,
 ) -> None:
+    # Without collectives DCP numbers every process rank 0: a failure is this process's.
+    own = (dist.get_rank() if dist.is_available() and dist.is_initialized() else None) \
+        if no_dist else None
     try:
         with quiet_no_dist(no_dist), paused_collection(False):
             dcp_load(
@@ -214,11 +228,14 @@ def _run_load(
                 no_dist=no_dist,
             )
     except CheckpointException as error:
-        raise from_failures(error, "load", target, reader) from None
+        failure = from_failures(error, "load", target, reader, verified=verified, rank=own)
+        if isinstance(failure, CheckpointLoadError):
+            raise failure from first_cause(error)
+        raise failure from None
     except ResumekitError:
         raise
     except Exception as error:
-        raise load_error(error, target, reader, rank=None) from error
+        raise load_error(error, target, reader, rank=own, verified=verified) from error
 
 
 def iter_full_tensors(

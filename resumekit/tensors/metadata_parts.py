@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from resumekit import _compat
-from resumekit.errors import CorruptCheckpointError
+from resumekit.errors import CheckpointLoadError, CorruptCheckpointError
 from resumekit.tensors.raw.format import (
     REGION_PREFIXES,
     is_packed_member,
@@ -628,8 +628,13 @@ def _packed(value: Any) -> Any:
 def _unpacked(value: Any, key: str) -> torch.Tensor:
     """The tensor of :func:`_packed`'s ``(dtype, shape, bytes)``.
 
+    ``value`` was built by rank 0's :func:`_packed` from a tensor it had read and checked,
+    and travelled over the process group: whatever the file held, it decodes. One that
+    does not is a fault of the code or the transport, never damage to the checkpoint, so
+    restore must not set the checkpoint aside for it.
+
     Raises:
-        CorruptCheckpointError: It is not one (naming ``key``).
+        CheckpointLoadError: It is not one (naming ``key``).
     """
     try:
         name, shape, data = value
@@ -640,9 +645,11 @@ def _unpacked(value: Any, key: str) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
     except (TypeError, ValueError, RuntimeError, AttributeError) as error:
-        raise CorruptCheckpointError(
-            f"{key}: the value received for it is not a tensor's bytes ({error})",
-            key=key) from error
+        cause = f"{key}: the value received for it is not a tensor's bytes ({error})"
+        raise CheckpointLoadError(
+            f"{cause}: rank 0 packs what it read and checked, so this is a fault of the "
+            "code or the transport, not damage to the checkpoint (nothing is set aside)",
+            path=None, step=None, rank=None, file=None, cause=cause, key=key) from error
 
 
 def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:
