@@ -6,14 +6,17 @@ Three parts, side by side with plain DCP, into ``benchmarks/results/world.json``
 * **real ranks**: W = 2..32 gloo ranks on loopback (forked from one server that imported
   torch once, one intra-op thread each), a tiny FSDP2 model with AdamW, so that what
   grows with W is the coordination, not the bytes: per W, rank 0's CPU seconds in a sync
-  ``CheckpointManager.save`` and in ``dcp.save``, every rank's CPU seconds in
+  ``CheckpointManager.save`` and in ``dcp.save`` (the median of ``--repeats`` saves, and
+  apart a run's first save and the median of its later ones, which reuse remembered
+  plans; DCP's also with its own ``enable_plan_caching=True``), every rank's CPU seconds in
   ``CheckpointManager.restore()`` and in ``dcp.load`` (with ``get_state_dict`` and
   ``set_state_dict``, as a DCP trainer restores), ``.metadata``'s bytes, the bytes of
   ``.metadata`` files each rank opened during the restore (counted with an audit hook:
   every open of the process), and the files of each checkpoint. CPU seconds are
   ``time.process_time``: the whole process, every thread;
 * **simulated ranks** (:mod:`benchmarks.world_fake`): W = 8..1,024 over the real 5B
-  LingBot-VA shapes on the meta device, a fake process group;
+  LingBot-VA shapes on the meta device, a fake process group (rank 0's save: a first
+  save, and up to ``--steady-max`` a run's later saves, each side at its best);
 * **a save's CPU per GB** (issue 40's item 4): one process, a sync save of a few hundred
   MB, CPU seconds of all threads per GB written, beside hashing the same bytes once;
 * **the save under CPU load** (:mod:`benchmarks.cpu_load`, item 4): a sync save of

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -83,15 +82,9 @@ from resumekit.state.train_state import (
 )
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.coordination import (
-    activity,
-    run_on_every_rank,
-    run_on_leader,
-)
+from resumekit.store.coordination import activity, run_on_every_rank, run_on_leader
 from resumekit.store.generations import Fence
-from resumekit.store.layout import (
-    NameFormat,
-)
+from resumekit.store.layout import NameFormat
 from resumekit.store.manifest import (
     Manifest,
     SaveInterval,
@@ -100,7 +93,7 @@ from resumekit.store.manifest import (
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import state_dicts
-from resumekit.tensors.plans import SavePlans
+from resumekit.tensors.plans import PlansPerWriter
 from resumekit.tensors.raw.files import restore_lowered_priorities
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
@@ -263,10 +256,7 @@ class CheckpointManager:
                         if options.async_save and options.async_writer == "process"
                         else None)
         self._active_tokens: set[str] = set()
-        # Each channel's saves of this root remember their plans (resumekit.tensors.plans):
-        # a periodic save of an unchanged layout plans nothing and pickles no .metadata.
-        self._save_plans: list[tuple[Channel, SavePlans]] = []
-        self._save_plans_lock = threading.Lock()
+        self._save_plans = PlansPerWriter()  # a channel's saves reuse plans of a same layout
         self._fence = Fence()  # this run's writer generation, shared by every channel
         self._local_claimed = False  # the training thread claimed for the local copies
         # close() destroys the groups its channels made, once; a failed constructor too.
@@ -336,9 +326,7 @@ class CheckpointManager:
             errors.append(error)
             self._main = self._channels.close(meet=False)  # destroyed: a channel of none
         self._saver = self._emergency_channel = self._main
-        if hasattr(self, "_save_plans"):  # no reference to the closed channels' groups
-            with self._save_plans_lock:
-                self._save_plans.clear()
+        self._save_plans.clear()  # no reference to the closed channels' groups
         if hasattr(self, "_local_saves"):
             self._local_saves.channel = self._main
         return errors
@@ -998,21 +986,11 @@ class CheckpointManager:
         )
         return tensor_state, train, ranks, manifest
 
-    def _plans_of(self, channel: Channel) -> SavePlans:
-        """The plans remembered by ``channel``'s saves of this root (made at its first)."""
-        with self._save_plans_lock:
-            for known, plans in self._save_plans:
-                if known is channel:
-                    return plans
-            plans = SavePlans()
-            self._save_plans.append((channel, plans))
-            return plans
-
     def _write(self, job: SaveJob, channel: Channel, *, blocking: bool = True) -> None:
         """Commit ``job`` on ``channel`` (:func:`~resumekit.save_job.write_step`), on the clock."""
         coordinator = channel.coordinator
         target = StepTarget(channel.protocol, coordinator.rank, self.tensor_format,
-                            group=channel.group, plans=self._plans_of(channel))
+                            group=channel.group, plans=self._save_plans.of(channel))
 
         def retain() -> None:
             self.last_saved_step = job.step

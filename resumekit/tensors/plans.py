@@ -67,7 +67,7 @@ from torch.distributed.tensor import DTensor
 
 from resumekit.errors import ResumekitError
 
-__all__ = ["MemoSavePlanner", "PlanAgain", "SavePlans", "layout_key"]
+__all__ = ["MemoSavePlanner", "PlanAgain", "PlansPerWriter", "SavePlans", "layout_key"]
 
 _ROUND_BYTES = 16
 
@@ -260,6 +260,33 @@ class SavePlans:
                 return
             self._written = _Written(metadata.state_dict_metadata, metadata.planner_data,
                                      signature, data, extra)
+
+
+class PlansPerWriter:
+    """One :class:`SavePlans` per writer of a root (a manager's channel), made at its first.
+
+    Held by the manager, dropped with it; :meth:`clear` when its channels close (no
+    reference to their groups is kept).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: list[tuple[object, SavePlans]] = []
+
+    def of(self, writer: object) -> SavePlans:
+        """The plans of ``writer``'s saves (the same object each time it is asked)."""
+        with self._lock:
+            for known, plans in self._known:
+                if known is writer:
+                    return plans
+            plans = SavePlans()
+            self._known.append((writer, plans))
+            return plans
+
+    def clear(self) -> None:
+        """Forget every writer and its plans."""
+        with self._lock:
+            self._known.clear()
 
 
 def layout_key(state_dict: dict[str, Any], mappings: Any, is_coordinator: bool,

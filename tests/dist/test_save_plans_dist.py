@@ -76,7 +76,7 @@ def _manager_saves(rank: int, world_size: int, root: str, async_save: bool
         manager.save(step)
         manager.wait()
     channel = manager._saver if async_save else manager._main
-    counts = _counts(manager._plans_of(channel))
+    counts = _counts(manager._save_plans.of(channel))
     want = _flat(_state(model, optimizer))
     manager.close()
     fresh, fresh_optimizer = build("transformer", seed=5, world_size=world_size)
