@@ -261,3 +261,17 @@ def test_a_dtensors_placements_and_shape_are_part_of_the_layout(tmp_path: Path) 
         assert (plans.misses, plans.hits) == (3, 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failed_save_forgets_the_plans_and_the_next_save_is_planned_in_full(
+        tmp_path: Path) -> None:
+    plans = SavePlans()
+    state = small_state(seed=1)
+    tensor_io.save(state, tmp_path / "first", plans=plans)
+    tensor_io.save(state, tmp_path / "taken")  # a checkpoint already there: refused
+    with pytest.raises(Exception, match="already exists"):
+        tensor_io.save(state, tmp_path / "taken", plans=plans)
+    tensor_io.save(state, tmp_path / "after", plans=plans)
+    assert (plans.misses, plans.hits) == (2, 0)
+    assert files_of(tmp_path / "after") == files_of(tmp_path / "first")
+    assert_same_tensors(loaded_back(state, tmp_path / "after"), state)
