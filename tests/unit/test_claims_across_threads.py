@@ -99,3 +99,48 @@ def test_every_first_local_save_claims_on_the_main_channel_even_when_another_thr
     manager.step_end(2)
     manager.close()
     assert claimed == [1]  # the first local save's claim, on every rank; not again
+
+
+def test_a_first_save_claiming_as_it_begins_and_another_threads_claim_make_one_claim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A save's begin looks at the root, then (no claim held) claims it. Another thread's
+    # claim landing between the two made a second generation: the begin's claim, set on
+    # the fence last, was then fenced by it, and every save of the process refused.
+    storage = Storage(str(tmp_path / "root"))
+    fence = generations.Fence()
+    saving, claiming = (CommitProtocol(storage, fence=fence) for _ in range(2))
+    real_claim = generations.claim
+    claims: list[WriterGeneration] = []
+    other: list[threading.Thread] = []
+    entered = threading.Event()
+    got_in: list[bool] = []
+
+    def other_claim() -> None:
+        got = fence.lock.acquire(blocking=False)  # the begin's claim is not guarded
+        got_in.append(got)
+        entered.set()
+        if not got:
+            fence.lock.acquire()  # guarded: wait for the begin to finish, then claim
+        try:
+            claiming.claim()
+        finally:
+            fence.lock.release()
+
+    def claim(*args: object, **kwargs: object) -> WriterGeneration:
+        made = real_claim(*args, **kwargs)  # type: ignore[arg-type]
+        claims.append(made)
+        if len(claims) == 1:  # the begin's claim, not yet on the fence
+            thread = threading.Thread(target=other_claim, name="other")
+            other.append(thread)
+            thread.start()
+            assert entered.wait(HANG_S)
+            if got_in[0]:
+                thread.join(HANG_S)  # it claims beside the begin: let it finish first
+        return made
+
+    monkeypatch.setattr(generations, "claim", claim)
+    pending = saving.begin(1)
+    other[0].join(HANG_S)
+    assert not other[0].is_alive()
+    assert len(claims) == 1
+    assert pending.generation == fence.generation == generations.newest_generation(storage)
