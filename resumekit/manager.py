@@ -55,12 +55,7 @@ from resumekit.local.restore_across import TierRestore
 from resumekit.local.roots import check_local_root
 from resumekit.local.saves import LocalSaves
 from resumekit.local.site import LocalJob, LocalSite
-from resumekit.options import (
-    CheckpointOptions,
-    ForeignPolicy,
-    MismatchPolicy,
-    OptionKeywords,
-)
+from resumekit.options import CheckpointOptions, ForeignPolicy, MismatchPolicy, OptionKeywords
 from resumekit.restore_root import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, ChannelSet, is_distributed
@@ -85,11 +80,7 @@ from resumekit.store.catalog import CheckpointEntry, list_checkpoints
 from resumekit.store.coordination import activity, run_on_every_rank, run_on_leader
 from resumekit.store.generations import Fence
 from resumekit.store.layout import NameFormat
-from resumekit.store.manifest import (
-    Manifest,
-    SaveInterval,
-    SaveReason,
-)
+from resumekit.store.manifest import Manifest, SaveInterval, SaveReason
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import state_dicts
