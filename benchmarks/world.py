@@ -6,14 +6,17 @@ Three parts, side by side with plain DCP, into ``benchmarks/results/world.json``
 * **real ranks**: W = 2..32 gloo ranks on loopback (forked from one server that imported
   torch once, one intra-op thread each), a tiny FSDP2 model with AdamW, so that what
   grows with W is the coordination, not the bytes: per W, rank 0's CPU seconds in a sync
-  ``CheckpointManager.save`` and in ``dcp.save``, every rank's CPU seconds in
+  ``CheckpointManager.save`` and in ``dcp.save`` (the median of ``--repeats`` saves, and
+  apart a run's first save and the median of its later ones, which reuse remembered
+  plans; DCP's also with its own ``enable_plan_caching=True``), every rank's CPU seconds in
   ``CheckpointManager.restore()`` and in ``dcp.load`` (with ``get_state_dict`` and
   ``set_state_dict``, as a DCP trainer restores), ``.metadata``'s bytes, the bytes of
   ``.metadata`` files each rank opened during the restore (counted with an audit hook:
   every open of the process), and the files of each checkpoint. CPU seconds are
   ``time.process_time``: the whole process, every thread;
 * **simulated ranks** (:mod:`benchmarks.world_fake`): W = 8..1,024 over the real 5B
-  LingBot-VA shapes on the meta device, a fake process group;
+  LingBot-VA shapes on the meta device, a fake process group (rank 0's save: a first
+  save, and up to ``--steady-max`` a run's later saves, each side at its best);
 * **a save's CPU per GB** (issue 40's item 4): one process, a sync save of a few hundred
   MB, CPU seconds of all threads per GB written, beside hashing the same bytes once;
 * **the save under CPU load** (:mod:`benchmarks.cpu_load`, item 4): a sync save of
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -110,12 +114,15 @@ def real_rank(rank: int, world: int, root: str, repeats: int) -> dict[str, Any]:
     save_cpu = [_cpu(lambda step=step: manager.save(step)) for step in range(1, repeats + 1)]
     manager.close()
 
-    def dcp_save(number: int) -> None:
+    def dcp_save(number: int, cached: bool = False) -> None:
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state},
-                 checkpoint_id=f"{root}/dcp{number}")
+                 checkpoint_id=f"{root}/dcp{'c' if cached else ''}{number}",
+                 planner=DefaultSavePlanner(enable_plan_caching=cached))
 
     dcp_save_cpu = [_cpu(lambda n=n: dcp_save(n)) for n in range(repeats)]
+    # DCP at its best for a run's later saves: its own plan caching (empty plans sent)
+    dcp_cached_cpu = [_cpu(lambda n=n: dcp_save(n, cached=True)) for n in range(repeats)]
 
     restore_cpu, ours_opened = [], []
     for _ in range(repeats):
@@ -143,6 +150,12 @@ def real_rank(rank: int, world: int, root: str, repeats: int) -> dict[str, Any]:
         dcp_restore_cpu.append(_cpu(dcp_load))
         active[0] = False
     return {"save_cpu_s": _median(save_cpu), "dcp_save_cpu_s": _median(dcp_save_cpu),
+            "save_cpu_first_s": save_cpu[0], "dcp_save_cpu_first_s": dcp_save_cpu[0],
+            "dcp_cached_save_cpu_first_s": dcp_cached_cpu[0],
+            "save_cpu_steady_s": _median(save_cpu[1:]) if repeats > 1 else None,
+            "dcp_save_cpu_steady_s": _median(dcp_save_cpu[1:]) if repeats > 1 else None,
+            "dcp_cached_save_cpu_steady_s": _median(dcp_cached_cpu[1:])
+            if repeats > 1 else None,
             "restore_cpu_s": _median(restore_cpu),
             "dcp_restore_cpu_s": _median(dcp_restore_cpu),
             "metadata_opened": ours_opened, "dcp_metadata_opened": list(opened)}
@@ -175,6 +188,8 @@ def real(worlds: list[int], repeats: int = 3) -> list[dict[str, Any]]:
                 "world_size": world,
                 "save_cpu_rank0_s": ranks[0]["save_cpu_s"],
                 "dcp_save_cpu_rank0_s": ranks[0]["dcp_save_cpu_s"],
+                **{f"{side}save_cpu_rank0_{when}_s": ranks[0][f"{side}save_cpu_{when}_s"]
+                   for side in ("", "dcp_", "dcp_cached_") for when in ("first", "steady")},
                 "restore_cpu_per_rank_s": _median([r["restore_cpu_s"] for r in others]),
                 "restore_cpu_rank0_s": ranks[0]["restore_cpu_s"],
                 "dcp_restore_cpu_per_rank_s": _median(
@@ -293,6 +308,17 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator
 
 
+def _steady(row: dict[str, Any] | None, when: str) -> float | None:
+    """Rank 0's save CPU over DCP's at its best, for a run's first save or its later ones
+    (the median of saves 2..repeats): DCP's default planner or its own plan caching,
+    whichever cost less."""
+    if row is None or row.get(f"save_cpu_rank0_{when}_s") is None:
+        return None
+    theirs = [row.get(f"{side}save_cpu_rank0_{when}_s") for side in ("dcp_", "dcp_cached_")]
+    best = min((value for value in theirs if value is not None), default=None)
+    return _ratio(row[f"save_cpu_rank0_{when}_s"], best)
+
+
 def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
               save: dict[str, Any] | None, load: dict[str, Any] | None = None,
               load_skipped: str | None = None) -> dict[str, Any]:
@@ -345,6 +371,12 @@ def summarize(real_rows: list[dict[str, Any]], fake_rows: list[dict[str, Any]],
             high["save_cpu_rank0_s"], high["dcp_save_cpu_rank0_s"]),
         "save_cpu_rank0_w256_vs_dcp_simulated": None if w256 is None else _ratio(
             w256["save_cpu_rank0_s"], w256["dcp_save_cpu_rank0_s"]),
+        # the contract key above is the median of a manager's saves 1..repeats (the 2nd and
+        # later reuse their plans) against DCP's default planner; these say which is which
+        "save_cpu_rank0_w32_vs_dcp_first": _steady(high, "first"),
+        "save_cpu_rank0_w32_vs_dcp_steady": _steady(high, "steady"),
+        "save_cpu_rank0_w256_vs_dcp_simulated_steady": _steady(w256, "steady"),
+        "save_cpu_rank0_w32_vs_dcp_simulated_steady": _steady(_row(fake_rows, 32), "steady"),
         **cpu_load.summary(load, load_skipped),
         "save_cpu_s_per_gb": None if save is None else save["save_cpu_s_per_gb"],
         "save_cpu_vs_hash_once": None if save is None else save["save_cpu_vs_hash_once"],
@@ -375,6 +407,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--others-max", type=int, default=1024,
                         help="the largest simulated W whose DCP side and resumekit's earlier "
                              "restores run (above it: resumekit's restore only)")
+    parser.add_argument("--steady-max", type=int, default=256,
+                        help="the largest simulated W whose rank-0 save of a run's later "
+                             "saves (plans remembered; DCP with its plan caching) is timed")
     parser.add_argument("--rows-to", default=None,
                         help="append each simulated row to this file as it is done")
     parser.add_argument("--parts", nargs="*", default=[],
@@ -396,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                rows_to=Path(args.rows_to) if args.rows_to else None,
                                before_max=args.before_max,
                                save_timed_max=args.save_timed_max,
-                               others_max=args.others_max)
+                               others_max=args.others_max,
+                               steady_max=args.steady_max)
     for part in args.parts:  # e.g. the real ranks and the simulation run side by side
         path, _, wanted = part.partition(":")
         if path.endswith(".jsonl"):  # rows of a simulation stopped before its end

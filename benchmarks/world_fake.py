@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import (
     SavePlan,
+    SavePlanner,
     TensorWriteData,
     WriteItem,
     WriteItemType,
@@ -242,6 +243,89 @@ def save_side(params: list[Param], world: int, directory: Path, *, raw: bool,
             "data": data}
 
 
+def save_side_steady(params: list[Param], world: int, directory: Path, *, raw: bool,
+                     plans: list[SavePlan] | None = None) -> dict[str, Any]:
+    """Rank 0's coordination of a run's second and later saves of an unchanged layout.
+
+    Each side at its best: resumekit with its remembered plans (:mod:`resumekit.tensors.
+    plans`: every rank sends a marker of its round, rank 0 reuses its metadata and, for
+    the same write results, ``.metadata``'s bytes); DCP with its own plan caching
+    (``DefaultSavePlanner(enable_plan_caching=True)``: every rank sends an empty plan,
+    rank 0 reuses its global plan and metadata, ``FileSystemWriter.finish`` pickles
+    ``.metadata`` again). A first save fills each side's memory (not timed); the second
+    is timed: the markers received (unpickled), the global plan, the markers sent back
+    (pickled), the writer's ``prepare_global_plan`` and ``finish`` from the write results
+    of that save (built afresh: equal, not the same objects).
+    """
+    # here, not at the top: the bench runs over code from before remembered plans too
+    from resumekit.tensors.plans import (  # noqa: PLC0415
+        MemoSavePlanner,
+        Planned,
+        SavePlans,
+        Unchanged,
+    )
+
+    plans = local_plans(params, world) if plans is None else plans
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def writer_of(name: str) -> Any:
+        (directory / name).mkdir()
+        if raw:
+            writer: Any = RawTensorWriter(directory / name, thread_count=WRITER_THREADS,
+                                          sync_files=False)
+            writer.metadata_memo = memory
+            writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+        else:
+            writer = FileSystemWriter(directory / name)
+            writer.set_up_storage_writer(True)
+        return writer
+
+    def sent(objects: list[Any]) -> list[Any]:  # gathered or scattered: pickled, unpickled
+        return [pickle.loads(pickle.dumps(one)) for one in objects]
+
+    memory = SavePlans()
+    if raw:
+        first: list[SavePlan] = [dataclasses.replace(plan, planner_data=Planned(
+            True, plan.planner_data)) for plan in plans]
+        planner: Any = MemoSavePlanner(memory)
+    else:
+        for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
+                      SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
+                      SavePlanner._cached_final_save_plan):
+            cache.clear()  # DCP's caches are class attributes: this W's only
+        first = plans
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner.set_up_planner({}, None, is_coordinator=True)
+    finals, metadata = planner.create_global_plan(first)
+    writer = writer_of("first")
+    finals = writer.prepare_global_plan(finals)
+    unwrapped = [dataclasses.replace(plan, planner_data=None) for plan in finals]
+    writer.finish(metadata, write_results(unwrapped, raw=raw))
+    if raw:
+        token = finals[0].planner_data.token
+        markers = [SavePlan([], planner_data=Unchanged(token), usable=False)
+                   for _ in range(world)]
+    else:
+        markers = [SavePlan([], usable=False) for _ in range(world)]
+    results = write_results(unwrapped, raw=raw)  # the second save's: equal, not the same
+    second = writer_of("second")
+    planner = MemoSavePlanner(memory) if raw else DefaultSavePlanner(enable_plan_caching=True)
+    planner.set_up_planner({}, None, is_coordinator=True)
+
+    def coordinate() -> tuple[Any, Any]:
+        replies, again = planner.create_global_plan(sent(markers))
+        return sent(second.prepare_global_plan(replies)), again
+
+    plan_cpu, (replies, again) = cpu_of(coordinate)
+    assert all(not reply.usable for reply in replies)  # nothing planned: memory reused
+    finish_cpu, _ = cpu_of(lambda: second.finish(again, results))
+    data = (directory / "second" / ".metadata").read_bytes()
+    assert data == (directory / "first" / ".metadata").read_bytes() or not raw
+    return {"plan_cpu_s": plan_cpu, "finish_cpu_s": finish_cpu,
+            "save_cpu_rank0_s": plan_cpu + finish_cpu,
+            "metadata_reused": memory.metadata_reused if raw else 0}
+
+
 def _state_of(params: list[Param], mesh: Any) -> dict[str, Any]:
     """This rank's destination state: DTensor shards on the meta device, AdamW's state."""
     world = mesh.size()
@@ -394,13 +478,16 @@ def _leader(raw_data: bytes, raw_dir: Path) -> tuple[CheckedMetadata, bytes]:
 
 def run(worlds: list[int], *, config: str = "furniture_all_e128",
         rows_to: Path | None = None, before_max: int = 1024,
-        save_timed_max: int = 512, others_max: int = 1024) -> list[dict[str, Any]]:
+        save_timed_max: int = 512, others_max: int = 1024, steady_max: int = 256
+        ) -> list[dict[str, Any]]:
     """Both sides for each W; one row per W (each also appended to ``rows_to`` as a line
     of JSON when it is done, so a run stopped at a large W keeps the smaller ones).
     ``before_max``: the largest W whose restore before issue 40 (four parses) is run;
     ``save_timed_max``: the largest W whose rank-0 save is timed (above: restore only);
     ``others_max``: the largest W whose DCP side and resumekit's earlier restores (the
-    whole file shared, before issue 40) are run (above: resumekit's restore only)."""
+    whole file shared, before issue 40) are run (above: resumekit's restore only);
+    ``steady_max``: the largest W whose rank-0 save of a run's later saves
+    (:func:`save_side_steady`) is timed."""
     if not worlds:
         return []
     stamp = measured_stamp()  # the code this run imported: its commit when it started
@@ -423,6 +510,11 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
                    if others else {"save_cpu_rank0_s": None, "metadata_bytes": None,
                                    "data": None})
             ours = save_side(params, world, root / "raw", raw=True, timed=timed, plans=plans)
+            steady = world <= steady_max and timed
+            ours_steady = save_side_steady(params, world, root / "raw-steady", raw=True,
+                                           plans=plans) if steady else None
+            dcp_steady = save_side_steady(params, world, root / "dcp-steady", raw=False,
+                                          plans=plans) if steady and others else None
             del plans
             raw_data = ours.pop("data")
             dcp.pop("data")
@@ -435,6 +527,16 @@ def run(worlds: list[int], *, config: str = "furniture_all_e128",
                 "world_size": world,
                 "save_cpu_rank0_s": ours["save_cpu_rank0_s"],
                 "dcp_save_cpu_rank0_s": dcp["save_cpu_rank0_s"],
+                "save_cpu_rank0_first_s": ours["save_cpu_rank0_s"],
+                "dcp_save_cpu_rank0_first_s": dcp["save_cpu_rank0_s"],
+                "save_cpu_rank0_steady_s": None if ours_steady is None
+                else ours_steady["save_cpu_rank0_s"],
+                "dcp_cached_save_cpu_rank0_steady_s": None if dcp_steady is None
+                else dcp_steady["save_cpu_rank0_s"],
+                "save_steady_breakdown_s": None if ours_steady is None else {
+                    key: ours_steady[key] for key in ("plan_cpu_s", "finish_cpu_s")},
+                "dcp_save_steady_breakdown_s": None if dcp_steady is None else {
+                    key: dcp_steady[key] for key in ("plan_cpu_s", "finish_cpu_s")},
                 "restore_cpu_per_rank_s": restore["restore_cpu_s"],
                 "restore_cpu_per_rank_whole_s": restore["restore_cpu_whole_s"],
                 "restore_cpu_per_rank_before_s": restore["restore_cpu_before_s"],

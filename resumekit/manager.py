@@ -55,12 +55,7 @@ from resumekit.local.restore_across import TierRestore
 from resumekit.local.roots import check_local_root
 from resumekit.local.saves import LocalSaves
 from resumekit.local.site import LocalJob, LocalSite
-from resumekit.options import (
-    CheckpointOptions,
-    ForeignPolicy,
-    MismatchPolicy,
-    OptionKeywords,
-)
+from resumekit.options import CheckpointOptions, ForeignPolicy, MismatchPolicy, OptionKeywords
 from resumekit.restore_root import RootRestore
 from resumekit.runtime import distributed
 from resumekit.runtime.channels import Channel, ChannelSet, is_distributed
@@ -82,23 +77,14 @@ from resumekit.state.train_state import (
 )
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry, list_checkpoints
-from resumekit.store.coordination import (
-    activity,
-    run_on_every_rank,
-    run_on_leader,
-)
+from resumekit.store.coordination import activity, run_on_every_rank, run_on_leader
 from resumekit.store.generations import Fence
-from resumekit.store.layout import (
-    NameFormat,
-)
-from resumekit.store.manifest import (
-    Manifest,
-    SaveInterval,
-    SaveReason,
-)
+from resumekit.store.layout import NameFormat
+from resumekit.store.manifest import Manifest, SaveInterval, SaveReason
 from resumekit.store.retention import RollingSweep
 from resumekit.store.storage import Storage
 from resumekit.tensors import state_dicts
+from resumekit.tensors.plans import PlansPerWriter
 from resumekit.tensors.raw.files import restore_lowered_priorities
 from resumekit.tools import weights
 from resumekit.warnings import ResumekitWarning, warn
@@ -261,6 +247,7 @@ class CheckpointManager:
                         if options.async_save and options.async_writer == "process"
                         else None)
         self._active_tokens: set[str] = set()
+        self._save_plans = PlansPerWriter()  # a channel's saves reuse plans of a same layout
         self._fence = Fence()  # this run's writer generation, shared by every channel
         self._local_claimed = False  # the training thread claimed for the local copies
         # close() destroys the groups its channels made, once; a failed constructor too.
@@ -335,6 +322,7 @@ class CheckpointManager:
             errors.append(error)
             self._main = self._channels.close(meet=False)  # destroyed: a channel of none
         self._saver = self._emergency_channel = self._main
+        self._save_plans.clear()  # no reference to the closed channels' groups
         if hasattr(self, "_local_saves"):
             self._local_saves.channel = self._main
         return errors
@@ -998,7 +986,7 @@ class CheckpointManager:
         """Commit ``job`` on ``channel`` (:func:`~resumekit.save_job.write_step`), on the clock."""
         coordinator = channel.coordinator
         target = StepTarget(channel.protocol, coordinator.rank, self.tensor_format,
-                            group=channel.group)
+                            group=channel.group, plans=self._save_plans.of(channel))
 
         def retain() -> None:
             self.last_saved_step = job.step

@@ -80,9 +80,10 @@ class StepTarget:
             :class:`~resumekit.errors.StorageError` naming the step and the root
             (:func:`save_failure`; the durable root's saves). The local tier names its
             failures itself.
-        plans: Where an ``alone`` writer remembers its save plan between saves of an
-            unchanged layout (:class:`~resumekit.tensors.plans.SavePlans`; the local
-            tier's); None: every save planned in full.
+        plans: Where this writer remembers its save plans between saves of an
+            unchanged layout (:class:`~resumekit.tensors.plans.SavePlans`: the local
+            tier's site's, or the manager's for the channel); None: every save planned
+            in full.
     """
 
     protocol: CommitProtocol

@@ -8,10 +8,10 @@ writer) for fsspec URLs or when asked for. DCP's plan caching
 decides that a local plan is unchanged from its keys, offsets and sizes alone, so a save
 whose dtypes changed at the same shapes would reuse the previous save's ``.metadata`` and
 describe the new bytes with the old dtypes (``tests/unit/test_repeated_saves.py``,
-``dtype``). A save of one process by itself may pass ``plans``
-(:class:`~resumekit.tensors.plans.SavePlans`: the local tier's copies), which reuses the
-last save's plan where the state's whole layout, dtypes included, is unchanged; every
-other save is planned in full.
+``dtype``). A save may pass ``plans`` (:class:`~resumekit.tensors.plans.SavePlans`: one
+per channel of the manager's durable root, one per local tier's site), which reuses the
+last save's plans, and ``.metadata``'s bytes, where every rank's layout, dtypes included,
+is unchanged; every other save is planned in full.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from resumekit.tensors.context import (
     without_zip_crc32,
 )
 from resumekit.tensors.failures import from_failures
-from resumekit.tensors.plans import MemoSavePlanner, SavePlans
+from resumekit.tensors.plans import MemoSavePlanner, PlanAgain, SavePlans
 from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
 from resumekit.tensors.remote import RemoteWrites, WriterSpec, shipped
 
@@ -121,10 +121,11 @@ def save(
             this rank's local shards, at their offsets in the global tensor, and
             ``.metadata`` describes those shards only. Loads back with ``load(...,
             alone=True)`` on the same rank of the same sharding.
-        plans: Where this process's saves by itself (``alone``, or no process group)
-            remember their plan: a save whose state has the last one's layout reuses
-            it (:mod:`resumekit.tensors.plans`); the files are the same, byte for byte.
-            Ignored for a collective save.
+        plans: Where this process remembers the plans of this writer's saves (one per
+            root and channel, the same on every rank's call): a save whose every rank's
+            state has the last one's layout reuses them and, on the coordinating rank,
+            the last ``.metadata``'s bytes where its write results are the same
+            (:mod:`resumekit.tensors.plans`); the files are the same, byte for byte.
 
     Returns:
         Every file this rank wrote, each with its size and the checksum computed while it
@@ -140,35 +141,53 @@ def save(
     """
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
-    writer = _make_writer(target, storage_options, thread_count, sync_files, background,
-                          tensor_format=tensor_format, remote=remote)
-    # A remembered plan serves the saves of one process only (a collective save's global
-    # plan depends on every rank's state). Its planning and resolve_data run without
-    # autograd: DTensor.to_local() is then the local shard itself, not a view made by an
-    # autograd function (the same tensor's bytes, dtype and flags).
-    memo = plans is not None and no_dist
-    planner = MemoSavePlanner(plans) if plans is not None and memo else DefaultSavePlanner()
-    try:
-        with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background), \
-                torch.no_grad() if memo else contextlib.nullcontext():
-            dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
-                     no_dist=no_dist, planner=planner)
-    except CheckpointException as error:
-        raise from_failures(error, "save", target, None) from None
-    except ResumekitError:
-        raise
-    except Exception as error:
-        raise StorageError(
-            f"writing checkpoint {target} failed: {type(error).__name__}: {error}",
-            path=target,
-            operation="save",
-        ) from error
+    # Planning and resolve_data run without autograd where plans are remembered:
+    # DTensor.to_local() is then the local shard itself, not a view made by an autograd
+    # function (the same tensor's bytes, dtype and flags), and cheap for the layout key.
+    context = () if plans is None else (
+        tensor_format_for(target, tensor_format), remote is not None, no_dist,
+        0 if group is None else dist.get_rank(group),
+        1 if group is None else dist.get_world_size(group))
+    for attempt in (1, 2):
+        writer = _make_writer(target, storage_options, thread_count, sync_files, background,
+                              tensor_format=tensor_format, remote=remote)
+        planner = DefaultSavePlanner() if plans is None else MemoSavePlanner(plans, context)
+        cast(RawTensorWriter | CheckedDcpWriter, writer).metadata_memo = plans
+        try:
+            with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background), \
+                    contextlib.nullcontext() if plans is None else torch.no_grad():
+                dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
+                         no_dist=no_dist, planner=planner)
+        except BaseException as error:
+            if plans is not None:
+                plans.forget()  # on every rank: DCP raises a failure on all of them
+            if isinstance(error, CheckpointException):
+                if plans is not None and attempt == 1 and _plan_again(error):
+                    logger.debug("tensor save into %s: the remembered plans are not "
+                                 "reusable on every rank; planning in full", target)
+                    continue  # a layout changed on some ranks only
+                raise from_failures(error, "save", target, None) from None
+            if isinstance(error, ResumekitError) or not isinstance(error, Exception):
+                raise
+            raise StorageError(
+                f"writing checkpoint {target} failed: {type(error).__name__}: {error}",
+                path=target,
+                operation="save",
+            ) from error
+        break
     written = list(cast(RawTensorWriter | CheckedDcpWriter, writer).written)
     logger.debug("tensor save: %s format, DCP save %s, %d files written by this rank into %s",
                  "raw" if isinstance(writer, RawTensorWriter) else "dcp",
                  "in one process" if no_dist else "on its process group",
                  len(written), target)
     return written
+
+
+def _plan_again(error: CheckpointException) -> bool:
+    """Whether DCP's failure is only the coordinator's refusal of remembered plans."""
+    failures = error.failures
+    return bool(failures) and all(isinstance(failure[0], PlanAgain)
+                                  for failure in failures.values())
 
 
 def tensor_format_for(directory: str | os.PathLike[str],

@@ -1,10 +1,12 @@
-"""A save plan remembered between one process's saves (issue 38.2): reused while the
-state's layout is unchanged, the same bytes as a plan made in full, and planned afresh
-when a shape, dtype, key, placement or flag changed."""
+"""A save plan remembered between saves (issues 38.2 and 40): reused while every rank's
+layout is unchanged, the same bytes as a plan made in full, and planned afresh when a
+shape, dtype, key, placement or flag changed on any rank; ``.metadata``'s bytes reused
+only for the same write results."""
 
 from __future__ import annotations
 
 import importlib
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from resumekit import tensors as tensor_io
 from resumekit.tensors import raw as raw_tensor_files
-from resumekit.tensors.plans import MemoSavePlanner, SavePlans
+from resumekit.tensors.plans import MemoSavePlanner, PlanAgain, SavePlans
 
 save_module = importlib.import_module("resumekit.tensors.save")
 
@@ -150,12 +152,84 @@ def test_a_one_rank_groups_save_is_one_process_s_and_reuses_the_plan(tmp_path: P
         dist.destroy_process_group()
 
 
-def test_the_remembering_planner_refuses_the_plans_of_more_than_one_rank() -> None:
-    planner = MemoSavePlanner(SavePlans())
-    planner.set_up_planner({"w": torch.ones(2)}, None, True)
-    local = planner.create_local_plan()
-    with pytest.raises(ValueError, match=r"one process by itself \(got 2 local plans"):
-        planner.create_global_plan([local, local])
+def _planners(states: list[dict[str, Any]], memories: list[SavePlans]
+              ) -> list[MemoSavePlanner]:
+    planners = [MemoSavePlanner(plans) for plans in memories]
+    for rank, (planner, state) in enumerate(zip(planners, states, strict=True)):
+        planner.set_up_planner(state, None, rank == 0)
+    return planners
+
+
+def _sent(plan: Any) -> Any:
+    return pickle.loads(pickle.dumps(plan))  # what DCP's gather and scatter do
+
+
+def _round(states: list[dict[str, Any]], memories: list[SavePlans]) -> list[Any]:
+    """One save's planning on len(states) simulated ranks (rank 0 coordinates)."""
+    planners = _planners(states, memories)
+    sent = [_sent(planner.create_local_plan()) for planner in planners]
+    finals, _ = planners[0].create_global_plan(sent)
+    return [planner.finish_plan(_sent(final))
+            for planner, final in zip(planners, finals, strict=True)]
+
+
+def test_the_coordinator_reuses_its_plans_only_when_every_rank_sent_a_marker_of_its_round(
+        ) -> None:
+    memories = [SavePlans(), SavePlans()]
+    states = [{"a": torch.ones(4), "lr": 0.1}, {"b": torch.ones(4), "lr": 0.1}]
+    first = _round(states, memories)
+    again = _round(states, memories)
+    assert again == first and all(final.items for final in first)
+    assert [(m.misses, m.hits) for m in memories] == [(1, 1), (1, 1)]
+    assert (memories[0].global_misses, memories[0].global_hits) == (1, 1)
+    # rank 1's layout changes (a dtype at the same shape): its plan against rank 0's marker
+    states[1] = {"b": torch.ones(4, dtype=torch.int32), "lr": 0.1}
+    planners = _planners(states, memories)
+    sent = [_sent(planner.create_local_plan()) for planner in planners]
+    assert not sent[0].usable and sent[1].usable and sent[1].items
+    with pytest.raises(PlanAgain, match="1 of 2 ranks sent a marker"):
+        planners[0].create_global_plan(sent)
+    assert memories[0].replans == 1
+    for plans in memories:  # as resumekit.tensors.save does on every rank, then again
+        plans.forget()
+    finals = _round(states, memories)
+    written = {item.index.fqn: item for final in finals for item in final.items}
+    assert written["b"].tensor_data.properties.dtype == torch.int32
+    assert [(m.misses, m.hits) for m in memories] == [(2, 1), (2, 1)]
+
+
+def test_a_marker_of_a_round_the_coordinator_does_not_remember_is_refused() -> None:
+    memories = [SavePlans(), SavePlans()]
+    states = [{"w": torch.ones(4)}, {"w": torch.ones(4)}]
+    _round(states, memories)
+    memories[0].forget()  # the coordinator forgot (its save failed), rank 1 did not
+    planners = _planners(states, memories)
+    sent = [_sent(planner.create_local_plan()) for planner in planners]
+    assert sent[0].usable and not sent[1].usable
+    with pytest.raises(PlanAgain):
+        planners[0].create_global_plan(sent)
+    rounds = [SavePlans(), SavePlans()]
+    _round(states, rounds)  # another root's plans: another round
+    planners = _planners(states, [rounds[0], memories[1]])
+    sent = [_sent(planner.create_local_plan()) for planner in planners]
+    assert not sent[0].usable and not sent[1].usable
+    with pytest.raises(PlanAgain):
+        planners[0].create_global_plan(sent)
+
+
+def test_metadata_bytes_are_reused_only_for_the_same_results(tmp_path: Path) -> None:
+    plans = SavePlans()
+    notes = ["short", "short", "a longer note" * 500, "a longer note" * 500]
+    for number, note in enumerate(notes):
+        state = {**small_state(seed=number), "note": note}
+        tensor_io.save(state, tmp_path / str(number), plans=plans)
+        tensor_io.save(state, tmp_path / f"{number}-full")
+        assert files_of(tmp_path / str(number)) == files_of(tmp_path / f"{number}-full")
+        into = {**small_state(seed=99), "note": ""}
+        tensor_io.load(into, tmp_path / str(number))
+        assert into["note"] == note
+    assert (plans.misses, plans.hits) == (1, 3)
+    assert plans.metadata_reused == 2  # the second and the fourth: the note's length changed
 
 
 def test_a_dtensors_placements_and_shape_are_part_of_the_layout(tmp_path: Path) -> None:
@@ -187,3 +261,17 @@ def test_a_dtensors_placements_and_shape_are_part_of_the_layout(tmp_path: Path) 
         assert (plans.misses, plans.hits) == (3, 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failed_save_forgets_the_plans_and_the_next_save_is_planned_in_full(
+        tmp_path: Path) -> None:
+    plans = SavePlans()
+    state = small_state(seed=1)
+    tensor_io.save(state, tmp_path / "first", plans=plans)
+    tensor_io.save(state, tmp_path / "taken")  # a checkpoint already there: refused
+    with pytest.raises(Exception, match="already exists"):
+        tensor_io.save(state, tmp_path / "taken", plans=plans)
+    tensor_io.save(state, tmp_path / "after", plans=plans)
+    assert (plans.misses, plans.hits) == (2, 0)
+    assert files_of(tmp_path / "after") == files_of(tmp_path / "first")
+    assert_same_tensors(loaded_back(state, tmp_path / "after"), state)

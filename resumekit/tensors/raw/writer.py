@@ -31,12 +31,13 @@ import io
 import logging
 import math
 import os
+import pickle
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -121,10 +122,14 @@ class _ReportingWriter:
 
     fs: Any
     path: Any
+    sync_files: bool
     written: list[WrittenFile]
 
     def _start_reporting(self) -> None:
         self.written = []
+        self.metadata_memo: MetadataMemo | None = None
+        """Where ``.metadata``'s bytes are remembered between saves
+        (:class:`~resumekit.tensors.plans.SavePlans`; None: pickled every time)."""
         self._plan_rank: int | None = None
         self._plans_together = True
         self.fs = RecordingFileSystem(self.fs, os.fspath(self.path))
@@ -154,24 +159,100 @@ class _ReportingWriter:
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Check every item has stored data, write ``.metadata``, report it.
 
+        With a :attr:`metadata_memo` (and no ``storage_meta``: the raw writer's), the
+        metadata's pickled bytes are reused where they are provably the same
+        (:meth:`_finish_remembered`).
+
         Raises:
             StorageError: An item of the plan has no stored data (a writer lost it
                 without raising); nothing is written.
         """
-        where = os.fspath(self.path)
-        _check_every_item_stored(metadata, results, where)
-        super().finish(metadata, results)  # type: ignore[misc]
+        memo = self.metadata_memo
+        if memo is None or self.storage_meta() is not None:  # type: ignore[attr-defined]
+            _check_every_item_stored(metadata, results, os.fspath(self.path))
+            super().finish(metadata, results)  # type: ignore[misc]
+            references = _references(results)
+        else:
+            references = self._finish_remembered(metadata, results, memo)
         recorder = cast(RecordingFileSystem, self.fs)
         with recorder._lock:
             temporary = [name for name in recorder.recorded if name.endswith(METADATA_TMP)]
             recorded = [(name, recorder.recorded.pop(name)) for name in temporary]
-        references = tuple(sorted(
-            {result.storage_data.relative_path for part in results for result in part}
-            | checksum_files({id(result): result.storage_data
-                              for part in results for result in part})))
         for name, entry in recorded:
             self.written.append(WrittenFile(name.removesuffix(".tmp"), entry.size,
                                             entry.checksum, references))
+
+    def _finish_remembered(self, metadata: Metadata, results: list[list[WriteResult]],
+                           memo: MetadataMemo) -> tuple[str, ...]:
+        """DCP's ``FileSystemWriter.finish``, its pickled bytes reused where ``memo`` has them.
+
+        Reused when ``metadata`` is the one remembered with them and every write result
+        records the same item, file, offset, length and descriptors, in the same order,
+        as the results they were pickled with: the same metadata, value for value, so the
+        check that every item is stored and the files referenced are the same too (kept
+        with the bytes). Otherwise checked, pickled here and remembered.
+
+        The same bytes as DCP's: ``pickle.dump`` of the same metadata (its version, the
+        results' storage records, no ``storage_meta``), written to ``.metadata.tmp``
+        (fsynced if asked for), then renamed over any ``.metadata``.
+
+        Returns:
+            The files the metadata references.
+        """
+        signature = [(result.index.fqn, result.index.offset, result.storage_data)
+                     for part in results for result in part]
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_meta = None
+        kept = memo.metadata_bytes(metadata, signature)
+        references: tuple[str, ...]
+        if kept is not None:
+            data, (storage, references) = kept
+            metadata.storage_data = storage  # equal to these results' (returned by DCP)
+        else:
+            _check_every_item_stored(metadata, results, os.fspath(self.path))
+            storage = {}
+            for part in results:
+                storage.update({result.index: result.storage_data for result in part})
+            metadata.storage_data = storage
+            data = pickle.dumps(metadata)
+            references = _references(results)
+            memo.keep_metadata_bytes(metadata, signature, data, (storage, references))
+        rank = self._plan_rank
+        alone = not self._plans_together and rank is not None
+        name = f"__{rank}{DCP_METADATA_FILE}" if alone else DCP_METADATA_FILE
+        tmp_path = self.fs.concat_path(self.path, f"{name}.tmp")
+        with self.fs.create_stream(tmp_path, "wb") as stream:
+            stream.write(data)
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        metadata_path = self.fs.concat_path(self.path, name)
+        if self.fs.exists(metadata_path):
+            self.fs.rm_file(metadata_path)
+        self.fs.rename(tmp_path, metadata_path)
+        return references
+
+
+def _references(results: Sequence[Sequence[WriteResult]]) -> tuple[str, ...]:
+    """The files the items of ``results`` are stored in, and their checksum files."""
+    return tuple(sorted(
+        {result.storage_data.relative_path for part in results for result in part}
+        | checksum_files({id(result): result.storage_data
+                          for part in results for result in part})))
+
+
+class MetadataMemo(Protocol):
+    """Where a writer's ``finish`` finds and keeps ``.metadata``'s pickled bytes.
+
+    :class:`~resumekit.tensors.plans.SavePlans` is one.
+    """
+
+    def metadata_bytes(self, metadata: Metadata, signature: list[tuple[Any, ...]]
+                       ) -> tuple[bytes, Any] | None:
+        """The bytes of ``metadata`` with these results and what was kept with them."""
+
+    def keep_metadata_bytes(self, metadata: Metadata, signature: list[tuple[Any, ...]],
+                            data: bytes, kept: Any) -> None:
+        """Remember the bytes pickled from ``metadata`` with these results, and ``kept``."""
 
 
 def _check_every_item_stored(metadata: Metadata, results: Sequence[Sequence[WriteResult]],
