@@ -42,6 +42,7 @@ from resumekit.tensors.metadata_parts import (
     Part,
     Request,
     complete,
+    exchange_frame_bytes,
     exchange_over_group,
     request_of,
     skeleton,
@@ -172,8 +173,9 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                     make_reader(target, storage_options, verify=verify, metadata=checked),
                     checked.parsed(), items)
 
-        exchange = exchange_over_group(group, metadata.server() if whole else None,
-                                       read_values)
+        exchange = exchange_over_group(
+            group, metadata.server() if whole else None, read_values,
+            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata)))
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
                                   exchange=exchange, whole=whole)
     try:

@@ -1,0 +1,105 @@
+"""How many collectives a restore makes on 2 gloo ranks: pinned, so a new one is seen (issue 40).
+
+Each collective of gloo passes O(W) messages through some rank (an all-gather through every
+rank), on gloo's transport thread: at W = 32 that thread's CPU was the largest part of a
+restoring rank's growth. The count is of the tensor collectives the wire sees (an object
+collective of ``torch.distributed`` is two: its sizes, then its bytes), made by the main
+thread from the start of ``restore()`` to its end.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+from resumekit import CheckpointManager
+from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
+from tests.distributed_harness import run_ranks
+
+#: The tensor collectives of ``torch.distributed`` (what its object collectives call).
+COLLECTIVES = ("barrier", "broadcast", "all_gather", "all_gather_into_tensor", "all_reduce",
+               "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv",
+               "monitored_barrier")
+
+#: A restore of a run sharded as its checkpoint (FSDP2), ``restore_reads="once"``:
+#: the survey's broadcast (with the writer generation's claim and ``.metadata``), the
+#: verification's agreement, the metadata parts' gather and scatter, the shared reads'
+#: offers, the load's agreement, the read's agreement, the final meeting.
+EXPECTED = {"broadcast": 1, "all_gather": 4, "gather": 1, "scatter": 1, "barrier": 1}
+
+
+def _counting() -> tuple[collections.Counter[str], list[bool]]:
+    """Count this process's collectives (main thread) while the flag is set."""
+    counts: collections.Counter[str] = collections.Counter()
+    active = [False]
+    main = threading.main_thread()
+    for name in COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+
+        def counted(*args: Any, _original: Callable[..., Any] = original, _name: str = name,
+                    **kwargs: Any) -> Any:
+            if active[0] and threading.current_thread() is main:
+                counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(c10d, name, counted)
+        if getattr(torch.distributed, name, None) is original:
+            setattr(torch.distributed, name, counted)
+    return counts, active
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.full_tensor().clone() for key, value in model.state_dict().items()}
+
+
+def _restore(rank: int, world_size: int, root: str, small_frames: bool) -> dict[str, Any]:
+    if small_frames:  # every request and part longer than its frame: the second rounds
+        # (the package's ``load`` is a function: the module is looked up by its name)
+        load = importlib.import_module("resumekit.tensors.load")
+        parts = importlib.import_module("resumekit.tensors.metadata_parts")
+        parts.EXCHANGE_FRAME_BYTES = 64
+        load.exchange_frame_bytes = lambda keys: 64
+    model, optimizer = tiny_fsdp2_adamw()
+    model(torch.ones(2, 6)).square().mean().backward()
+    optimizer.step()
+    manager = CheckpointManager(root, model=model, optimizer=optimizer)
+    manager.save(1)
+    manager.close()
+    saved = _weights(model)
+    model, optimizer = tiny_fsdp2_adamw()
+    restorer = CheckpointManager(root, model=model, optimizer=optimizer)
+    counts, active = _counting()
+    active[0] = True
+    step = restorer.restore()
+    active[0] = False
+    restorer.close()
+    got = _weights(model)
+    return {"step": step, "counts": dict(counts),
+            "same": all(torch.equal(saved[key], got[key]) for key in saved)}
+
+
+def test_a_restore_makes_one_broadcast_four_all_gathers_one_gather_one_scatter_one_barrier(
+        tmp_path: Path) -> None:
+    results = run_ranks(_restore, world_size=2, args=(str(tmp_path), False))
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+        assert result["counts"] == EXPECTED, (rank, result["counts"])
+
+
+def test_requests_and_parts_longer_than_their_frames_take_a_second_gather_and_two_scatters(
+        tmp_path: Path) -> None:
+    results = run_ranks(_restore, world_size=2, args=(str(tmp_path), True))
+    longer = {**EXPECTED, "gather": 2, "scatter": 3}
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+        assert result["counts"] == longer, (rank, result["counts"])
