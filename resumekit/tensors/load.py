@@ -176,6 +176,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
         exchange = exchange_over_group(
             group, metadata.server() if whole else None, read_values,
             frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata)))
+        if shared is not None:
+            exchange = _telling(exchange, shared)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
                                   exchange=exchange, whole=whole)
     try:
@@ -195,6 +197,19 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
             "without collectives" if no_dist or plan_locally else "on the process group",
             len(planner.state_dict), target,
             "" if shared is None else f", read once: {shared.stats}")
+
+
+def _telling(exchange: Callable[[Request | BaseException], Part], shared: SharedReads
+             ) -> Callable[[Request | BaseException], Part]:
+    """``exchange``, which tells ``shared`` when no rank reads what another one does."""
+
+    def told(request: Request | BaseException) -> Part:
+        part = exchange(request)
+        if part.alone:
+            shared.read_alone()
+        return part
+
+    return told
 
 
 def _run_load(

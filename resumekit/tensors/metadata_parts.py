@@ -100,11 +100,32 @@ class Part:
             answering rank (:data:`PREREAD_MAX_BYTES`): a tensor of the stored chunk's
             size as ``(dtype name, shape, bytes)``, or a non-tensor value's stored bytes.
             The rank reads them from here (:func:`serve_values`), not from their files.
+        alone: No stored chunk this part's rank reads (its values aside) is read by
+            another rank, and every rank sent a request: the same on every rank, so all
+            ranks skip the shared reads' agreement on who reads what
+            (:meth:`resumekit.tensors.shared_reads.SharedReads.read_alone`), which
+            would share nothing.
     """
 
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
     storage: list[Entry]
     values: dict[ItemKey, Any] = dataclasses.field(default_factory=dict)
+    alone: bool = False
+
+
+def _disjoint(parts: Sequence[Part]) -> bool:
+    """Whether no stored chunk is read (not sent as a value) through two of ``parts``."""
+    seen: set[ItemKey] = set()
+    for part in parts:
+        for key, chunks in part.chunks.items():
+            for offsets, _ in chunks:
+                item: ItemKey = (key, offsets)
+                if item in part.values:
+                    continue
+                if item in seen:
+                    return False
+                seen.add(item)
+    return True
 
 
 def skeleton(metadata: Metadata) -> Metadata:
@@ -416,6 +437,9 @@ class MetadataServer:
             parts.append(part)
         if read_values is not None:
             self._add_values(distinct, read_values)
+        if len(distinct) == len(parts) and _disjoint(distinct):
+            for part in distinct:
+                part.alone = True
         return parts
 
     def _add_values(self, parts: Sequence[Part], read_values: ValueReader) -> None:
