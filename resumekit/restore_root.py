@@ -297,19 +297,30 @@ class RootRestore:
         preread, self._preread = self._preread, None  # the first entry's only
         metadata = share_metadata(self.storage, entry.name, manifest, ranks, verify=verify,
                                   preread=preread)
-        if verify:
-            run_on_every_rank(ranks, lambda: verify_share(
-                self.storage, entry.name, manifest, rank=ranks.rank,
-                world_size=ranks.world_size, metadata=metadata))
+        def check_share() -> None:
+            if verify:
+                verify_share(self.storage, entry.name, manifest, rank=ranks.rank,
+                             world_size=ranks.world_size, metadata=metadata)
+            else:
+                refuse_links_share(self.storage, entry.name, manifest, rank=ranks.rank,
+                                   world_size=ranks.world_size)
+
+        # Where the tensors' load exchanges the metadata parts over the group, a rank's
+        # failed check travels in that exchange, which raises it on every rank before a
+        # byte is read: no agreement of its own (one all-gather fewer per restore).
+        failure: BaseException | None = None
+        if metadata is not None and metadata.exchanged and self.state.model is not None:
+            try:
+                check_share()
+            except Exception as error:  # noqa: BLE001 - every rank's, in the load
+                failure = error
         else:
-            run_on_every_rank(ranks, lambda: refuse_links_share(
-                self.storage, entry.name, manifest, rank=ranks.rank,
-                world_size=ranks.world_size))
+            run_on_every_rank(ranks, check_share)
         check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
                             world_size=self.world_size, on_mismatch=self.options.on_mismatch,
                             stacklevel=5)
         fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(
-            self.storage, entry.name, manifest, metadata=metadata))
+            self.storage, entry.name, manifest, metadata=metadata, failure=failure))
         if fresh:
             recorded = bool((manifest.fingerprint or {}).get("config"))
             _warn(restore_plan.imported_warning(
@@ -356,8 +367,8 @@ class RootRestore:
         self._entries.report_leftovers(entries, above=step)
 
     def _read_entry(self, storage: Storage, name: str, manifest: Manifest, *,
-                    alone: bool = False, metadata: tensor_io.CheckedMetadata | None = None
-                    ) -> list[str]:
+                    alone: bool = False, metadata: tensor_io.CheckedMetadata | None = None,
+                    failure: BaseException | None = None) -> list[str]:
         """Read step directory ``name`` into the run's state; return the parts left fresh.
 
         A checkpoint converted by ``resumekit import`` holds what the source tool saved
@@ -366,6 +377,8 @@ class RootRestore:
         Anything else missing from one of resumekit's own checkpoints stays an error.
         ``alone``: a node-local copy of this rank's part, read by this rank alone.
         ``metadata``: the tensors' ``.metadata``, already read and checked.
+        ``failure``: this rank's failed check of its share of the files, raised on every
+        rank by the tensors' load (in its exchange of the metadata parts).
         """
         imported = manifest.reason == SaveReason.IMPORTED
         with_optimizer = not imported or manifest.state.get("optimizer") is not False
@@ -374,6 +387,8 @@ class RootRestore:
         options = storage.storage_options or None
         tensors = self.state.load_target(tied, optimizer=with_optimizer, source=source,
                                          storage_options=options, metadata=metadata)
+        if failure is not None and (alone or not tensors):
+            raise failure  # no collective of the load to carry it: the caller agrees
         if tensors and alone:
             tensor_io.load(tensors, source, verify=self.options.verify_on_restore,
                          storage_options=options, alone=True, metadata=metadata)
@@ -385,7 +400,7 @@ class RootRestore:
                 tensor_io.load, tensors, source, process_group=self.channel.group,
                 verify=self.options.verify_on_restore, storage_options=options,
                 plan_locally=True, read_once=self.options.restore_reads == "once",
-                metadata=metadata))
+                metadata=metadata, failure=failure))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

@@ -74,6 +74,7 @@ def load(
     read_once: bool = False,
     alone: bool = False,
     metadata: CheckedMetadata | None = None,
+    failure: BaseException | None = None,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -109,6 +110,10 @@ def load(
             nothing is read once for others (``read_once`` is ignored).
         metadata: ``directory``'s ``.metadata``, already read and checked (a restore reads
             it on one rank and sends it to the others): this rank never opens the file.
+        failure: This rank's failure before the load (a restore's check of its share of
+            the files), to be every rank's: it is sent in the metadata parts' exchange
+            (``metadata`` exchanged over the group, which the caller makes sure of),
+            which raises it on every rank before anything is read.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -119,7 +124,7 @@ def load(
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
                   reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
-                  alone=alone, metadata=metadata)
+                  alone=alone, metadata=metadata, failure=failure)
 
 
 def load_subset(
@@ -146,7 +151,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
                   read_once: bool = False, alone: bool = False,
-                  metadata: CheckedMetadata | None = None) -> None:
+                  metadata: CheckedMetadata | None = None,
+                  failure: BaseException | None = None) -> None:
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     shared = None
@@ -178,6 +184,10 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
             frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata)))
         if shared is not None:
             exchange = _telling(exchange, shared)
+        if failure is not None:
+            exchange = _failing(exchange, failure)
+    if failure is not None and exchange is None:
+        raise failure  # the caller agrees on it (no collective of the group runs here)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
                                   exchange=exchange, whole=whole)
     try:
@@ -210,6 +220,16 @@ def _telling(exchange: Callable[[Request | BaseException], Part], shared: Shared
         return part
 
     return told
+
+
+def _failing(exchange: Callable[[Request | BaseException], Part], failure: BaseException
+             ) -> Callable[[Request | BaseException], Part]:
+    """``exchange``, sending ``failure`` instead of the request (raised on every rank)."""
+
+    def failed(request: Request | BaseException) -> Part:
+        return exchange(failure)
+
+    return failed
 
 
 def _run_load(

@@ -560,9 +560,9 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
 
     Group rank 0 holds ``server``; every rank of the group calls the returned function
     once, with its request, or with the error that kept it from making one (it still
-    takes part, so no rank waits for it; the error is raised on it after the scatter).
-    An error on rank 0 while answering (``read_values`` included: a small item's file
-    missing or damaged) is raised on every rank.
+    takes part, so no rank waits for it). That error (the lowest rank's), or an error on
+    rank 0 while answering (``read_values`` included: a small item's file missing or
+    damaged), is raised on every rank, before any rank reads a byte.
 
     Both directions send fixed frames (:data:`EXCHANGE_FRAME_BYTES` of pickle and its
     size; ``frame_bytes``, the same on every rank, for the parts), so a restore makes
@@ -616,6 +616,10 @@ def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int]
                 "the rank that read the checkpoint's metadata holds none to share")
         gathered = [pickle.loads(frame[_SIZE_BYTES:_SIZE_BYTES + size])
                     for frame, size in zip(frames, sizes, strict=True)]
+        failed = next((request for request in gathered
+                       if isinstance(request, BaseException)), None)
+        if failed is not None:  # the lowest failing rank's error, on every rank
+            return [failed] * world
         return server.parts_for(gathered, read_values)
     except Exception as error:  # noqa: BLE001 - raised on every rank by the exchange
         return [error] * world

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import json
 import threading
 import warnings
 from collections.abc import Callable
@@ -32,9 +33,9 @@ COLLECTIVES = ("barrier", "broadcast", "all_gather", "all_gather_into_tensor", "
 
 #: A restore of a run sharded as its checkpoint (FSDP2), ``restore_reads="once"``:
 #: the survey's broadcast (with the writer generation's claim and ``.metadata``), the
-#: verification's agreement, the metadata parts' gather and scatter, the shared reads'
-#: offers, the load's agreement, the read's agreement, the final meeting.
-EXPECTED = {"broadcast": 1, "all_gather": 3, "gather": 1, "scatter": 1, "barrier": 1}
+#: metadata parts' gather (with each rank's check of its share of the files) and
+#: scatter, the load's agreement, the read's agreement, the final meeting.
+EXPECTED = {"broadcast": 1, "all_gather": 2, "gather": 1, "scatter": 1, "barrier": 1}
 
 
 def _counting() -> tuple[collections.Counter[str], list[bool]]:
@@ -89,7 +90,7 @@ def _restore(rank: int, world_size: int, root: str, small_frames: bool) -> dict[
             "same": all(torch.equal(saved[key], got[key]) for key in saved)}
 
 
-def test_a_restore_makes_one_broadcast_four_all_gathers_one_gather_one_scatter_one_barrier(
+def test_a_restore_makes_one_broadcast_two_all_gathers_one_gather_one_scatter_one_barrier(
         tmp_path: Path) -> None:
     results = run_ranks(_restore, world_size=2, args=(str(tmp_path), False))
     for rank, result in enumerate(results):
@@ -106,7 +107,7 @@ def test_requests_and_parts_longer_than_their_frames_take_a_second_gather_and_tw
         assert result["counts"] == longer, (rank, result["counts"])
 
 
-def _restore_damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _restore_damaged(rank: int, world_size: int, root: str, checked: bool) -> dict[str, Any]:
     model, optimizer = tiny_fsdp2_adamw()
     manager = CheckpointManager(root, model=model, optimizer=optimizer)
     for step in (1, 2):
@@ -117,13 +118,21 @@ def _restore_damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
         if step == 1:
             at_1 = _weights(model)
     manager.close()
-    # Rank 1's file: at its start, its shard of model.0.weight, which only rank 1 reads
-    # (the run shards as its checkpoint; rank 0 reads the file's small whole items).
-    damaged = Path(root) / "step_000000002" / "tensors" / "__1_0.distcp"
+    step_2 = Path(root) / "step_000000002"
+    if checked:  # a file rank 1 alone checksums before the load (its share, r::n)
+        listed = [entry["path"] for entry in json.loads(
+            (step_2 / "manifest.json").read_text())["files"]]
+        share = [path for path in listed if path != "tensors/.metadata"][1::world_size]
+        damaged = step_2 / next(path for path in share if path.endswith(".pt"))
+        at = -1
+    else:  # rank 1's file: at its start, its shard of model.0.weight, which only rank 1
+        # reads (the run shards as its checkpoint; rank 0 reads the small whole items)
+        damaged = step_2 / "tensors" / "__1_0.distcp"
+        at = 100
     torch.distributed.barrier()
     if rank == 0:
         data = bytearray(damaged.read_bytes())
-        data[100] ^= 0xFF
+        data[at] ^= 0xFF
         damaged.write_bytes(bytes(data))
     torch.distributed.barrier()
     model, optimizer = tiny_fsdp2_adamw()
@@ -141,9 +150,21 @@ def test_a_damaged_file_only_one_rank_reads_fails_both_ranks_naming_it_and_both_
         tmp_path: Path) -> None:
     # No rank reads another's bytes here, so the ranks skip agreeing on who reads what:
     # the reading rank's failure must still reach the other at the load's agreement.
-    results = run_ranks(_restore_damaged, world_size=2, args=(str(tmp_path),))
+    results = run_ranks(_restore_damaged, world_size=2, args=(str(tmp_path), False))
     for rank, result in enumerate(results):
         assert result["step"] == 1 and result["same"], (rank, result)
         named = [w for w in result["warnings"] if result["file"] in w and "step 2" in w
                  and "model.0.weight" in w and "checksum" in w]
+        assert named, (rank, result["warnings"])
+
+
+def test_a_file_only_one_rank_checksums_before_the_load_fails_both_ranks_naming_it(
+        tmp_path: Path) -> None:
+    # The check's failure on rank 1 travels in the metadata parts' gather (no agreement
+    # of its own): both ranks raise it there, before reading, and fall back together.
+    results = run_ranks(_restore_damaged, world_size=2, args=(str(tmp_path), True))
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+        named = [w for w in result["warnings"] if result["file"] in w and "step 2" in w
+                 and "checksum" in w]
         assert named, (rank, result["warnings"])
