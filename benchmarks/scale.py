@@ -60,7 +60,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +317,7 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                 process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
                                            stderr=subprocess.STDOUT, env=env,
                                            start_new_session=True)
-                try:
+                with _launch_watched(process, f"{method} launch {index}", log_path, rank_dir):
                     if kind is not None and at is not None:
                         _wait_launch_step(events, seen, at, process, config["timeout_s"])
                         record["signal_t"] = time.time()
@@ -331,22 +331,6 @@ def run_method(method: str, *, work: Path, logs: Path, shape: Shape,
                         else:
                             kill_tree(process.pid)
                     process.wait(timeout=config["timeout_s"])
-                except RuntimeError as error:  # the trainer died early: keep its ranks' logs
-                    kill_tree(process.pid)
-                    process.wait()
-                    raise LaunchFailed(f"{method} launch {index}: {error}", log_path,
-                                       rank_dir) from error
-                except subprocess.TimeoutExpired as error:  # hung: where was each rank?
-                    dump_worker_stacks(process.pid, rank_dir)
-                    kill_tree(process.pid)
-                    process.wait()
-                    raise LaunchFailed(f"{method} launch {index} hung: {error} (each rank's "
-                                       "stacks at the timeout below)", log_path,
-                                       rank_dir) from error
-                except BaseException:
-                    kill_tree(process.pid)
-                    process.wait()
-                    raise
             record["returncode"] = process.returncode
             record["seconds"] = time.time() - started
             record["child_private_peak"] = dict(watcher.child_peak)
@@ -509,6 +493,38 @@ class TightScenarioNotMet(RuntimeError):
     allowed): the scenario did not hold, so there is no figure - said, not failed."""
 
 
+@contextlib.contextmanager
+def _launch_watched(process: subprocess.Popen[bytes], what: str, log_path: Path,
+                    rank_dir: Path, *, passes: tuple[type[BaseException], ...] = ()
+                    ) -> Iterator[None]:
+    """Every way out of a watched launch but its end: the tree killed, and what it left.
+
+    A trainer that died (``RuntimeError`` from the waits) or hung (``TimeoutExpired``:
+    each rank's stacks dumped first) becomes a :class:`LaunchFailed` keeping its ranks'
+    logs; ``passes`` (and any other exception) go on as they are, the tree killed.
+    """
+    try:
+        yield
+    except passes:
+        kill_tree(process.pid)
+        process.wait()
+        raise
+    except RuntimeError as error:  # the trainer died: keep its ranks' logs
+        kill_tree(process.pid)
+        process.wait()
+        raise LaunchFailed(f"{what}: {error}", log_path, rank_dir) from error
+    except subprocess.TimeoutExpired as error:  # hung: where was each rank?
+        dump_worker_stacks(process.pid, rank_dir)
+        kill_tree(process.pid)
+        process.wait()
+        raise LaunchFailed(f"{what} hung: {error} (each rank's stacks at the timeout "
+                           "below)", log_path, rank_dir) from error
+    except BaseException:
+        kill_tree(process.pid)
+        process.wait()
+        raise
+
+
 def _worker_command(method: str, root: Path, events: Path, shape: Shape, *, batch: int,
                     steps: int, save_every: int, grace: float, poll_every: str = "auto",
                     extra: Sequence[str] = ()) -> list[str]:
@@ -582,7 +598,8 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
             process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log,
                                        stderr=subprocess.STDOUT, env=_worker_env(),
                                        start_new_session=True)
-            try:
+            with _launch_watched(process, f"{method} {TIGHT_GRACE}", log_path, rank_dir,
+                                 passes=(TightScenarioNotMet,)):
                 measured, measured_s, next_begin = _wait_tight_step(
                     events, process, wanted, timeout,
                     lambda: bool(committed_steps(method, root)))
@@ -600,25 +617,6 @@ def run_tight_grace(method: str, *, work: Path, logs: Path, shape: Shape,
                     record["cut_by_grace"] = True
                     kill_tree(process.pid)
                 process.wait(timeout=timeout)
-            except TightScenarioNotMet:
-                kill_tree(process.pid)
-                process.wait()
-                raise
-            except RuntimeError as error:  # the trainer died: keep its ranks' logs
-                kill_tree(process.pid)
-                process.wait()
-                raise LaunchFailed(f"{method} {TIGHT_GRACE}: {error}", log_path,
-                                   rank_dir) from error
-            except subprocess.TimeoutExpired as error:  # hung: where was each rank?
-                dump_worker_stacks(process.pid, rank_dir)
-                kill_tree(process.pid)
-                process.wait()
-                raise LaunchFailed(f"{method} {TIGHT_GRACE} hung: {error}", log_path,
-                                   rank_dir) from error
-            except BaseException:
-                kill_tree(process.pid)
-                process.wait()
-                raise
     finally:
         watcher.stop()
     record["returncode"] = process.returncode

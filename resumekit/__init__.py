@@ -37,6 +37,7 @@ _warn_if_torch_unsupported()
 if TYPE_CHECKING:
     from resumekit.errors import (
         AsyncSaveError,
+        CheckpointLoadError,
         CheckpointNotFoundError,
         ConfigurationError,
         CorruptCheckpointError,
@@ -95,6 +96,7 @@ if TYPE_CHECKING:
 #: What a trainer calls: each name -> the module that defines it (imported on first use).
 _EXPORTS: dict[str, str] = {
     "AsyncSaveError": "resumekit.errors",
+    "CheckpointLoadError": "resumekit.errors",
     "CheckpointManager": "resumekit.manager",
     "CheckpointNotFoundError": "resumekit.errors",
     "CheckpointOptions": "resumekit.options",
@@ -177,6 +179,7 @@ _MOVED: dict[str, str] = {
 __all__ = [
     "EXIT_CODE_PREEMPTED",
     "AsyncSaveError",
+    "CheckpointLoadError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointOptions",

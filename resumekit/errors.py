@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "AsyncSaveError",
+    "CheckpointLoadError",
     "CheckpointNotFoundError",
     "ConfigurationError",
     "CoordinationError",
@@ -89,9 +90,36 @@ class UnreadableFormatError(CorruptCheckpointError):
     Not a checksum or size failure: a pickle whose objects do not build here (a field,
     class or constructor signature this torch does not have), a storage descriptor or
     checksum file of a format this resumekit does not know, DCP's own reading failing on
-    what it was given. It can be damage, or a format written by another torch or
-    resumekit version: restore refuses it as an :class:`IncompatibleVersionError` when
-    the writer's versions differ from this process's, and sets nothing aside.
+    what it was given (when nothing checked its bytes first: after restore checked them
+    against their checksums, that is a :class:`CheckpointLoadError`). It can be damage,
+    or a format written by another torch or resumekit version: restore refuses it as an
+    :class:`IncompatibleVersionError` when the writer's versions differ from this
+    process's, and sets nothing aside.
+    """
+
+
+class CheckpointLoadError(ResumekitError, RuntimeError):
+    """A checkpoint whose bytes match their checksums failed to load: not damage.
+
+    Raised by restore (and by :func:`resumekit.tensors.load` with ``verified=True``) when
+    loading a checkpoint whose every file was first checked against the checksums
+    recorded when it was written (``verify_on_restore``, the default) raises an
+    exception of its own: an ``AttributeError``, ``TypeError`` or ``KeyError`` from a bug
+    in resumekit's planner or reader, or in code of the run that the load calls (its
+    scheduler's ``load_state_dict``). The bytes are the ones that were written, so the
+    checkpoint is not taken for damaged: it is not set aside, and restore does not fall
+    back to an older step past it (that would hide a good step because of a bug). Where
+    the checkpoint records other torch or resumekit versions than this process's, restore
+    raises :class:`IncompatibleVersionError` instead (nothing set aside either). Without
+    ``verify_on_restore`` nothing says the bytes are intact, and the same failure is an
+    :class:`UnreadableFormatError` (set aside and fallen back from), as before.
+
+    Attributes ``path`` (the checkpoint: its step directory once restore names it, else
+    its tensors directory), ``step`` (None outside a restore), ``rank`` (the rank whose
+    load failed, when known), ``file`` (the file whose loading failed, when one is
+    known: ``train_state.pt`` when the run's scheduler failed on it) and ``cause`` (what
+    raised: ``"AttributeError: ..."``, ``"StepLR.load_state_dict raised KeyError: ..."``;
+    the exception itself is the ``__cause__`` chain's end on the rank that raised it).
     """
 
 

@@ -376,7 +376,10 @@ class RootRestore:
         position: those parts start fresh, and are returned to be named in one warning.
         Anything else missing from one of resumekit's own checkpoints stays an error.
         ``alone``: a node-local copy of this rank's part, read by this rank alone.
-        ``metadata``: the tensors' ``.metadata``, already read and checked.
+        ``metadata``: the tensors' ``.metadata``, already read and checked. With
+        ``verify_on_restore`` every file was checked against its checksum first
+        (:meth:`_restore_entry`, :meth:`read_alone`): a load failing on them raises a
+        :class:`~resumekit.errors.CheckpointLoadError` (no damage, never set aside).
         ``failure``: this rank's failed check of its share of the files, raised on every
         rank by the tensors' load (in its exchange of the metadata parts).
         """
@@ -391,7 +394,8 @@ class RootRestore:
             raise failure  # no collective of the load to carry it: the caller agrees
         if tensors and alone:
             tensor_io.load(tensors, source, verify=self.options.verify_on_restore,
-                         storage_options=options, alone=True, metadata=metadata)
+                         storage_options=options, alone=True, metadata=metadata,
+                         verified=self.options.verify_on_restore)
             self.state.apply_tensor_state(tensors, tied)
         elif tensors:
             # Each rank plans its own reads (DCP's load plans need no coordination); one
@@ -400,12 +404,14 @@ class RootRestore:
                 tensor_io.load, tensors, source, process_group=self.channel.group,
                 verify=self.options.verify_on_restore, storage_options=options,
                 plan_locally=True, read_once=self.options.restore_reads == "once",
-                metadata=metadata, failure=failure))
+                metadata=metadata, verified=self.options.verify_on_restore,
+                failure=failure))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None
         self.state.apply_train_state(train, source=storage.path(
-            f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler)
+            f"{name}/{manifest.data_path(TRAIN_STATE_FILE)}"), scheduler=with_scheduler,
+            verified=self.options.verify_on_restore)
         saved_world = int(train.get("world_size", manifest.world_size))
         wanted = {self.rank} if alone else {0, self.rank} & set(range(saved_world))
         saved = {r: read_plain(storage, name, manifest, rank_state_file(r))

@@ -15,7 +15,10 @@ root's own restore, when the manager has a local tier:
    reads its copy (the manager's ``read``: checksums, compatibility, tensors read by the
    rank alone); a rank whose own copy fails reads a partner's replica of the same step
    instead when one is kept (a warning names the copy and why); any other failure is a
-   warning naming the copy and why, and the next candidate is tried;
+   warning naming the copy and why, and the next candidate is tried. A copy that does not
+   fit the run, and one whose load fails although its files match their checksums (a
+   :class:`~resumekit.errors.CheckpointLoadError`: a bug, not damage), are raised on
+   every rank instead: no copy is deleted, nothing older is restored in its place;
 5. none restored: the durable root's restore runs (the manager), with a warning when a
    candidate failed, and one when the restore is an in-job restart (torchrun's
    ``TORCHELASTIC_RESTART_COUNT``, the most any node counts): that restart missed the
@@ -32,7 +35,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from resumekit.errors import CoordinationError, IncompatibleCheckpointError, ResumekitError
+from resumekit.errors import (
+    CheckpointLoadError,
+    CoordinationError,
+    IncompatibleCheckpointError,
+    ResumekitError,
+)
 from resumekit.local.site import LocalSite, LocalSurvey, fetch_copies, holdings_of
 from resumekit.local.tier_choice import Candidate, Holdings, Tier, TierChoice, decide
 from resumekit.runtime.channels import Channel
@@ -90,6 +98,8 @@ class TierRestore:
         Raises:
             IncompatibleCheckpointError: A copy does not fit the run (never fallen back
                 from, as for the durable root).
+            CheckpointLoadError: A copy's load failed although its files match their
+                checksums (never fallen back from: the copy is kept).
             CoordinationError: A peer died.
         """
         coordinator = self.channel.coordinator
@@ -101,7 +111,7 @@ class TierRestore:
         for number, candidate in enumerate(choice.candidates):
             try:
                 restored = self._try(candidate, read)
-            except (IncompatibleCheckpointError, CoordinationError):
+            except (IncompatibleCheckpointError, CheckpointLoadError, CoordinationError):
                 raise
             except (ResumekitError, OSError) as error:
                 left = choice.candidates[number + 1:]
@@ -178,7 +188,9 @@ class TierRestore:
         """Verify and read this rank's copy of ``step`` (if a reader); every rank's failures.
 
         Returns ``{rank: why}`` for each rank whose copy failed (the same on every rank).
-        A copy that does not fit the run, or any other error, is raised on every rank.
+        A copy that does not fit the run, one whose load fails on bytes that match their
+        checksums (:class:`~resumekit.errors.CheckpointLoadError`), or any other error, is
+        raised on every rank.
         """
         site = self.site
 
@@ -190,6 +202,8 @@ class TierRestore:
                 read(site.own, entry)
             except IncompatibleCheckpointError:
                 raise
+            except CheckpointLoadError as error:
+                raise _copy_not_damaged(entry, site.rank, error) from error
             except (ResumekitError, OSError) as error:
                 return (f"rank {site.rank}'s copy {entry.path} failed: "
                         f"{type(error).__name__}: {error}")
@@ -239,3 +253,21 @@ def in_job_restarts(environ: Mapping[str, str] | None = None) -> int:
         return max(int(raw), 0)
     except ValueError:
         return 0
+
+
+def _copy_not_damaged(entry: CheckpointEntry, rank: int, error: CheckpointLoadError
+                      ) -> CheckpointLoadError:
+    """``error`` of rank ``rank``'s copy ``entry``, naming it, its step and what to do."""
+    cause = error.fields.get("cause") or error.message
+    file = error.fields.get("file")
+    where = "" if file is None else f" ({file})"
+    return CheckpointLoadError(
+        f"node-local copy {entry.path} (step {entry.step}) failed to load on rank "
+        f"{rank}{where}: {cause}. Its files match the checksums recorded when it was "
+        "written, so it is not damaged: what failed is the code interpreting them "
+        "(resumekit, torch, or code of this run the load calls, such as a state-dict "
+        "hook). It is kept as it is (no copy was deleted) and restore stops here, without "
+        "restoring an older step or the durable root instead: fix the cause and restore "
+        "again (or restore without the local tier, local=None, to read the durable root)",
+        path=entry.path, step=entry.step, rank=rank, cause=cause, file=file,
+    )

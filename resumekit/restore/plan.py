@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from resumekit.errors import (
+    CheckpointLoadError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignCheckpointError,
@@ -303,8 +304,10 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     checksum or a size, or its files could not be interpreted by the versions that wrote
     them (it is then set aside). Anything else (a storage failure that outlived its
     retries, unsafe content, files another torch or resumekit version wrote:
-    :func:`refuse_version_skew`) is raised: falling back past a checkpoint that stays
-    committed would only collide with it on the next save. A transient storage failure
+    :func:`refuse_version_skew`; a load that failed on bytes that match their checksums,
+    a :class:`~resumekit.errors.CheckpointLoadError`: a bug, not damage) is raised:
+    falling back past a checkpoint that stays committed would only collide with it on
+    the next save, and would hide a good step. A transient storage failure
     (retried, or one :func:`~resumekit.store.retry.is_transient` names) is raised even when the
     manifest looks gone: a lookup on a failing mount answers "absent" for an ``EIO``
     (``os.path.exists``), and a deleted file reads as missing, not as a connection error.
@@ -319,6 +322,8 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     Raises:
         CheckpointNotFoundError: It was deleted and restore may not fall back.
         IncompatibleVersionError: See :func:`refuse_version_skew`.
+        CheckpointLoadError: ``error`` is one (its files are intact): told again naming
+            the checkpoint and its step.
         ResumekitError: ``error`` itself (a bare ``FileNotFoundError`` as an
             :class:`~resumekit.errors.IncompleteCheckpointError` naming the file), when
             restore may not fall back past it.
@@ -332,6 +337,8 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
                                           step=entry.step) from error
         return Unusable(entry, error, deleted=True)
     refuse_version_skew(entry, error, running=running)
+    if isinstance(error, CheckpointLoadError):
+        raise _not_damaged(entry, error) from error
     if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
         error = IncompleteCheckpointError(
             f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
@@ -342,6 +349,24 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     return Unusable(entry, error, deleted=False)
 
 
+def _not_damaged(entry: CheckpointEntry, error: CheckpointLoadError) -> CheckpointLoadError:
+    """``error`` (its files were verified), naming the checkpoint, its step and what to do."""
+    rank, file = error.fields.get("rank"), error.fields.get("file")
+    where = ("" if rank is None else f" on rank {rank}") + ("" if file is None else
+                                                            f" ({file})")
+    cause = error.fields.get("cause") or error.message
+    return CheckpointLoadError(
+        f"{entry.path} (step {entry.step}) failed to load{where}: {cause}. Its files match "
+        "the checksums recorded when it was written, so it is not damaged: what failed is "
+        "the code interpreting them (resumekit, torch, or code of this run the load calls, "
+        "such as a state-dict hook). It is kept as it is (nothing was set aside) and "
+        "restore stops here, without falling back to an older checkpoint: fix the cause "
+        "and restore again (or move it out of the root to resume from the previous "
+        "checkpoint without it)",
+        path=entry.path, step=entry.step, rank=rank, cause=cause, file=file,
+    )
+
+
 def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
                         running: Mapping[str, str] | None = None) -> None:
     """Never set aside, as if damaged, a checkpoint another torch or resumekit wrote.
@@ -349,8 +374,10 @@ def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
     A failure to interpret a checkpoint's files
     (:class:`~resumekit.errors.UnreadableFormatError`: a ``.metadata`` pickle whose
     objects do not build, a storage descriptor or checksum file of an unknown format,
-    DCP's reading failing; or a torch global the metadata names that this torch does not
-    allow) can be a format this process's torch or resumekit does not know. When the
+    DCP's reading failing; a :class:`~resumekit.errors.CheckpointLoadError`: the load
+    failing on files that match their checksums; or a torch global the metadata names
+    that this torch does not allow) can be a format this process's torch or resumekit
+    does not know. When the
     versions the checkpoint records differ from this process's
     (:func:`resumekit.store.manifest.version_skew`), or it records none, restore stops here:
     setting it aside would hide it from the version that can read it, and the run would
@@ -362,7 +389,7 @@ def refuse_version_skew(entry: CheckpointEntry, error: BaseException, *,
     """
     refused = getattr(error, "refused", None) if isinstance(error, UnsafeCheckpointError) \
         else None
-    if not (isinstance(error, UnreadableFormatError)
+    if not (isinstance(error, (UnreadableFormatError, CheckpointLoadError))
             or (isinstance(refused, str) and refused.startswith("torch."))):
         return
     written = {} if entry.manifest is None else dict(entry.manifest.versions)

@@ -36,9 +36,11 @@ from torch.utils.data import DataLoader, Sampler
 
 from resumekit import tensors
 from resumekit.errors import (
+    CheckpointLoadError,
     ConfigurationError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    ResumekitError,
     UnreadableFormatError,
 )
 from resumekit.state import rng as _rng
@@ -215,6 +217,23 @@ def load_plain(data: bytes, *, source: str) -> Any:
         ) from error
 
 
+def _load_scheduler(scheduler: Stateful, state: Any, *, source: str, verified: bool) -> None:
+    """``scheduler.load_state_dict(state)``; its failure on verified bytes is no damage."""
+    try:
+        scheduler.load_state_dict(state)
+    except (KeyError, TypeError, ValueError) as error:
+        if not verified or isinstance(error, ResumekitError):
+            raise
+        cause = (f"{type(scheduler).__name__}.load_state_dict raised "
+                 f"{type(error).__name__}: {error}")
+        raise CheckpointLoadError(
+            f"restoring the scheduler from {source} failed: {cause}. The file matches the "
+            "checksum recorded when it was written, so this is not damage but the "
+            "scheduler failing on what it saved; nothing was set aside",
+            path=source, step=None, rank=None, cause=cause, file=source,
+        ) from error
+
+
 @dataclass
 class TrainState:
     """Everything one rank contributes to, and restores from, a checkpoint.
@@ -378,7 +397,7 @@ class TrainState:
                                                         state_dicts.retie(state, tied or {}))
 
     def apply_train_state(self, state: Mapping[str, Any], *, source: str,
-                          scheduler: bool = True) -> None:
+                          scheduler: bool = True, verified: bool = False) -> None:
         """Restore step, accumulation position and scheduler from the rank-0 part.
 
         Args:
@@ -386,6 +405,11 @@ class TrainState:
             source: Its file, for errors.
             scheduler: Restore the scheduler (False leaves it as it is: the caller has
                 decided, and said, that it starts fresh).
+            verified: ``source`` matched its checksum before it was read: the
+                scheduler's own ``load_state_dict`` raising a ``KeyError``,
+                ``TypeError`` or ``ValueError`` on it is then a
+                :class:`~resumekit.errors.CheckpointLoadError` (not damage), not a
+                :class:`~resumekit.errors.CorruptCheckpointError`.
         """
         try:
             self.step = int(state["step"])
@@ -396,7 +420,8 @@ class TrainState:
                         f"{source} holds no scheduler state but a scheduler was given",
                         path=source, key="scheduler",
                     )
-                self.scheduler.load_state_dict(state["scheduler"])
+                _load_scheduler(self.scheduler, state["scheduler"], source=source,
+                                verified=verified)
         except IncompatibleCheckpointError as error:  # a fit refused (StatefulGroup), named
             if error.fields.get("path") is not None:
                 raise

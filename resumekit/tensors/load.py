@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from resumekit.errors import CorruptCheckpointError, ResumekitError
+from resumekit.errors import CheckpointLoadError, CorruptCheckpointError, ResumekitError
 from resumekit.tensors.context import (
     NO_DIST_WARNING,
     directory_str,
@@ -34,12 +34,14 @@ from resumekit.tensors.context import (
     quiet_no_dist,
     resolve_group,
 )
-from resumekit.tensors.failures import from_failures, incompatible, load_error
+from resumekit.tensors.failures import first_cause, from_failures, incompatible, load_error
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.metadata_parts import (
+    EveryRank,
     ItemKey,
     Part,
+    RanksFailed,
     Request,
     complete,
     exchange_frame_bytes,
@@ -74,6 +76,7 @@ def load(
     read_once: bool = False,
     alone: bool = False,
     metadata: CheckedMetadata | None = None,
+    verified: bool = False,
     failure: BaseException | None = None,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
@@ -110,6 +113,13 @@ def load(
             nothing is read once for others (``read_once`` is ignored).
         metadata: ``directory``'s ``.metadata``, already read and checked (a restore reads
             it on one rank and sends it to the others): this rank never opens the file.
+        verified: Every file of ``directory`` was already checked against the checksums
+            recorded when it was written (a restore with ``verify_on_restore`` checks them
+            first; raw tensor files are then checked as they are read, with ``verify``).
+            An exception the load raises that is not resumekit's nor a storage error is
+            then a :class:`~resumekit.errors.CheckpointLoadError` (the bytes are intact:
+            what failed is code interpreting them), not an
+            :class:`~resumekit.errors.UnreadableFormatError` (which means damage may be).
         failure: This rank's failure before the load (a restore's check of its share of
             the files), to be every rank's: it is sent in the metadata parts' exchange
             (``metadata`` exchanged over the group, which the caller makes sure of),
@@ -121,10 +131,12 @@ def load(
         UnsafeCheckpointError: The metadata or a stored value would execute code.
         IncompleteCheckpointError: A shard file is missing.
         CorruptCheckpointError: The checkpoint could not be read.
+        CheckpointLoadError: With ``verified``: loading failed on bytes that match their
+            checksums.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
                   reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
-                  alone=alone, metadata=metadata, failure=failure)
+                  alone=alone, metadata=metadata, verified=verified, failure=failure)
 
 
 def load_subset(
@@ -151,7 +163,7 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
                   read_once: bool = False, alone: bool = False,
-                  metadata: CheckedMetadata | None = None,
+                  metadata: CheckedMetadata | None = None, verified: bool = False,
                   failure: BaseException | None = None) -> None:
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
@@ -166,7 +178,9 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                  "init_distributed() can)", ResumekitWarning, stacklevel=3)
     reader = make_reader(target, storage_options, verify=verify, shared=shared,
                          metadata=metadata)
-    exchange, whole = None, False
+    exchange: Callable[[Request | BaseException], Part] | None = None
+    whole = False
+    carried: list[BaseException] = []  # a rank's failure the exchange raised on every rank
     if metadata is not None and metadata.exchanged and not alone:
         # The skeleton's holders get their part from the rank that read the whole file.
         whole = metadata.whole
@@ -179,13 +193,12 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                     make_reader(target, storage_options, verify=verify, metadata=checked),
                     checked.parsed(), items)
 
-        exchange = exchange_over_group(
+        exchange = _carrying(exchange_over_group(
             group, metadata.server() if whole else None, read_values,
-            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata)))
+            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata))),
+            failure, carried)
         if shared is not None:
             exchange = _telling(exchange, shared)
-        if failure is not None:
-            exchange = _failing(exchange, failure)
     if failure is not None and exchange is None:
         raise failure  # the caller agrees on it (no collective of the group runs here)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
@@ -193,11 +206,13 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     try:
         _run_load(
             state_dict=state_dict, reader=reader, planner=planner, target=target,
-            group=group, no_dist=no_dist or plan_locally,
+            group=group, no_dist=no_dist or plan_locally, verified=verified,
         )
     except ResumekitError as error:
         if shared is not None:  # ranks waiting for this one's reads raise it too
             shared.settle(error)
+        if carried and carried[0] is not error:  # as raised on its rank, not as DCP told it
+            raise carried[0] from None
         raise
     if logger.isEnabledFor(logging.DEBUG):
         read = reader.read_metadata()
@@ -222,14 +237,23 @@ def _telling(exchange: Callable[[Request | BaseException], Part], shared: Shared
     return told
 
 
-def _failing(exchange: Callable[[Request | BaseException], Part], failure: BaseException
-             ) -> Callable[[Request | BaseException], Part]:
-    """``exchange``, sending ``failure`` instead of the request (raised on every rank)."""
+def _carrying(exchange: Callable[[Request | BaseException | EveryRank], Part],
+              failure: BaseException | None, carried: list[BaseException]
+              ) -> Callable[[Request | BaseException], Part]:
+    """``exchange``, sending ``failure`` (if any) instead of the request, for every rank.
 
-    def failed(request: Request | BaseException) -> Part:
-        return exchange(failure)
+    A rank's failure the exchange raises on every rank (this one's or another's) is put
+    in ``carried`` and raised as it is: the load raises it, not DCP's wrapping of it.
+    """
 
-    return failed
+    def run(request: Request | BaseException) -> Part:
+        try:
+            return exchange(request if failure is None else EveryRank(failure))
+        except RanksFailed as failed:
+            carried.append(failed.error)
+            raise failed.error from None
+
+    return run
 
 
 def _run_load(
@@ -240,7 +264,11 @@ def _run_load(
     target: str,
     group: dist.ProcessGroup | None,
     no_dist: bool,
+    verified: bool = False,
 ) -> None:
+    # Without collectives DCP numbers every process rank 0: a failure is this process's.
+    own = (dist.get_rank() if dist.is_available() and dist.is_initialized() else None) \
+        if no_dist else None
     try:
         with quiet_no_dist(no_dist), paused_collection(False):
             dcp_load(
@@ -251,11 +279,14 @@ def _run_load(
                 no_dist=no_dist,
             )
     except CheckpointException as error:
-        raise from_failures(error, "load", target, reader) from None
+        failure = from_failures(error, "load", target, reader, verified=verified, rank=own)
+        if isinstance(failure, CheckpointLoadError):
+            raise failure from first_cause(error)
+        raise failure from None
     except ResumekitError:
         raise
     except Exception as error:
-        raise load_error(error, target, reader, rank=None) from error
+        raise load_error(error, target, reader, rank=own, verified=verified) from error
 
 
 def iter_full_tensors(

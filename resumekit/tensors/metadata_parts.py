@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from resumekit import _compat
-from resumekit.errors import CorruptCheckpointError
+from resumekit.errors import CheckpointLoadError, CorruptCheckpointError
 from resumekit.tensors.raw.format import (
     REGION_PREFIXES,
     is_packed_member,
@@ -555,14 +555,16 @@ _SIZE_BYTES = 8
 def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None,
                         read_values: ValueReader | None = None, *,
                         frame_bytes: int = EXCHANGE_FRAME_BYTES
-                        ) -> Callable[[Request | BaseException], Part]:
+                        ) -> Callable[[Request | BaseException | EveryRank], Part]:
     """The exchange of requests and parts on ``group``: one gather, then one scatter.
 
     Group rank 0 holds ``server``; every rank of the group calls the returned function
     once, with its request, or with the error that kept it from making one (it still
-    takes part, so no rank waits for it). That error (the lowest rank's), or an error on
+    takes part, so no rank waits for it; the error is raised on it after the scatter),
+    or with an :class:`EveryRank` error: that one (the lowest rank's), or an error on
     rank 0 while answering (``read_values`` included: a small item's file missing or
-    damaged), is raised on every rank, before any rank reads a byte.
+    damaged), is raised on every rank, before any rank reads a byte (an
+    :class:`EveryRank`'s as :class:`RanksFailed`, holding it).
 
     Both directions send fixed frames (:data:`EXCHANGE_FRAME_BYTES` of pickle and its
     size; ``frame_bytes``, the same on every rank, for the parts), so a restore makes
@@ -573,7 +575,7 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
     part in a second scatter; a part longer than a frame comes in two scatters.
     """
 
-    def exchange(request: Request | BaseException) -> Part:
+    def exchange(request: Request | BaseException | EveryRank) -> Part:
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         source = 0 if group is None else dist.get_global_rank(group, 0)
@@ -598,6 +600,8 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
                     frames, more, strict=True)], sizes, read_values, world)
             _, reply = _scatter(replies, rank, world, source, group, rest=0,
                                 frame_bytes=frame_bytes)
+        if isinstance(reply, EveryRank):
+            raise RanksFailed(reply.error)
         if isinstance(request, BaseException):
             raise request
         if isinstance(reply, BaseException):
@@ -605,6 +609,30 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
         return reply  # type: ignore[no-any-return]
 
     return exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryRank:
+    """A rank's failure sent in the exchange instead of its request, for every rank to raise.
+
+    A restore's check of the rank's share of the files (``verify_share``): rank 0 answers
+    every rank with the lowest rank's, so that no rank reads a byte of a checkpoint
+    another rank found damaged, and no agreement of its own is needed.
+    """
+
+    error: BaseException
+
+
+class RanksFailed(Exception):
+    """What the exchange raises on every rank for an :class:`EveryRank` failure.
+
+    The loader raises :attr:`error` itself, as it was raised on its rank (DCP wraps what
+    a planner raises).
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int],
@@ -616,9 +644,9 @@ def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int]
                 "the rank that read the checkpoint's metadata holds none to share")
         gathered = [pickle.loads(frame[_SIZE_BYTES:_SIZE_BYTES + size])
                     for frame, size in zip(frames, sizes, strict=True)]
-        failed = next((request for request in gathered
-                       if isinstance(request, BaseException)), None)
-        if failed is not None:  # the lowest failing rank's error, on every rank
+        failed = next((request for request in gathered if isinstance(request, EveryRank)),
+                      None)
+        if failed is not None:  # the lowest such rank's error, on every rank
             return [failed] * world
         return server.parts_for(gathered, read_values)
     except Exception as error:  # noqa: BLE001 - raised on every rank by the exchange
@@ -753,8 +781,13 @@ def _packed(value: Any) -> Any:
 def _unpacked(value: Any, key: str) -> torch.Tensor:
     """The tensor of :func:`_packed`'s ``(dtype, shape, bytes)``.
 
+    ``value`` was built by rank 0's :func:`_packed` from a tensor it had read and checked,
+    and travelled over the process group: whatever the file held, it decodes. One that
+    does not is a fault of the code or the transport, never damage to the checkpoint, so
+    restore must not set the checkpoint aside for it.
+
     Raises:
-        CorruptCheckpointError: It is not one (naming ``key``).
+        CheckpointLoadError: It is not one (naming ``key``).
     """
     try:
         name, shape, data = value
@@ -765,9 +798,11 @@ def _unpacked(value: Any, key: str) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
     except (TypeError, ValueError, RuntimeError, AttributeError) as error:
-        raise CorruptCheckpointError(
-            f"{key}: the value received for it is not a tensor's bytes ({error})",
-            key=key) from error
+        cause = f"{key}: the value received for it is not a tensor's bytes ({error})"
+        raise CheckpointLoadError(
+            f"{cause}: rank 0 packs what it read and checked, so this is a fault of the "
+            "code or the transport, not damage to the checkpoint (nothing is set aside)",
+            path=None, step=None, rank=None, file=None, cause=cause, key=key) from error
 
 
 def local_exchange(server: MetadataServer) -> Callable[[Request | BaseException], Part]:

@@ -607,10 +607,7 @@ def test_a_failed_launch_keeps_each_ranks_log_with_the_stacks_of_a_rank_that_abo
         "    os.abort()\n"
         "if os.environ['RANK'] == '1':\n"
         "    restoring()\n")
-    rank_dir = scale.fresh_rank_dir(tmp_path / "ranks")
-    command = scale.with_rank_logs(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)], rank_dir)
+    command, rank_dir = _two_ranks_running(script, tmp_path / "ranks")
     log_path = tmp_path / "launch.log"
     with log_path.open("wb") as log:
         returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT,
@@ -643,22 +640,31 @@ def test_a_hung_launch_leaves_each_ranks_stacks_before_it_is_killed(tmp_path: Pa
         "    threading.Event().wait()\n"
         "if os.environ['RANK'] == '1':\n"
         "    stuck_here()\n")
-    rank_dir = scale.fresh_rank_dir(tmp_path / "ranks")
-    command = scale.with_rank_logs(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         str(script)], rank_dir)
+    command, rank_dir = _two_ranks_running(script, tmp_path / "ranks")
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
+    log_path = tmp_path / "launch.log"
     try:
-        deadline = time.monotonic() + HANG_S  # a hang detector, never a timing
-        while "waiting" not in scale.rank_log_tails(rank_dir).get(
-                "rank 1 attempt 0 stderr.log", ""):
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        workers = scale.dump_worker_stacks(process.pid, rank_dir, timeout=HANG_S)
-        assert workers and process.pid not in workers  # its workers, never torchrun
+        with (pytest.raises(scale.LaunchFailed, match=r"^resumekit_sync launch 2 hung: "),
+              scale._launch_watched(process, "resumekit_sync launch 2", log_path, rank_dir)):
+                deadline = time.monotonic() + HANG_S  # a hang detector, never a timing
+                while "waiting" not in scale.rank_log_tails(rank_dir).get(
+                        "rank 1 attempt 0 stderr.log", ""):
+                    assert process.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+                # what the launch's own wait raises when its timeout passes
+                raise subprocess.TimeoutExpired(command, HANG_S)
+        assert process.returncode is not None  # the tree was killed and reaped
     finally:
         scale.kill_tree(process.pid)
         process.wait()
     stacks = scale.rank_log_tails(rank_dir)["rank 1 attempt 0 stderr.log"]
     assert "most recent call first" in stacks and "stuck_here" in stacks
+
+
+def _two_ranks_running(script: Path, rank_dir: Path) -> tuple[list[str], Path]:
+    """A torchrun of ``script`` on two ranks, each rank's output in ``rank_dir``."""
+    rank_dir = scale.fresh_rank_dir(rank_dir)
+    return scale.with_rank_logs(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(script)], rank_dir), rank_dir

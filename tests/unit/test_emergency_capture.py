@@ -199,17 +199,7 @@ def test_a_signal_during_a_restore_copies_the_first_step_completed_after_it(
 def test_a_signal_while_a_background_save_is_in_flight_lets_it_commit_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    gate = threading.Event()
-    original = tensors.save
-    saved_steps: list[str] = []
-
-    def gated(state: Any, directory: Any, **kwargs: Any) -> Any:
-        saved_steps.append(str(directory))
-        if len(saved_steps) == 1 and not gate.wait(LIMIT_S):
-            raise TimeoutError("the test never released the background save")
-        return original(state, directory, **kwargs)
-
-    monkeypatch.setattr(tensors, "save", gated)
+    gate = _first_save_held(monkeypatch)
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
@@ -397,19 +387,8 @@ def test_a_background_save_that_fails_during_a_preemption_leaves_the_capture_com
     # Step 2's background save is held until the signal is in, then fails (a NAS that
     # fills up): the capture of step 2, the last completed step, still commits, and the
     # failure is raised by the agreed preemption's step_end, never swallowed.
-    gate = threading.Event()
-    original = tensors.save
-    calls: list[str] = []
-
-    def failing_first(state: Any, directory: Any, **kwargs: Any) -> Any:
-        calls.append(str(directory))
-        if len(calls) == 1:
-            if not gate.wait(LIMIT_S):
-                raise TimeoutError("the test never released the background save")
-            raise OSError(28, "No space left on device (injected)")
-        return original(state, directory, **kwargs)
-
-    monkeypatch.setattr(tensors, "save", failing_first)
+    gate = _first_save_held(
+        monkeypatch, then=OSError(28, "No space left on device (injected)"))
     model, optimizer = _build()
     handler = PreemptionHandler(signals=("SIGUSR1",), grace_period=600)
     ckpt = CheckpointManager(tmp_path, model=model, optimizer=optimizer,
@@ -465,3 +444,24 @@ def test_the_capture_thread_waits_on_descriptors_above_1024(tmp_path: Path) -> N
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _first_save_held(monkeypatch: pytest.MonkeyPatch, *, then: BaseException | None = None
+                     ) -> threading.Event:
+    """The first tensor save waits for the returned gate, then runs (or raises ``then``)."""
+    gate = threading.Event()
+    original = tensors.save
+    calls = 0
+
+    def held(state: Any, directory: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            if not gate.wait(LIMIT_S):
+                raise TimeoutError("the test never released the background save")
+            if then is not None:
+                raise then
+        return original(state, directory, **kwargs)
+
+    monkeypatch.setattr(tensors, "save", held)
+    return gate

@@ -10,6 +10,7 @@ import pytest
 import resumekit.errors as errors_module
 from resumekit.errors import (
     AsyncSaveError,
+    CheckpointLoadError,
     CheckpointNotFoundError,
     ConfigurationError,
     CorruptCheckpointError,
@@ -51,6 +52,7 @@ EXPECTED_BUILTINS: dict[type[ResumekitError], tuple[type[BaseException], ...]] =
     IncompatibleVersionError: (IncompatibleCheckpointError, ValueError),
     UnreadableFormatError: (CorruptCheckpointError, ValueError),
     AsyncSaveError: (RuntimeError,),
+    CheckpointLoadError: (RuntimeError,),
     WriterProcessError: (RuntimeError,),
     DistributedSetupError: (RuntimeError,),
     ConfigurationError: (ValueError,),

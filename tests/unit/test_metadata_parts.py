@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from resumekit.errors import CorruptCheckpointError
+from resumekit.errors import CheckpointLoadError, CorruptCheckpointError
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.metadata_parts import (
     MetadataServer,
@@ -525,8 +525,12 @@ def test_a_small_item_travels_as_its_bytes_and_lands_bit_identical(value: torch.
     assert torch.equal(got, value)
 
 
-def test_a_received_value_that_is_not_a_tensors_bytes_is_an_error_naming_its_key() -> None:
+def test_a_received_value_that_is_not_a_tensors_bytes_is_a_load_error_naming_its_key() -> None:
+    # What rank 0 packed from a checked read always decodes: one that does not is a fault
+    # of the code or the transport, never damage, so nothing may be set aside for it.
     from resumekit.tensors.metadata_parts import _unpacked  # noqa: PLC0415
 
-    with pytest.raises(CorruptCheckpointError, match=r"optimizer\.state\.w\.step"):
+    with pytest.raises(CheckpointLoadError, match=r"optimizer\.state\.w\.step") as caught:
         _unpacked(("no_such_dtype", (), b"\0\0\0\0"), "optimizer.state.w.step")
+    assert not isinstance(caught.value, CorruptCheckpointError)
+    assert caught.value.fields["key"] == "optimizer.state.w.step"

@@ -56,7 +56,7 @@ TRAINER_NAMES = {
     "StorageReader", "import_checkpoint",
     "ResumekitError", "ConfigurationError", "CheckpointNotFoundError",
     "CorruptCheckpointError", "IncompatibleCheckpointError", "AsyncSaveError",
-    "PreemptionError", "ResumekitWarning", "__version__",
+    "PreemptionError", "CheckpointLoadError", "ResumekitWarning", "__version__",
 }
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from resumekit.errors import (
+    CheckpointLoadError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ForeignCheckpointError,
@@ -226,6 +227,37 @@ def test_an_unreadable_checkpoint_of_other_versions_is_refused_not_fallen_back_f
                                                                "resumekit": "0.1.0"}))
     assert restore_plan.judge_failure(same, unreadable, gone=False, may_fall_back=True,
                                       running=here).error is unreadable
+
+
+def test_a_load_that_failed_on_verified_bytes_is_raised_naming_the_step_never_fallen_back(
+        ) -> None:
+    """Not damage (a bug): raised with or without fallback; only version skew or deletion win."""
+    here = {"torch": "2.13.0+cpu", "resumekit": "0.1.0"}
+    entry = CheckpointEntry(7, FORMAT.build(7), "/root/step_000000007", "committed",
+                            manifest=Manifest(step=7, versions=dict(here)))
+    failed = CheckpointLoadError(
+        "loading checkpoint /root/step_000000007/tensors failed on rank 1: AttributeError: "
+        "x", path="/root/step_000000007/tensors", step=None, rank=1,
+        cause="AttributeError: x", file=None)
+    for may_fall_back in (True, False):
+        with pytest.raises(CheckpointLoadError) as raised:
+            restore_plan.judge_failure(entry, failed, gone=False,
+                                       may_fall_back=may_fall_back, running=here)
+        assert str(raised.value).startswith(
+            "/root/step_000000007 (step 7) failed to load on rank 1: AttributeError: x. Its "
+            "files match the checksums")
+        assert "nothing was set aside" in str(raised.value)
+        assert raised.value.step == 7 and raised.value.rank == 1
+        assert raised.value.__cause__ is failed
+    newer = CheckpointEntry(7, FORMAT.build(7), "/root/step_000000007", "committed",
+                            manifest=Manifest(step=7, versions={"torch": "2.15.0",
+                                                                "resumekit": "0.1.0"}))
+    with pytest.raises(IncompatibleVersionError, match=r"written by torch 2\.15\.0"):
+        restore_plan.judge_failure(newer, failed, gone=False, may_fall_back=True,
+                                   running=here)
+    deleted = restore_plan.judge_failure(entry, failed, gone=True, may_fall_back=True,
+                                         running=here)
+    assert deleted.deleted  # deleted while it was read: its step is free, nothing set aside
 
 
 # ---------------------------------------------------------------------- fallback order
