@@ -495,13 +495,14 @@ class TightScenarioNotMet(RuntimeError):
 
 @contextlib.contextmanager
 def _launch_watched(process: subprocess.Popen[bytes], what: str, log_path: Path,
-                    rank_dir: Path, *, passes: tuple[type[BaseException], ...] = ()
-                    ) -> Iterator[None]:
+                    rank_dir: Path, *, passes: tuple[type[BaseException], ...] = (),
+                    dump_timeout: float = 30.0) -> Iterator[None]:
     """Every way out of a watched launch but its end: the tree killed, and what it left.
 
     A trainer that died (``RuntimeError`` from the waits) or hung (``TimeoutExpired``:
     each rank's stacks dumped first) becomes a :class:`LaunchFailed` keeping its ranks'
     logs; ``passes`` (and any other exception) go on as they are, the tree killed.
+    ``dump_timeout``: how long the stacks may take to appear (a hang detector's bound).
     """
     try:
         yield
@@ -514,7 +515,7 @@ def _launch_watched(process: subprocess.Popen[bytes], what: str, log_path: Path,
         process.wait()
         raise LaunchFailed(f"{what}: {error}", log_path, rank_dir) from error
     except subprocess.TimeoutExpired as error:  # hung: where was each rank?
-        dump_worker_stacks(process.pid, rank_dir)
+        dump_worker_stacks(process.pid, rank_dir, timeout=dump_timeout)
         kill_tree(process.pid)
         process.wait()
         raise LaunchFailed(f"{what} hung: {error} (each rank's stacks at the timeout "

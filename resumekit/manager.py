@@ -286,7 +286,12 @@ class CheckpointManager:
             tensor_format=tensors.tensor_format_for(options.local.root, tensor_format or "raw"),
             rank=self.rank, world_size=self.world_size)
         if options.local is not None:
-            check_local_root(options.local.root, self.storage)
+            # Each node checks its own directory, and one node's can be refused alone: a
+            # refusal on any rank is raised on every rank (else the others wait for it in
+            # the next group's creation until the checkpoint timeout).
+            local_root = options.local.root
+            run_on_every_rank(self._main.coordinator,
+                              lambda: check_local_root(local_root, self.storage))
         self._local_saves = LocalSaves(  # staged in step_end, written in the background
             self._channels.open(own_group=True)
             if self._local is not None and self._distributed else self._main,

@@ -217,17 +217,29 @@ def committed_steps(root: Path) -> list[tuple[int, str]]:
             if entry.status == "committed" and entry.manifest is not None]
 
 
-def wait_paused(process: subprocess.Popen[bytes], out: Path) -> list[int]:
-    """Wait until both ranks wrote ``paused_<rank>``; return what each wrote (a number).
+def say_paused(out: Path, rank: int, value: int) -> None:
+    """A worker's ``paused_<rank>`` file holding ``value``, appearing whole or not at all.
+
+    Written aside and renamed: a waiter polling for the file never reads it empty
+    (``write_text`` creates the file before it writes, and a loaded machine showed a test
+    that window).
+    """
+    aside = out / f".paused_{rank}.{os.getpid()}"
+    aside.write_text(str(value))
+    os.replace(aside, out / f"paused_{rank}")
+
+
+def wait_paused(process: subprocess.Popen[bytes], out: Path, nproc: int = 2) -> list[int]:
+    """Wait until every rank said :func:`say_paused`; return what each wrote (a number).
 
     Fails with the log's tail if the launch ends first (or after :data:`HANG_S`).
     """
     deadline = time.monotonic() + HANG_S
-    while not all((out / f"paused_{rank}").exists() for rank in range(2)):
+    while not all((out / f"paused_{rank}").exists() for rank in range(nproc)):
         assert process.poll() is None, log_tail(out)
         assert time.monotonic() < deadline, log_tail(out)
         time.sleep(0.05)
-    return [int((out / f"paused_{rank}").read_text()) for rank in range(2)]
+    return [int((out / f"paused_{rank}").read_text()) for rank in range(nproc)]
 
 
 def assert_identical(left: Any, right: Any, where: str = "") -> None:

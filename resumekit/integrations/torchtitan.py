@@ -215,19 +215,29 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         vote, made = (_vote_group() if config.preemption and not config.load_only
                       else (None, False))
         self._made_vote_group = vote if made else None  # destroyed by close
-        self.preemption = (PreemptionHandler(poll_every=config.preemption_poll_every or "auto",
-                                             group=vote)
-                           if config.preemption and not config.load_only else None)
-        local = (None if config.local_folder is None
-                 else LocalTier(root=config.local_folder, save_every=config.local_interval))
-        self.manager = CheckpointManager(
-            self.folder, model=model_parts[0], optimizer=optimizers, scheduler=lr_schedulers,
-            data=dataloader, extras=self.extras, preemption=self.preemption,
-            save_every=config.interval,
-            retention=keep_last(config.keep_latest_k) if config.keep_latest_k else None,
-            async_save=config.async_mode != "disabled",
-            async_writer="process" if config.async_mode == "async_with_pinned_mem" else "thread",
-            read_only=config.load_only, local=local)
+        try:
+            self.preemption = (
+                PreemptionHandler(poll_every=config.preemption_poll_every or "auto",
+                                  group=vote)
+                if config.preemption and not config.load_only else None)
+            local = (None if config.local_folder is None
+                     else LocalTier(root=config.local_folder, save_every=config.local_interval))
+            self.manager = CheckpointManager(
+                self.folder, model=model_parts[0], optimizer=optimizers,
+                scheduler=lr_schedulers, data=dataloader, extras=self.extras,
+                preemption=self.preemption, save_every=config.interval,
+                retention=keep_last(config.keep_latest_k) if config.keep_latest_k else None,
+                async_save=config.async_mode != "disabled",
+                async_writer=("process" if config.async_mode == "async_with_pinned_mem"
+                              else "thread"),
+                read_only=config.load_only, local=local)
+        except BaseException:
+            # No close will come: the group made here goes now, without meeting on it (the
+            # ranks may not all have failed), as a failed CheckpointManager's groups do.
+            group, self._made_vote_group = self._made_vote_group, None
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+            raise
         if config.last_save_model_only:
             logger.info("resumekit: the last step is committed as a full 'final' checkpoint "
                         "(last_save_model_only: `resumekit export` writes the weights alone)")

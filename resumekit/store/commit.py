@@ -367,15 +367,19 @@ class CommitProtocol:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         self.storage.make_dirs()
-        held, zombies, top, reference = self._claim_on_leader(
-            f"begin saving step {step}", step, claim=False)
-        name = self.name_format.build(step)
-        extra = self._entry_below_the_top(step, name, top, reference, zombies)
-        replaces = self._refuse_unless_free(step, name, top, extra=extra, zombies=zombies,
-                                            replace=replace)
-        # A writer that never restored claims the root now, as its first save starts
-        # (not on a save refused above: that one neither restored nor committed).
-        generation = held or self._claim_now(top)
+        # The look and the claim are one step under the fence's lock: another channel's
+        # thread claiming between them would claim a second generation, and the one set
+        # here last would be fenced by the other (the process fencing itself).
+        with self.fence.lock:
+            held, zombies, top, reference = self._claim_on_leader(
+                f"begin saving step {step}", step, claim=False)
+            name = self.name_format.build(step)
+            extra = self._entry_below_the_top(step, name, top, reference, zombies)
+            replaces = self._refuse_unless_free(step, name, top, extra=extra,
+                                                zombies=zombies, replace=replace)
+            # A writer that never restored claims the root now, as its first save starts
+            # (not on a save refused above: that one neither restored nor committed).
+            generation = held or self._claim_now(top)
         forget_newest_hint(self.storage)  # before the sweep and the staging change the root
         # The sweep looks at the top of the root (where a crashed or fenced writer's
         # staging is: its step was newer than every committed one), not at every entry.

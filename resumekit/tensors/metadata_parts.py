@@ -736,7 +736,10 @@ def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, 
     it without unrestricted unpickling), so they land as if read from their files.
 
     Raises:
-        CorruptCheckpointError: A read item does not fit the value received for it.
+        CheckpointLoadError: A read item does not fit the value received for it. Rank 0
+            read that value whole into a tensor of the stored chunk's size, from the same
+            ``.metadata`` this rank planned its reads by: a misfit is a fault of the code,
+            never damage to the checkpoint (nothing is set aside for it).
     """
     if not values:
         return plan
@@ -753,17 +756,32 @@ def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, 
             planner.load_bytes(item, io.BytesIO(value))
             continue
         source = _unpacked(value, index.fqn)
-        for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
-                                                  strict=True)):
-            source = source.narrow(dim, int(start), int(length))
+        received = tuple(source.size())
+        try:
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths,
+                                                      strict=True)):
+                source = source.narrow(dim, int(start), int(length))
+        except (RuntimeError, IndexError, ValueError) as error:
+            raise _misfit(index.fqn, f"its read of {list(item.lengths)} at "
+                          f"{list(item.storage_offsets)} is not within the value received, "
+                          f"of {received} ({error})") from error
         target = planner.resolve_tensor(item).detach()
         if target.size() != source.size():
-            raise CorruptCheckpointError(
-                f"{index.fqn}: the value received for it has {tuple(source.size())} "
-                f"elements where its read wants {tuple(target.size())}", key=index.fqn)
+            raise _misfit(index.fqn, f"the value received for it has {tuple(source.size())} "
+                          f"elements where its read wants {tuple(target.size())}")
         target.copy_(source)
         planner.commit_tensor(item, target)
     return dataclasses.replace(plan, items=rest)
+
+
+def _misfit(key: str, cause: str) -> CheckpointLoadError:
+    """A value received from rank 0 that does not fit its read: a code fault, not damage."""
+    cause = f"{key}: {cause}"
+    return CheckpointLoadError(
+        f"{cause}: rank 0 read it whole, at the stored chunk's size, from the .metadata "
+        "this rank planned by, so this is a fault of the code, not damage to the "
+        "checkpoint (nothing is set aside)",
+        path=None, step=None, rank=None, file=None, cause=cause, key=key)
 
 
 def _packed(value: Any) -> Any:

@@ -646,7 +646,8 @@ def test_a_hung_launch_leaves_each_ranks_stacks_before_it_is_killed(tmp_path: Pa
     log_path = tmp_path / "launch.log"
     try:
         with (pytest.raises(scale.LaunchFailed, match=r"^resumekit_sync launch 2 hung: "),
-              scale._launch_watched(process, "resumekit_sync launch 2", log_path, rank_dir)):
+              scale._launch_watched(process, "resumekit_sync launch 2", log_path, rank_dir,
+                                    dump_timeout=HANG_S)):
                 deadline = time.monotonic() + HANG_S  # a hang detector, never a timing
                 while "waiting" not in scale.rank_log_tails(rank_dir).get(
                         "rank 1 attempt 0 stderr.log", ""):

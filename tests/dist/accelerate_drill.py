@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from resumekit.manager import CheckpointManager
+from tests.distributed_harness import say_paused
 from tests.limits import HANG_S
 
 WAIT_S = HANG_S  # a hang detector: the test signals at once
@@ -57,7 +58,7 @@ def main() -> None:
         record["positions"].append((step, data.epoch, data.consumed))
         if step == pause_at:
             self.wait()  # the interval save before this step is committed
-            (out / f"paused_{rank}").write_text(str(step))
+            say_paused(out, rank, step)
             deadline = time.monotonic() + WAIT_S
             while self.preemption is None or not self.preemption.requested:
                 if time.monotonic() > deadline:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from resumekit.manager import CheckpointManager
-from tests.distributed_harness import write_record
+from tests.distributed_harness import say_paused, write_record
 from tests.limits import HANG_S
 
 
@@ -42,7 +42,7 @@ def main() -> None:
         stop = bool(original_step_end(self, step, *args, **kwargs))
         record["steps"].append(step)
         if step == pause_at and not stop:
-            (out / f"paused_{rank}").write_text(str(step))
+            say_paused(out, rank, step)
             deadline = time.monotonic() + HANG_S
             while self.preemption is None or not self.preemption.requested:
                 if time.monotonic() > deadline:

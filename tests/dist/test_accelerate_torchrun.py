@@ -18,7 +18,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from examples.lingbot.drill import kill_tree
 from resumekit.store.catalog import read_manifest
 from resumekit.store.storage import Storage
-from tests.distributed_harness import free_port
+from tests.distributed_harness import free_port, wait_paused
 from tests.limits import HANG_S, TEST_HANG_S
 
 pytestmark = pytest.mark.timeout(TEST_HANG_S)
@@ -82,14 +81,6 @@ class Launch:
         return [torch.load(out / f"rank_{r}.pt", weights_only=False) for r in range(self.nproc)]
 
 
-def _wait_paused(process: subprocess.Popen[bytes], out: Path, nproc: int) -> None:
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    while not all((out / f"paused_{r}").exists() for r in range(nproc)):
-        assert process.poll() is None, (out / "log").read_text()
-        assert time.monotonic() < deadline, (out / "log").read_text()
-        time.sleep(0.05)
-
-
 def _newest(root: Path) -> tuple[int, str]:
     storage = Storage(root)
     names = sorted((p.name for p in root.iterdir() if p.name.startswith("step_")),
@@ -129,7 +120,7 @@ def test_the_documented_accelerate_run_preempted_then_killed_ends_bit_identical_
     # step 1 itself (the first vote blocks: nothing measured yet), commit a preemption
     # checkpoint of it and exit 75.
     process, out = launch.start("sigterm", DRILL_PAUSE_AT="1")
-    _wait_paused(process, out, 2)
+    wait_paused(process, out, 2)
     os.kill(process.pid, signal.SIGTERM)
     assert process.wait(timeout=LAUNCH_TIMEOUT_S) != 0
     term = launch.records(out)
@@ -139,7 +130,7 @@ def test_the_documented_accelerate_run_preempted_then_killed_ends_bit_identical_
     # Relaunched: resumes at 1 (mid-epoch 0), commits 3 and 6 in the background, and is
     # SIGKILLed at step 7 (mid-epoch 1), after the commit of 6 - steps past it are lost.
     process, out = launch.start("sigkill", DRILL_PAUSE_AT="7")
-    _wait_paused(process, out, 2)
+    wait_paused(process, out, 2)
     kill_tree(process.pid)
     assert process.wait(timeout=LAUNCH_TIMEOUT_S) == -signal.SIGKILL
     assert _newest(tmp_path / "run") == (6, "interval")
@@ -161,7 +152,7 @@ def test_the_preemption_checkpoint_of_two_ranks_resumes_on_one_rank_in_the_same_
     if not copies:  # the 2-rank test did not run first: make the checkpoint here
         launch = Launch(tmp_path_factory.mktemp("preempted"))
         process, out = launch.start("sigterm", DRILL_PAUSE_AT="1")
-        _wait_paused(process, out, 2)
+        wait_paused(process, out, 2)
         os.kill(process.pid, signal.SIGTERM)
         process.wait(timeout=LAUNCH_TIMEOUT_S)
         copies = [launch.folder / "run"]

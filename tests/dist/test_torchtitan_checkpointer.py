@@ -164,6 +164,43 @@ def test_the_preemption_vote_runs_on_a_gloo_group_of_its_own_not_torchtitans_def
         ("gloo", False, True)] * 2
 
 
+def _vote_group_of_a_failed_build(rank: int, world: int, folder: str) -> tuple[str, bool]:
+    from resumekit.errors import ConfigurationError
+    from resumekit.integrations import torchtitan
+
+    made: list[torch.distributed.ProcessGroup] = []
+    real = torchtitan.new_save_group
+
+    def recorded() -> torch.distributed.ProcessGroup:
+        made.append(real())
+        return made[-1]
+
+    torchtitan.new_save_group = recorded  # this rank's process only
+    model = llama3(n_layers=1)
+    refused = ""
+    try:  # the local tier's directory is the durable root: refused on every rank
+        torchtitan.ResumekitCheckpointer.Config(
+            enable=True, folder="checkpoint", local_folder=f"{folder}/checkpoint",
+            local_interval=1).build(
+            dataloader=None, model_parts=[model],
+            optimizers=torch.optim.SGD(model.parameters()), lr_schedulers=None, states={},
+            sd_adapter=None, base_folder=folder)
+    except ConfigurationError as error:
+        refused = type(error).__name__
+    try:  # the checkpointer made the group: its failed construction destroyed it
+        torch.distributed.get_process_group_ranks(made[0])
+        destroyed = False
+    except KeyError:
+        destroyed = True
+    return refused, destroyed
+
+
+def test_a_checkpointer_whose_construction_fails_destroys_the_vote_group_it_made(
+        tmp_path: Path) -> None:
+    assert harness.run_ranks(_vote_group_of_a_failed_build, 2, args=(str(tmp_path),)) == [
+        ("ConfigurationError", True)] * 2
+
+
 def test_torchtitans_own_checkpointer_after_a_sigkill_resumes_its_last_save_without_the_rng(
         tmp_path: Path, uninterrupted: list[dict[str, Any]]) -> None:
     """The comparison of docs/integrations.md: the same SIGKILL, torchtitan's own line."""

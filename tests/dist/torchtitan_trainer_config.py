@@ -40,6 +40,7 @@ from torchtitan.trainer import Trainer
 
 from resumekit.integrations.torchtitan import ResumekitCheckpointer
 from tests.dist.torchtitan_real_trainer_runner import WORDS
+from tests.distributed_harness import say_paused
 from tests.limits import HANG_S
 
 
@@ -119,7 +120,7 @@ def pause(out: Path, rank: int, preemption: Any) -> None:
     ``TITAN_PAUSE_AT``: for a preemption signal when ``TITAN_PAUSE_FOR=signal``, else until
     killed.
     """
-    (out / f"paused_{rank}").write_text(str(os.getpid()))
+    say_paused(out, rank, os.getpid())
     deadline = time.monotonic() + HANG_S
     signal_wanted = os.environ.get("TITAN_PAUSE_FOR") == "signal"
     while not (signal_wanted and preemption.requested):

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import IterableDataset
 
-from tests.distributed_harness import write_record
+from tests.distributed_harness import say_paused, write_record
 from tests.limits import HANG_S
 from tests.torchtitan_models import TrainProgress, llama3, optimizers_container
 
@@ -162,7 +162,7 @@ def _train(out: Path, rank: int, steps: int, interval: int, stop_after: int | No
 
 def _pause(out: Path, rank: int, checkpointer: Any) -> None:
     """Say so, then wait for a preemption signal (``TITAN_PAUSE_FOR=signal``) or a kill."""
-    (out / f"paused_{rank}").write_text(str(os.getpid()))
+    say_paused(out, rank, os.getpid())
     deadline = time.monotonic() + HANG_S
     signal_wanted = os.environ.get("TITAN_PAUSE_FOR") == "signal"
     while not (signal_wanted and checkpointer.preemption.requested):

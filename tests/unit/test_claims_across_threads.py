@@ -27,49 +27,50 @@ from tests.limits import HANG_S
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-#: How long the first claimer leaves the second to enter the claim beside it. A guard
-#: only: with the lock the second never enters, whatever the wait; without it, it does
-#: at once.
-OVERLAP_S = 0.5
-
-
 def test_two_threads_claiming_through_one_fence_claim_one_generation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # While the first thread claims, the second tries the fence's lock without blocking:
+    # guarded, it cannot get in and waits for the first claim, then finds it held; not
+    # guarded, it gets in and claims beside the first (which waits for it to finish), so
+    # the root gets two generations. Deterministic: no wait decides the outcome.
     storage = Storage(str(tmp_path / "root"))
     fence = generations.Fence()
     protocols = [CommitProtocol(storage, fence=fence) for _ in range(2)]
     real_claim = generations.claim
     claims: list[str] = []
-    first_inside, second_trying, second_inside = (threading.Event() for _ in range(3))
+    got_in: list[bool] = []
+    entered = threading.Event()
+    results: dict[str, WriterGeneration | None] = {}
+
+    def second() -> None:
+        got = fence.lock.acquire(blocking=False)
+        got_in.append(got)
+        entered.set()
+        if not got:
+            fence.lock.acquire()  # guarded: the first claim finishes first
+        try:
+            results["second"] = protocols[1].claim()[0]
+        finally:
+            fence.lock.release()
+
+    threads: list[threading.Thread] = []
 
     def claim(*args: object, **kwargs: object) -> WriterGeneration:
         claims.append(threading.current_thread().name)
         if len(claims) == 1:
-            first_inside.set()
-            assert second_trying.wait(HANG_S)
-            second_inside.wait(OVERLAP_S)
-        else:
-            second_inside.set()
+            thread = threading.Thread(target=second, name="second")
+            threads.append(thread)
+            thread.start()
+            assert entered.wait(HANG_S)
+            if got_in[0]:
+                thread.join(HANG_S)  # it claims beside the first: let it finish first
         return real_claim(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(generations, "claim", claim)
-    results: dict[str, WriterGeneration | None] = {}
-
-    def first() -> None:
-        results["first"] = protocols[0].claim()[0]
-
-    def second() -> None:
-        assert first_inside.wait(HANG_S)
-        second_trying.set()
-        results["second"] = protocols[1].claim()[0]
-
-    threads = [threading.Thread(target=first, name="first"),
-               threading.Thread(target=second, name="second")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(HANG_S)
-    assert claims == ["first"]
+    results["first"] = protocols[0].claim()[0]
+    threads[0].join(HANG_S)
+    assert not threads[0].is_alive()
+    assert claims == ["MainThread"]
     assert results["first"] == results["second"] == fence.generation is not None
 
 
@@ -99,3 +100,48 @@ def test_every_first_local_save_claims_on_the_main_channel_even_when_another_thr
     manager.step_end(2)
     manager.close()
     assert claimed == [1]  # the first local save's claim, on every rank; not again
+
+
+def test_a_first_save_claiming_as_it_begins_and_another_threads_claim_make_one_claim(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A save's begin looks at the root, then (no claim held) claims it. Another thread's
+    # claim landing between the two made a second generation: the begin's claim, set on
+    # the fence last, was then fenced by it, and every save of the process refused.
+    storage = Storage(str(tmp_path / "root"))
+    fence = generations.Fence()
+    saving, claiming = (CommitProtocol(storage, fence=fence) for _ in range(2))
+    real_claim = generations.claim
+    claims: list[WriterGeneration] = []
+    other: list[threading.Thread] = []
+    entered = threading.Event()
+    got_in: list[bool] = []
+
+    def other_claim() -> None:
+        got = fence.lock.acquire(blocking=False)  # the begin's claim is not guarded
+        got_in.append(got)
+        entered.set()
+        if not got:
+            fence.lock.acquire()  # guarded: wait for the begin to finish, then claim
+        try:
+            claiming.claim()
+        finally:
+            fence.lock.release()
+
+    def claim(*args: object, **kwargs: object) -> WriterGeneration:
+        made = real_claim(*args, **kwargs)  # type: ignore[arg-type]
+        claims.append(made)
+        if len(claims) == 1:  # the begin's claim, not yet on the fence
+            thread = threading.Thread(target=other_claim, name="other")
+            other.append(thread)
+            thread.start()
+            assert entered.wait(HANG_S)
+            if got_in[0]:
+                thread.join(HANG_S)  # it claims beside the begin: let it finish first
+        return made
+
+    monkeypatch.setattr(generations, "claim", claim)
+    pending = saving.begin(1)
+    other[0].join(HANG_S)
+    assert not other[0].is_alive()
+    assert len(claims) == 1
+    assert pending.generation == fence.generation == generations.newest_generation(storage)

@@ -534,3 +534,43 @@ def test_a_received_value_that_is_not_a_tensors_bytes_is_a_load_error_naming_its
         _unpacked(("no_such_dtype", (), b"\0\0\0\0"), "optimizer.state.w.step")
     assert not isinstance(caught.value, CorruptCheckpointError)
     assert caught.value.fields["key"] == "optimizer.state.w.step"
+
+
+class _Into:
+    """A planner's tensor side: resolves every read to one destination tensor."""
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self.target
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        """Nothing to do: the tensor was copied into its destination."""
+
+
+@pytest.mark.parametrize(("stored", "wanted", "into"), [
+    ((3,), (4,), (4,)),  # the read reaches past the value received
+    ((4,), (4,), (3,)),  # the destination does not take the read
+])
+def test_a_received_value_that_does_not_fit_its_read_is_a_load_error_not_damage(
+        stored: tuple[int, ...], wanted: tuple[int, ...], into: tuple[int, ...]) -> None:
+    # Rank 0 read the value whole at the stored chunk's size, from the .metadata this
+    # rank planned by: a misfit is a fault of the code, and nothing may be set aside.
+    from torch.distributed.checkpoint.planner import (  # noqa: PLC0415
+        LoadItemType,
+        LoadPlan,
+        ReadItem,
+    )
+
+    from resumekit.tensors.metadata_parts import _packed, serve_values  # noqa: PLC0415
+
+    index = MetadataIndex("optimizer.state.w.exp_avg", torch.Size((0,)))
+    item = ReadItem(type=LoadItemType.TENSOR, dest_index=index,
+                    dest_offsets=torch.Size((0,)), storage_index=index,
+                    storage_offsets=torch.Size((0,)), lengths=torch.Size(wanted))
+    values = {("optimizer.state.w.exp_avg", (0,)): _packed(torch.arange(float(stored[0])))}
+    with pytest.raises(CheckpointLoadError, match=r"optimizer\.state\.w\.exp_avg") as caught:
+        serve_values(LoadPlan([item]), _Into(torch.zeros(into)), values)  # type: ignore[arg-type]
+    assert not isinstance(caught.value, CorruptCheckpointError)
+    assert caught.value.fields["key"] == "optimizer.state.w.exp_avg"
