@@ -24,7 +24,13 @@ from resumekit.restore import plan as restore_plan
 from resumekit.restore.compatibility import check_compatibility
 from resumekit.restore.entries import EntryKeeper
 from resumekit.restore.plan import Survey
-from resumekit.restore.verification import refuse_links_share, share_metadata, verify_share
+from resumekit.restore.verification import (
+    PrereadMetadata,
+    preread_metadata,
+    refuse_links_share,
+    share_metadata,
+    verify_share,
+)
 from resumekit.runtime.channels import Channel
 from resumekit.state.train_state import TrainState, read_plain
 from resumekit.store.aside import refuse_fresh_start_beside
@@ -97,6 +103,7 @@ class RootRestore:
         self.fingerprint, self.config_set = fingerprint, config_set
         self.rank, self.world_size = rank, world_size
         self.newest_step = newest_step
+        self._preread: PrereadMetadata | None = None
 
     @property
     def _entries(self) -> EntryKeeper:
@@ -113,12 +120,14 @@ class RootRestore:
         Raises:
             The errors of :meth:`resumekit.CheckpointManager.restore`.
         """
-        found: Survey = run_on_leader(self.channel.coordinator, lambda: restore_plan.survey(
-            self.storage, self.name_format, recover=not self.options.read_only,
-            whole=step is not None))
+        whole: list[PrereadMetadata] = []  # the leader's own read, never sent
+        found, claimed, self._preread = run_on_leader(
+            self.channel.coordinator, lambda: self._lead(step, whole))
+        if whole:
+            self._preread = whole[0]
         if step is None and not any(e.status == "committed" for e in found.entries):
             self._refuse_fresh_start(found.entries)  # before a claim records an empty root
-        entries = self._entries.claim_generation(found.entries)
+        entries = self._entries.claim_generation(found.entries, claimed)
         committed = restore_plan.candidates(entries, step, root=self.storage.path())
         if step is None and not self.options.fallback:
             restore_plan.refuse_broken_newest(entries)
@@ -137,6 +146,35 @@ class RootRestore:
             return Restored(imported, None)
         self._account_for_fresh_start(found, entries)
         return Restored(None, None)
+
+    def _lead(self, step: int | None, whole: list[PrereadMetadata]
+              ) -> tuple[Survey, tuple[str, Any] | None, PrereadMetadata | None]:
+        """The leader's start of :meth:`run`, sent to every rank in one broadcast.
+
+        The survey; the writer generation's claim (not when the root holds nothing
+        committed and no step was asked for: the fresh start is refused first); and,
+        over a group, ``.metadata`` of the checkpoint the restore will try first (the
+        newest committed, or the asked-for step), so that neither needs a broadcast of
+        its own. Their failures travel as outcomes, raised on every rank where they
+        were before. ``whole`` gets the leader's whole ``.metadata``.
+        """
+        found = restore_plan.survey(self.storage, self.name_format,
+                                    recover=not self.options.read_only, whole=step is not None)
+        if step is None and not any(e.status == "committed" for e in found.entries):
+            return found, None, None
+        claimed = self._entries.claim_on_leader(found.entries)
+        if claimed[0] != "ok" or self.channel.coordinator.world_size == 1:
+            return found, claimed, None
+        zombies = claimed[1][1]
+        committed = [e for e in found.entries if e.status == "committed"
+                     and e.name not in zombies and (step is None or e.step == step)]
+        first = max(committed, key=lambda e: e.step, default=None)
+        if first is None or first.manifest is None:
+            return found, claimed, None
+        read = preread_metadata(self.storage, first.name, first.manifest,
+                                verify=self.options.verify_on_restore)
+        whole.append(read)
+        return found, claimed, read.for_ranks()
 
     def _say_newer_committed(self, entries: list[CheckpointEntry],
                              restored: CheckpointEntry) -> None:
@@ -256,20 +294,33 @@ class RootRestore:
         assert manifest is not None
         ranks = self.channel.coordinator
         verify = self.options.verify_on_restore
-        metadata = share_metadata(self.storage, entry.name, manifest, ranks, verify=verify)
-        if verify:
-            run_on_every_rank(ranks, lambda: verify_share(
-                self.storage, entry.name, manifest, rank=ranks.rank,
-                world_size=ranks.world_size, metadata=metadata))
+        preread, self._preread = self._preread, None  # the first entry's only
+        metadata = share_metadata(self.storage, entry.name, manifest, ranks, verify=verify,
+                                  preread=preread)
+        def check_share() -> None:
+            if verify:
+                verify_share(self.storage, entry.name, manifest, rank=ranks.rank,
+                             world_size=ranks.world_size, metadata=metadata)
+            else:
+                refuse_links_share(self.storage, entry.name, manifest, rank=ranks.rank,
+                                   world_size=ranks.world_size)
+
+        # Where the tensors' load exchanges the metadata parts over the group, a rank's
+        # failed check travels in that exchange, which raises it on every rank before a
+        # byte is read: no agreement of its own (one all-gather fewer per restore).
+        failure: BaseException | None = None
+        if metadata is not None and metadata.exchanged and self.state.model is not None:
+            try:
+                check_share()
+            except Exception as error:  # noqa: BLE001 - every rank's, in the load
+                failure = error
         else:
-            run_on_every_rank(ranks, lambda: refuse_links_share(
-                self.storage, entry.name, manifest, rank=ranks.rank,
-                world_size=ranks.world_size))
+            run_on_every_rank(ranks, check_share)
         check_compatibility(manifest, entry.path, fingerprint=self.fingerprint,
                             world_size=self.world_size, on_mismatch=self.options.on_mismatch,
                             stacklevel=5)
         fresh: list[str] = run_on_every_rank(ranks, lambda: self._read_entry(
-            self.storage, entry.name, manifest, metadata=metadata))
+            self.storage, entry.name, manifest, metadata=metadata, failure=failure))
         if fresh:
             recorded = bool((manifest.fingerprint or {}).get("config"))
             _warn(restore_plan.imported_warning(
@@ -316,8 +367,8 @@ class RootRestore:
         self._entries.report_leftovers(entries, above=step)
 
     def _read_entry(self, storage: Storage, name: str, manifest: Manifest, *,
-                    alone: bool = False, metadata: tensor_io.CheckedMetadata | None = None
-                    ) -> list[str]:
+                    alone: bool = False, metadata: tensor_io.CheckedMetadata | None = None,
+                    failure: BaseException | None = None) -> list[str]:
         """Read step directory ``name`` into the run's state; return the parts left fresh.
 
         A checkpoint converted by ``resumekit import`` holds what the source tool saved
@@ -329,6 +380,8 @@ class RootRestore:
         ``verify_on_restore`` every file was checked against its checksum first
         (:meth:`_restore_entry`, :meth:`read_alone`): a load failing on them raises a
         :class:`~resumekit.errors.CheckpointLoadError` (no damage, never set aside).
+        ``failure``: this rank's failed check of its share of the files, raised on every
+        rank by the tensors' load (in its exchange of the metadata parts).
         """
         imported = manifest.reason == SaveReason.IMPORTED
         with_optimizer = not imported or manifest.state.get("optimizer") is not False
@@ -337,6 +390,8 @@ class RootRestore:
         options = storage.storage_options or None
         tensors = self.state.load_target(tied, optimizer=with_optimizer, source=source,
                                          storage_options=options, metadata=metadata)
+        if failure is not None and (alone or not tensors):
+            raise failure  # no collective of the load to carry it: the caller agrees
         if tensors and alone:
             tensor_io.load(tensors, source, verify=self.options.verify_on_restore,
                          storage_options=options, alone=True, metadata=metadata,
@@ -349,7 +404,8 @@ class RootRestore:
                 tensor_io.load, tensors, source, process_group=self.channel.group,
                 verify=self.options.verify_on_restore, storage_options=options,
                 plan_locally=True, read_once=self.options.restore_reads == "once",
-                metadata=metadata, verified=self.options.verify_on_restore))
+                metadata=metadata, verified=self.options.verify_on_restore,
+                failure=failure))
             self.state.apply_tensor_state(tensors, tied)
         train = read_plain(storage, name, manifest, TRAIN_STATE_FILE)
         with_scheduler = not imported or train.get("scheduler") is not None

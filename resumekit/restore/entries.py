@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from resumekit.errors import FencedWriterError
 from resumekit.restore import plan as restore_plan
@@ -51,28 +52,50 @@ class EntryKeeper:
     channel: Channel
     read_only: bool
 
-    def claim_generation(self, entries: list[CheckpointEntry]) -> list[CheckpointEntry]:
+    def claim_generation(self, entries: list[CheckpointEntry],
+                         claimed: tuple[str, Any] | None = None) -> list[CheckpointEntry]:
         """Claim this run's writer generation; drop checkpoints fenced writers committed.
 
         The claim fences every older writer of the root (see ``resumekit.store.commit``). A
         root that does not exist yet is claimed by the first save; one that cannot be
         written (an eval job's) is restored from anyway, with a warning.
+
+        Args:
+            entries: The survey's entries.
+            claimed: What :meth:`claim_on_leader` returned on the leader, when the
+                survey's broadcast carried it (every rank has it); None claims now (one
+                more broadcast).
         """
-        if self.read_only:
-            zombies = run_on_leader(self.channel.coordinator,
-                                    lambda: self.channel.protocol.fenced_commits(entries))
-            return self._without_zombies(entries, zombies)
-        try:
-            _, zombies = self.channel.protocol.claim(if_root_exists=True)
-        except FencedWriterError:
-            raise
-        except OSError as error:
+        if claimed is None:
+            claimed = run_on_leader(self.channel.coordinator,
+                                    lambda: self.claim_on_leader(entries))
+        status, value = claimed
+        if status == "error":
+            if isinstance(value, FencedWriterError) or not isinstance(value, OSError) \
+                    or self.read_only:
+                raise value
             _warn(f"cannot record this run's writer generation in "
-                  f"{self.storage.path()} ({error}); restoring anyway: a save from this "
+                  f"{self.storage.path()} ({value}); restoring anyway: a save from this "
                   "manager claims it first (and fails the same way while the root "
                   "cannot be written)")
             return entries
-        return self._without_zombies(entries, zombies)
+        if not self.read_only:
+            self.channel.protocol.take_claim(value)
+        return self._without_zombies(entries, value[1])
+
+    def claim_on_leader(self, entries: list[CheckpointEntry]) -> tuple[str, Any]:
+        """The leader's part of :meth:`claim_generation` (leader only; no collective).
+
+        Returns ``("ok", (generation, {name: reason}))`` (read-only: no generation, the
+        fenced writers' commits among ``entries``) or ``("error", error)``, for every
+        rank to pass to :meth:`claim_generation`.
+        """
+        try:
+            if self.read_only:
+                return "ok", (None, self.channel.protocol.fenced_commits(entries))
+            return "ok", self.channel.protocol.claim_on_leader(if_root_exists=True)
+        except Exception as error:  # noqa: BLE001 - raised on every rank by claim_generation
+            return "error", error
 
     def survey_below(self, found: Survey) -> list[CheckpointEntry]:
         """The step directories below the top a survey read, for a fallback (all ranks).

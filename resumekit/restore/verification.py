@@ -26,6 +26,9 @@ The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. W
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from resumekit import tensors
 from resumekit.store.catalog import read_checked_file, refuse_links, verify_checkpoint
 from resumekit.store.coordination import Coordinator, run_on_leader
@@ -33,14 +36,60 @@ from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
 from resumekit.store.manifest import Manifest
 from resumekit.store.storage import Storage
 
-__all__ = ["METADATA_PATH", "refuse_links_share", "share_metadata", "verify_share"]
+__all__ = ["METADATA_PATH", "PrereadMetadata", "preread_metadata", "refuse_links_share",
+           "share_metadata", "verify_share"]
 
 METADATA_PATH = f"{TENSORS_DIR}/{DCP_METADATA_FILE}"
 """The manifest's name of a checkpoint's DCP metadata."""
 
 
+@dataclass(frozen=True)
+class PrereadMetadata:
+    """``.metadata`` of one step directory, read by the leader ahead of its restore.
+
+    A restore's survey reads it on the leader with the root (the checkpoint it will try
+    first) and its broadcast carries :attr:`outcome`, so that :func:`share_metadata` of
+    that step needs no broadcast of its own.
+
+    Attributes:
+        name: The step directory.
+        outcome: ``("ok", skeleton)`` (:meth:`~resumekit.tensors.CheckedMetadata.for_ranks`)
+            or ``("error", error)``, the same on every rank; ``("ok", None)`` when the
+            manifest lists no ``.metadata``.
+        whole: The whole file, on the leader only (never sent).
+    """
+
+    name: str
+    outcome: tuple[str, Any]
+    whole: tensors.CheckedMetadata | None = None
+
+    def for_ranks(self) -> PrereadMetadata:
+        """What the leader sends: the same, without the whole file."""
+        return PrereadMetadata(self.name, self.outcome)
+
+
+def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
+                     verify: bool = True) -> PrereadMetadata:
+    """Read and check ``.metadata`` of ``name`` as :func:`share_metadata` does (leader only).
+
+    Never raises: a failure is the outcome, raised by :func:`share_metadata` on every
+    rank when (and only when) that step is restored.
+    """
+    entry = next((e for e in manifest.files if e.path == METADATA_PATH), None)
+    if entry is None:
+        return PrereadMetadata(name, ("ok", None))
+    try:
+        data = read_checked_file(storage, name, manifest, entry, verify=verify)
+        checked = tensors.CheckedMetadata.parse(
+            data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
+        return PrereadMetadata(name, ("ok", checked.for_ranks()), checked)
+    except Exception as error:  # noqa: BLE001 - raised on every rank by share_metadata
+        return PrereadMetadata(name, ("error", error))
+
+
 def share_metadata(storage: Storage, name: str, manifest: Manifest,
-                   coordinator: Coordinator, *, verify: bool = True
+                   coordinator: Coordinator, *, verify: bool = True,
+                   preread: PrereadMetadata | None = None
                    ) -> tensors.CheckedMetadata | None:
     """Read ``.metadata`` of step directory ``name`` on group rank 0; give it to every rank.
 
@@ -58,6 +107,8 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
         manifest: Its manifest (the same on every rank: the survey's).
         coordinator: The ranks that restore together.
         verify: Compare the bytes with the manifest's checksum.
+        preread: What the leader's survey read already (:func:`preread_metadata`, the
+            same on every rank): used, with no collective, when it is ``name``'s.
 
     Returns:
         The checked metadata (the whole file on rank 0, its skeleton on the others),
@@ -73,6 +124,11 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
     entry = next((e for e in manifest.files if e.path == METADATA_PATH), None)
     if entry is None:
         return None
+    if preread is not None and preread.name == name and coordinator.world_size > 1:
+        status, value = preread.outcome
+        if status == "error":
+            raise value
+        return preread.whole if preread.whole is not None else value
 
     whole: list[tensors.CheckedMetadata] = []
 

@@ -254,15 +254,26 @@ class CommitProtocol:
                 job already claimed the root.
             StorageError: The root cannot be written.
         """
-
-        def on_leader() -> tuple[WriterGeneration | None, dict[str, str]]:
-            if if_root_exists and not self.storage.is_dir():
-                return None, {}
-            generation, zombies, _, _ = self._claim_on_leader("restore", check=check_held)
-            return generation, zombies
-
         result: tuple[WriterGeneration | None, dict[str, str]] = run_on_leader(
-            self.coordinator, on_leader)
+            self.coordinator, lambda: self.claim_on_leader(if_root_exists=if_root_exists,
+                                                           check_held=check_held))
+        return self.take_claim(result)
+
+    def claim_on_leader(self, *, if_root_exists: bool = False, check_held: bool = True
+                        ) -> tuple[WriterGeneration | None, dict[str, str]]:
+        """The leader's part of :meth:`claim` (call on the leader only; no collective).
+
+        A restore runs it inside its survey's leader action, so one broadcast carries
+        both; every rank then passes the result to :meth:`take_claim`.
+        """
+        if if_root_exists and not self.storage.is_dir():
+            return None, {}
+        generation, zombies, _, _ = self._claim_on_leader("restore", check=check_held)
+        return generation, zombies
+
+    def take_claim(self, result: tuple[WriterGeneration | None, dict[str, str]]
+                   ) -> tuple[WriterGeneration | None, dict[str, str]]:
+        """Hold the generation :meth:`claim_on_leader` claimed (every rank); return ``result``."""
         if result[0] is not None:
             self.fence.generation = result[0]
         return result

@@ -38,10 +38,13 @@ from resumekit.tensors.failures import first_cause, from_failures, incompatible,
 from resumekit.tensors.fit import check_against_metadata
 from resumekit.tensors.index import tensor_index_of
 from resumekit.tensors.metadata_parts import (
+    EveryRank,
     ItemKey,
     Part,
+    RanksFailed,
     Request,
     complete,
+    exchange_frame_bytes,
     exchange_over_group,
     request_of,
     skeleton,
@@ -74,6 +77,7 @@ def load(
     alone: bool = False,
     metadata: CheckedMetadata | None = None,
     verified: bool = False,
+    failure: BaseException | None = None,
 ) -> None:
     """Read the checkpoint in ``directory`` into ``state_dict``, in place.
 
@@ -116,6 +120,10 @@ def load(
             then a :class:`~resumekit.errors.CheckpointLoadError` (the bytes are intact:
             what failed is code interpreting them), not an
             :class:`~resumekit.errors.UnreadableFormatError` (which means damage may be).
+        failure: This rank's failure before the load (a restore's check of its share of
+            the files), to be every rank's: it is sent in the metadata parts' exchange
+            (``metadata`` exchanged over the group, which the caller makes sure of),
+            which raises it on every rank before anything is read.
 
     Raises:
         CheckpointNotFoundError: ``directory`` holds no DCP metadata.
@@ -128,7 +136,7 @@ def load(
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
                   reject_unexpected=True, plan_locally=plan_locally, read_once=read_once,
-                  alone=alone, metadata=metadata, verified=verified)
+                  alone=alone, metadata=metadata, verified=verified, failure=failure)
 
 
 def load_subset(
@@ -155,7 +163,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                   storage_options: Mapping[str, Any] | None, verify: bool, *,
                   reject_unexpected: bool, plan_locally: bool = False,
                   read_once: bool = False, alone: bool = False,
-                  metadata: CheckedMetadata | None = None, verified: bool = False) -> None:
+                  metadata: CheckedMetadata | None = None, verified: bool = False,
+                  failure: BaseException | None = None) -> None:
     group, no_dist = (None, True) if alone else resolve_group(process_group)
     target = directory_str(directory)
     shared = None
@@ -169,7 +178,9 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                  "init_distributed() can)", ResumekitWarning, stacklevel=3)
     reader = make_reader(target, storage_options, verify=verify, shared=shared,
                          metadata=metadata)
-    exchange, whole = None, False
+    exchange: Callable[[Request | BaseException], Part] | None = None
+    whole = False
+    carried: list[BaseException] = []  # a rank's failure the exchange raised on every rank
     if metadata is not None and metadata.exchanged and not alone:
         # The skeleton's holders get their part from the rank that read the whole file.
         whole = metadata.whole
@@ -182,8 +193,14 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
                     make_reader(target, storage_options, verify=verify, metadata=checked),
                     checked.parsed(), items)
 
-        exchange = exchange_over_group(group, metadata.server() if whole else None,
-                                       read_values)
+        exchange = _carrying(exchange_over_group(
+            group, metadata.server() if whole else None, read_values,
+            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata))),
+            failure, carried)
+        if shared is not None:
+            exchange = _telling(exchange, shared)
+    if failure is not None and exchange is None:
+        raise failure  # the caller agrees on it (no collective of the group runs here)
     planner = _CheckedLoadPlanner(target, reject_unexpected=reject_unexpected,
                                   exchange=exchange, whole=whole)
     try:
@@ -194,6 +211,8 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     except ResumekitError as error:
         if shared is not None:  # ranks waiting for this one's reads raise it too
             shared.settle(error)
+        if carried and carried[0] is not error:  # as raised on its rank, not as DCP told it
+            raise carried[0] from None
         raise
     if logger.isEnabledFor(logging.DEBUG):
         read = reader.read_metadata()
@@ -203,6 +222,38 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
             "without collectives" if no_dist or plan_locally else "on the process group",
             len(planner.state_dict), target,
             "" if shared is None else f", read once: {shared.stats}")
+
+
+def _telling(exchange: Callable[[Request | BaseException], Part], shared: SharedReads
+             ) -> Callable[[Request | BaseException], Part]:
+    """``exchange``, which tells ``shared`` when no rank reads what another one does."""
+
+    def told(request: Request | BaseException) -> Part:
+        part = exchange(request)
+        if part.alone:
+            shared.read_alone()
+        return part
+
+    return told
+
+
+def _carrying(exchange: Callable[[Request | BaseException | EveryRank], Part],
+              failure: BaseException | None, carried: list[BaseException]
+              ) -> Callable[[Request | BaseException], Part]:
+    """``exchange``, sending ``failure`` (if any) instead of the request, for every rank.
+
+    A rank's failure the exchange raises on every rank (this one's or another's) is put
+    in ``carried`` and raised as it is: the load raises it, not DCP's wrapping of it.
+    """
+
+    def run(request: Request | BaseException) -> Part:
+        try:
+            return exchange(request if failure is None else EveryRank(failure))
+        except RanksFailed as failed:
+            carried.append(failed.error)
+            raise failed.error from None
+
+    return run
 
 
 def _run_load(

@@ -100,11 +100,32 @@ class Part:
             answering rank (:data:`PREREAD_MAX_BYTES`): a tensor of the stored chunk's
             size as ``(dtype name, shape, bytes)``, or a non-tensor value's stored bytes.
             The rank reads them from here (:func:`serve_values`), not from their files.
+        alone: No stored chunk this part's rank reads (its values aside) is read by
+            another rank, and every rank sent a request: the same on every rank, so all
+            ranks skip the shared reads' agreement on who reads what
+            (:meth:`resumekit.tensors.shared_reads.SharedReads.read_alone`), which
+            would share nothing.
     """
 
     chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]
     storage: list[Entry]
     values: dict[ItemKey, Any] = dataclasses.field(default_factory=dict)
+    alone: bool = False
+
+
+def _disjoint(parts: Sequence[Part]) -> bool:
+    """Whether no stored chunk is read (not sent as a value) through two of ``parts``."""
+    seen: set[ItemKey] = set()
+    for part in parts:
+        for key, chunks in part.chunks.items():
+            for offsets, _ in chunks:
+                item: ItemKey = (key, offsets)
+                if item in part.values:
+                    continue
+                if item in seen:
+                    return False
+                seen.add(item)
+    return True
 
 
 def skeleton(metadata: Metadata) -> Metadata:
@@ -416,6 +437,9 @@ class MetadataServer:
             parts.append(part)
         if read_values is not None:
             self._add_values(distinct, read_values)
+        if len(distinct) == len(parts) and _disjoint(distinct):
+            for part in distinct:
+                part.alone = True
         return parts
 
     def _add_values(self, parts: Sequence[Part], read_values: ValueReader) -> None:
@@ -505,34 +529,79 @@ def _heads_region(info: Any) -> bool:
     return bool(descriptors) and str(descriptors[0]).startswith(_REGION_PREFIXES)
 
 
+#: Bytes of a pickle that the exchange's first gather carries in a fixed frame (and its
+#: first scatter at least): a request or a part that fits takes one collective each way;
+#: a longer one sends the rest in a second.
+EXCHANGE_FRAME_BYTES = 16 << 10
+#: The scatter's frame grows with the checkpoint's keys (a part holds a storage entry,
+#: its checksums, per chunk of each key asked for) up to this many bytes: rank 0 sends
+#: W frames, so a frame stays small.
+EXCHANGE_FRAME_MAX_BYTES = 64 << 10
+_FRAME_BYTES_PER_KEY = 1536
+
+
+def exchange_frame_bytes(keys: int) -> int:
+    """The scatter's frame for a checkpoint of ``keys`` keys (the same on every rank).
+
+    From the skeleton every rank holds: a part of a run sharded as its checkpoint (one
+    chunk per key) fits, up to :data:`EXCHANGE_FRAME_MAX_BYTES`.
+    """
+    return max(EXCHANGE_FRAME_BYTES, min(EXCHANGE_FRAME_MAX_BYTES,
+                                         keys * _FRAME_BYTES_PER_KEY))
+_HEADER_WORDS = 3  # the scatter's frame: [pickle's bytes, longest pickle's, request rest]
+_SIZE_BYTES = 8
+
+
 def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None,
-                        read_values: ValueReader | None = None
-                        ) -> Callable[[Request | BaseException], Part]:
-    """The exchange of requests and parts on ``group``: one gather, then the parts scattered.
+                        read_values: ValueReader | None = None, *,
+                        frame_bytes: int = EXCHANGE_FRAME_BYTES
+                        ) -> Callable[[Request | BaseException | EveryRank], Part]:
+    """The exchange of requests and parts on ``group``: one gather, then one scatter.
 
     Group rank 0 holds ``server``; every rank of the group calls the returned function
     once, with its request, or with the error that kept it from making one (it still
-    takes part, so no rank waits for it; the error is raised on it after the scatter).
-    An error on rank 0 while answering (``read_values`` included: a small item's file
-    missing or damaged) is raised on every rank.
+    takes part, so no rank waits for it; the error is raised on it after the scatter),
+    or with an :class:`EveryRank` error: that one (the lowest rank's), or an error on
+    rank 0 while answering (``read_values`` included: a small item's file missing or
+    damaged), is raised on every rank, before any rank reads a byte (an
+    :class:`EveryRank`'s as :class:`RanksFailed`, holding it).
+
+    Both directions send fixed frames (:data:`EXCHANGE_FRAME_BYTES` of pickle and its
+    size; ``frame_bytes``, the same on every rank, for the parts), so a restore makes
+    two collectives here, where DCP's object collectives make four (an all-gather of
+    the sizes, whose messages grow with the group, then the gather; the sizes
+    scattered, then the parts). A request longer than a frame is asked for in the
+    scatter's frame: every rank then sends its rest in a second gather and gets its
+    part in a second scatter; a part longer than a frame comes in two scatters.
     """
 
-    def exchange(request: Request | BaseException) -> Part:
+    def exchange(request: Request | BaseException | EveryRank) -> Part:
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
-        dist.gather_object(request, gathered, group=group, group_dst=0)
+        source = 0 if group is None else dist.get_global_rank(group, 0)
+        data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        frames = _gather(_frame(data, EXCHANGE_FRAME_BYTES), rank, world, source, group)
         replies: list[Any] | None = None
+        rest = 0
         if rank == 0:
-            assert gathered is not None
-            try:
-                if server is None:
-                    raise CorruptCheckpointError(
-                        "the rank that read the checkpoint's metadata holds none to share")
-                replies = server.parts_for(gathered, read_values)
-            except Exception as error:  # noqa: BLE001 - raised on every rank below
-                replies = [error] * world
-        reply = _scatter(replies, rank, world, group)
+            assert frames is not None
+            sizes = [int.from_bytes(frame[:_SIZE_BYTES], "little") for frame in frames]
+            rest = max(sizes) - EXCHANGE_FRAME_BYTES
+            if rest <= 0:
+                replies = _answer(server, frames, sizes, read_values, world)
+        asked, reply = _scatter(replies, rank, world, source, group, rest=max(rest, 0),
+                                frame_bytes=frame_bytes)
+        if asked:  # a request did not fit its frame: the rests, then the parts
+            more = _gather(_padded(data[EXCHANGE_FRAME_BYTES:], asked), rank, world, source,
+                           group)
+            if rank == 0:
+                assert frames is not None and more is not None
+                replies = _answer(server, [frame + extra for frame, extra in zip(
+                    frames, more, strict=True)], sizes, read_values, world)
+            _, reply = _scatter(replies, rank, world, source, group, rest=0,
+                                frame_bytes=frame_bytes)
+        if isinstance(reply, EveryRank):
+            raise RanksFailed(reply.error)
         if isinstance(request, BaseException):
             raise request
         if isinstance(reply, BaseException):
@@ -542,15 +611,84 @@ def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer 
     return exchange
 
 
-def _scatter(values: list[Any] | None, rank: int, world: int,
-             group: dist.ProcessGroup | None) -> Any:
-    """Group rank 0's ``values[r]`` on each rank ``r``: their sizes, then their pickles.
+@dataclasses.dataclass(frozen=True)
+class EveryRank:
+    """A rank's failure sent in the exchange instead of its request, for every rank to raise.
+
+    A restore's check of the rank's share of the files (``verify_share``): rank 0 answers
+    every rank with the lowest rank's, so that no rank reads a byte of a checkpoint
+    another rank found damaged, and no agreement of its own is needed.
+    """
+
+    error: BaseException
+
+
+class RanksFailed(Exception):
+    """What the exchange raises on every rank for an :class:`EveryRank` failure.
+
+    The loader raises :attr:`error` itself, as it was raised on its rank (DCP wraps what
+    a planner raises).
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int],
+            read_values: ValueReader | None, world: int) -> list[Any]:
+    """Rank 0's replies to the gathered requests (or its error, for every rank)."""
+    try:
+        if server is None:
+            raise CorruptCheckpointError(
+                "the rank that read the checkpoint's metadata holds none to share")
+        gathered = [pickle.loads(frame[_SIZE_BYTES:_SIZE_BYTES + size])
+                    for frame, size in zip(frames, sizes, strict=True)]
+        failed = next((request for request in gathered if isinstance(request, EveryRank)),
+                      None)
+        if failed is not None:  # the lowest such rank's error, on every rank
+            return [failed] * world
+        return server.parts_for(gathered, read_values)
+    except Exception as error:  # noqa: BLE001 - raised on every rank by the exchange
+        return [error] * world
+
+
+def _padded(data: bytes, length: int) -> torch.Tensor:
+    """A uint8 tensor of ``length`` bytes: ``data``, then zeros."""
+    tensor = torch.zeros(length, dtype=torch.uint8)
+    if data:
+        tensor[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
+
+
+def _frame(data: bytes, length: int) -> torch.Tensor:
+    """``data``'s size (8 bytes, little-endian), then its first ``length`` bytes."""
+    return _padded(len(data).to_bytes(_SIZE_BYTES, "little") + data[:length],
+                   _SIZE_BYTES + length)
+
+
+def _gather(tensor: torch.Tensor, rank: int, world: int, source: int,
+            group: dist.ProcessGroup | None) -> list[bytes] | None:
+    """Every rank's ``tensor`` (all of one length) as bytes on group rank 0; None elsewhere."""
+    into = [torch.zeros_like(tensor) for _ in range(world)] if rank == 0 else None
+    dist.gather(tensor, into, dst=source, group=group)
+    return None if into is None else [got.numpy().tobytes() for got in into]
+
+
+def _scatter(values: list[Any] | None, rank: int, world: int, source: int,
+             group: dist.ProcessGroup | None, *, rest: int, frame_bytes: int
+             ) -> tuple[int, Any]:
+    """Group rank 0's ``values[r]`` on each rank ``r``, or its ask for ``rest`` more bytes.
 
     Tensor collectives (``dist.scatter``), not DCP's object scatter: a load that plans
     locally runs none of DCP's plan collectives. A value given to several ranks (one
-    object) is pickled once.
+    object) is pickled once. One scatter of fixed frames (a header, then the first
+    ``frame_bytes`` of the pickle); a second for what longer pickles hold past that.
+
+    Returns:
+        ``(rest, None)`` when rank 0 asks every rank for ``rest`` more bytes of its
+        request, else ``(0, value)``.
     """
-    source = 0 if group is None else dist.get_global_rank(group, 0)
     pickles: list[bytes] = []
     if rank == 0 and values is not None:
         pickled: dict[int, bytes] = {}
@@ -560,18 +698,33 @@ def _scatter(values: list[Any] | None, rank: int, world: int,
                 data = pickled[id(value)] = pickle.dumps(value,
                                                          protocol=pickle.HIGHEST_PROTOCOL)
             pickles.append(data)
+    header_bytes = _HEADER_WORDS * _SIZE_BYTES
     longest = max((len(data) for data in pickles), default=0)
-    size = torch.zeros(2, dtype=torch.int64)
-    dist.scatter(size, [torch.tensor([len(data), longest]) for data in pickles] or None,
-                 src=source, group=group)
-    mine = torch.zeros(int(size[1]), dtype=torch.uint8)
     frames = None
     if rank == 0:
-        frames = [torch.zeros(longest, dtype=torch.uint8) for _ in range(world)]
-        for frame, data in zip(frames, pickles, strict=True):
-            frame[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        frames = []
+        for number in range(world):
+            data = pickles[number] if pickles else b""
+            header = b"".join(word.to_bytes(_SIZE_BYTES, "little")
+                              for word in (len(data), longest, rest))
+            frames.append(_padded(header + data[:frame_bytes],
+                                  header_bytes + frame_bytes))
+    mine = torch.zeros(header_bytes + frame_bytes, dtype=torch.uint8)
     dist.scatter(mine, frames, src=source, group=group)
-    return pickle.loads(mine.numpy().tobytes()[:int(size[0])])
+    received = mine.numpy().tobytes()
+    size, longest, asked = (int.from_bytes(received[i:i + _SIZE_BYTES], "little")
+                            for i in range(0, header_bytes, _SIZE_BYTES))
+    if asked:
+        return asked, None
+    body = received[header_bytes:]
+    if longest > frame_bytes:
+        extra = longest - frame_bytes
+        rests = None if rank != 0 else [_padded(data[frame_bytes:], extra)
+                                        for data in pickles]
+        tail = torch.zeros(extra, dtype=torch.uint8)
+        dist.scatter(tail, rests, src=source, group=group)
+        body += tail.numpy().tobytes()
+    return 0, pickle.loads(body[:size])
 
 
 def serve_values(plan: LoadPlan, planner: LoadPlanner, values: Mapping[ItemKey, Any]

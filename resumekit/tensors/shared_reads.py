@@ -220,6 +220,7 @@ class SharedReads:
         self.window_bytes = window_bytes
         self.stats = ReadStats()
         self._offered = False
+        self._alone = False
         self._pending: collections.deque[_Pending] = collections.deque()
         self._in_flight = 0
 
@@ -230,6 +231,17 @@ class SharedReads:
         A group given by the caller may be NCCL-only; its load then reads on every rank.
         """
         return "gloo" in str(dist.get_backend(group))
+
+    def read_alone(self) -> None:
+        """Every rank reads only bytes no other rank wants: skip the agreement on offers.
+
+        Called on every rank alike, before :meth:`read`, when the metadata parts said so
+        (:attr:`resumekit.tensors.metadata_parts.Part.alone`): :meth:`read` then reads
+        the plan with no collective, and :meth:`settle` sends nothing; a failure is
+        every rank's at the load's own agreement.
+        """
+        self._offered = True
+        self._alone = True
 
     def read(self, plan: LoadPlan, planner: LoadPlanner,
              read: Callable[[LoadPlan, LoadPlanner], None], *, source: str) -> None:
@@ -254,6 +266,11 @@ class SharedReads:
                 every rank; :class:`~resumekit.errors.CoordinationError` when the group
                 itself breaks.
         """
+        if self._alone:
+            self.stats.read_bytes = sum(_nbytes(planner, item) for item in plan.items
+                                        if item.type != LoadItemType.BYTE_IO)
+            read(plan, planner)
+            return
         pieces: dict[Key, ReadItem] = {}
         sizes: dict[int, int] = {}  # id(item): bytes, for every tensor item of the plan
         offer: tuple[str, Any]

@@ -49,6 +49,7 @@ from resumekit.tensors.raw.format import (
     REGION_PREFIXES,
     TRAILER,
     TRAILER_ALONE_DESCRIPTORS,
+    TRAILER_PACK_PREFIX,
     ChecksumFile,
     Descriptor,
     FileLayout,
@@ -58,6 +59,7 @@ from resumekit.tensors.raw.format import (
     decode_checksum_file,
     decode_trailer,
     is_packed_member,
+    is_raw,
     trailer_length,
 )
 
@@ -270,6 +272,8 @@ class RawTensorReading:
         cached = self.__dict__.get("_raw_layout")
         if cached is not None and cached[0] is self.storage_data and files <= cached[1]:
             return cast(FileLayout, cached[2])
+        if self.verify:
+            self._read_trailers(files)
         layout = FileLayout(
             self.storage_data, self._where,
             (lambda name: self._read_checksums(name).regions) if self.verify else None,
@@ -277,6 +281,41 @@ class RawTensorReading:
             blocks=(lambda name: self._read_checksums(name).items) if self.verify else None)
         self.__dict__["_raw_layout"] = (self.storage_data, frozenset(files), layout)
         return layout
+
+    def _read_trailers(self, files: set[str]) -> None:
+        """Read the checksum trailers of the data files ``files`` holds, a few at once.
+
+        The layout then finds them read. Each file's read is a few small reads at its end
+        (on a NAS, round trips): a rank that reads many files (rank 0 reading the small
+        items every rank asks for whole, one or two per rank's file) reads up to
+        :data:`READ_THREADS` at once. This thread owns them: the first failure in file
+        name order is raised, naming its file, as a read one after another would.
+        """
+        cache: dict[tuple[int, str], Any] = self.__dict__.setdefault("_checksum_files", {})
+        marker = id(getattr(self, "storage_data", None))
+        names = sorted({info.relative_path for info in self.storage_data.values()
+                        if info.relative_path in files and is_raw(info)
+                        and (marker, info.relative_path) not in cache
+                        and _in_trailer(cast(Sequence[str], info.transform_descriptors)[0])})
+        if len(names) < 2 or self.read_threads < 2:
+            return  # the layout reads it (or none) itself
+        with ThreadPoolExecutor(max_workers=min(self.read_threads, len(names)),
+                                thread_name_prefix="resumekit-reader") as pool:
+            futures = [pool.submit(self._read_trailer, name, self._where_file(name))
+                       for name in names]
+            read = [future.result() for future in futures]  # re-raises, in name order
+        for name, parsed in zip(names, read, strict=True):
+            self._keep_checksums((marker, name), parsed)
+
+    def _where_file(self, name: str) -> str:
+        return str(os.fspath(self.fs.concat_path(self.path, name)))
+
+    def _keep_checksums(self, key: tuple[int, str], parsed: ChecksumFile) -> None:
+        """Cache ``parsed`` under ``key``, dropping another checkpoint's (owner thread)."""
+        cache: dict[tuple[int, str], Any] = self.__dict__.setdefault("_checksum_files", {})
+        for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
+            del cache[stale]
+        cache[key] = parsed
 
     def _read_checksums(self, name: str) -> ChecksumFile:
         """Read (once per layout) and parse checksum file ``name``, checked first.
@@ -293,9 +332,7 @@ class RawTensorReading:
         where = str(os.fspath(self.fs.concat_path(self.path, name)))
         if name.endswith(DATA_SUFFIX):
             parsed = self._read_trailer(name, where)
-            for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
-                del cache[stale]
-            cache[key] = parsed
+            self._keep_checksums(key, parsed)
             return parsed
 
         def read() -> bytes:
@@ -311,9 +348,7 @@ class RawTensorReading:
                 path=os.fspath(self.path), file=where) from error
         check_listed_checksum(self.file_checksums, name, data, where)
         parsed = decode_checksum_file(data, where=where)
-        for stale in [k for k in cache if k[0] != key[0]]:  # another checkpoint's
-            del cache[stale]
-        cache[key] = parsed
+        self._keep_checksums(key, parsed)
         return parsed
 
     def _read_trailer(self, name: str, where: str) -> ChecksumFile:
@@ -636,3 +671,8 @@ def _chunks(view: memoryview) -> Iterator[memoryview]:
     for start in range(0, len(view), CHUNK_BYTES):
         yield view[start:start + CHUNK_BYTES]
 
+
+def _in_trailer(descriptor: str) -> bool:
+    """Whether an item of this descriptor has its checksums in its data file's trailer."""
+    return descriptor == TRAILER_ALONE_DESCRIPTORS[0] or descriptor.startswith(
+        TRAILER_PACK_PREFIX)
