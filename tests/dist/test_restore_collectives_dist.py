@@ -22,7 +22,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 from resumekit import CheckpointManager
-from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
+from tests.dist.tiny_fsdp2 import stepped_tiny_fsdp2_adamw, tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
 #: The tensor collectives of ``torch.distributed`` (what its object collectives call).
@@ -71,9 +71,7 @@ def _restore(rank: int, world_size: int, root: str, small_frames: bool) -> dict[
         parts = importlib.import_module("resumekit.tensors.metadata_parts")
         parts.EXCHANGE_FRAME_BYTES = 64
         load.exchange_frame_bytes = lambda keys: 64
-    model, optimizer = tiny_fsdp2_adamw()
-    model(torch.ones(2, 6)).square().mean().backward()
-    optimizer.step()
+    model, optimizer = stepped_tiny_fsdp2_adamw()
     manager = CheckpointManager(root, model=model, optimizer=optimizer)
     manager.save(1)
     manager.close()

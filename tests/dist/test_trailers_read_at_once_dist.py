@@ -13,22 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from resumekit import CheckpointManager
 from resumekit import tensors as tensor_io
 from resumekit.errors import CorruptCheckpointError
 from resumekit.tensors.raw import reader as raw_reader
-from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
+from tests.dist.tiny_fsdp2 import stepped_tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _save(rank: int, world_size: int, root: str) -> None:
-    model, optimizer = tiny_fsdp2_adamw()
-    model(torch.ones(2, 6)).square().mean().backward()
-    optimizer.step()
+    model, optimizer = stepped_tiny_fsdp2_adamw()
     manager = CheckpointManager(root, model=model, optimizer=optimizer)
     manager.save(1)
     manager.close()

@@ -15,3 +15,11 @@ def tiny_fsdp2_adamw() -> tuple[nn.Module, torch.optim.Optimizer]:
         fully_shard(layer)
     fully_shard(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def stepped_tiny_fsdp2_adamw() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """:func:`tiny_fsdp2_adamw` after one training step: the optimizer has state to save."""
+    model, optimizer = tiny_fsdp2_adamw()
+    model(torch.ones(2, 6)).square().mean().backward()
+    optimizer.step()
+    return model, optimizer
