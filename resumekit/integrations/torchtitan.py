@@ -234,9 +234,7 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
         except BaseException:
             # No close will come: the group made here goes now, without meeting on it (the
             # ranks may not all have failed), as a failed CheckpointManager's groups do.
-            group, self._made_vote_group = self._made_vote_group, None
-            if group is not None and dist.is_initialized():
-                dist.destroy_process_group(group)
+            self._destroy_vote_group(meet=False)
             raise
         if config.last_save_model_only:
             logger.info("resumekit: the last step is committed as a full 'final' checkpoint "
@@ -304,20 +302,26 @@ class ResumekitCheckpointer(BaseCheckpointManager):  # type: ignore[misc]
     def _close(self) -> None:
         try:
             self.manager.close()
-        finally:
-            self._destroy_vote_group()
+        except BaseException:
+            # The manager's failure (a peer died) is the one to raise: the vote group is
+            # destroyed without the meeting, which would only fail on the same peer and
+            # put its own error in the manager's place.
+            self._destroy_vote_group(meet=False)
+            raise
+        self._destroy_vote_group()
 
-    def _destroy_vote_group(self) -> None:
+    def _destroy_vote_group(self, *, meet: bool = True) -> None:
         """Destroy the vote's group if made here (once; after the manager removed the handler).
 
-        The ranks meet on it first: a gloo group destroyed while a peer still sends on it
-        can abort that peer.
+        The ranks meet on it first (``meet``): a gloo group destroyed while a peer still
+        sends on it can abort that peer.
         """
         group, self._made_vote_group = self._made_vote_group, None
         if group is None or not dist.is_initialized():
             return
         try:
-            dist.barrier(group=group)
+            if meet:
+                dist.barrier(group=group)
         finally:
             dist.destroy_process_group(group)
 

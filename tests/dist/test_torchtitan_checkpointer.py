@@ -201,6 +201,57 @@ def test_a_checkpointer_whose_construction_fails_destroys_the_vote_group_it_made
         ("ConfigurationError", True)] * 2
 
 
+def _close_whose_manager_fails(rank: int, world: int, folder: str) -> tuple[str, bool]:
+    from resumekit.integrations import torchtitan
+
+    made: list[torch.distributed.ProcessGroup] = []
+    real = torchtitan.new_save_group
+
+    def recorded() -> torch.distributed.ProcessGroup:
+        made.append(real())
+        return made[-1]
+
+    torchtitan.new_save_group = recorded  # this rank's process only
+    model = llama3(n_layers=1)
+    checkpointer = torchtitan.ResumekitCheckpointer.Config(
+        enable=True, folder="checkpoint").build(
+        dataloader=None, model_parts=[model], optimizers=torch.optim.SGD(model.parameters()),
+        lr_schedulers=None, states={}, sd_adapter=None, base_folder=folder)
+    real_close = checkpointer.manager.close
+    barrier = torch.distributed.barrier
+
+    def failing_barrier(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the vote group's meeting failed")
+
+    def peer_died() -> None:  # what a close whose peer died raises: the meeting would too
+        real_close()
+        torch.distributed.barrier = failing_barrier
+        raise RuntimeError("the manager's close failed: peer 1 is gone")
+
+    checkpointer.manager.close = peer_died  # type: ignore[method-assign]
+    raised = ""
+    try:
+        checkpointer.close()
+    except RuntimeError as error:
+        raised = str(error)
+    finally:
+        torch.distributed.barrier = barrier
+    try:
+        torch.distributed.get_process_group_ranks(made[0])
+        destroyed = False
+    except KeyError:
+        destroyed = True
+    return raised, destroyed
+
+
+def test_a_close_whose_manager_fails_raises_that_failure_and_destroys_the_vote_group(
+        tmp_path: Path) -> None:
+    # The vote group's meeting would fail on the same dead peer; its error must not take
+    # the place of the manager's, and the group goes all the same.
+    assert harness.run_ranks(_close_whose_manager_fails, 2, args=(str(tmp_path),)) == [
+        ("the manager's close failed: peer 1 is gone", True)] * 2
+
+
 def test_torchtitans_own_checkpointer_after_a_sigkill_resumes_its_last_save_without_the_rng(
         tmp_path: Path, uninterrupted: list[dict[str, Any]]) -> None:
     """The comparison of docs/integrations.md: the same SIGKILL, torchtitan's own line."""
