@@ -164,8 +164,8 @@ def test_the_preemption_vote_runs_on_a_gloo_group_of_its_own_not_torchtitans_def
         ("gloo", False, True)] * 2
 
 
-def _vote_group_of_a_failed_build(rank: int, world: int, folder: str) -> tuple[str, bool]:
-    from resumekit.errors import ConfigurationError
+def _recording_vote_groups() -> list[torch.distributed.ProcessGroup]:
+    """The vote groups the checkpointer makes in this rank's process, as it makes them."""
     from resumekit.integrations import torchtitan
 
     made: list[torch.distributed.ProcessGroup] = []
@@ -176,6 +176,22 @@ def _vote_group_of_a_failed_build(rank: int, world: int, folder: str) -> tuple[s
         return made[-1]
 
     torchtitan.new_save_group = recorded  # this rank's process only
+    return made
+
+
+def _destroyed(group: torch.distributed.ProcessGroup) -> bool:
+    try:
+        torch.distributed.get_process_group_ranks(group)
+    except KeyError:
+        return True
+    return False
+
+
+def _vote_group_of_a_failed_build(rank: int, world: int, folder: str) -> tuple[str, bool]:
+    from resumekit.errors import ConfigurationError
+    from resumekit.integrations import torchtitan
+
+    made = _recording_vote_groups()
     model = llama3(n_layers=1)
     refused = ""
     try:  # the local tier's directory is the durable root: refused on every rank
@@ -187,12 +203,7 @@ def _vote_group_of_a_failed_build(rank: int, world: int, folder: str) -> tuple[s
             sd_adapter=None, base_folder=folder)
     except ConfigurationError as error:
         refused = type(error).__name__
-    try:  # the checkpointer made the group: its failed construction destroyed it
-        torch.distributed.get_process_group_ranks(made[0])
-        destroyed = False
-    except KeyError:
-        destroyed = True
-    return refused, destroyed
+    return refused, _destroyed(made[0])  # its failed construction destroyed it
 
 
 def test_a_checkpointer_whose_construction_fails_destroys_the_vote_group_it_made(
@@ -204,14 +215,7 @@ def test_a_checkpointer_whose_construction_fails_destroys_the_vote_group_it_made
 def _close_whose_manager_fails(rank: int, world: int, folder: str) -> tuple[str, bool]:
     from resumekit.integrations import torchtitan
 
-    made: list[torch.distributed.ProcessGroup] = []
-    real = torchtitan.new_save_group
-
-    def recorded() -> torch.distributed.ProcessGroup:
-        made.append(real())
-        return made[-1]
-
-    torchtitan.new_save_group = recorded  # this rank's process only
+    made = _recording_vote_groups()
     model = llama3(n_layers=1)
     checkpointer = torchtitan.ResumekitCheckpointer.Config(
         enable=True, folder="checkpoint").build(
@@ -236,12 +240,7 @@ def _close_whose_manager_fails(rank: int, world: int, folder: str) -> tuple[str,
         raised = str(error)
     finally:
         torch.distributed.barrier = barrier
-    try:
-        torch.distributed.get_process_group_ranks(made[0])
-        destroyed = False
-    except KeyError:
-        destroyed = True
-    return raised, destroyed
+    return raised, _destroyed(made[0])
 
 
 def test_a_close_whose_manager_fails_raises_that_failure_and_destroys_the_vote_group(
