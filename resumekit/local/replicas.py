@@ -444,11 +444,22 @@ class _Wire:
         return rank if self.group is None else int(dist.get_global_rank(self.group, rank))
 
     def send(self, tensor: Any, to: int, tag: int) -> None:
-        self.pending.append(dist.isend(tensor, self._global(to), group=self.group, tag=tag))
+        """Post a send of ``tensor`` to ``to``; a broken peer raises CoordinationError."""
+        try:
+            work = dist.isend(tensor, self._global(to), group=self.group, tag=tag)
+        except RuntimeError as error:  # gloo: a peer that closed fails the post itself
+            self.pending = []
+            raise self._broken(error) from error
+        self.pending.append(work)
 
     def receive(self, tensor: Any, source: int, tag: int) -> None:
-        self.pending.append(dist.irecv(tensor, self._global(source), group=self.group,
-                                       tag=tag))
+        """Post a receive into ``tensor`` from ``source``; a broken peer raises alike."""
+        try:
+            work = dist.irecv(tensor, self._global(source), group=self.group, tag=tag)
+        except RuntimeError as error:
+            self.pending = []
+            raise self._broken(error) from error
+        self.pending.append(work)
 
     def wait(self) -> None:
         """Wait for every send and receive posted; a broken peer raises CoordinationError."""
@@ -457,10 +468,16 @@ class _Wire:
             for work in pending:
                 work.wait()
         except RuntimeError as error:  # gloo: peer closed, or timed out
-            failure = getattr(self.coordinator, "failure", None)
-            if failure is None:
-                raise
-            raise failure("send/recv", error) from error
+            raise self._broken(error) from error
+
+    def _broken(self, error: RuntimeError) -> BaseException:
+        """Gloo's ``error`` of a send or receive as the coordinator's CoordinationError.
+
+        A peer that died shows at whichever comes first: posting the next send or receive
+        (the connection already closed) or waiting for one under way.
+        """
+        failure = getattr(self.coordinator, "failure", None)
+        return error if failure is None else failure("send/recv", error)
 
 
 def _run(transfers: list[_Transfer], group: Any, *, what: str,

@@ -302,6 +302,48 @@ def test_a_peer_dying_mid_stream_raises_a_coordination_error_instead_of_hanging(
     assert "replication of step_000000010 failed on rank 0 of 2: the send/recv" in results[0]
 
 
+def _post_fails_mid_stream(rank: int, world_size: int, base: str) -> str:
+    own, partners, replica_root = _setup(rank, base, per_node=1)
+    _commit(own, rank, 10)
+    if rank == 1:  # rank 1 dies while rank 0's files are on their way to it
+        received, posts = dist.irecv, [0]
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            posts[0] += 1
+            if posts[0] == 4:
+                os._exit(0)
+            return received(*args, **kwargs)
+
+        dist.irecv = dying
+    else:  # and rank 0 sees it as gloo does when the connection closed first: at the post
+        sent, posts = dist.isend, [0]
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            posts[0] += 1
+            if posts[0] == 4:
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                   "peer [127.0.0.1]:24985")
+            return sent(*args, **kwargs)
+
+        dist.isend = refused
+    try:
+        replicate(own, _name(10), partners, replica_root)
+    except CoordinationError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_peer_found_gone_when_the_next_send_is_posted_raises_a_coordination_error(
+        tmp_path: Path) -> None:
+    # gloo reports a closed connection at whichever comes first, the wait for a transfer
+    # under way or the post of the next one: both are the same CoordinationError.
+    results = run_ranks(_post_fails_mid_stream, world_size=2, args=(str(tmp_path),),
+                        may_exit=(1,), group_timeout_s=20)
+    assert results[1] is None
+    assert "replication of step_000000010 failed on rank 0 of 2: the send/recv" in results[0]
+    assert "closed its connection" in results[0], results[0]
+
+
 def _hangs_mid_stream(rank: int, world_size: int, base: str) -> str:
     own, partners, replica_root = _setup(rank, base, per_node=1)
     _commit(own, rank, 10)
