@@ -43,6 +43,7 @@ from resumekit.errors import (
 )
 from resumekit.local.site import LocalSite, LocalSurvey, fetch_copies, holdings_of
 from resumekit.local.tier_choice import Candidate, Holdings, Tier, TierChoice, decide
+from resumekit.restore.plan import not_damaged
 from resumekit.runtime.channels import Channel
 from resumekit.store import generations
 from resumekit.store.catalog import CheckpointEntry
@@ -203,7 +204,7 @@ class TierRestore:
             except IncompatibleCheckpointError:
                 raise
             except CheckpointLoadError as error:
-                raise _copy_not_damaged(entry, site.rank, error) from error
+                raise not_damaged(entry, error, rank=site.rank, node_local=True) from error
             except (ResumekitError, OSError) as error:
                 return (f"rank {site.rank}'s copy {entry.path} failed: "
                         f"{type(error).__name__}: {error}")
@@ -254,20 +255,3 @@ def in_job_restarts(environ: Mapping[str, str] | None = None) -> int:
     except ValueError:
         return 0
 
-
-def _copy_not_damaged(entry: CheckpointEntry, rank: int, error: CheckpointLoadError
-                      ) -> CheckpointLoadError:
-    """``error`` of rank ``rank``'s copy ``entry``, naming it, its step and what to do."""
-    cause = error.fields.get("cause") or error.message
-    file = error.fields.get("file")
-    where = "" if file is None else f" ({file})"
-    return CheckpointLoadError(
-        f"node-local copy {entry.path} (step {entry.step}) failed to load on rank "
-        f"{rank}{where}: {cause}. Its files match the checksums recorded when it was "
-        "written, so it is not damaged: what failed is the code interpreting them "
-        "(resumekit, torch, or code of this run the load calls, such as a state-dict "
-        "hook). It is kept as it is (no copy was deleted) and restore stops here, without "
-        "restoring an older step or the durable root instead: fix the cause and restore "
-        "again (or restore without the local tier, local=None, to read the durable root)",
-        path=entry.path, step=entry.step, rank=rank, cause=cause, file=file,
-    )

@@ -77,6 +77,7 @@ __all__ = [
     "judge_failure",
     "leftovers",
     "new_root_for",
+    "not_damaged",
     "refuse_broken_newest",
     "refuse_newer_schema",
     "refuse_version_skew",
@@ -338,7 +339,7 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
         return Unusable(entry, error, deleted=True)
     refuse_version_skew(entry, error, running=running)
     if isinstance(error, CheckpointLoadError):
-        raise _not_damaged(entry, error) from error
+        raise not_damaged(entry, error) from error
     if isinstance(error, FileNotFoundError) and not isinstance(error, ResumekitError):
         error = IncompleteCheckpointError(
             f"{entry.path} (step {entry.step}) is missing {error.filename or error}",
@@ -349,20 +350,36 @@ def judge_failure(entry: CheckpointEntry, error: BaseException, *, gone: bool,
     return Unusable(entry, error, deleted=False)
 
 
-def _not_damaged(entry: CheckpointEntry, error: CheckpointLoadError) -> CheckpointLoadError:
-    """``error`` (its files were verified), naming the checkpoint, its step and what to do."""
-    rank, file = error.fields.get("rank"), error.fields.get("file")
+def not_damaged(entry: CheckpointEntry, error: CheckpointLoadError, *,
+                rank: int | None = None, node_local: bool = False) -> CheckpointLoadError:
+    """``error`` (its files were verified), naming the checkpoint, its step and what to do.
+
+    Args:
+        entry: The checkpoint whose load failed.
+        error: The failure.
+        rank: The rank whose load failed, where ``error`` does not name it.
+        node_local: ``entry`` is a node-local copy (the local tier's restore says so, and
+            that the durable root is not read in its place).
+    """
+    rank = error.fields.get("rank") if rank is None else rank
+    file = error.fields.get("file")
     where = ("" if rank is None else f" on rank {rank}") + ("" if file is None else
                                                             f" ({file})")
     cause = error.fields.get("cause") or error.message
+    what, kept, then = (
+        ("node-local copy ", "no copy was deleted",
+         "without restoring an older step or the durable root instead: fix the cause and "
+         "restore again (or restore without the local tier, local=None, to read the "
+         "durable root)") if node_local else
+        ("", "nothing was set aside",
+         "without falling back to an older checkpoint: fix the cause and restore again (or "
+         "move it out of the root to resume from the previous checkpoint without it)"))
     return CheckpointLoadError(
-        f"{entry.path} (step {entry.step}) failed to load{where}: {cause}. Its files match "
-        "the checksums recorded when it was written, so it is not damaged: what failed is "
-        "the code interpreting them (resumekit, torch, or code of this run the load calls, "
-        "such as a state-dict hook). It is kept as it is (nothing was set aside) and "
-        "restore stops here, without falling back to an older checkpoint: fix the cause "
-        "and restore again (or move it out of the root to resume from the previous "
-        "checkpoint without it)",
+        f"{what}{entry.path} (step {entry.step}) failed to load{where}: {cause}. Its files "
+        "match the checksums recorded when it was written, so it is not damaged: what "
+        "failed is the code interpreting them (resumekit, torch, or code of this run the "
+        f"load calls, such as a state-dict hook). It is kept as it is ({kept}) and restore "
+        f"stops here, {then}",
         path=entry.path, step=entry.step, rank=rank, cause=cause, file=file,
     )
 
