@@ -163,8 +163,11 @@ def save(
                 plans.forget()  # on every rank: DCP raises a failure on all of them
             if isinstance(error, CheckpointException):
                 if plans is not None and attempt == 1 and _plan_again(error):
-                    logger.debug("tensor save into %s: the remembered plans are not "
-                                 "reusable on every rank; planning in full", target)
+                    # Said, not warned: a cache miss; the save is whole either way.
+                    logger.info("tensor save into %s: planned again in full, as the "
+                                "remembered plans are not reusable on every rank (a "
+                                "rank's state changed its layout: a key, dtype or shape)",
+                                target)
                     continue  # a layout changed on some ranks only
                 raise from_failures(error, "save", target, None) from None
             if isinstance(error, ResumekitError) or not isinstance(error, Exception):

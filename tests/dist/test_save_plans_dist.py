@@ -8,6 +8,7 @@ in full on every rank; every save reloads exactly what was saved, in its own lay
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,11 @@ def _saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     model, optimizer = build("transformer", seed=0, world_size=world_size)
     plans = SavePlans()
     counts, snapshots = [], []
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("resumekit").addHandler(handler)
+    logging.getLogger("resumekit").setLevel(logging.INFO)
     for number in range(8):
         train_step(model, optimizer, "transformer", seed=number)
         more: dict[str, Any] = {f"counter{rank}": torch.tensor([number, rank])}
@@ -43,6 +49,8 @@ def _saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
         counts.append(_counts(plans))
         snapshots.append((_flat(state), more))
     return {"counts": counts,
+            "replanned": sorted(int(m.split("save")[-1].split(":")[0]) for m in said
+                                if "planned again in full" in m),
             "reloads": [_reload_matches(Path(root) / f"save{number}", want, more)
                         for number, (want, more) in enumerate(snapshots)]}
 
@@ -62,6 +70,8 @@ def test_a_collective_save_reuses_plans_only_while_no_rank_changed_its_layout(
     assert coordinator == [(1, 0, 0, 0), (1, 1, 0, 1), (2, 1, 1, 1), (2, 2, 1, 2),
                            (3, 2, 2, 2), (3, 3, 2, 3), (4, 3, 3, 3), (4, 4, 3, 4)], coordinator
     assert [count[2:] for count in results[1]["counts"]] == [(0, 0, 0, 0)] * 8
+    for result in results:  # each save planned again is said, naming its directory
+        assert result["replanned"] == [2, 4, 6], result["replanned"]
 
 
 def _manager_saves(rank: int, world_size: int, root: str, async_save: bool
