@@ -27,14 +27,24 @@ The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. W
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from resumekit import tensors
-from resumekit.store.catalog import read_checked_file, refuse_links, verify_checkpoint
+from resumekit.errors import CorruptCheckpointError
+from resumekit.store.catalog import (
+    read_checked_file,
+    read_checked_range,
+    refuse_links,
+    verify_checkpoint,
+)
 from resumekit.store.coordination import Coordinator, run_on_leader
 from resumekit.store.layout import DCP_METADATA_FILE, TENSORS_DIR
-from resumekit.store.manifest import Manifest
+from resumekit.store.manifest import FileEntry, Manifest
 from resumekit.store.storage import Storage
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+from resumekit.tensors import metadata_file
 
 __all__ = ["METADATA_PATH", "PrereadMetadata", "preread_metadata", "refuse_links_share",
            "share_metadata", "verify_share"]
@@ -68,6 +78,89 @@ class PrereadMetadata:
         return PrereadMetadata(self.name, self.outcome)
 
 
+_LAID_OUT_SCHEMA = 5
+"""The first ``schema_version`` whose raw format lays ``.metadata`` out by rank."""
+_FIRST_READ = 256 << 10
+"""Bytes of ``.metadata`` read with its frame: a head that fits takes one read."""
+
+
+def _damaged(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
+             error: CorruptCheckpointError, *, rank: int | None = None
+             ) -> CorruptCheckpointError:
+    """A damaged piece of a ``.metadata`` laid out by rank, named as its whole file's damage."""
+    where = storage.path(f"{name}/{manifest.data_path(entry.path)}")
+    text = error.message.removeprefix(f"{where}: ")
+    piece = "" if rank is None else f", rank {rank}'s part"
+    return CorruptCheckpointError(
+        f"{where} (step {manifest.step}{piece}): {text}",
+        path=storage.path(name), file=entry.path, step=manifest.step, rank=rank)
+
+
+def _read_for_ranks(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
+                    verify: bool, world_size: int) -> tensors.CheckedMetadata:
+    """The leader's read of ``.metadata``: its head alone, or the whole file.
+
+    The head alone where the file is laid out by rank
+    (:mod:`resumekit.tensors.metadata_file`) and several ranks restore.
+    """
+    source = storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}")
+    if (world_size > 1 and manifest.schema_version >= _LAID_OUT_SCHEMA
+            and manifest.tensor_format != "dcp" and entry.size >= metadata_file.FRAME_BYTES):
+        first = read_checked_range(storage, name, manifest, entry, start=0, length=min(
+            entry.size, metadata_file.FRAME_BYTES + _FIRST_READ))
+        if metadata_file.is_framed(first):
+            try:
+                length, expected = metadata_file.read_head_length(first, source)
+                end = metadata_file.FRAME_BYTES + length
+                if end > entry.size:
+                    raise CorruptCheckpointError(
+                        f"{source}: its head of {length} bytes lies past its end",
+                        path=source, file=source)
+                data = first[metadata_file.FRAME_BYTES:end] if end <= len(first) else (
+                    first[metadata_file.FRAME_BYTES:] + read_checked_range(
+                        storage, name, manifest, entry, start=len(first),
+                        length=end - len(first)))
+                head = metadata_file.parse_head(data, expected, source)
+            except CorruptCheckpointError as error:
+                raise _damaged(storage, name, manifest, entry, error) from None
+            checked = tensors.CheckedMetadata.from_head(head, source, entry.checksum)
+
+            def read_whole() -> Metadata:
+                data = read_checked_file(storage, name, manifest, entry, verify=verify)
+                return tensors.CheckedMetadata.parse(data, source=source).parsed()
+
+            checked.read_whole = read_whole
+            return checked
+    data = read_checked_file(storage, name, manifest, entry, verify=verify)
+    return tensors.CheckedMetadata.parse(data, source=source)
+
+
+def _with_parts(checked: tensors.CheckedMetadata | None, storage: Storage, name: str,
+                manifest: Manifest, entry: FileEntry) -> tensors.CheckedMetadata | None:
+    """``checked``, able to read its rank's part where only a head was read (every rank)."""
+    if checked is None or checked.head is None or checked.read_part is not None:
+        return checked
+    head = checked.head
+    source = checked.source
+
+    def read_part(rank: int) -> list[metadata_file.Row] | None:
+        if rank >= len(head.parts):
+            return None
+        offset, length, checksum = head.parts[rank]
+        try:
+            if offset < 0 or head.base + offset + length > entry.size:
+                raise CorruptCheckpointError(f"{source}: rank {rank}'s part lies past its end",
+                                             path=source, file=source, rank=rank)
+            data = read_checked_range(storage, name, manifest, entry,
+                                      start=head.base + offset, length=length)
+            return metadata_file.parse_part(data, checksum, source, rank)
+        except CorruptCheckpointError as error:
+            raise _damaged(storage, name, manifest, entry, error, rank=rank) from None
+
+    checked.read_part = read_part
+    return checked
+
+
 def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
                      verify: bool = True) -> PrereadMetadata:
     """Read and check ``.metadata`` of ``name`` as :func:`share_metadata` does (leader only).
@@ -79,9 +172,8 @@ def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
     if entry is None:
         return PrereadMetadata(name, ("ok", None))
     try:
-        data = read_checked_file(storage, name, manifest, entry, verify=verify)
-        checked = tensors.CheckedMetadata.parse(
-            data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
+        checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
+                                  world_size=2)  # read for the ranks of a group
         return PrereadMetadata(name, ("ok", checked.for_ranks()), checked)
     except Exception as error:  # noqa: BLE001 - raised on every rank by share_metadata
         return PrereadMetadata(name, ("error", error))
@@ -128,21 +220,22 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
         status, value = preread.outcome
         if status == "error":
             raise value
-        return preread.whole if preread.whole is not None else value
+        found = cast("tensors.CheckedMetadata | None",
+                     preread.whole if preread.whole is not None else value)
+        return _with_parts(found, storage, name, manifest, entry)
 
     whole: list[tensors.CheckedMetadata] = []
 
     def read() -> tensors.CheckedMetadata:
-        data = read_checked_file(storage, name, manifest, entry, verify=verify)
-        checked = tensors.CheckedMetadata.parse(
-            data, source=storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}"))
+        checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
+                                  world_size=coordinator.world_size)
         if coordinator.world_size == 1:
             return checked
         whole.append(checked)
         return checked.for_ranks()
 
     shared = run_on_leader(coordinator, read)
-    return whole[0] if whole else shared
+    return _with_parts(whole[0] if whole else shared, storage, name, manifest, entry)
 
 
 def verify_share(storage: Storage, name: str, manifest: Manifest, *, rank: int = 0,

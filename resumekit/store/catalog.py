@@ -74,6 +74,7 @@ __all__ = [
     "other_entries",
     "other_name_checkpoints",
     "read_checked_file",
+    "read_checked_range",
     "read_manifest",
     "refuse_links",
     "sort_entries",
@@ -287,6 +288,39 @@ def read_checked_file(storage: Storage, name: str, manifest: Manifest, entry: Fi
         actual = checksum_chunks([data], like=entry.checksum)
         if actual != entry.checksum:
             raise _wrong_checksum(storage, name, manifest, entry, actual)
+    return data
+
+
+def read_checked_range(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
+                       start: int, length: int) -> bytes:
+    """Read ``length`` bytes at ``start`` of one file of checkpoint ``name``.
+
+    As :func:`read_checked_file`, without the checksum: the link is refused, the file's
+    size must be the manifest's, and the range must lie in it. The caller checks the
+    bytes against a checksum of their own (a part of a ``.metadata`` laid out by rank).
+
+    Raises:
+        IncompleteCheckpointError: The file is missing, has the wrong size, or is shorter
+            than the range.
+        UnsafeCheckpointError: It (or a directory on its way) is a symbolic link.
+    """
+    refuse_links(storage, name, manifest.model_copy(update={"files": [entry]}))
+    relative = f"{name}/{manifest.data_path(entry.path)}"
+
+    def read() -> tuple[int, bytes]:
+        with storage.open(relative) as handle:
+            size = handle.seek(0, 2)
+            handle.seek(start)
+            return size, handle.read(length)
+
+    try:
+        size, data = read_with_retry(storage.path(relative), read)
+    except FileNotFoundError:
+        raise _missing(storage, name, manifest, entry) from None
+    if size != entry.size:
+        raise _wrong_size(storage, name, manifest, entry, size)
+    if len(data) != length:
+        raise _wrong_size(storage, name, manifest, entry, start + len(data))
     return data
 
 

@@ -74,7 +74,7 @@ __all__ = [
     "version_skew",
 ]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The format version every checkpoint this release writes records (``schema_version``).
 
 It moves whenever a write uses anything an older release cannot read, so that an older
@@ -100,6 +100,11 @@ SCHEMA_HISTORY: Mapping[int, str] = MappingProxyType({
        "'resumekit-raw/5' for items stored alone and 'resumekit-raw/6;<region length>' "
        "for packed regions), no checksum file, and its manifest checksum of parts "
        "('xxh3_128-parts:<length>:<hex>,...'), which readers of version 3 cannot parse",
+    5: "the raw format's tensors/.metadata laid out by rank (issue 40, "
+       "'resumekit-metadata/1': a frame, a head of the skeleton, the items every rank "
+       "needs and a table of each writing rank's part, then the parts), so a restore "
+       "reads only the parts it needs; readers of version 4 (and DCP's stock reader) "
+       "expect one pickle of the whole metadata",
 })
 """What each ``schema_version`` added to what an older one holds."""
 CHECKSUM_ALGORITHM = "xxh3_128"

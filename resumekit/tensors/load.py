@@ -49,6 +49,7 @@ from resumekit.tensors.metadata_parts import (
     request_of,
     skeleton,
 )
+from resumekit.tensors.parts_exchange import covered_exchange
 from resumekit.tensors.raw import raw_files
 from resumekit.tensors.reader import (
     CheckedMetadata,
@@ -182,21 +183,9 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
     whole = False
     carried: list[BaseException] = []  # a rank's failure the exchange raised on every rank
     if metadata is not None and metadata.exchanged and not alone:
-        # The skeleton's holders get their part from the rank that read the whole file.
-        whole = metadata.whole
-        read_values = None
-        if whole:  # the small items asked for whole: read here, once, sent in the parts
-            checked = metadata
-
-            def read_values(items: Sequence[ItemKey]) -> dict[ItemKey, Any]:
-                return read_whole_items(
-                    make_reader(target, storage_options, verify=verify, metadata=checked),
-                    checked.parsed(), items)
-
-        exchange = _carrying(exchange_over_group(
-            group, metadata.server() if whole else None, read_values,
-            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata))),
-            failure, carried)
+        whole = metadata.head is None and metadata.whole
+        exchange = _carrying(_exchange_of(metadata, group, target, storage_options, verify),
+                             failure, carried)
         if shared is not None:
             exchange = _telling(exchange, shared)
     if failure is not None and exchange is None:
@@ -222,6 +211,48 @@ def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],
             "without collectives" if no_dist or plan_locally else "on the process group",
             len(planner.state_dict), target,
             "" if shared is None else f", read once: {shared.stats}")
+
+
+def _exchange_of(metadata: CheckedMetadata, group: dist.ProcessGroup | None, target: str,
+                 storage_options: Mapping[str, Any] | None, verify: bool
+                 ) -> Callable[[Request | BaseException | EveryRank], Part]:
+    """The exchange of metadata parts of a load whose ``metadata`` was shared.
+
+    Of a ``.metadata`` laid out by rank (:mod:`.parts_exchange`): each rank reads its own
+    part, and rank 0 answers from the head alone when every rank's part covers its
+    request. Otherwise the skeleton's holders get their part from the rank that read the
+    whole file, which reads the small items asked for whole once and sends them in the
+    parts.
+    """
+    head = metadata.head
+    if head is None:
+        whole = metadata.whole
+        read_values = None
+        if whole:
+            def read_values(items: Sequence[ItemKey]) -> dict[ItemKey, Any]:
+                return read_whole_items(
+                    make_reader(target, storage_options, verify=verify, metadata=metadata),
+                    metadata.parsed(), items)
+
+        return exchange_over_group(
+            group, metadata.server() if whole else None, read_values,
+            frame_bytes=exchange_frame_bytes(len(metadata.parsed().state_dict_metadata)))
+    answerer = None
+    if metadata.leader:
+        raw = metadata.raw_files()
+
+        def read_small(found: Metadata, items: Sequence[ItemKey]) -> dict[ItemKey, Any]:
+            holder = CheckedMetadata(None, metadata.source, metadata.digest)
+            holder._parsed = found
+            holder._raw_files = raw
+            return read_whole_items(make_reader(target, storage_options, verify=verify,
+                                                metadata=holder), found, items)
+
+        answerer = metadata.answerer(read_small)
+    inner = exchange_over_group(group, answerer, None, frame_bytes=exchange_frame_bytes(
+        len(head.skeleton.state_dict_metadata)))
+    return covered_exchange(inner, head, metadata.source,
+                            metadata.read_part or (lambda rank: None), dist.get_rank(group))
 
 
 def _telling(exchange: Callable[[Request | BaseException], Part], shared: SharedReads

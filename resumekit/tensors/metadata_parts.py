@@ -31,7 +31,7 @@ import dataclasses
 import io
 import pickle
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -552,7 +552,15 @@ _HEADER_WORDS = 3  # the scatter's frame: [pickle's bytes, longest pickle's, req
 _SIZE_BYTES = 8
 
 
-def exchange_over_group(group: dist.ProcessGroup | None, server: MetadataServer | None,
+class Answerer(Protocol):
+    """What answers the gathered requests on group rank 0 (a :class:`MetadataServer`)."""
+
+    def parts_for(self, requests: Sequence[Any], read_values: ValueReader | None = None
+                  ) -> Sequence[Part | None]:
+        """Every rank's part, in rank order (None for a rank that sent an error)."""
+
+
+def exchange_over_group(group: dist.ProcessGroup | None, server: Answerer | None,
                         read_values: ValueReader | None = None, *,
                         frame_bytes: int = EXCHANGE_FRAME_BYTES
                         ) -> Callable[[Request | BaseException | EveryRank], Part]:
@@ -635,7 +643,7 @@ class RanksFailed(Exception):
         self.error = error
 
 
-def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int],
+def _answer(server: Answerer | None, frames: list[bytes], sizes: list[int],
             read_values: ValueReader | None, world: int) -> list[Any]:
     """Rank 0's replies to the gathered requests (or its error, for every rank)."""
     try:
@@ -648,7 +656,7 @@ def _answer(server: MetadataServer | None, frames: list[bytes], sizes: list[int]
                       None)
         if failed is not None:  # the lowest such rank's error, on every rank
             return [failed] * world
-        return server.parts_for(gathered, read_values)
+        return list(server.parts_for(gathered, read_values))
     except Exception as error:  # noqa: BLE001 - raised on every rank by the exchange
         return [error] * world
 

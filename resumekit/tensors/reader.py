@@ -8,10 +8,11 @@ files are verified block by block as they are read (:mod:`resumekit.tensors.raw`
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -37,14 +38,39 @@ from resumekit.store.layout import DCP_METADATA_FILE
 from resumekit.store.manifest import checksum_chunks
 from resumekit.store.retry import read_with_retry
 from resumekit.store.targets import locate_tensor_data
+from resumekit.tensors import metadata_file
 from resumekit.tensors.context import directory_str, local_path, paused_collection
 from resumekit.tensors.metadata_parts import ItemKey, MetadataServer, serve_values, skeleton
+from resumekit.tensors.parts_exchange import PartsAnswerer
 from resumekit.tensors.raw import FsspecFiles, RawTensorReading, raw_files
 from resumekit.tensors.safe_pickle import load_dcp_metadata
 from resumekit.tensors.shared_reads import SharedReads
 
 __all__ = ["CheckedMetadata", "SafeReader", "StorageReader", "load_plain_value", "make_reader",
            "read_whole_items"]
+
+
+def read_metadata_bytes(data: bytes, source: str) -> Metadata:
+    """The whole metadata of a ``.metadata``'s bytes: DCP's pickle, or laid out by rank.
+
+    Both are read with the allow-list unpickler
+    (:mod:`resumekit.tensors.metadata_file`: ``schema_version`` 5's raw format).
+
+    Raises:
+        UnsafeCheckpointError: A pickle references a disallowed global.
+        CorruptCheckpointError: It is unreadable, or a piece's checksum differs.
+    """
+    if metadata_file.is_framed(data):
+        return metadata_file.decode(data, source)
+    return cast(Metadata, load_dcp_metadata(data, source=source))
+
+
+def _skeleton_of(head: metadata_file.Head) -> Metadata:
+    """A copy of ``head``'s skeleton of this rank's own (its load fills it in place)."""
+    found = copy.deepcopy(head.skeleton)
+    if getattr(found, "storage_meta", None) is None:
+        found.storage_meta = StorageMeta()
+    return found
 
 
 class CheckedMetadata:
@@ -76,9 +102,21 @@ class CheckedMetadata:
         self.digest = digest
         self.exchanged = False
         """Whether the ranks of a group plan from their parts (:meth:`for_ranks`)."""
+        self.head: metadata_file.Head | None = None
+        """The head of a ``.metadata`` laid out by rank, where only it was read
+        (:meth:`from_head`): every rank then reads its own part (:attr:`read_part`)."""
+        self.leader = False
+        """Whether this rank read the head and answers the others' requests."""
+        self.read_part: Callable[[int], list[metadata_file.Row] | None] | None = None
+        """Reads and checks writing rank ``r``'s part (set on every rank where it is
+        received: :func:`resumekit.restore.verification.share_metadata`)."""
+        self.read_whole: Callable[[], Metadata] | None = None
+        """Reads, checks and parses the whole file (the leader's, when a rank's request
+        is not covered by its part)."""
         self._parsed: Metadata | None = None
         self._raw_files: set[str] | None = None
         self._server: MetadataServer | None = None
+        self._answerer: PartsAnswerer | None = None
 
     @classmethod
     def parse(cls, data: bytes, source: str) -> CheckedMetadata:
@@ -91,6 +129,30 @@ class CheckedMetadata:
         checked = cls(data, source, checksum_chunks([data]))
         checked.parsed()
         return checked
+
+    @classmethod
+    def from_head(cls, head: metadata_file.Head, source: str, digest: str
+                  ) -> CheckedMetadata:
+        """The leader's copy of a ``.metadata`` laid out by rank of which it read the head.
+
+        ``digest``: the file's checksum in the manifest (it names the checkpoint).
+        """
+        checked = cls(None, source, digest)
+        checked.head = head
+        checked.leader = True
+        checked.exchanged = True
+        checked._parsed = _skeleton_of(head)
+        checked._raw_files = set(head.raw_files)
+        return checked
+
+    def answerer(self, read_small: Callable[[Metadata, Sequence[ItemKey]], dict[ItemKey, Any]]
+                 ) -> PartsAnswerer:
+        """The leader's answerer of a ``.metadata`` laid out by rank (built once)."""
+        assert self.head is not None and self.read_whole is not None
+        if self._answerer is None:
+            self._answerer = PartsAnswerer(self.head, self.source, self.read_whole,
+                                           read_small)
+        return self._answerer
 
     @property
     def whole(self) -> bool:
@@ -106,7 +168,8 @@ class CheckedMetadata:
         self.exchanged = True
         sent = CheckedMetadata(None, self.source, self.digest)
         sent.exchanged = True
-        sent._parsed = skeleton(parsed)
+        sent.head = self.head
+        sent._parsed = copy.deepcopy(parsed) if self.head is not None else skeleton(parsed)
         sent._raw_files = self.raw_files()
         return sent
 
@@ -119,7 +182,7 @@ class CheckedMetadata:
         if self._parsed is None:
             assert self.data is not None  # a skeleton is never without its parse
             with paused_collection(False):
-                metadata = cast(Metadata, load_dcp_metadata(self.data, source=self.source))
+                metadata = read_metadata_bytes(self.data, self.source)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             self._parsed = metadata
@@ -141,8 +204,9 @@ class CheckedMetadata:
         state: dict[str, Any] = {"data": self.data, "source": self.source,
                                  "digest": self.digest, "exchanged": self.exchanged}
         if self.data is None:  # a skeleton: sent as it is (it is small)
-            state["skeleton"] = self._parsed
+            state["skeleton"] = self._parsed if self.head is None else None
             state["raw_files"] = self._raw_files
+            state["head"] = self.head
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -151,6 +215,13 @@ class CheckedMetadata:
         self._parsed = state.get("skeleton")
         self._raw_files = state.get("raw_files")
         self._server = None
+        self.head = state.get("head")
+        if self.head is not None and self._parsed is None:  # the head carries it
+            self._parsed = _skeleton_of(self.head)
+        self.leader = False
+        self.read_part = None
+        self.read_whole = None
+        self._answerer = None
 
 
 class _SafeReaderMixin:
@@ -223,7 +294,7 @@ class _SafeReaderMixin:
     def _parse_metadata(self, data: bytes, source: str, rank: int | None) -> Metadata:
         try:
             with paused_collection(False):
-                metadata = cast(Metadata, load_dcp_metadata(data, source=source))
+                metadata = read_metadata_bytes(data, source)
         except ResumekitError as error:
             self.metadata_error = error
             raise

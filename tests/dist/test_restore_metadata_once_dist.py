@@ -1,4 +1,7 @@
-"""A restore reads ``.metadata`` on one rank and sends it to the others, on 2 gloo ranks.
+"""A restore reads ``.metadata``'s head on one rank and sends it to the others, on 2 gloo ranks.
+
+``.metadata`` is laid out by rank (``schema_version`` 5): rank 0 reads its head (one
+open) and each rank its own part (one open each); no rank reads the whole file.
 
 Opens are counted with an audit hook (``sys.addaudithook``: every ``open``, ``io.open``
 and ``os.open`` of the process raises the ``open`` event), so a read through any layer
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from resumekit import CheckpointManager
+from resumekit.tensors import metadata_file
 from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
@@ -50,7 +54,19 @@ def _metadata_opens() -> tuple[list[str], list[bool]]:
     return opened, active
 
 
-def _restore(rank: int, world_size: int, root: str, corrupt: bool, verify: bool
+def _flip_in_part(target: Path, rank: int) -> None:
+    """Change one byte in the middle of writing rank ``rank``'s part of ``target``."""
+    data = bytearray(target.read_bytes())
+    length, expected = metadata_file.read_head_length(bytes(data), str(target))
+    head = metadata_file.parse_head(
+        bytes(data[metadata_file.FRAME_BYTES:metadata_file.FRAME_BYTES + length]), expected,
+        str(target))
+    offset, size, _ = head.parts[rank]
+    data[head.base + offset + size // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+
+
+def _restore(rank: int, world_size: int, root: str, corrupt: bool | str, verify: bool
              ) -> dict[str, Any]:
     model, optimizer = tiny_fsdp2_adamw()
     manager = CheckpointManager(root, model=model, optimizer=optimizer)
@@ -63,7 +79,9 @@ def _restore(rank: int, world_size: int, root: str, corrupt: bool, verify: bool
     manager.close()
     dist.barrier()
     target = Path(root) / "step_000000002" / "tensors" / ".metadata"
-    if corrupt and rank == 0:  # one byte changed, the size kept: only the checksum tells
+    if corrupt == "part 1" and rank == 0:  # in rank 1's part: only rank 1 reads it
+        _flip_in_part(target, 1)
+    elif corrupt and rank == 0:  # one byte changed, the size kept: only the checksum tells
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0xFF
         target.write_bytes(bytes(data))
@@ -86,13 +104,14 @@ def _restore(rank: int, world_size: int, root: str, corrupt: bool, verify: bool
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_only_rank_0_opens_the_metadata_of_a_restore_and_both_ranks_restore_it(
+def test_rank_0_opens_the_metadatas_head_and_each_rank_its_own_part_and_both_restore_it(
         tmp_path: Path, verify: bool) -> None:
     results = run_ranks(_restore, world_size=2, args=(str(tmp_path), False, verify))
     for rank, result in enumerate(results):
         assert result["step"] == 2 and result["same"], (rank, result)
-    assert results[0]["opened"] == [results[0]["target"]], results[0]["opened"]
-    assert results[1]["opened"] == [], results[1]["opened"]
+    target = results[0]["target"]
+    assert results[0]["opened"] == [target, target], results[0]["opened"]  # head, part
+    assert results[1]["opened"] == [target], results[1]["opened"]  # its part
 
 
 def test_a_corrupt_metadata_read_by_rank_0_is_named_on_both_ranks_which_fall_back_together(
@@ -105,6 +124,19 @@ def test_a_corrupt_metadata_read_by_rank_0_is_named_on_both_ranks_which_fall_bac
                  if target in w and "fails its checksum" in w and "step 2" in w]
         assert named, (rank, result["warnings"])
     step_1 = target.replace("step_000000002", "step_000000001")
-    assert results[0]["opened"] == [target, step_1], results[0]["opened"]
-    assert results[1]["opened"] == [], results[1]["opened"]
+    for result in results:  # the head or a part of step 2, then step 1's
+        assert set(result["opened"]) <= {target, step_1}, result["opened"]
+        assert result["opened"][-1] == step_1, result["opened"]
 
+
+
+def test_a_damaged_part_read_by_rank_1_alone_is_named_on_both_ranks_which_fall_back_together(
+        tmp_path: Path) -> None:
+    results = run_ranks(_restore, world_size=2, args=(str(tmp_path), "part 1", True))
+    target = results[0]["target"]
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["same"], (rank, result)
+        named = [w for w in result["warnings"] if target in w and "step 2" in w
+                 and "rank 1's part fails its checksum" in w and "set aside" in w]
+        assert named, (rank, result["warnings"])
+    assert (tmp_path / "step_000000002").exists() is False  # set aside, as a damaged file

@@ -1,9 +1,12 @@
 """Each restoring rank plans from its part of ``.metadata``, on 2 gloo ranks (issue 40).
 
-Rank 0 reads the file; rank 1 receives its skeleton and, when its load plans, the chunks
-its shards overlap. With the same sharding that is one chunk per sharded tensor (its own);
-restoring the FSDP2 checkpoint into an unsharded model (each rank wants every tensor
-whole) it is both ranks' chunks: the resharding case still reads everything it needs.
+``.metadata`` is laid out by rank (``schema_version`` 5): rank 0 reads its head and sends
+it; when the load plans, each rank reads its own part. With the same sharding that is one
+chunk per sharded tensor (its own), and no rank reads the whole file: rank 0 parses it
+0 times. Restoring the FSDP2 checkpoint into an unsharded model (each rank wants every
+tensor whole), no rank's part covers its request: rank 0 reads the whole file once and
+answers each rank with both ranks' chunks, as before schema 5: the resharding case still
+reads everything it needs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import resumekit.restore_root
 from resumekit import CheckpointManager
+from resumekit.tensors import metadata_file
 from tests.dist.tiny_fsdp2 import tiny_fsdp2_adamw
 from tests.distributed_harness import run_ranks
 
@@ -59,8 +63,16 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
 
         return recorded
 
+    decode = metadata_file.decode
+    decoded: list[str] = []
+
+    def counted_decode(data: bytes, source: str) -> Any:
+        decoded.append(source)
+        return decode(data, source)
+
     resumekit.restore_root.share_metadata = recording  # type: ignore[assignment]
     LOAD.exchange_over_group = recording_exchange  # type: ignore[assignment]
+    metadata_file.decode = counted_decode  # type: ignore[assignment]
     try:
         if sharded:
             model, optimizer = tiny_fsdp2_adamw()
@@ -73,6 +85,7 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
         step = restorer.restore()
         restorer.close()
     finally:
+        metadata_file.decode = decode  # type: ignore[assignment]
         resumekit.restore_root.share_metadata = share  # type: ignore[assignment]
         LOAD.exchange_over_group = (  # type: ignore[assignment]
             exchange_over_group)
@@ -82,7 +95,10 @@ def _restore(rank: int, world_size: int, root: str, sharded: bool) -> dict[str, 
     chunks = {key: len(entry.chunks)
               for key, entry in checked.parsed().state_dict_metadata.items()
               if isinstance(entry, TensorStorageMetadata) and len(entry.size) > 0}
+    answerer = checked._answerer  # rank 0's
     return {"step": step, "whole": checked.whole, "chunks": chunks,
+            "leader": checked.leader, "decoded": len(decoded),
+            "whole_reads": None if answerer is None else answerer.whole_reads,
             "same": all(torch.equal(saved[key], got[key]) for key in saved),
             "steps": _steps(optimizer), "values": sorted(map(repr, values))}
 
@@ -91,9 +107,12 @@ def test_a_restoring_rank_plans_from_only_its_own_chunks_when_the_run_shards_as_
         tmp_path: Path) -> None:
     first, second = run_ranks(_restore, world_size=2, args=(str(tmp_path), True))
     assert first["step"] == second["step"] == 1 and first["same"] and second["same"]
-    assert first["whole"] and not second["whole"]
-    assert second["chunks"] and set(second["chunks"].values()) == {1}, second["chunks"]
-    assert set(first["chunks"].values()) == {2}, first["chunks"]  # rank 0's is kept whole
+    assert first["leader"] and not second["leader"]
+    assert not first["whole"] and not second["whole"]  # rank 0 read the head only
+    for found in (first, second):  # each planned from its own part
+        assert found["chunks"] and set(found["chunks"].values()) == {1}, found["chunks"]
+    # every rank was covered by its part: the whole file was never read nor parsed
+    assert first["whole_reads"] == 0 and first["decoded"] == second["decoded"] == 0
 
 
 def test_a_restoring_rank_gets_every_chunk_it_needs_when_the_run_does_not_shard(
@@ -101,7 +120,10 @@ def test_a_restoring_rank_gets_every_chunk_it_needs_when_the_run_does_not_shard(
     first, second = run_ranks(_restore, world_size=2, args=(str(tmp_path), False))
     assert first["step"] == second["step"] == 1 and first["same"] and second["same"]
     assert not second["whole"]
-    assert second["chunks"] and set(second["chunks"].values()) == {2}, second["chunks"]
+    for found in (first, second):  # both ranks' chunks, from the whole file on rank 0
+        assert found["chunks"] and set(found["chunks"].values()) == {2}, found["chunks"]
+    # not covered by their parts (another sharding): rank 0 read and parsed it once
+    assert first["whole_reads"] == 1 and first["decoded"] == 1 and second["decoded"] == 0
 
 
 def test_every_restoring_rank_gets_the_optimizers_step_scalars_read_in_its_part(

@@ -8,7 +8,11 @@ Each root under ``tests/fixtures/schema_<N>`` was written by an earlier commit (
   are in a checksum file of format ``resumekit-raw-checksums/1``;
 * ``schema_3`` (commit 25865c3): an item stored alone with its block checksums in the rank's
   checksum file (``resumekit-raw/4;__0_checksums.json``, ``resumekit-raw-checksums/2``),
-  packed regions and four data files, each with a whole-file checksum in the manifest.
+  packed regions and four data files, each with a whole-file checksum in the manifest;
+* ``schema_4`` (commit 3d9a61c): one data file per rank, its checksums in its trailer
+  (``resumekit-raw/5`` alone, ``resumekit-raw/6`` packed regions), no checksum file, its
+  manifest checksum one of parts, and ``.metadata`` one pickle of the whole metadata
+  (before it was laid out by rank).
 
 Each test works on a copy; a fixture is never written to.
 """
@@ -29,6 +33,7 @@ import pytest
 from resumekit import CheckpointManager
 from resumekit import tensors as tensor_io
 from resumekit.errors import CorruptCheckpointError
+from resumekit.tensors import metadata_file
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -43,7 +48,7 @@ class Schema:
 
     version: int
     heads: frozenset[str]  # the descriptors' heads found in .metadata
-    checksum_file_format: str
+    checksum_file_format: str | None  # None: no checksum file (a trailer, schema 4)
     alone_descriptor: str  # the start of an item stored alone's descriptor
     data_files: tuple[str, ...]
 
@@ -66,6 +71,8 @@ SCHEMAS = [
     Schema(3, frozenset({"resumekit-raw/4", "resumekit-raw/3"}), "resumekit-raw-checksums/2",
            "resumekit-raw/4;__0_checksums.json",
            tuple(f"__0_{number}.distcp" for number in range(4))),
+    Schema(4, frozenset({"resumekit-raw/5", "resumekit-raw/6"}), None, "resumekit-raw/5",
+           ("__0_0.distcp",)),
 ]
 
 
@@ -87,8 +94,12 @@ def test_each_fixture_is_of_its_schema_with_its_descriptors_and_checksum_file(
     heads = {(info.transform_descriptors or ["-"])[0].split(";")[0]
              for info in (metadata.storage_data or {}).values()}
     assert schema.heads <= heads
-    sidecar = json.loads((root / STEP / "tensors" / "__0_checksums.json").read_text())
-    assert sidecar["format"] == schema.checksum_file_format
+    if schema.checksum_file_format is None:
+        assert not (root / STEP / "tensors" / "__0_checksums.json").exists()
+        assert not metadata_file.is_framed((root / STEP / "tensors" / ".metadata").read_bytes())
+    else:
+        sidecar = json.loads((root / STEP / "tensors" / "__0_checksums.json").read_text())
+        assert sidecar["format"] == schema.checksum_file_format
     assert sorted(path.name for path in (root / STEP / "tensors").glob("*.distcp")
                   ) == list(schema.data_files)
 

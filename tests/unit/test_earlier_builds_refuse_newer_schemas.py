@@ -6,6 +6,8 @@
   issue 40 item 3 folded each rank's data files and checksum file into one data file per
   rank, its checksums in a trailer and its manifest checksum one of parts (4): a reader of
   3 would look for checksum files that are not there.
+* ``schema_version`` 4 (commit 3d9a61c): issue 40 laid the raw format's ``.metadata`` out
+  by rank (5): a reader of 4 would unpickle it whole and fail, taking it for damage.
 
 Each refuses the root by its manifest instead: ``UnsupportedSchemaError`` naming today's
 ``schema_version`` and its own, nothing set aside, not one byte of a checkpoint changed;
@@ -35,7 +37,7 @@ from tests.fixtures.releases import program
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-BUILDS = {2: "4a6ba1b", 3: "25865c3"}
+BUILDS = {2: "4a6ba1b", 3: "25865c3", 4: "3d9a61c"}
 """The last commit that writes each earlier ``schema_version``."""
 
 

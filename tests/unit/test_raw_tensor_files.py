@@ -56,7 +56,7 @@ from resumekit.tensors.raw.format import (
     Descriptor,
     decode_file_trailer,
 )
-from resumekit.tensors.reader import make_reader
+from resumekit.tensors.reader import make_reader, read_metadata_bytes
 from resumekit.warnings import DirectIoRefusedWarning
 from tests.conftest import unavailable
 
@@ -112,8 +112,7 @@ def as_format_1(directory: Path) -> None:
     Their dtype, shape and block checksums go into their descriptors (format 1), from the
     trailer of their data file (which stays: a reader of format 1 reads none).
     """
-    with open(directory / DCP_METADATA_FILE, "rb") as handle:
-        metadata = pickle.load(handle)  # written by this test just before
+    metadata = read_metadata_bytes((directory / DCP_METADATA_FILE).read_bytes(), "test")
     for index, info in metadata.storage_data.items():
         descriptors = info.transform_descriptors
         if not (descriptors and tuple(descriptors) == TRAILER_ALONE_DESCRIPTORS):

@@ -7,7 +7,6 @@ written by :class:`CheckedDcpWriter` itself, item by item as DCP's stock writer 
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from resumekit.tensors.raw import (
     RankFiles,
     RawTensorWriter,
 )
+from resumekit.tensors.reader import read_metadata_bytes
 
 
 def _state() -> dict[str, Any]:
@@ -44,7 +44,7 @@ def _state() -> dict[str, Any]:
 
 
 def _storage(directory: Path) -> dict[Any, Any]:
-    return dict(pickle.loads((directory / ".metadata").read_bytes()).storage_data)
+    return dict(read_metadata_bytes((directory / ".metadata").read_bytes(), "test").storage_data)
 
 
 def _item_bytes(directory: Path, info: Any) -> bytes:
@@ -110,7 +110,7 @@ def test_a_rank_saving_without_collectives_names_its_files_and_metadata_by_its_r
 
 
 def _storage_of(directory: Path, name: str) -> dict[Any, Any]:
-    return dict(pickle.loads((directory / name).read_bytes()).storage_data)
+    return dict(read_metadata_bytes((directory / name).read_bytes(), name).storage_data)
 
 
 def test_ranks_planned_together_get_the_prefix_of_their_rank_and_keep_one_they_have() -> None:

@@ -21,6 +21,7 @@ from resumekit.store.retention import keep_all
 from resumekit.tensors import raw as raw_tensor_files
 from resumekit.tensors.raw import FORMAT_NAME, MEMBER_DESCRIPTORS
 from resumekit.tensors.raw.format import Descriptor, decode_file_trailer
+from resumekit.tensors.reader import read_metadata_bytes
 
 # the modules, whose names the wing's functions ``load`` and ``save`` shadow
 DATA = "__0_0.distcp"  # a one-rank save's one data file
@@ -213,8 +214,7 @@ def test_a_checkpoint_whose_regions_carry_their_checksums_inline_still_loads(
     tensor_io.save(state, directory)
     listed = decode_file_trailer((directory / DATA).read_bytes(), where=DATA).regions
     sums = {key: digest for key, (_, digest) in listed.items()}
-    with open(directory / DCP_METADATA_FILE, "rb") as handle:
-        metadata = pickle.load(handle)  # our own file, written just now
+    metadata = read_metadata_bytes((directory / DCP_METADATA_FILE).read_bytes(), "test")
     for info in metadata.storage_data.values():
         if tuple(info.transform_descriptors or ()) == MEMBER_DESCRIPTORS:
             info.transform_descriptors = None  # format 2's members carried none

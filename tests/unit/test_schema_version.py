@@ -27,6 +27,7 @@ from resumekit.store.generations import zombie_reason
 from resumekit.store.layout import TENSORS_DIR
 from resumekit.store.manifest import SCHEMA_HISTORY, SCHEMA_VERSION, Manifest, WriterGeneration
 from resumekit.store.storage import Storage
+from resumekit.tensors import metadata_file
 from resumekit.tensors.index import read_metadata
 from resumekit.tensors.raw.format import TRAILER, TRAILER_MAGIC, trailer_length
 
@@ -87,6 +88,22 @@ WRITTEN: dict[int, dict[str, frozenset[str]]] = {
             "save_interval", "save_stalls"}),
         "file checksums": frozenset({"xxh3_128", "xxh3_128-parts"}),
     },
+    5: {
+        # Issue 40: the raw format's .metadata laid out by rank ("resumekit-metadata/1"),
+        # which readers of 4 unpickle whole and fail on; DCP's own format keeps DCP's pickle.
+        "descriptors": frozenset({"resumekit-raw/5", "resumekit-raw/6",
+                                  "resumekit-raw/member", "(none: DCP's own format)"}),
+        "files": frozenset({"manifest.json", "train_state.pt", "rank_state/rank_N.pt",
+                            "tensors/.metadata", "tensors/__N_N.distcp"}),
+        "checksum formats": frozenset({"resumekit-raw-trailer/1"}),
+        "manifest fields": frozenset({
+            "schema_version", "step", "created_at", "captured_at", "world_size", "reason",
+            "files", "data_dir", "lineage", "generation", "extras", "metrics", "state",
+            "fingerprint", "versions", "tensor_format", "save_throughput", "local",
+            "save_interval", "save_stalls"}),
+        "file checksums": frozenset({"xxh3_128", "xxh3_128-parts"}),
+        "metadata formats": frozenset({metadata_file.FORMAT, "DCP's pickle"}),
+    },
 }
 
 
@@ -104,7 +121,7 @@ def _written(root: Path, tensor_format: str) -> dict[str, set[str]]:
     step = root / "step_000000001"
     found: dict[str, set[str]] = {"descriptors": set(), "files": set(),
                                   "checksum formats": set(), "manifest fields": set(),
-                                  "file checksums": set()}
+                                  "file checksums": set(), "metadata formats": set()}
     for item in read_metadata(step / TENSORS_DIR).storage_data.values():
         descriptors: Any = item.transform_descriptors
         found["descriptors"].update(
@@ -113,6 +130,9 @@ def _written(root: Path, tensor_format: str) -> dict[str, set[str]]:
     for path in step.rglob("*"):
         if path.is_file():
             found["files"].add(re.sub(r"\d+", "N", path.relative_to(step).as_posix()))
+        if path.name == ".metadata":
+            found["metadata formats"].add(metadata_file.FORMAT if metadata_file.is_framed(
+                path.read_bytes()) else "DCP's pickle")
         if path.name.endswith("_checksums.json"):
             found["checksum formats"].add(json.loads(path.read_text())["format"])
         data = path.read_bytes() if path.suffix == ".distcp" else b""

@@ -125,6 +125,10 @@ class _ReportingWriter:
     sync_files: bool
     written: list[WrittenFile]
 
+    frames_metadata = False
+    """Whether ``.metadata`` is laid out by rank (:mod:`resumekit.tensors.metadata_file`):
+    the raw writer's; DCP's own format keeps DCP's pickle, which stock readers read."""
+
     def _start_reporting(self) -> None:
         self.written = []
         self.metadata_memo: MetadataMemo | None = None
@@ -168,7 +172,8 @@ class _ReportingWriter:
                 without raising); nothing is written.
         """
         memo = self.metadata_memo
-        if memo is None or self.storage_meta() is not None:  # type: ignore[attr-defined]
+        if not self.frames_metadata and (
+                memo is None or self.storage_meta() is not None):  # type: ignore[attr-defined]
             _check_every_item_stored(metadata, results, os.fspath(self.path))
             super().finish(metadata, results)  # type: ignore[misc]
             references = _references(results)
@@ -183,7 +188,7 @@ class _ReportingWriter:
                                             entry.checksum, references))
 
     def _finish_remembered(self, metadata: Metadata, results: list[list[WriteResult]],
-                           memo: MetadataMemo) -> tuple[str, ...]:
+                           memo: MetadataMemo | None) -> tuple[str, ...]:
         """DCP's ``FileSystemWriter.finish``, its pickled bytes reused where ``memo`` has them.
 
         Reused when ``metadata`` is the one remembered with them and every write result
@@ -203,7 +208,7 @@ class _ReportingWriter:
                      for part in results for result in part]
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_meta = None
-        kept = memo.metadata_bytes(metadata, signature)
+        kept = None if memo is None else memo.metadata_bytes(metadata, signature)
         references: tuple[str, ...]
         if kept is not None:
             data, (storage, references) = kept
@@ -214,9 +219,19 @@ class _ReportingWriter:
             for part in results:
                 storage.update({result.index: result.storage_data for result in part})
             metadata.storage_data = storage
-            data = pickle.dumps(metadata)
+            if self.frames_metadata:  # laid out by rank (schema_version 5)
+                from resumekit.tensors import metadata_file  # noqa: PLC0415 - a cycle
+                from resumekit.tensors.raw.format import raw_files  # noqa: PLC0415
+
+                file_ranks = {str(result.storage_data.relative_path): rank
+                              for rank, part in enumerate(results) for result in part}
+                data = metadata_file.encode(metadata, file_ranks, len(results),
+                                            raw_files(storage))
+            else:
+                data = pickle.dumps(metadata)
             references = _references(results)
-            memo.keep_metadata_bytes(metadata, signature, data, (storage, references))
+            if memo is not None:
+                memo.keep_metadata_bytes(metadata, signature, data, (storage, references))
         rank = self._plan_rank
         alone = not self._plans_together and rank is not None
         name = f"__{rank}{DCP_METADATA_FILE}" if alone else DCP_METADATA_FILE
@@ -373,6 +388,8 @@ class RawTensorWriter(_ReportingWriter, FileSystemWriter):
         background: The save overlaps training: writer threads run at idle CPU priority
             (``SCHED_IDLE``, else nice 19) so the training threads keep their cores.
     """
+
+    frames_metadata = True
 
     def __init__(self, path: str | os.PathLike[str], *, thread_count: int,
                  sync_files: bool, background: bool = False) -> None:
