@@ -33,6 +33,7 @@ Usage: ``python -m benchmarks.world_leader [--worlds 8,64,256,1024] [--replicas 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -51,7 +52,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from benchmarks import world_fake
-from resumekit.tensors import metadata_parts
+from resumekit.tensors import metadata_file, metadata_parts, parts_exchange
 from resumekit.tensors.context import paused_collection
 from resumekit.tensors.load import _CheckedLoadPlanner
 from resumekit.tensors.reader import CheckedMetadata
@@ -147,6 +148,11 @@ def leader_row(params: list[world_fake.Param], world: int, baseline: types.Modul
         return whole
 
     parse_cpu, whole = _cpu(parse)
+    dcp_metadata = copy.copy(whole.parsed())
+    dcp_metadata.storage_meta = None  # as the raw writer pickled it before schema 5
+    dcp_data = pickle.dumps(dcp_metadata)
+    parse_dcp_cpu, _ = _cpu(lambda: CheckedMetadata.parse(dcp_data, source).for_ranks())
+    laid_out = laid_out_row(params, shards, world, data, source)
     old = baseline.MetadataServer(whole.parsed(), source)
     baseline_index_cpu, _ = _cpu(old.prepare)
     new = metadata_parts.MetadataServer(whole.parsed(), source)
@@ -194,8 +200,70 @@ def leader_row(params: list[world_fake.Param], world: int, baseline: types.Modul
         "part_bytes_mean": sum(map(len, new_parts)) / len(new_parts),
         "part_bytes_baseline_mean": sum(map(len, old_parts)) / len(old_parts),
         "parts_equal_baseline": same,
+        # schema 4's .metadata (DCP's pickle of the same metadata), read whole, indexed
+        # and every rank answered: rank 0's side before the layout by rank
+        "metadata_dcp_bytes": len(dcp_data),
+        "metadata_bytes_vs_dcp": len(data) / len(dcp_data),
+        "parse_dcp_cpu_s": parse_dcp_cpu,
+        "leader_schema4_cpu_s": parse_dcp_cpu + index_cpu + requests_cpu + answers_cpu,
+        **laid_out,
     }
     return row
+
+
+def laid_out_row(params: list[world_fake.Param], shards: int, world: int, data: bytes,
+                 source: str) -> dict[str, Any]:
+    """Rank 0's side of a restore of ``.metadata`` laid out by rank (schema 5), every
+    rank sharded as the checkpoint (covered by its part).
+
+    ``head_cpu_s``: the head read from the file's bytes, checked, parsed and pickled for
+    the broadcast; ``covered_requests_cpu_s``: the W - 1 other ranks' :class:`Covered`
+    marks unpickled; ``covered_answers_cpu_s``: the one reply made and pickled (the small
+    shared items it carries are read once, at most 256 KiB whatever W: not read here);
+    ``own_part_cpu_s``: rank 0's own part read, checked, parsed, found covering its
+    request and its answer worked out from it (what every rank does for itself).
+    """
+    def head() -> tuple[metadata_file.Head, bytes]:
+        length, expected = metadata_file.read_head_length(data[:metadata_file.FRAME_BYTES],
+                                                          source)
+        found = metadata_file.parse_head(
+            data[metadata_file.FRAME_BYTES:metadata_file.FRAME_BYTES + length], expected,
+            source)
+        checked = CheckedMetadata.from_head(found, source, "xxh3_128:0")
+        return found, pickle.dumps(checked.for_ranks(), protocol=pickle.HIGHEST_PROTOCOL)
+
+    head_cpu, (found, sent) = _cpu(head)
+    covered = [pickle.dumps(parts_exchange.Covered(False), protocol=pickle.HIGHEST_PROTOCOL)
+               ] * (world - 1)
+    requests_cpu, marks = _cpu(lambda: [pickle.loads(mark) for mark in covered])
+
+    def whole() -> Any:
+        raise AssertionError("every rank is covered: the whole file is never read")
+
+    answerer = parts_exchange.PartsAnswerer(found, source, whole, lambda metadata, items: {})
+
+    def answer() -> bytes:
+        replies = answerer.parts_for([parts_exchange.Covered(False), *marks])
+        return pickle.dumps(replies[0], protocol=pickle.HIGHEST_PROTOCOL)  # one object
+
+    answers_cpu, _ = _cpu(answer)
+    request = requests_of(params, shards)[0]
+
+    def own_part() -> metadata_parts.Part:
+        offset, length, checksum = found.parts[0]
+        rows = metadata_file.parse_part(
+            data[found.base + offset:found.base + offset + length], checksum, source, 0)
+        assert metadata_file.covers(request, found.shared_keys, rows)
+        mine = parts_exchange.shared_metadata(found, rows)
+        return metadata_parts.MetadataServer(mine, source).part_for(request)
+
+    own_cpu, _ = _cpu(own_part)
+    assert answerer.whole_reads == 0
+    leader = head_cpu + requests_cpu + answers_cpu + own_cpu
+    return {"head_bytes": found.base, "head_sent_bytes": len(sent),
+            "part_bytes": found.parts[0][1], "head_cpu_s": head_cpu,
+            "covered_requests_cpu_s": requests_cpu, "covered_answers_cpu_s": answers_cpu,
+            "own_part_cpu_s": own_cpu, "leader_laid_out_cpu_s": leader}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from resumekit.tensors.raw.format import (
 )
 
 __all__ = ["PREREAD_MAX_BYTES", "PREREAD_MAX_PART_BYTES", "MetadataServer", "Part",
-           "Request", "complete", "exchange_over_group", "request_of", "serve_values",
+           "Request", "complete", "exchange_over_group", "packed", "request_of", "serve_values",
            "skeleton"]
 
 _REGION_PREFIXES = REGION_PREFIXES
@@ -455,7 +455,7 @@ class MetadataServer:
                 raise CorruptCheckpointError(
                     f"{self.source}: {key}{'' if offsets is None else f' at {list(offsets)}'}"
                     " was not read", path=self.source, file=self.source, key=key)
-            self._values.update((item, _packed(value)) for item, value in found.items())
+            self._values.update((item, packed(value)) for item, value in found.items())
         for part, items in zip(parts, chosen, strict=True):
             part.values = {item: self._values[item] for item in items}
 
@@ -792,7 +792,7 @@ def _misfit(key: str, cause: str) -> CheckpointLoadError:
         path=None, step=None, rank=None, file=None, cause=cause, key=key)
 
 
-def _packed(value: Any) -> Any:
+def packed(value: Any) -> Any:
     """A read item as it travels: a tensor as ``(dtype, shape, bytes)``, bytes as they are.
 
     Unpickling a pickled tensor costs about 0.2 ms, its bytes about a microsecond.
@@ -805,9 +805,9 @@ def _packed(value: Any) -> Any:
 
 
 def _unpacked(value: Any, key: str) -> torch.Tensor:
-    """The tensor of :func:`_packed`'s ``(dtype, shape, bytes)``.
+    """The tensor of :func:`packed`'s ``(dtype, shape, bytes)``.
 
-    ``value`` was built by rank 0's :func:`_packed` from a tensor it had read and checked,
+    ``value`` was built by rank 0's :func:`packed` from a tensor it had read and checked,
     and travelled over the process group: whatever the file held, it decodes. One that
     does not is a fault of the code or the transport, never damage to the checkpoint, so
     restore must not set the checkpoint aside for it.

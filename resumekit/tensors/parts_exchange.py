@@ -46,6 +46,7 @@ from resumekit.tensors.metadata_parts import (
     Part,
     Request,
     ValueReader,
+    packed,
 )
 
 __all__ = ["Covered", "PartsAnswerer", "covered_exchange", "small_shared_items"]
@@ -120,11 +121,9 @@ class PartsAnswerer:
 
     def _shared_values(self) -> dict[ItemKey, Any]:
         if self._values is None:
-            from resumekit.tensors.metadata_parts import _packed  # noqa: PLC0415
-
             items = small_shared_items(self.head)
             found = self._read_small(shared_metadata(self.head), items) if items else {}
-            self._values = {item: _packed(found[item]) for item in items if item in found}
+            self._values = {item: packed(found[item]) for item in items if item in found}
         return self._values
 
     def parts_for(self, requests: Sequence[Any], read_values: ValueReader | None = None

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from resumekit import tensors as tensor_io
 from resumekit.errors import IncompatibleCheckpointError
 from resumekit.tensors import state_dicts
-from resumekit.tensors.safe_pickle import load_dcp_metadata
+from resumekit.tensors.reader import read_metadata_bytes
 from tests.distributed_harness import run_ranks
 
 VOCAB, WIDTH, HIDDEN = 11, 6, 10  # odd sizes: shards are uneven on 2 and 3 ranks
@@ -261,7 +261,7 @@ def test_each_rank_writes_only_its_own_shards(
     fsdp_run: tuple[Path, list[dict[str, Any]]],
 ) -> None:
     directory, _ = fsdp_run
-    metadata = load_dcp_metadata((directory / ".metadata").read_bytes(), source="test")
+    metadata = read_metadata_bytes((directory / ".metadata").read_bytes(), "test")
     bytes_by_rank = {"__0_": 0, "__1_": 0}
     files_by_tensor: dict[str, set[str]] = {}
     for index, info in metadata.storage_data.items():

@@ -516,9 +516,9 @@ def test_requests_alike_in_their_first_keys_are_still_answered_each_as_asked() -
     torch.tensor([True, False]), torch.arange(4, dtype=torch.int64)[::2],
     torch.empty(0, 3)])
 def test_a_small_item_travels_as_its_bytes_and_lands_bit_identical(value: torch.Tensor) -> None:
-    from resumekit.tensors.metadata_parts import _packed, _unpacked  # noqa: PLC0415
+    from resumekit.tensors.metadata_parts import _unpacked, packed  # noqa: PLC0415
 
-    sent = pickle.loads(pickle.dumps(_packed(value)))
+    sent = pickle.loads(pickle.dumps(packed(value)))
     assert isinstance(sent[2], bytes)  # not a pickled tensor: cheap to unpickle
     got = _unpacked(sent, "k")
     assert got.dtype == value.dtype and got.shape == value.shape
@@ -563,13 +563,13 @@ def test_a_received_value_that_does_not_fit_its_read_is_a_load_error_not_damage(
         ReadItem,
     )
 
-    from resumekit.tensors.metadata_parts import _packed, serve_values  # noqa: PLC0415
+    from resumekit.tensors.metadata_parts import packed, serve_values  # noqa: PLC0415
 
     index = MetadataIndex("optimizer.state.w.exp_avg", torch.Size((0,)))
     item = ReadItem(type=LoadItemType.TENSOR, dest_index=index,
                     dest_offsets=torch.Size((0,)), storage_index=index,
                     storage_offsets=torch.Size((0,)), lengths=torch.Size(wanted))
-    values = {("optimizer.state.w.exp_avg", (0,)): _packed(torch.arange(float(stored[0])))}
+    values = {("optimizer.state.w.exp_avg", (0,)): packed(torch.arange(float(stored[0])))}
     with pytest.raises(CheckpointLoadError, match=r"optimizer\.state\.w\.exp_avg") as caught:
         serve_values(LoadPlan([item]), _Into(torch.zeros(into)), values)  # type: ignore[arg-type]
     assert not isinstance(caught.value, CorruptCheckpointError)
