@@ -150,7 +150,7 @@ def test_a_flipped_byte_in_the_head_fails_its_checksum() -> None:
 
 
 def test_stock_pickle_stops_at_the_first_bytes_naming_the_format_and_its_reader() -> None:
-    with pytest.raises(ValueError, match="resumekit.StorageReader") as caught:
+    with pytest.raises(ValueError, match=r"resumekit\.StorageReader") as caught:
         pickle.loads(_encode(_packed(2), 2))  # noqa: S301 - what stock DCP's reader does
     assert str(caught.value) == metadata_file.REFUSAL
 
