@@ -141,7 +141,11 @@ class CheckpointOptions(BaseModel):
         retention: Which committed checkpoints to keep after each save (default
             ``keep_last(3)``; None keeps all).
         name_format: Step directory names; ``"checkpoint_step_{step}"`` for LingBot-VA.
-        async_save: Stage state to CPU memory and write in the background.
+        async_save: Stage state to CPU memory and write in the background. Off by
+            default: a blocking ``save(step)`` that returns has committed ``step``; with
+            this on, ``save`` returns once the state is copied (one host copy of the
+            state per rank, held) and the step is committed later (``wait()``);
+            docs/performance.md weighs the two on the incident's week.
         async_writer: Where a background save's tensor bytes are hashed and written:
             ``"thread"`` (default), by writer threads of the training process, or
             ``"process"``, by a long-lived writer process per manager and rank, which

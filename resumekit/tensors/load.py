@@ -147,15 +147,16 @@ def load_subset(
     storage_options: Mapping[str, Any] | None = None,
     verify: bool = True,
     read_once: bool = False,
+    verified: bool = False,
 ) -> None:
     """As :func:`load`, but the checkpoint may hold more than ``state_dict`` asks for.
 
     Every key asked for must still exist with its shape and dtype (weights-only loads:
-    the optimizer and any unused model tensor are not read). ``read_once`` as for
-    :func:`load`.
+    the optimizer and any unused model tensor are not read). ``read_once`` and
+    ``verified`` as for :func:`load`.
     """
     _load_checked(state_dict, directory, process_group, storage_options, verify,
-                  reject_unexpected=False, read_once=read_once)
+                  reject_unexpected=False, read_once=read_once, verified=verified)
 
 
 def _load_checked(state_dict: dict[str, Any], directory: str | os.PathLike[str],

@@ -44,12 +44,17 @@ class WeightsSource:
         path: Its step directory.
         tensors_url: Its tensor directory.
         manifest: Its manifest.
+        verified: Its tensor metadata was hashed and its raw tensor files size-checked
+            (``resolve_weights_source(verify=True)``): a load that then fails while its
+            raw files are checked as they are read is a
+            :class:`~resumekit.errors.CheckpointLoadError`, not damage.
     """
 
     step: int
     path: str
     tensors_url: str
     manifest: Manifest
+    verified: bool = False
 
 
 def resolve_weights_source(source: str | os.PathLike[str], step: int | None = None, *,
@@ -82,7 +87,8 @@ def resolve_weights_source(source: str | os.PathLike[str], step: int | None = No
     tensors = storage.url_of(f"{chosen_name}/{manifest.data_path(TENSORS_DIR)}")
     if verify:
         verify_share(storage, chosen_name, manifest, under=TENSORS_DIR)
-    return WeightsSource(manifest.step, storage.path(chosen_name), tensors, manifest)
+    return WeightsSource(manifest.step, storage.path(chosen_name), tensors, manifest,
+                         verified=verify)
 
 
 def _step_directory(given: Storage, url: str, names: NameFormat, step: int | None,
@@ -146,6 +152,9 @@ def load_model_weights(model: nn.Module, source: WeightsSource, *, strict: bool 
     Raises:
         IncompatibleCheckpointError: ``strict`` and the weights do not fit (nothing is
             loaded).
+        CheckpointLoadError: The load failed on bytes that were checked against their
+            checksums (``source.verified`` and ``verify``): code interpreting them failed.
+        UnreadableFormatError: The load failed on bytes nothing checked.
     """
     recorded = source.manifest.state.get("tied")
     tied: dict[str, str] = {str(k): str(v) for k, v in recorded.items()} \
@@ -195,10 +204,12 @@ def _load_model_part(target: dict[str, Any], source: WeightsSource,
                      process_group: dist.ProcessGroup | None,
                      storage_options: Mapping[str, Any] | None, verify: bool, *,
                      allow_more: bool, read_once: bool) -> None:
+    verified = source.verified and verify
     if allow_more:
         tensor_io.load_subset(target, source.tensors_url, process_group=process_group,
-                            storage_options=storage_options, verify=verify,
-                            read_once=read_once)
+                              storage_options=storage_options, verify=verify,
+                              read_once=read_once, verified=verified)
     else:
         tensor_io.load(target, source.tensors_url, process_group=process_group,
-                     storage_options=storage_options, verify=verify, read_once=read_once)
+                       storage_options=storage_options, verify=verify, read_once=read_once,
+                       verified=verified)

@@ -252,3 +252,17 @@ def test_a_planner_bug_on_good_node_local_copies_keeps_them_and_restores_nothing
     assert f"AttributeError: {BUG}" in message and "no copy was deleted" in message
     assert raised.value.step == 6 and raised.value.rank == 0
     assert _local_steps(local) == ["step_000000004", "step_000000006"]
+
+
+def test_load_weights_tells_a_failure_on_checked_bytes_from_one_on_unchecked_bytes(
+        tmp_path: Path, planner_bug: str) -> None:
+    source = tmp_path / "pretrained"
+    _two_steps(source)
+    before = _tree(source)
+    with pytest.raises(CheckpointLoadError) as checked:
+        _manager(tmp_path / "finetune").load_weights(source)
+    assert f"AttributeError: {BUG}" in str(checked.value)
+    assert isinstance(checked.value.__cause__, AttributeError)
+    with pytest.raises(UnreadableFormatError, match=f"AttributeError: {BUG}"):
+        _manager(tmp_path / "unchecked", verify_on_restore=False).load_weights(source)
+    assert _tree(source) == before  # the weights' checkpoint is read, never touched
