@@ -189,15 +189,20 @@ def _median(values: list[float]) -> float:
 
 def measure(megabytes: int, repeats: int, *, workers: int = LOAD_WORKERS,
             stress_ng: str | None = None, directory: str | None = None,
-            max_load_s: float = MAX_LOAD_S, stamp: dict[str, Any] | None = None
-            ) -> dict[str, Any]:
+            max_load_s: float = MAX_LOAD_S, stamp: dict[str, Any] | None = None,
+            bursts: int = 1) -> dict[str, Any]:
     """The sync save's and the plain writer's throughput, quiet and under load, alternated.
 
-    Each side runs ``repeats`` times per phase, the first side alternating per repeat;
-    the figures are medians of GB/s (bytes written / wall seconds).
+    ``bursts`` times: a quiet phase, then a loaded one beside a load of its own (one
+    burst of at most ``max_load_s``). In each phase each side runs ``repeats`` times, the
+    first side alternating per repeat; a phase's figures are medians of GB/s (bytes
+    written / wall seconds) and a burst's ratios those of its medians (the save's over
+    the plain writer's, both under the same load). The top-level figures are the medians
+    over the bursts of the bursts' own, each burst's kept in ``bursts`` (with the
+    1-minute load average at its start and end).
 
     Raises:
-        LoadEndedEarly: The load's burst ended before the measurement under it did.
+        LoadEndedEarly: A load's burst ended before the measurement under it did.
     """
     tensors = tensors_of(megabytes)
     total = sum(t.numel() * t.element_size() for t in tensors)
@@ -205,6 +210,12 @@ def measure(megabytes: int, repeats: int, *, workers: int = LOAD_WORKERS,
     for number, tensor in enumerate(tensors):
         model.register_parameter(f"p{number}", nn.Parameter(tensor, requires_grad=False))
     tool, _ = load_command(workers, max_load_s, stress_ng=stress_ng)
+    gb = total / 1e9
+
+    def rates(walls: list[float]) -> float:
+        return _median([gb / wall for wall in walls])
+
+    measured: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="resumekit-bench-cpu-load-",
                                      dir=directory) as root_name:
         root = Path(root_name)
@@ -242,39 +253,54 @@ def measure(megabytes: int, repeats: int, *, workers: int = LOAD_WORKERS,
                     (saves if side is save else plains).append(side())
             return saves, plains
 
-        quiet_save, quiet_plain = phase()
-        started = time.perf_counter()
-        with cpu_load(workers, max_load_s, stress_ng=stress_ng) as load:
-            time.sleep(0.5)  # the load's processes reach their loops
-            loaded_save, loaded_plain = phase()
-            if not load.running():
-                raise LoadEndedEarly(
-                    f"the load ({tool}, at most {max_load_s:.0f} s) ended before the "
-                    f"measurement beside it ({time.perf_counter() - started:.0f} s): "
-                    "use fewer --load-mb or repeats")
-        loaded_s = time.perf_counter() - started
+        for _ in range(bursts):
+            load_before = os.getloadavg()[0]
+            quiet_save, quiet_plain = phase()
+            started = time.perf_counter()
+            with cpu_load(workers, max_load_s, stress_ng=stress_ng) as load:
+                time.sleep(0.5)  # the load's processes reach their loops
+                loaded_save, loaded_plain = phase()
+                if not load.running():
+                    raise LoadEndedEarly(
+                        f"the load ({tool}, at most {max_load_s:.0f} s) ended before the "
+                        f"measurement beside it ({time.perf_counter() - started:.0f} s): "
+                        "use fewer --load-mb or repeats")
+            measured.append({
+                "quiet_save_gb_s": rates(quiet_save), "quiet_plain_gb_s": rates(quiet_plain),
+                "loaded_save_gb_s": rates(loaded_save),
+                "loaded_plain_gb_s": rates(loaded_plain),
+                "quiet_ratio": rates(quiet_save) / rates(quiet_plain),
+                "ratio_under_load": rates(loaded_save) / rates(loaded_plain),
+                "load_seconds": time.perf_counter() - started,
+                "loadavg_1min": [load_before, os.getloadavg()[0]],
+                "walls_s": {"quiet_save": quiet_save, "quiet_plain": quiet_plain,
+                            "loaded_save": loaded_save, "loaded_plain": loaded_plain}})
         filesystem = filesystem_of(root)
-    gb = total / 1e9
 
-    def rates(walls: list[float]) -> float:
-        return _median([gb / wall for wall in walls])
+    def over_bursts(key: str) -> float:
+        return _median([burst[key] for burst in measured])
 
+    ratios = [burst["ratio_under_load"] for burst in measured]
     return {
         "bytes": total, "repeats": repeats, "load": tool, "load_workers": workers,
-        "load_seconds": loaded_s, "filesystem": filesystem, "odirect": direct[0],
+        "load_seconds": sum(burst["load_seconds"] for burst in measured),
+        "filesystem": filesystem, "odirect": direct[0],
         "writer_threads": WRITER_THREADS,
-        "quiet_save_gb_s": rates(quiet_save), "quiet_plain_gb_s": rates(quiet_plain),
-        "loaded_save_gb_s": rates(loaded_save), "loaded_plain_gb_s": rates(loaded_plain),
-        "quiet_ratio": rates(quiet_save) / rates(quiet_plain),
-        "ratio_under_load": rates(loaded_save) / rates(loaded_plain),
-        "walls_s": {"quiet_save": quiet_save, "quiet_plain": quiet_plain,
-                    "loaded_save": loaded_save, "loaded_plain": loaded_plain},
+        **{key: over_bursts(key) for key in (
+            "quiet_save_gb_s", "quiet_plain_gb_s", "loaded_save_gb_s", "loaded_plain_gb_s",
+            "quiet_ratio", "ratio_under_load")},
+        "ratio_under_load_per_burst": ratios,
+        "ratio_under_load_min": min(ratios), "ratio_under_load_max": max(ratios),
+        "walls_s": {key: [wall for burst in measured for wall in burst["walls_s"][key]]
+                    for key in ("quiet_save", "quiet_plain", "loaded_save", "loaded_plain")},
+        "bursts": measured,
         "measured": stamp,
     }
 
 
 def summary(row: dict[str, Any] | None, skipped: str | None = None) -> dict[str, Any]:
-    """The contract key ``save_vs_odirect_under_cpu_load`` (null with the reason)."""
+    """The contract key ``save_vs_odirect_under_cpu_load`` (null with the reason): the
+    median over the bursts of each burst's ratio, the bursts' ratios beside it."""
     if row is None:
         return {"save_vs_odirect_under_cpu_load": None,
                 "save_vs_odirect_under_cpu_load_reason": skipped or "not run"}
@@ -283,10 +309,15 @@ def summary(row: dict[str, Any] | None, skipped: str | None = None) -> dict[str,
                 "save_vs_odirect_under_cpu_load_reason": (
                     f"the target filesystem ({row['filesystem']}) refused O_DIRECT: the "
                     "plain writer went through the page cache, no O_DIRECT baseline")}
+    ratios = row.get("ratio_under_load_per_burst")
     return {"save_vs_odirect_under_cpu_load": row["ratio_under_load"],
             "save_vs_odirect_under_cpu_load_reason": None,
             "save_vs_odirect_quiet": row["quiet_ratio"],
-            "save_vs_odirect_under_cpu_load_load": row["load"]}
+            "save_vs_odirect_under_cpu_load_load": row["load"],
+            # the key above is the median over the bursts of each burst's ratio
+            "save_vs_odirect_under_cpu_load_per_burst": ratios,
+            "save_vs_odirect_under_cpu_load_min": min(ratios) if ratios else None,
+            "save_vs_odirect_under_cpu_load_max": max(ratios) if ratios else None}
 
 
 def which_stress_ng() -> str | None:

@@ -10,6 +10,7 @@ second (the host is shared), or ``/bin/true`` standing in for stress-ng.
 from __future__ import annotations
 
 import shutil
+import statistics
 import time
 from pathlib import Path
 
@@ -91,3 +92,26 @@ def test_without_an_o_direct_baseline_the_key_is_null_with_the_reason() -> None:
     skipped = cpu_load.summary(None, "not run (--load-mb 0)")
     assert skipped == {"save_vs_odirect_under_cpu_load": None,
                        "save_vs_odirect_under_cpu_load_reason": "not run (--load-mb 0)"}
+
+
+def test_each_burst_is_kept_and_the_key_is_the_median_of_the_bursts_ratios(
+        tmp_path: Path) -> None:
+    row = cpu_load.measure(8, 1, workers=1, stress_ng=None, directory=str(tmp_path),
+                           max_load_s=120, bursts=3)
+    bursts = row["bursts"]
+    assert len(bursts) == 3
+    ratios = [burst["loaded_save_gb_s"] / burst["loaded_plain_gb_s"] for burst in bursts]
+    assert row["ratio_under_load_per_burst"] == [b["ratio_under_load"] for b in bursts] == ratios
+    assert row["ratio_under_load"] == statistics.median(ratios)
+    assert row["ratio_under_load_min"] == min(ratios)
+    assert row["ratio_under_load_max"] == max(ratios)
+    assert row["quiet_ratio"] == statistics.median(b["quiet_ratio"] for b in bursts)
+    assert all(len(burst["loadavg_1min"]) == 2 for burst in bursts)
+    assert {key: len(walls) for key, walls in row["walls_s"].items()} == {
+        "quiet_save": 3, "quiet_plain": 3, "loaded_save": 3, "loaded_plain": 3}
+    assert row["load_seconds"] == sum(burst["load_seconds"] for burst in bursts)
+    if row["odirect"]:
+        summary = cpu_load.summary(row)
+        assert summary["save_vs_odirect_under_cpu_load"] == statistics.median(ratios)
+        assert summary["save_vs_odirect_under_cpu_load_per_burst"] == ratios
+        assert summary["save_vs_odirect_under_cpu_load_min"] == min(ratios)

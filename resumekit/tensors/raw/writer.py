@@ -186,6 +186,7 @@ class _ReportingWriter:
         for name, entry in recorded:
             self.written.append(WrittenFile(name.removesuffix(".tmp"), entry.size,
                                             entry.checksum, references))
+        _emptied(metadata)
 
     def _finish_remembered(self, metadata: Metadata, results: list[list[WriteResult]],
                            memo: MetadataMemo | None) -> tuple[str, ...]:
@@ -245,6 +246,21 @@ class _ReportingWriter:
             self.fs.rm_file(metadata_path)
         self.fs.rename(tmp_path, metadata_path)
         return references
+
+
+def _emptied(metadata: Metadata) -> None:
+    """Empty ``metadata``, written: ``dcp.save`` then sends it to every rank as is.
+
+    DCP's save ends with its coordinator's ``finish`` and a broadcast of what that step
+    returns, this very object, as ``dcp.save``'s return value (which resumekit never
+    reads): a pickle of the whole ``.metadata`` made on rank 0 and unpickled on every rank
+    at every save, growing with W x tensors (issue 40). The object is this save's own
+    (the remembered plans give each save a copy), so rebinding its fields touches no
+    other save's, and the broadcast carries an empty ``Metadata``.
+    """
+    metadata.state_dict_metadata = {}
+    metadata.planner_data = None
+    metadata.storage_data = None
 
 
 def _references(results: Sequence[Sequence[WriteResult]]) -> tuple[str, ...]:
