@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint import FileSystemReader
 
+import resumekit
 from resumekit.cli import main as cli_main
 from resumekit.manager import CheckpointManager
 from resumekit.tensors import state_dicts
@@ -40,8 +40,7 @@ def _trained(seed: int = 0, steps: int = 3) -> tuple[HookedNet, torch.optim.Opti
 
 def _stored_keys(root: Path) -> list[str]:
     [step_dir] = root.glob("step_*")
-    return sorted(FileSystemReader(str(step_dir / "tensors")).read_metadata()
-                  .state_dict_metadata)
+    return sorted(resumekit.StorageReader(step_dir).read_metadata().state_dict_metadata)
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -8,8 +8,10 @@ program (``tests/fixtures/releases/program.py``):
   today's ``schema_version``, nothing set aside, not one byte of the root changed (before
   ``schema_version`` 2 it set every checkpoint aside and the run started at step 0);
 * a root it wrote resumes now bit for bit (tensors, optimizer, scheduler, random streams);
-* checkpoints it set aside because it could not read them (written before
-  ``schema_version`` 2, as they were) are put back now, with a warning, and resume bit for bit.
+* checkpoints it set aside because it could not read them (schema 4's raw format, written
+  by its build and recorded as ``schema_version`` 1, as checkpoints before version 2 were)
+  are put back now, with a warning, and resume bit for bit;
+* today's format recorded as version 1 is refused by it as unsafe, nothing set aside.
 """
 
 from __future__ import annotations
@@ -36,16 +38,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 PROGRAM = Path(program.__file__).resolve()
+SCHEMA_4_BUILD = "3d9a61c"
+"""The last build writing ``schema_version`` 4 (tests/fixtures/schema_4 is its)."""
 
 
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A checkout of the previous release's package (``resumekit/`` of its commit)."""
-    commit = program.PREVIOUS_RELEASE
+    return _checkout(program.PREVIOUS_RELEASE, tmp_path_factory)
+
+
+def _checkout(commit: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``resumekit/`` of ``commit``, from this clone's history, in a temporary directory."""
     archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", "--format=tar", commit,
                               "resumekit"], capture_output=True, check=False)
     if archive.returncode != 0:
-        unavailable(f"the previous release's commit {commit} is not in this clone's history "
+        unavailable(f"commit {commit} (an earlier build) is not in this clone's history "
                     f"({archive.stderr.decode(errors='replace').strip()}): clone with history")
     tree = tmp_path_factory.mktemp(f"resumekit-{commit}")
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
@@ -96,24 +104,35 @@ def rounds(previous: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     mixed = work / "mixed"  # the previous release's steps 5 and 10, then today's 15
     shutil.copytree(written_then, mixed)
     expected_mixed = program.train(mixed, (15,))
-    # Today's format recorded as schema_version 1, as the members' descriptor was before
-    # version 2 (issue 37); today it also holds the items stored alone of version 3.
+    # A raw format the previous release cannot read, recorded as schema_version 1, as the
+    # members' descriptor was before version 2 (issue 37): schema 4's (one data file per
+    # rank, its trailer), written by its build (SCHEMA_4_BUILD). Today's own format
+    # (schema 5: .metadata laid out by rank) is refused by the previous release's safe
+    # unpickler before any descriptor is read, so nothing would be set aside.
     before_schema_2 = work / "before-schema-2"
-    shutil.copytree(now, before_schema_2)
+    _run_previous(_checkout(SCHEMA_4_BUILD, tmp_path_factory), "write", str(before_schema_2),
+                  str(work / "schema-4.pt"), cwd=work)
     for manifest in before_schema_2.glob("step_*/manifest.json"):
         document = json.loads(manifest.read_text())
-        assert document["schema_version"] == SCHEMA_VERSION
+        assert document["schema_version"] == 4
         manifest.write_text(json.dumps({**document, "schema_version": 1}, indent=2))
-    files = {root.name: _files(root) for root in (now, mixed)}
+    # Today's format mislabelled the same way: nothing the previous release can set aside.
+    today_as_1 = work / "today-as-schema-1"
+    shutil.copytree(now, today_as_1)
+    for manifest in today_as_1.glob("step_*/manifest.json"):
+        document = json.loads(manifest.read_text())
+        manifest.write_text(json.dumps({**document, "schema_version": 1}, indent=2))
+    files = {root.name: _files(root) for root in (now, mixed, today_as_1)}
     _run_previous(previous, "read", str(work / "read.json"), str(now), str(mixed),
-                  str(before_schema_2), cwd=work)
+                  str(before_schema_2), str(today_as_1), cwd=work)
     read = {Path(result["root"]).name: result
             for result in json.loads((work / "read.json").read_text())}
     return {"read": read, "files": files, "now": now, "mixed": mixed,
             "expected_now": expected_now, "expected_mixed": expected_mixed,
             "written_then": written_then,
             "expected_then": torch.load(work / "then.pt", weights_only=False),
-            "before_schema_2": before_schema_2}
+            "expected_schema_4": torch.load(work / "schema-4.pt", weights_only=False),
+            "before_schema_2": before_schema_2, "today_as_1": today_as_1}
 
 
 @pytest.mark.parametrize("name", ["written-now", "mixed"])
@@ -172,4 +191,19 @@ def test_checkpoints_the_previous_release_set_aside_are_put_back_and_resume_bit_
                    for warning in result["warnings"]), (entry, result["warnings"])
     assert not [entry for entry in result["listing"] if ".bad-" in entry]
     assert {"step_000000005", "step_000000010"} <= set(result["listing"])
-    _same(result["snapshot"], rounds["expected_now"], "restored")
+    _same(result["snapshot"], rounds["expected_schema_4"], "restored")
+
+
+def test_todays_metadata_mislabelled_as_schema_1_is_refused_by_the_previous_release_untouched(
+        rounds: dict[str, Any]) -> None:
+    # Schema 5's .metadata is laid out by rank; its first pickle names a resumekit function
+    # that the previous release's safe unpickler does not allow: refused as unsafe before
+    # any descriptor is read, so no step is set aside as unreadable (as schema 4's were).
+    said = rounds["read"]["today-as-schema-1"]
+    assert said["error"] == "UnsafeCheckpointError", said
+    assert "metadata_file.stock_reader_refused" in said["message"], said["message"]
+    assert not [entry for entry in said["listing"] if ".bad-" in entry], said["listing"]
+    root = rounds["today_as_1"]
+    kept = {path: data for path, data in _files(root).items() if path.startswith("step_")}
+    assert kept == {path: data for path, data in rounds["files"][root.name].items()
+                    if path.startswith("step_")}
