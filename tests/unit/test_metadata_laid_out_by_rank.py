@@ -7,6 +7,7 @@ and plans the same answer from it as from the whole file; damage names the rank.
 
 from __future__ import annotations
 
+import logging
 import pickle
 
 import pytest
@@ -23,7 +24,12 @@ from torch.distributed.checkpoint.metadata import (
 from resumekit.errors import CorruptCheckpointError
 from resumekit.tensors import metadata_file
 from resumekit.tensors.metadata_parts import MetadataServer, chunk_requests
-from resumekit.tensors.parts_exchange import shared_metadata, small_shared_items
+from resumekit.tensors.parts_exchange import (
+    Covered,
+    PartsAnswerer,
+    shared_metadata,
+    small_shared_items,
+)
 from resumekit.tensors.raw.format import MEMBER_DESCRIPTORS, TRAILER_PACK_PREFIX
 from resumekit.tensors.reader import read_metadata_bytes
 from tests.unit.test_metadata_parts import _metadata, _wanted
@@ -175,3 +181,31 @@ def test_a_one_chunk_tensor_of_part_of_its_size_is_not_a_shared_key() -> None:
         storage_data={MetadataIndex("x", torch.Size((0,))): _StorageInfo("__0_0.distcp", 0, 8)})
     head = _head(_encode(metadata, 1))
     assert head.shared_keys == set()
+
+
+def test_a_rank_not_covered_makes_rank_0_read_the_whole_file_and_say_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    metadata = _packed(2)
+    head = _head(_encode(metadata, 2))
+    read: list[str] = []
+
+    def read_whole() -> Metadata:
+        read.append("whole")
+        return metadata
+
+    answerer = PartsAnswerer(head, "/ckpt/step_000000003/tensors/.metadata", read_whole,
+                             lambda found, items: {})
+    with caplog.at_level(logging.INFO, logger="resumekit"):
+        answerer.parts_for([Covered(reads_shared=False), Covered(reads_shared=False)])
+    assert read == [] and answerer.whole_reads == 0 and not caplog.records
+    # rank 1 of another world size asks for its shard of a sharded tensor
+    request = {"model.embed": chunk_requests(_wanted(3, 1)["model.embed"])}
+    with caplog.at_level(logging.INFO, logger="resumekit"):
+        replies = answerer.parts_for([Covered(reads_shared=False), request])
+    assert read == ["whole"] and answerer.whole_reads == 1
+    assert replies[1] is not None and replies[1].chunks
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 1, said
+    assert "/ckpt/step_000000003/tensors/.metadata" in said[0], said
+    assert "rank 1 not covered by its own part" in said[0], said
+    assert "reading it whole" in said[0], said
