@@ -185,6 +185,11 @@ class SavePlans:
         with self._lock:
             self.hits += 1
 
+    def coordinates(self, token: bytes) -> bool:
+        """Whether this coordinator remembers the metadata of round ``token`` (nothing counted)."""
+        with self._lock:
+            return self._metadata is not None and self._round == token
+
     def metadata_of(self, tokens: Sequence[bytes]) -> Metadata | None:
         """A copy of the remembered metadata if every rank's marker names its round.
 

@@ -44,6 +44,7 @@ from resumekit.tensors.context import (
 from resumekit.tensors.failures import from_failures
 from resumekit.tensors.plans import MemoSavePlanner, PlanAgain, SavePlans
 from resumekit.tensors.raw import CheckedDcpWriter, RawTensorWriter, WrittenFile
+from resumekit.tensors.remembered_save import save_remembered
 from resumekit.tensors.remote import RemoteWrites, WriterSpec, shipped
 
 __all__ = [
@@ -148,16 +149,27 @@ def save(
         tensor_format_for(target, tensor_format), remote is not None, no_dist,
         0 if group is None else dist.get_rank(group),
         1 if group is None else dist.get_world_size(group))
+    def writer_and_planner() -> tuple[FileSystemWriter, DefaultSavePlanner]:
+        made = _make_writer(target, storage_options, thread_count, sync_files, background,
+                            tensor_format=tensor_format, remote=remote)
+        cast(RawTensorWriter | CheckedDcpWriter, made).metadata_memo = plans
+        return made, DefaultSavePlanner() if plans is None else MemoSavePlanner(plans, context)
+
+    # With plans and a group of ranks, a save first tries its remembered plans with one
+    # all-reduce (resumekit.tensors.remembered_save); refused, DCP's loop plans in full.
+    together = plans is not None and not no_dist and dist.get_world_size(group) > 1
     for attempt in (1, 2):
-        writer = _make_writer(target, storage_options, thread_count, sync_files, background,
-                              tensor_format=tensor_format, remote=remote)
-        planner = DefaultSavePlanner() if plans is None else MemoSavePlanner(plans, context)
-        cast(RawTensorWriter | CheckedDcpWriter, writer).metadata_memo = plans
+        writer, planner = writer_and_planner()
         try:
             with quiet_no_dist(no_dist), without_zip_crc32(), paused_collection(background), \
                     contextlib.nullcontext() if plans is None else torch.no_grad():
-                dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
-                         no_dist=no_dist, planner=planner)
+                if not (together and attempt == 1 and save_remembered(
+                        state_dict, writer, cast(MemoSavePlanner, planner),
+                        cast(SavePlans, plans), group, where=target)):
+                    if together and attempt == 1:
+                        writer, planner = writer_and_planner()  # set up afresh
+                    dcp_save(dict(state_dict), storage_writer=writer, process_group=group,
+                             no_dist=no_dist, planner=planner)
         except BaseException as error:
             if plans is not None:
                 plans.forget()  # on every rank: DCP raises a failure on all of them
