@@ -24,7 +24,7 @@ from resumekit import tensors
 from resumekit.errors import ResumekitError, StorageError
 from resumekit.runtime import distributed
 from resumekit.store.commit import CommitProtocol, PendingCheckpoint
-from resumekit.store.coordination import Coordinator, run_on_every_rank, run_on_leader
+from resumekit.store.coordination import Coordinator, run_on_leader
 from resumekit.store.layout import TENSORS_DIR, TRAIN_STATE_FILE, NameFormat, rank_state_file
 from resumekit.store.manifest import Lineage, Manifest
 from resumekit.store.retention import RetentionPolicy, RollingSweep, prune
@@ -102,9 +102,10 @@ def write_step(job: SaveJob, target: StepTarget, *, retain: Callable[[], object]
     """Commit ``job`` under ``target``: the one commit sequence of every tier.
 
     1. ``begin`` (step check, staging area, writer record);
-    2. the tensors and this rank's small files into staging, hashed on their way (on
-       every rank: a failure on one is raised on all);
-    3. ``publish`` the manifest (``describe``'d, then with the clock's measurements);
+    2. the tensors and this rank's small files into staging, hashed on their way;
+    3. ``publish`` the manifest (``describe``'d, then with the clock's measurements): its
+       one gather carries each rank's files and its writes' outcome, so a failure on one
+       rank is raised on all before anything is committed;
     4. on any error so far: abort (remove the staging area), the error raised;
     5. ``retain()``: the tier's retention, after the commit only;
     6. record the newest step (after retention: its stamp sees the deletions).
@@ -121,21 +122,30 @@ def write_step(job: SaveJob, target: StepTarget, *, retain: Callable[[], object]
     Returns:
         The committed step.
     """
-    protocol, coordinator = target.protocol, target.protocol.coordinator
+    protocol = target.protocol
     tokens = set() if active_tokens is None else active_tokens
     pending = protocol.begin(job.step, replace=job.replace, active_tokens=set(tokens))
     tokens.add(pending.token)
     try:
+        # Each rank's writes' outcome travels with its files in publish's one gather: a
+        # failure on any rank is raised on every rank there, before anything is committed.
+        failure: Exception | None = None
+        described: list[FileEntry] = []
+        required: list[str] = []
         try:
-            described, required = run_on_every_rank(
-                coordinator, lambda: _write_files(pending, job, target))
+            described, required = _write_files(pending, job, target)
+        except Exception as error:  # noqa: BLE001 - raised on every rank by publish
+            failure = error
         finally:
             if timing is not None:
                 timing.files_written()
-        manifest = job.manifest if describe is None else describe(job.manifest)
-        if timing is not None:
-            manifest = timing.describe(manifest)
-        protocol.publish(pending, manifest, described=described, required=required)
+        manifest = job.manifest
+        if failure is None:
+            manifest = manifest if describe is None else describe(manifest)
+            if timing is not None:
+                manifest = timing.describe(manifest)
+        protocol.publish(pending, manifest, described=described, required=required,
+                         failure=failure)
     except BaseException as error:
         abort_after(protocol, pending, error)
         if target.name_failures and isinstance(error, OSError) and _unnamed(error):

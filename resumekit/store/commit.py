@@ -139,7 +139,12 @@ from resumekit.store.catalog import (
     list_root,
     read_manifest,
 )
-from resumekit.store.coordination import Coordinator, SingleProcess, run_on_leader
+from resumekit.store.coordination import (
+    Coordinator,
+    SingleProcess,
+    run_on_leader,
+    share_outcomes,
+)
 from resumekit.store.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
 from resumekit.store.manifest import (
     FileEntry,
@@ -481,7 +486,8 @@ class CommitProtocol:
     # -- 3-6: publish -----------------------------------------------------------------
     def publish(self, pending: PendingCheckpoint, manifest: Manifest, *,
                 described: Sequence[FileEntry] = (),
-                required: Sequence[str] = ()) -> Manifest:
+                required: Sequence[str] = (),
+                failure: Exception | None = None) -> Manifest:
         """Describe the staged files and commit them as checkpoint ``pending.step``.
 
         Every rank must call it once its writes are done. ``manifest`` supplies the
@@ -501,6 +507,10 @@ class CommitProtocol:
                 them (paths relative to the staging directory). They are not read again.
             required: Files the written data cannot load without (for DCP: every file
                 its ``.metadata`` references). Each must be described by some rank.
+            failure: This rank's writes failed with it: the ranks' reports are gathered
+                all the same (one all-gather carries the writes' outcome and the files),
+                and the lowest failing rank's error is raised on every rank, nothing
+                committed.
 
         Returns:
             The manifest as committed.
@@ -511,7 +521,8 @@ class CommitProtocol:
             StepCollisionError: Another writer committed this step first (on object stores
                 the conditional commit marker, on POSIX the rename, tells).
         """
-        reports = self.coordinator.all_gather((list(described), list(required)))
+        reports = share_outcomes(self.coordinator, (list(described), list(required)),
+                                 failure)
         self._phase("hash")
         known, unknown = run_on_leader(
             self.coordinator, lambda: self._reconcile(pending, reports))

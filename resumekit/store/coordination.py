@@ -29,6 +29,7 @@ __all__ = [
     "activity",
     "run_on_every_rank",
     "run_on_leader",
+    "share_outcomes",
 ]
 
 T = TypeVar("T")
@@ -291,8 +292,9 @@ def run_on_leader(coordinator: Coordinator, action: Callable[[], T]) -> T:
 def run_on_every_rank(coordinator: Coordinator, action: Callable[[], T]) -> T:
     """Run ``action()`` on every rank; if it failed on any rank, raise on every rank.
 
-    Each rank returns its own result. The error raised is the lowest failing rank's, so
-    all ranks take the same branch and none is left waiting in the next collective.
+    Each rank returns its own result (only the outcome is shared: :func:`share_outcomes`).
+    The error raised is the lowest failing rank's, so all ranks take the same branch and
+    none is left waiting in the next collective.
 
     A rank whose own part failed (a DCP collective broken by a dead peer, raised as gloo's
     raw ``RuntimeError``) and whose all-gather then fails too raises the all-gather's
@@ -305,17 +307,37 @@ def run_on_every_rank(coordinator: Coordinator, action: Callable[[], T]) -> T:
         result = action()
     except Exception as error:  # noqa: BLE001 - re-raised on every rank below
         own = error
-    outcome: tuple[str, Any] = ("ok", result) if own is None else ("error", own)
+    share_outcomes(coordinator, None, own)
+    return cast(T, result)  # no rank failed, so action() returned here
+
+
+def share_outcomes(coordinator: Coordinator, value: T, failure: Exception | None
+                   ) -> list[T]:
+    """Every rank's ``value``, or, where some rank passed a ``failure``, raise on every rank.
+
+    One all-gather. The error raised is the lowest failing rank's; a rank whose own
+    ``failure`` is set and whose all-gather fails too raises the all-gather's
+    :class:`~resumekit.errors.CoordinationError`, which also quotes that failure.
+
+    Args:
+        coordinator: The ranks.
+        value: This rank's value (ignored where ``failure`` is set).
+        failure: This rank's error, if its part failed.
+
+    Returns:
+        Each rank's value, in rank order.
+    """
+    outcome: tuple[str, Any] = ("ok", value) if failure is None else ("error", failure)
     try:
         gathered = coordinator.all_gather(outcome)
     except CoordinationError as error:
-        if own is None:
+        if failure is None:
             raise
-        raise _with_own_failure(error, own) from error
-    for status, value in gathered:
+        raise _with_own_failure(error, failure) from error
+    for status, shared in gathered:
         if status == "error":
-            raise value
-    return cast(T, result)  # no rank failed, so action() returned here
+            raise shared
+    return [cast(T, shared) for _, shared in gathered]
 
 
 def _with_own_failure(error: CoordinationError, own: BaseException) -> CoordinationError:

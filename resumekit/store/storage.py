@@ -415,6 +415,13 @@ class Storage:
         """Return ``(path relative to relative, size)`` of every file below ``relative``."""
         base = self.path(relative).rstrip("/")
         self._forget(relative)
+        if self.is_local:
+            with _storage_errors("list", base, "list", ignores=(FileNotFoundError,)):
+                plain = _walk_plain(base)
+                if plain is not None:
+                    return sorted(plain)
+            if not os.path.isdir(base):
+                return []  # absent, as fsspec's find says
         found: dict[str, dict[str, Any]] = {}  # stays empty for an absent directory
         with _storage_errors("list", base, "list", ignores=(FileNotFoundError,)):
             found = self.fs.find(base, detail=True, withdirs=False)
@@ -928,3 +935,32 @@ def _renameat2() -> Any:
             ]
             _RENAMEAT2.restype = ctypes.c_int
     return _RENAMEAT2 or None
+
+
+def _walk_plain(base: str) -> list[tuple[str, int]] | None:
+    """Every file below local directory ``base`` with its size, from ``os.scandir``.
+
+    None when the tree holds anything but directories and regular files (a link, a FIFO,
+    a device): fsspec's walk, which the caller then runs, decides what such an entry is,
+    as it always did. A plain tree is listed without fsspec's per-file ``info`` calls
+    (the commit's listing of a staging area, once per save).
+
+    Raises:
+        FileNotFoundError: ``base`` does not exist.
+    """
+    files: list[tuple[str, int]] = []
+    pending = [("", base)]
+    while pending:
+        prefix, directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                name = f"{prefix}{entry.name}"
+                if entry.is_symlink():
+                    return None
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((f"{name}/", entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    files.append((name, entry.stat(follow_symlinks=False).st_size))
+                else:
+                    return None
+    return files

@@ -5,6 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+import torch
+
+from resumekit.manager import CheckpointManager
 from resumekit.store.commit import CommitProtocol
 from resumekit.store.coordination import SingleProcess
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
@@ -47,3 +51,34 @@ def test_a_publish_still_hashes_and_gathers_the_files_nobody_described(
     assert ranks.gathers == 2
     assert [(f.path, f.size, f.checksum) for f in committed.files] == [
         ("extra.bin", 5, checksum_chunks([b"12345"]))]
+
+
+def test_a_publish_given_this_ranks_failure_raises_it_and_commits_nothing(
+        tmp_path: Path) -> None:
+    store = Storage(tmp_path)
+    ranks = CountingCoordinator()
+    protocol = CommitProtocol(store, coordinator=ranks)
+    pending = protocol.begin(5)
+    failure = OSError(28, "No space left on device")
+    with pytest.raises(OSError, match="No space left") as raised:
+        protocol.publish(pending, Manifest(step=5), failure=failure)
+    assert raised.value is failure and ranks.gathers == 1  # told in the reports' gather
+    assert not (tmp_path / protocol.name_format.build(5)).exists()
+
+
+def test_a_managers_save_gathers_once_the_writes_outcome_riding_with_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gathers: list[object] = []
+    original = SingleProcess.all_gather
+
+    def counted(self: SingleProcess, value: T) -> list[T]:
+        gathers.append(value)
+        return original(self, value)
+
+    monkeypatch.setattr(SingleProcess, "all_gather", counted)
+    manager = CheckpointManager(tmp_path, model=torch.nn.Linear(4, 4), retention=None)
+    manager.save(1)
+    before = len(gathers)
+    manager.save(2)
+    manager.close()
+    assert len(gathers) - before == 1, gathers[before:]  # publish's, nothing before it
