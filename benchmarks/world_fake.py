@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -255,7 +256,9 @@ def save_side_steady(params: list[Param], world: int, directory: Path, *, raw: b
     ``.metadata`` again). A first save fills each side's memory (not timed); the second
     is timed: the markers received (unpickled), the global plan, the markers sent back
     (pickled), the writer's ``prepare_global_plan`` and ``finish`` from the write results
-    of that save (built afresh: equal, not the same objects).
+    of that save (built afresh: equal, not the same objects). Where resumekit saves from
+    remembered plans without DCP's planning round (:mod:`resumekit.tensors.remembered_save`,
+    one all-reduce decides) its side is the remembered metadata taken and ``finish``.
     """
     # here, not at the top: the bench runs over code from before remembered plans too
     from resumekit.tensors.plans import (  # noqa: PLC0415
@@ -313,6 +316,10 @@ def save_side_steady(params: list[Param], world: int, directory: Path, *, raw: b
     planner.set_up_planner({}, None, is_coordinator=True)
 
     def coordinate() -> tuple[Any, Any]:
+        if raw and remembered_save_available():
+            # resumekit.tensors.remembered_save: one all-reduce of four integers decides
+            # (no marker gathered, no plan scattered); rank 0 takes its remembered metadata
+            return [], memory.metadata_of([token] * world)
         replies, again = planner.create_global_plan(sent(markers))
         return sent(second.prepare_global_plan(replies)), again
 
@@ -324,6 +331,11 @@ def save_side_steady(params: list[Param], world: int, directory: Path, *, raw: b
     return {"plan_cpu_s": plan_cpu, "finish_cpu_s": finish_cpu,
             "save_cpu_rank0_s": plan_cpu + finish_cpu,
             "metadata_reused": memory.metadata_reused if raw else 0}
+
+
+def remembered_save_available() -> bool:
+    """Whether this resumekit saves from remembered plans without DCP's planning round."""
+    return importlib.util.find_spec("resumekit.tensors.remembered_save") is not None
 
 
 def _state_of(params: list[Param], mesh: Any) -> dict[str, Any]:

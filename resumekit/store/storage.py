@@ -415,13 +415,11 @@ class Storage:
         """Return ``(path relative to relative, size)`` of every file below ``relative``."""
         base = self.path(relative).rstrip("/")
         self._forget(relative)
-        if self.is_local:
+        if self.is_local and os.path.isdir(base) and not os.path.islink(base):
             with _storage_errors("list", base, "list", ignores=(FileNotFoundError,)):
                 plain = _walk_plain(base)
                 if plain is not None:
                     return sorted(plain)
-            if not os.path.isdir(base):
-                return []  # absent, as fsspec's find says
         found: dict[str, dict[str, Any]] = {}  # stays empty for an absent directory
         with _storage_errors("list", base, "list", ignores=(FileNotFoundError,)):
             found = self.fs.find(base, detail=True, withdirs=False)
