@@ -97,14 +97,17 @@ def _damaged(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
 
 
 def _read_for_ranks(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
-                    verify: bool, world_size: int) -> tensors.CheckedMetadata:
+                    verify: bool, for_group: bool) -> tensors.CheckedMetadata:
     """The leader's read of ``.metadata``: its head alone, or the whole file.
 
     The head alone where the file is laid out by rank
-    (:mod:`resumekit.tensors.metadata_file`) and several ranks restore.
+    (:mod:`resumekit.tensors.metadata_file`) and ``for_group``: other ranks restore
+    with the leader (a group of two ranks or more; how many does not matter here, each
+    reads its own part when its load plans). Otherwise, for a restore by one rank
+    alone or of a file not laid out by rank, the whole file.
     """
     source = storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}")
-    if (world_size > 1 and manifest.schema_version >= _LAID_OUT_SCHEMA
+    if (for_group and manifest.schema_version >= _LAID_OUT_SCHEMA
             and manifest.tensor_format != "dcp" and entry.size >= metadata_file.FRAME_BYTES):
         first = read_checked_range(storage, name, manifest, entry, start=0, length=min(
             entry.size, metadata_file.FRAME_BYTES + _FIRST_READ))
@@ -165,6 +168,9 @@ def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
                      verify: bool = True) -> PrereadMetadata:
     """Read and check ``.metadata`` of ``name`` as :func:`share_metadata` does (leader only).
 
+    For a group of ranks only (:func:`share_metadata` uses it only where there are
+    several): where the file is laid out by rank, only its head is read.
+
     Never raises: a failure is the outcome, raised by :func:`share_metadata` on every
     rank when (and only when) that step is restored.
     """
@@ -173,7 +179,7 @@ def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
         return PrereadMetadata(name, ("ok", None))
     try:
         checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
-                                  world_size=2)  # read for the ranks of a group
+                                  for_group=True)
         return PrereadMetadata(name, ("ok", checked.for_ranks()), checked)
     except Exception as error:  # noqa: BLE001 - raised on every rank by share_metadata
         return PrereadMetadata(name, ("error", error))
@@ -228,7 +234,7 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
 
     def read() -> tensors.CheckedMetadata:
         checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
-                                  world_size=coordinator.world_size)
+                                  for_group=coordinator.world_size > 1)
         if coordinator.world_size == 1:
             return checked
         whole.append(checked)

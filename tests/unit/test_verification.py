@@ -117,3 +117,18 @@ def test_shared_metadata_names_a_corrupt_file_and_travels_as_bytes_only(
     with pytest.raises(CorruptCheckpointError, match="fails its checksum") as caught:
         share_metadata(storage, name, manifest, SingleProcess())
     assert caught.value.fields["file"] == "tensors/.metadata"
+
+
+def test_the_leaders_preread_for_a_group_holds_the_head_and_a_rank_alone_the_whole_file(
+        tmp_path: Path) -> None:
+    from resumekit.restore.verification import preread_metadata, share_metadata
+    from resumekit.store.coordination import SingleProcess
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    assert manifest.schema_version >= 5  # .metadata laid out by rank
+    read = preread_metadata(storage, name, manifest)
+    assert read.outcome[0] == "ok" and read.whole is not None
+    assert read.whole.head is not None and not read.whole.whole  # the head alone
+    alone = share_metadata(storage, name, manifest, SingleProcess())
+    assert alone is not None and alone.head is None and alone.whole  # the whole file
