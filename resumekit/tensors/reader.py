@@ -109,7 +109,8 @@ class CheckedMetadata:
         """Whether this rank read the head and answers the others' requests."""
         self.read_part: Callable[[int], list[metadata_file.Row] | None] | None = None
         """Reads and checks writing rank ``r``'s part (set on every rank where it is
-        received: :func:`resumekit.restore.verification.share_metadata`)."""
+        received: :func:`resumekit.restore.verification.share_metadata`; the leader's
+        holds the bytes of its own part, read in the same open of the file as the head)."""
         self.read_whole: Callable[[], Metadata] | None = None
         """Reads, checks and parses the whole file (the leader's, when a rank's request
         is not covered by its part)."""
