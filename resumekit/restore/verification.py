@@ -26,6 +26,7 @@ The checks themselves are :func:`resumekit.store.catalog.verify_checkpoint`'s. W
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -34,6 +35,7 @@ from resumekit.errors import CorruptCheckpointError
 from resumekit.store.catalog import (
     read_checked_file,
     read_checked_range,
+    read_checked_ranges,
     refuse_links,
     verify_checkpoint,
 )
@@ -97,32 +99,46 @@ def _damaged(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
 
 
 def _read_for_ranks(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
-                    verify: bool, world_size: int) -> tensors.CheckedMetadata:
+                    verify: bool, for_group: bool) -> tensors.CheckedMetadata:
     """The leader's read of ``.metadata``: its head alone, or the whole file.
 
     The head alone where the file is laid out by rank
-    (:mod:`resumekit.tensors.metadata_file`) and several ranks restore.
+    (:mod:`resumekit.tensors.metadata_file`) and ``for_group``: other ranks restore
+    with the leader (a group of two ranks or more; how many does not matter here, each
+    reads its own part when its load plans). Otherwise, for a restore by one rank
+    alone or of a file not laid out by rank, the whole file.
+
+    The head and the leader's own part (writing rank 0's, which group rank 0 reads when
+    its load plans) are read through one open of the file: the part's bytes are kept,
+    and checked against the head's checksum only when the load asks for them, as every
+    other rank's part is (:attr:`~resumekit.tensors.CheckedMetadata.read_part`).
     """
     source = storage.path(f"{name}/{manifest.data_path(METADATA_PATH)}")
-    if (world_size > 1 and manifest.schema_version >= _LAID_OUT_SCHEMA
+    if (for_group and manifest.schema_version >= _LAID_OUT_SCHEMA
             and manifest.tensor_format != "dcp" and entry.size >= metadata_file.FRAME_BYTES):
-        first = read_checked_range(storage, name, manifest, entry, start=0, length=min(
-            entry.size, metadata_file.FRAME_BYTES + _FIRST_READ))
-        if metadata_file.is_framed(first):
-            try:
-                length, expected = metadata_file.read_head_length(first, source)
-                end = metadata_file.FRAME_BYTES + length
-                if end > entry.size:
-                    raise CorruptCheckpointError(
-                        f"{source}: its head of {length} bytes lies past its end",
-                        path=source, file=source)
-                data = first[metadata_file.FRAME_BYTES:end] if end <= len(first) else (
-                    first[metadata_file.FRAME_BYTES:] + read_checked_range(
-                        storage, name, manifest, entry, start=len(first),
-                        length=end - len(first)))
-                head = metadata_file.parse_head(data, expected, source)
-            except CorruptCheckpointError as error:
-                raise _damaged(storage, name, manifest, entry, error) from None
+
+        def read_head(pread: Callable[[int, int], bytes]
+                      ) -> tuple[metadata_file.Head, bytes | None] | None:
+            first = pread(0, min(entry.size, metadata_file.FRAME_BYTES + _FIRST_READ))
+            if not metadata_file.is_framed(first):
+                return None
+            length, expected = metadata_file.read_head_length(first, source)
+            end = metadata_file.FRAME_BYTES + length
+            if end > entry.size:
+                raise CorruptCheckpointError(
+                    f"{source}: its head of {length} bytes lies past its end",
+                    path=source, file=source)
+            data = first[metadata_file.FRAME_BYTES:end] if end <= len(first) else (
+                first[metadata_file.FRAME_BYTES:] + pread(len(first), end - len(first)))
+            head = metadata_file.parse_head(data, expected, source)
+            return head, _own_part(head, entry, first, pread)
+
+        try:
+            found = read_checked_ranges(storage, name, manifest, entry, read_head)
+        except CorruptCheckpointError as error:
+            raise _damaged(storage, name, manifest, entry, error) from None
+        if found is not None:
+            head, own = found
             checked = tensors.CheckedMetadata.from_head(head, source, entry.checksum)
 
             def read_whole() -> Metadata:
@@ -130,40 +146,85 @@ def _read_for_ranks(storage: Storage, name: str, manifest: Manifest, entry: File
                 return tensors.CheckedMetadata.parse(data, source=source).parsed()
 
             checked.read_whole = read_whole
+            checked.read_part = _part_reader(storage, name, manifest, entry, head=head,
+                                             source=source,
+                                             held={} if own is None else {0: own})
             return checked
     data = read_checked_file(storage, name, manifest, entry, verify=verify)
     return tensors.CheckedMetadata.parse(data, source=source)
 
 
-def _with_parts(checked: tensors.CheckedMetadata | None, storage: Storage, name: str,
-                manifest: Manifest, entry: FileEntry) -> tensors.CheckedMetadata | None:
-    """``checked``, able to read its rank's part where only a head was read (every rank)."""
-    if checked is None or checked.head is None or checked.read_part is not None:
-        return checked
-    head = checked.head
-    source = checked.source
+def _own_part(head: metadata_file.Head, entry: FileEntry, first: bytes,
+              pread: Callable[[int, int], bytes]) -> bytes | None:
+    """Writing rank 0's part's bytes, read with the head (unchecked), or None.
+
+    None where there is no part 0 or it does not lie in the file: its reader then tries
+    it and names the fault (:func:`_part_reader`). A failed read is left to it too: it
+    reads the part again when the load asks for it and reports what fails then, as
+    before the head and the part shared an open.
+    """
+    if not head.parts:
+        return None
+    offset, length, _ = head.parts[0]
+    start = head.base + offset
+    if offset < 0 or length < 0 or start + length > entry.size:
+        return None
+    if start + length <= len(first):
+        return first[start:start + length]
+    try:
+        return pread(start, length)
+    except Exception:  # noqa: BLE001 - read again, and reported, when the load asks for it
+        return None
+
+
+def _part_reader(storage: Storage, name: str, manifest: Manifest, entry: FileEntry, *,
+                 head: metadata_file.Head, source: str, held: Mapping[int, bytes]
+                 ) -> Callable[[int], list[metadata_file.Row] | None]:
+    """Reads, checks and parses writing rank ``r``'s part (None when it has none).
+
+    ``held``: parts' bytes read already (the leader's own, read with the head): checked
+    as those read now.
+    """
 
     def read_part(rank: int) -> list[metadata_file.Row] | None:
         if rank >= len(head.parts):
             return None
         offset, length, checksum = head.parts[rank]
         try:
-            if offset < 0 or head.base + offset + length > entry.size:
-                raise CorruptCheckpointError(f"{source}: rank {rank}'s part lies past its end",
-                                             path=source, file=source, rank=rank)
-            data = read_checked_range(storage, name, manifest, entry,
-                                      start=head.base + offset, length=length)
+            data = held.get(rank)
+            if data is None:
+                if offset < 0 or head.base + offset + length > entry.size:
+                    raise CorruptCheckpointError(
+                        f"{source}: rank {rank}'s part lies past its end",
+                        path=source, file=source, rank=rank)
+                data = read_checked_range(storage, name, manifest, entry,
+                                          start=head.base + offset, length=length)
             return metadata_file.parse_part(data, checksum, source, rank)
         except CorruptCheckpointError as error:
             raise _damaged(storage, name, manifest, entry, error, rank=rank) from None
 
-    checked.read_part = read_part
+    return read_part
+
+
+def _with_parts(checked: tensors.CheckedMetadata | None, storage: Storage, name: str,
+                manifest: Manifest, entry: FileEntry) -> tensors.CheckedMetadata | None:
+    """``checked``, able to read its rank's part where only a head was read (every rank).
+
+    The leader's reads them already (:func:`_read_for_ranks`).
+    """
+    if checked is None or checked.head is None or checked.read_part is not None:
+        return checked
+    checked.read_part = _part_reader(storage, name, manifest, entry, head=checked.head,
+                                     source=checked.source, held={})
     return checked
 
 
 def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
                      verify: bool = True) -> PrereadMetadata:
     """Read and check ``.metadata`` of ``name`` as :func:`share_metadata` does (leader only).
+
+    For a group of ranks only (:func:`share_metadata` uses it only where there are
+    several): where the file is laid out by rank, only its head is read.
 
     Never raises: a failure is the outcome, raised by :func:`share_metadata` on every
     rank when (and only when) that step is restored.
@@ -173,7 +234,7 @@ def preread_metadata(storage: Storage, name: str, manifest: Manifest, *,
         return PrereadMetadata(name, ("ok", None))
     try:
         checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
-                                  world_size=2)  # read for the ranks of a group
+                                  for_group=True)
         return PrereadMetadata(name, ("ok", checked.for_ranks()), checked)
     except Exception as error:  # noqa: BLE001 - raised on every rank by share_metadata
         return PrereadMetadata(name, ("error", error))
@@ -228,7 +289,7 @@ def share_metadata(storage: Storage, name: str, manifest: Manifest,
 
     def read() -> tensors.CheckedMetadata:
         checked = _read_for_ranks(storage, name, manifest, entry, verify=verify,
-                                  world_size=coordinator.world_size)
+                                  for_group=coordinator.world_size > 1)
         if coordinator.world_size == 1:
             return checked
         whole.append(checked)

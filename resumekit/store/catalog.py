@@ -37,7 +37,7 @@ import functools
 import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from resumekit.errors import (
     CheckpointNotFoundError,
@@ -63,6 +63,8 @@ from resumekit.store.storage import FileInfo, Storage
 
 logger = logging.getLogger("resumekit")
 
+T = TypeVar("T")
+
 # What the other layers use (Status and Defect: the types of CheckpointEntry's fields).
 __all__ = [
     "BROKEN",
@@ -75,6 +77,7 @@ __all__ = [
     "other_name_checkpoints",
     "read_checked_file",
     "read_checked_range",
+    "read_checked_ranges",
     "read_manifest",
     "refuse_links",
     "sort_entries",
@@ -304,24 +307,62 @@ def read_checked_range(storage: Storage, name: str, manifest: Manifest, entry: F
             than the range.
         UnsafeCheckpointError: It (or a directory on its way) is a symbolic link.
     """
+    return read_checked_ranges(storage, name, manifest, entry,
+                               lambda pread: pread(start, length))
+
+
+def read_checked_ranges(storage: Storage, name: str, manifest: Manifest, entry: FileEntry,
+                        read: Callable[[Callable[[int, int], bytes]], T]) -> T:
+    """Read ranges of one file of checkpoint ``name`` through one open of it.
+
+    As :func:`read_checked_range`, for several reads where each may depend on the one
+    before (a ``.metadata``'s head says where its parts lie): the link is refused, the
+    file is opened once and its size checked against the manifest's, then
+    ``read(pread)`` runs while it is open; ``pread(start, length)`` returns exactly
+    those bytes of it. ``pread`` must not be kept: the file is closed when ``read``
+    returns.
+
+    Args:
+        storage: The checkpoint root.
+        name: The step directory name.
+        manifest: Its manifest.
+        entry: The manifest's entry of the file.
+        read: Reads what it needs with ``pread`` and returns it; called again from the
+            start after a transient error.
+
+    Returns:
+        What ``read`` returned.
+
+    Raises:
+        IncompleteCheckpointError: The file is missing, has the wrong size, or is shorter
+            than a range.
+        UnsafeCheckpointError: It (or a directory on its way) is a symbolic link.
+        Exception: Any error of ``read``, unchanged.
+    """
     refuse_links(storage, name, manifest.model_copy(update={"files": [entry]}))
     relative = f"{name}/{manifest.data_path(entry.path)}"
 
-    def read() -> tuple[int, bytes]:
+    def attempt() -> T:
         with storage.open(relative) as handle:
             size = handle.seek(0, 2)
-            handle.seek(start)
-            return size, handle.read(length)
+            if size != entry.size:
+                raise _wrong_size(storage, name, manifest, entry, size)
+
+            def pread(start: int, length: int) -> bytes:
+                handle.seek(start)
+                data = handle.read(length)
+                if len(data) != length:
+                    raise _wrong_size(storage, name, manifest, entry, start + len(data))
+                return data
+
+            return read(pread)
 
     try:
-        size, data = read_with_retry(storage.path(relative), read)
+        return read_with_retry(storage.path(relative), attempt)
+    except ResumekitError:
+        raise  # a wrong size (a FileNotFoundError too), or the error of ``read``
     except FileNotFoundError:
         raise _missing(storage, name, manifest, entry) from None
-    if size != entry.size:
-        raise _wrong_size(storage, name, manifest, entry, size)
-    if len(data) != length:
-        raise _wrong_size(storage, name, manifest, entry, start + len(data))
-    return data
 
 
 def _missing(storage: Storage, name: str, manifest: Manifest, entry: FileEntry

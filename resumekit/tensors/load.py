@@ -243,9 +243,7 @@ def _exchange_of(metadata: CheckedMetadata, group: dist.ProcessGroup | None, tar
         raw = metadata.raw_files()
 
         def read_small(found: Metadata, items: Sequence[ItemKey]) -> dict[ItemKey, Any]:
-            holder = CheckedMetadata(None, metadata.source, metadata.digest)
-            holder._parsed = found
-            holder._raw_files = raw
+            holder = CheckedMetadata.from_parsed(found, metadata.source, metadata.digest, raw)
             return read_whole_items(make_reader(target, storage_options, verify=verify,
                                                 metadata=holder), found, items)
 

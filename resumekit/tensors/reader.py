@@ -109,7 +109,8 @@ class CheckedMetadata:
         """Whether this rank read the head and answers the others' requests."""
         self.read_part: Callable[[int], list[metadata_file.Row] | None] | None = None
         """Reads and checks writing rank ``r``'s part (set on every rank where it is
-        received: :func:`resumekit.restore.verification.share_metadata`)."""
+        received: :func:`resumekit.restore.verification.share_metadata`; the leader's
+        holds the bytes of its own part, read in the same open of the file as the head)."""
         self.read_whole: Callable[[], Metadata] | None = None
         """Reads, checks and parses the whole file (the leader's, when a rank's request
         is not covered by its part)."""
@@ -131,18 +132,36 @@ class CheckedMetadata:
         return checked
 
     @classmethod
+    def from_parsed(cls, metadata: Metadata, source: str, digest: str,
+                    raw_files: set[str]) -> CheckedMetadata:
+        """A copy holding ``metadata`` already parsed, without the file's bytes.
+
+        What a rank holds when it did not read the file whole: a skeleton, or the
+        metadata its load filled in with the parts it was given. ``metadata`` is used as
+        it is (not copied); its readers take it from here and open no ``.metadata``.
+
+        Args:
+            metadata: The parsed metadata (a skeleton, or one filled in).
+            source: The file's path or URL (named in errors).
+            digest: Its checksum in the manifest (``xxh3_128:<hex>``).
+            raw_files: The checkpoint's raw tensor files (verified block by block).
+        """
+        checked = cls(None, source, digest)
+        checked._parsed = metadata
+        checked._raw_files = raw_files
+        return checked
+
+    @classmethod
     def from_head(cls, head: metadata_file.Head, source: str, digest: str
                   ) -> CheckedMetadata:
         """The leader's copy of a ``.metadata`` laid out by rank of which it read the head.
 
         ``digest``: the file's checksum in the manifest (it names the checkpoint).
         """
-        checked = cls(None, source, digest)
+        checked = cls.from_parsed(_skeleton_of(head), source, digest, set(head.raw_files))
         checked.head = head
         checked.leader = True
         checked.exchanged = True
-        checked._parsed = _skeleton_of(head)
-        checked._raw_files = set(head.raw_files)
         return checked
 
     def answerer(self, read_small: Callable[[Metadata, Sequence[ItemKey]], dict[ItemKey, Any]]
@@ -166,11 +185,11 @@ class CheckedMetadata:
         """
         parsed = self.parsed()
         self.exchanged = True
-        sent = CheckedMetadata(None, self.source, self.digest)
+        sent = CheckedMetadata.from_parsed(
+            copy.deepcopy(parsed) if self.head is not None else skeleton(parsed),
+            self.source, self.digest, self.raw_files())
         sent.exchanged = True
         sent.head = self.head
-        sent._parsed = copy.deepcopy(parsed) if self.head is not None else skeleton(parsed)
-        sent._raw_files = self.raw_files()
         return sent
 
     def parsed(self) -> Metadata:

@@ -438,6 +438,27 @@ def test_small_items_asked_for_whole_come_read_in_the_part_and_are_not_read_agai
     assert wanted["optimizer"]["param_groups"][0]["lr"] == 0.25
 
 
+def test_a_copy_holding_parsed_metadata_reads_small_items_without_the_metadata_file(
+        tmp_path: Any) -> None:
+    from resumekit import tensors  # noqa: PLC0415
+    from resumekit.tensors.reader import make_reader, read_whole_items  # noqa: PLC0415
+
+    saved = _optimizer_like(torch.Generator().manual_seed(6))
+    tensors.save(saved, tmp_path, thread_count=2)
+    checked = CheckedMetadata.parse((tmp_path / ".metadata").read_bytes(),
+                                    str(tmp_path / ".metadata"))
+    holder = CheckedMetadata.from_parsed(checked.parsed(), checked.source, checked.digest,
+                                         checked.raw_files())
+    (tmp_path / ".metadata").unlink()  # the reader takes the metadata from the holder
+    assert not holder.whole and holder.parsed() is checked.parsed()
+    assert holder.raw_files() == checked.raw_files() != set()
+    items = [("optimizer.state.big.step", ()), ("model.small", (0,))]
+    found = read_whole_items(make_reader(str(tmp_path), None, metadata=holder),
+                             holder.parsed(), items)
+    assert torch.equal(found[items[0]], saved["optimizer"]["state"]["big"]["step"])
+    assert torch.equal(found[items[1]], saved["model"]["small"])
+
+
 def test_a_damaged_small_item_read_for_the_parts_is_an_error_naming_its_file(
         tmp_path: Any) -> None:
     from resumekit import tensors  # noqa: PLC0415

@@ -117,3 +117,84 @@ def test_shared_metadata_names_a_corrupt_file_and_travels_as_bytes_only(
     with pytest.raises(CorruptCheckpointError, match="fails its checksum") as caught:
         share_metadata(storage, name, manifest, SingleProcess())
     assert caught.value.fields["file"] == "tensors/.metadata"
+
+
+def test_the_leaders_preread_for_a_group_holds_the_head_and_a_rank_alone_the_whole_file(
+        tmp_path: Path) -> None:
+    from resumekit.restore.verification import preread_metadata, share_metadata
+    from resumekit.store.coordination import SingleProcess
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    assert manifest.schema_version >= 5  # .metadata laid out by rank
+    read = preread_metadata(storage, name, manifest)
+    assert read.outcome[0] == "ok" and read.whole is not None
+    assert read.whole.head is not None and not read.whole.whole  # the head alone
+    alone = share_metadata(storage, name, manifest, SingleProcess())
+    assert alone is not None and alone.head is None and alone.whole  # the whole file
+
+
+@pytest.mark.parametrize("first_read", [256 << 10, 0])
+def test_the_leader_reads_the_head_and_its_own_part_through_one_open_of_the_metadata(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first_read: int) -> None:
+    from resumekit.restore import verification
+    from resumekit.tensors import metadata_file
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    target = tmp_path / name / "tensors" / ".metadata"
+    monkeypatch.setattr(verification, "_FIRST_READ", first_read)  # 0: the head, then the part
+    reads = _metadata_reads(monkeypatch)
+    read = verification.preread_metadata(storage, name, manifest)
+    assert read.whole is not None and read.whole.head is not None
+    assert read.whole.read_part is not None
+    rows = read.whole.read_part(0)
+    assert reads == [f"{name}/tensors/.metadata"], reads  # one open: the head and the part
+    head = read.whole.head
+    offset, length, checksum = head.parts[0]
+    data = target.read_bytes()[head.base + offset:head.base + offset + length]
+    assert rows == metadata_file.parse_part(data, checksum, str(target), 0)
+
+
+def test_the_leaders_own_part_read_with_the_head_is_checked_when_asked_for_naming_it(
+        tmp_path: Path) -> None:
+    from resumekit.restore.verification import preread_metadata
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    target = tmp_path / name / "tensors" / ".metadata"
+    read = preread_metadata(storage, name, manifest, verify=False)
+    assert read.whole is not None and read.whole.head is not None
+    head = read.whole.head
+    offset, length, _ = head.parts[0]
+    data = bytearray(target.read_bytes())
+    data[head.base + offset + length // 2] ^= 0xFF  # in rank 0's part: the head is intact
+    target.write_bytes(bytes(data))
+    read = preread_metadata(storage, name, manifest, verify=False)
+    assert read.outcome[0] == "ok" and read.whole is not None  # the head is read and fine
+    assert read.whole.read_part is not None
+    with pytest.raises(CorruptCheckpointError, match="rank 0's part") as caught:
+        read.whole.read_part(0)
+    assert str(target) in str(caught.value) and caught.value.fields["rank"] == 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_the_leaders_head_read_of_a_truncated_or_missing_metadata_says_which_naming_it(
+        tmp_path: Path, damage: str) -> None:
+    from resumekit.errors import IncompleteCheckpointError
+    from resumekit.restore.verification import preread_metadata
+
+    storage, name = _saved(tmp_path)
+    manifest = read_manifest(storage, name)
+    target = tmp_path / name / "tensors" / ".metadata"
+    size = target.stat().st_size
+    if damage == "truncated":
+        target.write_bytes(target.read_bytes()[:-1])
+    else:
+        target.unlink()
+    status, error = preread_metadata(storage, name, manifest).outcome
+    assert status == "error" and isinstance(error, IncompleteCheckpointError), error
+    assert str(target) in str(error) and error.fields["file"] == "tensors/.metadata"
+    expected = f"has {size - 1} bytes, the manifest of step 1 says {size}" \
+        if damage == "truncated" else "is missing"
+    assert expected in str(error), error
