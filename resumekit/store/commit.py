@@ -524,27 +524,39 @@ class CommitProtocol:
         reports = share_outcomes(self.coordinator, (list(described), list(required)),
                                  failure)
         self._phase("hash")
-        known, unknown = run_on_leader(
-            self.coordinator, lambda: self._reconcile(pending, reports))
-        # Every rank learnt the same ``unknown`` from the leader: when the ranks described
-        # every file (resumekit's own writers always do) there is nothing to share.
-        gathered: list[list[FileEntry]] = []
-        if unknown:
+
+        def final_of(files: Sequence[FileEntry]) -> Manifest:
+            return manifest.model_copy(update={
+                "step": pending.step, "files": sorted(files, key=lambda e: e.path),
+                "data_dir": pending.data_dir, "world_size": max(manifest.world_size, 1),
+                "generation": pending.generation,
+                "created_at": datetime.now(timezone.utc),  # publication, not capture
+            })
+
+        known: list[FileEntry] = []  # the leader's
+
+        def reconcile_and_publish() -> tuple[list[str], tuple[Manifest, str | None] | None]:
+            # Where the ranks described every file (resumekit's own writers always do),
+            # the leader commits in the same step: one broadcast, and no rank is sent
+            # the others' file lists. Otherwise every rank learns what to describe.
+            described_here, unknown = self._reconcile(pending, reports)
+            known.extend(described_here)
+            if unknown:
+                return unknown, None
+            return [], self._publish_on_leader(pending, final_of(known))
+
+        unknown, outcome = run_on_leader(self.coordinator, reconcile_and_publish)
+        if outcome is None:
             mine = [
                 self._describe_file(pending, path)
                 for index, path in enumerate(unknown)
                 if index % self.coordinator.world_size == self.coordinator.rank
             ]
             gathered = self.coordinator.all_gather(mine)
-        files = sorted([entry for part in gathered for entry in part] + list(known),
-                       key=lambda e: e.path)
-        final = manifest.model_copy(update={
-            "step": pending.step, "files": files, "data_dir": pending.data_dir,
-            "world_size": max(manifest.world_size, 1), "generation": pending.generation,
-            "created_at": datetime.now(timezone.utc),  # publication, not capture
-        })
-        committed, doubt = run_on_leader(self.coordinator,
-                                         lambda: self._publish_on_leader(pending, final))
+            files = [entry for part in gathered for entry in part] + list(known)
+            outcome = run_on_leader(self.coordinator,
+                                    lambda: self._publish_on_leader(pending, final_of(files)))
+        committed, doubt = outcome
         if doubt is not None:  # after the commit point: the step is committed
             warn(doubt, ResumekitWarning, stacklevel=2)
         result: Manifest = committed

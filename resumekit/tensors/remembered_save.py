@@ -17,9 +17,10 @@ round remembered too). Every rank learns at once whether all of them can:
 * yes: each writes its remembered final plan; the write results (or each rank's error)
   are gathered to the coordinator, which writes ``.metadata`` (the remembered bytes
   where its results are the same, :meth:`~resumekit.tensors.plans.SavePlans.metadata_bytes`)
-  and broadcasts the outcome: a failure anywhere is raised on every rank as DCP raises it
-  (:class:`~torch.distributed.checkpoint.api.CheckpointException`, each rank's error
-  with its traceback), so the caller's handling is the same;
+  and broadcasts the outcome (one framed broadcast): a failure anywhere is raised on
+  every rank as DCP raises it (:class:`~torch.distributed.checkpoint.api.
+  CheckpointException`, each rank's error with its traceback), so the caller's handling
+  is the same;
 * no (a layout changed on some rank, a rank remembers nothing, or a rank's set-up
   failed): nothing was written; every rank forgets its plans and the caller runs DCP's
   save loop, which plans in full on every rank (one round, not a refused one first).
@@ -46,6 +47,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
+from resumekit.store.coordination import ProcessGroupCoordinator
 from resumekit.tensors.plans import MemoSavePlanner, Round, SavePlans, Unchanged
 
 __all__ = ["save_remembered"]
@@ -120,10 +122,11 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
                 failures[rank] = _wrapped(error)
         if failures:
             outcome = CheckpointException("write", failures)
-    box: list[Any] = [outcome]
-    dist.broadcast_object_list(box, src=source, group=group)
-    if isinstance(box[0], CheckpointException):
-        raise box[0]
+    # one collective on gloo (a frame carries size and pickle: the Coordinator's), not
+    # broadcast_object_list's two
+    told = ProcessGroupCoordinator(group).broadcast(outcome)
+    if isinstance(told, CheckpointException):
+        raise told
     return True
 
 

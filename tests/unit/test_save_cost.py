@@ -22,10 +22,15 @@ class CountingCoordinator(SingleProcess):
 
     def __init__(self) -> None:
         self.gathers = 0
+        self.broadcasts = 0
 
     def all_gather(self, value: T) -> list[T]:
         self.gathers += 1
         return super().all_gather(value)
+
+    def broadcast(self, value: T) -> T:
+        self.broadcasts += 1
+        return super().broadcast(value)
 
 
 def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -> None:
@@ -35,8 +40,10 @@ def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -
     pending = protocol.begin(3)
     store.write_bytes(f"{pending.staging}/shard.bin", b"abc", durable=True)
     described = [FileEntry(path="shard.bin", size=3, checksum=checksum_chunks([b"abc"]))]
+    before = ranks.broadcasts
     committed = protocol.publish(pending, Manifest(step=3), described=described)
     assert ranks.gathers == 1  # the reports; no second gather of files nobody described
+    assert ranks.broadcasts - before == 1  # checked and committed in one step on rank 0
     assert [(f.path, f.size) for f in committed.files] == [("shard.bin", 3)]
 
 
@@ -47,8 +54,10 @@ def test_a_publish_still_hashes_and_gathers_the_files_nobody_described(
     protocol = CommitProtocol(store, coordinator=ranks)
     pending = protocol.begin(4)
     store.write_bytes(f"{pending.staging}/extra.bin", b"12345")
+    before = ranks.broadcasts
     committed = protocol.publish(pending, Manifest(step=4))
     assert ranks.gathers == 2
+    assert ranks.broadcasts - before == 2  # what to describe; then the commit
     assert [(f.path, f.size, f.checksum) for f in committed.files] == [
         ("extra.bin", 5, checksum_chunks([b"12345"]))]
 
