@@ -96,11 +96,12 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
                 plans.refuse()  # counted, and forgotten
         plans.forget()
         return False
-    final = planner.finish_plan(SavePlan([], planner_data=Round(agreed, None), usable=False))
     metadata = plans.metadata_of([agreed] * dist.get_world_size(group)) if coordinator \
         else None
     local: Any
-    try:
+    try:  # whatever fails here is this rank's answer in the gather: no rank is left waiting
+        final = planner.finish_plan(SavePlan([], planner_data=Round(agreed, None),
+                                             usable=False))
         future = writer.write_data(final, planner)
         future.wait()
         local = future.value()

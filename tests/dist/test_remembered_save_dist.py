@@ -136,3 +136,35 @@ def _forgetful(rank: int, world_size: int, root: str) -> dict[str, Any]:
         reloads.append(_reload_matches(Path(root) / f"save{number}", _flat(state), {}))
     torch.distributed.barrier()
     return {"reloads": reloads, "misses": plans.misses}
+
+
+def _failing_finish_plan(rank: int, world_size: int, root: str) -> list[str]:
+    from resumekit.tensors.plans import MemoSavePlanner  # noqa: PLC0415 - in the rank
+
+    model, optimizer = build("transformer", seed=0, world_size=world_size)
+    plans = SavePlans()
+    original = MemoSavePlanner.finish_plan
+
+    def finish_plan(self: MemoSavePlanner, new_plan: Any) -> Any:
+        if rank == 1 and plans.hits >= 1:
+            raise RuntimeError("rank 1 lost its remembered plan (injected)")
+        return original(self, new_plan)
+
+    MemoSavePlanner.finish_plan = finish_plan  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    for number in range(3):
+        train_step(model, optimizer, "transformer", seed=number)
+        try:
+            tensors.save(_state(model, optimizer), Path(root) / f"save{number}", plans=plans)
+            outcomes.append("ok")
+        except ResumekitError as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+    return outcomes
+
+
+def test_a_remembered_plan_failing_to_finish_on_one_rank_is_raised_on_every_rank(
+        tmp_path: Path) -> None:
+    results = run_ranks(_failing_finish_plan, world_size=2, args=(str(tmp_path),))
+    for outcomes in results:  # save 2 is remembered on both; rank 1's plan fails there
+        assert outcomes[:2] == ["ok", "ok"], outcomes
+        assert "rank 1 lost its remembered plan" in outcomes[2], outcomes
