@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from resumekit.manager import CheckpointManager
-from resumekit.store.commit import CommitProtocol
+from resumekit.store.commit import CommitProtocol, PendingCheckpoint
 from resumekit.store.coordination import SingleProcess
 from resumekit.store.manifest import FileEntry, Manifest, checksum_chunks
 from resumekit.store.storage import Storage
@@ -33,11 +33,17 @@ class CountingCoordinator(SingleProcess):
         return super().broadcast(value)
 
 
-def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -> None:
-    store = Storage(tmp_path)
+def _begun(root: Path, step: int
+           ) -> tuple[Storage, CountingCoordinator, CommitProtocol, PendingCheckpoint]:
+    """A store, its counting ranks, their protocol, and ``step``'s save begun."""
+    store = Storage(root)
     ranks = CountingCoordinator()
     protocol = CommitProtocol(store, coordinator=ranks)
-    pending = protocol.begin(3)
+    return store, ranks, protocol, protocol.begin(step)
+
+
+def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -> None:
+    store, ranks, protocol, pending = _begun(tmp_path, 3)
     store.write_bytes(f"{pending.staging}/shard.bin", b"abc", durable=True)
     described = [FileEntry(path="shard.bin", size=3, checksum=checksum_chunks([b"abc"]))]
     before = ranks.broadcasts
@@ -49,10 +55,7 @@ def test_a_publish_whose_files_were_all_described_gathers_once(tmp_path: Path) -
 
 def test_a_publish_still_hashes_and_gathers_the_files_nobody_described(
         tmp_path: Path) -> None:
-    store = Storage(tmp_path)
-    ranks = CountingCoordinator()
-    protocol = CommitProtocol(store, coordinator=ranks)
-    pending = protocol.begin(4)
+    store, ranks, protocol, pending = _begun(tmp_path, 4)
     store.write_bytes(f"{pending.staging}/extra.bin", b"12345")
     before = ranks.broadcasts
     committed = protocol.publish(pending, Manifest(step=4))
@@ -64,10 +67,7 @@ def test_a_publish_still_hashes_and_gathers_the_files_nobody_described(
 
 def test_a_publish_given_this_ranks_failure_raises_it_and_commits_nothing(
         tmp_path: Path) -> None:
-    store = Storage(tmp_path)
-    ranks = CountingCoordinator()
-    protocol = CommitProtocol(store, coordinator=ranks)
-    pending = protocol.begin(5)
+    _, ranks, protocol, pending = _begun(tmp_path, 5)
     failure = OSError(28, "No space left on device")
     with pytest.raises(OSError, match="No space left") as raised:
         protocol.publish(pending, Manifest(step=5), failure=failure)
