@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 from resumekit.store.coordination import ProcessGroupCoordinator
 from resumekit.tensors.plans import MemoSavePlanner, Round, SavePlans, Unchanged
+from resumekit.warnings import ResumekitWarning, warn
 
 __all__ = ["save_remembered"]
 
@@ -85,7 +86,7 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
     """
     rank = dist.get_rank(group)
     coordinator = rank == 0
-    token = _prepare(state_dict, writer, planner, plans, rank)
+    token = _prepare(state_dict, writer, planner, plans, rank, where=where)
     agreed, some = _agree(token, group)
     if agreed is None:
         if some:  # a layout changed on some ranks only (as DCP's loop's PlanAgain says)
@@ -132,11 +133,13 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
 
 
 def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter,
-             planner: MemoSavePlanner, plans: SavePlans, rank: int) -> bytes | None:
+             planner: MemoSavePlanner, plans: SavePlans, rank: int, *, where: str
+             ) -> bytes | None:
     """DCP's local step; this rank's remembered round if it can write it, else None.
 
-    A failure here is no answer of its own: the rank says it cannot, and DCP's loop,
-    run next on every rank, raises it where it belongs.
+    A failure here is no answer of its own: the rank says it cannot (warned, naming
+    ``where`` and the error), and DCP's loop, run next on every rank, raises it where it
+    belongs, or saves in full if it does not recur.
     """
     coordinator = rank == 0
     try:
@@ -153,7 +156,10 @@ def _prepare(state_dict: Mapping[str, Any], writer: StorageWriter,
             return None
         writer.prepare_local_plan(local)  # the directory made, a checkpoint there refused
         return token
-    except Exception:  # noqa: BLE001 - DCP's loop raises it on every rank
+    except Exception as error:  # noqa: BLE001 - DCP's loop raises it on every rank
+        warn(f"tensor save into {where}: rank {rank} could not set up its remembered save "
+             f"plan ({type(error).__name__}: {error}); the save is planned in full on every "
+             "rank instead", ResumekitWarning)
         return None
 
 

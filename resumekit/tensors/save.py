@@ -1,4 +1,4 @@
-"""Saving tensors: one path, ``dcp.save`` with DCP's default save planner.
+"""Saving tensors: ``dcp.save`` with DCP's default save planner, or remembered plans.
 
 Both tensor formats save the same way; only the storage writer differs, chosen in
 :func:`_make_writer` from :func:`tensor_format_for`: the raw tensor writer
@@ -11,7 +11,10 @@ describe the new bytes with the old dtypes (``tests/unit/test_repeated_saves.py`
 ``dtype``). A save may pass ``plans`` (:class:`~resumekit.tensors.plans.SavePlans`: one
 per channel of the manager's durable root, one per local tier's site), which reuses the
 last save's plans, and ``.metadata``'s bytes, where every rank's layout, dtypes included,
-is unchanged; every other save is planned in full.
+is unchanged; every other save is planned in full. With a group of ranks such a save
+first asks, in one all-reduce, whether every rank can write its remembered plan, and then
+skips DCP's planning round (:mod:`resumekit.tensors.remembered_save`); otherwise it is
+``dcp.save``.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ def save(
         tensor_format_for(target, tensor_format), remote is not None, no_dist,
         0 if group is None else dist.get_rank(group),
         1 if group is None else dist.get_world_size(group))
+
     def writer_and_planner() -> tuple[FileSystemWriter, DefaultSavePlanner]:
         made = _make_writer(target, storage_options, thread_count, sync_files, background,
                             tensor_format=tensor_format, remote=remote)
