@@ -190,8 +190,16 @@ def _device_of(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def _wrapped(error: BaseException) -> tuple[BaseException, traceback.StackSummary]:
-    """An error as DCP gathers it: the exception and its traceback's summary."""
-    return (error, traceback.extract_tb(error.__traceback__))
+    """An error as DCP gathers it: the exception and its traceback's summary.
+
+    Each frame's code object (kept by Python 3.13 and later) is dropped: it does not
+    pickle, and the summary is sent to rank 0 (DCP's own wrapper does the same).
+    """
+    summary = traceback.extract_tb(error.__traceback__)
+    for frame in summary:
+        if getattr(frame, "_code", None) is not None:
+            object.__setattr__(frame, "_code", None)
+    return (error, summary)
 
 
 def _is_failure(value: Any) -> bool:
