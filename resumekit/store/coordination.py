@@ -27,6 +27,7 @@ __all__ = [
     "ProcessGroupCoordinator",
     "SingleProcess",
     "activity",
+    "agree_on_failure",
     "run_on_every_rank",
     "run_on_leader",
     "share_outcomes",
@@ -84,12 +85,16 @@ class Coordinator(Protocol):
         """Return once every writer has called it."""
         ...
 
-    def broadcast(self, value: T) -> T:
-        """Return rank 0's ``value`` on every rank."""
+    def broadcast(self, value: T, source: int = 0) -> T:
+        """Return rank ``source``'s ``value`` on every rank."""
         ...
 
     def all_gather(self, value: T) -> list[T]:
         """Return every rank's ``value``, indexed by rank."""
+        ...
+
+    def lowest_failing(self, failed: bool) -> int | None:
+        """Return the lowest rank that passed ``failed=True``, or None where none did."""
         ...
 
 
@@ -102,13 +107,17 @@ class SingleProcess:
     def barrier(self) -> None:
         """Nothing to wait for."""
 
-    def broadcast(self, value: T) -> T:
+    def broadcast(self, value: T, source: int = 0) -> T:
         """Return ``value``."""
         return value
 
     def all_gather(self, value: T) -> list[T]:
         """Return ``[value]``."""
         return [value]
+
+    def lowest_failing(self, failed: bool) -> int | None:
+        """Return 0 where ``failed``, else None."""
+        return 0 if failed else None
 
 
 class ProcessGroupCoordinator:
@@ -141,19 +150,37 @@ class ProcessGroupCoordinator:
         """
         self._run("barrier", lambda: self._dist.barrier(group=self.group))
 
-    def broadcast(self, value: T) -> T:
-        """Return the group-rank-0 ``value`` on every rank.
+    def broadcast(self, value: T, source: int = 0) -> T:
+        """Return the ``value`` of group rank ``source`` on every rank.
 
         Raises:
             CoordinationError: A peer died or did not answer within the group's timeout.
         """
-        source = self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
         if self._framed:
             return self._broadcast_framed(value, source)
         box = [value]
         self._run("broadcast", lambda: self._dist.broadcast_object_list(
-            box, src=source, group=self.group))
+            box, src=self._global_rank(source), group=self.group))
         return box[0]
+
+    def lowest_failing(self, failed: bool) -> int | None:
+        """Return the lowest group rank that passed ``failed=True``, or None where none did.
+
+        On gloo one all-reduce (MIN) of one integer: at W = 32 on two cores it costs a
+        rank a tenth of the CPU of an all-gather (docs/performance.md, "World size").
+
+        Raises:
+            CoordinationError: A peer died or did not answer within the group's timeout.
+        """
+        if not self._framed:  # NCCL's collectives take device tensors: use the objects'
+            flags = self.all_gather(failed)
+            return next((rank for rank, flag in enumerate(flags) if flag), None)
+        mark = self._torch.tensor([self.rank if failed else self.world_size],
+                                  dtype=self._torch.int64)
+        self._run("all_reduce", lambda: self._dist.all_reduce(
+            mark, op=self._dist.ReduceOp.MIN, group=self.group))
+        lowest = int(mark.item())
+        return None if lowest >= self.world_size else lowest
 
     def all_gather(self, value: T) -> list[T]:
         """Return every rank's ``value``.
@@ -187,17 +214,19 @@ class ProcessGroupCoordinator:
                             _SIZE_BYTES + FRAME_BYTES)
 
     def _broadcast_framed(self, value: T, source: int) -> T:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
+        sending = self.rank == source
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if sending else b""
         frame = self._frame(data)
-        self._run("broadcast", lambda: self._dist.broadcast(frame, src=source, group=self.group))
+        src = self._global_rank(source)
+        self._run("broadcast", lambda: self._dist.broadcast(frame, src=src, group=self.group))
         received = frame.numpy().tobytes()
         size = int.from_bytes(received[:_SIZE_BYTES], "little")
         if size > FRAME_BYTES:
             rest = self._padded(data[FRAME_BYTES:], size - FRAME_BYTES)
-            self._run("broadcast", lambda: self._dist.broadcast(rest, src=source,
+            self._run("broadcast", lambda: self._dist.broadcast(rest, src=src,
                                                                 group=self.group))
             received += rest.numpy().tobytes()
-        if self.rank == 0:
+        if sending:
             return value
         return cast(T, pickle.loads(received[_SIZE_BYTES:_SIZE_BYTES + size]))
 
@@ -307,8 +336,52 @@ def run_on_every_rank(coordinator: Coordinator, action: Callable[[], T]) -> T:
         result = action()
     except Exception as error:  # noqa: BLE001 - re-raised on every rank below
         own = error
-    share_outcomes(coordinator, None, own)
+    agree_on_failure(coordinator, own)
     return cast(T, result)  # no rank failed, so action() returned here
+
+
+def agree_on_failure(coordinator: Coordinator, failure: Exception | None) -> None:
+    """Raise on every rank the lowest failing rank's ``failure``; return where none failed.
+
+    The ranks learn which rank failed first in one small collective
+    (:meth:`Coordinator.lowest_failing`); only where one did is its error broadcast from it
+    (a second collective). That rank raises its own ``failure``; the others raise its
+    copy. An error that does not pickle travels as a :class:`CoordinationError` quoting it.
+    A rank whose own ``failure`` is set and whose collective fails too raises the
+    collective's :class:`~resumekit.errors.CoordinationError`, which also quotes that
+    failure.
+
+    Args:
+        coordinator: The ranks.
+        failure: This rank's error, if its part failed.
+
+    Raises:
+        Exception: The lowest failing rank's error.
+    """
+    try:
+        lowest = coordinator.lowest_failing(failure is not None)
+        if lowest is None:
+            return
+        sent = _picklable(failure, coordinator.rank) if lowest == coordinator.rank else None
+        shared = coordinator.broadcast(sent, source=lowest)
+    except CoordinationError as error:
+        if failure is None:
+            raise
+        raise _with_own_failure(error, failure) from error
+    if lowest == coordinator.rank and failure is not None:
+        raise failure
+    assert isinstance(shared, BaseException), shared
+    raise shared
+
+
+def _picklable(error: Exception | None, rank: int) -> Exception | None:
+    """``error``, or a :class:`CoordinationError` quoting it where it does not pickle."""
+    try:
+        pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as why:  # noqa: BLE001 - any pickling failure: sent as text instead
+        return CoordinationError(f"rank {rank} failed with {type(error).__name__}: {error} "
+                                 f"(the error itself does not pickle: {why})", rank=rank)
+    return error
 
 
 def share_outcomes(coordinator: Coordinator, value: T, failure: Exception | None

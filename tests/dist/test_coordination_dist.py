@@ -1,4 +1,4 @@
-"""The checkpoint group's broadcast and all-gather on real gloo ranks.
+"""The checkpoint group's broadcast, all-gather and failure agreement on real gloo ranks.
 
 A small object takes one collective (its size rides in a fixed frame with its first
 bytes); a longer one a second collective for the rest. Every value arrives whole,
@@ -7,13 +7,14 @@ whatever size each rank's is, and peer failures keep their names.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from resumekit.errors import StepCollisionError
-from resumekit.store.coordination import FRAME_BYTES, ProcessGroupCoordinator
+from resumekit.store.coordination import FRAME_BYTES, ProcessGroupCoordinator, agree_on_failure
 from tests.distributed_harness import run_ranks
 
 
@@ -72,3 +73,65 @@ def test_small_objects_take_one_collective_and_every_size_arrives_whole() -> Non
         assert result["mixed"] == [10, FRAME_BYTES * 2]
         assert result["mixed_rounds"] == ["all_gather", "all_gather"]
         assert result["tensor"]
+
+
+class _Unpicklable(Exception):
+    """An error holding a lock: it does not pickle."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def _agree(rank: int, world_size: int, failing: tuple[int, ...], unpicklable: bool
+           ) -> dict[str, Any]:
+    coordinator = ProcessGroupCoordinator()
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather")}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    own: Exception | None = None
+    if rank in failing:
+        own = (_Unpicklable if unpicklable else StepCollisionError)(
+            f"step 7 exists (rank {rank})")
+    try:
+        agree_on_failure(coordinator, own)
+        raised: Exception | None = None
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        raised = error
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"calls": calls, "type": type(raised).__name__ if raised else None,
+            "text": str(raised) if raised else None, "own": raised is own and own is not None,
+            "from": coordinator.broadcast(rank, source=world_size - 1)}
+
+
+def test_ranks_that_all_succeed_agree_in_one_all_reduce_and_raise_nothing() -> None:
+    for result in run_ranks(_agree, world_size=3, args=((), False)):
+        assert result["calls"] == ["all_reduce"] and result["type"] is None, result
+        assert result["from"] == 2  # a broadcast from the last rank reaches every rank
+
+
+def test_every_rank_raises_the_lowest_failing_ranks_error_sent_from_that_rank() -> None:
+    results = run_ranks(_agree, world_size=3, args=((1, 2), False))
+    for rank, result in enumerate(results):
+        assert result["calls"] == ["all_reduce", "broadcast"], (rank, result)
+        assert result["type"] == "StepCollisionError", (rank, result)
+        assert result["text"] == "step 7 exists (rank 1)", (rank, result)
+        assert result["own"] == (rank == 1), (rank, result)  # rank 1 raises its own object
+
+
+def test_an_error_that_does_not_pickle_reaches_the_other_ranks_as_text_naming_it() -> None:
+    results = run_ranks(_agree, world_size=2, args=((0,), True))
+    assert results[0]["type"] == "_Unpicklable" and results[0]["own"], results[0]
+    assert results[1]["type"] == "CoordinationError", results[1]
+    assert "rank 0 failed with _Unpicklable: step 7 exists (rank 0)" in results[1]["text"]
+    assert "does not pickle" in results[1]["text"]

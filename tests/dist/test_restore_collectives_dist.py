@@ -34,8 +34,9 @@ COLLECTIVES = ("barrier", "broadcast", "all_gather", "all_gather_into_tensor", "
 #: A restore of a run sharded as its checkpoint (FSDP2), ``restore_reads="once"``:
 #: the survey's broadcast (with the writer generation's claim and ``.metadata``), the
 #: metadata parts' gather (with each rank's check of its share of the files) and
-#: scatter, the load's agreement, the read's agreement, the final meeting.
-EXPECTED = {"broadcast": 1, "all_gather": 2, "gather": 1, "scatter": 1, "barrier": 1}
+#: scatter, the load's agreement and the read's (each one all-reduce of one integer where
+#: no rank failed), the final meeting.
+EXPECTED = {"broadcast": 1, "all_reduce": 2, "gather": 1, "scatter": 1, "barrier": 1}
 
 
 def _counting() -> tuple[collections.Counter[str], list[bool]]:
@@ -88,7 +89,7 @@ def _restore(rank: int, world_size: int, root: str, small_frames: bool) -> dict[
             "same": all(torch.equal(saved[key], got[key]) for key in saved)}
 
 
-def test_a_restore_makes_one_broadcast_two_all_gathers_one_gather_one_scatter_one_barrier(
+def test_a_restore_makes_one_broadcast_two_all_reduces_one_gather_one_scatter_one_barrier(
         tmp_path: Path) -> None:
     results = run_ranks(_restore, world_size=2, args=(str(tmp_path), False))
     for rank, result in enumerate(results):

@@ -28,9 +28,9 @@ class CountingCoordinator(SingleProcess):
         self.gathers += 1
         return super().all_gather(value)
 
-    def broadcast(self, value: T) -> T:
+    def broadcast(self, value: T, source: int = 0) -> T:
         self.broadcasts += 1
-        return super().broadcast(value)
+        return super().broadcast(value, source)
 
 
 def _begun(root: Path, step: int
