@@ -11,15 +11,16 @@ never a mix, and a directory without a valid manifest is never a checkpoint::
          object: <root>/step_000001000/attempt-<token>/
     write (every rank writes its shards into the staging area)
     publish
-      3. all-gather of the files each rank wrote, hashed and fsynced while writing
-         them, and of the files the data references (DCP's .metadata); it doubles as
-         the barrier: every writer has finished. The reports are the file list: rank 0
-         fails the commit (IncompleteCheckpointError naming step and file) for a
+      3. gather to rank 0 of the files each rank wrote, hashed and fsynced while
+         writing them, and of the files the data references (DCP's .metadata), or of
+         the rank's failed write; with rank 0's broadcast of the outcome (4 or 5) it
+         doubles as the barrier: every writer has finished. The reports are the file
+         list: rank 0 fails the commit (IncompleteCheckpointError naming step and file) for a
          referenced file no rank reported, and for a reported file that is not in the
          store (looked up by name when a listing misses it) or has another size
       4. every rank hashes and fsyncs its share of the files nobody reported (found by
-         listing; a second all-gather shares those entries, skipped by every rank alike
-         when rank 0 found none); rank 0 writes manifest.json (durable), then removes
+         listing; a second gather sends those entries to rank 0, skipped by every rank
+         alike when rank 0 found none); rank 0 writes manifest.json (durable), then removes
          the writer record (POSIX: a staging area holding neither is a crashed writer's),
          fsyncs the staging directory
       5. POSIX : rename staging -> step_000001000 (the commit point), fsync the root (a
@@ -142,8 +143,9 @@ from resumekit.store.catalog import (
 from resumekit.store.coordination import (
     Coordinator,
     SingleProcess,
+    gather_outcomes,
     run_on_leader,
-    share_outcomes,
+    values_or_failure,
 )
 from resumekit.store.layout import ATTEMPT_PREFIX, MANIFEST_NAME, WRITER_FILE, NameFormat
 from resumekit.store.manifest import (
@@ -508,9 +510,9 @@ class CommitProtocol:
             required: Files the written data cannot load without (for DCP: every file
                 its ``.metadata`` references). Each must be described by some rank.
             failure: This rank's writes failed with it: the ranks' reports are gathered
-                all the same (one all-gather carries the writes' outcome and the files),
-                and the lowest failing rank's error is raised on every rank, nothing
-                committed.
+                all the same (one gather to rank 0 carries the writes' outcome and the
+                files), and the lowest failing rank's error is raised on every rank,
+                nothing committed.
 
         Returns:
             The manifest as committed.
@@ -521,8 +523,8 @@ class CommitProtocol:
             StepCollisionError: Another writer committed this step first (on object stores
                 the conditional commit marker, on POSIX the rename, tells).
         """
-        reports = share_outcomes(self.coordinator, (list(described), list(required)),
-                                 failure)
+        outcomes = gather_outcomes(self.coordinator, (list(described), list(required)),
+                                   failure)
         self._phase("hash")
 
         def final_of(files: Sequence[FileEntry]) -> Manifest:
@@ -539,6 +541,8 @@ class CommitProtocol:
             # Where the ranks described every file (resumekit's own writers always do),
             # the leader commits in the same step: one broadcast, and no rank is sent
             # the others' file lists. Otherwise every rank learns what to describe.
+            assert outcomes is not None  # the leader's
+            reports = values_or_failure(outcomes)  # a rank's failure: raised on every rank
             described_here, unknown = self._reconcile(pending, reports)
             known.extend(described_here)
             if unknown:
@@ -552,10 +556,14 @@ class CommitProtocol:
                 for index, path in enumerate(unknown)
                 if index % self.coordinator.world_size == self.coordinator.rank
             ]
-            gathered = self.coordinator.all_gather(mine)
-            files = [entry for part in gathered for entry in part] + list(known)
-            outcome = run_on_leader(self.coordinator,
-                                    lambda: self._publish_on_leader(pending, final_of(files)))
+            parts = self.coordinator.gather(mine)  # the leader's: every rank's part
+
+            def publish_described() -> tuple[Manifest, str | None]:
+                assert parts is not None
+                files = [entry for part in parts for entry in part] + list(known)
+                return self._publish_on_leader(pending, final_of(files))
+
+            outcome = run_on_leader(self.coordinator, publish_described)
         committed, doubt = outcome
         if doubt is not None:  # after the commit point: the step is committed
             warn(doubt, ResumekitWarning, stacklevel=2)

@@ -1,4 +1,4 @@
-"""How ranks agree during a save: barrier, broadcast, all-gather of small objects.
+"""How ranks agree during a save or a restore: small objects and outcomes, shared.
 
 The commit protocol takes a :class:`Coordinator` instead of a process group, so the store
 works (and is tested) in one process, and a trainer's ranks coordinate over the
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from resumekit.errors import CoordinationError
@@ -28,9 +29,10 @@ __all__ = [
     "SingleProcess",
     "activity",
     "agree_on_failure",
+    "gather_outcomes",
     "run_on_every_rank",
     "run_on_leader",
-    "share_outcomes",
+    "values_or_failure",
 ]
 
 T = TypeVar("T")
@@ -93,6 +95,10 @@ class Coordinator(Protocol):
         """Return every rank's ``value``, indexed by rank."""
         ...
 
+    def gather(self, value: T) -> list[T] | None:
+        """Return every rank's ``value`` on rank 0, indexed by rank; None on the others."""
+        ...
+
     def lowest_failing(self, failed: bool) -> int | None:
         """Return the lowest rank that passed ``failed=True``, or None where none did."""
         ...
@@ -112,6 +118,10 @@ class SingleProcess:
         return value
 
     def all_gather(self, value: T) -> list[T]:
+        """Return ``[value]``."""
+        return [value]
+
+    def gather(self, value: T) -> list[T] | None:
         """Return ``[value]``."""
         return [value]
 
@@ -162,6 +172,51 @@ class ProcessGroupCoordinator:
         self._run("broadcast", lambda: self._dist.broadcast_object_list(
             box, src=self._global_rank(source), group=self.group))
         return box[0]
+
+    def gather(self, value: T) -> list[T] | None:
+        """Return every rank's ``value`` on group rank 0 (indexed by rank), None on the others.
+
+        On gloo one gather of fixed frames (each value's size and first bytes); a value
+        longer than its frame sends the rest to rank 0 alone (a ``send``, and rank 0 a
+        ``recv`` from that rank). A rank other than 0 passes one message, whatever the
+        world size, where an all-gather passes one per rank through every rank.
+
+        Raises:
+            CoordinationError: A peer died or did not answer within the group's timeout.
+        """
+        leader = self._global_rank(0)
+        if not self._framed:
+            boxes: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+            self._run("gather", lambda: self._dist.gather_object(
+                value, boxes, dst=leader, group=self.group))
+            return boxes
+        # rank 0 keeps its own value: nothing of it is sent
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) if self.rank else b""
+        mine = self._frame(data)
+        frames = ([self._torch.zeros(_SIZE_BYTES + FRAME_BYTES, dtype=self._torch.uint8)
+                   for _ in range(self.world_size)] if self.rank == 0 else None)
+        self._run("gather", lambda: self._dist.gather(mine, frames, dst=leader,
+                                                      group=self.group))
+        if frames is None:
+            if len(data) > FRAME_BYTES:
+                rest = self._padded(data[FRAME_BYTES:], len(data) - FRAME_BYTES)
+                self._run("send", lambda: self._dist.send(rest, dst=leader, group=self.group))
+            return None
+        gathered: list[T] = []
+        for rank, frame in enumerate(frames):
+            if rank == 0:
+                gathered.append(value)
+                continue
+            got = frame.numpy().tobytes()
+            size = int.from_bytes(got[:_SIZE_BYTES], "little")
+            if size > FRAME_BYTES:
+                more = self._torch.zeros(size - FRAME_BYTES, dtype=self._torch.uint8)
+                source = self._global_rank(rank)
+                self._run("recv", functools.partial(self._dist.recv, more, src=source,
+                                                    group=self.group))
+                got += more.numpy().tobytes()
+            gathered.append(cast(T, pickle.loads(got[_SIZE_BYTES:_SIZE_BYTES + size])))
+        return gathered
 
     def lowest_failing(self, failed: bool) -> int | None:
         """Return the lowest group rank that passed ``failed=True``, or None where none did.
@@ -321,12 +376,12 @@ def run_on_leader(coordinator: Coordinator, action: Callable[[], T]) -> T:
 def run_on_every_rank(coordinator: Coordinator, action: Callable[[], T]) -> T:
     """Run ``action()`` on every rank; if it failed on any rank, raise on every rank.
 
-    Each rank returns its own result (only the outcome is shared: :func:`share_outcomes`).
+    Each rank returns its own result (only the outcome is shared: :func:`agree_on_failure`).
     The error raised is the lowest failing rank's, so all ranks take the same branch and
     none is left waiting in the next collective.
 
     A rank whose own part failed (a DCP collective broken by a dead peer, raised as gloo's
-    raw ``RuntimeError``) and whose all-gather then fails too raises the all-gather's
+    raw ``RuntimeError``) and whose agreement then fails too raises the agreement's
     :class:`~resumekit.errors.CoordinationError` (gloo's error is its ``__cause__``), which
     also quotes this rank's own failure.
     """
@@ -384,13 +439,15 @@ def _picklable(error: Exception | None, rank: int) -> Exception | None:
     return error
 
 
-def share_outcomes(coordinator: Coordinator, value: T, failure: Exception | None
-                   ) -> list[T]:
-    """Every rank's ``value``, or, where some rank passed a ``failure``, raise on every rank.
+def gather_outcomes(coordinator: Coordinator, value: T, failure: Exception | None
+                    ) -> list[tuple[str, Any]] | None:
+    """Every rank's outcome on rank 0 (None on the others): one gather.
 
-    One all-gather. The error raised is the lowest failing rank's; a rank whose own
-    ``failure`` is set and whose all-gather fails too raises the all-gather's
-    :class:`~resumekit.errors.CoordinationError`, which also quotes that failure.
+    Rank 0 takes the values, or the lowest failing rank's error, with
+    :func:`values_or_failure` (inside :func:`run_on_leader`, which raises it on every
+    rank). A rank whose own ``failure`` is set and whose gather fails too raises the
+    gather's :class:`~resumekit.errors.CoordinationError`, which also quotes that failure;
+    an error that does not pickle travels as a :class:`CoordinationError` quoting it.
 
     Args:
         coordinator: The ranks.
@@ -398,19 +455,25 @@ def share_outcomes(coordinator: Coordinator, value: T, failure: Exception | None
         failure: This rank's error, if its part failed.
 
     Returns:
-        Each rank's value, in rank order.
+        On rank 0 each rank's ``("ok", value)`` or ``("error", failure)``, in rank order;
+        None on the others.
     """
-    outcome: tuple[str, Any] = ("ok", value) if failure is None else ("error", failure)
+    outcome: tuple[str, Any] = ("ok", value) if failure is None else (
+        "error", _picklable(failure, coordinator.rank))
     try:
-        gathered = coordinator.all_gather(outcome)
+        return coordinator.gather(outcome)
     except CoordinationError as error:
         if failure is None:
             raise
         raise _with_own_failure(error, failure) from error
+
+
+def values_or_failure(gathered: Sequence[tuple[str, Any]]) -> list[Any]:
+    """The values :func:`gather_outcomes` gathered; raise the lowest failing rank's error."""
     for status, shared in gathered:
         if status == "error":
             raise shared
-    return [cast(T, shared) for _, shared in gathered]
+    return [shared for _, shared in gathered]
 
 
 def _with_own_failure(error: CoordinationError, own: BaseException) -> CoordinationError:

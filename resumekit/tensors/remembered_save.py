@@ -15,10 +15,11 @@ its remembered plan (its layout unchanged; on the coordinator, the metadata of t
 round remembered too). Every rank learns at once whether all of them can:
 
 * yes: each writes its remembered final plan; the write results (or each rank's error)
-  are gathered to the coordinator, which writes ``.metadata`` (the remembered bytes
-  where its results are the same, :meth:`~resumekit.tensors.plans.SavePlans.metadata_bytes`)
-  and broadcasts the outcome (one framed broadcast): a failure anywhere is raised on
-  every rank as DCP raises it (:class:`~torch.distributed.checkpoint.api.
+  are gathered to the coordinator (one gather of frames), which writes ``.metadata``
+  (the remembered bytes where its results are the same,
+  :meth:`~resumekit.tensors.plans.SavePlans.metadata_bytes`) and broadcasts the
+  outcome (one framed broadcast): a failure anywhere is raised on every rank as DCP
+  raises it (:class:`~torch.distributed.checkpoint.api.
   CheckpointException`, each rank's error with its traceback), so the caller's handling
   is the same;
 * no (a layout changed on some rank, a rank remembers nothing, or a rank's set-up
@@ -108,9 +109,10 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
         local = future.value()
     except BaseException as error:  # noqa: BLE001 - raised on every rank below
         local = _wrapped(error)
-    source = dist.get_global_rank(group, 0) if group is not None else 0
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if coordinator else None
-    dist.gather_object(local, gathered, dst=source, group=group)
+    # one gather of frames on gloo (the Coordinator's): gather_object all-gathers the
+    # sizes first, an O(W) collective on every rank
+    ranks = ProcessGroupCoordinator(group)
+    gathered = ranks.gather(local)
     outcome: CheckpointException | None = None
     if gathered is not None:
         failures = {index: value for index, value in enumerate(gathered) if _is_failure(value)}
@@ -126,7 +128,7 @@ def save_remembered(state_dict: Mapping[str, Any], writer: StorageWriter,
             outcome = CheckpointException("write", failures)
     # one collective on gloo (a frame carries size and pickle: the Coordinator's), not
     # broadcast_object_list's two
-    told = ProcessGroupCoordinator(group).broadcast(outcome)
+    told = ranks.broadcast(outcome)
     if isinstance(told, CheckpointException):
         raise told
     return True

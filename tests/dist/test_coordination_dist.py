@@ -8,6 +8,7 @@ whatever size each rank's is, and peer failures keep their names.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -135,3 +136,67 @@ def test_an_error_that_does_not_pickle_reaches_the_other_ranks_as_text_naming_it
     assert results[1]["type"] == "CoordinationError", results[1]
     assert "rank 0 failed with _Unpicklable: step 7 exists (rank 0)" in results[1]["text"]
     assert "does not pickle" in results[1]["text"]
+
+
+def _gather(rank: int, world_size: int) -> dict[str, Any]:
+    coordinator = ProcessGroupCoordinator()
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in ("gather", "send", "recv", "all_gather")}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        rounds, got = [], []
+        for index in range(len(_values(0))):
+            calls.clear()
+            got.append(coordinator.gather(_values(rank)[index]))
+            rounds.append(list(calls))
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    same = [gathered is None if rank else [str(v) for v in gathered] == [
+        str(_values(r)[index]) for r in range(world_size)] for index, gathered in enumerate(got)]
+    return {"rounds": rounds, "same": same}
+
+
+def test_a_gather_brings_every_value_to_rank_0_alone_and_longer_ones_point_to_point() -> None:
+    results = run_ranks(_gather, world_size=3)
+    for rank, result in enumerate(results):
+        assert all(result["same"]), (rank, result["same"])
+        # each value's size: small, small, frame - 64, past the frame (every rank), small
+        # ranks 1 and 2 send the rest of theirs to rank 0
+        longer = ["gather", "recv", "recv"] if rank == 0 else ["gather", "send"]
+        assert result["rounds"] == [["gather"], ["gather"], ["gather"], longer, ["gather"]], (
+            rank, result["rounds"])
+
+
+def _publish_failing(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from resumekit.store.commit import CommitProtocol  # noqa: PLC0415 - in the rank
+    from resumekit.store.manifest import Manifest  # noqa: PLC0415
+    from resumekit.store.storage import Storage  # noqa: PLC0415
+
+    protocol = CommitProtocol(Storage(root), coordinator=ProcessGroupCoordinator())
+    pending = protocol.begin(3)
+    failure = OSError(28, f"No space left on device (rank {rank})") if rank == 2 else None
+    try:
+        protocol.publish(pending, Manifest(step=3), failure=failure)
+        raised = None
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        raised = f"{type(error).__name__}: {error}"
+    return {"raised": raised, "committed": sorted(p.name for p in Path(root).iterdir()
+                                                  if p.name.startswith("step_"))}
+
+
+def test_a_write_failing_on_rank_2_is_raised_on_every_rank_through_the_gather(
+        tmp_path: Path) -> None:
+    results = run_ranks(_publish_failing, world_size=3, args=(str(tmp_path),))
+    for rank, result in enumerate(results):
+        assert result["raised"] == "OSError: [Errno 28] No space left on device (rank 2)", (
+            rank, result)
+        assert result["committed"] == [], (rank, result)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import torch
@@ -27,6 +27,10 @@ class CountingCoordinator(SingleProcess):
     def all_gather(self, value: T) -> list[T]:
         self.gathers += 1
         return super().all_gather(value)
+
+    def gather(self, value: T) -> list[T] | None:
+        self.gathers += 1
+        return super().gather(value)
 
     def broadcast(self, value: T, source: int = 0) -> T:
         self.broadcasts += 1
@@ -77,17 +81,18 @@ def test_a_publish_given_this_ranks_failure_raises_it_and_commits_nothing(
 
 def test_a_managers_save_gathers_once_the_writes_outcome_riding_with_the_files(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gathers: list[object] = []
-    original = SingleProcess.all_gather
+    gathers: list[tuple[str, object]] = []
+    originals = {name: getattr(SingleProcess, name) for name in ("all_gather", "gather")}
+    for name in originals:
+        def counted(self: SingleProcess, value: T, _name: str = name) -> Any:
+            gathers.append((_name, value))
+            return originals[_name](self, value)
 
-    def counted(self: SingleProcess, value: T) -> list[T]:
-        gathers.append(value)
-        return original(self, value)
-
-    monkeypatch.setattr(SingleProcess, "all_gather", counted)
+        monkeypatch.setattr(SingleProcess, name, counted)
     manager = CheckpointManager(tmp_path, model=torch.nn.Linear(4, 4), retention=None)
     manager.save(1)
     before = len(gathers)
     manager.save(2)
     manager.close()
-    assert len(gathers) - before == 1, gathers[before:]  # publish's, nothing before it
+    # publish's gather to rank 0, nothing before it, and no all-gather
+    assert [name for name, _ in gathers[before:]] == ["gather"], gathers[before:]
