@@ -1,4 +1,4 @@
-"""The checkpoint group's broadcast, all-gather and failure agreement on real gloo ranks.
+"""The checkpoint group's broadcast, gather, all-gather and failure agreement on gloo ranks.
 
 A small object takes one collective (its size rides in a fixed frame with its first
 bytes); a longer one a second collective for the rest. Every value arrives whole,
@@ -7,7 +7,9 @@ whatever size each rank's is, and peer failures keep their names.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,27 @@ def test_small_objects_take_one_collective_and_every_size_arrives_whole() -> Non
         assert result["tensor"]
 
 
+@contextlib.contextmanager
+def _calls_of(*names: str) -> Iterator[list[str]]:
+    """The names of the ``torch.distributed`` calls among ``names`` made inside, in order."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in originals:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 class _Unpicklable(Exception):
     """An error holding a lock: it does not pickle."""
 
@@ -87,29 +110,16 @@ class _Unpicklable(Exception):
 def _agree(rank: int, world_size: int, failing: tuple[int, ...], unpicklable: bool
            ) -> dict[str, Any]:
     coordinator = ProcessGroupCoordinator()
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_gather")}
-
-    def counted(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in originals:
-        setattr(dist, name, counted(name))
     own: Exception | None = None
     if rank in failing:
         own = (_Unpicklable if unpicklable else StepCollisionError)(
             f"step 7 exists (rank {rank})")
-    try:
-        agree_on_failure(coordinator, own)
-        raised: Exception | None = None
-    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
-        raised = error
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    raised: Exception | None = None
+    with _calls_of("all_reduce", "broadcast", "all_gather") as calls:
+        try:
+            agree_on_failure(coordinator, own)
+        except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+            raised = error
     return {"calls": calls, "type": type(raised).__name__ if raised else None,
             "text": str(raised) if raised else None, "own": raised is own and own is not None,
             "from": coordinator.broadcast(rank, source=world_size - 1)}
@@ -140,26 +150,12 @@ def test_an_error_that_does_not_pickle_reaches_the_other_ranks_as_text_naming_it
 
 def _gather(rank: int, world_size: int) -> dict[str, Any]:
     coordinator = ProcessGroupCoordinator()
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("gather", "send", "recv", "all_gather")}
-
-    def counted(name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return originals[name](*args, **kwargs)
-        return call
-
-    for name in originals:
-        setattr(dist, name, counted(name))
-    try:
-        rounds, got = [], []
+    rounds, got = [], []
+    with _calls_of("gather", "send", "recv", "all_gather") as calls:
         for index in range(len(_values(0))):
             calls.clear()
             got.append(coordinator.gather(_values(rank)[index]))
             rounds.append(list(calls))
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
     same = [gathered is None if rank else [str(v) for v in gathered] == [
         str(_values(r)[index]) for r in range(world_size)] for index, gathered in enumerate(got)]
     return {"rounds": rounds, "same": same}
