@@ -12,7 +12,7 @@ LOCK := requirements/dev.lock
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 
 .PHONY: venv lock test test-suites test-fast lint demo docs docs-build bench bench-scale bench-goodput \
-	bench-emergency \
+	bench-emergency bench-collectives \
 	bench-world gpu-check \
 	gpu-wheels clean test-torch test-matrix
 
@@ -140,6 +140,11 @@ bench-scale: $(STAMP)
 bench-world: $(STAMP)
 	$(PIP) install -q "$(TORCH_PIN)" -e ".[dev,docs,bench]" -c $(LOCK)
 	$(PY) -m benchmarks.world $(BENCH_WORLD_ARGS)
+
+# What one collective of the checkpoint group costs a rank at W = 2 and 32 gloo ranks (CPU of
+# every thread, per call): the raw collectives and the Coordinator's; results/collectives.json.
+bench-collectives: $(STAMP)
+	$(PY) -m benchmarks.collectives $(BENCH_COLLECTIVES_ARGS)
 
 # The goodput of the incident's week, modelled per method from the scale bench's measured
 # figures (benchmarks/results/scale.json, latest.json); writes benchmarks/results/goodput.json
