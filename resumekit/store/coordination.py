@@ -221,8 +221,8 @@ class ProcessGroupCoordinator:
     def lowest_failing(self, failed: bool) -> int | None:
         """Return the lowest group rank that passed ``failed=True``, or None where none did.
 
-        On gloo one all-reduce (MIN) of one integer: at W = 32 on two cores it costs a
-        rank a tenth of the CPU of an all-gather (docs/performance.md, "World size").
+        On gloo one all-reduce (MIN) of one integer, which costs a rank far less than an
+        all-gather as the world grows (docs/performance.md, "Agreements in one integer").
 
         Raises:
             CoordinationError: A peer died or did not answer within the group's timeout.
