@@ -30,6 +30,7 @@ __all__ = [
     "activity",
     "agree_on_failure",
     "gather_outcomes",
+    "picklable_error",
     "run_on_every_rank",
     "run_on_leader",
     "values_or_failure",
@@ -208,14 +209,14 @@ class ProcessGroupCoordinator:
                 gathered.append(value)
                 continue
             got = frame.numpy().tobytes()
-            size = int.from_bytes(got[:_SIZE_BYTES], "little")
+            size = _size_of(got)
             if size > FRAME_BYTES:
                 more = self._torch.zeros(size - FRAME_BYTES, dtype=self._torch.uint8)
                 source = self._global_rank(rank)
                 self._run("recv", functools.partial(self._dist.recv, more, src=source,
                                                     group=self.group))
                 got += more.numpy().tobytes()
-            gathered.append(cast(T, pickle.loads(got[_SIZE_BYTES:_SIZE_BYTES + size])))
+            gathered.append(cast(T, _value_of(got, size)))
         return gathered
 
     def lowest_failing(self, failed: bool) -> int | None:
@@ -275,7 +276,7 @@ class ProcessGroupCoordinator:
         src = self._global_rank(source)
         self._run("broadcast", lambda: self._dist.broadcast(frame, src=src, group=self.group))
         received = frame.numpy().tobytes()
-        size = int.from_bytes(received[:_SIZE_BYTES], "little")
+        size = _size_of(received)
         if size > FRAME_BYTES:
             rest = self._padded(data[FRAME_BYTES:], size - FRAME_BYTES)
             self._run("broadcast", lambda: self._dist.broadcast(rest, src=src,
@@ -283,7 +284,7 @@ class ProcessGroupCoordinator:
             received += rest.numpy().tobytes()
         if sending:
             return value
-        return cast(T, pickle.loads(received[_SIZE_BYTES:_SIZE_BYTES + size]))
+        return cast(T, _value_of(received, size))
 
     def _all_gather_framed(self, value: T) -> list[T]:
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -292,7 +293,7 @@ class ProcessGroupCoordinator:
         mine = self._frame(data)
         self._run("all_gather", lambda: self._dist.all_gather(frames, mine, group=self.group))
         received = [frame.numpy().tobytes() for frame in frames]
-        sizes = [int.from_bytes(got[:_SIZE_BYTES], "little") for got in received]
+        sizes = [_size_of(got) for got in received]
         longest = max(sizes)
         if longest > FRAME_BYTES:
             rests = [self._torch.zeros(longest - FRAME_BYTES, dtype=self._torch.uint8)
@@ -302,7 +303,7 @@ class ProcessGroupCoordinator:
                                                                   group=self.group))
             received = [got + rest.numpy().tobytes() for got, rest in zip(
                 received, rests, strict=True)]
-        return [cast(T, pickle.loads(got[_SIZE_BYTES:_SIZE_BYTES + size]))
+        return [cast(T, _value_of(got, size))
                 for got, size in zip(received, sizes, strict=True)]
 
     def _run(self, collective: str, call: Callable[[], object]) -> None:
@@ -347,6 +348,16 @@ class ProcessGroupCoordinator:
                    "checkpoint_timeout": None if timeout is None
                    else timeout.total_seconds(), **fields}
         return CoordinationError(message, **details)
+
+
+def _size_of(received: bytes) -> int:
+    """The pickle's size a frame carries (its first bytes)."""
+    return int.from_bytes(received[:_SIZE_BYTES], "little")
+
+
+def _value_of(received: bytes, size: int) -> Any:
+    """The value a frame (and, past FRAME_BYTES, its rest appended) carries."""
+    return pickle.loads(received[_SIZE_BYTES:_SIZE_BYTES + size])
 
 
 def run_on_leader(coordinator: Coordinator, action: Callable[[], T]) -> T:
@@ -417,7 +428,9 @@ def agree_on_failure(coordinator: Coordinator, failure: Exception | None) -> Non
         lowest = coordinator.lowest_failing(failure is not None)
         if lowest is None:
             return
-        sent = _picklable(failure, coordinator.rank) if lowest == coordinator.rank else None
+        sent: BaseException | None = None
+        if lowest == coordinator.rank and failure is not None:
+            sent = picklable_error(failure, coordinator.rank)
         shared = coordinator.broadcast(sent, source=lowest)
     except CoordinationError as error:
         if failure is None:
@@ -429,8 +442,12 @@ def agree_on_failure(coordinator: Coordinator, failure: Exception | None) -> Non
     raise shared
 
 
-def _picklable(error: Exception | None, rank: int) -> Exception | None:
-    """``error``, or a :class:`CoordinationError` quoting it where it does not pickle."""
+def picklable_error(error: BaseException, rank: int) -> BaseException:
+    """``error``, or a :class:`CoordinationError` quoting it where it does not pickle.
+
+    What a rank sends of its failure: an error that does not pickle would fail the
+    sending rank before the collective and leave the others waiting in it.
+    """
     try:
         pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as why:  # noqa: BLE001 - any pickling failure: sent as text instead
@@ -459,7 +476,7 @@ def gather_outcomes(coordinator: Coordinator, value: T, failure: Exception | Non
         None on the others.
     """
     outcome: tuple[str, Any] = ("ok", value) if failure is None else (
-        "error", _picklable(failure, coordinator.rank))
+        "error", picklable_error(failure, coordinator.rank))
     try:
         return coordinator.gather(outcome)
     except CoordinationError as error:

@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from resumekit.store.coordination import ProcessGroupCoordinator
+from resumekit.store.coordination import ProcessGroupCoordinator, picklable_error
 from resumekit.tensors.plans import MemoSavePlanner, Round, SavePlans, Unchanged
 from resumekit.warnings import ResumekitWarning, warn
 
@@ -195,13 +195,17 @@ def _wrapped(error: BaseException) -> tuple[BaseException, traceback.StackSummar
     """An error as DCP gathers it: the exception and its traceback's summary.
 
     Each frame's code object (kept by Python 3.13 and later) is dropped: it does not
-    pickle, and the summary is sent to rank 0 (DCP's own wrapper does the same).
+    pickle, and the summary is sent to rank 0 (DCP's own wrapper does the same). An
+    exception that does not pickle is sent as a ``CoordinationError`` quoting it
+    (:func:`~resumekit.store.coordination.picklable_error`): else this rank would fail
+    before the gather and leave rank 0 waiting in it.
     """
     summary = traceback.extract_tb(error.__traceback__)
     for frame in summary:
         if getattr(frame, "_code", None) is not None:
             object.__setattr__(frame, "_code", None)
-    return (error, summary)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (picklable_error(error, rank), summary)
 
 
 def _is_failure(value: Any) -> bool:
